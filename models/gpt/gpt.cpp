@@ -1,0 +1,191 @@
+#include "models/gpt/gpt.h"
+
+#include <cmath>
+
+#include "models/common/recompute.h"
+
+namespace F = torch::nn::functional;
+
+namespace nnstrain::models::gpt {
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg)
+    : head_dim(cfg.n_embd / cfg.n_head), dropout(cfg.dropout) {
+  c_attn = register_module("c_attn", common::Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias));
+  c_proj = register_module("c_proj", common::Linear(cfg.n_embd, cfg.n_embd, cfg.bias));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1);
+  auto qkv = c_attn(x);  // [B, T, 3 * local width]: local heads follow from the (maybe sharded) weight
+  const int64_t width = qkv.size(-1) / 3, heads = width / head_dim;
+  auto parts = qkv.split(width, -1);
+  auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, head_dim}).transpose(1, 2); };
+  auto y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]),
+                                            /*attn_mask=*/{}, is_training() ? dropout : 0.0,
+                                            /*is_causal=*/true);
+  y = y.transpose(1, 2).contiguous().view({B, T, width});
+  return F::dropout(c_proj(y), F::DropoutFuncOptions().p(dropout).training(is_training()));
+}
+
+MlpImpl::MlpImpl(const GptConfig& cfg) : dropout(cfg.dropout) {
+  c_fc = register_module("c_fc", common::Linear(cfg.n_embd, 4 * cfg.n_embd, cfg.bias));
+  c_proj = register_module("c_proj", common::Linear(4 * cfg.n_embd, cfg.n_embd, cfg.bias));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  auto y = c_proj(torch::gelu(c_fc(x)));
+  return F::dropout(y, F::DropoutFuncOptions().p(dropout).training(is_training()));
+}
+
+BlockImpl::BlockImpl(const GptConfig& cfg) {
+  ln_1 = register_module("ln_1", common::LayerNorm(cfg.n_embd, cfg.bias));
+  attn = register_module("attn", CausalSelfAttention(cfg));
+  ln_2 = register_module("ln_2", common::LayerNorm(cfg.n_embd, cfg.bias));
+  mlp = register_module("mlp", Mlp(cfg));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
+  auto y = x + attn(ln_1(x));
+  return y + mlp(ln_2(y));
+}
+
+Gpt::Gpt(const GptConfig& cfg) : cfg_(cfg) {
+  wte = register_module("wte", common::Embedding(cfg.vocab_size, cfg.n_embd));
+  wpe = register_module("wpe", common::Embedding(cfg.block_size, cfg.n_embd));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.n_layer; ++i) h->push_back(Block(cfg));
+  ln_f = register_module("ln_f", common::LayerNorm(cfg.n_embd, cfg.bias));
+  // nanoGPT: residual projections get std 0.02 / sqrt(2 * n_layer) (GPT-2 paper).
+  torch::NoGradGuard no_grad;
+  const double proj_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
+  for (auto& p : named_parameters()) {
+    if (p.key().size() >= 13 && p.key().compare(p.key().size() - 13, 13, "c_proj.weight") == 0)
+      p.value().normal_(0.0, proj_std);
+  }
+}
+
+torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
+  const auto T = idx.size(1);
+  TORCH_CHECK(T <= cfg_.block_size, "sequence of ", T, " tokens exceeds block_size ", cfg_.block_size);
+  auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
+  auto x = F::dropout(wte(idx) + wpe(pos), F::DropoutFuncOptions().p(cfg_.dropout).training(is_training()));
+  const auto& recompute = runtime_.recompute_layers;
+  for (size_t i = 0; i < h->size(); ++i) {
+    auto block = h->ptr<BlockImpl>(i);
+    if (i < recompute.size() && recompute[i] && is_training())
+      x = common::recompute([block](const torch::Tensor& t) { return block->forward(t); }, x);
+    else
+      x = block->forward(x);
+  }
+  return ln_f(x);
+}
+
+torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
+  return lm_head.loss(hidden(idx), wte->weight, targets, chunk);
+}
+
+torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head.logits(hidden(idx), wte->weight); }
+
+double Gpt::flops_per_token(int64_t seq_len) const {
+  // 6 FLOPs per parameter per token (position embeddings do no matmul), plus attention.
+  const double n = static_cast<double>(cfg_.n_layer) * 12 * cfg_.n_embd * cfg_.n_embd +
+                   static_cast<double>(cfg_.vocab_size) * cfg_.n_embd;
+  return 6 * n + 12.0 * cfg_.n_layer * cfg_.n_embd * seq_len;
+}
+
+std::vector<ParamSplit> Gpt::split_declaration() const {
+  const int64_t hd = cfg_.n_embd / cfg_.n_head, C = cfg_.n_embd;
+  std::vector<ParamSplit> s{{"wte.weight", SplitStyle::Vocab, 1, {}}};
+  for (int64_t i = 0; i < cfg_.n_layer; ++i) {
+    const auto p = "h." + std::to_string(i) + ".";
+    s.push_back({p + "attn.c_attn.weight", SplitStyle::Column, hd, {C, C, C}});
+    s.push_back({p + "attn.c_proj.weight", SplitStyle::Row, hd, {}});
+    s.push_back({p + "mlp.c_fc.weight", SplitStyle::Column, 1, {}});
+    s.push_back({p + "mlp.c_proj.weight", SplitStyle::Row, 1, {}});
+    if (cfg_.bias) {
+      s.push_back({p + "attn.c_attn.bias", SplitStyle::Column, hd, {C, C, C}});
+      s.push_back({p + "mlp.c_fc.bias", SplitStyle::Column, 1, {}});
+    }
+  }
+  return s;  // everything not listed is replicated
+}
+
+std::vector<HfTensor> Gpt::hf_tensors() const {
+  std::vector<HfTensor> t{{"wte.weight", "transformer.wte.weight", false},
+                          {"wpe.weight", "transformer.wpe.weight", false},
+                          {"ln_f.weight", "transformer.ln_f.weight", false}};
+  if (cfg_.bias) t.push_back({"ln_f.bias", "transformer.ln_f.bias", false});
+  for (int64_t i = 0; i < cfg_.n_layer; ++i) {
+    const auto ours = "h." + std::to_string(i) + ".", theirs = "transformer." + ours;
+    for (const char* ln : {"ln_1", "ln_2"}) {
+      t.push_back({ours + ln + ".weight", theirs + ln + ".weight", false});
+      if (cfg_.bias) t.push_back({ours + ln + ".bias", theirs + ln + ".bias", false});
+    }
+    // GPT-2's Conv1D keeps weights as [in, out].
+    for (const char* lin : {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}) {
+      t.push_back({ours + lin + ".weight", theirs + lin + ".weight", true});
+      if (cfg_.bias) t.push_back({ours + lin + ".bias", theirs + lin + ".bias", false});
+    }
+  }
+  return t;
+}
+
+nlohmann::json Gpt::hf_config() const {
+  return {{"architectures", {"GPT2LMHeadModel"}},
+          {"model_type", "gpt2"},
+          {"vocab_size", cfg_.vocab_size},
+          {"n_positions", cfg_.block_size},
+          {"n_embd", cfg_.n_embd},
+          {"n_layer", cfg_.n_layer},
+          {"n_head", cfg_.n_head},
+          {"n_inner", nullptr},
+          {"activation_function", "gelu"},  // nanoGPT uses exact GELU, not GPT-2's tanh form
+          {"resid_pdrop", cfg_.dropout},
+          {"embd_pdrop", cfg_.dropout},
+          {"attn_pdrop", cfg_.dropout},
+          {"layer_norm_epsilon", 1e-5},
+          {"tie_word_embeddings", true},
+          {"torch_dtype", "float32"}};
+}
+
+namespace {
+
+std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
+  auto c = std::make_shared<GptConfig>();
+  c->vocab_size = a.get_int("vocab_size", c->vocab_size, 1);
+  c->block_size = a.get_int("block_size", c->block_size, 1);
+  c->n_layer = a.get_int("n_layer", c->n_layer, 1);
+  c->n_head = a.get_int("n_head", c->n_head, 1);
+  c->n_embd = a.get_int("n_embd", c->n_embd, 1);
+  c->dropout = a.get_float("dropout", c->dropout, 0.0, 1.0);
+  c->bias = a.get_bool("bias", c->bias);
+  if (c->n_embd % c->n_head != 0)
+    a.fail("n_embd", "n_embd " + std::to_string(c->n_embd) + " is not divisible by n_head " +
+                         std::to_string(c->n_head));
+  return c;
+}
+
+std::shared_ptr<const config::ModelConfig> from_hf(const nlohmann::json& j) {
+  auto c = std::make_shared<GptConfig>();
+  c->vocab_size = j.at("vocab_size");
+  c->block_size = j.value("n_positions", j.value("n_ctx", int64_t{1024}));
+  c->n_layer = j.at("n_layer");
+  c->n_head = j.at("n_head");
+  c->n_embd = j.at("n_embd");
+  c->dropout = 0.0;
+  c->bias = true;  // GPT-2 always has biases
+  return c;
+}
+
+}  // namespace
+
+ModelEntry registry_entry() {
+  return {"gpt", parse_args,
+          [](const config::ModelConfig& c) {
+            return std::make_shared<Gpt>(dynamic_cast<const GptConfig&>(c));
+          },
+          from_hf};
+}
+
+}  // namespace nnstrain::models::gpt

@@ -1,0 +1,75 @@
+// nanoGPT's GPT: token + position embeddings, pre-LayerNorm blocks with causal
+// self-attention and a GELU MLP, LM head tied to the token embedding.
+#pragma once
+
+#include "models/common/layers.h"
+#include "models/model.h"
+#include "models/registry.h"
+
+namespace nnstrain::models::gpt {
+
+struct GptConfig : config::ModelConfig {
+  int64_t vocab_size = 50304;
+  int64_t block_size = 1024;
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  int64_t n_embd = 768;
+  double dropout = 0.0;
+  bool bias = true;
+};
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(const GptConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);
+  common::Linear c_attn{nullptr}, c_proj{nullptr};
+  int64_t head_dim;
+  double dropout;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(const GptConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);
+  common::Linear c_fc{nullptr}, c_proj{nullptr};
+  double dropout;
+};
+TORCH_MODULE(Mlp);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(const GptConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);
+  common::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class Gpt : public CausalLM {
+ public:
+  explicit Gpt(const GptConfig& cfg);
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
+  torch::Tensor logits(const torch::Tensor& idx) override;
+  int64_t vocab_size() const override { return cfg_.vocab_size; }
+  int64_t max_seq_len() const override { return cfg_.block_size; }
+  int64_t num_layers() const override { return cfg_.n_layer; }
+  double flops_per_token(int64_t seq_len) const override;
+  std::vector<ParamSplit> split_declaration() const override;
+  std::vector<HfTensor> hf_tensors() const override;
+  nlohmann::json hf_config() const override;
+
+  common::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  common::LayerNorm ln_f{nullptr};
+  common::LmHead lm_head;  // weight tied to wte
+
+ private:
+  torch::Tensor hidden(const torch::Tensor& idx);
+  GptConfig cfg_;
+};
+
+ModelEntry registry_entry();
+
+}  // namespace nnstrain::models::gpt

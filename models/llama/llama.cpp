@@ -1,0 +1,384 @@
+#include "models/llama/llama.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "models/common/recompute.h"
+
+namespace F = torch::nn::functional;
+
+namespace nnstrain::models::llama {
+
+LlamaConfig LlamaConfig::resolved() const {
+  LlamaConfig c = *this;
+  if (c.num_key_value_heads == 0) c.num_key_value_heads = c.num_attention_heads;
+  if (c.head_dim == 0) c.head_dim = c.hidden_size / c.num_attention_heads;
+  return c;
+}
+
+// Mirrors transformers' op sequence (Python's `s / t` is t.reciprocal() * s) so
+// the frequencies match it bit for bit in fp32.
+torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
+  const auto c = cfg.resolved();
+  const int64_t dim = c.head_dim;
+  const auto exponents = torch::arange(0, dim, 2, torch::kLong).to(torch::kFloat) / dim;
+  auto inv_freq = torch::pow(c.rope_theta, exponents).reciprocal();
+  const auto& rs = c.rope_scaling;
+  if (rs.rope_type != "llama3") return inv_freq;
+
+  // Llama 3.1: keep high frequencies, divide low ones by `factor`, blend between.
+  const double old_context_len = static_cast<double>(rs.original_max_position_embeddings);
+  const double low_freq_wavelen = old_context_len / rs.low_freq_factor;
+  const double high_freq_wavelen = old_context_len / rs.high_freq_factor;
+  const auto wavelen = inv_freq.reciprocal() * (2 * M_PI);
+  auto inv_freq_llama = torch::where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq);
+  const auto smooth_factor =
+      (wavelen.reciprocal() * old_context_len - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
+  const auto smoothed_inv_freq =
+      torch::rsub(smooth_factor, 1) * inv_freq_llama / rs.factor + smooth_factor * inv_freq_llama;
+  const auto is_medium_freq =
+      (wavelen < high_freq_wavelen).logical_not().logical_and((wavelen > low_freq_wavelen).logical_not());
+  return torch::where(is_medium_freq, smoothed_inv_freq, inv_freq_llama);
+}
+
+namespace {
+
+// Hugging Face's rotate_half: the two halves of head_dim are the pairs.
+torch::Tensor rotate_half(const torch::Tensor& t) {
+  const int64_t half = t.size(-1) / 2;
+  return torch::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
+}
+
+// In at least fp32 (as Meta's reference does), whatever dtype q/k arrive in.
+torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto tf = t.to(at::promote_types(t.scalar_type(), cos.scalar_type()));
+  return (tf * cos + rotate_half(tf) * sin).to(t.scalar_type());
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+AttentionImpl::AttentionImpl(const LlamaConfig& cfg) : head_dim(cfg.head_dim) {
+  const int64_t C = cfg.hidden_size, q = cfg.num_attention_heads * head_dim,
+                kv = cfg.num_key_value_heads * head_dim;
+  q_proj = register_module("q_proj", common::Linear(C, q, cfg.attention_bias));
+  k_proj = register_module("k_proj", common::Linear(C, kv, cfg.attention_bias));
+  v_proj = register_module("v_proj", common::Linear(C, kv, cfg.attention_bias));
+  o_proj = register_module("o_proj", common::Linear(q, C, cfg.attention_bias));
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto B = x.size(0), T = x.size(1);
+  auto q = q_proj(x), k = k_proj(x), v = v_proj(x);
+  // Local head counts follow from the (maybe tensor-parallel sharded) weights.
+  const int64_t heads = q.size(-1) / head_dim, kv_heads = k.size(-1) / head_dim;
+  auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
+  q = apply_rope(split(q, heads), cos, sin);
+  k = apply_rope(split(k, kv_heads), cos, sin);
+  v = split(v, kv_heads);
+  // GQA: flash attention on CUDA takes the KV heads as they are; elsewhere
+  // enable_gqa would fall back to the math kernel, so repeat them (as HF's repeat_kv).
+  bool native_gqa = false;
+  if (heads != kv_heads) {
+    native_gqa = q.is_cuda() && (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16);
+    if (!native_gqa) {
+      k = k.repeat_interleave(heads / kv_heads, 1);
+      v = v.repeat_interleave(heads / kv_heads, 1);
+    }
+  }
+  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true, /*scale=*/std::nullopt, native_gqa);
+  return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+}
+
+MlpImpl::MlpImpl(const LlamaConfig& cfg) {
+  gate_proj = register_module("gate_proj", common::Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias));
+  up_proj = register_module("up_proj", common::Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias));
+  down_proj = register_module("down_proj", common::Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(F::silu(gate_proj(x)) * up_proj(x)); }
+
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg) {
+  self_attn = register_module("self_attn", Attention(cfg));
+  mlp = register_module("mlp", Mlp(cfg));
+  input_layernorm = register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps));
+}
+
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto h = x + self_attn->forward(input_layernorm(x), cos, sin);
+  return h + mlp(post_attention_layernorm(h));
+}
+
+Llama::Llama(const LlamaConfig& cfg) : cfg_(cfg.resolved()) {
+  const auto& c = cfg_;
+  TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, "llama: num_attention_heads ",
+              c.num_attention_heads, " is not divisible by num_key_value_heads ", c.num_key_value_heads);
+  TORCH_CHECK(c.head_dim % 2 == 0, "llama: head_dim ", c.head_dim, " must be even for rotary embeddings");
+  embed_tokens = register_module("embed_tokens", common::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c));
+  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps));
+  if (!c.tie_word_embeddings)
+    lm_head_proj = register_module("lm_head", common::Linear(c.hidden_size, c.vocab_size, false));
+
+  // As transformers' LlamaPreTrainedModel: N(0, initializer_range) for every
+  // matrix, zero biases, unit norm weights.
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    if (p.value().dim() == 2)
+      p.value().normal_(0.0, c.initializer_range);
+    else if (ends_with(p.key(), ".bias"))
+      p.value().zero_();
+    else
+      p.value().fill_(1.0);
+  }
+  inv_freq_ = rope_inv_freq(c);
+}
+
+const torch::Tensor& Llama::head_weight() const {
+  return cfg_.tie_word_embeddings ? embed_tokens->weight : lm_head_proj->weight;
+}
+
+std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::Device& device) {
+  if (!cos_.defined() || cos_.size(0) != T || cos_.device() != device) {
+    torch::NoGradGuard no_grad;
+    // transformers: freqs = position * inv_freq, emb = cat(freqs, freqs), in fp32.
+    const auto freqs = torch::arange(T, torch::kLong).to(torch::kFloat).unsqueeze(-1) * inv_freq_;
+    const auto emb = torch::cat({freqs, freqs}, -1);
+    cos_ = emb.cos().to(device);
+    sin_ = emb.sin().to(device);
+  }
+  return {cos_, sin_};
+}
+
+torch::Tensor Llama::hidden(const torch::Tensor& idx) {
+  const auto T = idx.size(1);
+  TORCH_CHECK(T <= cfg_.max_position_embeddings, "sequence of ", T, " tokens exceeds max_position_embeddings ",
+              cfg_.max_position_embeddings);
+  auto x = embed_tokens(idx);
+  const auto [cos, sin] = rotary(T, x.device());
+  const auto& recompute = runtime_.recompute_layers;
+  for (size_t i = 0; i < layers->size(); ++i) {
+    auto layer = layers->ptr<DecoderLayerImpl>(i);
+    if (i < recompute.size() && recompute[i] && is_training())
+      x = common::recompute([layer, cos = cos, sin = sin](const torch::Tensor& t) { return layer->forward(t, cos, sin); },
+                            x);
+    else
+      x = layer->forward(x, cos, sin);
+  }
+  return norm(x);
+}
+
+torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+  const auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
+  return lm_head.loss(hidden(idx), head_weight(), targets, chunk);
+}
+
+torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head.logits(hidden(idx), head_weight()); }
+
+double Llama::flops_per_token(int64_t seq_len) const {
+  const auto& c = cfg_;
+  const double C = c.hidden_size, q = static_cast<double>(c.num_attention_heads) * c.head_dim,
+               kv = static_cast<double>(c.num_key_value_heads) * c.head_dim;
+  // Matmul parameters: q, k, v, o, gate, up, down per layer, and the LM head
+  // (the embedding lookup does no matmul), 6 FLOPs each per token; plus attention.
+  const double per_layer = C * q * 2 + C * kv * 2 + 3.0 * C * c.intermediate_size;
+  const double n = c.num_hidden_layers * per_layer + static_cast<double>(c.vocab_size) * C;
+  return 6 * n + 12.0 * c.num_hidden_layers * q * seq_len;
+}
+
+std::vector<ParamSplit> Llama::split_declaration() const {
+  const int64_t hd = cfg_.head_dim;
+  std::vector<ParamSplit> s{{"embed_tokens.weight", SplitStyle::Vocab, 1, {}}};
+  if (!cfg_.tie_word_embeddings) s.push_back({"lm_head.weight", SplitStyle::Vocab, 1, {}});
+  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
+    const auto p = "layers." + std::to_string(i) + ".";
+    for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
+      s.push_back({p + "self_attn." + proj + ".weight", SplitStyle::Column, hd, {}});
+      if (cfg_.attention_bias) s.push_back({p + "self_attn." + proj + ".bias", SplitStyle::Column, hd, {}});
+    }
+    s.push_back({p + "self_attn.o_proj.weight", SplitStyle::Row, hd, {}});
+    for (const char* proj : {"gate_proj", "up_proj"}) {
+      s.push_back({p + "mlp." + proj + ".weight", SplitStyle::Column, 1, {}});
+      if (cfg_.mlp_bias) s.push_back({p + "mlp." + proj + ".bias", SplitStyle::Column, 1, {}});
+    }
+    s.push_back({p + "mlp.down_proj.weight", SplitStyle::Row, 1, {}});
+  }
+  return s;  // everything not listed (norms, row biases) is replicated
+}
+
+std::vector<HfTensor> Llama::hf_tensors() const {
+  std::vector<HfTensor> t;
+  for (const auto& p : named_parameters()) {
+    const auto& ours = p.key();
+    t.push_back({ours, ours == "lm_head.weight" ? ours : "model." + ours, false});
+  }
+  return t;
+}
+
+nlohmann::json Llama::hf_config() const {
+  const auto& c = cfg_;
+  nlohmann::json rope_scaling = nullptr;
+  if (c.rope_scaling.rope_type == "llama3")
+    rope_scaling = {{"rope_type", "llama3"},
+                    {"factor", c.rope_scaling.factor},
+                    {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                    {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                    {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+  // rope_theta + rope_scaling as Meta's Llama 3.1 config.json has them (transformers 4 and 5 read it).
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"vocab_size", c.vocab_size},
+          {"hidden_size", c.hidden_size},
+          {"intermediate_size", c.intermediate_size},
+          {"num_hidden_layers", c.num_hidden_layers},
+          {"num_attention_heads", c.num_attention_heads},
+          {"num_key_value_heads", c.num_key_value_heads},
+          {"head_dim", c.head_dim},
+          {"hidden_act", "silu"},
+          {"max_position_embeddings", c.max_position_embeddings},
+          {"initializer_range", c.initializer_range},
+          {"rms_norm_eps", c.rms_norm_eps},
+          {"rope_theta", c.rope_theta},
+          {"rope_scaling", rope_scaling},
+          {"attention_bias", c.attention_bias},
+          {"attention_dropout", 0.0},
+          {"mlp_bias", c.mlp_bias},
+          {"tie_word_embeddings", c.tie_word_embeddings},
+          {"pretraining_tp", 1},
+          {"use_cache", true},
+          {"torch_dtype", "float32"}};
+}
+
+namespace {
+
+// j[key] if present and not null, else def.
+template <typename T>
+T get_or(const nlohmann::json& j, const char* key, T def) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return def;
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw std::runtime_error(std::string("config.json: '") + key + "' has an unexpected type: " + it->dump());
+  }
+}
+
+template <typename T>
+T require(const nlohmann::json& j, const char* key) {
+  if (!j.contains(key) || j.at(key).is_null())
+    throw std::runtime_error(std::string("config.json: required key '") + key + "' is missing");
+  return get_or<T>(j, key, T{});
+}
+
+}  // namespace
+
+std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
+  auto c = std::make_shared<LlamaConfig>();
+  c->vocab_size = require<int64_t>(j, "vocab_size");
+  c->hidden_size = require<int64_t>(j, "hidden_size");
+  c->intermediate_size = require<int64_t>(j, "intermediate_size");
+  c->num_hidden_layers = require<int64_t>(j, "num_hidden_layers");
+  c->num_attention_heads = require<int64_t>(j, "num_attention_heads");
+  c->num_key_value_heads = get_or<int64_t>(j, "num_key_value_heads", c->num_attention_heads);
+  c->head_dim = get_or<int64_t>(j, "head_dim", c->hidden_size / c->num_attention_heads);
+  c->max_position_embeddings = get_or<int64_t>(j, "max_position_embeddings", c->max_position_embeddings);
+  c->rms_norm_eps = get_or<double>(j, "rms_norm_eps", c->rms_norm_eps);
+  c->tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", c->tie_word_embeddings);
+  c->attention_bias = get_or<bool>(j, "attention_bias", c->attention_bias);
+  c->mlp_bias = get_or<bool>(j, "mlp_bias", c->mlp_bias);
+  c->initializer_range = get_or<double>(j, "initializer_range", c->initializer_range);
+  const auto act = get_or<std::string>(j, "hidden_act", "silu");
+  if (act != "silu") throw std::runtime_error("config.json: hidden_act '" + act + "' is not supported (only silu)");
+  if (c->num_key_value_heads < 1 || c->num_attention_heads % c->num_key_value_heads != 0)
+    throw std::runtime_error("config.json: num_attention_heads " + std::to_string(c->num_attention_heads) +
+                             " is not divisible by num_key_value_heads " + std::to_string(c->num_key_value_heads));
+
+  // transformers 5 writes `rope_parameters` (theta inside); 4 writes `rope_theta` + `rope_scaling`.
+  const char* rope_key = "rope_scaling";
+  nlohmann::json rope = nlohmann::json::object();
+  c->rope_theta = get_or<double>(j, "rope_theta", c->rope_theta);
+  if (j.contains("rope_parameters") && j.at("rope_parameters").is_object()) {
+    rope_key = "rope_parameters";
+    rope = j.at("rope_parameters");
+    c->rope_theta = get_or<double>(rope, "rope_theta", c->rope_theta);
+  } else if (j.contains("rope_scaling") && j.at("rope_scaling").is_object()) {
+    rope = j.at("rope_scaling");
+  }
+  auto& rs = c->rope_scaling;
+  rs.rope_type = get_or<std::string>(rope, "rope_type", get_or<std::string>(rope, "type", "default"));
+  if (rs.rope_type == "llama3") {
+    rs.factor = require<double>(rope, "factor");
+    rs.low_freq_factor = require<double>(rope, "low_freq_factor");
+    rs.high_freq_factor = require<double>(rope, "high_freq_factor");
+    rs.original_max_position_embeddings =
+        get_or<int64_t>(rope, "original_max_position_embeddings", c->max_position_embeddings);
+  } else if (rs.rope_type != "default") {
+    throw std::runtime_error(std::string("config.json: ") + rope_key + ".rope_type '" + rs.rope_type +
+                             "' is not supported (only default and llama3)");
+  }
+  return c;
+}
+
+namespace {
+
+std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
+  auto c = std::make_shared<LlamaConfig>();
+  c->vocab_size = a.get_int("vocab_size", c->vocab_size, 1);
+  c->hidden_size = a.get_int("hidden_size", c->hidden_size, 1);
+  c->intermediate_size = a.get_int("intermediate_size", c->intermediate_size, 1);
+  c->num_hidden_layers = a.get_int("num_hidden_layers", c->num_hidden_layers, 1);
+  c->num_attention_heads = a.get_int("num_attention_heads", c->num_attention_heads, 1);
+  c->num_key_value_heads = a.get_int("num_key_value_heads", c->num_attention_heads, 1);
+  if (c->num_attention_heads % c->num_key_value_heads != 0)
+    a.fail("num_key_value_heads", "num_attention_heads " + std::to_string(c->num_attention_heads) +
+                                      " is not divisible by num_key_value_heads " +
+                                      std::to_string(c->num_key_value_heads));
+  // transformers' LlamaConfig demands this even with an explicit head_dim.
+  if (c->hidden_size % c->num_attention_heads != 0)
+    a.fail("hidden_size", "hidden_size " + std::to_string(c->hidden_size) +
+                              " is not divisible by num_attention_heads " + std::to_string(c->num_attention_heads));
+  c->head_dim = a.get_int("head_dim", c->hidden_size / c->num_attention_heads, 1);
+  if (c->head_dim % 2 != 0)
+    a.fail("head_dim", "head_dim " + std::to_string(c->head_dim) + " must be even for rotary embeddings");
+  c->max_position_embeddings = a.get_int("max_position_embeddings", c->max_position_embeddings, 1);
+  c->rope_theta = a.get_float("rope_theta", c->rope_theta, 1.0);
+  if (a.has("rope_scaling")) {
+    auto rs_args = a.child("rope_scaling");
+    auto& rs = c->rope_scaling;
+    rs.rope_type = rs_args.get_string("rope_type", std::nullopt, {"default", "llama3"});
+    if (rs.rope_type == "llama3") {
+      rs.factor = rs_args.get_float("factor", rs.factor, 1.0);
+      rs.low_freq_factor = rs_args.get_float("low_freq_factor", rs.low_freq_factor, 0.0);
+      rs.high_freq_factor = rs_args.get_float("high_freq_factor", rs.high_freq_factor, 0.0);
+      rs.original_max_position_embeddings =
+          rs_args.get_int("original_max_position_embeddings", rs.original_max_position_embeddings, 1);
+      if (!(rs.high_freq_factor > rs.low_freq_factor) || rs.low_freq_factor <= 0)
+        rs_args.fail("high_freq_factor", "need 0 < low_freq_factor < high_freq_factor, got " +
+                                             std::to_string(rs.low_freq_factor) + " and " +
+                                             std::to_string(rs.high_freq_factor));
+    }
+  }
+  c->rms_norm_eps = a.get_float("rms_norm_eps", c->rms_norm_eps, 0.0);
+  c->tie_word_embeddings = a.get_bool("tie_word_embeddings", c->tie_word_embeddings);
+  c->attention_bias = a.get_bool("attention_bias", c->attention_bias);
+  c->mlp_bias = a.get_bool("mlp_bias", c->mlp_bias);
+  c->initializer_range = a.get_float("initializer_range", c->initializer_range, 0.0, 1.0);
+  return c;
+}
+
+}  // namespace
+
+ModelEntry registry_entry() {
+  return {"llama", parse_args,
+          [](const config::ModelConfig& c) { return std::make_shared<Llama>(dynamic_cast<const LlamaConfig&>(c)); },
+          [](const nlohmann::json& j) -> std::shared_ptr<const config::ModelConfig> { return config_from_hf(j); }};
+}
+
+}  // namespace nnstrain::models::llama

@@ -1,0 +1,118 @@
+// Llama (2, 3, 3.1): RMSNorm pre-norm decoder layers, rotary position
+// embeddings (with Llama 3.1's frequency scaling), grouped-query attention, a
+// SwiGLU MLP, and an LM head tied to the token embedding or its own. Argument
+// and parameter names follow Hugging Face's LlamaConfig / LlamaForCausalLM
+// (parameters without the "model." prefix), so checkpoints map one to one.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "models/common/layers.h"
+#include "models/model.h"
+#include "models/registry.h"
+
+namespace nnstrain::models::llama {
+
+// Hugging Face's `rope_scaling` (transformers 5: `rope_parameters`). Only the
+// "default" (none) and "llama3" types are supported.
+struct RopeScaling {
+  std::string rope_type = "default";
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+// Defaults are LlamaConfig's (Llama 2 7B), so a bare config.json reads the same.
+struct LlamaConfig : config::ModelConfig {
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 0;  // 0 = num_attention_heads (no GQA)
+  int64_t head_dim = 0;             // 0 = hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 2048;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  double initializer_range = 0.02;
+
+  // The same config with the 0 = derived fields filled in.
+  LlamaConfig resolved() const;
+};
+
+// Inverse rotary frequencies [head_dim / 2], fp32, exactly as transformers
+// computes them (its default and `_compute_llama3_parameters`).
+torch::Tensor rope_inv_freq(const LlamaConfig& cfg);
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const LlamaConfig& cfg);
+  // cos, sin: [T, head_dim] (Hugging Face's rotate_half layout).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  common::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  int64_t head_dim;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const LlamaConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);  // down(silu(gate(x)) * up(x))
+  common::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  explicit DecoderLayerImpl(const LlamaConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  Attention self_attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+class Llama : public CausalLM {
+ public:
+  explicit Llama(const LlamaConfig& cfg);
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
+  torch::Tensor logits(const torch::Tensor& idx) override;
+  int64_t vocab_size() const override { return cfg_.vocab_size; }
+  int64_t max_seq_len() const override { return cfg_.max_position_embeddings; }
+  int64_t num_layers() const override { return cfg_.num_hidden_layers; }
+  double flops_per_token(int64_t seq_len) const override;
+  std::vector<ParamSplit> split_declaration() const override;
+  std::vector<HfTensor> hf_tensors() const override;
+  nlohmann::json hf_config() const override;
+  const LlamaConfig& config() const { return cfg_; }
+
+  common::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  common::RMSNorm norm{nullptr};
+  common::Linear lm_head_proj{nullptr};  // "lm_head"; null when tied to embed_tokens
+  common::LmHead lm_head;                // the head's loss/logits on head_weight()
+
+  const torch::Tensor& head_weight() const;
+
+ private:
+  torch::Tensor hidden(const torch::Tensor& idx);
+  std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, const torch::Device& device);
+  LlamaConfig cfg_;
+  torch::Tensor inv_freq_;  // on the CPU; not a parameter or buffer (transformers: non-persistent)
+  torch::Tensor cos_, sin_;  // cache for the last (T, device)
+};
+
+// A Hugging Face config.json (LlamaForCausalLM; transformers 4 `rope_theta` +
+// `rope_scaling` or transformers 5 `rope_parameters`) -> LlamaConfig. Throws
+// std::runtime_error naming the key on what it cannot represent.
+std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j);
+
+ModelEntry registry_entry();
+
+}  // namespace nnstrain::models::llama

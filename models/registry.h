@@ -1,0 +1,33 @@
+// The model registry: the trainer builds models by name and never names one.
+// Adding a model = one folder under models/ plus one line in registry.cpp.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/config/arg_map.h"
+#include "trainer/config/trainer_args.h"
+
+namespace nnstrain::models {
+
+class CausalLM;
+
+struct ModelEntry {
+  std::string name;
+  // model.args -> a validated, model-specific config (errors via ArgMap name the key and line).
+  std::function<std::shared_ptr<const config::ModelConfig>(config::ArgMap&)> parse_args;
+  // Build with freshly initialised weights (uses the current torch RNG).
+  std::function<std::shared_ptr<CausalLM>(const config::ModelConfig&)> build;
+  // A Hugging Face config.json -> our config (for model.init_from); null if unsupported.
+  std::function<std::shared_ptr<const config::ModelConfig>(const nlohmann::json&)> from_hf_config;
+};
+
+const std::vector<ModelEntry>& registered_models();
+const ModelEntry* find_model(const std::string& name);   // nullptr if unknown
+std::vector<std::string> model_names();
+
+}  // namespace nnstrain::models

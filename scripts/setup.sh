@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs what nnstrain needs and builds it. Safe to run again: every step
+# checks first, so with everything present it takes seconds.
+#
+#   scripts/setup.sh            # deps + build (Release)
+#   NNSTRAIN_BUILD_TYPE=Debug scripts/setup.sh
+#
+# The Python environment (torch wheel with its CUDA libraries, several GB) lives
+# outside the checkout, in $NNSTRAIN_VENV, so a fresh clone reuses it.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${NNSTRAIN_VENV:-$HOME/.cache/nnstrain/venv}
+build=${NNSTRAIN_BUILD_DIR:-$root/build}
+build_type=${NNSTRAIN_BUILD_TYPE:-Release}
+torch_pin="torch==2.11.*"
+py_pkgs=(numpy safetensors transformers pytest)
+
+say() { echo "[setup] $*" >&2; }
+
+# 1. Debian packages: compilers' helpers and the C++ dependencies.
+apt_pkgs=(cmake ninja-build ccache g++ pkg-config libyaml-cpp-dev nlohmann-json3-dev
+          libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  say "installing Debian packages: ${missing[*]}"
+  sudo_cmd=(); [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# 2. The project's Python environment: LibTorch (from the torch wheel) and the
+#    reference packages the parity tests compare against.
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating virtual environment $venv"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" - "$torch_pin" "${py_pkgs[@]}" <<'PY' 2>/dev/null
+import sys, importlib.metadata as md
+pin = sys.argv[1].split("==")[1].rstrip("*").rstrip(".")
+assert md.version("torch").startswith(pin)
+for p in sys.argv[2:]:
+    md.version(p)
+PY
+then
+  say "installing $torch_pin ${py_pkgs[*]} into $venv (first time: several GB)"
+  "$venv/bin/pip" install -q --upgrade pip >/dev/null
+  "$venv/bin/pip" install -q "$torch_pin" "${py_pkgs[@]}"
+fi
+
+# 3. Configure (once) and build.
+torch_prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  say "configuring $build ($build_type)"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" \
+        -DCMAKE_PREFIX_PATH="$torch_prefix" -DNNSTRAIN_PYTHON="$venv/bin/python" >/dev/null
+fi
+say "building"
+cmake --build "$build" -j "$(nproc)"

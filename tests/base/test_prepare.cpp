@@ -1,0 +1,226 @@
+// sha256 and `nnstrain prepare` (torch-free).
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "data/prepare.h"
+#include "data/sha256.h"
+
+namespace fs = std::filesystem;
+using nnstrain::data::prepare_main;
+using nnstrain::data::sha256_hex;
+
+namespace {
+
+const std::string kShakespeare =
+    std::string(NNSTRAIN_SOURCE_DIR) + "/../shared/data/tinyshakespeare/input.txt";
+
+// A fresh temporary folder, removed at scope exit.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "nnstrain_prepare_XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void spit(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary);
+  out << bytes;
+}
+
+std::vector<uint16_t> read_u16(const fs::path& p) {
+  const std::string b = slurp(p);
+  std::vector<uint16_t> v(b.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i)
+    v[i] = uint16_t(uint8_t(b[2 * i]) | (uint16_t(uint8_t(b[2 * i + 1])) << 8));
+  return v;
+}
+
+struct Run {
+  int rc;
+  std::string out, err;
+};
+Run run_prepare(const std::vector<std::string>& args) {
+  std::ostringstream out, err;
+  int rc = prepare_main(args, out, err);
+  return {rc, out.str(), err.str()};
+}
+
+}  // namespace
+
+TEST_CASE("sha256 matches the FIPS 180-2 test vectors", "[prepare]") {
+  CHECK(sha256_hex(std::string("abc")) ==
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(sha256_hex(std::string()) ==
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(sha256_hex(std::string("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")) ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  const std::string million(1000000, 'a');
+  CHECK(sha256_hex(million) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+
+  // Incremental updates that straddle block boundaries give the same digest.
+  nnstrain::data::Sha256 h;
+  for (size_t i = 0; i < million.size(); i += 37) h.update(million.data() + i, std::min<size_t>(37, million.size() - i));
+  CHECK(h.hex_digest() == sha256_hex(million));
+
+  TempDir tmp;
+  spit(tmp.path / "abc.txt", "abc");
+  CHECK(nnstrain::data::sha256_file_hex((tmp.path / "abc.txt").string()) == sha256_hex(std::string("abc")));
+  CHECK_THROWS_WITH(nnstrain::data::sha256_file_hex((tmp.path / "missing").string()),
+                    Catch::Contains("missing"));
+}
+
+TEST_CASE("prepare shakespeare_char reproduces nanoGPT's split", "[prepare]") {
+  if (!fs::exists(kShakespeare)) {
+    WARN("skipped: " << kShakespeare << " is absent");
+    return;
+  }
+  TempDir tmp;
+  const fs::path out = tmp.path / "sc";
+  Run r = run_prepare({"shakespeare_char", "--input", kShakespeare, "--out", out.string()});
+  INFO(r.out << r.err);
+  REQUIRE(r.rc == 0);
+  CHECK_THAT(r.out, Catch::Contains("train.bin") && Catch::Contains("1003854"));
+
+  const auto meta = nlohmann::json::parse(slurp(out / "meta.json"));
+  CHECK(meta.at("vocab_size") == 65);
+  CHECK(meta.at("itos").size() == 65);
+  CHECK(meta.at("source_sha256") == nnstrain::data::kShakespeareSha256);
+  CHECK(meta.at("train_tokens") == 1003854);
+  CHECK(meta.at("val_tokens") == 111540);
+
+  const auto train = read_u16(out / "train.bin");
+  const auto val = read_u16(out / "val.bin");
+  CHECK(train.size() == 1003854);
+  CHECK(val.size() == 111540);
+  CHECK(fs::file_size(out / "train.bin") == 2 * 1003854);
+
+  // Vocabulary is sorted: newline first, 'z' last.
+  CHECK(meta["itos"][0] == "\n");
+  CHECK(meta["itos"][64] == "z");
+  std::string decoded;
+  for (size_t i = 0; i < 13; ++i) decoded += meta["itos"][train[i]].get<std::string>();
+  CHECK(decoded == "First Citizen");
+
+  // Train then val is the corpus, char for char.
+  const std::string text = slurp(kShakespeare);
+  std::string all;
+  for (uint16_t t : train) all += meta["itos"][t].get<std::string>();
+  for (uint16_t t : val) all += meta["itos"][t].get<std::string>();
+  CHECK(all == text);
+
+  // A rerun leaves the outputs alone and says so.
+  const auto mtime = fs::last_write_time(out / "train.bin");
+  Run again = run_prepare({"shakespeare_char", "--input", kShakespeare, "--out", out.string()});
+  CHECK(again.rc == 0);
+  CHECK_THAT(again.out, Catch::Contains("up to date"));
+  CHECK(fs::last_write_time(out / "train.bin") == mtime);
+
+  // No temporary files are left behind.
+  for (const auto& e : fs::directory_iterator(out))
+    CHECK_THAT(e.path().filename().string(), !Catch::Contains(".tmp"));
+}
+
+TEST_CASE("prepare shakespeare_char refuses a corrupted copy", "[prepare]") {
+  if (!fs::exists(kShakespeare)) {
+    WARN("skipped: " << kShakespeare << " is absent");
+    return;
+  }
+  TempDir tmp;
+  std::string text = slurp(kShakespeare);
+  text[1000] = text[1000] == 'x' ? 'y' : 'x';
+  const fs::path bad = tmp.path / "input.txt";
+  spit(bad, text);
+  Run r = run_prepare({"shakespeare_char", "--input", bad.string(), "--out", (tmp.path / "o").string()});
+  CHECK(r.rc == 1);
+  CHECK_THAT(r.err, Catch::Contains("sha256 mismatch") && Catch::Contains(bad.string()) &&
+                        Catch::Contains(nnstrain::data::kShakespeareSha256) &&
+                        Catch::Contains(sha256_hex(text)));
+  CHECK_FALSE(fs::exists(tmp.path / "o" / "train.bin"));
+}
+
+TEST_CASE("prepare text at byte and char level", "[prepare]") {
+  TempDir tmp;
+  // Includes a two-byte UTF-8 character: one char token, two byte tokens.
+  const std::string text = "hello world, h\xC3\xA9llo again\n0123456789";
+  spit(tmp.path / "t.txt", text);
+
+  SECTION("byte level") {
+    Run r = run_prepare({"text", "--input", (tmp.path / "t.txt").string(), "--out",
+                         (tmp.path / "b").string(), "--level", "byte", "--val-fraction", "0.25"});
+    INFO(r.out << r.err);
+    REQUIRE(r.rc == 0);
+    const auto meta = nlohmann::json::parse(slurp(tmp.path / "b" / "meta.json"));
+    CHECK(meta.at("vocab_size") == 256);
+    CHECK(meta.at("level") == "byte");
+    const auto train = read_u16(tmp.path / "b" / "train.bin");
+    const auto val = read_u16(tmp.path / "b" / "val.bin");
+    const size_t n_train = size_t(double(text.size()) * 0.75);
+    REQUIRE(train.size() == n_train);
+    REQUIRE(val.size() == text.size() - n_train);
+    for (size_t i = 0; i < text.size(); ++i)
+      CHECK((i < n_train ? train[i] : val[i - n_train]) == uint8_t(text[i]));
+  }
+  SECTION("char level") {
+    Run r = run_prepare({"text", "--input", (tmp.path / "t.txt").string(), "--out=" + (tmp.path / "c").string()});
+    INFO(r.out << r.err);
+    REQUIRE(r.rc == 0);
+    const auto meta = nlohmann::json::parse(slurp(tmp.path / "c" / "meta.json"));
+    const auto train = read_u16(tmp.path / "c" / "train.bin");
+    const auto val = read_u16(tmp.path / "c" / "val.bin");
+    CHECK(train.size() + val.size() == text.size() - 1);  // \xC3\xA9 is one character
+    std::string all;
+    for (uint16_t t : train) all += meta["itos"][t].get<std::string>();
+    for (uint16_t t : val) all += meta["itos"][t].get<std::string>();
+    CHECK(all == text);
+    CHECK(meta["itos"].back() == "\xC3\xA9");  // highest code point sorts last
+  }
+}
+
+TEST_CASE("prepare usage errors exit with status 2", "[prepare]") {
+  TempDir tmp;
+  Run unknown = run_prepare({"wikitext", "--out", tmp.path.string()});
+  CHECK(unknown.rc == 2);
+  CHECK_THAT(unknown.err, Catch::Contains("unknown dataset 'wikitext'"));
+
+  const std::string missing = (tmp.path / "nope.txt").string();
+  Run miss = run_prepare({"text", "--input", missing, "--out", (tmp.path / "o").string()});
+  CHECK(miss.rc == 2);
+  CHECK_THAT(miss.err, Catch::Contains(missing));
+
+  Run miss2 = run_prepare({"shakespeare_char", "--input", missing, "--out", (tmp.path / "o").string()});
+  CHECK(miss2.rc == 2);
+  CHECK_THAT(miss2.err, Catch::Contains(missing));
+
+  Run bad_opt = run_prepare({"text", "--input", missing, "--bogus", "1"});
+  CHECK(bad_opt.rc == 2);
+  CHECK_THAT(bad_opt.err, Catch::Contains("--bogus"));
+
+  spit(tmp.path / "t.txt", "some text here");
+  Run bad_frac = run_prepare({"text", "--input", (tmp.path / "t.txt").string(), "--out",
+                              (tmp.path / "o").string(), "--val-fraction", "1.5"});
+  CHECK(bad_frac.rc == 2);
+  CHECK_THAT(bad_frac.err, Catch::Contains("--val-fraction"));
+}

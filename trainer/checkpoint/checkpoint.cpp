@@ -1,0 +1,239 @@
+#include "trainer/checkpoint/checkpoint.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/checkpoint/tensor_io.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::checkpoint {
+
+namespace {
+
+constexpr const char* kFormat = "nnstrain-checkpoint";
+constexpr int kVersion = 1;
+
+std::string rank_file(int rank, const char* ext) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank-%05d.%s", rank, ext);
+  return buf;
+}
+
+// Writes a small file durably: temp name, fsync, rename.
+void write_file_durable(const fs::path& path, const std::string& text) {
+  const auto tmp = path.string() + ".part";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError("cannot write " + tmp + ": " + std::strerror(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    auto n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      throw CheckpointError("cannot write " + tmp + ": " + std::strerror(errno));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError("cannot fsync " + tmp);
+  fs::rename(tmp, path);
+}
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) throw CheckpointError(path.string() + ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
+  }
+}
+
+void prune(const fs::path& save_dir, int keep_last, const fs::path& keep) {
+  if (keep_last <= 0) return;
+  std::vector<fs::path> steps;
+  for (const auto& e : fs::directory_iterator(save_dir)) {
+    const auto name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step-", 0) == 0) steps.push_back(e.path());
+  }
+  std::sort(steps.begin(), steps.end());  // zero-padded: lexical = numeric
+  const int excess = static_cast<int>(steps.size()) - keep_last;
+  for (int i = 0; i < excess; ++i)
+    if (steps[i] != keep) fs::remove_all(steps[i]);
+}
+
+}  // namespace
+
+std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
+                 const std::vector<StateTensor>& tensors, const nlohmann::json& state,
+                 const nlohmann::json& rank_state) {
+  const fs::path dir(opts.save_dir);
+  const fs::path final_dir = dir / step_dir_name(step);
+  const fs::path tmp = dir / (".tmp-" + step_dir_name(step));
+  auto barrier = [&] { if (ctx.barrier) ctx.barrier(); };
+
+  if (ctx.rank == 0) {
+    fs::create_directories(dir);
+    fs::remove_all(tmp);  // leftovers of a crashed save
+    fs::create_directories(tmp);
+  }
+  barrier();
+
+  // Every rank writes what it holds (sharded) or what it owns among replicas (deduped).
+  bool ok = true;
+  std::string failure;
+  try {
+    nlohmann::json sidecar = {{"rank", ctx.rank}, {"tensors", nlohmann::json::array()}, {"state", rank_state}};
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& t : tensors) {
+      if (opts.save_type == "deduped" && t.spec.owner() != ctx.rank) continue;
+      out.emplace_back(t.spec.name, t.tensor);
+      sidecar["tensors"].push_back(t.spec);
+    }
+    save_tensors((tmp / rank_file(ctx.rank, "safetensors")).string(), out, {{"format", kFormat}});
+    write_file_durable(tmp / rank_file(ctx.rank, "json"), sidecar.dump());
+  } catch (const std::exception& e) {
+    ok = false;
+    failure = e.what();
+  }
+  const bool all_ok = ctx.all_ok ? ctx.all_ok(ok) : ok;
+  if (!ok) throw CheckpointError("rank " + std::to_string(ctx.rank) + " could not write its shard: " + failure);
+  if (!all_ok) throw CheckpointError("checkpoint of step " + std::to_string(step) + " not published: another rank failed to write");
+
+  if (ctx.rank == 0) {
+    nlohmann::json files = nlohmann::json::object(), rank_states = nlohmann::json::object();
+    for (int r = 0; r < ctx.world_size; ++r) {
+      auto side = read_json(tmp / rank_file(r, "json"));
+      files[rank_file(r, "safetensors")] = side.at("tensors");
+      rank_states[std::to_string(r)] = side.at("state");
+    }
+    nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"step", step},
+                               {"world_size", ctx.world_size}, {"save_type", opts.save_type},
+                               {"files", files}, {"rank_states", rank_states}, {"state", state}};
+    write_file_durable(tmp / "manifest.json", manifest.dump(1));  // last: its presence means complete
+    fsync_dir(tmp.string());
+    fs::remove_all(final_dir);  // a stale one of the same step from an earlier run
+    fs::rename(tmp, final_dir);
+    fsync_dir(dir.string());
+    write_file_durable(dir / "latest", step_dir_name(step) + "\n");
+    fsync_dir(dir.string());
+    prune(dir, opts.keep_last, final_dir);
+  }
+  barrier();
+  return final_dir.string();
+}
+
+std::string latest(const std::string& save_dir) {
+  const fs::path p = fs::path(save_dir) / "latest";
+  std::ifstream in(p);
+  std::string name;
+  if (!in || !(in >> name)) return "";
+  return (fs::path(save_dir) / name).string();
+}
+
+Checkpoint::Checkpoint(std::string dir) : dir_(std::move(dir)) {
+  const fs::path m = fs::path(dir_) / "manifest.json";
+  if (!fs::is_directory(dir_)) throw CheckpointError(dir_ + ": no such checkpoint folder");
+  if (!fs::exists(m)) throw CheckpointError(dir_ + ": manifest.json missing: not a complete checkpoint");
+  manifest_ = read_json(m);
+  if (manifest_.value("format", "") != kFormat)
+    throw CheckpointError(m.string() + ": not an nnstrain checkpoint manifest (format '" +
+                          manifest_.value("format", "") + "')");
+  if (manifest_.value("version", 0) != kVersion)
+    throw CheckpointError(m.string() + ": unsupported version " + manifest_.value("version", nlohmann::json(0)).dump());
+  try {
+    for (const auto& [file, specs] : manifest_.at("files").items()) {
+      if (!fs::exists(fs::path(dir_) / file))
+        throw CheckpointError(dir_ + ": shard file " + file + " listed in manifest.json is missing");
+      for (const auto& j : specs) {
+        auto spec = j.get<ShardSpec>();
+        index_[spec.name].emplace_back(spec, file);
+      }
+    }
+    (void)manifest_.at("state");
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(m.string() + ": malformed manifest: " + e.what());
+  } catch (const std::runtime_error& e) {
+    if (dynamic_cast<const CheckpointError*>(&e)) throw;
+    throw CheckpointError(m.string() + ": " + e.what());
+  }
+}
+
+std::optional<nlohmann::json> Checkpoint::rank_state(int rank) const {
+  const auto& rs = manifest_.at("rank_states");
+  auto it = rs.find(std::to_string(rank));
+  if (it == rs.end()) return std::nullopt;
+  return *it;
+}
+
+bool Checkpoint::has(const std::string& name) const { return index_.count(name) > 0; }
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> n;
+  for (const auto& [k, v] : index_) n.push_back(k);
+  return n;
+}
+
+std::vector<std::pair<ShardSpec, std::string>> Checkpoint::pieces(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? std::vector<std::pair<ShardSpec, std::string>>{} : it->second;
+}
+
+void Checkpoint::load_into(StateTensor& want) const {
+  const auto& ws = want.spec;
+  auto it = index_.find(ws.name);
+  if (it == index_.end()) throw CheckpointError(dir_ + ": no tensor '" + ws.name + "' in this checkpoint");
+  const auto& stored = it->second;
+  const auto& first = stored.front().first;
+  if (first.global_shape != ws.global_shape) {
+    auto show = [](const std::vector<int64_t>& s) { return nlohmann::json(s).dump(); };
+    throw CheckpointError(dir_ + ": '" + ws.name + "' has shape " + show(first.global_shape) +
+                          " in the checkpoint but " + show(ws.global_shape) + " in the model");
+  }
+  if (first.dtype != ws.dtype)
+    throw CheckpointError(dir_ + ": '" + ws.name + "' has dtype " + first.dtype + " in the checkpoint but " +
+                          ws.dtype + " in the model");
+  std::vector<ShardSpec> specs;
+  for (const auto& [s, f] : stored) specs.push_back(s);
+  if (covered(specs, ws) != ws.numel())
+    throw CheckpointError(dir_ + ": the stored pieces of '" + ws.name + "' do not cover " + ws.describe());
+
+  auto cpu = want.tensor.device().is_cpu() && want.tensor.is_contiguous()
+                 ? want.tensor
+                 : torch::empty({ws.numel()}, want.tensor.options().device(torch::kCPU));
+  auto* dst = static_cast<uint8_t*>(cpu.data_ptr());
+  const size_t es = cpu.element_size();
+  for (const auto& [spec, file] : stored) {
+    const auto copies = overlap(spec, ws);
+    if (copies.empty()) continue;
+    const auto path = (fs::path(dir_) / file).string();
+    auto& reader = readers_[path];
+    if (!reader) reader = std::make_shared<SafetensorsReader>(path);
+    const auto& info = reader->at(ws.name);
+    if (dtype_name(info.dtype) != spec.dtype || info.numel() != spec.numel())
+      throw CheckpointError(path + ": tensor '" + ws.name + "' disagrees with its manifest entry (dtype " +
+                            dtype_name(info.dtype) + ", " + std::to_string(info.numel()) + " elements; manifest: " +
+                            spec.dtype + ", " + std::to_string(spec.numel()) + ")");
+    const uint8_t* src = reader->data(info);
+    for (const auto& c : copies) std::memcpy(dst + c.dst * es, src + c.src * es, c.length * es);
+  }
+  if (!cpu.is_same(want.tensor)) want.tensor.view({-1}).copy_(cpu.view({-1}));
+}
+
+}  // namespace nnstrain::checkpoint

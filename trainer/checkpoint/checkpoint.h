@@ -1,0 +1,86 @@
+// Checkpoints: one folder per saved step, tensors in safetensors files (one per
+// writing rank), and manifest.json listing every stored piece's ShardSpec plus
+// the trainer state. Written into a temporary folder, fsynced, manifest last,
+// published by rename; only then the `latest` pointer moves and old ones go.
+// Loading reads, for each wanted local piece, the parts of stored pieces that
+// overlap it, so a checkpoint loads under any plan. See docs/checkpoint.md.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/checkpoint/shard_spec.h"
+
+namespace nnstrain::checkpoint {
+
+struct CheckpointError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A local piece and what it is.
+struct StateTensor {
+  ShardSpec spec;
+  at::Tensor tensor;  // the local piece, numel() == spec.numel()
+};
+
+// How this rank takes part in a collective save or load.
+struct SaveContext {
+  int rank = 0;
+  int world_size = 1;
+  std::function<void()> barrier;  // all ranks; empty when world_size == 1
+  // Rank 0 learns whether every rank succeeded (true) before publishing.
+  std::function<bool(bool ok)> all_ok;
+};
+
+struct SaveOptions {
+  std::string save_dir;
+  std::string save_type = "sharded";  // sharded | deduped
+  int keep_last = 0;                  // 0 = keep all
+};
+
+// The folder name of a step's checkpoint: "step-00000020".
+std::string step_dir_name(int64_t step);
+
+// Saves, publishes, points `latest` at it and prunes. `state` is the trainer
+// state JSON (step, cursor, scheduler...), stored in the manifest by rank 0;
+// `rank_state` is per-rank JSON (e.g. RNG) stored by each rank. Returns the folder.
+std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
+                 const std::vector<StateTensor>& tensors, const nlohmann::json& state,
+                 const nlohmann::json& rank_state);
+
+// A published checkpoint folder, opened and checked.
+class Checkpoint {
+ public:
+  explicit Checkpoint(std::string dir);  // reads and validates manifest.json
+  const std::string& dir() const { return dir_; }
+  const nlohmann::json& manifest() const { return manifest_; }
+  const nlohmann::json& state() const { return manifest_.at("state"); }
+  // Per-rank JSON saved by `rank`, if that rank saved one.
+  std::optional<nlohmann::json> rank_state(int rank) const;
+  bool has(const std::string& name) const;
+  // Fills `want` (its tensor already allocated with the right dtype and numel)
+  // from the stored pieces; errors name the tensor, file and fault.
+  void load_into(StateTensor& want) const;
+  // All stored pieces of one global tensor.
+  std::vector<std::pair<ShardSpec, std::string /*file*/>> pieces(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::string dir_;
+  nlohmann::json manifest_;
+  std::map<std::string, std::vector<std::pair<ShardSpec, std::string>>> index_;
+  mutable std::map<std::string, std::shared_ptr<class SafetensorsReader>> readers_;  // opened on first use
+};
+
+// `latest` under save_dir, if any ("" otherwise).
+std::string latest(const std::string& save_dir);
+
+}  // namespace nnstrain::checkpoint

@@ -1,0 +1,127 @@
+#include "trainer/cli/cli.h"
+
+#include <torch/torch.h>
+
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "data/prepare.h"
+#include "models/registry.h"
+#include "trainer/config/arg_map.h"
+#include "trainer/config/load.h"
+#include "trainer/dist/dist_env.h"
+#include "trainer/dist/env_command.h"
+#include "trainer/dist/launcher.h"
+#include "trainer/train/trainer.h"
+
+namespace nnstrain::cli {
+
+namespace {
+
+constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer for transformer language models
+
+  nnstrain [train] --config FILE [--resume [CKPT]] [--print-config] [--key.path value ...]
+  nnstrain launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- ARGS
+  nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
+  nnstrain prepare text --input FILE --out DIR [--level char|byte]
+  nnstrain env                     print the rank/world this process would use
+
+Overrides follow nnScaler: --optimizer.args.lr 3e-4 or --optimizer.args.lr=3e-4.
+)";
+
+config::ModelCatalog model_catalog() {
+  config::ModelCatalog c;
+  c.names = models::model_names();
+  c.parse = [](const std::string& type, config::ArgMap& args) {
+    return models::find_model(type)->parse_args(args);
+  };
+  return c;
+}
+
+int train_main(const std::vector<std::string>& argv) {
+  std::string config_file, resume;
+  bool print_config = false;
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const auto& a = argv[i];
+    if (a == "--config" || a.rfind("--config=", 0) == 0) {
+      if (a == "--config") {
+        if (i + 1 >= argv.size()) { std::cerr << "nnstrain: --config needs a file\n"; return 2; }
+        config_file = argv[++i];
+      } else {
+        config_file = a.substr(9);
+      }
+    } else if (a == "--resume") {
+      resume = "last";
+      if (i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0) resume = argv[++i];
+    } else if (a.rfind("--resume=", 0) == 0) {
+      resume = a.substr(9);
+    } else if (a == "--print-config") {
+      print_config = true;
+    } else if (a == "-h" || a == "--help") {
+      std::cout << kUsage;
+      return 0;
+    } else {
+      rest.push_back(a);
+    }
+  }
+  if (config_file.empty()) {
+    std::cerr << "nnstrain: missing --config FILE\n\n" << kUsage;
+    return 2;
+  }
+  dist::DistEnv env;
+  config::TrainerArgs args;
+  try {
+    env = dist::read_dist_env();
+    config::LoadOptions lo;
+    lo.overrides = config::parse_overrides(rest);
+    lo.models = model_catalog();
+    lo.world_size = env.world_size;
+    lo.check_files = !print_config;
+    args = config::load_trainer_args(config_file, lo);
+  } catch (const config::ConfigError& e) {
+    std::cerr << "nnstrain: config error: " << e.what() << "\n";
+    return 2;
+  } catch (const dist::DistEnvError& e) {
+    std::cerr << "nnstrain: launch environment error: " << e.what() << "\n";
+    return 2;
+  }
+  if (print_config) {
+    std::cout << args.resolved_yaml;
+    return 0;
+  }
+  try {
+    return train::run(args, env, {resume});
+  } catch (const config::ConfigError& e) {
+    std::cerr << "nnstrain: config error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "nnstrain: rank " << env.rank << ": error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  const std::string cmd = args.empty() ? "" : args.front();
+  auto tail = [&] { return std::vector<std::string>(args.begin() + 1, args.end()); };
+  if (cmd == "train") return train_main(tail());
+  if (cmd == "launch") return dist::launch_main(tail(), "/proc/self/exe");
+  if (cmd == "prepare") return data::prepare_main(tail());
+  if (cmd == "env") return dist::env_main(tail());
+  if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {
+    std::cout << kUsage;
+    return cmd.empty() ? 2 : 0;
+  }
+  if (cmd.rfind("-", 0) != 0) {
+    std::cerr << "nnstrain: unknown command '" << cmd << "'\n\n" << kUsage;
+    return 2;
+  }
+  return train_main(args);
+}
+
+}  // namespace nnstrain::cli

@@ -1,0 +1,453 @@
+#include "trainer/config/load.h"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <sstream>
+
+#include "trainer/config/arg_map_impl.h"
+
+namespace nnstrain::config {
+
+namespace fs = std::filesystem;
+using Impl = ArgMap::Impl;
+
+namespace {
+
+YAML::Node read_config_file(const std::string& file) {
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec))
+    throw ConfigError(file + ": configuration file not found" +
+                      (fs::exists(file, ec) ? " (it is not a regular file)" : ""));
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(file);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(file + " (line " + std::to_string(e.mark.line + 1) + "): YAML syntax error: " + e.msg);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(file + ": cannot read: " + e.what());
+  }
+  if (root.IsNull()) return YAML::Node(YAML::NodeType::Map);  // an empty file: "model is missing" follows
+  if (!root.IsMap())
+    throw ConfigError(file + ": the top level must be a mapping (model: ..., optimizer: ...), got a " +
+                      (root.IsSequence() ? "list" : "single value"));
+  return root;
+}
+
+bool parse_index(const std::string& s, size_t& idx) {
+  if (s.empty() || s.size() > 9 ||
+      !std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); }))
+    return false;
+  idx = std::stoul(s);
+  return true;
+}
+
+// Set `key` (dotted; a number indexes a list) to `value` read as YAML, creating
+// missing mappings on the way. Records what it sets or creates as command-line.
+void apply_override(YAML::Node& root, ConfigContext& ctx, const std::string& key, const std::string& value) {
+  auto bad = [&](const std::string& message) {
+    throw ConfigError(ctx.file + ": " + key + " (command line): " + message);
+  };
+  std::vector<std::string> parts;
+  std::stringstream ss(key);
+  for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
+  if (key.empty() || key.back() == '.' ||
+      std::any_of(parts.begin(), parts.end(), [](const std::string& p) { return p.empty(); }))
+    bad("malformed key (expected names separated by dots, like optimizer.args.lr)");
+
+  YAML::Node parsed;
+  if (value.empty()) {
+    parsed = YAML::Node(std::string());  // --key= sets an empty string
+  } else {
+    try {
+      parsed = YAML::Load(value);
+    } catch (const YAML::Exception& e) {
+      bad("cannot read the value '" + value + "' as YAML: " + e.msg);
+    }
+  }
+
+  YAML::Node cur;
+  cur.reset(root);
+  std::string path;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string& part = parts[i];
+    const bool last = i + 1 == parts.size();
+    YAML::Node next;
+    if (cur.IsSequence()) {
+      size_t idx = 0;
+      if (!parse_index(part, idx) || idx >= cur.size())
+        bad(path + " is a list of " + std::to_string(cur.size()) + " items; '" + part +
+            "' is not an index into it");
+      path += "[" + part + "]";
+      if (last) cur[idx] = parsed;
+      else next.reset(cur[idx]);
+    } else if (!cur.IsDefined() || cur.IsMap() || cur.IsNull()) {  // undefined: created just now
+      bool existed = false;
+      if (cur.IsMap())
+        for (const auto& kv : cur) existed = existed || kv.first.Scalar() == part;
+      path += (path.empty() ? "" : ".") + part;
+      if (last) cur[part] = parsed;
+      else next.reset(cur[part]);
+      if (!existed) ctx.cmdline_paths.insert(path);
+    } else {
+      bad(path + " is a single value ('" + cur.Scalar() + "'), so it has no key '" + part + "'");
+    }
+    if (!last) cur.reset(next);
+  }
+  ctx.cmdline_paths.insert(path);
+}
+
+// Resolve references between variables (vars may use earlier or later vars); a
+// chain longer than the number of variables is a cycle.
+YAML::Node resolve_vars(Impl& vars_map) {
+  YAML::Node resolved(YAML::NodeType::Map);
+  for (const auto& e : vars_map.entries) resolved[e.key] = YAML::Clone(e.value);
+  std::function<bool(const YAML::Node&)> has_ref = [&](const YAML::Node& n) {
+    if (n.IsScalar()) return n.Scalar().find("$(") != std::string::npos;
+    for (const auto& item : n)
+      if (has_ref(n.IsMap() ? item.second : item)) return true;
+    return false;
+  };
+  std::function<YAML::Node(const YAML::Node&, const YAML::Node&, const std::string&)> pass =
+      [&](const YAML::Node& n, const YAML::Node& lookup, const std::string& key) -> YAML::Node {
+    if (n.IsScalar())
+      return substitute_vars(n, lookup, [&](const std::string& m) { vars_map.fail(key, m); });
+    if (n.IsSequence()) {
+      YAML::Node seq(YAML::NodeType::Sequence);
+      for (const auto& item : n) seq.push_back(pass(item, lookup, key));
+      seq.SetStyle(n.Style());
+      return seq;
+    }
+    if (n.IsMap()) {
+      YAML::Node map(YAML::NodeType::Map);
+      for (const auto& kv : n) map[kv.first.Scalar()] = pass(kv.second, lookup, key);
+      return map;
+    }
+    return n;
+  };
+  for (size_t round = 0; round <= vars_map.entries.size(); ++round) {
+    std::string pending;
+    for (const auto& e : vars_map.entries)
+      if (has_ref(resolved[e.key])) pending = pending.empty() ? e.key : pending;
+    if (pending.empty()) return resolved;
+    YAML::Node next(YAML::NodeType::Map);
+    for (const auto& e : vars_map.entries) next[e.key] = pass(resolved[e.key], resolved, e.key);
+    resolved.reset(next);
+    if (round == vars_map.entries.size()) vars_map.fail(pending, "circular reference between variables");
+  }
+  return resolved;
+}
+
+TokenBinArgs read_token_bin(ArgMap& m, const TokenBinArgs* defaults) {
+  TokenBinArgs t;
+  t.path = m.get_string("path");
+  if (t.path.empty()) m.fail("path", "must not be empty");
+  t.dtype = m.get_string("dtype", defaults ? defaults->dtype : std::string("uint16"), {"uint16", "uint32"});
+  t.seq_len = defaults ? m.get_int("seq_len", defaults->seq_len, 1) : m.get_int("seq_len", std::nullopt, 1);
+  return t;
+}
+
+void check_token_file(const ArgMap& m, const TokenBinArgs& t) {
+  std::error_code ec;
+  if (!fs::exists(t.path, ec))
+    m.fail("path", "data file not found: " + t.path +
+                       (fs::path(t.path).is_relative() ? " (relative to the working directory " +
+                                                             fs::current_path(ec).string() + ")"
+                                                       : ""));
+  if (!fs::is_regular_file(t.path, ec)) m.fail("path", t.path + " is not a regular file");
+  const uintmax_t bytes = fs::file_size(t.path, ec);
+  const uintmax_t item = t.dtype == "uint32" ? 4 : 2;
+  if (bytes % item != 0)
+    m.fail("path", t.path + " has " + std::to_string(bytes) + " bytes, not a whole number of " + t.dtype +
+                       " tokens (is dtype right?)");
+  if (bytes / item < static_cast<uintmax_t>(t.seq_len) + 1)
+    m.fail("path", t.path + " holds " + std::to_string(bytes / item) + " tokens; seq_len " +
+                       std::to_string(t.seq_len) + " needs at least " + std::to_string(t.seq_len + 1));
+}
+
+// Canonical precision names, then the nnScaler spellings they also accept.
+const std::vector<std::pair<std::string, std::string>> kPrecisionAliases = {
+    {"fp32", "32-true"}, {"fp16", "16-true"}, {"bf16", "bf16-true"}};
+const std::vector<std::string> kPrecisions = {"32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"};
+
+// Empty mappings and lists print as {} and [] on the key's own line.
+void compact_empty(const YAML::Node& n) {
+  if (!n.IsMap() && !n.IsSequence()) return;
+  if (n.size() == 0) {
+    YAML::Node(n).SetStyle(YAML::EmitterStyle::Flow);
+    return;
+  }
+  for (const auto& item : n) compact_empty(n.IsMap() ? item.second : item);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vector<std::string>& tokens) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const std::string& tok = tokens[i];
+    if (tok.size() < 3 || tok.compare(0, 2, "--") != 0)
+      throw ConfigError("unexpected argument '" + tok +
+                        "': configuration overrides look like --key.path value or --key.path=value");
+    const std::string body = tok.substr(2);
+    const size_t eq = body.find('=');
+    std::string key = body.substr(0, eq);
+    if (key.empty()) throw ConfigError("'" + tok + "': missing the key before '='");
+    if (eq != std::string::npos) {
+      out.emplace_back(key, body.substr(eq + 1));
+    } else {
+      if (i + 1 == tokens.size() || tokens[i + 1].compare(0, 2, "--") == 0)
+        throw ConfigError(key + " (command line): --" + key + " has no value (use --" + key +
+                          " VALUE or --" + key + "=VALUE)");
+      out.emplace_back(key, tokens[++i]);
+    }
+  }
+  return out;
+}
+
+TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) {
+  auto ctx = std::make_shared<ConfigContext>();
+  ctx->file = file;
+  YAML::Node root = read_config_file(file);
+  for (const auto& [key, value] : opts.overrides) apply_override(root, *ctx, key, value);
+
+  auto top_impl = Impl::make(ctx, "", "", root);
+  ArgMap top(top_impl);
+  TrainerArgs t;
+  t.config_file = file;
+
+  // vars: every entry is taken (unused variables are fine), resolved first.
+  {
+    auto vars_impl = top_impl->child("vars", false);
+    ctx->vars = resolve_vars(*vars_impl);
+    for (const auto& e : vars_impl->entries) vars_impl->consumed.insert(e.key);
+    if (vars_impl->entries.empty()) top_impl->out.remove("vars");
+    else top_impl->record("vars", ctx->vars);
+  }
+
+  t.run_dir = top.get_string("run_dir", "runs/" + fs::path(file).stem().string());
+  if (t.run_dir.empty()) top.fail("run_dir", "must not be empty");
+
+  ArgMap cc = top.child("compute_config");
+  auto& c = t.compute_config;
+  c.plan_ngpus = static_cast<int>(cc.get_int("plan_ngpus", 1, 1, 1 << 20));
+  const bool runtime_given = cc.has("runtime_ngpus");
+  c.runtime_ngpus = static_cast<int>(cc.get_int("runtime_ngpus", opts.world_size, 1, 1 << 20));
+  c.use_zero = cc.get_bool("use_zero", false);
+  c.zero_ngroups = static_cast<int>(cc.get_int("zero_ngroups", 1, 1, 1 << 20));
+  c.reducer_bucket_cap_mb = cc.get_float("reducer_bucket_cap_mb", 25.0);
+  if (c.reducer_bucket_cap_mb <= 0) cc.fail("reducer_bucket_cap_mb", "must be > 0");
+  c.collective_timeout_s = cc.get_float("collective_timeout_s", 600.0);
+  if (c.collective_timeout_s <= 0) cc.fail("collective_timeout_s", "must be > 0");
+  c.backend = cc.get_string("backend", "auto", {"auto", "nccl", "gloo"});
+  c.device = cc.get_string("device", "auto", {"auto", "cpu", "cuda"});
+  c.memory_budget_gb = cc.get_float("memory_budget_gb", 0.0, 0.0);
+  c.allow_tf32 = cc.get_bool("allow_tf32", false);
+  c.cuda_graphs = cc.get_bool("cuda_graphs", false);
+
+  t.pas_policy = top.get_string("pas_policy", "autodist", {"dp", "tp", "hybrid", "autodist"});
+
+  // model: the registry parses `args`; the loader never names a model.
+  auto model_impl = top_impl->child("model", true);
+  ArgMap model(model_impl);
+  t.model.type = model.get_string("type");
+  const auto& names = opts.models.names;
+  const bool check_type = opts.models.parse || !names.empty();
+  if (check_type && std::find(names.begin(), names.end(), t.model.type) == names.end())
+    model.fail("type", "unknown model type '" + t.model.type + "'" + did_you_mean(t.model.type, names) +
+                           (names.empty() ? "; no models are registered" : "; registered: " + join(names)));
+  if (opts.models.parse) {
+    ArgMap args = model.child("args");
+    t.model.args = opts.models.parse(t.model.type, args);
+    args.finish();
+  } else {
+    model_impl->take_raw("args");
+  }
+  t.model.init_from = model.get_string("init_from", "");
+  t.model.activation_checkpointing = model.get_bool("activation_checkpointing", false);
+  t.model.loss = model.get_string("loss", "plain", {"plain", "chunked"});
+  t.model.loss_chunk_size = static_cast<int>(model.get_int("loss_chunk_size", 4096, 1, 1 << 30));
+
+  ArgMap optim = top.child("optimizer");
+  auto& o = t.optimizer;
+  o.type = optim.get_string("type", "adamw", {"adamw"});
+  ArgMap oargs = optim.child("args");
+  o.lr = oargs.get_float("lr", 1e-3);
+  if (o.lr <= 0) oargs.fail("lr", "must be > 0, got " + format_double(o.lr));
+  const std::vector<double> betas = oargs.get_float_list("betas", std::vector<double>{0.9, 0.999});
+  if (betas.size() != 2) oargs.fail("betas", "expected two numbers [beta1, beta2], got " + std::to_string(betas.size()));
+  for (double b : betas)
+    if (b < 0 || b >= 1) oargs.fail("betas", "each beta must be in [0, 1), got " + format_double(b));
+  o.beta1 = betas[0];
+  o.beta2 = betas[1];
+  o.eps = oargs.get_float("eps", 1e-8);
+  if (o.eps <= 0) oargs.fail("eps", "must be > 0, got " + format_double(o.eps));
+  o.weight_decay = oargs.get_float("weight_decay", 0.01, 0.0);
+  o.impl = oargs.get_string("impl", "auto", {"auto", "fused", "foreach", "loop"});
+  o.clip_gnorm = optim.get_float("clip_gnorm", 0.0, 0.0);
+
+  ArgMap sched = top.child("lr_scheduler");
+  auto& s = t.lr_scheduler;
+  s.type = sched.get_string("type", "constant", {"constant", "linear", "cosine"});
+  ArgMap sargs = sched.child("args");
+  s.warmup_steps = sargs.get_int("warmup_steps", 0, 0);
+  s.decay_steps = sargs.get_int("decay_steps", 0, 0);
+  s.min_lr = sargs.get_float("min_lr", 0.0, 0.0);
+  s.interval = sched.get_string("interval", "step", {"step", "epoch"});
+
+  ArgMap ds = top.child("dataset", true);
+  t.dataset.type = ds.get_string("type", "token_bin", {"token_bin"});
+  ArgMap train_args = ds.child("train_args", true);
+  t.dataset.train_args = read_token_bin(train_args, nullptr);
+  std::optional<ArgMap> val_args;
+  if (ds.has("val_args")) {
+    val_args.emplace(ds.child("val_args"));
+    t.dataset.val_args = read_token_bin(*val_args, &t.dataset.train_args);
+  }
+
+  ArgMap dl = top.child("dataloader");
+  t.dataloader.prefetch = static_cast<int>(dl.get_int("prefetch", 2, 0, 1024));
+  t.dataloader.pin_memory = dl.get_bool("pin_memory", true);
+
+  ArgMap ck = top.child("checkpoint");
+  auto& k = t.checkpoint;
+  k.save_dir = ck.get_string("save_dir", "");
+  k.save_type = ck.get_string("save_type", "sharded", {"sharded", "deduped"});
+  k.every_n_train_steps = ck.get_int("every_n_train_steps", 0, 0);
+  k.keep_last_n_checkpoints = static_cast<int>(ck.get_int("keep_last_n_checkpoints", 0, 0, 1 << 20));
+  k.resume_from = ck.get_string("resume_from", "");
+  k.save_on_end = ck.get_bool("save_on_end", true);
+
+  std::vector<std::string> precision_choices = kPrecisions;
+  for (const auto& [alias, canonical] : kPrecisionAliases) precision_choices.push_back(alias);
+  t.precision = top.get_string("precision", "32-true", precision_choices);
+  for (const auto& [alias, canonical] : kPrecisionAliases)
+    if (t.precision == alias) t.precision = canonical;
+  top_impl->record("precision", YAML::Node(t.precision));
+
+  t.micro_batch_size = top.get_int("micro_batch_size", 1, 1);
+  const bool accumulation_given = top.has("grad_accumulation_steps");
+  t.grad_accumulation_steps = top.get_int("grad_accumulation_steps", 1, 1);
+  t.global_batch_size = top.get_int("global_batch_size", 0, 0);
+  t.max_train_steps = top.get_int("max_train_steps", 0, 0);
+  t.max_epochs = top.get_int("max_epochs", 0, 0);
+  t.val_every_n_train_steps = top.get_int("val_every_n_train_steps", 0, 0);
+  t.max_val_steps = top.get_int("max_val_steps", 0, 0);
+  t.log_progress_every_n_train_steps = top.get_int("log_progress_every_n_train_steps", 10, 1);
+  t.seed = static_cast<uint64_t>(top.get_int("seed", 0, 0));
+
+  // log: a list of sinks; absent = console plus <run_dir>/metrics.jsonl.
+  const std::string default_metrics = (fs::path(t.run_dir) / "metrics.jsonl").string();
+  if (top.has("log")) {
+    for (auto& sink_impl : top_impl->child_list("log")) {
+      ArgMap sink(sink_impl);
+      LogSink ls;
+      ls.type = sink.get_string("type", std::nullopt, {"console", "jsonl"});
+      ArgMap sargs_ = sink.child("args");
+      if (ls.type == "jsonl") {
+        ls.path = sargs_.get_string("path", default_metrics);
+        if (ls.path.empty()) sargs_.fail("path", "must not be empty");
+      }
+      t.log.push_back(ls);
+    }
+  } else {
+    t.log = {{"console", ""}, {"jsonl", default_metrics}};
+    YAML::Node seq(YAML::NodeType::Sequence);
+    for (const auto& ls : t.log) {
+      YAML::Node sink(YAML::NodeType::Map);
+      sink["type"] = ls.type;
+      YAML::Node args(YAML::NodeType::Map);
+      if (!ls.path.empty()) args["path"] = ls.path;
+      sink["args"] = args;
+      seq.push_back(sink);
+    }
+    top_impl->record("log", seq);
+  }
+
+  // Unknown keys before the checks that combine keys: a misspelt key would
+  // otherwise surface as a confusing consequence of its default.
+  top.finish();
+
+  if (runtime_given && opts.world_size > 1 && c.runtime_ngpus != opts.world_size)
+    cc.fail("runtime_ngpus", "is " + std::to_string(c.runtime_ngpus) + " but the job was launched with " +
+                                 std::to_string(opts.world_size) +
+                                 " processes (world size); leave it out to use the launch size");
+  if (c.runtime_ngpus % c.plan_ngpus != 0)
+    cc.fail("runtime_ngpus", std::to_string(c.runtime_ngpus) + " is not a multiple of plan_ngpus " +
+                                 std::to_string(c.plan_ngpus));
+  const int64_t dp = c.runtime_ngpus / c.plan_ngpus;
+  if (dp % c.zero_ngroups != 0)
+    cc.fail("zero_ngroups", std::to_string(c.zero_ngroups) + " does not divide the data-parallel size " +
+                                std::to_string(dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
+                                " / plan_ngpus " + std::to_string(c.plan_ngpus) + ")");
+  if (c.backend == "nccl" && c.device == "cpu")
+    cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
+
+  // global = micro x dp x accumulation. Given a global batch and no accumulation,
+  // derive the accumulation (as nnScaler does), so one file fits any dp.
+  const std::string dp_text = "dp " + std::to_string(dp) + " (runtime_ngpus " +
+                              std::to_string(c.runtime_ngpus) + " / plan_ngpus " +
+                              std::to_string(c.plan_ngpus) + ")";
+  const int64_t per_step = t.micro_batch_size * dp;
+  if (t.global_batch_size > 0 && !accumulation_given) {
+    if (t.global_batch_size % per_step != 0)
+      top.fail("global_batch_size",
+               std::to_string(t.global_batch_size) + " is not a multiple of micro_batch_size " +
+                   std::to_string(t.micro_batch_size) + " x " + dp_text + " = " + std::to_string(per_step));
+    t.grad_accumulation_steps = t.global_batch_size / per_step;
+    top_impl->record("grad_accumulation_steps", YAML::Node(std::to_string(t.grad_accumulation_steps)));
+  }
+  const int64_t product = per_step * t.grad_accumulation_steps;
+  if (t.global_batch_size > 0 && t.global_batch_size != product)
+    top.fail("global_batch_size",
+             std::to_string(t.global_batch_size) + " != micro_batch_size " + std::to_string(t.micro_batch_size) +
+                 " x " + dp_text + " x grad_accumulation_steps " + std::to_string(t.grad_accumulation_steps) +
+                 " = " + std::to_string(product));
+  t.global_batch_size = product;
+  top_impl->record("global_batch_size", YAML::Node(std::to_string(product)));
+
+  if (t.max_train_steps == 0 && t.max_epochs == 0)
+    top.fail("max_train_steps", "one of max_train_steps or max_epochs must be > 0");
+  if (t.val_every_n_train_steps > 0 && !t.dataset.val_args)
+    top.fail("val_every_n_train_steps", "validation needs dataset.val_args, which is not set");
+  if (s.min_lr > o.lr)
+    sargs.fail("min_lr", format_double(s.min_lr) + " is above optimizer.args.lr " + format_double(o.lr));
+  if (s.decay_steps > 0 && s.warmup_steps > s.decay_steps)
+    sargs.fail("warmup_steps", std::to_string(s.warmup_steps) + " is longer than decay_steps " +
+                                   std::to_string(s.decay_steps));
+  if (k.every_n_train_steps > 0 && k.save_dir.empty())
+    ck.fail("every_n_train_steps", "periodic checkpoints need checkpoint.save_dir");
+  if (k.resume_from == "last" && k.save_dir.empty())
+    ck.fail("resume_from", "'last' looks in checkpoint.save_dir, which is not set");
+
+  if (opts.check_files) {
+    check_token_file(train_args, t.dataset.train_args);
+    if (val_args) check_token_file(*val_args, *t.dataset.val_args);
+  }
+
+  compact_empty(top_impl->out);
+  YAML::Emitter emitter;
+  emitter << top_impl->out;
+  t.resolved_yaml = std::string(emitter.c_str()) + "\n";
+
+  if (opts.reject_unimplemented) check_implemented(t);
+  return t;
+}
+
+void check_implemented(const TrainerArgs& a) {
+  auto reject = [&](const std::string& key, const std::string& what) {
+    throw ConfigError(a.config_file + ": " + key + ": " + what + " is not implemented yet");
+  };
+  const auto& c = a.compute_config;
+  if (c.use_zero) reject("compute_config.use_zero", "ZeRO-1 (use_zero: true)");
+  if (c.plan_ngpus > 1) reject("compute_config.plan_ngpus", "tensor parallelism (plan_ngpus > 1)");
+  if (c.runtime_ngpus > 1) reject("compute_config.runtime_ngpus", "training on more than one process");
+  if (a.checkpoint.save_type == "deduped") reject("checkpoint.save_type", "save_type: deduped");
+  if (a.precision != "32-true") reject("precision", "precision " + a.precision);
+  if (!a.model.init_from.empty()) reject("model.init_from", "loading pretrained weights");
+  if (a.model.loss == "chunked") reject("model.loss", "the chunked loss");
+  if (a.model.activation_checkpointing) reject("model.activation_checkpointing", "activation checkpointing");
+  if (a.pas_policy != "dp" && a.pas_policy != "autodist") reject("pas_policy", "pas_policy " + a.pas_policy);
+}
+
+}  // namespace nnstrain::config

@@ -1,0 +1,45 @@
+// Loading a TrainerArgs YAML file: overrides, vars, validation, the resolved config.
+// Every error is a ConfigError naming the file, the key path and its line (or
+// "(command line)" for an override). Reference: docs/config.md.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "trainer/config/arg_map.h"
+#include "trainer/config/trainer_args.h"
+
+namespace nnstrain::config {
+
+// What the model registry offers the loader (the loader never names a model).
+struct ModelCatalog {
+  std::vector<std::string> names;  // registered model types, for messages
+  // Parse `model.args` for `type`; called only for a registered type. The loader
+  // calls args.finish() afterwards, so unknown model args are reported too.
+  // Left empty, model.args is taken unvalidated and ModelArgs::args stays null.
+  std::function<std::shared_ptr<const ModelConfig>(const std::string& type, ArgMap& args)> parse;
+};
+
+struct LoadOptions {
+  std::vector<std::pair<std::string, std::string>> overrides;  // {"optimizer.args.lr", "3e-4"}
+  ModelCatalog models;
+  int world_size = 1;              // from the launcher; runtime_ngpus defaults to it
+  bool check_files = true;         // data files must exist
+  bool reject_unimplemented = true;  // call check_implemented() (off: `nnstrain plan` for future setups)
+};
+
+// Throws ConfigError.
+TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts);
+
+// "--a.b.c value" / "--a.b.c=value" tokens (argv leftovers) -> overrides, in order.
+// Throws ConfigError on a key without a value or a token that is not an override.
+std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vector<std::string>& tokens);
+
+// Rejects, naming the key, what the engine cannot do yet. One check per line: delete
+// a line when its feature lands.
+void check_implemented(const TrainerArgs& args);
+
+}  // namespace nnstrain::config

@@ -1,0 +1,118 @@
+// TrainerArgs: the whole run configuration as typed, validated structs.
+// Filled once by load_trainer_args() (config/load.h); nothing downstream reads YAML.
+// Key names follow nnScaler's TrainerArgs.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace nnstrain::config {
+
+// Opaque, model-specific arguments (e.g. GptConfig); parsed by the model registry.
+struct ModelConfig {
+  virtual ~ModelConfig() = default;
+};
+
+struct ComputeConfig {
+  int plan_ngpus = 1;           // ranks one model replica spans (tensor parallel degree)
+  int runtime_ngpus = 0;        // total ranks; 0 = take WORLD_SIZE from the launcher
+  bool use_zero = false;        // ZeRO-1: optimizer states partitioned over dp ranks
+  int zero_ngroups = 1;         // ZeRO partitions within groups of dp/zero_ngroups ranks
+  double reducer_bucket_cap_mb = 25.0;
+  double collective_timeout_s = 600.0;
+  std::string backend = "auto"; // auto | nccl | gloo
+  std::string device = "auto";  // auto | cpu | cuda
+  double memory_budget_gb = 0;  // per-rank budget for the planner; 0 = fraction of device memory
+  bool allow_tf32 = false;
+  bool cuda_graphs = false;
+};
+
+struct ModelArgs {
+  std::string type;                           // registered model name
+  std::shared_ptr<const ModelConfig> args;    // parsed by the registry for `type`
+  std::string init_from;                      // optional Hugging Face directory
+  bool activation_checkpointing = false;
+  std::string loss = "plain";                 // plain | chunked
+  int loss_chunk_size = 4096;                 // tokens per chunk for the chunked loss
+};
+
+struct OptimizerArgs {
+  std::string type = "adamw";
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  std::string impl = "auto";      // auto | fused | foreach | loop
+  double clip_gnorm = 0.0;        // 0 = no clipping
+};
+
+struct LrSchedulerArgs {
+  std::string type = "constant";  // constant | linear | cosine (warmup then cosine, nanoGPT)
+  int64_t warmup_steps = 0;
+  int64_t decay_steps = 0;        // 0 = max_train_steps
+  double min_lr = 0.0;
+  std::string interval = "step";  // step | epoch
+};
+
+struct TokenBinArgs {
+  std::string path;               // nanoGPT-format token file
+  std::string dtype = "uint16";   // uint16 | uint32
+  int64_t seq_len = 0;            // tokens per sample (targets are shifted by one)
+};
+
+struct DatasetArgs {
+  std::string type = "token_bin";
+  TokenBinArgs train_args;
+  std::optional<TokenBinArgs> val_args;
+};
+
+struct DataloaderArgs {
+  int prefetch = 2;               // batches prepared ahead by the loader thread
+  bool pin_memory = true;
+};
+
+struct CheckpointArgs {
+  std::string save_dir;           // empty = no checkpoints
+  std::string save_type = "sharded";  // sharded | deduped
+  int64_t every_n_train_steps = 0;    // 0 = only at the end
+  int keep_last_n_checkpoints = 0;    // 0 = keep all
+  std::string resume_from;            // a checkpoint folder, or "last"
+  bool save_on_end = true;
+};
+
+struct LogSink {
+  std::string type;               // console | jsonl
+  std::string path;               // for file sinks
+};
+
+struct TrainerArgs {
+  std::string config_file;
+  std::string run_dir;            // where metrics.jsonl goes
+  ComputeConfig compute_config;
+  std::string pas_policy = "autodist";  // dp | tp | hybrid | autodist
+  ModelArgs model;
+  OptimizerArgs optimizer;
+  LrSchedulerArgs lr_scheduler;
+  DatasetArgs dataset;
+  DataloaderArgs dataloader;
+  CheckpointArgs checkpoint;
+  std::string precision = "32-true";  // 32-true | 16-true | bf16-true | 16-mixed | bf16-mixed
+  int64_t micro_batch_size = 1;
+  int64_t grad_accumulation_steps = 1;
+  int64_t global_batch_size = 0;      // 0 = micro x dp x accumulation
+  int64_t max_train_steps = 0;        // 0 = from max_epochs
+  int64_t max_epochs = 0;
+  int64_t val_every_n_train_steps = 0;
+  int64_t max_val_steps = 0;
+  int64_t log_progress_every_n_train_steps = 10;
+  uint64_t seed = 0;
+  std::vector<LogSink> log;
+
+  std::string resolved_yaml;          // the resolved configuration, as YAML
+};
+
+}  // namespace nnstrain::config

@@ -1,0 +1,692 @@
+#include "trainer/dist/launcher.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <set>
+#include <stdexcept>
+
+extern char** environ;
+
+namespace nnstrain::dist {
+
+namespace {
+
+constexpr const char* kUsage =
+    R"(usage: nnstrain launch --nproc-per-node N [--nnodes M --node-rank R
+                       --master-addr HOST --master-port PORT] [--exec] -- ARGS...
+
+Starts N worker processes on this node, as torchrun does, each running
+`nnstrain ARGS...` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (and
+OMP_NUM_THREADS=1 unless it is set). Every line a worker prints is echoed as
+"[rank N] line". When a worker fails, the others get SIGTERM, then SIGKILL 5 s
+later. SIGINT, SIGTERM and SIGHUP are passed on to the workers.
+
+  --nproc-per-node N   workers on this node (one per GPU)
+  --nnodes M           nodes in the job (default 1): run one launcher per node
+  --node-rank R        this node's index, 0..M-1 (needed when M > 1)
+  --master-addr HOST   host of rank 0 (default 127.0.0.1; needed when M > 1)
+  --master-port PORT   rank 0's rendezvous port (default: a free one; needed when M > 1)
+  --exec               ARGS[0] is any program, not an nnstrain subcommand
+                       (torchrun's --no-python; also accepted)
+)";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Config {
+  int nproc = 0;
+  int nnodes = 1;
+  std::optional<int> node_rank;
+  std::optional<std::string> master_addr;
+  std::optional<int> master_port;
+  bool exec = false;
+  bool help = false;
+  std::vector<std::string> command;
+};
+
+int parse_int(const std::string& flag, const std::string& value, int min, int max) {
+  long long v = 0;
+  bool ok = !value.empty() && value.size() <= 9;
+  for (char c : value) ok = ok && c >= '0' && c <= '9';
+  if (ok) v = std::stoll(value);
+  if (!ok || v < min || v > max)
+    throw UsageError(flag + " '" + value + "' is not a whole number from " + std::to_string(min) + " to " +
+                     std::to_string(max));
+  return static_cast<int>(v);
+}
+
+Config parse(const std::vector<std::string>& args) {
+  Config c;
+  bool have_nproc = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") {
+      c.command.assign(args.begin() + i + 1, args.end());
+      break;
+    }
+    if (a == "-h" || a == "--help") {
+      c.help = true;
+      return c;
+    }
+    if (a.rfind("--", 0) != 0) {  // the first positional starts the command, as torchrun's script does
+      c.command.assign(args.begin() + i, args.end());
+      break;
+    }
+    std::string name = a.substr(2), value;
+    bool has_value = false;
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+      has_value = true;
+    }
+    for (char& ch : name)
+      if (ch == '_') ch = '-';  // torchrun spells them both ways
+    const std::string flag = "--" + name;
+    if (name == "exec" || name == "no-python") {
+      if (has_value) throw UsageError(flag + " takes no value");
+      c.exec = true;
+      continue;
+    }
+    static const std::set<std::string> valued = {"nproc-per-node", "nnodes", "node-rank", "master-addr",
+                                                 "master-port"};
+    if (!valued.count(name))
+      throw UsageError("unknown option '" + a + "' (launcher options go before '--', the command after it)");
+    if (!has_value) {
+      if (i + 1 >= args.size()) throw UsageError(flag + " needs a value");
+      value = args[++i];
+    }
+    if (name == "nproc-per-node") {
+      c.nproc = parse_int(flag, value, 1, 4096);
+      have_nproc = true;
+    } else if (name == "nnodes") {
+      c.nnodes = parse_int(flag, value, 1, 1 << 20);
+    } else if (name == "node-rank") {
+      c.node_rank = parse_int(flag, value, 0, 1 << 20);
+    } else if (name == "master-addr") {
+      if (value.empty()) throw UsageError("--master-addr is empty");
+      c.master_addr = value;
+    } else {
+      c.master_port = parse_int(flag, value, 1, 65535);
+    }
+  }
+  if (!have_nproc) throw UsageError("--nproc-per-node is required");
+  if (c.command.empty()) throw UsageError("nothing to run: put the command after '--'");
+  if (c.nnodes > 1) {
+    std::string missing;
+    if (!c.node_rank) missing += " --node-rank";
+    if (!c.master_addr) missing += " --master-addr";
+    if (!c.master_port) missing += " --master-port";
+    if (!missing.empty())
+      throw UsageError("--nnodes " + std::to_string(c.nnodes) + " needs" + missing +
+                       " (every node's launcher must agree on where rank 0 listens)");
+  }
+  if (c.node_rank.value_or(0) >= c.nnodes)
+    throw UsageError("--node-rank " + std::to_string(*c.node_rank) + " is not below --nnodes " +
+                     std::to_string(c.nnodes));
+  if (static_cast<long long>(c.nproc) * c.nnodes > INT_MAX) throw UsageError("too many workers");
+  return c;
+}
+
+// A port nobody listens on now. Racy, as torchrun's is: another process may take
+// it before rank 0 binds it.
+int free_port() {
+  int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    int err = errno;
+    close(s);
+    throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(err));
+  }
+  close(s);
+  return ntohs(a.sin_port);
+}
+
+void write_all(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = write(fd, data.data() + done, data.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd p{fd, POLLOUT, 0};
+      poll(&p, 1, -1);
+    } else {
+      return;  // the reader went away (EPIPE): drop the output, keep supervising
+    }
+  }
+}
+
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGHUP: return "SIGHUP";
+    case SIGINT: return "SIGINT";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGILL: return "SIGILL";
+    case SIGTRAP: return "SIGTRAP";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGKILL: return "SIGKILL";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGALRM: return "SIGALRM";
+    case SIGTERM: return "SIGTERM";
+    case SIGXCPU: return "SIGXCPU";
+    case SIGXFSZ: return "SIGXFSZ";
+    default: return "";
+  }
+}
+
+std::string describe_end(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    std::string name = signal_name(sig);
+    std::string s = "was killed by signal " + std::to_string(sig) + (name.empty() ? "" : " (" + name + ")");
+#ifdef WCOREDUMP
+    if (WCOREDUMP(status)) s += ", core dumped";
+#endif
+    return s;
+  }
+  return "ended with wait status " + std::to_string(status);
+}
+
+bool failed(int status) { return !WIFEXITED(status) || WEXITSTATUS(status) != 0; }
+
+// ------------------------------------------------------------------ signals
+
+// The handler only writes the signal number into a pipe that the poll loop
+// watches (the self-pipe trick), so all real work happens outside it.
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  int saved = errno;
+  unsigned char b = static_cast<unsigned char>(sig);
+  ssize_t r = write(g_signal_pipe[1], &b, 1);
+  (void)r;
+  errno = saved;
+}
+
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
+
+class SignalScope {
+ public:
+  SignalScope() {
+    if (g_signal_pipe[0] != -1) throw std::runtime_error("nnstrain launch is already running in this process");
+    if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+      throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    for (int sig : kForwarded) {
+      sigaction(sig, nullptr, &saved_[sig]);
+      // A launcher started with a signal ignored (nohup, `cmd &` in a script) keeps ignoring it.
+      if (saved_[sig].sa_handler != SIG_IGN) sigaction(sig, &sa, nullptr);
+      touched_.push_back(sig);
+    }
+    sa.sa_flags = SA_NOCLDSTOP;
+    sigaction(SIGCHLD, &sa, &saved_[SIGCHLD]);
+    touched_.push_back(SIGCHLD);
+    // A closed reader of our output must not kill the launcher while workers run.
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    sigemptyset(&ign.sa_mask);
+    sigaction(SIGPIPE, &ign, &saved_[SIGPIPE]);
+    touched_.push_back(SIGPIPE);
+  }
+  ~SignalScope() {
+    for (int sig : touched_) sigaction(sig, &saved_[sig], nullptr);
+    close(g_signal_pipe[0]);
+    close(g_signal_pipe[1]);
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  SignalScope(const SignalScope&) = delete;
+  SignalScope& operator=(const SignalScope&) = delete;
+
+  // In a forked child before exec: the dispositions the launcher was started with.
+  void restore_in_child() const {
+    for (int sig : touched_) {
+      struct sigaction sa = saved_[sig];
+      if (sa.sa_handler != SIG_IGN) {
+        sa.sa_handler = SIG_DFL;
+        sa.sa_flags = 0;
+      }
+      sigaction(sig, &sa, nullptr);
+    }
+  }
+  int read_fd() const { return g_signal_pipe[0]; }
+
+ private:
+  struct sigaction saved_[NSIG] {};
+  std::vector<int> touched_;
+};
+
+// ------------------------------------------------------------------ workers
+
+// Longest partial line kept before it is echoed anyway.
+constexpr size_t kMaxLine = 1 << 20;
+
+struct Stream {
+  int fd = -1;   // read end of the worker's pipe; -1 once closed
+  int out = -1;  // where its prefixed lines go
+  int rank = 0;
+  std::string buf;
+};
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  Stream out, err;
+};
+
+// Echoes the complete lines of s.buf (and the rest at EOF), each prefixed,
+// in one write, so lines of different workers never interleave.
+void emit_lines(Stream& s, bool eof) {
+  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+  std::string out;
+  size_t start = 0;
+  for (size_t nl; (nl = s.buf.find('\n', start)) != std::string::npos; start = nl + 1) {
+    out += prefix;
+    out.append(s.buf, start, nl - start + 1);
+  }
+  s.buf.erase(0, start);
+  if (!s.buf.empty() && (eof || s.buf.size() >= kMaxLine)) {
+    out += prefix + s.buf + "\n";
+    s.buf.clear();
+  }
+  if (!out.empty()) write_all(s.out, out);
+}
+
+// Reads what is there: one chunk, or everything up to EAGAIN when `drain`.
+void pump(Stream& s, bool drain) {
+  char chunk[1 << 16];
+  while (s.fd >= 0) {
+    ssize_t n = read(s.fd, chunk, sizeof chunk);
+    if (n > 0) {
+      s.buf.append(chunk, static_cast<size_t>(n));
+      emit_lines(s, false);
+      if (!drain) return;
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return;
+    } else {  // EOF (or a broken pipe): flush the unterminated tail
+      emit_lines(s, true);
+      close(s.fd);
+      s.fd = -1;
+    }
+  }
+}
+
+void keep_across_exec(int fd, int target) {
+  if (fd == target) {
+    int flags = fcntl(fd, F_GETFD);
+    if (flags >= 0) fcntl(fd, F_SETFD, flags & ~FD_CLOEXEC);
+  } else {
+    dup2(fd, target);
+  }
+}
+
+struct Spawn {
+  std::vector<char*> argv, envp;
+  bool search_path = false;
+  std::string exec_error;  // formatted before fork: the child only writes it
+};
+
+[[noreturn]] void exec_child(const Spawn& sp, const SignalScope& signals, const sigset_t& mask, pid_t parent,
+                             int in_fd, int out_fd, int err_fd) {
+  setpgid(0, 0);  // its own group: a signal to -pid reaches whatever the worker starts
+#ifdef __linux__
+  prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher dying (even by SIGKILL) stops the worker
+  if (getppid() != parent) _exit(1);
+#else
+  (void)parent;
+#endif
+  signals.restore_in_child();
+  keep_across_exec(in_fd, 0);
+  keep_across_exec(out_fd, 1);
+  keep_across_exec(err_fd, 2);
+  sigprocmask(SIG_SETMASK, &mask, nullptr);
+  if (sp.search_path)
+    execvpe(sp.argv[0], sp.argv.data(), sp.envp.data());
+  else
+    execve(sp.argv[0], sp.argv.data(), sp.envp.data());
+  int err = errno;
+  ssize_t r = write(2, sp.exec_error.data(), sp.exec_error.size());
+  const char* m = std::strerror(err);
+  r = write(2, m, std::strlen(m));
+  r = write(2, "\n", 1);
+  (void)r;
+  _exit(127);
+}
+
+class Launch {
+ public:
+  Launch(const Config& c, const std::string& self_exe, const LaunchOptions& o)
+      : c_(c), self_exe_(self_exe), o_(o) {}
+
+  ~Launch() {
+    for (auto& w : workers_)
+      for (Stream* s : {&w.out, &w.err})
+        if (s->fd >= 0) close(s->fd);
+    end_groups();  // a no-op unless an error cut the run short
+    if (devnull_ >= 0) close(devnull_);
+#ifdef __linux__
+    if (!was_subreaper_) prctl(PR_SET_CHILD_SUBREAPER, 0);
+#endif
+  }
+
+  int run() {
+    const int node_rank = c_.node_rank.value_or(0);
+    const int world = c_.nproc * c_.nnodes;
+    const std::string addr = c_.master_addr.value_or("127.0.0.1");
+    const int port = c_.master_port ? *c_.master_port : free_port();
+
+    static const std::set<std::string> ours = {"RANK",           "WORLD_SIZE",       "LOCAL_RANK",
+                                               "LOCAL_WORLD_SIZE", "GROUP_RANK",       "GROUP_WORLD_SIZE",
+                                               "MASTER_ADDR",    "MASTER_PORT"};
+    std::vector<std::string> base;
+    for (char** e = environ; *e; ++e) {
+      std::string kv = *e;
+      if (!ours.count(kv.substr(0, kv.find('=')))) base.push_back(kv);
+    }
+    if (!std::getenv("OMP_NUM_THREADS")) base.push_back("OMP_NUM_THREADS=1");  // as torchrun does
+
+    std::vector<std::string> argv = c_.command;
+    if (!c_.exec) argv.insert(argv.begin(), self_exe_);
+
+    devnull_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull_ < 0) throw std::runtime_error(std::string("/dev/null: ") + std::strerror(errno));
+
+#ifdef __linux__
+    // What a worker starts and leaves behind is re-parented to us rather than to
+    // init, so it can be stopped and reaped before the launcher returns.
+    int subreaper = 0;
+    prctl(PR_GET_CHILD_SUBREAPER, &subreaper);
+    was_subreaper_ = subreaper != 0;
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+#endif
+    SignalScope signals;
+    workers_.resize(c_.nproc);
+    for (int local = 0; local < c_.nproc; ++local) {
+      Worker& w = workers_[local];
+      w.rank = node_rank * c_.nproc + local;
+      std::vector<std::string> env = base;
+      env.push_back("RANK=" + std::to_string(w.rank));
+      env.push_back("WORLD_SIZE=" + std::to_string(world));
+      env.push_back("LOCAL_RANK=" + std::to_string(local));
+      env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(c_.nproc));
+      env.push_back("GROUP_RANK=" + std::to_string(node_rank));
+      env.push_back("GROUP_WORLD_SIZE=" + std::to_string(c_.nnodes));
+      env.push_back("MASTER_ADDR=" + addr);
+      env.push_back("MASTER_PORT=" + std::to_string(port));
+      spawn(w, argv, env, signals);
+    }
+    return supervise(signals);
+  }
+
+ private:
+  void spawn(Worker& w, std::vector<std::string>& argv, std::vector<std::string>& env, const SignalScope& signals) {
+    Spawn sp;
+    for (auto& a : argv) sp.argv.push_back(a.data());
+    sp.argv.push_back(nullptr);
+    for (auto& e : env) sp.envp.push_back(e.data());
+    sp.envp.push_back(nullptr);
+    sp.search_path = c_.exec;
+    sp.exec_error = "nnstrain launch: cannot run '" + argv[0] + "': ";
+
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+    if (pipe2(err, O_CLOEXEC) != 0) {
+      int e = errno;
+      close(out[0]);
+      close(out[1]);
+      throw std::runtime_error(std::string("pipe: ") + std::strerror(e));
+    }
+    // Signals wait until the child has dropped the launcher's handlers.
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, &old);
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid == 0) exec_child(sp, signals, old, parent, devnull_, out[1], err[1]);
+    const int fork_errno = errno;
+    sigprocmask(SIG_SETMASK, &old, nullptr);
+    close(out[1]);
+    close(err[1]);
+    if (pid < 0) {
+      close(out[0]);
+      close(err[0]);
+      throw std::runtime_error(std::string("fork: ") + std::strerror(fork_errno));
+    }
+    setpgid(pid, pid);  // also here, so the group exists before we might signal it
+    w.pid = pid;
+    w.running = true;
+    w.out = {out[0], o_.out_fd, w.rank, {}};
+    w.err = {err[0], o_.err_fd, w.rank, {}};
+    for (int fd : {out[0], err[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  }
+
+  void say(const std::string& message) { write_all(o_.err_fd, "nnstrain launch: " + message + "\n"); }
+
+  void signal_running(int sig) {
+    for (auto& w : workers_)
+      if (w.running) kill(-w.pid, sig);
+  }
+
+  size_t running() const {
+    size_t n = 0;
+    for (auto& w : workers_) n += w.running;
+    return n;
+  }
+
+  // Kills what is left in every worker's process group and reaps it all.
+  void end_groups() {
+    if (groups_ended_) return;  // once: a pid must not be signalled after it may be reused
+    groups_ended_ = true;
+    for (auto& w : workers_) {
+      if (w.pid <= 0) continue;
+      kill(-w.pid, SIGKILL);
+      if (w.running && waitpid(w.pid, nullptr, 0) == w.pid) w.running = false;
+      while (waitpid(-w.pid, nullptr, 0) > 0 || errno == EINTR) {
+      }
+    }
+  }
+
+  void reap() {
+    for (auto& w : workers_) {
+      if (w.pid <= 0) continue;
+      // The worker leads its group; the rest of the group are processes it left
+      // behind, re-parented to us: reaped in passing.
+      while (true) {
+        int status = 0;
+        pid_t p = waitpid(-w.pid, &status, WNOHANG);
+        if (p < 0 && errno == EINTR) continue;
+        if (p <= 0) break;
+        if (p == w.pid) worker_ended(w, status);
+      }
+      if (w.running) {  // in case the worker never got its own group
+        int status = 0;
+        pid_t p = waitpid(w.pid, &status, WNOHANG);
+        if (p == w.pid) worker_ended(w, status);
+        if (p < 0 && errno == ECHILD) worker_ended(w, 255 << 8);  // reaped by someone else: failed
+      }
+    }
+  }
+
+  void worker_ended(Worker& w, int status) {
+    w.running = false;
+    w.status = status;
+    // Its last words come before the launcher's verdict.
+    pump(w.out, true);
+    pump(w.err, true);
+    if (!failed(w.status) || first_failure_) return;
+    first_failure_ = &w;
+    say("rank " + std::to_string(w.rank) + " " + describe_end(w.status));
+    if (running() > 0) {
+      char grace[32];
+      std::snprintf(grace, sizeof grace, "%g", o_.grace_period_s);
+      say("stopping the other workers (SIGTERM, then SIGKILL after " + std::string(grace) + " s)");
+      signal_running(SIGTERM);
+      kill_at_ = Clock::now() +
+                 std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.grace_period_s));
+    }
+  }
+
+  int supervise(const SignalScope& signals) {
+    std::vector<pollfd> fds;
+    std::vector<Stream*> streams;
+    while (true) {
+      reap();
+      if (running() == 0) break;
+
+      fds.assign(1, pollfd{signals.read_fd(), POLLIN, 0});
+      streams.assign(1, nullptr);
+      for (auto& w : workers_)
+        for (Stream* s : {&w.out, &w.err})
+          if (s->fd >= 0) {
+            fds.push_back(pollfd{s->fd, POLLIN, 0});
+            streams.push_back(s);
+          }
+      int timeout = -1;
+      if (kill_at_) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*kill_at_ - Clock::now()).count();
+        timeout = static_cast<int>(std::max<long long>(0, left) + 1);
+      }
+      int n = poll(fds.data(), fds.size(), timeout);
+      if (n < 0 && errno != EINTR) throw std::runtime_error(std::string("poll: ") + std::strerror(errno));
+
+      if (n > 0 && fds[0].revents) {
+        unsigned char sigs[64];
+        ssize_t k;
+        while ((k = read(signals.read_fd(), sigs, sizeof sigs)) > 0)
+          for (ssize_t i = 0; i < k; ++i) {
+            if (sigs[i] == SIGCHLD) continue;  // reap() at the top of the loop
+            got_signal_ = sigs[i];
+            say("got " + signal_name(sigs[i]) + ", passing it on to the workers");
+            signal_running(sigs[i]);
+          }
+      }
+      for (size_t i = 1; n > 0 && i < fds.size(); ++i) {
+        if (fds[i].revents) pump(*streams[i], false);
+      }
+      if (kill_at_ && Clock::now() >= *kill_at_) {
+        kill_at_.reset();
+        for (auto& w : workers_)
+          if (w.running) say("rank " + std::to_string(w.rank) + " is still running: SIGKILL");
+        signal_running(SIGKILL);
+      }
+    }
+    // Everything the workers wrote before exiting is in the pipes; a process
+    // they left behind may hold a pipe open, so read what is there, no more.
+    for (auto& w : workers_)
+      for (Stream* s : {&w.out, &w.err}) {
+        pump(*s, true);
+        if (s->fd >= 0) {
+          emit_lines(*s, true);
+          close(s->fd);
+          s->fd = -1;
+        }
+      }
+    // Nothing a worker started outlives the job.
+    end_groups();
+
+    if (got_signal_) return 128 + got_signal_;
+    if (first_failure_) {
+      const int st = first_failure_->status;
+      say("failed: rank " + std::to_string(first_failure_->rank) + " " + describe_end(st));
+      if (WIFEXITED(st)) return WEXITSTATUS(st);
+      if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+      return 1;
+    }
+    return 0;
+  }
+
+  using Clock = std::chrono::steady_clock;
+  const Config& c_;
+  const std::string& self_exe_;
+  const LaunchOptions& o_;
+  int devnull_ = -1;
+  std::vector<Worker> workers_;
+  Worker* first_failure_ = nullptr;
+  std::optional<Clock::time_point> kill_at_;
+  int got_signal_ = 0;
+  bool was_subreaper_ = true;
+  bool groups_ended_ = false;
+};
+
+}  // namespace
+
+int launch_main(const std::vector<std::string>& args, const std::string& self_exe, const LaunchOptions& options) {
+  Config config;
+  try {
+    config = parse(args);
+  } catch (const UsageError& e) {
+    write_all(options.err_fd, std::string("nnstrain launch: ") + e.what() +
+                                  "\n(see 'nnstrain launch --help')\n");
+    return 2;
+  }
+  if (config.help) {
+    write_all(options.out_fd, kUsage);
+    return 0;
+  }
+  try {
+    Launch launch(config, self_exe, options);
+    return launch.run();
+  } catch (const std::exception& e) {
+    write_all(options.err_fd, std::string("nnstrain launch: ") + e.what() + "\n");
+    return 1;
+  }
+}
+
+int launch_main(const std::vector<std::string>& args, const std::string& self_exe) {
+  return launch_main(args, self_exe, LaunchOptions{});
+}
+
+std::string self_executable(const std::string& argv0) {
+#ifdef __linux__
+  char buf[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n > 0) {
+    std::string path(buf, static_cast<size_t>(n));
+    const std::string deleted = " (deleted)";  // the binary was rebuilt under us
+    if (path.size() < deleted.size() || path.compare(path.size() - deleted.size(), deleted.size(), deleted) != 0)
+      return path;
+  }
+#endif
+  return argv0;
+}
+
+}  // namespace nnstrain::dist

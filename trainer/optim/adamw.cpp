@@ -1,0 +1,109 @@
+#include "trainer/optim/adamw.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+
+namespace nnstrain::optim {
+
+double weight_decay_for(const at::Tensor& param, double weight_decay) {
+  return param.dim() >= 2 ? weight_decay : 0.0;
+}
+
+AdamW::AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args)
+    : segments_(std::move(segments)), args_(args) {
+  for (auto& s : segments_) {
+    exp_avg_.push_back(torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
+    state_steps_.push_back(torch::zeros({}, s.param.options().dtype(torch::kFloat32)));
+  }
+  impl_ = args.impl;
+  if (impl_ == "auto") {
+    // The fused kernel wants floating params on CPU or CUDA: our case.
+    impl_ = "fused";
+  }
+}
+
+void AdamW::set_step_count(int64_t s) {
+  step_ = s;
+  for (auto& t : state_steps_) t.fill_(static_cast<double>(s));
+}
+
+void AdamW::step(double lr) {
+  if (segments_.empty()) return;
+  torch::NoGradGuard no_grad;
+  ++step_;
+  if (impl_ == "fused") step_fused(lr);
+  else if (impl_ == "foreach") step_foreach(lr);
+  else step_loop(lr);
+}
+
+// The reference: torch.optim.AdamW's single-tensor algorithm, spelled out.
+void AdamW::step_loop(double lr) {
+  const double b1 = args_.beta1, b2 = args_.beta2;
+  const double bc1 = 1 - std::pow(b1, step_), bc2 = 1 - std::pow(b2, step_);
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    auto& p = segments_[i].param;
+    const auto& g = segments_[i].grad;
+    state_steps_[i].add_(1);
+    p.mul_(1 - lr * segments_[i].weight_decay);
+    exp_avg_[i].lerp_(g, 1 - b1);
+    exp_avg_sq_[i].mul_(b2).addcmul_(g, g, 1 - b2);
+    auto denom = (exp_avg_sq_[i].sqrt() / std::sqrt(bc2)).add_(args_.eps);
+    p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
+  }
+}
+
+// Groups segments by weight decay and device; one kernel launch per group.
+template <typename Fn>
+static void for_each_group(const std::vector<Segment>& segs, Fn fn) {
+  std::map<std::pair<double, std::string>, std::vector<size_t>> groups;
+  for (size_t i = 0; i < segs.size(); ++i)
+    groups[{segs[i].weight_decay, segs[i].param.device().str() + c10::toString(segs[i].param.scalar_type())}]
+        .push_back(i);
+  for (auto& [key, idx] : groups) fn(key.first, idx);
+}
+
+void AdamW::step_fused(double lr) {
+  for_each_group(segments_, [&](double wd, const std::vector<size_t>& idx) {
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (auto i : idx) {
+      p.push_back(segments_[i].param);
+      g.push_back(segments_[i].grad);
+      m.push_back(exp_avg_[i]);
+      v.push_back(exp_avg_sq_[i]);
+      steps.push_back(state_steps_[i]);
+    }
+    at::_foreach_add_(steps, 1);
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, args_.beta1, args_.beta2, wd,
+                      args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                      /*found_inf=*/std::nullopt);
+  });
+}
+
+void AdamW::step_foreach(double lr) {
+  const double b1 = args_.beta1, b2 = args_.beta2;
+  const double bc1 = 1 - std::pow(b1, step_), bc2 = 1 - std::pow(b2, step_);
+  for_each_group(segments_, [&](double wd, const std::vector<size_t>& idx) {
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (auto i : idx) {
+      p.push_back(segments_[i].param);
+      g.push_back(segments_[i].grad);
+      m.push_back(exp_avg_[i]);
+      v.push_back(exp_avg_sq_[i]);
+      steps.push_back(state_steps_[i]);
+    }
+    at::_foreach_add_(steps, 1);
+    if (wd != 0) at::_foreach_mul_(p, 1 - lr * wd);
+    at::_foreach_lerp_(m, g, 1 - b1);
+    at::_foreach_mul_(v, b2);
+    at::_foreach_addcmul_(v, g, g, 1 - b2);
+    auto denom = at::_foreach_sqrt(v);
+    at::_foreach_div_(denom, std::sqrt(bc2));
+    at::_foreach_add_(denom, args_.eps);
+    at::_foreach_addcdiv_(p, m, denom, -lr / bc1);
+  });
+}
+
+}  // namespace nnstrain::optim

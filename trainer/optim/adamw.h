@@ -1,0 +1,52 @@
+// AdamW over "segments": a segment is a parameter tensor (or, under ZeRO, a flat
+// slice of one) with its gradient. The update is elementwise, so the same code
+// serves whole parameters and ZeRO partitions. Matches torch.optim.AdamW.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "trainer/config/trainer_args.h"
+
+namespace nnstrain::optim {
+
+struct Segment {
+  std::string name;        // parameter name (state is checkpointed under it)
+  at::Tensor param;        // updated in place
+  at::Tensor grad;         // read
+  double weight_decay = 0; // per group: 0 for biases and norms
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args);
+
+  // One update with learning rate lr. Gradients must already be final (reduced, clipped).
+  void step(double lr);
+
+  std::vector<Segment>& segments() { return segments_; }
+  int64_t step_count() const { return step_; }
+  void set_step_count(int64_t s);
+  // exp_avg and exp_avg_sq of segment i, same shape as its param.
+  at::Tensor& exp_avg(size_t i) { return exp_avg_[i]; }
+  at::Tensor& exp_avg_sq(size_t i) { return exp_avg_sq_[i]; }
+  const std::string& impl() const { return impl_; }
+
+ private:
+  void step_loop(double lr);
+  void step_foreach(double lr);
+  void step_fused(double lr);
+
+  std::vector<Segment> segments_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_, state_steps_;
+  config::OptimizerArgs args_;
+  std::string impl_;
+  int64_t step_ = 0;
+};
+
+// nanoGPT's parameter groups: weight decay only on tensors of two or more dims.
+double weight_decay_for(const at::Tensor& param, double weight_decay);
+
+}  // namespace nnstrain::optim

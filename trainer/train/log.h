@@ -1,0 +1,15 @@
+// Logging facade over spdlog. spdlog and its fmt live only in log.cpp: the torch
+// wheel ships its own, newer fmt headers, and the two must never meet in one TU.
+#pragma once
+
+#include <string>
+
+namespace nnstrain::log {
+
+// Rank 0 logs info and up; other ranks only warnings and errors (prefixed with their rank).
+void init(int rank, int world_size);
+void info(const std::string& msg);
+void warn(const std::string& msg);
+void error(const std::string& msg);
+
+}  // namespace nnstrain::log

@@ -1,0 +1,311 @@
+#include "trainer/train/trainer.h"
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <sstream>
+
+#include "data/loader.h"
+#include "data/token_bin.h"
+#include "models/model.h"
+#include "models/registry.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/checkpoint/tensor_io.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/optim/lr_schedule.h"
+#include "trainer/train/log.h"
+#include "trainer/train/metrics.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::train {
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+torch::Device pick_device(const std::string& want, int local_rank) {
+  if (want == "cpu") return torch::kCPU;
+  if (want == "cuda" && !torch::cuda::is_available())
+    throw std::runtime_error("compute_config.device is cuda but no CUDA device is available");
+  if (torch::cuda::is_available()) {
+    const int n = static_cast<int>(torch::cuda::device_count());
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % n));
+  }
+  return torch::kCPU;
+}
+
+std::string st_dtype(const at::Tensor& t) { return checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())); }
+
+std::string fmt(double v, int prec = 4) {
+  std::ostringstream o;
+  o.precision(prec);
+  o << std::fixed << v;
+  return o.str();
+}
+
+// The run's state that checkpoints hold, as ShardSpec'd pieces.
+struct Trainable {
+  std::vector<std::pair<std::string, at::Tensor>> params;  // model parameters, by name
+  at::Tensor flat_grad;                                    // every gradient is a view into this
+  std::unique_ptr<optim::AdamW> optimizer;
+
+  std::vector<checkpoint::StateTensor> state_tensors(int world_size) {
+    std::vector<int> all(world_size);
+    for (int r = 0; r < world_size; ++r) all[r] = r;
+    std::vector<checkpoint::StateTensor> out;
+    auto add = [&](const std::string& name, const at::Tensor& t) {
+      auto spec = checkpoint::ShardSpec::full(name, st_dtype(t), t.sizes().vec());
+      spec.replica_ranks = all;
+      out.push_back({spec, t});
+    };
+    for (auto& [name, p] : params) add("model/" + name, p);
+    auto& segs = optimizer->segments();
+    for (size_t i = 0; i < segs.size(); ++i) {
+      add("optim/exp_avg/" + segs[i].name, optimizer->exp_avg(i));
+      add("optim/exp_avg_sq/" + segs[i].name, optimizer->exp_avg_sq(i));
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts) {
+  log::init(env.rank, env.world_size);
+  const auto device = pick_device(args.compute_config.device, env.local_rank);
+  const int world = env.world_size, rank = env.rank;
+  const int64_t dp = world / args.compute_config.plan_ngpus, dp_rank = rank / args.compute_config.plan_ngpus;
+  const int64_t micro = args.micro_batch_size, accum = args.grad_accumulation_steps;
+  const int64_t global_batch = micro * dp * accum;
+
+  // Model: same seed on every rank, so replicas start identical.
+  torch::manual_seed(args.seed);
+  const auto* entry = models::find_model(args.model.type);
+  auto model = entry->build(*args.model.args);
+  models::RuntimeOptions ro;
+  ro.chunked_loss = args.model.loss == "chunked";
+  ro.loss_chunk_size = args.model.loss_chunk_size;
+  if (args.model.activation_checkpointing) ro.recompute_layers.assign(model->num_layers(), true);
+  model->set_runtime_options(ro);
+  model->to(device);
+  model->train();
+
+  // Data.
+  data::TokenBinDataset train_ds(args.dataset.train_args, args.seed);
+  std::optional<data::TokenBinDataset> val_ds;
+  if (args.dataset.val_args) val_ds.emplace(*args.dataset.val_args, args.seed);
+  const int64_t seq_len = train_ds.seq_len();
+  if (seq_len > model->max_seq_len())
+    throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(seq_len) +
+                              " exceeds the model's maximum sequence length " + std::to_string(model->max_seq_len()));
+  const int64_t steps_per_epoch = std::max<int64_t>(1, (train_ds.samples_per_epoch() + global_batch - 1) / global_batch);
+  const int64_t max_steps = args.max_train_steps > 0 ? args.max_train_steps : args.max_epochs * steps_per_epoch;
+
+  // Parameters with their gradients as views of one flat buffer.
+  Trainable tr;
+  int64_t total = 0;
+  for (auto& p : model->named_parameters()) {
+    tr.params.emplace_back(p.key(), p.value());
+    total += p.value().numel();
+  }
+  tr.flat_grad = torch::zeros({total}, tr.params.front().second.options());
+  std::vector<optim::Segment> segments;
+  int64_t off = 0;
+  for (auto& [name, p] : tr.params) {
+    auto g = tr.flat_grad.narrow(0, off, p.numel()).view(p.sizes());
+    p.mutable_grad() = g;
+    off += p.numel();
+    segments.push_back({name, p, g, optim::weight_decay_for(p, args.optimizer.weight_decay)});
+  }
+  tr.optimizer = std::make_unique<optim::AdamW>(std::move(segments), args.optimizer);
+
+  // Resume.
+  int64_t start_step = 0;
+  std::string resume = opts.resume.empty() ? args.checkpoint.resume_from : opts.resume;
+  if (resume == "last") {
+    if (args.checkpoint.save_dir.empty())
+      throw config::ConfigError("--resume without a path needs checkpoint.save_dir");
+    resume = checkpoint::latest(args.checkpoint.save_dir);
+    if (resume.empty()) log::warn("no checkpoint under " + args.checkpoint.save_dir + " yet: starting fresh");
+  }
+  if (!resume.empty()) {
+    checkpoint::Checkpoint ck(resume);
+    const auto& st = ck.state();
+    if (st.value("model_type", "") != args.model.type)
+      throw checkpoint::CheckpointError(resume + ": checkpoint of model type '" + st.value("model_type", "") +
+                                        "', but this run trains '" + args.model.type + "'");
+    torch::NoGradGuard no_grad;
+    for (auto& t : tr.state_tensors(world)) ck.load_into(t);
+    start_step = st.at("step").get<int64_t>();
+    tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
+    const auto rng_name = "rng/cpu/rank" + std::to_string(rank);
+    if (ck.has(rng_name)) {
+      checkpoint::StateTensor rng{ck.pieces(rng_name).front().first,
+                                  torch::empty({ck.pieces(rng_name).front().first.numel()}, torch::kUInt8)};
+      ck.load_into(rng);
+      auto gen = at::detail::getDefaultCPUGenerator();
+      gen.set_state(rng.tensor);
+    }
+    log::info("resumed from " + resume + " at step " + std::to_string(start_step));
+  }
+
+  // Logging sinks.
+  std::unique_ptr<JsonlSink> jsonl;
+  bool console = args.log.empty();
+  for (const auto& s : args.log) {
+    if (s.type == "console") console = true;
+    if (s.type == "jsonl" && rank == 0) jsonl = std::make_unique<JsonlSink>(s.path);
+  }
+  if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string());
+
+  const auto peak = peak_flops(device, args.precision, args.compute_config.allow_tf32);
+  const double flops_per_token = model->flops_per_token(seq_len);
+  if (rank == 0) {
+    int64_t nparams = 0;
+    for (auto& [n, p] : tr.params) nparams += p.numel();
+    log::info("model " + args.model.type + ": " + fmt(nparams / 1e6, 2) + "M parameters, device " + device.str() +
+              ", world " + std::to_string(world) + " (dp " + std::to_string(dp) + "), global batch " +
+              std::to_string(global_batch) + " x " + std::to_string(seq_len) + " tokens, steps " +
+              std::to_string(start_step) + " -> " + std::to_string(max_steps) + ", optimizer " + tr.optimizer->impl());
+  }
+
+  // Checkpointing.
+  checkpoint::SaveOptions save_opts{args.checkpoint.save_dir, args.checkpoint.save_type,
+                                    args.checkpoint.keep_last_n_checkpoints};
+  checkpoint::SaveContext save_ctx{rank, world, {}, {}};
+  auto save = [&](int64_t step) {
+    if (args.checkpoint.save_dir.empty()) return;
+    auto tensors = tr.state_tensors(world);
+    auto rng = at::detail::getDefaultCPUGenerator().get_state();
+    auto rng_spec = checkpoint::ShardSpec::full("rng/cpu/rank" + std::to_string(rank), "U8", {rng.numel()});
+    rng_spec.replica_ranks = {rank};
+    tensors.push_back({rng_spec, rng});
+    nlohmann::json state = {
+        {"step", step},
+        {"epoch", step * global_batch / std::max<int64_t>(1, train_ds.samples_per_epoch())},
+        {"consumed_samples", step * global_batch},
+        {"data_cursor", {{"next_step", step}, {"seed", args.seed}, {"global_batch", global_batch}}},
+        {"optimizer", {{"type", args.optimizer.type}, {"step_count", tr.optimizer->step_count()}}},
+        {"lr_scheduler", {{"type", args.lr_scheduler.type}, {"last_step", step - 1}}},
+        {"plan", {{"tp", args.compute_config.plan_ngpus}, {"dp", dp}, {"zero", args.compute_config.use_zero}}},
+        {"model_type", args.model.type},
+        {"config", args.resolved_yaml}};
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto dir = checkpoint::save(save_opts, save_ctx, step, tensors, state, nlohmann::json::object());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log::info("saved checkpoint " + dir + " in " + fmt(s, 2) + " s");
+  };
+
+  auto evaluate = [&](int64_t step) {
+    if (!val_ds || args.max_val_steps <= 0) return;
+    torch::NoGradGuard no_grad;
+    model->eval();
+    auto sum = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kFloat32));
+    for (int64_t k = 0; k < args.max_val_steps; ++k) {
+      auto b = val_ds->val_batch(k, dp_rank * micro, micro);
+      sum += model->loss(b.x.to(device), b.y.to(device)).detach().to(torch::kFloat32);
+    }
+    model->train();
+    const double val_loss = sum.item<double>() / args.max_val_steps;
+    if (rank == 0) {
+      log::info("step " + std::to_string(step) + ": val loss " + fmt(val_loss));
+      if (jsonl) jsonl->write({{"step", step}, {"val_loss", val_loss}});
+    }
+  };
+
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+
+  // Batches for step s, micro-step a on this data-parallel rank: positions
+  // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s.
+  data::PrefetchLoader loader(
+      [&](int64_t index) {
+        const int64_t s = index / accum, a = index % accum;
+        return train_ds.train_batch(s, (a * dp + dp_rank) * micro, micro);
+      },
+      start_step * accum, args.dataloader.prefetch, device, args.dataloader.pin_memory);
+
+  const auto fopts = torch::TensorOptions().device(device).dtype(torch::kFloat32);
+  auto loss_sum = torch::zeros({}, fopts);
+  auto grad_norm = torch::zeros({}, fopts);
+  auto interval_start = std::chrono::steady_clock::now();
+  int64_t interval_steps = 0;
+  int64_t step = start_step;
+  bool stopped_by_signal = false;
+
+  while (step < max_steps) {
+    const double lr = optim::learning_rate(
+        args.lr_scheduler, args.optimizer.lr,
+        args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
+        args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
+    tr.flat_grad.zero_();
+    loss_sum.zero_();
+    for (int64_t a = 0; a < accum; ++a) {
+      auto batch = loader.next();
+      auto loss = model->loss(batch.x, batch.y) / static_cast<double>(accum);
+      loss.backward();
+      loss_sum += loss.detach().to(torch::kFloat32);
+    }
+    {
+      torch::NoGradGuard no_grad;
+      grad_norm = torch::linalg_vector_norm(tr.flat_grad, 2, {}, false, torch::kFloat32);
+      if (args.optimizer.clip_gnorm > 0) {
+        // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up. No host sync.
+        auto coef = torch::clamp_max(args.optimizer.clip_gnorm / (grad_norm + 1e-6), 1.0);
+        tr.flat_grad.mul_(coef.to(tr.flat_grad.scalar_type()));
+      }
+      tr.optimizer->step(lr);
+    }
+    ++step;
+    ++interval_steps;
+
+    const bool last = step == max_steps;
+    if (step % args.log_progress_every_n_train_steps == 0 || last) {
+      const double loss = loss_sum.item<double>();  // the one host sync, at logging steps
+      const double gn = grad_norm.item<double>();
+      const auto now = std::chrono::steady_clock::now();
+      const double secs = std::chrono::duration<double>(now - interval_start).count();
+      const double ms_per_step = 1000.0 * secs / interval_steps;
+      const double tokens_per_s = interval_steps * global_batch * seq_len / secs;
+      nlohmann::json rec = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gn},
+                            {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
+                            {"peak_mem_mb", peak_memory_bytes(device) / 1048576.0}};
+      std::string mfu_txt;
+      if (peak) {
+        const double mfu = flops_per_token * tokens_per_s / (*peak * world);
+        rec["mfu"] = mfu;
+        mfu_txt = ", mfu " + fmt(100 * mfu, 1) + "%";
+      }
+      if (rank == 0) {
+        if (console)
+          log::info("step " + std::to_string(step) + "/" + std::to_string(max_steps) + ": loss " + fmt(loss) +
+                    ", lr " + fmt(lr, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) +
+                    " tok/s, " + fmt(ms_per_step, 1) + " ms/step" + mfu_txt + ", peak mem " +
+                    fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB");
+        if (jsonl) jsonl->write(rec);
+      }
+      interval_start = std::chrono::steady_clock::now();
+      interval_steps = 0;
+    }
+    if (args.val_every_n_train_steps > 0 && (step % args.val_every_n_train_steps == 0 || last)) evaluate(step);
+    const bool periodic = args.checkpoint.every_n_train_steps > 0 && step % args.checkpoint.every_n_train_steps == 0;
+    const bool stop = g_stop_signal.load() != 0;
+    if (stop) {
+      log::warn("received signal " + std::to_string(g_stop_signal.load()) + ": saving and stopping at step " +
+                std::to_string(step));
+      stopped_by_signal = true;
+    }
+    if (periodic || (last && args.checkpoint.save_on_end) || stop) save(step);
+    if (stop) break;
+  }
+  if (rank == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
+  return 0;
+}
+
+}  // namespace nnstrain::train
