@@ -154,6 +154,8 @@ TEST_CASE("SLURM srun variables", "[dist]") {
     CHECK(port == 20000 + 4321);
     v["SLURM_JOB_ID"] = "987654322";
     CHECK(read(v).master_port == port + 1);
+    v["SLURM_JOB_ID"] = "67158001234";  // federated job ids pass 2^31
+    CHECK(read(v).master_port == 21234);
   }
   SECTION("MASTER_ADDR and MASTER_PORT override the derived ones") {
     Vars v = srun_task(0, 2, 4);
@@ -248,6 +250,10 @@ TEST_CASE("PBS with PALS mpiexec", "[dist]") {
   SECTION("an unreadable node file is named") {
     v["PBS_NODEFILE"] = "/nonexistent/nodefile";
     CHECK_THAT(error_of(v), Contains("PBS_NODEFILE='/nonexistent/nodefile' cannot be read"));
+  }
+  SECTION("a PBS_JOBID without a job number") {
+    v["PBS_JOBID"] = "pbs-server";
+    CHECK_THAT(error_of(v), Contains("PBS_JOBID='pbs-server' is not a job number"));
   }
   SECTION("no world size at all") {
     v.erase("PBS_NODEFILE");
@@ -406,7 +412,7 @@ TEST_CASE("partial or contradictory variables are errors that name them", "[dist
       {slurm_with("SLURM_TASKS_PER_NODE", "4(x3)"), {"lists 3 nodes but SLURM_NNODES=2"}},
       {slurm_with("SLURM_TASKS_PER_NODE", "3,4"), {"adds up to 7 tasks but SLURM_NTASKS=8"}},
       {slurm_with("SLURM_JOB_NODELIST", "gpu-[01-02"), {"SLURM_JOB_NODELIST", "malformed SLURM nodelist"}},
-      {slurm_with("SLURM_JOB_ID", "12ab"), {"SLURM_JOB_ID='12ab'"}},
+      {slurm_with("SLURM_JOB_ID", "12ab"), {"SLURM_JOB_ID='12ab' is not a job number"}},
       {slurm_with("SLURM_STEP_ID", ""), {"SLURM_STEP_ID is not", "batch script of SLURM job 4242", "srun"}},
       {[&] {
          Vars s = slurm_with("SLURM_TASKS_PER_NODE", "");

@@ -14,6 +14,7 @@
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/env_command.h"
 #include "trainer/dist/launcher.h"
+#include "trainer/dist/process_groups.h"
 #include "trainer/train/trainer.h"
 
 namespace nnstrain::cli {
@@ -97,6 +98,10 @@ int train_main(const std::vector<std::string>& argv) {
   } catch (const config::ConfigError& e) {
     std::cerr << "nnstrain: config error: " << e.what() << "\n";
     return 2;
+  } catch (const dist::CollectiveError& e) {
+    // Peers are gone: leave at once, process-group teardown could block on them.
+    std::cerr << "nnstrain: " << e.what() << std::endl;
+    std::_Exit(1);
   } catch (const std::exception& e) {
     std::cerr << "nnstrain: rank " << env.rank << ": error: " << e.what() << "\n";
     return 1;
@@ -110,7 +115,7 @@ int main(int argc, char** argv) {
   const std::string cmd = args.empty() ? "" : args.front();
   auto tail = [&] { return std::vector<std::string>(args.begin() + 1, args.end()); };
   if (cmd == "train") return train_main(tail());
-  if (cmd == "launch") return dist::launch_main(tail(), "/proc/self/exe");
+  if (cmd == "launch") return dist::launch_main(tail(), dist::self_executable(argv[0]));
   if (cmd == "prepare") return data::prepare_main(tail());
   if (cmd == "env") return dist::env_main(tail());
   if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {

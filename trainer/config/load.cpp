@@ -439,10 +439,7 @@ void check_implemented(const TrainerArgs& a) {
     throw ConfigError(a.config_file + ": " + key + ": " + what + " is not implemented yet");
   };
   const auto& c = a.compute_config;
-  if (c.use_zero) reject("compute_config.use_zero", "ZeRO-1 (use_zero: true)");
   if (c.plan_ngpus > 1) reject("compute_config.plan_ngpus", "tensor parallelism (plan_ngpus > 1)");
-  if (c.runtime_ngpus > 1) reject("compute_config.runtime_ngpus", "training on more than one process");
-  if (a.checkpoint.save_type == "deduped") reject("checkpoint.save_type", "save_type: deduped");
   if (a.precision != "32-true") reject("precision", "precision " + a.precision);
   if (!a.model.init_from.empty()) reject("model.init_from", "loading pretrained weights");
   if (a.model.loss == "chunked") reject("model.loss", "the chunked loss");

@@ -86,15 +86,18 @@ int port_from_job_id(int64_t job_id) { return 20000 + static_cast<int>(job_id % 
 // Every rank of a job derives the same port from the job id; two jobs sharing a
 // node rarely do. Without a job id: torchrun's default.
 int job_port(const Vars& v) {
-  if (auto id = v.str({"SLURM_JOB_ID", "SLURM_JOBID"}))
-    return port_from_job_id(parse_digits(id->first, id->second));
-  if (auto id = v.str("PBS_JOBID")) {
-    // "1234567.pbs-server" or "123[4].pbs-server": the leading digits.
+  // The job number: all of SLURM_JOB_ID (federated ids pass 2^31); the digits
+  // that start PBS_JOBID ("1234567.pbs-server", "123[4].pbs-server").
+  auto job_number = [](const std::string& name, const std::string& id, bool whole) {
     size_t end = 0;
-    while (end < id->size() && (*id)[end] >= '0' && (*id)[end] <= '9') ++end;
-    if (end == 0 || end > 9) fail("PBS_JOBID='" + *id + "' does not start with a job number");
-    return port_from_job_id(std::stoll(id->substr(0, end)));
-  }
+    while (end < id.size() && id[end] >= '0' && id[end] <= '9') ++end;
+    if (end == 0 || end > 18 || (whole && end != id.size()))
+      fail(name + "='" + id + "' is not a job number");
+    return std::stoll(id.substr(0, end));
+  };
+  if (auto id = v.str({"SLURM_JOB_ID", "SLURM_JOBID"}))
+    return port_from_job_id(job_number(id->first, id->second, true));
+  if (auto id = v.str("PBS_JOBID")) return port_from_job_id(job_number("PBS_JOBID", *id, false));
   return 29500;
 }
 

@@ -17,6 +17,7 @@ struct Segment {
   at::Tensor param;        // updated in place
   at::Tensor grad;         // read
   double weight_decay = 0; // per group: 0 for biases and norms
+  int64_t offset = 0;      // flat offset of this segment within the parameter's local piece
 };
 
 class AdamW {

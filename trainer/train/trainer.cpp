@@ -15,7 +15,9 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
+#include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
+#include "trainer/parallel/data_parallel.h"
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/train/log.h"
 #include "trainer/train/metrics.h"
@@ -51,24 +53,20 @@ std::string fmt(double v, int prec = 4) {
 
 // The run's state that checkpoints hold, as ShardSpec'd pieces.
 struct Trainable {
-  std::vector<std::pair<std::string, at::Tensor>> params;  // model parameters, by name
-  at::Tensor flat_grad;                                    // every gradient is a view into this
+  std::unique_ptr<parallel::DataParallel> dp;
   std::unique_ptr<optim::AdamW> optimizer;
 
-  std::vector<checkpoint::StateTensor> state_tensors(int world_size) {
-    std::vector<int> all(world_size);
-    for (int r = 0; r < world_size; ++r) all[r] = r;
+  std::vector<checkpoint::StateTensor> state_tensors() {
     std::vector<checkpoint::StateTensor> out;
-    auto add = [&](const std::string& name, const at::Tensor& t) {
-      auto spec = checkpoint::ShardSpec::full(name, st_dtype(t), t.sizes().vec());
-      spec.replica_ranks = all;
-      out.push_back({spec, t});
-    };
-    for (auto& [name, p] : params) add("model/" + name, p);
-    auto& segs = optimizer->segments();
-    for (size_t i = 0; i < segs.size(); ++i) {
-      add("optim/exp_avg/" + segs[i].name, optimizer->exp_avg(i));
-      add("optim/exp_avg_sq/" + segs[i].name, optimizer->exp_avg_sq(i));
+    for (const auto& p : dp->params()) {
+      auto spec = p.spec;
+      spec.name = "model/" + p.name;
+      out.push_back({spec, p.tensor});
+    }
+    const auto m = dp->segment_specs("optim/exp_avg/"), v = dp->segment_specs("optim/exp_avg_sq/");
+    for (size_t i = 0; i < m.size(); ++i) {
+      out.push_back({m[i], optimizer->exp_avg(i)});
+      out.push_back({v[i], optimizer->exp_avg_sq(i)});
     }
     return out;
   }
@@ -107,23 +105,36 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   const int64_t steps_per_epoch = std::max<int64_t>(1, (train_ds.samples_per_epoch() + global_batch - 1) / global_batch);
   const int64_t max_steps = args.max_train_steps > 0 ? args.max_train_steps : args.max_epochs * steps_per_epoch;
 
-  // Parameters with their gradients as views of one flat buffer.
+  // Process groups (none for one process).
+  std::unique_ptr<dist::Runtime> rt;
+  if (world > 1) {
+    dist::RuntimeOptions ropts;
+    ropts.tp = args.compute_config.plan_ngpus;
+    ropts.zero_ngroups = args.compute_config.use_zero ? args.compute_config.zero_ngroups : 1;
+    ropts.backend = args.compute_config.backend;
+    ropts.cuda = device.is_cuda();
+    ropts.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
+    rt = std::make_unique<dist::Runtime>(env, ropts);
+  }
+
+  // Parameters (replicated on every rank for now) into data-parallel flat buffers.
   Trainable tr;
-  int64_t total = 0;
-  for (auto& p : model->named_parameters()) {
-    tr.params.emplace_back(p.key(), p.value());
-    total += p.value().numel();
+  {
+    std::vector<int> all(world);
+    for (int r = 0; r < world; ++r) all[r] = r;
+    std::vector<parallel::ParamShard> shards;
+    for (auto& p : model->named_parameters()) {
+      auto spec = checkpoint::ShardSpec::full(p.key(), st_dtype(p.value()), p.value().sizes().vec());
+      spec.replica_ranks = all;
+      shards.push_back({p.key(), p.value(), spec});
+    }
+    parallel::DataParallelOptions dpo;
+    dpo.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
+    dpo.zero = args.compute_config.use_zero;
+    dpo.weight_decay = args.optimizer.weight_decay;
+    tr.dp = std::make_unique<parallel::DataParallel>(std::move(shards), rt.get(), dpo);
   }
-  tr.flat_grad = torch::zeros({total}, tr.params.front().second.options());
-  std::vector<optim::Segment> segments;
-  int64_t off = 0;
-  for (auto& [name, p] : tr.params) {
-    auto g = tr.flat_grad.narrow(0, off, p.numel()).view(p.sizes());
-    p.mutable_grad() = g;
-    off += p.numel();
-    segments.push_back({name, p, g, optim::weight_decay_for(p, args.optimizer.weight_decay)});
-  }
-  tr.optimizer = std::make_unique<optim::AdamW>(std::move(segments), args.optimizer);
+  tr.optimizer = std::make_unique<optim::AdamW>(tr.dp->optimizer_segments(), args.optimizer);
 
   // Resume.
   int64_t start_step = 0;
@@ -141,7 +152,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       throw checkpoint::CheckpointError(resume + ": checkpoint of model type '" + st.value("model_type", "") +
                                         "', but this run trains '" + args.model.type + "'");
     torch::NoGradGuard no_grad;
-    for (auto& t : tr.state_tensors(world)) ck.load_into(t);
+    for (auto& t : tr.state_tensors()) ck.load_into(t);
     start_step = st.at("step").get<int64_t>();
     tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
     const auto rng_name = "rng/cpu/rank" + std::to_string(rank);
@@ -168,20 +179,26 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   const double flops_per_token = model->flops_per_token(seq_len);
   if (rank == 0) {
     int64_t nparams = 0;
-    for (auto& [n, p] : tr.params) nparams += p.numel();
+    for (auto& p : tr.dp->params()) nparams += p.tensor.numel();
     log::info("model " + args.model.type + ": " + fmt(nparams / 1e6, 2) + "M parameters, device " + device.str() +
               ", world " + std::to_string(world) + " (dp " + std::to_string(dp) + "), global batch " +
               std::to_string(global_batch) + " x " + std::to_string(seq_len) + " tokens, steps " +
-              std::to_string(start_step) + " -> " + std::to_string(max_steps) + ", optimizer " + tr.optimizer->impl());
+              std::to_string(start_step) + " -> " + std::to_string(max_steps) + ", optimizer " + tr.optimizer->impl() +
+              (args.compute_config.use_zero ? " (ZeRO-1)" : "") +
+              (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.dp->bucket_count()) + " buckets" : ""));
   }
 
   // Checkpointing.
   checkpoint::SaveOptions save_opts{args.checkpoint.save_dir, args.checkpoint.save_type,
                                     args.checkpoint.keep_last_n_checkpoints};
   checkpoint::SaveContext save_ctx{rank, world, {}, {}};
+  if (rt) {
+    save_ctx.barrier = [&] { rt->barrier("checkpoint barrier"); };
+    save_ctx.all_ok = [&](bool ok) { return !rt->any(!ok, "checkpoint write status"); };
+  }
   auto save = [&](int64_t step) {
     if (args.checkpoint.save_dir.empty()) return;
-    auto tensors = tr.state_tensors(world);
+    auto tensors = tr.state_tensors();
     auto rng = at::detail::getDefaultCPUGenerator().get_state();
     auto rng_spec = checkpoint::ShardSpec::full("rng/cpu/rank" + std::to_string(rank), "U8", {rng.numel()});
     rng_spec.replica_ranks = {rank};
@@ -212,6 +229,10 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       sum += model->loss(b.x.to(device), b.y.to(device)).detach().to(torch::kFloat32);
     }
     model->train();
+    if (rt) {
+      rt->all_reduce(rt->dp, sum, "validation loss all-reduce");
+      sum.div_(dp);
+    }
     const double val_loss = sum.item<double>() / args.max_val_steps;
     if (rank == 0) {
       log::info("step " + std::to_string(step) + ": val loss " + fmt(val_loss));
@@ -244,29 +265,35 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
         args.lr_scheduler, args.optimizer.lr,
         args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
         args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
-    tr.flat_grad.zero_();
+    tr.dp->zero_grad();
     loss_sum.zero_();
     for (int64_t a = 0; a < accum; ++a) {
       auto batch = loader.next();
+      tr.dp->begin_micro_step(a == accum - 1);
       auto loss = model->loss(batch.x, batch.y) / static_cast<double>(accum);
       loss.backward();
       loss_sum += loss.detach().to(torch::kFloat32);
     }
     {
       torch::NoGradGuard no_grad;
-      grad_norm = torch::linalg_vector_norm(tr.flat_grad, 2, {}, false, torch::kFloat32);
+      tr.dp->finish_gradients();
+      grad_norm = tr.dp->grad_norm();
       if (args.optimizer.clip_gnorm > 0) {
         // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up. No host sync.
-        auto coef = torch::clamp_max(args.optimizer.clip_gnorm / (grad_norm + 1e-6), 1.0);
-        tr.flat_grad.mul_(coef.to(tr.flat_grad.scalar_type()));
+        tr.dp->scale_gradients(torch::clamp_max(args.optimizer.clip_gnorm / (grad_norm + 1e-6), 1.0));
       }
       tr.optimizer->step(lr);
+      tr.dp->after_optimizer_step();
     }
     ++step;
     ++interval_steps;
 
     const bool last = step == max_steps;
     if (step % args.log_progress_every_n_train_steps == 0 || last) {
+      if (rt) {
+        rt->all_reduce(rt->dp, loss_sum, "loss all-reduce");
+        loss_sum.div_(dp);
+      }
       const double loss = loss_sum.item<double>();  // the one host sync, at logging steps
       const double gn = grad_norm.item<double>();
       const auto now = std::chrono::steady_clock::now();
@@ -295,10 +322,10 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     }
     if (args.val_every_n_train_steps > 0 && (step % args.val_every_n_train_steps == 0 || last)) evaluate(step);
     const bool periodic = args.checkpoint.every_n_train_steps > 0 && step % args.checkpoint.every_n_train_steps == 0;
-    const bool stop = g_stop_signal.load() != 0;
+    // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
+    const bool stop = rt ? rt->any(g_stop_signal.load() != 0, "stop decision") : g_stop_signal.load() != 0;
     if (stop) {
-      log::warn("received signal " + std::to_string(g_stop_signal.load()) + ": saving and stopping at step " +
-                std::to_string(step));
+      log::warn("stop requested (SIGTERM/SIGUSR1): saving and stopping at step " + std::to_string(step));
       stopped_by_signal = true;
     }
     if (periodic || (last && args.checkpoint.save_on_end) || stop) save(step);

@@ -1,0 +1,282 @@
+// optim::AdamW (every impl) against torch.optim.AdamW, and optim::learning_rate
+// against nanoGPT's get_lr, written out here independently.
+#include <catch2/catch.hpp>
+#include <dirent.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "trainer/checkpoint/tensor_io.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/optim/lr_schedule.h"
+
+extern char** environ;
+
+using namespace nnstrain;
+
+namespace {
+
+// POSIX rather than std::filesystem (see test_tensor_io.cpp: libtorch's remove_all).
+struct TempDir {
+  std::string path;
+  TempDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_optim_XXXXXX";
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    if (DIR* d = ::opendir(path.c_str())) {
+      while (dirent* e = ::readdir(d))
+        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
+          ::unlink((path + "/" + e->d_name).c_str());
+      ::closedir(d);
+    }
+    ::rmdir(path.c_str());
+  }
+  std::string file(const std::string& name) const { return path + "/" + name; }
+};
+
+int run_python(const std::string& script, const std::vector<std::string>& args) {
+  std::vector<std::string> argv_s = {NNSTRAIN_PYTHON, "-c", script};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  REQUIRE(::posix_spawn(&pid, NNSTRAIN_PYTHON, nullptr, nullptr, argv.data(), environ) == 0);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
+  REQUIRE(got.sizes() == want.sizes());
+  const double scale = want.abs().max().item<double>();
+  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).abs().max().item<double>();
+  return scale > 0 ? diff / scale : diff;
+}
+
+constexpr int kSteps = 5;
+constexpr double kWeightDecay = 0.1, kBeta1 = 0.9, kBeta2 = 0.99, kEps = 1e-8;
+
+// torch.optim.AdamW, its single-tensor reference algorithm (foreach=False, fused=False),
+// on two parameter groups (weight decay on >= 2-D tensors, none on 1-D: nanoGPT's
+// groups), the learning rate changing every step as a schedule would. Params and grads
+// are random; the grads are large in some entries and tiny in others.
+constexpr const char* kAdamwReference = R"PY(
+import sys, torch
+from safetensors.torch import save_file
+out = sys.argv[1]
+steps, wd, b1, b2, eps = 5, 0.1, 0.9, 0.99, 1e-8
+torch.manual_seed(7)
+shapes = [(8, 5), (5,), (3, 4, 2), (7,), (16, 16)]
+params = [torch.randn(s, dtype=torch.float32) for s in shapes]
+lrs = torch.tensor([1e-3, 8e-4, 6e-4, 3e-4, 1e-4], dtype=torch.float64)
+grads = [[torch.randn(s) * (10.0 ** torch.randint(-3, 2, s).float()) for s in shapes] for _ in range(steps)]
+inputs = {"lr": lrs}
+for i, p in enumerate(params):
+    inputs[f"param/{i}"] = p.clone()
+    for k in range(steps):
+        inputs[f"grad/{i}/{k}"] = grads[k][i]
+ps = [torch.nn.Parameter(p.clone()) for p in params]
+groups = [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": wd},
+          {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+opt = torch.optim.AdamW(groups, lr=1e-3, betas=(b1, b2), eps=eps, foreach=False, fused=False)
+expected = {}
+for k in range(steps):
+    for i, p in enumerate(ps):
+        p.grad = grads[k][i].clone()
+    for g in opt.param_groups:
+        g["lr"] = float(lrs[k])
+    opt.step()
+    for i, p in enumerate(ps):
+        expected[f"param/{i}/{k}"] = p.detach().clone()
+for i, p in enumerate(ps):
+    expected[f"exp_avg/{i}"] = opt.state[p]["exp_avg"].clone()
+    expected[f"exp_avg_sq/{i}"] = opt.state[p]["exp_avg_sq"].clone()
+save_file(inputs, out + "/inputs.safetensors")
+save_file(expected, out + "/expected.safetensors")
+)PY";
+
+struct AdamwReference {
+  TempDir dir;
+  std::map<std::string, torch::Tensor> in, want;
+  size_t n = 0;
+  AdamwReference() {
+    REQUIRE(run_python(kAdamwReference, {dir.path}) == 0);
+    in = checkpoint::load_tensors(dir.file("inputs.safetensors"));
+    want = checkpoint::load_tensors(dir.file("expected.safetensors"));
+    while (in.count("param/" + std::to_string(n))) ++n;
+    REQUIRE(n == 5);
+  }
+  double lr(int k) const { return in.at("lr")[k].item<double>(); }
+};
+
+config::OptimizerArgs adamw_args(const std::string& impl) {
+  config::OptimizerArgs a;
+  a.lr = 1e-3;  // unused by AdamW::step, which takes lr per call
+  a.beta1 = kBeta1;
+  a.beta2 = kBeta2;
+  a.eps = kEps;
+  a.weight_decay = kWeightDecay;
+  a.impl = impl;
+  return a;
+}
+
+// Our segments over fresh copies of the reference's initial params; grads are
+// buffers the test refills before each step, as the trainer's flat gradient is.
+std::vector<optim::Segment> segments_for(const AdamwReference& ref) {
+  std::vector<optim::Segment> segs;
+  for (size_t i = 0; i < ref.n; ++i) {
+    auto p = ref.in.at("param/" + std::to_string(i)).clone();
+    segs.push_back({"p" + std::to_string(i), p, torch::zeros_like(p), optim::weight_decay_for(p, kWeightDecay)});
+  }
+  return segs;
+}
+
+void set_grads(optim::AdamW& opt, const AdamwReference& ref, int k) {
+  auto& segs = opt.segments();
+  for (size_t i = 0; i < segs.size(); ++i)
+    segs[i].grad.copy_(ref.in.at("grad/" + std::to_string(i) + "/" + std::to_string(k)));
+}
+
+}  // namespace
+
+TEST_CASE("AdamW matches torch.optim.AdamW for 5 steps, two weight-decay groups", "[optim]") {
+  AdamwReference ref;
+  // The groups are nanoGPT's: decay on matrices only.
+  CHECK(optim::weight_decay_for(ref.in.at("param/0"), kWeightDecay) == kWeightDecay);
+  CHECK(optim::weight_decay_for(ref.in.at("param/1"), kWeightDecay) == 0.0);
+
+  for (const std::string impl : {"fused", "foreach", "loop"}) {
+    {  // one reference run (python) for all impls
+      optim::AdamW opt(segments_for(ref), adamw_args(impl));
+      CHECK(opt.impl() == impl);
+      double worst = 0;
+      for (int k = 0; k < kSteps; ++k) {
+        set_grads(opt, ref, k);
+        opt.step(ref.lr(k));
+        CHECK(opt.step_count() == k + 1);
+        for (size_t i = 0; i < ref.n; ++i) {
+          const double e = rel_err(opt.segments()[i].param, ref.want.at("param/" + std::to_string(i) + "/" + std::to_string(k)));
+          INFO(impl << ": param " << i << " after step " << k + 1 << ": relative error " << e);
+          CHECK(e < 1e-6);
+          worst = std::max(worst, e);
+        }
+      }
+      for (size_t i = 0; i < ref.n; ++i) {
+        const double em = rel_err(opt.exp_avg(i), ref.want.at("exp_avg/" + std::to_string(i)));
+        const double ev = rel_err(opt.exp_avg_sq(i), ref.want.at("exp_avg_sq/" + std::to_string(i)));
+        INFO(impl << ": state of param " << i << ": exp_avg " << em << ", exp_avg_sq " << ev);
+        CHECK(em < 1e-6);
+        CHECK(ev < 1e-6);
+      }
+      WARN("AdamW " << impl << " vs torch.optim.AdamW: worst relative error over " << kSteps << " steps " << worst);
+    }
+  }
+}
+
+TEST_CASE("AdamW resumed from its state continues as if never stopped", "[optim]") {
+  AdamwReference ref;
+  for (const std::string impl : {"fused", "foreach", "loop"}) {
+    {  // one reference run (python) for all impls
+      optim::AdamW first(segments_for(ref), adamw_args(impl));
+      for (int k = 0; k < 3; ++k) {
+        set_grads(first, ref, k);
+        first.step(ref.lr(k));
+      }
+      // What a checkpoint holds: params, both moments, the step count.
+      auto segs = segments_for(ref);
+      for (size_t i = 0; i < segs.size(); ++i) segs[i].param.copy_(first.segments()[i].param);
+      optim::AdamW resumed(std::move(segs), adamw_args(impl));
+      for (size_t i = 0; i < ref.n; ++i) {
+        resumed.exp_avg(i).copy_(first.exp_avg(i));
+        resumed.exp_avg_sq(i).copy_(first.exp_avg_sq(i));
+      }
+      resumed.set_step_count(3);
+      for (int k = 3; k < kSteps; ++k) {
+        set_grads(resumed, ref, k);
+        resumed.step(ref.lr(k));
+      }
+      CHECK(resumed.step_count() == kSteps);
+      for (size_t i = 0; i < ref.n; ++i) {
+        const double e = rel_err(resumed.segments()[i].param,
+                                 ref.want.at("param/" + std::to_string(i) + "/" + std::to_string(kSteps - 1)));
+        INFO(impl << ": param " << i << " after resume: relative error " << e);
+        CHECK(e < 1e-6);
+      }
+    }
+  }
+}
+
+namespace {
+
+// nanoGPT's train.py get_lr, transcribed (not calling our code).
+double nanogpt_get_lr(int64_t it, double learning_rate, int64_t warmup_iters, int64_t lr_decay_iters, double min_lr) {
+  if (it < warmup_iters) return learning_rate * (it + 1) / (warmup_iters + 1);
+  if (it > lr_decay_iters) return min_lr;
+  const double decay_ratio = double(it - warmup_iters) / double(lr_decay_iters - warmup_iters);
+  const double coeff = 0.5 * (1.0 + std::cos(3.14159265358979323846 * decay_ratio));
+  return min_lr + coeff * (learning_rate - min_lr);
+}
+
+config::LrSchedulerArgs schedule(const std::string& type, int64_t warmup, int64_t decay, double min_lr) {
+  config::LrSchedulerArgs s;
+  s.type = type;
+  s.warmup_steps = warmup;
+  s.decay_steps = decay;
+  s.min_lr = min_lr;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("cosine learning rate equals nanoGPT's get_lr at every step", "[optim]") {
+  const double lr = 1e-3, min_lr = 1e-4;
+  // shakespeare_char's numbers, and a decay that ends before the run does.
+  for (auto [warmup, decay, total] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {100, 2000, 2000}, {100, 5000, 5000}, {10, 300, 500}, {0, 50, 60}}) {
+    for (int64_t it = 0; it < total; ++it) {
+      INFO("warmup " << warmup << ", decay " << decay << ", it " << it);
+      CHECK(optim::learning_rate(schedule("cosine", warmup, decay, min_lr), lr, it, total) ==
+            Approx(nanogpt_get_lr(it, lr, warmup, decay, min_lr)).epsilon(1e-12).margin(0));
+    }
+  }
+  // decay_steps 0 decays over the whole run (max_train_steps).
+  for (int64_t it : {0, 9, 10, 150, 299, 300}) {
+    INFO("decay_steps 0, it " << it);
+    CHECK(optim::learning_rate(schedule("cosine", 10, 0, min_lr), lr, it, 300) ==
+          Approx(nanogpt_get_lr(it, lr, 10, 300, min_lr)).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("linear and constant learning-rate shapes", "[optim]") {
+  const double lr = 1e-3, min_lr = 1e-4;
+  const auto lin = schedule("linear", 10, 110, min_lr);
+  // Warmup as nanoGPT's: lr * (it + 1) / (warmup + 1).
+  CHECK(optim::learning_rate(lin, lr, 0, 200) == Approx(lr / 11));
+  CHECK(optim::learning_rate(lin, lr, 9, 200) == Approx(lr * 10 / 11));
+  CHECK(optim::learning_rate(lin, lr, 10, 200) == Approx(lr));                 // peak right after warmup
+  CHECK(optim::learning_rate(lin, lr, 60, 200) == Approx((lr + min_lr) / 2));  // halfway down
+  CHECK(optim::learning_rate(lin, lr, 35, 200) == Approx(lr - 0.25 * (lr - min_lr)));
+  CHECK(optim::learning_rate(lin, lr, 110, 200) == Approx(min_lr));            // reaches min_lr at decay_steps
+  CHECK(optim::learning_rate(lin, lr, 150, 200) == Approx(min_lr));            // and stays there
+  // Monotone non-increasing after warmup.
+  for (int64_t it = 11; it < 200; ++it)
+    CHECK(optim::learning_rate(lin, lr, it, 200) <= optim::learning_rate(lin, lr, it - 1, 200));
+
+  const auto cst = schedule("constant", 4, 0, min_lr);
+  CHECK(optim::learning_rate(cst, lr, 0, 100) == Approx(lr / 5));
+  CHECK(optim::learning_rate(cst, lr, 3, 100) == Approx(lr * 4 / 5));
+  for (int64_t it : {4, 50, 99, 150}) CHECK(optim::learning_rate(cst, lr, it, 100) == lr);
+  // No warmup: the base rate from the first step.
+  CHECK(optim::learning_rate(schedule("constant", 0, 0, 0.0), lr, 0, 100) == lr);
+  CHECK(optim::learning_rate(schedule("linear", 0, 100, 0.0), lr, 0, 100) == lr);
+}

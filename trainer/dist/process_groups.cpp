@@ -1,0 +1,273 @@
+#include "trainer/dist/process_groups.h"
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef NNSTRAIN_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+
+#include "trainer/train/log.h"
+
+namespace nnstrain::dist {
+
+namespace {
+
+constexpr auto kHeartbeat = std::chrono::milliseconds(500);
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string join(const std::vector<int>& v) {
+  std::ostringstream o;
+  for (size_t i = 0; i < v.size(); ++i) o << (i ? ", " : "") << v[i];
+  return o.str();
+}
+
+c10::intrusive_ptr<c10d::TCPStore> connect_store(const DistEnv& env, bool server, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(env.master_port);
+  o.isServer = server;
+  o.numWorkers = server ? std::optional<size_t>(env.world_size) : std::nullopt;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+}
+
+}  // namespace
+
+Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts)
+    : rank_(env.rank), world_(env.world_size), opts_(opts) {
+  backend_name_ = opts.backend == "auto" ? (opts.cuda ? "nccl" : "gloo") : opts.backend;
+  const int tp_size = opts.tp, dp_size = world_ / tp_size;
+  if (world_ % tp_size != 0)
+    throw std::runtime_error("world size " + std::to_string(world_) + " is not a multiple of plan_ngpus " +
+                             std::to_string(tp_size));
+  if (world_ > 1) {
+    try {
+      store_ = connect_store(env, rank_ == 0, opts.timeout);
+      store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
+    } catch (const std::exception& e) {
+      throw CollectiveError("rank " + std::to_string(rank_) + ": rendezvous with " + env.master_addr + ":" +
+                            std::to_string(env.master_port) + " failed: " + e.what());
+    }
+  }
+  // Groups, created in one global order (each rank joins only its own) so that
+  // overlapping rendezvous can never deadlock. Rank = dp_index * tp + tp_index.
+  std::vector<int> all(world_);
+  for (int r = 0; r < world_; ++r) all[r] = r;
+  world = make_group("world", all, false);
+  control = make_group("control", all, true);
+  for (int t = 0; t < tp_size; ++t) {
+    std::vector<int> ranks;
+    for (int d = 0; d < dp_size; ++d) ranks.push_back(d * tp_size + t);
+    auto g = make_group("dp" + std::to_string(t), ranks, false);
+    if (rank_ % tp_size == t) dp = g;
+  }
+  for (int d = 0; d < dp_size; ++d) {
+    std::vector<int> ranks;
+    for (int t = 0; t < tp_size; ++t) ranks.push_back(d * tp_size + t);
+    auto g = make_group("tp" + std::to_string(d), ranks, false);
+    if (rank_ / tp_size == d) tp = g;
+  }
+  const int zn = opts.zero_ngroups, zsize = dp_size / zn;
+  for (int t = 0; t < tp_size; ++t) {
+    for (int gi = 0; gi < zn; ++gi) {
+      std::vector<int> ranks;
+      for (int z = 0; z < zsize; ++z) ranks.push_back((gi * zsize + z) * tp_size + t);
+      auto g = make_group("zero" + std::to_string(t) + "_" + std::to_string(gi), ranks, false);
+      if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
+    }
+    for (int z = 0; z < zsize; ++z) {
+      std::vector<int> ranks;
+      for (int gi = 0; gi < zn; ++gi) ranks.push_back((gi * zsize + z) * tp_size + t);
+      auto g = make_group("zerox" + std::to_string(t) + "_" + std::to_string(z), ranks, false);
+      if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
+    }
+  }
+  if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
+}
+
+Runtime::~Runtime() {
+  stop_ = true;
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool cpu_only) {
+  Group g;
+  g.name = name;
+  g.ranks = ranks;
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  const bool member = it != ranks.end();
+  g.rank = member ? static_cast<int>(it - ranks.begin()) : -1;
+  if (!member || ranks.size() < 2) return g;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, store_);
+  const bool nccl = backend_name_ == "nccl" && !cpu_only;
+  try {
+    if (nccl) {
+#ifdef NNSTRAIN_CUDA
+      auto o = c10d::ProcessGroupNCCL::Options::create();
+      o->timeout = opts_.timeout;
+      g.backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, g.rank, g.size(), o);
+#else
+      throw std::runtime_error("this nnstrain was built without CUDA, so without NCCL; use compute_config.backend: gloo");
+#endif
+    } else {
+      auto o = c10d::ProcessGroupGloo::Options::create(opts_.timeout);
+      if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
+        o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+      else
+        o->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      g.backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, g.rank, g.size(), o);
+    }
+  } catch (const CollectiveError&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(g, "process group creation", e.what());
+  }
+  return g;
+}
+
+void Runtime::heartbeat_loop() {
+  // Its own connection, so a slow collective never delays the heartbeat.
+  std::optional<DistEnv> env;
+  c10::intrusive_ptr<c10d::Store> hb;
+  try {
+    auto* tcp = dynamic_cast<c10d::TCPStore*>(store_.get());
+    DistEnv e;
+    e.master_addr = tcp->getHost();
+    e.master_port = tcp->getPort();
+    e.world_size = world_;
+    hb = connect_store(e, false, std::chrono::milliseconds(5000));
+  } catch (...) {
+    return;
+  }
+  const auto key = "hb/" + std::to_string(rank_);
+  while (!stop_) {
+    try {
+      hb->set(key, std::to_string(seq_.load()) + ":" + std::to_string(now_ms()));
+    } catch (...) {
+      return;  // the store (rank 0) is gone; collectives will report it
+    }
+    std::this_thread::sleep_for(kHeartbeat);
+  }
+}
+
+void Runtime::fail(const Group& g, const char* what, const std::string& cause) {
+  std::ostringstream msg;
+  const int64_t my_seq = seq_.load();
+  msg << "rank " << rank_ << ": collective '" << what << "' (#" << my_seq << ") on group " << g.name << " (ranks "
+      << join(g.ranks) << ") failed: " << cause;
+  // Which ranks stopped answering: those whose heartbeat no longer moves, or
+  // that never reached this collective.
+  try {
+    auto* tcp = dynamic_cast<c10d::TCPStore*>(store_.get());
+    DistEnv e;
+    e.master_addr = tcp->getHost();
+    e.master_port = tcp->getPort();
+    auto probe = connect_store(e, false, std::chrono::milliseconds(3000));
+    auto read = [&](int r) -> std::pair<int64_t, int64_t> {
+      auto v = probe->get("hb/" + std::to_string(r));
+      std::string s(v.begin(), v.end());
+      auto colon = s.find(':');
+      return {std::stoll(s.substr(0, colon)), std::stoll(s.substr(colon + 1))};
+    };
+    std::vector<std::pair<int64_t, int64_t>> first;
+    for (int r : g.ranks) first.push_back(read(r));
+    std::this_thread::sleep_for(kHeartbeat * 5);
+    std::vector<int> gone, behind;
+    for (size_t i = 0; i < g.ranks.size(); ++i) {
+      const int r = g.ranks[i];
+      if (r == rank_) continue;
+      auto now = read(r);
+      if (now.second == first[i].second) gone.push_back(r);
+      else if (now.first < my_seq) behind.push_back(r);
+    }
+    if (!gone.empty()) msg << "; ranks not answering (process gone or frozen): " << join(gone);
+    if (!behind.empty()) msg << "; ranks alive but not in this collective: " << join(behind);
+    if (gone.empty() && behind.empty()) msg << "; every rank of the group is still alive";
+  } catch (const std::exception&) {
+    msg << "; the rendezvous store on rank 0 is unreachable: rank 0 is gone";
+  }
+  throw CollectiveError(msg.str());
+}
+
+void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what) {
+  try {
+    w->wait(opts_.timeout);
+  } catch (const CollectiveError&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(g, what, e.what());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t, const char* what) {
+  ++seq_;
+  std::vector<at::Tensor> v{std::move(t)};
+  try {
+    return g.backend->allreduce(v);
+  } catch (const std::exception& e) {
+    fail(g, what, e.what());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
+  ++seq_;
+  try {
+    return g.backend->_reduce_scatter_base(out, in);
+  } catch (const std::exception& e) {
+    fail(g, what, e.what());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
+  ++seq_;
+  try {
+    return g.backend->_allgather_base(out, in);
+  } catch (const std::exception& e) {
+    fail(g, what, e.what());
+  }
+}
+
+void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {
+  if (g.size() < 2) return;
+  wait(all_reduce_async(g, std::move(t), what), g, what);
+}
+
+void Runtime::all_reduce_max(Group& g, at::Tensor t, const char* what) {
+  if (g.size() < 2) return;
+  ++seq_;
+  std::vector<at::Tensor> v{std::move(t)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  c10::intrusive_ptr<c10d::Work> w;
+  try {
+    w = g.backend->allreduce(v, o);
+  } catch (const std::exception& e) {
+    fail(g, what, e.what());
+  }
+  wait(w, g, what);
+}
+
+void Runtime::barrier(const char* what) {
+  if (control.size() < 2) return;
+  auto t = torch::zeros({1}, torch::kInt32);
+  all_reduce(control, t, what);
+}
+
+bool Runtime::any(bool flag, const char* what) {
+  if (control.size() < 2) return flag;
+  auto t = torch::full({1}, flag ? 1 : 0, torch::kInt32);
+  all_reduce_max(control, t, what);
+  return t.item<int>() != 0;
+}
+
+}  // namespace nnstrain::dist
