@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "models/common/layers.h"
+
 namespace nnstrain::models {
 
 // How trainer/parallel may split a parameter over tensor-parallel ranks (Megatron style).
@@ -36,6 +38,12 @@ struct HfTensor {
   bool transpose = false;   // GPT-2's Conv1D stores [in, out]
 };
 
+// The shape facts the planner's cost model needs (FLOPs, activation memory).
+struct ModelDims {
+  int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, max_seq = 0;
+  bool tied_embeddings = true;
+};
+
 // Per-run options the trainer or planner sets on a built model.
 struct RuntimeOptions {
   std::vector<bool> recompute_layers;  // activation checkpointing per block (empty = none)
@@ -56,6 +64,9 @@ class CausalLM : public torch::nn::Module {
   // Training FLOPs per token (forward + backward) at sequence length T, PaLM-style 6N + attention.
   virtual double flops_per_token(int64_t seq_len) const = 0;
 
+  virtual ModelDims dims() const { return {}; }
+  // The output head, for trainer/parallel to install a vocab-parallel loss.
+  virtual common::LmHead* output_head() { return nullptr; }
   virtual std::vector<ParamSplit> split_declaration() const { return {}; }
   virtual std::vector<HfTensor> hf_tensors() const { return {}; }
   virtual nlohmann::json hf_config() const { return nlohmann::json::object(); }

@@ -94,6 +94,10 @@ double Gpt::flops_per_token(int64_t seq_len) const {
   return 6 * n + 12.0 * cfg_.n_layer * cfg_.n_embd * seq_len;
 }
 
+ModelDims Gpt::dims() const {
+  return {cfg_.n_embd, cfg_.n_layer, cfg_.n_head, cfg_.n_head, 4 * cfg_.n_embd, cfg_.vocab_size, cfg_.block_size, true};
+}
+
 std::vector<ParamSplit> Gpt::split_declaration() const {
   const int64_t hd = cfg_.n_embd / cfg_.n_head, C = cfg_.n_embd;
   std::vector<ParamSplit> s{{"wte.weight", SplitStyle::Vocab, 1, {}}};

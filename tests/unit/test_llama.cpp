@@ -1,12 +1,14 @@
 // Llama: structure and declarations, config parsing, and parity with Hugging
 // Face transformers' LlamaForCausalLM on the same weights and tokens.
 #include <catch2/catch.hpp>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
 
 #include <array>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -17,7 +19,6 @@
 #include "trainer/checkpoint/tensor_io.h"
 #include "trainer/config/load.h"
 
-namespace fs = std::filesystem;
 using nnstrain::models::SplitStyle;
 using nnstrain::models::llama::Llama;
 using nnstrain::models::llama::LlamaConfig;
@@ -43,20 +44,23 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   return (ad - bd).abs().max().item<double>() / std::max(bd.abs().max().item<double>(), 1e-30);
 }
 
+// POSIX, not std::filesystem: libtorch.so exports its own remove_all, which wins
+// symbol resolution and crashes (pytorch#133437).
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+
 struct TempDir {
-  fs::path path;
+  std::string path;
   TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "nnstrain_llama_XXXXXX").string();
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_llama_XXXXXX";
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
     path = tmpl;
   }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+  ~TempDir() { ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+  std::string file(const std::string& name) const { return path + "/" + name; }
 };
 
-void write_file(const fs::path& p, const std::string& text) {
+void write_file(const std::string& p, const std::string& text) {
   std::ofstream f(p);
   f << text;
   REQUIRE(f.good());
@@ -75,7 +79,7 @@ int run(const std::string& cmd, std::string& out) {
 // Loads the parsed config of `model.args` from a minimal TrainerArgs file.
 std::shared_ptr<const LlamaConfig> parse_yaml_args(const std::string& args_yaml) {
   TempDir dir;
-  const auto file = dir.path / "cfg.yaml";
+  const auto file = dir.file("cfg.yaml");
   write_file(file, "model:\n  type: llama\n  args:\n" + args_yaml +
                        "dataset:\n  train_args: {path: train.bin, seq_len: 8}\n");
   nnstrain::config::LoadOptions opts;
@@ -85,7 +89,7 @@ std::shared_ptr<const LlamaConfig> parse_yaml_args(const std::string& args_yaml)
   };
   opts.check_files = false;
   opts.reject_unimplemented = false;
-  const auto args = nnstrain::config::load_trainer_args(file.string(), opts);
+  const auto args = nnstrain::config::load_trainer_args(file, opts);
   return std::dynamic_pointer_cast<const LlamaConfig>(args.model.args);
 }
 
@@ -301,25 +305,25 @@ struct ParityCase {
 void check_parity(const ParityCase& pc) {
   TempDir dir;
   torch::manual_seed(0);
-  write_file(dir.path / "ours_config.json", Llama(pc.cfg).hf_config().dump(2));
+  write_file(dir.file("ours_config.json"), Llama(pc.cfg).hf_config().dump(2));
   const std::string script = std::string(NNSTRAIN_SOURCE_DIR) + "/tests/reference/llama_reference.py";
   std::string out;
   const int rc = run(std::string("OMP_NUM_THREADS=1 '") + NNSTRAIN_PYTHON + "' '" + script + "' '" +
-                         dir.path.string() + "' --attn " + pc.attn + " --seq " + std::to_string(pc.seq),
+                         dir.path + "' --attn " + pc.attn + " --seq " + std::to_string(pc.seq),
                      out);
   INFO(out);
   REQUIRE(rc == 0);
 
   // Build ours from transformers' own config.json and weights.
   nlohmann::json hf_json;
-  std::ifstream(dir.path / "hf" / "config.json") >> hf_json;
+  std::ifstream(dir.file("hf/config.json")) >> hf_json;
   const auto cfg = nnstrain::models::llama::config_from_hf(hf_json);
   CHECK(cfg->num_key_value_heads == pc.cfg.num_key_value_heads);
   CHECK(cfg->rope_scaling.rope_type == pc.cfg.rope_scaling.rope_type);
   CHECK(cfg->tie_word_embeddings == pc.cfg.tie_word_embeddings);
   Llama m(*cfg);
-  auto weights = nnstrain::checkpoint::load_tensors((dir.path / "hf" / "model.safetensors").string());
-  auto ref = nnstrain::checkpoint::load_tensors((dir.path / "reference.safetensors").string());
+  auto weights = nnstrain::checkpoint::load_tensors(dir.file("hf/model.safetensors"));
+  auto ref = nnstrain::checkpoint::load_tensors(dir.file("reference.safetensors"));
   auto params = m.named_parameters();
   const auto names = m.hf_tensors();
   REQUIRE(names.size() == weights.size());

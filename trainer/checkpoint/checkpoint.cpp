@@ -10,6 +10,7 @@
 #include <memory>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "trainer/checkpoint/safetensors.h"
@@ -28,25 +29,6 @@ std::string rank_file(int rank, const char* ext) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "rank-%05d.%s", rank, ext);
   return buf;
-}
-
-// Writes a small file durably: temp name, fsync, rename.
-void write_file_durable(const fs::path& path, const std::string& text) {
-  const auto tmp = path.string() + ".part";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw CheckpointError("cannot write " + tmp + ": " + std::strerror(errno));
-  size_t done = 0;
-  while (done < text.size()) {
-    auto n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      throw CheckpointError("cannot write " + tmp + ": " + std::strerror(errno));
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError("cannot fsync " + tmp);
-  fs::rename(tmp, path);
 }
 
 nlohmann::json read_json(const fs::path& path) {
@@ -73,6 +55,25 @@ void prune(const fs::path& save_dir, int keep_last, const fs::path& keep) {
 }
 
 }  // namespace
+
+void write_file_durable(const std::string& path_str, const std::string& text) {
+  const fs::path path(path_str);
+  const auto tmp = path.string() + ".part";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError("cannot write " + tmp + ": " + std::strerror(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    auto n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      throw CheckpointError("cannot write " + tmp + ": " + std::strerror(errno));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError("cannot fsync " + tmp);
+  fs::rename(tmp, path);
+}
 
 std::string step_dir_name(int64_t step) {
   char buf[32];
@@ -107,7 +108,7 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
       sidecar["tensors"].push_back(t.spec);
     }
     save_tensors((tmp / rank_file(ctx.rank, "safetensors")).string(), out, {{"format", kFormat}});
-    write_file_durable(tmp / rank_file(ctx.rank, "json"), sidecar.dump());
+    write_file_durable((tmp / rank_file(ctx.rank, "json")).string(), sidecar.dump());
   } catch (const std::exception& e) {
     ok = false;
     failure = e.what();
@@ -126,12 +127,12 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
     nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"step", step},
                                {"world_size", ctx.world_size}, {"save_type", opts.save_type},
                                {"files", files}, {"rank_states", rank_states}, {"state", state}};
-    write_file_durable(tmp / "manifest.json", manifest.dump(1));  // last: its presence means complete
+    write_file_durable((tmp / "manifest.json").string(), manifest.dump(1));  // last: its presence means complete
     fsync_dir(tmp.string());
     fs::remove_all(final_dir);  // a stale one of the same step from an earlier run
     fs::rename(tmp, final_dir);
     fsync_dir(dir.string());
-    write_file_durable(dir / "latest", step_dir_name(step) + "\n");
+    write_file_durable((dir / "latest").string(), step_dir_name(step) + "\n");
     fsync_dir(dir.string());
     prune(dir, opts.keep_last, final_dir);
   }
@@ -162,11 +163,21 @@ Checkpoint::Checkpoint(std::string dir) : dir_(std::move(dir)) {
       if (!fs::exists(fs::path(dir_) / file))
         throw CheckpointError(dir_ + ": shard file " + file + " listed in manifest.json is missing");
       for (const auto& j : specs) {
-        auto spec = j.get<ShardSpec>();
-        index_[spec.name].emplace_back(spec, file);
+        Stored st{j.get<ShardSpec>(), file, j.value("key", std::string()), j.value("transposed", false)};
+        if (st.key.empty()) st.key = st.spec.name;
+        if (st.transposed && (st.spec.global_shape.size() != 2 || !st.spec.is_full()))
+          throw CheckpointError(m.string() + ": '" + st.spec.name + "' in " + file +
+                                " is marked transposed but is not a whole 2-d tensor");
+        auto& list = index_[st.spec.name];
+        if (!list.empty() && (list.front().spec.global_shape != st.spec.global_shape ||
+                              list.front().spec.dtype != st.spec.dtype))
+          throw CheckpointError(m.string() + ": the pieces of '" + st.spec.name + "' in " + list.front().file +
+                                " and " + file + " disagree on the global shape or dtype");
+        list.push_back(std::move(st));
       }
     }
     (void)manifest_.at("state");
+    (void)manifest_.at("rank_states");
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(m.string() + ": malformed manifest: " + e.what());
   } catch (const std::runtime_error& e) {
@@ -191,8 +202,11 @@ std::vector<std::string> Checkpoint::names() const {
 }
 
 std::vector<std::pair<ShardSpec, std::string>> Checkpoint::pieces(const std::string& name) const {
+  std::vector<std::pair<ShardSpec, std::string>> out;
   auto it = index_.find(name);
-  return it == index_.end() ? std::vector<std::pair<ShardSpec, std::string>>{} : it->second;
+  if (it != index_.end())
+    for (const auto& st : it->second) out.emplace_back(st.spec, st.file);
+  return out;
 }
 
 void Checkpoint::load_into(StateTensor& want) const {
@@ -200,17 +214,18 @@ void Checkpoint::load_into(StateTensor& want) const {
   auto it = index_.find(ws.name);
   if (it == index_.end()) throw CheckpointError(dir_ + ": no tensor '" + ws.name + "' in this checkpoint");
   const auto& stored = it->second;
-  const auto& first = stored.front().first;
+  const auto& first = stored.front().spec;
+  const std::string where = (fs::path(dir_) / stored.front().file).string();
   if (first.global_shape != ws.global_shape) {
     auto show = [](const std::vector<int64_t>& s) { return nlohmann::json(s).dump(); };
-    throw CheckpointError(dir_ + ": '" + ws.name + "' has shape " + show(first.global_shape) +
+    throw CheckpointError(where + ": '" + ws.name + "' has shape " + show(first.global_shape) +
                           " in the checkpoint but " + show(ws.global_shape) + " in the model");
   }
   if (first.dtype != ws.dtype)
-    throw CheckpointError(dir_ + ": '" + ws.name + "' has dtype " + first.dtype + " in the checkpoint but " +
+    throw CheckpointError(where + ": '" + ws.name + "' has dtype " + first.dtype + " in the checkpoint but " +
                           ws.dtype + " in the model");
   std::vector<ShardSpec> specs;
-  for (const auto& [s, f] : stored) specs.push_back(s);
+  for (const auto& st : stored) specs.push_back(st.spec);
   if (covered(specs, ws) != ws.numel())
     throw CheckpointError(dir_ + ": the stored pieces of '" + ws.name + "' do not cover " + ws.describe());
 
@@ -219,19 +234,40 @@ void Checkpoint::load_into(StateTensor& want) const {
                  : torch::empty({ws.numel()}, want.tensor.options().device(torch::kCPU));
   auto* dst = static_cast<uint8_t*>(cpu.data_ptr());
   const size_t es = cpu.element_size();
-  for (const auto& [spec, file] : stored) {
+  for (const auto& st : stored) {
+    const auto& spec = st.spec;
     const auto copies = overlap(spec, ws);
     if (copies.empty()) continue;
-    const auto path = (fs::path(dir_) / file).string();
+    const auto path = (fs::path(dir_) / st.file).string();
     auto& reader = readers_[path];
     if (!reader) reader = std::make_shared<SafetensorsReader>(path);
-    const auto& info = reader->at(ws.name);
-    if (dtype_name(info.dtype) != spec.dtype || info.numel() != spec.numel())
-      throw CheckpointError(path + ": tensor '" + ws.name + "' disagrees with its manifest entry (dtype " +
-                            dtype_name(info.dtype) + ", " + std::to_string(info.numel()) + " elements; manifest: " +
-                            spec.dtype + ", " + std::to_string(spec.numel()) + ")");
-    const uint8_t* src = reader->data(info);
+    const auto* info = reader->find(st.key);
+    if (!info)
+      throw CheckpointError(path + ": tensor '" + st.key + "' listed in manifest.json is not in the file");
+    auto expect_shape = spec.shape;
+    if (st.transposed) std::reverse(expect_shape.begin(), expect_shape.end());
+    if (dtype_name(info->dtype) != spec.dtype || info->numel() != spec.numel() ||
+        (st.transposed && info->shape != expect_shape))
+      throw CheckpointError(path + ": tensor '" + st.key + "' disagrees with its manifest entry (dtype " +
+                            dtype_name(info->dtype) + ", shape " + nlohmann::json(info->shape).dump() +
+                            "; manifest: " + spec.dtype + ", " + std::to_string(spec.numel()) + " elements" +
+                            (st.transposed ? ", transposed " + nlohmann::json(expect_shape).dump() : "") + ")");
+    const uint8_t* src = reader->data(*info);
+    at::Tensor untransposed;  // the stored transpose turned back, for a transposed piece
+    if (st.transposed) {
+      untransposed = torch::from_blob(const_cast<uint8_t*>(src), expect_shape,
+                                      cpu.options().dtype(to_scalar_type(info->dtype)))
+                         .t()
+                         .contiguous();
+      src = static_cast<const uint8_t*>(untransposed.data_ptr());
+    }
     for (const auto& c : copies) std::memcpy(dst + c.dst * es, src + c.src * es, c.length * es);
+    // The bytes are copied: drop the mapped pages from this process (they stay in the
+    // page cache), so loading or merging a large checkpoint does not grow the RSS by it.
+    const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto lo = reinterpret_cast<uintptr_t>(reader->data(*info)) & ~(page - 1);
+    const auto hi = reinterpret_cast<uintptr_t>(reader->data(*info)) + info->nbytes();
+    if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
   }
   if (!cpu.is_same(want.tensor)) want.tensor.view({-1}).copy_(cpu.view({-1}));
 }

@@ -73,14 +73,28 @@ class Checkpoint {
   std::vector<std::pair<ShardSpec, std::string /*file*/>> pieces(const std::string& name) const;
   std::vector<std::string> names() const;
 
+  // Where a piece's bytes are. A manifest entry may carry "key" (the tensor's
+  // name inside the file when it is not the global name, e.g. a Hugging Face
+  // name) and "transposed" (a full 2-d tensor stored as its transpose, as
+  // GPT-2's Conv1D weights are); merged --hf checkpoints use both.
+  struct Stored {
+    ShardSpec spec;
+    std::string file;
+    std::string key;
+    bool transposed = false;
+  };
+
  private:
   std::string dir_;
   nlohmann::json manifest_;
-  std::map<std::string, std::vector<std::pair<ShardSpec, std::string>>> index_;
+  std::map<std::string, std::vector<Stored>> index_;
   mutable std::map<std::string, std::shared_ptr<class SafetensorsReader>> readers_;  // opened on first use
 };
 
 // `latest` under save_dir, if any ("" otherwise).
 std::string latest(const std::string& save_dir);
+
+// Writes a small file durably: a temporary name, fsync, rename over `path`.
+void write_file_durable(const std::string& path, const std::string& text);
 
 }  // namespace nnstrain::checkpoint

@@ -16,16 +16,24 @@ ShardSpec ShardSpec::full(std::string name, std::string dtype, std::vector<int64
   return s;
 }
 
-int64_t ShardSpec::slice_numel() const {
+namespace {
+int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (auto d : shape) n *= d;
+  return n;
+}
+}  // namespace
+
+int64_t ShardSpec::slice_numel() const {
+  int64_t n = numel_of(shape);
+  for (const auto& b : more_blocks) n += numel_of(b.shape);
   return n;
 }
 
 int64_t ShardSpec::numel() const { return end() - flat_begin; }
 
 bool ShardSpec::is_full() const {
-  return shape == global_shape && flat_begin == 0 && end() == slice_numel();
+  return more_blocks.empty() && shape == global_shape && flat_begin == 0 && end() == slice_numel();
 }
 
 std::string ShardSpec::describe() const {
@@ -34,6 +42,12 @@ std::string ShardSpec::describe() const {
   for (size_t d = 0; d < shape.size(); ++d)
     o << (d ? ", " : "") << offsets[d] << ":" << offsets[d] + shape[d];
   o << "]";
+  for (const auto& b : more_blocks) {
+    o << "+[";
+    for (size_t d = 0; d < b.shape.size(); ++d)
+      o << (d ? ", " : "") << b.offsets[d] << ":" << b.offsets[d] + b.shape[d];
+    o << "]";
+  }
   if (flat_begin != 0 || flat_end >= 0) o << " flat[" << flat_begin << ":" << end() << "]";
   return o.str();
 }
@@ -42,6 +56,10 @@ void to_json(nlohmann::json& j, const ShardSpec& s) {
   j = {{"name", s.name}, {"dtype", s.dtype}, {"global_shape", s.global_shape},
        {"offsets", s.offsets}, {"shape", s.shape}, {"replica_ranks", s.replica_ranks}};
   if (s.flat_begin != 0 || s.flat_end >= 0) j["flat_range"] = {s.flat_begin, s.end()};
+  if (!s.more_blocks.empty()) {
+    j["more_blocks"] = nlohmann::json::array();
+    for (const auto& b : s.more_blocks) j["more_blocks"].push_back({{"offsets", b.offsets}, {"shape", b.shape}});
+  }
 }
 
 void from_json(const nlohmann::json& j, ShardSpec& s) {
@@ -55,41 +73,66 @@ void from_json(const nlohmann::json& j, ShardSpec& s) {
     s.flat_begin = j.at("flat_range").at(0).get<int64_t>();
     s.flat_end = j.at("flat_range").at(1).get<int64_t>();
   }
+  s.more_blocks.clear();
+  if (j.contains("more_blocks"))
+    for (const auto& b : j.at("more_blocks"))
+      s.more_blocks.push_back({b.at("offsets").get<std::vector<int64_t>>(), b.at("shape").get<std::vector<int64_t>>()});
   const auto rank = s.global_shape.size();
-  if (s.offsets.size() != rank || s.shape.size() != rank)
-    throw std::runtime_error("shard spec of '" + s.name + "': offsets/shape rank differs from global_shape");
-  for (size_t d = 0; d < rank; ++d)
-    if (s.offsets[d] < 0 || s.shape[d] < 0 || s.offsets[d] + s.shape[d] > s.global_shape[d])
-      throw std::runtime_error("shard spec of '" + s.name + "': slice out of bounds in dim " + std::to_string(d));
+  auto check = [&](const std::vector<int64_t>& offsets, const std::vector<int64_t>& shape) {
+    if (offsets.size() != rank || shape.size() != rank)
+      throw std::runtime_error("shard spec of '" + s.name + "': offsets/shape rank differs from global_shape");
+    for (size_t d = 0; d < rank; ++d)
+      if (offsets[d] < 0 || shape[d] < 0 || offsets[d] + shape[d] > s.global_shape[d])
+        throw std::runtime_error("shard spec of '" + s.name + "': slice out of bounds in dim " + std::to_string(d));
+  };
+  check(s.offsets, s.shape);
+  for (const auto& b : s.more_blocks) check(b.offsets, b.shape);
   if (s.flat_begin < 0 || s.flat_begin > s.end() || s.end() > s.slice_numel())
     throw std::runtime_error("shard spec of '" + s.name + "': flat range out of bounds");
 }
 
-std::vector<Run> runs(const ShardSpec& s) {
-  std::vector<Run> out;
-  const size_t nd = s.shape.size();
-  const int64_t begin = s.flat_begin, end = s.end();
-  if (end <= begin) return out;
-  if (nd == 0) return {{0, 0, end - begin}};
-  // Collapse to rows of the slice's last dim; each row is contiguous globally.
-  const int64_t row = s.shape[nd - 1];
-  if (row == 0) return out;
+// Runs of one rectangular block whose storage starts at `base` in the piece,
+// clipped to the piece's flat range [begin, end).
+static void block_runs(const ShardSpec& s, const std::vector<int64_t>& offsets, const std::vector<int64_t>& shape,
+                       int64_t base, int64_t begin, int64_t end, std::vector<Run>& out) {
+  const size_t nd = shape.size();
+  const int64_t n = numel_of(shape);
+  const int64_t lo_all = std::max(begin, base), hi_all = std::min(end, base + n);
+  if (hi_all <= lo_all) return;
+  if (nd == 0) {
+    out.push_back({0, lo_all - begin, hi_all - lo_all});
+    return;
+  }
+  // Rows of the block's last dim are contiguous in the global tensor.
+  const int64_t row = shape[nd - 1];
   std::vector<int64_t> gstride(nd, 1);
   for (int d = static_cast<int>(nd) - 2; d >= 0; --d) gstride[d] = gstride[d + 1] * s.global_shape[d + 1];
-  for (int64_t r = begin / row; r * row < end; ++r) {
-    // Global flat index of the start of slice row r.
-    int64_t idx = r, g = 0;
+  for (int64_t r = (lo_all - base) / row; base + r * row < hi_all; ++r) {
+    int64_t idx = r, g = 0;  // global flat index of the start of block row r
     for (int d = static_cast<int>(nd) - 2; d >= 0; --d) {
-      g += (s.offsets[d] + idx % s.shape[d]) * gstride[d];
-      idx /= s.shape[d];
+      g += (offsets[d] + idx % shape[d]) * gstride[d];
+      idx /= shape[d];
     }
-    g += s.offsets[nd - 1];
-    const int64_t lo = std::max(begin, r * row), hi = std::min(end, (r + 1) * row);
-    const int64_t gb = g + (lo - r * row);
-    if (!out.empty() && out.back().global_begin + out.back().length == gb)
+    g += offsets[nd - 1];
+    const int64_t lo = std::max(lo_all, base + r * row), hi = std::min(hi_all, base + (r + 1) * row);
+    const int64_t gb = g + (lo - base - r * row);
+    if (!out.empty() && out.back().global_begin + out.back().length == gb &&
+        out.back().local_begin + out.back().length == lo - begin)
       out.back().length += hi - lo;  // consecutive rows of a full-width slice merge
     else
       out.push_back({gb, lo - begin, hi - lo});
+  }
+}
+
+std::vector<Run> runs(const ShardSpec& s) {
+  std::vector<Run> out;
+  const int64_t begin = s.flat_begin, end = s.end();
+  if (end <= begin) return out;
+  block_runs(s, s.offsets, s.shape, 0, begin, end, out);
+  int64_t base = numel_of(s.shape);
+  for (const auto& b : s.more_blocks) {
+    block_runs(s, b.offsets, b.shape, base, begin, end, out);
+    base += numel_of(b.shape);
   }
   std::sort(out.begin(), out.end(), [](const Run& a, const Run& b) { return a.global_begin < b.global_begin; });
   return out;

@@ -2,9 +2,11 @@
 // dedup, merge, reshard-on-load and gradient-norm counting are written once
 // against ShardSpecs and never know which model they serve.
 //
-// A piece is a rectangular slice of the global tensor (offsets + shape), and
-// optionally only the flat range [flat_begin, flat_end) of that slice in
-// row-major order (ZeRO partitions cut parameters at arbitrary elements).
+// A piece is a rectangular slice of the global tensor (offsets + shape), or
+// several such blocks stored one after another (a tensor-parallel shard of a
+// fused QKV weight holds its rows of Q, of K and of V), and optionally only the
+// flat range [flat_begin, flat_end) of that storage in row-major order (ZeRO
+// partitions cut parameters at arbitrary elements).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,10 @@ struct ShardSpec {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offsets;       // start of the slice in each dim
   std::vector<int64_t> shape;         // size of the slice in each dim
+  struct Block {
+    std::vector<int64_t> offsets, shape;
+  };
+  std::vector<Block> more_blocks;     // further blocks after the first (rarely used)
   int64_t flat_begin = 0;             // flat range within the slice;
   int64_t flat_end = -1;              // -1 = to the end of the slice
   std::vector<int> replica_ranks;     // every rank that holds this same piece (sorted)

@@ -439,12 +439,10 @@ void check_implemented(const TrainerArgs& a) {
     throw ConfigError(a.config_file + ": " + key + ": " + what + " is not implemented yet");
   };
   const auto& c = a.compute_config;
-  if (c.plan_ngpus > 1) reject("compute_config.plan_ngpus", "tensor parallelism (plan_ngpus > 1)");
   if (a.precision != "32-true") reject("precision", "precision " + a.precision);
   if (!a.model.init_from.empty()) reject("model.init_from", "loading pretrained weights");
   if (a.model.loss == "chunked") reject("model.loss", "the chunked loss");
   if (a.model.activation_checkpointing) reject("model.activation_checkpointing", "activation checkpointing");
-  if (a.pas_policy != "dp" && a.pas_policy != "autodist") reject("pas_policy", "pas_policy " + a.pas_policy);
 }
 
 }  // namespace nnstrain::config

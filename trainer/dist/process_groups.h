@@ -17,11 +17,9 @@
 
 #include "trainer/dist/dist_env.h"
 
-namespace c10d {
-class Backend;
-class Store;
-class Work;
-}  // namespace c10d
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace nnstrain::dist {
 

@@ -153,10 +153,27 @@ void DataParallel::finish_gradients() {
 }
 
 at::Tensor DataParallel::grad_norm() {
-  if (!opts_.zero) return torch::linalg_vector_norm(flat_grad_, 2, {}, false, torch::kFloat32);
-  // Chunks are disjoint within the ZeRO group; their squares add up to the whole.
-  auto sq = shard_grad_.to(torch::kFloat32).pow(2).sum().reshape({1});
-  if (rt_ && rt_->zero.size() > 1) rt_->all_reduce(rt_->zero, sq, "gradient norm all-reduce");
+  bool weighted = false;
+  for (const auto& p : params_) weighted |= p.norm_weight != 1.0;
+  at::Tensor sq;
+  if (!opts_.zero && !weighted) {
+    sq = torch::linalg_vector_norm(flat_grad_, 2, {}, false, torch::kFloat32).pow(2).reshape({1});
+  } else {
+    // Sum of squares per segment, weighted so tensor-parallel replicas count once.
+    std::vector<at::Tensor> grads;
+    std::vector<double> w;
+    for (const auto& s : optimizer_segments()) {
+      grads.push_back(s.grad);
+      w.push_back(std::find_if(params_.begin(), params_.end(), [&](const ParamShard& p) { return p.name == s.name; })
+                      ->norm_weight);
+    }
+    auto norms = torch::stack(at::_foreach_norm(grads)).to(torch::kFloat32);
+    auto weights = torch::tensor(w, torch::kFloat64).to(norms.options());
+    sq = (norms.pow(2) * weights).sum().reshape({1});
+  }
+  // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
+  if (rt_ && opts_.zero && rt_->zero.size() > 1) rt_->all_reduce(rt_->zero, sq, "gradient norm all-reduce (ZeRO)");
+  if (rt_ && rt_->tp.size() > 1) rt_->all_reduce(rt_->tp, sq, "gradient norm all-reduce (TP)");
   return sq.sqrt().reshape({});
 }
 

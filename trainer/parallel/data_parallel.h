@@ -34,6 +34,9 @@ struct ParamShard {
   std::string name;
   at::Tensor tensor;
   checkpoint::ShardSpec spec;
+  // Share of this piece in the global gradient norm: 1 for a piece only this
+  // rank's tensor-parallel group position holds, 1/tp for one every TP rank replicates.
+  double norm_weight = 1.0;
 };
 
 struct DataParallelOptions {

@@ -58,10 +58,10 @@ std::optional<double> peak_flops(const c10::Device& device, const std::string& p
   return std::nullopt;  // CPUs vary too much for a table
 }
 
-JsonlSink::JsonlSink(const std::string& path) {
+JsonlSink::JsonlSink(const std::string& path, bool append) {
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  out_.open(path, std::ios::app);
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
   if (!out_) throw std::runtime_error("cannot open metrics file " + path);
 }
 

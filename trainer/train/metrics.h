@@ -22,7 +22,8 @@ std::optional<double> peak_flops(const c10::Device& device, const std::string& p
 // One JSON object per line, flushed every write (a crash loses nothing logged).
 class JsonlSink {
  public:
-  explicit JsonlSink(const std::string& path);
+  // A fresh run starts the file anew; a resumed one appends to it.
+  JsonlSink(const std::string& path, bool append);
   void write(const nlohmann::json& record);
 
  private:

@@ -18,6 +18,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/tensor_parallel.h"
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/train/log.h"
 #include "trainer/train/metrics.h"
@@ -93,6 +94,9 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   model->set_runtime_options(ro);
   model->to(device);
   model->train();
+  // Dropout streams differ between data-parallel replicas and agree within a
+  // tensor-parallel group, so replicated regions draw the same masks there.
+  torch::manual_seed(args.seed + 1000003ULL * static_cast<uint64_t>(dp_rank));
 
   // Data.
   data::TokenBinDataset train_ds(args.dataset.train_args, args.seed);
@@ -117,17 +121,10 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     rt = std::make_unique<dist::Runtime>(env, ropts);
   }
 
-  // Parameters (replicated on every rank for now) into data-parallel flat buffers.
+  // Tensor-parallel split (if any), then data-parallel flat buffers.
   Trainable tr;
   {
-    std::vector<int> all(world);
-    for (int r = 0; r < world; ++r) all[r] = r;
-    std::vector<parallel::ParamShard> shards;
-    for (auto& p : model->named_parameters()) {
-      auto spec = checkpoint::ShardSpec::full(p.key(), st_dtype(p.value()), p.value().sizes().vec());
-      spec.replica_ranks = all;
-      shards.push_back({p.key(), p.value(), spec});
-    }
+    auto shards = parallel::apply_tensor_parallel(*model, rt.get(), world);
     parallel::DataParallelOptions dpo;
     dpo.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
     dpo.zero = args.compute_config.use_zero;
@@ -171,9 +168,9 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   bool console = args.log.empty();
   for (const auto& s : args.log) {
     if (s.type == "console") console = true;
-    if (s.type == "jsonl" && rank == 0) jsonl = std::make_unique<JsonlSink>(s.path);
+    if (s.type == "jsonl" && rank == 0) jsonl = std::make_unique<JsonlSink>(s.path, start_step > 0);
   }
-  if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string());
+  if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step > 0);
 
   const auto peak = peak_flops(device, args.precision, args.compute_config.allow_tf32);
   const double flops_per_token = model->flops_per_token(seq_len);

@@ -1,0 +1,194 @@
+"""Data parallelism is exact: for the same seed and global batch, every split of
+the batch over ranks, micro-batches and accumulation steps gives the losses of one
+process, and ZeRO-1 gives the losses of plain data parallelism (DESIGN.md, "Parity
+is the correctness test of a parallel trainer").
+
+Runs: a tiny GPT (configs/tiny_dp.yaml: 2 layers, n_embd 32, 32-token samples, a
+0.01 MB bucket cap so there are several buckets, clip_gnorm below the gradient
+norms so clipping is active) for 10 steps on the shared generated token file, one
+thread per process; dp > 1 through `nnstrain launch` with Gloo. Each comparison
+asserts the loss of all 10 steps within 1e-5 relative and records the largest
+relative difference (printed with -s, and written to parity.json in the module's
+temporary folder).
+
+Also: rank 0 logs the loss averaged over ranks and tokens/s of the whole job.
+"""
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+CONFIG = HERE / "configs" / "tiny_dp.yaml"
+SOURCE = pathlib.Path(os.environ.get("NNSTRAIN_SOURCE_DIR", HERE.parents[1]))
+STEPS, SEQ_LEN, MICRO, CLIP = 10, 32, 4, 0.5
+RTOL = 1e-5
+
+# name: (processes, micro batch, accumulation steps, extra overrides)
+RUNS = {
+    "dp1_b4": (1, MICRO, 1, ()),
+    "dp1_b8": (1, 2 * MICRO, 1, ()),
+    "dp1_b4_acc2": (1, MICRO, 2, ()),
+    "dp2_b4": (2, MICRO, 1, ()),
+    "dp2_b4_zero": (2, MICRO, 1, ("--compute_config.use_zero", "true")),
+    "dp1_b16": (1, 4 * MICRO, 1, ()),
+    "dp1_b4_acc4": (1, MICRO, 4, ()),
+    "dp4_b4": (4, MICRO, 1, ()),
+    "dp4_b4_zero": (4, MICRO, 1, ("--compute_config.use_zero", "true")),
+    "dp4_b4_zero_ng2": (4, MICRO, 1, ("--compute_config.use_zero", "true", "--compute_config.zero_ngroups", "2")),
+    "dp2_b4_acc2": (2, MICRO, 2, ()),
+    "dp2_b4_acc2_zero": (2, MICRO, 2, ("--compute_config.use_zero", "true")),
+}
+
+# (run, reference): same global batch, so the same samples at every step.
+COMPARISONS = [
+    ("dp2_b4", "dp1_b8"),
+    ("dp1_b4_acc2", "dp1_b8"),
+    ("dp2_b4", "dp1_b4_acc2"),
+    ("dp2_b4_zero", "dp2_b4"),
+    ("dp4_b4", "dp1_b16"),
+    ("dp4_b4", "dp1_b4_acc4"),
+    ("dp4_b4_zero", "dp4_b4"),
+    ("dp4_b4_zero_ng2", "dp4_b4"),
+    ("dp2_b4_acc2", "dp1_b16"),
+    ("dp2_b4_acc2", "dp4_b4"),
+    ("dp2_b4_acc2_zero", "dp2_b4_acc2"),
+]
+
+
+def job_env():
+    """One thread, and no launcher variables of whatever runs the tests."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+            "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    prefixes = ("SLURM_", "PBS_", "PALS_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def metrics(run_dir):
+    recs = []
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if path.exists():
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if "loss" in r]
+
+
+class Job:
+    def __init__(self, name, nproc, micro, accum, proc, records):
+        self.name, self.nproc, self.micro, self.accum = name, nproc, micro, accum
+        self.output = proc.stdout + proc.stderr
+        self.records = records
+        self.global_batch = nproc * micro * accum
+
+    def by_step(self, key):
+        out = {}
+        for r in self.records:
+            assert r["step"] not in out, f"{self.name}: step {r['step']} logged twice in metrics.jsonl"
+            out[r["step"]] = r[key]
+        return out
+
+
+@pytest.fixture(scope="module")
+def job(nnstrain_bin, tiny_tokens, tmp_path_factory):
+    """job(name) -> Job: the run RUNS[name], made once per module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            nproc, micro, accum, extra = RUNS[name]
+            run_dir = tmp_path_factory.mktemp(name)
+            train = ["--config", str(CONFIG), "--vars.data", str(tiny_tokens), "--run_dir", str(run_dir),
+                     "--micro_batch_size", str(micro), "--grad_accumulation_steps", str(accum),
+                     "--max_train_steps", str(STEPS), *extra]
+            args = [nnstrain_bin, *train] if nproc == 1 else \
+                [nnstrain_bin, "launch", "--nproc-per-node", str(nproc), "--", *train]
+            p = subprocess.run(args, cwd=SOURCE, env=job_env(), capture_output=True, text=True, timeout=150)
+            if p.returncode != 0:
+                pytest.fail(f"{name}: exited with {p.returncode}: {' '.join(args)}\n{p.stdout}{p.stderr}")
+            j = Job(name, nproc, micro, accum, p, metrics(run_dir))
+            assert sorted(j.by_step("loss")) == list(range(1, STEPS + 1)), f"{name}: {j.output}"
+            if nproc > 1:
+                assert f"world {nproc} (dp {nproc})" in j.output, j.output
+            cache[name] = j
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    """Largest relative loss difference per comparison, kept in parity.json."""
+    path = tmp_path_factory.mktemp("figures") / "parity.json"
+    table = {}
+
+    def record(key, value):
+        table[key] = value
+        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+        print(f"\n{key}: {value}   ({path})")
+    return record
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.mark.parametrize("name,ref", COMPARISONS, ids=[f"{a}=={b}" for a, b in COMPARISONS])
+def test_losses_match(job, figures, name, ref):
+    got, want = job(name), job(ref)
+    assert got.global_batch == want.global_batch
+    gl, wl = got.by_step("loss"), want.by_step("loss")
+    diffs = {s: rel(gl[s], wl[s]) for s in range(1, STEPS + 1)}
+    gn = got.by_step("grad_norm")
+    wn = want.by_step("grad_norm")
+    gn_diff = max(rel(gn[s], wn[s]) for s in range(1, STEPS + 1))
+    worst = max(diffs.values())
+    figures(f"{name} vs {ref}", {"max_rel_loss_diff": worst, "max_rel_grad_norm_diff": gn_diff,
+                                 "worst_step": max(diffs, key=diffs.get)})
+    bad = {s: (gl[s], wl[s], d) for s, d in diffs.items() if d > RTOL}
+    assert not bad, f"{name} vs {ref}: steps whose losses differ by more than {RTOL} relative: {bad}"
+    # The comparison means something: training moved the loss, and clipping acted.
+    assert gl[STEPS] < gl[1] - 0.05
+    assert any(v > CLIP for v in gn.values()), f"{name}: grad_norm never above clip_gnorm {CLIP}: {gn}"
+
+
+def test_clipping_active_in_every_run(job):
+    for name in RUNS:
+        norms = job(name).by_step("grad_norm")
+        clipped = [s for s, v in norms.items() if v > CLIP]
+        # Active at some steps (the norm exceeds clip_gnorm), so the clipped update is what is compared.
+        assert len(clipped) >= 2, f"{name}: clip_gnorm {CLIP} above grad norms {norms}"
+
+
+def test_rank0_logs_the_loss_averaged_over_ranks(job):
+    # Rank 0 of dp2_b4 holds global-batch positions 0-3 of each step, exactly what
+    # dp1_b4 trains on: at step 1 (same initial weights) its own loss is dp1_b4's.
+    # What it logs must be the mean over both ranks, i.e. dp1_b8's, not its own.
+    dp2, own, both = job("dp2_b4").by_step("loss"), job("dp1_b4").by_step("loss"), job("dp1_b8").by_step("loss")
+    assert rel(own[1], both[1]) > 1e-4, "the two halves of the batch have the same loss: the test cannot tell"
+    assert rel(dp2[1], both[1]) <= RTOL and rel(dp2[1], own[1]) > 1e-4, (dp2[1], own[1], both[1])
+
+
+@pytest.mark.parametrize("name", ["dp1_b8", "dp2_b4", "dp4_b4", "dp2_b4_acc2", "dp4_b4_zero_ng2"])
+def test_tokens_per_s_counts_the_whole_job(job, name):
+    j = job(name)
+    tokens = j.global_batch * SEQ_LEN
+    assert f"global batch {j.global_batch} x {SEQ_LEN} tokens" in j.output, j.output
+    for r in j.records:
+        # tokens_per_s = tokens per step x steps / seconds, ms_per_step = 1000 x seconds / steps.
+        per_step = r["tokens_per_s"] * r["ms_per_step"] / 1000.0
+        assert abs(per_step - tokens) <= 1e-6 * tokens, (
+            f"{name} step {r['step']}: tokens_per_s x step time = {per_step} tokens per step, "
+            f"want the global batch's {j.global_batch} x {SEQ_LEN} = {tokens}")
+
+
+@pytest.mark.parametrize("name", ["dp2_b4", "dp4_b4_zero_ng2"])
+def test_several_buckets(job, name):
+    # Overlap and bucket ordering are only exercised with more than one bucket.
+    out = job(name).output
+    marker = " buckets"
+    line = next((l for l in out.splitlines() if "parameters" in l and marker in l), None)
+    assert line is not None, out
+    count = int(line[:line.index(marker)].rsplit(" ", 1)[-1])
+    assert count >= 3, line

@@ -1,0 +1,129 @@
+#include "trainer/checkpoint/hf.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "models/model.h"
+#include "models/registry.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/checkpoint/tensor_io.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::checkpoint {
+
+namespace {
+
+nlohmann::json read_json_file(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) throw CheckpointError(path.string() + ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
+  }
+}
+
+std::string show(const std::vector<int64_t>& s) { return nlohmann::json(s).dump(); }
+
+// Tensor name -> file (relative to dir), from model.safetensors or the index.
+std::map<std::string, std::string> weight_files(const fs::path& dir) {
+  std::map<std::string, std::string> where;
+  const auto single = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
+  if (fs::exists(single)) {
+    SafetensorsReader r(single.string());
+    for (const auto& t : r.tensors()) where[t.name] = "model.safetensors";
+    return where;
+  }
+  if (!fs::exists(index))
+    throw CheckpointError(dir.string() + ": neither model.safetensors nor model.safetensors.index.json "
+                          "(only safetensors checkpoints are read; no pickle)");
+  const auto j = read_json_file(index);
+  if (!j.contains("weight_map") || !j.at("weight_map").is_object())
+    throw CheckpointError(index.string() + ": no \"weight_map\" object");
+  for (const auto& [name, file] : j.at("weight_map").items()) {
+    if (!file.is_string()) throw CheckpointError(index.string() + ": weight_map entry of '" + name + "' is not a file name");
+    const auto f = file.get<std::string>();
+    if (f.find('/') != std::string::npos || f == "..")
+      throw CheckpointError(index.string() + ": weight_map file '" + f + "' of '" + name + "' is not a plain file name");
+    where[name] = f;
+  }
+  return where;
+}
+
+}  // namespace
+
+std::shared_ptr<const config::ModelConfig> hf_model_config(const models::ModelEntry& entry, const std::string& dir) {
+  const auto path = fs::path(dir) / "config.json";
+  if (!entry.from_hf_config)
+    throw CheckpointError("model type '" + entry.name + "' cannot be initialised from a Hugging Face checkpoint (" +
+                          path.string() + ")");
+  const auto j = read_json_file(path);
+  try {
+    auto cfg = entry.from_hf_config(j);
+    if (!cfg) throw std::runtime_error("not a config of model type '" + entry.name + "'");
+    return cfg;
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError(path.string() + ": " + e.what());
+  }
+}
+
+void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
+  const fs::path dir(dir_str);
+  const auto config_path = dir / "config.json";
+  if (fs::exists(config_path)) {
+    const auto j = read_json_file(config_path);
+    const auto ours = model.hf_config().value("model_type", std::string());
+    const auto theirs = j.value("model_type", std::string());
+    if (!ours.empty() && !theirs.empty() && ours != theirs)
+      throw CheckpointError(config_path.string() + ": model_type '" + theirs + "', but the model is a '" + ours + "'");
+  }
+  const auto mapping = model.hf_tensors();
+  if (mapping.empty()) throw CheckpointError("the model declares no Hugging Face names: cannot load " + dir_str);
+  const auto where = weight_files(dir);
+
+  auto params = model.named_parameters();
+  std::map<std::string, bool> loaded;
+  for (const auto& p : params) loaded[p.key()] = false;
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
+  torch::NoGradGuard no_grad;
+  for (const auto& h : mapping) {
+    auto* param = params.find(h.ours);
+    if (!param) throw CheckpointError("hf_tensors() names '" + h.ours + "', which is not a parameter of the model");
+    auto it = where.find(h.theirs);
+    if (it == where.end())
+      throw CheckpointError((dir / (fs::exists(dir / "model.safetensors") ? "model.safetensors"
+                                                                           : "model.safetensors.index.json"))
+                                .string() +
+                            ": tensor '" + h.theirs + "' (the model's '" + h.ours + "') is missing");
+    const auto path = (dir / it->second).string();
+    auto& reader = readers[path];
+    if (!reader) reader = std::make_unique<SafetensorsReader>(path);
+    const auto* info = reader->find(h.theirs);
+    if (!info) throw CheckpointError(path + ": tensor '" + h.theirs + "' is missing (the index names this file)");
+    auto want = param->sizes().vec();
+    if (h.transpose) {
+      if (want.size() != 2) throw CheckpointError("hf_tensors() marks '" + h.ours + "' transposed but it is not 2-d");
+      std::swap(want[0], want[1]);
+    }
+    if (info->shape != want)
+      throw CheckpointError(path + ": tensor '" + h.theirs + "' has shape " + show(info->shape) + " but the model's '" +
+                            h.ours + "' needs " + show(want) + (h.transpose ? " (stored transposed)" : ""));
+    auto t = read_tensor(*reader, h.theirs);
+    if (h.transpose) t = t.t();
+    param->copy_(t);  // converts dtype and device
+    loaded[h.ours] = true;
+  }
+  for (const auto& [name, done] : loaded)
+    if (!done) throw CheckpointError("the model's parameter '" + name + "' has no Hugging Face name: cannot load it from " + dir_str);
+}
+
+}  // namespace nnstrain::checkpoint

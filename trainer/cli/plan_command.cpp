@@ -1,0 +1,253 @@
+#include "trainer/cli/plan_command.h"
+
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include "models/model.h"
+#include "models/registry.h"
+#include "trainer/config/arg_map.h"
+#include "trainer/config/load.h"
+#include "trainer/parallel/plan.h"
+#include "trainer/parallel/planner.h"
+
+// Building a model "on meta": LibTorch has no default-device switch in C++ and
+// our modules create their parameters with plain torch::empty/zeros/ones, so
+// while planning we route every tensor factory to the meta device through a
+// dispatch key that is otherwise unused (TESTING_ONLY_GenericMode, the same
+// mechanism torchdistX's deferred init uses with its own key): included in the
+// thread-local key set only inside build_model_for_planning, it turns empty()
+// into a meta allocation and passes every other op through; ops on meta
+// tensors (normal_, fill_, ...) then run their shape-only meta kernels.
+namespace {
+
+at::Tensor planning_empty(c10::SymIntArrayRef size, std::optional<at::ScalarType> dtype,
+                          std::optional<at::Layout> layout, std::optional<at::Device> device,
+                          std::optional<bool> pin_memory, std::optional<at::MemoryFormat> memory_format) {
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::TESTING_ONLY_GenericMode);
+  return at::empty_symint(size, at::TensorOptions().dtype(dtype).layout(layout).device(at::kMeta), memory_format);
+}
+
+at::Tensor planning_empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                                  std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
+                                  std::optional<at::Device> device, std::optional<bool> pin_memory) {
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::TESTING_ONLY_GenericMode);
+  return at::empty_strided_symint(size, stride, at::TensorOptions().dtype(dtype).layout(layout).device(at::kMeta));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+TORCH_LIBRARY_IMPL(aten, TESTING_ONLY_GenericMode, m) {
+  m.impl("empty.memory_format", planning_empty);
+  m.impl("empty_strided", planning_empty_strided);
+}
+
+namespace nnstrain::cli {
+
+namespace {
+
+constexpr const char* kPlanUsage =
+    R"(nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X]
+              [--explain] [--json] [--key.path value ...]
+
+Prints the plan the trainer would use: tensor- and data-parallel sizes, ZeRO,
+activation recompute per layer, each parameter's split, per-rank memory and the
+estimated step time. Nothing is trained and no weights are allocated.
+
+  --runtime-ngpus N       total ranks (default: compute_config.runtime_ngpus, else 1)
+  --device NAME           H100 | H200 | A100-80G | A100-40G | cpu | auto
+                          (default: compute_config.device; auto = CUDA device 0, else cpu)
+  --memory-budget-gb X    per-rank budget in GiB (default: compute_config.memory_budget_gb,
+                          else 90% of the device memory)
+  --explain               also list every rejected candidate and why
+  --json                  print {"plan": ..., "rejected": [...]} as JSON instead
+)";
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+config::ModelCatalog catalog() {
+  config::ModelCatalog c;
+  c.names = models::model_names();
+  c.parse = [](const std::string& type, config::ArgMap& args) { return models::find_model(type)->parse_args(args); };
+  return c;
+}
+
+std::string count_text(double n) {
+  if (n >= 1e9) return fixed(n / 1e9, 2) + "B";
+  if (n >= 1e6) return fixed(n / 1e6, 2) + "M";
+  if (n >= 1e3) return fixed(n / 1e3, 1) + "K";
+  return fixed(n, 0);
+}
+
+}  // namespace
+
+std::shared_ptr<models::CausalLM> build_model_for_planning(const config::TrainerArgs& args) {
+  const auto* entry = models::find_model(args.model.type);
+  if (!entry) throw config::ConfigError("model.type: unknown model type '" + args.model.type + "'");
+  if (!args.model.args) throw config::ConfigError("model.args: not parsed (no model catalog given to the loader)");
+  torch::NoGradGuard no_grad;
+  try {
+    c10::impl::IncludeDispatchKeyGuard meta(c10::DispatchKey::TESTING_ONLY_GenericMode);
+    return entry->build(*args.model.args);
+  } catch (const c10::Error&) {
+    // A constructor that reads tensor values (item(), data_ptr) cannot run on meta.
+  }
+  return entry->build(*args.model.args);
+}
+
+int plan_main(const std::vector<std::string>& args) { return plan_main(args, std::cout, std::cerr); }
+
+int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
+  std::string config_file, device_name;
+  int runtime_ngpus = 0;
+  double budget_gb = -1;
+  bool explain = false, json = false;
+  std::vector<std::string> rest;
+  auto value = [&](size_t& i, const std::string& flag, std::string& into) {
+    const auto& a = argv[i];
+    if (a.size() > flag.size() && a.compare(0, flag.size() + 1, flag + "=") == 0) {
+      into = a.substr(flag.size() + 1);
+      return true;
+    }
+    if (a != flag) return false;
+    if (i + 1 >= argv.size()) throw config::ConfigError(flag + " needs a value");
+    into = argv[++i];
+    return true;
+  };
+  auto number = [](const std::string& flag, const std::string& text) {
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != text.size() || text.empty() || !std::isfinite(v))
+      throw config::ConfigError(flag + ": expected a number, got '" + text + "'");
+    return v;
+  };
+
+  config::TrainerArgs targs;
+  try {
+    for (size_t i = 0; i < argv.size(); ++i) {
+      std::string v;
+      if (argv[i] == "-h" || argv[i] == "--help") {
+        out << kPlanUsage;
+        return 0;
+      } else if (argv[i] == "--explain") {
+        explain = true;
+      } else if (argv[i] == "--json") {
+        json = true;
+      } else if (value(i, "--config", v)) {
+        config_file = v;
+      } else if (value(i, "--device", v)) {
+        device_name = v;
+      } else if (value(i, "--runtime-ngpus", v)) {
+        const double n = number("--runtime-ngpus", v);
+        if (n < 1 || n != std::floor(n) || n > (1 << 20))
+          throw config::ConfigError("--runtime-ngpus: expected a positive integer, got '" + v + "'");
+        runtime_ngpus = static_cast<int>(n);
+      } else if (value(i, "--memory-budget-gb", v)) {
+        budget_gb = number("--memory-budget-gb", v);
+        if (budget_gb <= 0) throw config::ConfigError("--memory-budget-gb: must be > 0, got '" + v + "'");
+      } else {
+        rest.push_back(argv[i]);
+      }
+    }
+    if (config_file.empty()) {
+      err << "nnstrain plan: missing --config FILE\n\n" << kPlanUsage;
+      return 2;
+    }
+    config::LoadOptions lo;
+    lo.overrides = config::parse_overrides(rest);
+    if (runtime_ngpus > 0) lo.overrides.push_back({"compute_config.runtime_ngpus", std::to_string(runtime_ngpus)});
+    lo.models = catalog();
+    lo.world_size = runtime_ngpus > 0 ? runtime_ngpus : 1;
+    lo.check_files = false;            // planning reads no data
+    lo.reject_unimplemented = false;   // plan setups the trainer cannot run yet
+    targs = config::load_trainer_args(config_file, lo);
+  } catch (const config::ConfigError& e) {
+    err << "nnstrain plan: config error: " << e.what() << "\n";
+    return 2;
+  }
+
+  try {
+    const auto& cc = targs.compute_config;
+    parallel::PlanRequest req;
+    req.args = &targs;
+    req.world_size = cc.runtime_ngpus;
+    req.device = parallel::device_spec(device_name.empty() ? cc.device : device_name);
+    const double gb = budget_gb > 0 ? budget_gb : cc.memory_budget_gb;
+    req.memory_budget_bytes = gb * kGiB;
+    const auto model = build_model_for_planning(targs);
+    req.model = model.get();
+
+    std::vector<parallel::Rejected> rejected;
+    const auto plan = parallel::make_plan(req, &rejected);
+    const auto dims = model->dims();
+    double numel = 0;
+    for (const auto& p : model->named_parameters()) numel += double(p.value().numel());
+
+    if (json) {
+      nlohmann::json j;
+      j["plan"] = plan;
+      if (explain) {
+        nlohmann::json rj = nlohmann::json::array();
+        for (const auto& r : rejected)
+          rj.push_back({{"candidate", r.candidate},
+                        {"kind", r.kind},
+                        {"reason", r.reason},
+                        {"tp", r.cand.tp},
+                        {"dp", r.cand.dp},
+                        {"zero", r.cand.zero},
+                        {"recompute_layers", r.cand.recompute_layers},
+                        {"memory_bytes", r.memory_bytes},
+                        {"step_s", r.step_s}});
+        j["rejected"] = rj;
+      }
+      out << j.dump(2) << "\n";
+      return 0;
+    }
+
+    const auto& d = req.device;
+    const double peak = parallel::peak_flops_for(d, targs.precision, cc.allow_tf32);
+    out << "config: " << config_file << "\n";
+    out << "model: " << targs.model.type << ", " << count_text(numel) << " parameters (" << dims.layers
+        << " layers, hidden " << dims.hidden << ", " << dims.heads << " heads";
+    if (dims.kv_heads != dims.heads) out << " / " << dims.kv_heads << " kv";
+    out << ", ffn " << dims.ffn << ", vocab " << dims.vocab << ")\n";
+    out << "run: " << cc.runtime_ngpus << " rank" << (cc.runtime_ngpus == 1 ? "" : "s") << ", plan_ngpus "
+        << cc.plan_ngpus << ", precision " << targs.precision << ", micro_batch_size " << targs.micro_batch_size
+        << ", seq_len " << plan.seq_len << ", global batch " << targs.global_batch_size << "\n";
+    out << "device: " << d.name << ": " << parallel::format_bytes(d.memory_bytes) << ", " << fixed(peak / 1e12, 1)
+        << " TFLOP/s peak for " << targs.precision << (targs.precision.rfind("32", 0) == 0 && cc.allow_tf32 ? " (tf32)" : "")
+        << ", " << fixed(d.intra_node_bw / 1e9, 0) << " GB/s within a node, " << fixed(d.inter_node_bw / 1e9, 2)
+        << " GB/s between nodes, " << d.ranks_per_node << " ranks per node\n\n";
+    out << parallel::describe(plan, explain);
+    if (explain) {
+      out << "\nrejected candidates (" << rejected.size() << "):\n";
+      out << parallel::describe_rejected(rejected, static_cast<int>(plan.recompute.size()));
+    }
+    return 0;
+  } catch (const parallel::PlanError& e) {
+    err << "nnstrain plan: " << e.what() << "\n";
+    return 1;
+  } catch (const config::ConfigError& e) {
+    err << "nnstrain plan: config error: " << e.what() << "\n";
+    return 2;
+  }
+}
+
+}  // namespace nnstrain::cli

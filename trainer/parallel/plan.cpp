@@ -1,0 +1,218 @@
+#include "trainer/parallel/plan.h"
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "trainer/parallel/planner.h"
+
+namespace nnstrain::parallel {
+
+void to_json(nlohmann::json& j, const Plan& p) {
+  nlohmann::json params = nlohmann::json::array();
+  for (const auto& pp : p.params)
+    params.push_back({{"param", pp.param}, {"split", pp.split}, {"global_shape", pp.global_shape},
+                      {"local_shape", pp.local_shape}});
+  const auto& e = p.estimate;
+  j = {{"policy", p.policy},
+       {"world", p.world},
+       {"tp", p.tp},
+       {"dp", p.dp},
+       {"zero", p.zero},
+       {"zero_ngroups", p.zero_ngroups},
+       {"recompute", p.recompute},
+       {"params", params},
+       {"estimate",
+        {{"param_bytes", e.param_bytes},
+         {"grad_bytes", e.grad_bytes},
+         {"optim_bytes", e.optim_bytes},
+         {"activation_bytes", e.activation_bytes},
+         {"transient_bytes", e.transient_bytes},
+         {"total_bytes", e.total_bytes},
+         {"compute_s", e.compute_s},
+         {"comm_s", e.comm_s},
+         {"tp_comm_s", e.tp_comm_s},
+         {"dp_comm_s", e.dp_comm_s},
+         {"step_s", e.step_s}}},
+       {"memory_budget_bytes", p.memory_budget_bytes},
+       {"device", p.device},
+       {"micro_batch_size", p.micro_batch_size},
+       {"seq_len", p.seq_len},
+       {"grad_accumulation_steps", p.grad_accumulation_steps}};
+}
+
+void from_json(const nlohmann::json& j, Plan& p) {
+  try {
+    p = Plan{};
+    p.policy = j.at("policy").get<std::string>();
+    p.world = j.at("world").get<int>();
+    p.tp = j.at("tp").get<int>();
+    p.dp = j.at("dp").get<int>();
+    p.zero = j.at("zero").get<bool>();
+    p.zero_ngroups = j.value("zero_ngroups", 1);
+    p.recompute = j.at("recompute").get<std::vector<bool>>();
+    for (const auto& pj : j.at("params")) {
+      ParamPlan pp;
+      pp.param = pj.at("param").get<std::string>();
+      pp.split = pj.at("split").get<std::string>();
+      pp.global_shape = pj.at("global_shape").get<std::vector<int64_t>>();
+      pp.local_shape = pj.at("local_shape").get<std::vector<int64_t>>();
+      p.params.push_back(std::move(pp));
+    }
+    // Estimates are informative: a plan without them (hand-written) still loads.
+    if (j.contains("estimate")) {
+      const auto& ej = j.at("estimate");
+      auto& e = p.estimate;
+      e.param_bytes = ej.value("param_bytes", 0.0);
+      e.grad_bytes = ej.value("grad_bytes", 0.0);
+      e.optim_bytes = ej.value("optim_bytes", 0.0);
+      e.activation_bytes = ej.value("activation_bytes", 0.0);
+      e.transient_bytes = ej.value("transient_bytes", 0.0);
+      e.total_bytes = ej.value("total_bytes", 0.0);
+      e.compute_s = ej.value("compute_s", 0.0);
+      e.comm_s = ej.value("comm_s", 0.0);
+      e.tp_comm_s = ej.value("tp_comm_s", 0.0);
+      e.dp_comm_s = ej.value("dp_comm_s", 0.0);
+      e.step_s = ej.value("step_s", 0.0);
+    }
+    p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
+    p.device = j.value("device", std::string());
+    p.micro_batch_size = j.value("micro_batch_size", int64_t{1});
+    p.seq_len = j.value("seq_len", int64_t{0});
+    p.grad_accumulation_steps = j.value("grad_accumulation_steps", int64_t{1});
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(std::string("invalid plan JSON: ") + e.what());
+  }
+  if (p.tp < 1 || p.dp < 1 || p.world != p.tp * p.dp)
+    throw std::runtime_error("invalid plan JSON: world " + std::to_string(p.world) + " != tp " +
+                             std::to_string(p.tp) + " x dp " + std::to_string(p.dp));
+}
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// "h.11.attn.c_attn.weight" -> "h.*.attn.c_attn.weight": numeric path components
+// become "*" so identical layers fold into one line.
+std::string fold_layers(const std::string& name) {
+  std::string out, part;
+  std::istringstream in(name);
+  bool first = true;
+  while (std::getline(in, part, '.')) {
+    const bool numeric = !part.empty() && part.find_first_not_of("0123456789") == std::string::npos;
+    out += (first ? "" : ".") + (numeric ? std::string("*") : part);
+    first = false;
+  }
+  return out;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string pad(std::string s, size_t width) {
+  if (s.size() < width) s.append(width - s.size(), ' ');
+  return s;
+}
+
+// "none", "all 12", or the layer ranges: "0-3 (4 of 12)".
+std::string recompute_text(const std::vector<bool>& r) {
+  int n = 0;
+  for (bool b : r) n += b;
+  if (n == 0) return "none (0 of " + std::to_string(r.size()) + " layers)";
+  std::string ranges;
+  for (size_t i = 0; i < r.size();) {
+    if (!r[i]) { ++i; continue; }
+    size_t k = i;
+    while (k + 1 < r.size() && r[k + 1]) ++k;
+    ranges += (ranges.empty() ? "" : ",") + std::to_string(i) + (k > i ? "-" + std::to_string(k) : "");
+    i = k + 1;
+  }
+  return "layers " + ranges + " (" + std::to_string(n) + " of " + std::to_string(r.size()) + " layers)";
+}
+
+}  // namespace
+
+std::string describe(const Plan& p, bool explain) {
+  std::ostringstream o;
+  o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp << " x dp " << p.dp
+    << ", zero " << (p.zero ? "on" : "off");
+  if (p.zero && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
+  o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
+  if (p.seq_len > 0)
+    o << "  batch per rank: " << p.grad_accumulation_steps << " micro-batch"
+      << (p.grad_accumulation_steps == 1 ? "" : "es") << " of " << p.micro_batch_size << " x " << p.seq_len
+      << " tokens per step (global batch " << p.micro_batch_size * p.dp * p.grad_accumulation_steps
+      << " sequences)\n";
+  if (!p.device.empty()) o << "  device: " << p.device << "\n";
+
+  // Parameters: identical layers folded, in first-appearance order.
+  struct Group { std::string name, split; std::vector<int64_t> global, local; int count = 0; };
+  std::vector<Group> groups;
+  std::map<std::string, size_t> index;
+  for (const auto& pp : p.params) {
+    const std::string key = fold_layers(pp.param) + "|" + pp.split + "|" + shape_text(pp.global_shape) + "|" +
+                            shape_text(pp.local_shape);
+    auto it = index.find(key);
+    if (it == index.end()) {
+      index.emplace(key, groups.size());
+      groups.push_back({fold_layers(pp.param), pp.split, pp.global_shape, pp.local_shape, 1});
+    } else {
+      ++groups[it->second].count;
+    }
+  }
+  size_t width = 0;
+  for (const auto& g : groups) width = std::max(width, g.name.size() + (g.count > 1 ? 6 : 0));
+  o << "\nparameters (global -> on one tensor-parallel rank):\n";
+  for (const auto& g : groups) {
+    std::string name = g.name + (g.count > 1 ? " (x" + std::to_string(g.count) + ")" : "");
+    o << "  " << pad(name, width + 1) << " " << pad(g.split, 9) << " " << shape_text(g.global);
+    if (g.local != g.global) o << " -> " << shape_text(g.local);
+    o << "\n";
+  }
+
+  const auto& e = p.estimate;
+  o << "\nmemory per rank (estimated):\n";
+  auto row = [&](const char* what, double bytes) { o << "  " << pad(what, 12) << format_bytes(bytes) << "\n"; };
+  row("params", e.param_bytes);
+  row("grads", e.grad_bytes);
+  row("optimizer", e.optim_bytes);
+  row("activations", e.activation_bytes);
+  row("transient", e.transient_bytes);
+  o << "  " << pad("total", 12) << format_bytes(e.total_bytes);
+  if (p.memory_budget_bytes > 0)
+    o << " of budget " << format_bytes(p.memory_budget_bytes) << " ("
+      << fixed(100.0 * e.total_bytes / p.memory_budget_bytes, 1) << "%)";
+  o << "\n";
+
+  o << "\nstep time (estimated):\n";
+  o << "  " << pad("compute", 12) << fixed(e.compute_s, 4) << " s\n";
+  o << "  " << pad("comm", 12) << fixed(e.comm_s, 4) << " s (tensor parallel " << fixed(e.tp_comm_s, 4)
+    << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s)\n";
+  o << "  " << pad("total", 12) << fixed(e.step_s, 4) << " s";
+  if (e.step_s > 0 && p.seq_len > 0) {
+    const double tokens = double(p.micro_batch_size) * p.seq_len * p.grad_accumulation_steps * p.dp;
+    o << " (" << fixed(tokens / e.step_s, 0) << " tokens/s over all ranks)";
+  }
+  o << "\n";
+
+  if (explain) {
+    o << "\ncost model (docs/parallelism.md):\n"
+      << "  compute = FLOPs per token x tokens per rank / tp / (peak FLOP/s x " << fixed(kAssumedEfficiency, 2)
+      << "), +1/3 of a layer's FLOPs per recomputed layer\n"
+      << "  tensor parallel: 4 all-reduces of b x s x h per layer per micro-batch (2 more per recomputed\n"
+      << "    layer, 2 for the vocab-parallel embedding and head), 2(t-1)/t x bytes / bandwidth, not overlapped\n"
+      << "  data parallel: 2(d-1)/d x gradient bytes / bandwidth on the last micro-batch, overlapped with its\n"
+      << "    backward except the last bucket; ZeRO adds the parameter all-gather after the optimizer step\n";
+  }
+  return o.str();
+}
+
+}  // namespace nnstrain::parallel

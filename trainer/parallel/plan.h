@@ -1,0 +1,52 @@
+// Plan: how one run is split over its ranks. Produced by the planner
+// (planner.h) from the config, the model's split declaration and a cost model;
+// applied by trainer/parallel; printed by `nnstrain plan`; saved in checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace nnstrain::parallel {
+
+struct ParamPlan {
+  std::string param;       // parameter name
+  std::string split;       // replicate | column | row | vocab
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> local_shape;  // on one tensor-parallel rank
+};
+
+// Per-rank estimates, bytes and seconds.
+struct PlanEstimate {
+  double param_bytes = 0, grad_bytes = 0, optim_bytes = 0, activation_bytes = 0, transient_bytes = 0;
+  double total_bytes = 0;
+  double compute_s = 0, comm_s = 0, step_s = 0;
+  double tp_comm_s = 0, dp_comm_s = 0;  // comm_s = tp_comm_s + dp_comm_s (exposed part of DP/ZeRO)
+};
+
+struct Plan {
+  std::string policy;            // the pas_policy that produced it
+  int world = 1, tp = 1, dp = 1;
+  bool zero = false;
+  int zero_ngroups = 1;
+  std::vector<bool> recompute;   // per model layer
+  std::vector<ParamPlan> params;
+  PlanEstimate estimate;
+  double memory_budget_bytes = 0;
+  // What the estimate assumed: the device table entry, the per-rank batch.
+  std::string device;
+  int64_t micro_batch_size = 1, seq_len = 0;
+  int64_t grad_accumulation_steps = 1;  // per rank per step: global batch / (micro x dp)
+};
+
+void to_json(nlohmann::json& j, const Plan& p);
+void from_json(const nlohmann::json& j, Plan& p);
+
+// Human-readable: the plan, each parameter's split (identical layers folded,
+// e.g. "h.*.attn.c_attn.weight"), per-rank memory and step time; explain adds
+// the cost model's assumptions. Deterministic.
+std::string describe(const Plan& p, bool explain = false);
+
+}  // namespace nnstrain::parallel
