@@ -12,7 +12,12 @@ Reported per layout:
 - tokens/s over the timed steps (rank 0's metrics.jsonl: tokens_per_s counts the
   whole job's tokens, global batch x seq_len per step) and the median step time;
 - scaling efficiency = tokens/s(dp=2) / (2 x tokens/s(dp=1)): 1.0 is perfect scaling
-  on two cores, 0.5 is no gain at all;
+  on two cores, 0.5 is no gain at all. On a shared machine two processes get a
+  larger share of the cores than one, so it comes with each process's share of a
+  core (CPU seconds / wall seconds, from /proc/<pid>/stat) and the load average;
+- CPU-time efficiency = tokens per CPU second of dp=2 / of dp=1: the work data
+  parallelism adds per token (communication, smaller matrix products), which
+  other processes on the machine barely move;
 - gradient traffic: bytes every rank hands the kernel per training step, measured
   from /proc/<pid>/io (wchar: write/writev bytes, which include Gloo's TCP sends;
   the ranks write no files between logging lines except rank 0's metrics line), over
@@ -83,10 +88,14 @@ def rank_of(pid):
     return None
 
 
-def io_counters(pid):
+def counters(pid):
+    """Bytes the process wrote (write/writev, so Gloo's TCP sends; its receives use
+    recv(), which /proc does not count) and the CPU seconds it used."""
     try:
         fields = dict(line.split(": ") for line in pathlib.Path(f"/proc/{pid}/io").read_text().splitlines())
-        return {"wchar": int(fields["wchar"]), "rchar": int(fields["rchar"])}
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        utime, stime = (int(x) for x in stat[stat.rindex(")") + 2:].split()[11:13])
+        return {"wchar": int(fields["wchar"]), "cpu_s": (utime + stime) / os.sysconf("SC_CLK_TCK")}
     except (OSError, KeyError, ValueError):
         return None
 
@@ -125,8 +134,8 @@ def run(binary, nproc, micro, steps, warmup, data_dir, bucket_cap_mb):
                       "end" if s >= total - 2 and "end" not in samples else None
                 if key:
                     pids = {0: p.pid} if nproc == 1 else {rank_of(c): c for c in children(p.pid)}
-                    counters = {r: io_counters(pid) for r, pid in pids.items()}
-                    samples[key] = (last_step(metrics) if key == "end" else s, counters)
+                    got = {r: counters(pid) for r, pid in pids.items()}
+                    samples[key] = (last_step(metrics) if key == "end" else s, got)
                 time.sleep(0.005)
         finally:
             if p.poll() is None:
@@ -141,14 +150,14 @@ def run(binary, nproc, micro, steps, warmup, data_dir, bucket_cap_mb):
     recs = [r for r in recs if "loss" in r]
     if [r["step"] for r in recs] != list(range(1, total + 1)):
         sys.exit(f"metrics.jsonl does not hold one record per step 1..{total}:\n{output}")
-    bytes_per_step = {}
+    per_step = {}  # rank -> {"wchar": bytes, "cpu_s": seconds} per step, over the sampled steps
     if "start" in samples and "end" in samples:
         (s0, c0), (s1, c1) = samples["start"], samples["end"]
         for r in c0:
             if c0[r] and c1.get(r) and s1 > s0:
-                bytes_per_step[r] = {k: (c1[r][k] - c0[r][k]) / (s1 - s0) for k in ("wchar", "rchar")}
-        bytes_per_step["steps_sampled"] = [s0, s1]
-    return recs, output, bytes_per_step
+                per_step[r] = {k: (c1[r][k] - c0[r][k]) / (s1 - s0) for k in ("wchar", "cpu_s")}
+        per_step["steps_sampled"] = [s0, s1]
+    return recs, output, per_step
 
 
 def summarise(recs, warmup, tokens_per_step):
@@ -231,10 +240,10 @@ def main():
     for rep in range(a.repeats):
         for name, (nproc, micro) in layouts.items():
             load_before = os.getloadavg()[0]
-            recs, output, io = run(binary, nproc, micro, a.steps, a.warmup, data_dir, a.bucket_cap_mb)
+            recs, output, per_step = run(binary, nproc, micro, a.steps, a.warmup, data_dir, a.bucket_cap_mb)
             s = summarise(recs, a.warmup, tokens_per_step)
             s["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-            s["bytes_per_step"] = io
+            s["per_step"] = per_step
             print(f"run {rep + 1}: {name} (micro {micro}) {s['tokens_per_s']:8.0f} tok/s, median "
                   f"{s['median_ms_per_step']:.1f} ms/step, loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}, "
                   f"load {s['load_avg_1min']}", flush=True)
@@ -249,13 +258,23 @@ def main():
     loss_diff = max(abs(x - y) / abs(y) for x, y in zip(losses["dp2"], losses["dp1"]))
     n = 2
     ring = 2 * (n - 1) / n * grad_bytes
-    io = best["dp2"]["bytes_per_step"]
-    sent = {r: v["wchar"] for r, v in io.items() if isinstance(r, int)}
-    received = {r: v["rchar"] for r, v in io.items() if isinstance(r, int)}
+    for name, r in best.items():
+        ranks = {k: v for k, v in r["per_step"].items() if isinstance(k, int)}
+        cpu = sum(v["cpu_s"] for v in ranks.values())
+        wall = tokens_per_step / r["tokens_per_s"]
+        # CPU work per token, and how much of a core each process got (< 1: the machine was busy).
+        r["tokens_per_cpu_s"] = tokens_per_step / cpu if cpu else None
+        r["cpu_share_per_process"] = {k: v["cpu_s"] / wall for k, v in ranks.items()}
+    cpu_eff = (best["dp2"]["tokens_per_cpu_s"] / best["dp1"]["tokens_per_cpu_s"]
+               if best["dp1"]["tokens_per_cpu_s"] and best["dp2"]["tokens_per_cpu_s"] else None)
+    per_step = best["dp2"]["per_step"]
+    sent = {r: v["wchar"] for r, v in per_step.items() if isinstance(r, int)}
     print(f"parameters {nparams} ({extra['logged_mparams']}M logged), {extra['buckets']} buckets, "
           f"gradient bytes {grad_bytes}")
-    print(f"scaling efficiency dp=2 / (2 x dp=1) = {eff:.3f} (speed-up {speedup:.3f})")
-    print(f"bytes written per step by each rank (measured) {sent}, received {received}; "
+    print(f"scaling efficiency dp=2 / (2 x dp=1) = {eff:.3f} (speed-up {speedup:.3f}); CPU-time efficiency "
+          f"(tokens per CPU second, dp=2 / dp=1) = {cpu_eff:.3f}; share of a core per process: "
+          f"dp=1 {best['dp1']['cpu_share_per_process']}, dp=2 {best['dp2']['cpu_share_per_process']}")
+    print(f"bytes written per step by each rank (measured) {sent}; "
           f"ring all-reduce theory 2(n-1)/n x gradient bytes = {ring:.0f}")
     print(f"largest relative loss difference dp=2 vs dp=1 over {len(losses['dp1'])} steps: {loss_diff:.2e}")
 
@@ -271,9 +290,9 @@ def main():
         "steps_timed": a.steps, "warmup_steps_excluded": a.warmup, "repeats": a.repeats,
         "threads_per_process": 1, "backend": "gloo",
         "results": best,
-        "scaling_efficiency": eff, "speedup": speedup,
+        "scaling_efficiency": eff, "speedup": speedup, "cpu_time_efficiency": cpu_eff,
         "gradient_bytes": grad_bytes, "ring_allreduce_bytes_per_rank_theory": ring,
-        "measured_bytes_written_per_step_per_rank": sent, "measured_bytes_read_per_step_per_rank": received,
+        "measured_bytes_written_per_step_per_rank": sent,
         "max_rel_loss_diff_dp2_vs_dp1": loss_diff,
     }
     out = pathlib.Path(a.out)
@@ -281,6 +300,9 @@ def main():
     stem = out / f"dp_cpu_{now.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     d1, d2 = best["dp1"], best["dp2"]
+
+    def share(d):
+        return ", ".join(f"{v:.2f}" for _, v in sorted(d["cpu_share_per_process"].items()))
     lines = [
         f"# Data parallelism on CPU: nnstrain dp=2 vs dp=1 ({now.strftime('%Y-%m-%d %H:%M UTC')})", "",
         f"- device: {record['device']} ({record['logical_cpus']} logical CPUs), one thread per process, Gloo",
@@ -289,16 +311,23 @@ def main():
         f"{a.global_batch} x {T} tokens (dp=1: micro {a.global_batch}, dp=2: micro {a.global_batch // 2} per rank), "
         f"{a.steps} steps timed after {a.warmup}, best of {a.repeats}",
         "",
-        "| layout | tok/s | ms/step (median) | load avg (1 min, before/after) |",
-        "|---|---:|---:|---|",
-        f"| dp=1 | {d1['tokens_per_s']:.0f} | {d1['median_ms_per_step']:.1f} | {d1['load_avg_1min']} |",
-        f"| dp=2 | {d2['tokens_per_s']:.0f} | {d2['median_ms_per_step']:.1f} | {d2['load_avg_1min']} |",
+        "| layout | tok/s | ms/step (median) | tokens per CPU second | share of a core per process | "
+        "load avg (1 min, before/after) |",
+        "|---|---:|---:|---:|---|---|",
+        f"| dp=1 | {d1['tokens_per_s']:.0f} | {d1['median_ms_per_step']:.1f} | {d1['tokens_per_cpu_s']:.0f} | "
+        f"{share(d1)} | {d1['load_avg_1min']} |",
+        f"| dp=2 | {d2['tokens_per_s']:.0f} | {d2['median_ms_per_step']:.1f} | {d2['tokens_per_cpu_s']:.0f} | "
+        f"{share(d2)} | {d2['load_avg_1min']} |",
         "",
-        f"- scaling efficiency tok/s(dp=2) / (2 x tok/s(dp=1)) = **{eff:.3f}** (speed-up {speedup:.3f})",
+        f"- scaling efficiency tok/s(dp=2) / (2 x tok/s(dp=1)) = **{eff:.3f}** (speed-up {speedup:.3f}); "
+        "on a shared machine two processes get a larger share of the cores than one, so read it with "
+        "the load average and the share of a core each process got",
+        f"- CPU-time efficiency, tokens per CPU second dp=2 / dp=1 = **{cpu_eff:.3f}** (the work "
+        "data parallelism adds per token: communication, smaller matrix products; insensitive to load)",
         f"- gradient bytes (parameters x 4) = {grad_bytes}; ring all-reduce theory 2(n-1)/n x that = "
         f"{ring:.0f} bytes per rank per step",
         f"- measured bytes written per rank per step (/proc/PID/io wchar, steps "
-        f"{io.get('steps_sampled')}): " + ", ".join(f"rank {r}: {v:.0f}" for r, v in sorted(sent.items())),
+        f"{per_step.get('steps_sampled')}): " + ", ".join(f"rank {r}: {v:.0f}" for r, v in sorted(sent.items())),
         f"- largest relative loss difference dp=2 vs dp=1, all {len(losses['dp1'])} steps: {loss_diff:.2e}",
     ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

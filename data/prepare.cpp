@@ -41,7 +41,7 @@ struct Failure : std::runtime_error {
 constexpr const char* kUsage =
     "usage: nnstrain prepare shakespeare_char [--input PATH] [--out DIR]\n"
     "       nnstrain prepare text --input FILE --out DIR [--level char|byte] [--val-fraction 0.1]\n";
-constexpr const char* kShakespeareShared = "../shared/data/tinyshakespeare/input.txt";
+constexpr const char* kShakespeareShared = "shared/data/tinyshakespeare/input.txt";
 constexpr int kFormatVersion = 1;
 
 struct Options {
@@ -351,7 +351,7 @@ std::string download(const std::string& url, const fs::path& out_dir, std::ostre
 // Where a local copy of tiny Shakespeare may be: ../shared relative to the working
 // directory, then relative to the checkout the binary was built in, then a previous download.
 std::optional<std::string> find_local_shakespeare(const fs::path& out_dir) {
-  std::vector<fs::path> candidates = {kShakespeareShared};
+  std::vector<fs::path> candidates = {fs::path("..") / kShakespeareShared};
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) candidates.push_back(exe.parent_path() / "../.." / kShakespeareShared);

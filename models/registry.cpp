@@ -1,6 +1,7 @@
 #include "models/registry.h"
 
 #include "models/gpt/gpt.h"
+#include "models/llama/llama.h"
 
 namespace nnstrain::models {
 
@@ -8,6 +9,7 @@ const std::vector<ModelEntry>& registered_models() {
   // One line per model.
   static const std::vector<ModelEntry> all = {
       gpt::registry_entry(),
+      llama::registry_entry(),
   };
   return all;
 }

@@ -193,6 +193,12 @@ double Llama::flops_per_token(int64_t seq_len) const {
   return 6 * n + 12.0 * c.num_hidden_layers * q * seq_len;
 }
 
+ModelDims Llama::dims() const {
+  return {cfg_.hidden_size,         cfg_.num_hidden_layers, cfg_.num_attention_heads,
+          cfg_.num_key_value_heads, cfg_.intermediate_size, cfg_.vocab_size,
+          cfg_.max_position_embeddings, cfg_.tie_word_embeddings};
+}
+
 std::vector<ParamSplit> Llama::split_declaration() const {
   const int64_t hd = cfg_.head_dim;
   std::vector<ParamSplit> s{{"embed_tokens.weight", SplitStyle::Vocab, 1, {}}};

@@ -87,6 +87,8 @@ class Llama : public CausalLM {
   int64_t max_seq_len() const override { return cfg_.max_position_embeddings; }
   int64_t num_layers() const override { return cfg_.num_hidden_layers; }
   double flops_per_token(int64_t seq_len) const override;
+  ModelDims dims() const override;
+  common::LmHead* output_head() override { return &lm_head; }
   std::vector<ParamSplit> split_declaration() const override;
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;

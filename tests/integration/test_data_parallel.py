@@ -5,7 +5,7 @@ is the correctness test of a parallel trainer").
 
 Runs: a tiny GPT (configs/tiny_dp.yaml: 2 layers, n_embd 32, 32-token samples, a
 0.01 MB bucket cap so there are several buckets, clip_gnorm below the gradient
-norms so clipping is active) for 10 steps on the shared generated token file, one
+norms at some steps, so clipping is active) for 10 steps on the shared generated token file, one
 thread per process; dp > 1 through `nnstrain launch` with Gloo. Each comparison
 asserts the loss of all 10 steps within 1e-5 relative and records the largest
 relative difference (printed with -s, and written to parity.json in the module's
@@ -23,7 +23,7 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "tiny_dp.yaml"
 SOURCE = pathlib.Path(os.environ.get("NNSTRAIN_SOURCE_DIR", HERE.parents[1]))
-STEPS, SEQ_LEN, MICRO, CLIP = 10, 32, 4, 0.5
+STEPS, SEQ_LEN, MICRO, CLIP = 10, 32, 4, 0.95
 RTOL = 1e-5
 
 # name: (processes, micro batch, accumulation steps, extra overrides)
@@ -92,8 +92,11 @@ class Job:
 
 
 @pytest.fixture(scope="module")
-def job(nnstrain_bin, tiny_tokens, tmp_path_factory):
+def job(tiny_tokens, tmp_path_factory):
     """job(name) -> Job: the run RUNS[name], made once per module."""
+    nnstrain_bin = os.environ.get("NNSTRAIN_BIN")
+    if not nnstrain_bin or not os.access(nnstrain_bin, os.X_OK):
+        pytest.fail(f"NNSTRAIN_BIN={nnstrain_bin!r} is not an executable nnstrain binary (build the nnstrain target)")
     cache = {}
 
     def get(name):
@@ -148,6 +151,10 @@ def test_losses_match(job, figures, name, ref):
                                  "worst_step": max(diffs, key=diffs.get)})
     bad = {s: (gl[s], wl[s], d) for s, d in diffs.items() if d > RTOL}
     assert not bad, f"{name} vs {ref}: steps whose losses differ by more than {RTOL} relative: {bad}"
+    # Clipping and Adam are blind to the gradients' scale (a missing 1/dp would not
+    # move the losses), so the gradient norms must agree too.
+    bad = {s: (gn[s], wn[s]) for s in gn if rel(gn[s], wn[s]) > RTOL}
+    assert not bad, f"{name} vs {ref}: steps whose grad norms differ by more than {RTOL} relative: {bad}"
     # The comparison means something: training moved the loss, and clipping acted.
     assert gl[STEPS] < gl[1] - 0.05
     assert any(v > CLIP for v in gn.values()), f"{name}: grad_norm never above clip_gnorm {CLIP}: {gn}"
@@ -157,8 +164,8 @@ def test_clipping_active_in_every_run(job):
     for name in RUNS:
         norms = job(name).by_step("grad_norm")
         clipped = [s for s, v in norms.items() if v > CLIP]
-        # Active at some steps (the norm exceeds clip_gnorm), so the clipped update is what is compared.
-        assert len(clipped) >= 2, f"{name}: clip_gnorm {CLIP} above grad norms {norms}"
+        # Active at some steps (the norm exceeds clip_gnorm), so clipped updates are part of what is compared.
+        assert clipped, f"{name}: clip_gnorm {CLIP} above every grad norm {norms}"
 
 
 def test_rank0_logs_the_loss_averaged_over_ranks(job):

@@ -81,7 +81,7 @@ std::shared_ptr<const LlamaConfig> parse_yaml_args(const std::string& args_yaml)
   TempDir dir;
   const auto file = dir.file("cfg.yaml");
   write_file(file, "model:\n  type: llama\n  args:\n" + args_yaml +
-                       "dataset:\n  train_args: {path: train.bin, seq_len: 8}\n");
+                       "dataset:\n  train_args: {path: train.bin, seq_len: 8}\nmax_train_steps: 1\n");
   nnstrain::config::LoadOptions opts;
   opts.models.names = {"llama"};
   opts.models.parse = [](const std::string&, nnstrain::config::ArgMap& a) {
@@ -193,7 +193,7 @@ TEST_CASE("llama attention sharded by heads sums to the whole (GQA, local head c
   CHECK(rel_err(sum, want) < 1e-5);
 }
 
-TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention", "[llama]") {
+TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention; dims for the planner", "[llama]") {
   for (bool tied : {false, true}) {
     auto cfg = tiny_config();
     cfg.tie_word_embeddings = tied;
@@ -204,6 +204,14 @@ TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention", "[lla
     if (!tied) matmul -= 96.0 * 32;  // the untied embedding is a lookup, not a matmul
     const int64_t T = 50;
     CHECK(m.flops_per_token(T) == Approx(6 * matmul + 12.0 * 2 * 32 * T));
+    const auto d = m.dims();
+    CHECK(d.hidden == 32);
+    CHECK(d.heads == 4);
+    CHECK(d.kv_heads == 2);
+    CHECK(d.ffn == 64);
+    CHECK(d.vocab == 96);
+    CHECK(d.tied_embeddings == tied);
+    CHECK(m.output_head() == &m.lm_head);
   }
 }
 
@@ -346,7 +354,7 @@ void check_parity(const ParityCase& pc) {
     loss.backward();
     const double loss_err = rel_err(loss.reshape({1}), ref.at("loss"));
     double worst = 0;
-    std::string worst_name;
+    std::string worst_name = "all exact";
     for (const auto& t : names) {
       const double e = rel_err(params[t.ours].grad(), ref.at("grad." + t.theirs));
       INFO(how << ": grad of " << t.theirs << " rel err " << e);

@@ -32,11 +32,17 @@ ShardSpec piece(std::vector<int64_t> global, std::vector<int64_t> offsets, std::
   return s;
 }
 
-// The elements of `global` a piece holds, in its own storage order.
+// The elements of `global` a piece holds, in its own storage order: its blocks
+// one after another, then the flat range of that.
 torch::Tensor extract(const torch::Tensor& global, const ShardSpec& s) {
-  auto t = global;
-  for (size_t d = 0; d < s.shape.size(); ++d) t = t.narrow(static_cast<int64_t>(d), s.offsets[d], s.shape[d]);
-  return t.contiguous().reshape({-1}).narrow(0, s.flat_begin, s.numel()).clone();
+  auto block = [&](const std::vector<int64_t>& offsets, const std::vector<int64_t>& shape) {
+    auto t = global;
+    for (size_t d = 0; d < shape.size(); ++d) t = t.narrow(static_cast<int64_t>(d), offsets[d], shape[d]);
+    return t.contiguous().reshape({-1});
+  };
+  std::vector<torch::Tensor> parts = {block(s.offsets, s.shape)};
+  for (const auto& b : s.more_blocks) parts.push_back(block(b.offsets, b.shape));
+  return torch::cat(parts).narrow(0, s.flat_begin, s.numel()).clone();
 }
 
 // runs() must list exactly the global flat indices of the piece, in local order.
@@ -165,6 +171,34 @@ TEST_CASE("overlap between a column shard and a row shard", "[shardspec]") {
   CHECK(torch::equal(got, expect.reshape({-1})));
   CHECK(covered({stored}, wanted) == 8);
   CHECK(covered({stored, piece({6, 8}, {0, 0}, {6, 4})}, wanted) == 16);
+}
+
+TEST_CASE("multi-block pieces: a tensor-parallel shard of a fused QKV weight", "[shardspec]") {
+  // Global [3C, C] with C = 4 (Q, K, V stacked); rank 1 of tp=2 holds rows 2..3 of each part.
+  const int64_t C = 4;
+  auto s = piece({3 * C, C}, {2, 0}, {2, C});
+  s.more_blocks = {{{C + 2, 0}, {2, C}}, {{2 * C + 2, 0}, {2, C}}};
+  CHECK(s.slice_numel() == 24);
+  CHECK_FALSE(s.is_full());
+  check_runs_against_torch(s);
+  CHECK(runs(s).size() == 3);
+  CHECK(s.describe() == "t[2:4, 0:4]+[6:8, 0:4]+[10:12, 0:4]");
+  // ZeRO on top: a flat range across the block boundary.
+  auto z = s;
+  z.flat_begin = 5;
+  z.flat_end = 13;
+  check_runs_against_torch(z);
+  const auto global = torch::randn({3 * C, C}, torch::kFloat64);
+  // Rank 0's blocks + rank 1's blocks cover the whole; a whole-tensor load reassembles it.
+  auto r0 = piece({3 * C, C}, {0, 0}, {2, C});
+  r0.more_blocks = {{{C, 0}, {2, C}}, {{2 * C, 0}, {2, C}}};
+  const auto whole = ShardSpec::full("t", "F32", {3 * C, C});
+  CHECK(covered({r0, s}, whole) == 3 * C * C);
+  CHECK(torch::equal(assemble(global, {s, r0}, whole), global.reshape({-1})));
+  CHECK(torch::equal(assemble(global, {r0, s}, z), extract(global, z)));
+  nlohmann::json j = s;
+  CHECK(j.get<ShardSpec>().more_blocks.size() == 2);
+  CHECK(runs(j.get<ShardSpec>()).size() == 3);
 }
 
 TEST_CASE("covered counts every element once and sees gaps", "[shardspec]") {

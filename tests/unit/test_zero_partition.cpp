@@ -293,14 +293,17 @@ void check_zero(int world, int zero_ngroups) {
 
 }  // namespace
 
-TEST_CASE("ZeRO-1 over 2 ranks: each holds half the optimizer state, together all of it once", "[zero]") {
+TEST_CASE("zero partition: ZeRO-1 over 2 ranks: each holds half the optimizer state, together all of it once",
+          "[zero]") {
   check_zero(2, 1);
 }
 
-TEST_CASE("ZeRO-1 over 4 ranks: each holds a quarter of the optimizer state", "[zero]") {
+TEST_CASE("zero partition: ZeRO-1 over 4 ranks: each holds a quarter of the optimizer state",
+          "[zero]") {
   check_zero(4, 1);
 }
 
-TEST_CASE("ZeRO-1 over 4 ranks in 2 groups: each holds half, every group all of it once", "[zero]") {
+TEST_CASE("zero partition: ZeRO-1 over 4 ranks in 2 groups: each holds half, every group all of it once",
+          "[zero]") {
   check_zero(4, 2);
 }

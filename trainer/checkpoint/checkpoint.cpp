@@ -10,6 +10,7 @@
 #include <memory>
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -41,20 +42,40 @@ nlohmann::json read_json(const fs::path& path) {
   }
 }
 
+int remove_entry(const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }
+
+// Deletes a published folder without ever showing a half-deleted "step-*": first
+// renamed out of sight (atomic), then removed. A crash leaves a ".tmp-step-*",
+// which the next publish clears.
+void discard(const fs::path& step_folder) {
+  const auto aside = step_folder.parent_path() / (".tmp-" + step_folder.filename().string() + ".old");
+  remove_tree(aside.string());
+  fs::rename(step_folder, aside);
+  remove_tree(aside.string());
+}
+
+// Drops the temporary folders of crashed or failed saves, then the oldest step folders.
 void prune(const fs::path& save_dir, int keep_last, const fs::path& keep) {
-  if (keep_last <= 0) return;
   std::vector<fs::path> steps;
   for (const auto& e : fs::directory_iterator(save_dir)) {
     const auto name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step-", 0) == 0) steps.push_back(e.path());
+    if (!e.is_directory()) continue;
+    if (name.rfind(".tmp-step-", 0) == 0) remove_tree(e.path().string());
+    if (name.rfind("step-", 0) == 0) steps.push_back(e.path());
   }
+  if (keep_last <= 0) return;
   std::sort(steps.begin(), steps.end());  // zero-padded: lexical = numeric
   const int excess = static_cast<int>(steps.size()) - keep_last;
   for (int i = 0; i < excess; ++i)
-    if (steps[i] != keep) fs::remove_all(steps[i]);
+    if (steps[i] != keep) discard(steps[i]);
 }
 
 }  // namespace
+
+void remove_tree(const std::string& path) {
+  if (::access(path.c_str(), F_OK) == 0 && ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+    throw CheckpointError("cannot remove " + path + ": " + std::strerror(errno));
+}
 
 void write_file_durable(const std::string& path_str, const std::string& text) {
   const fs::path path(path_str);
@@ -91,7 +112,7 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
 
   if (ctx.rank == 0) {
     fs::create_directories(dir);
-    fs::remove_all(tmp);  // leftovers of a crashed save
+    remove_tree(tmp.string());  // leftovers of a crashed save
     fs::create_directories(tmp);
   }
   barrier();
@@ -115,7 +136,10 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
   }
   const bool all_ok = ctx.all_ok ? ctx.all_ok(ok) : ok;
   if (!ok) throw CheckpointError("rank " + std::to_string(ctx.rank) + " could not write its shard: " + failure);
-  if (!all_ok) throw CheckpointError("checkpoint of step " + std::to_string(step) + " not published: another rank failed to write");
+  if (!all_ok) {
+    if (ctx.rank == 0) remove_tree(tmp.string());  // every rank is past writing: all_ok is collective
+    throw CheckpointError("checkpoint of step " + std::to_string(step) + " not published: another rank failed to write");
+  }
 
   if (ctx.rank == 0) {
     nlohmann::json files = nlohmann::json::object(), rank_states = nlohmann::json::object();
@@ -129,7 +153,7 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
                                {"files", files}, {"rank_states", rank_states}, {"state", state}};
     write_file_durable((tmp / "manifest.json").string(), manifest.dump(1));  // last: its presence means complete
     fsync_dir(tmp.string());
-    fs::remove_all(final_dir);  // a stale one of the same step from an earlier run
+    if (fs::exists(final_dir)) discard(final_dir);  // a stale one of the same step from an earlier run
     fs::rename(tmp, final_dir);
     fsync_dir(dir.string());
     write_file_durable((dir / "latest").string(), step_dir_name(step) + "\n");
@@ -144,8 +168,18 @@ std::string latest(const std::string& save_dir) {
   const fs::path p = fs::path(save_dir) / "latest";
   std::ifstream in(p);
   std::string name;
-  if (!in || !(in >> name)) return "";
-  return (fs::path(save_dir) / name).string();
+  if (in && (in >> name) && fs::exists(fs::path(save_dir) / name / "manifest.json"))
+    return (fs::path(save_dir) / name).string();
+  // No pointer, or it names a folder that is gone (a crash while a stale folder of the
+  // same step was being replaced): the newest complete step folder, if any.
+  std::string best;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(save_dir, ec)) {
+    const auto n = e.path().filename().string();
+    if (n.rfind("step-", 0) == 0 && fs::exists(e.path() / "manifest.json") && n > best) best = n;
+  }
+  if (!best.empty()) return (fs::path(save_dir) / best).string();
+  return name.empty() ? "" : (fs::path(save_dir) / name).string();  // loading it reports what is wrong
 }
 
 Checkpoint::Checkpoint(std::string dir) : dir_(std::move(dir)) {

@@ -97,4 +97,8 @@ std::string latest(const std::string& save_dir);
 // Writes a small file durably: a temporary name, fsync, rename over `path`.
 void write_file_durable(const std::string& path, const std::string& text);
 
+// `rm -rf path` (nothing if absent). Not std::filesystem::remove_all: libtorch.so
+// exports its own copy of it, which crashes when it wins symbol resolution (pytorch#133437).
+void remove_tree(const std::string& path);
+
 }  // namespace nnstrain::checkpoint

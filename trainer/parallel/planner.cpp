@@ -41,13 +41,13 @@ std::string lower(std::string s) {
 // one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU between nodes.
 const std::vector<DeviceSpec>& table() {
   static const std::vector<DeviceSpec> t = {
-      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8},
-      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8},
-      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8},
-      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8},
+      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6},
+      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6},
+      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6},
+      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6},
       // A CPU rank: memory is filled in from the machine; the rates are a
       // rough server-socket figure, for relative choices only.
-      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8},
+      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6},
   };
   return t;
 }
@@ -211,7 +211,10 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
       s * b * (10 * h + (4 * h * (1 + kv / heads) + 4 * ffn) / t + (req.fused_attention ? 0.0 : 5 * heads * s / t)) *
       scale;
   const double layer_input = s * b * h * pb.act;
-  double acts = (L - k) * layer_full + k * layer_input + (k > 0 ? layer_full : 0.0);
+  // Recomputing the first k layers keeps only their inputs; backward reaches
+  // them after the other layers' activations are freed, and rebuilds one layer
+  // at a time: peak k inputs + max(L - k, 1) full layers (k > 0).
+  double acts = k * layer_input + (k > 0 ? std::max(L - k, 1.0) : L) * layer_full;
   // Embedding output, final norm input and head input, then fp32 logits and
   // their softmax gradient (vocab-split under tensor parallelism, per chunk
   // with the chunked loss).
@@ -241,20 +244,24 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     // recomputed layer, 2 for the vocab-parallel embedding and head; ring cost.
     const double bw = c.tp <= per_node ? req.device.intra_node_bw : req.device.inter_node_bw;
     const double n = 4 * L + 2 * k + (f.vocab_parallel_head ? 2 : 0);
-    e.tp_comm_s = micro_steps * n * 2 * (t - 1) / t * (b * s * h * pb.act) / bw;
+    e.tp_comm_s = micro_steps * n * (req.device.collective_latency_s + 2 * (t - 1) / t * (b * s * h * pb.act) / bw);
   }
   if (c.dp > 1) {
     // The dp group (ranks r, r+tp, ...) leaves the node once the world does.
     const double bw = c.tp * c.dp <= per_node ? req.device.intra_node_bw : req.device.inter_node_bw;
     const double grad_bytes = p_local * pb.grad;
+    const double alpha = req.device.collective_latency_s;
     double overlappable;  // launched bucket by bucket during the last micro-batch's backward
     double after = 0;     // after the optimizer step
     if (c.zero) {
+      // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
+      // all-gather of the updated parameters.
       const double groups = d / z;
-      overlappable = (z - 1) / z * grad_bytes / bw + 2 * (groups - 1) / groups * grad_bytes / z / bw;
-      after = (z - 1) / z * p_local * pb.param / bw;  // all-gather of the updated parameters
+      overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw +
+                     2 * (groups - 1) / groups * grad_bytes / z / bw;
+      after = buckets * alpha + (z - 1) / z * p_local * pb.param / bw;
     } else {
-      overlappable = 2 * (d - 1) / d * grad_bytes / bw;
+      overlappable = buckets * alpha + 2 * (d - 1) / d * grad_bytes / bw;
     }
     const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
     const double backward = e.compute_s / micro_steps * (2 * flops_token / 3 + recompute_flops) /
@@ -448,7 +455,7 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
     }
     const auto& m = *least_memory;
     throw PlanError("no plan fits the memory budget of " + format_bytes(budget) + " per rank (pas_policy " + policy +
-                        ", " + std::to_string(world) + " ranks, plan_ngpus " + std::to_string(plan_ngpus) +
+                        ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") + ", plan_ngpus " + std::to_string(plan_ngpus) +
                         "): the least any candidate needs is " + format_bytes(m.e.total_bytes) + " (" +
                         candidate_text(m.c, L) + "); raise compute_config.memory_budget_gb to at least " +
                         fixed(std::ceil(m.e.total_bytes / kGiB * 100) / 100, 2) +

@@ -40,6 +40,7 @@ struct DeviceSpec {
   double intra_node_bw = 0;
   double inter_node_bw = 0;
   int ranks_per_node = 8;
+  double collective_latency_s = 20e-6;  // fixed cost of one collective (the alpha of alpha-beta)
 };
 
 // H100, H200, A100-80G, A100-40G, cpu (case-insensitive), or auto / cuda: CUDA

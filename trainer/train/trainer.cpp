@@ -106,7 +106,8 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   if (seq_len > model->max_seq_len())
     throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(seq_len) +
                               " exceeds the model's maximum sequence length " + std::to_string(model->max_seq_len()));
-  const int64_t steps_per_epoch = std::max<int64_t>(1, (train_ds.samples_per_epoch() + global_batch - 1) / global_batch);
+  // One epoch = samples_per_epoch samples (docs/data.md), in whole steps.
+  const int64_t steps_per_epoch = std::max<int64_t>(1, train_ds.samples_per_epoch() / global_batch);
   const int64_t max_steps = args.max_train_steps > 0 ? args.max_train_steps : args.max_epochs * steps_per_epoch;
 
   // Process groups (none for one process).

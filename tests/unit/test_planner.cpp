@@ -1,0 +1,438 @@
+// The planner: candidates, the cost model's arithmetic, the search (checked
+// against a brute-force oracle over the same estimates), refusals with their
+// numbers, determinism, the Plan's JSON, and `nnstrain plan` end to end.
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "models/gpt/gpt.h"
+#include "trainer/cli/plan_command.h"
+#include "trainer/config/arg_map.h"
+#include "trainer/parallel/plan.h"
+#include "trainer/parallel/planner.h"
+
+using namespace nnstrain;
+using parallel::Candidate;
+using parallel::PlanRequest;
+
+namespace {
+
+std::shared_ptr<models::gpt::Gpt> gpt(int64_t layers, int64_t heads, int64_t embd, int64_t vocab, int64_t block,
+                                      bool bias = true) {
+  models::gpt::GptConfig c;
+  c.n_layer = layers;
+  c.n_head = heads;
+  c.n_embd = embd;
+  c.vocab_size = vocab;
+  c.block_size = block;
+  c.bias = bias;
+  return std::make_shared<models::gpt::Gpt>(c);
+}
+
+// What load_trainer_args would produce for these keys (global batch resolved).
+config::TrainerArgs args_for(int world, int plan_ngpus, int64_t micro, int64_t global, int64_t seq,
+                             const std::string& policy = "autodist") {
+  config::TrainerArgs a;
+  a.compute_config.runtime_ngpus = world;
+  a.compute_config.plan_ngpus = plan_ngpus;
+  a.pas_policy = policy;
+  a.micro_batch_size = micro;
+  a.global_batch_size = global;
+  a.dataset.train_args.seq_len = seq;
+  a.precision = "32-true";
+  return a;
+}
+
+// A slow accelerator, so compute dominates the tiny models as it does real ones.
+parallel::DeviceSpec test_device() {
+  parallel::DeviceSpec d;
+  d.name = "test";
+  d.memory_bytes = 1e12;
+  d.peak_flops = d.peak_flops_tf32 = d.peak_flops_fp32 = 1e12;
+  d.intra_node_bw = 100e9;
+  d.inter_node_bw = 10e9;
+  d.ranks_per_node = 8;
+  d.collective_latency_s = 20e-6;
+  return d;
+}
+
+std::string key(const parallel::Plan& p) {
+  int k = 0;
+  for (bool r : p.recompute) k += r;
+  return "tp=" + std::to_string(p.tp) + " zero=" + (p.zero ? "on" : "off") + " k=" + std::to_string(k);
+}
+
+// Every candidate of autodist for (world, plan_ngpus), by hand.
+std::vector<Candidate> all_candidates(int world, int plan_ngpus, int layers) {
+  std::vector<Candidate> out;
+  for (int t = 1; t <= plan_ngpus; ++t) {
+    if (plan_ngpus % t || world % t) continue;
+    const int dp = world / t;
+    for (int z = 0; z <= (dp > 1 ? 1 : 0); ++z)
+      for (int k = 0; k <= layers; ++k) out.push_back({t, dp, z == 1, k});
+  }
+  return out;
+}
+
+struct TempDir {
+  std::string path;
+  std::vector<std::string> files;
+  TempDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_planner_XXXXXX";
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    for (const auto& f : files) ::unlink(f.c_str());
+    ::rmdir(path.c_str());
+  }
+  std::string write(const std::string& name, const std::string& text) {
+    const auto f = path + "/" + name;
+    std::ofstream(f) << text;
+    files.push_back(f);
+    return f;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("planner: an ample budget gives pure data parallelism", "[planner]") {
+  auto model = gpt(4, 4, 128, 256, 64);
+  auto args = args_for(4, 4, 4, 16, 64);
+  PlanRequest req{&args, model.get(), 4, test_device(), 1e12};
+  std::vector<parallel::Rejected> rejected;
+  const auto plan = parallel::make_plan(req, &rejected);
+  CHECK(plan.tp == 1);
+  CHECK(plan.dp == 4);
+  CHECK_FALSE(plan.zero);
+  CHECK(plan.recompute == std::vector<bool>(4, false));
+  CHECK(plan.grad_accumulation_steps == 1);
+  CHECK(plan.estimate.total_bytes <= 1e12);
+  // Everything else fits as well, so each was refused for time alone.
+  CHECK(rejected.size() == all_candidates(4, 4, 4).size() - 1);
+  for (const auto& r : rejected) {
+    CHECK(r.kind == "slower");
+    CHECK(r.step_s >= plan.estimate.step_s);
+  }
+  for (const auto& p : plan.params) CHECK(p.local_shape == p.global_shape);
+}
+
+TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
+  const int64_t L = 2, C = 64, V = 128, T = 32;
+  auto model = gpt(L, 4, C, V, T);
+  auto args = args_for(2, 2, 2, 4, T);
+  PlanRequest req{&args, model.get(), 2, test_device(), 1e12};
+  // Parameters: wte V*C, wpe T*C, per layer 12C^2 + 13C (with biases), ln_f 2C.
+  const double total = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;
+  const auto e1 = parallel::estimate(req, {1, 2, false, 0});
+  CHECK(e1.param_bytes == 4 * total);
+  CHECK(e1.grad_bytes == 4 * total);
+  CHECK(e1.optim_bytes == 8 * total);
+  // tp=2: wte (vocab) and the column/row weights and column biases halve.
+  const double local = V * C / 2 + T * C + L * (6 * C * C + 4 * C + 1.5 * C + C + 2 * C + C) + 2 * C;
+  const auto e2 = parallel::estimate(req, {2, 1, false, 0});
+  CHECK(e2.param_bytes == 4 * local);
+  // ZeRO over dp=2 halves the optimizer states (plus at most one pad element per bucket).
+  const auto ez = parallel::estimate(req, {1, 2, true, 0});
+  CHECK(ez.optim_bytes >= 4 * total);
+  CHECK(ez.optim_bytes <= 4 * total + 8);
+  // Activations: per layer s*b*h*(10 + 24/t) bytes at 16 bit, x2 for fp32 (fused
+  // attention: no score term), plus 3 s*b*h tensors and the fp32 logits x2.
+  const double s = T, b = 2, h = C;
+  const double layer = s * b * h * 34 * 2;
+  CHECK(e1.activation_bytes == Approx(L * layer + 3 * s * b * h * 4 + b * s * V * 8));
+  PlanRequest unfused = req;
+  unfused.fused_attention = false;
+  CHECK(parallel::estimate(unfused, {1, 2, false, 0}).activation_bytes ==
+        Approx(e1.activation_bytes + L * s * b * h * (5.0 * 4 * s / h) * 2));
+  // Recomputing every layer keeps L inputs and rebuilds one layer at a time.
+  const auto er = parallel::estimate(req, {1, 2, false, static_cast<int>(L)});
+  CHECK(er.activation_bytes == Approx(L * s * b * h * 4 + layer + 3 * s * b * h * 4 + b * s * V * 8));
+  CHECK(er.compute_s > e1.compute_s);
+  // Per-rank compute is the same for every split of the same world.
+  CHECK(e2.compute_s == Approx(e1.compute_s));
+  CHECK(e1.tp_comm_s == 0);
+  CHECK(e2.tp_comm_s > 0);
+  CHECK(e2.dp_comm_s == 0);
+  CHECK(e1.step_s == Approx(e1.compute_s + e1.tp_comm_s + e1.dp_comm_s));
+}
+
+TEST_CASE("planner: shrinking the budget moves to ZeRO, then recompute, then tensor parallel", "[planner]") {
+  const int L = 4, world = 4;
+  auto model = gpt(L, 4, 128, 256, 64);
+  auto args = args_for(world, 4, 4, 16, 64);
+  PlanRequest req{&args, model.get(), world, test_device(), 0};
+  auto est = [&](Candidate c) { return parallel::estimate(req, c); };
+  const double pure_dp = est({1, 4, false, 0}).total_bytes;
+
+  // The order the cost model implies for this model: ZeRO saves memory for
+  // less time (its all-gather) than recomputing a layer; recomputing a layer
+  // costs less than tp=2's communication; tp=4 needs least memory and most time.
+  REQUIRE(est({1, 4, true, 0}).total_bytes < pure_dp);
+  REQUIRE(est({1, 4, true, 0}).step_s < est({1, 4, false, 1}).step_s);
+  REQUIRE(est({1, 4, false, 1}).total_bytes < est({1, 4, true, 0}).total_bytes);
+  REQUIRE(est({1, 4, true, 1}).step_s < est({2, 2, false, 0}).step_s);
+  REQUIRE(est({2, 2, false, 0}).total_bytes < est({1, 4, true, L}).total_bytes);
+  REQUIRE(est({2, 2, false, 1}).step_s < est({4, 1, false, 0}).step_s);
+
+  std::vector<std::string> sequence;
+  double last_step = 0;
+  double budget = pure_dp;
+  bool threw = false;
+  for (int i = 0; i < 400 && !threw; ++i, budget *= 0.98) {
+    req.memory_budget_bytes = budget;
+    std::vector<parallel::Rejected> rejected;
+    parallel::Plan plan;
+    try {
+      plan = parallel::make_plan(req, &rejected);
+    } catch (const parallel::PlanError& e) {
+      threw = true;
+      CHECK(e.min_bytes > budget);
+      break;
+    }
+    INFO("budget " << budget << " chose " << key(plan));
+    CHECK(plan.estimate.total_bytes <= budget);
+    // A smaller budget never buys a faster step.
+    CHECK(plan.estimate.step_s >= last_step);
+    last_step = plan.estimate.step_s;
+    // Every faster candidate was refused for memory.
+    for (const auto& r : rejected)
+      if (r.step_s < plan.estimate.step_s) CHECK(r.kind == "memory");
+    // The oracle: the fastest fitting candidate, first in search order on ties.
+    const Candidate* best = nullptr;
+    double best_step = std::numeric_limits<double>::infinity();
+    const auto cands = all_candidates(world, 4, L);
+    for (const auto& c : cands) {
+      const auto e = est(c);
+      if (e.total_bytes <= budget && e.step_s < best_step) {
+        best_step = e.step_s;
+        best = &c;
+      }
+    }
+    REQUIRE(best != nullptr);
+    CHECK(plan.tp == best->tp);
+    CHECK(plan.zero == best->zero);
+    int k = 0;
+    for (bool r : plan.recompute) k += r;
+    CHECK(k == best->recompute_layers);
+    if (sequence.empty() || sequence.back() != key(plan)) sequence.push_back(key(plan));
+  }
+  CHECK(threw);
+  REQUIRE(sequence.size() >= 4);
+  CHECK(sequence.front() == "tp=1 zero=off k=0");
+  CHECK(sequence[1] == "tp=1 zero=on k=0");
+  auto first = [&](const std::string& needle) {
+    for (size_t i = 0; i < sequence.size(); ++i)
+      if (sequence[i].find(needle) != std::string::npos) return i;
+    return sequence.size();
+  };
+  CHECK(first("zero=on") < first("k=1"));
+  CHECK(first("k=1") < first("tp=2"));
+  CHECK(first("tp=2") < first("tp=4"));
+  CHECK(first("tp=4") < sequence.size());
+}
+
+TEST_CASE("planner: an impossible budget is an error stating the minimum", "[planner]") {
+  auto model = gpt(2, 4, 64, 128, 32);
+  auto args = args_for(2, 2, 2, 4, 32);
+  PlanRequest req{&args, model.get(), 2, test_device(), 64 * 1024};
+  double least = std::numeric_limits<double>::infinity();
+  for (const auto& c : all_candidates(2, 2, 2)) least = std::min(least, parallel::estimate(req, c).total_bytes);
+  try {
+    parallel::make_plan(req);
+    FAIL("expected PlanError");
+  } catch (const parallel::PlanError& e) {
+    CHECK(e.min_bytes == least);
+    const std::string msg = e.what();
+    CHECK_THAT(msg, Catch::Contains(parallel::format_bytes(least)));
+    CHECK_THAT(msg, Catch::Contains("64.0 KiB"));
+    CHECK_THAT(msg, Catch::Contains("memory_budget_gb"));
+  }
+}
+
+TEST_CASE("planner: infeasible tensor-parallel sizes are refused with the numbers", "[planner]") {
+  auto six_heads = gpt(2, 6, 96, 192, 32);
+  CHECK_NOTHROW(parallel::check_tp_feasible(*six_heads, 2));
+  CHECK_NOTHROW(parallel::check_tp_feasible(*six_heads, 3));
+  CHECK_THROWS_WITH(parallel::check_tp_feasible(*six_heads, 4),
+                    Catch::Contains("attention heads 6 is not divisible by tp 4"));
+  // The vocabulary: padding is the fix, and the message says to what.
+  auto odd_vocab = gpt(2, 4, 64, 65, 32);
+  CHECK_THROWS_WITH(parallel::check_tp_feasible(*odd_vocab, 2),
+                    Catch::Contains("vocabulary 65 is not divisible by tp 2") && Catch::Contains("66"));
+
+  // autodist skips tp=4 (and says why) but still plans.
+  auto args = args_for(4, 4, 1, 4, 32);
+  PlanRequest req{&args, six_heads.get(), 4, test_device(), 0};
+  std::vector<parallel::Rejected> rejected;
+  const auto plan = parallel::make_plan(req, &rejected);
+  CHECK(plan.tp != 4);
+  bool refused = false;
+  for (const auto& r : rejected)
+    if (r.cand.tp == 4) {
+      CHECK(r.kind == "infeasible");
+      CHECK_THAT(r.reason, Catch::Contains("attention heads 6 is not divisible by tp 4"));
+      refused = true;
+    }
+  CHECK(refused);
+  // The tp policy has no fallback: the split itself is the error.
+  auto tp_args = args_for(4, 4, 1, 4, 32, "tp");
+  PlanRequest tp_req{&tp_args, six_heads.get(), 4, test_device(), 0};
+  CHECK_THROWS_AS(parallel::make_plan(tp_req), parallel::PlanError);
+  CHECK_THROWS_WITH(parallel::make_plan(tp_req), Catch::Contains("attention heads 6"));
+  // A global batch that dp cannot divide rules the candidate out.
+  auto odd_batch = args_for(4, 4, 1, 2, 32);
+  PlanRequest ob{&odd_batch, six_heads.get(), 4, test_device(), 0};
+  const auto p2 = parallel::make_plan(ob);
+  CHECK(p2.tp == 2);  // dp 4 cannot split a batch of 2, tp 4 cannot split 6 heads
+  CHECK(p2.dp == 2);
+}
+
+TEST_CASE("planner: fixed policies and config switches", "[planner]") {
+  auto model = gpt(3, 4, 64, 128, 32);
+  SECTION("hybrid: tp = plan_ngpus, dp = world / tp") {
+    auto args = args_for(8, 2, 1, 4, 32, "hybrid");
+    const auto p = parallel::make_plan({&args, model.get(), 8, test_device(), 0});
+    CHECK(p.tp == 2);
+    CHECK(p.dp == 4);
+    CHECK(p.params.front().split == "vocab");
+  }
+  SECTION("tp needs world == plan_ngpus") {
+    auto args = args_for(8, 2, 1, 4, 32, "tp");
+    CHECK_THROWS_WITH(parallel::make_plan({&args, model.get(), 8, test_device(), 0}),
+                      Catch::Contains("runtime_ngpus 8 must equal compute_config.plan_ngpus 2"));
+  }
+  SECTION("dp: tp = 1 even when plan_ngpus allows more") {
+    auto args = args_for(4, 4, 1, 4, 32, "dp");
+    const auto p = parallel::make_plan({&args, model.get(), 4, test_device(), 0});
+    CHECK(p.tp == 1);
+    CHECK(p.dp == 4);
+  }
+  SECTION("use_zero keeps ZeRO on, activation_checkpointing recomputes every layer") {
+    auto args = args_for(4, 1, 1, 4, 32);
+    args.compute_config.use_zero = true;
+    args.model.activation_checkpointing = true;
+    const auto p = parallel::make_plan({&args, model.get(), 4, test_device(), 0});
+    CHECK(p.zero);
+    CHECK(p.recompute == std::vector<bool>(3, true));
+  }
+  SECTION("mixed precision: 2-byte params, 4-byte grads, 12-byte optimizer state") {
+    auto args = args_for(1, 1, 1, 1, 32);
+    args.precision = "bf16-mixed";
+    parallel::PlanRequest req{&args, model.get(), 1, test_device(), 0};
+    const auto e = parallel::estimate(req, {1, 1, false, 0});
+    CHECK(e.grad_bytes == 2 * e.param_bytes);
+    CHECK(e.optim_bytes == 6 * e.param_bytes);
+  }
+}
+
+TEST_CASE("planner: deterministic, and the Plan's JSON round-trips", "[planner]") {
+  auto args = args_for(4, 4, 2, 8, 32);
+  torch::manual_seed(1);
+  auto m1 = gpt(3, 4, 64, 128, 32);
+  torch::manual_seed(2);
+  auto m2 = gpt(3, 4, 64, 128, 32);  // other weights, same shapes
+  const double budget = 0.6 * parallel::estimate({&args, m1.get(), 4, test_device(), 0}, {1, 4, false, 0}).total_bytes;
+  const auto p1 = parallel::make_plan({&args, m1.get(), 4, test_device(), budget});
+  const auto p2 = parallel::make_plan({&args, m2.get(), 4, test_device(), budget});
+  nlohmann::json j1 = p1, j2 = p2;
+  CHECK(j1.dump() == j2.dump());
+  CHECK(parallel::describe(p1, true) == parallel::describe(p2, true));
+
+  parallel::Plan back = nlohmann::json::parse(j1.dump()).get<parallel::Plan>();
+  nlohmann::json j3 = back;
+  CHECK(j3.dump() == j1.dump());
+  CHECK(back.tp == p1.tp);
+  CHECK(back.recompute == p1.recompute);
+  CHECK(back.params.size() == p1.params.size());
+  CHECK(back.estimate.step_s == p1.estimate.step_s);
+  // A broken plan is refused.
+  j1["world"] = 3;
+  CHECK_THROWS_WITH(j1.get<parallel::Plan>(), Catch::Contains("world 3 != tp"));
+}
+
+TEST_CASE("planner: describe folds identical layers", "[planner]") {
+  auto model = gpt(3, 4, 64, 128, 32);
+  auto args = args_for(2, 2, 1, 1, 32, "tp");
+  const auto p = parallel::make_plan({&args, model.get(), 2, test_device(), 0});
+  const auto text = parallel::describe(p);
+  CHECK_THAT(text, Catch::Contains("h.*.attn.c_attn.weight (x3)"));
+  CHECK_THAT(text, Catch::Contains("[192, 64] -> [96, 64]"));
+  CHECK_THAT(text, Catch::Contains("h.*.mlp.c_proj.weight (x3)"));
+  CHECK_THAT(text, Catch::Contains("[64, 256] -> [64, 128]"));
+  CHECK(text.find("h.0.") == std::string::npos);
+}
+
+TEST_CASE("planner: build_model_for_planning allocates no weights", "[planner]") {
+  config::TrainerArgs args;
+  args.model.type = "gpt";
+  auto cfg = std::make_shared<models::gpt::GptConfig>();  // GPT-2 124M (vocab 50304)
+  args.model.args = cfg;
+  const auto model = cli::build_model_for_planning(args);
+  double numel = 0;
+  for (const auto& p : model->named_parameters()) {
+    CHECK(p.value().is_meta());
+    numel += double(p.value().numel());
+  }
+  const double V = 50304, C = 768, T = 1024, L = 12;
+  CHECK(numel == V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C);  // 124,475,904
+  // Ordinary tensors made afterwards are real again.
+  CHECK_FALSE(torch::zeros({2}).is_meta());
+}
+
+TEST_CASE("planner: nnstrain plan end to end", "[planner]") {
+  TempDir dir;
+  const auto cfg = dir.write("tiny.yaml", R"(model:
+  type: gpt
+  args: {vocab_size: 128, block_size: 32, n_layer: 2, n_head: 4, n_embd: 64}
+compute_config: {plan_ngpus: 2}
+dataset:
+  train_args: {path: does/not/exist.bin, seq_len: 32}
+micro_batch_size: 2
+global_batch_size: 8
+max_train_steps: 10
+)");
+  std::ostringstream out, err;
+  int rc = cli::plan_main({"--config", cfg, "--runtime-ngpus", "4", "--device", "H100", "--explain"}, out, err);
+  INFO(err.str());
+  REQUIRE(rc == 0);
+  const auto text = out.str();
+  CHECK_THAT(text, Catch::Contains("world 4 = tp 1 x dp 4"));
+  CHECK_THAT(text, Catch::Contains("h.*.attn.c_attn.weight (x2)"));
+  CHECK_THAT(text, Catch::Contains("rejected candidates"));
+  CHECK_THAT(text, Catch::Contains("device: H100"));
+
+  std::ostringstream jout, jerr;
+  rc = cli::plan_main({"--config", cfg, "--runtime-ngpus=4", "--device=H100", "--json",
+                       "--compute_config.plan_ngpus", "4"},
+                      jout, jerr);
+  REQUIRE(rc == 0);
+  const auto j = nlohmann::json::parse(jout.str());
+  const auto plan = j.at("plan").get<parallel::Plan>();
+  CHECK(plan.world == 4);
+  CHECK(plan.params.size() == 2 + 2 * 12 + 2);  // wte, wpe, 12 per layer, ln_f weight and bias
+
+  std::ostringstream eout, eerr;
+  rc = cli::plan_main({"--config", cfg, "--runtime-ngpus", "2", "--device", "H100", "--memory-budget-gb", "0.0001"},
+                      eout, eerr);
+  CHECK(rc == 1);
+  CHECK_THAT(eerr.str(), Catch::Contains("raise compute_config.memory_budget_gb to at least"));
+
+  std::ostringstream uout, uerr;
+  CHECK(cli::plan_main({"--config", cfg, "--compute_config.no_such_key", "1"}, uout, uerr) == 2);
+  CHECK_THAT(uerr.str(), Catch::Contains("no_such_key"));
+  CHECK(cli::plan_main({"--device", "H100"}, uout, uerr) == 2);
+  std::ostringstream dout, derr;
+  CHECK(cli::plan_main({"--config", cfg, "--runtime-ngpus", "2", "--device", "TPU"}, dout, derr) == 1);
+  // Without --runtime-ngpus the config's (here unset: 1) must suit plan_ngpus.
+  std::ostringstream rout, rerr;
+  CHECK(cli::plan_main({"--config", cfg}, rout, rerr) == 2);
+  CHECK_THAT(rerr.str(), Catch::Contains("not a multiple of plan_ngpus 2"));
+  CHECK_THAT(derr.str(), Catch::Contains("unknown device 'TPU'"));
+}
