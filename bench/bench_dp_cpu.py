@@ -16,8 +16,9 @@ Reported per layout:
   larger share of the cores than one, so it comes with each process's share of a
   core (CPU seconds / wall seconds, from /proc/<pid>/stat) and the load average;
 - CPU-time efficiency = tokens per CPU second of dp=2 / of dp=1: the work data
-  parallelism adds per token (communication, smaller matrix products), which
-  other processes on the machine barely move;
+  parallelism adds per token (communication, smaller matrix products), less
+  sensitive than wall time to other processes on the machine (not immune: they
+  share the caches);
 - gradient traffic: bytes every rank hands the kernel per training step, measured
   from /proc/<pid>/io (wchar: write/writev bytes, which include Gloo's TCP sends;
   the ranks write no files between logging lines except rank 0's metrics line), over
@@ -169,14 +170,14 @@ def summarise(recs, warmup, tokens_per_step):
 
 
 def check_log(output, nparams):
-    """Rank 0's model line: parameters (to 2 decimals, in millions) and bucket count."""
-    m = re.search(r"model gpt: ([0-9.]+)M parameters.*?(\d+) buckets", output)
+    """Rank 0's model line: exact parameter count and bucket count."""
+    m = re.search(r"model gpt: (\d+) parameters.*?(\d+) buckets", output)
     if not m:
-        sys.exit(f"no 'model gpt: X M parameters ... N buckets' line in rank 0's output:\n{output}")
-    logged = float(m.group(1))
-    if abs(logged - nparams / 1e6) > 0.006:
-        sys.exit(f"log says {logged}M parameters, the model config gives {nparams}: update MODEL")
-    return logged, int(m.group(2))
+        sys.exit(f"no 'model gpt: N parameters ... N buckets' line in rank 0's output:\n{output}")
+    logged = int(m.group(1))
+    if logged != nparams:
+        sys.exit(f"log says {logged} parameters, the model config gives {nparams}: update MODEL")
+    return logged / 1e6, int(m.group(2))
 
 
 def cpu_model():
@@ -323,7 +324,8 @@ def main():
         "on a shared machine two processes get a larger share of the cores than one, so read it with "
         "the load average and the share of a core each process got",
         f"- CPU-time efficiency, tokens per CPU second dp=2 / dp=1 = **{cpu_eff:.3f}** (the work "
-        "data parallelism adds per token: communication, smaller matrix products; insensitive to load)",
+        "data parallelism adds per token: communication, smaller matrix products; less sensitive to load "
+        "than wall time, though caches shared with other processes still move it)",
         f"- gradient bytes (parameters x 4) = {grad_bytes}; ring all-reduce theory 2(n-1)/n x that = "
         f"{ring:.0f} bytes per rank per step",
         f"- measured bytes written per rank per step (/proc/PID/io wchar, steps "

@@ -26,4 +26,11 @@ std::vector<std::string> model_names() {
   return names;
 }
 
+config::ModelCatalog model_catalog() {
+  config::ModelCatalog c;
+  c.names = model_names();
+  c.parse = [](const std::string& type, config::ArgMap& args) { return find_model(type)->parse_args(args); };
+  return c;
+}
+
 }  // namespace nnstrain::models

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/config/arg_map.h"
+#include "trainer/config/load.h"
 #include "trainer/config/trainer_args.h"
 
 namespace nnstrain::models {
@@ -29,5 +30,7 @@ struct ModelEntry {
 const std::vector<ModelEntry>& registered_models();
 const ModelEntry* find_model(const std::string& name);   // nullptr if unknown
 std::vector<std::string> model_names();
+// The registry as the config loader sees it (names + model.args parsers).
+config::ModelCatalog model_catalog();
 
 }  // namespace nnstrain::models

@@ -5,8 +5,10 @@ is the correctness test of a parallel trainer").
 
 Runs: a tiny GPT (configs/tiny_dp.yaml: 2 layers, n_embd 32, 32-token samples, a
 0.01 MB bucket cap so there are several buckets, clip_gnorm below the gradient
-norms at some steps, so clipping is active) for 10 steps on the shared generated token file, one
-thread per process; dp > 1 through `nnstrain launch` with Gloo. Each comparison
+norms at some steps, so clipping is active) for 10 steps on the shared generated
+token file, one thread per process; dp > 1 through `nnstrain launch` with Gloo.
+Gradient norms must agree as well (clipping and Adam hide a wrong gradient
+scale from the losses). Each comparison
 asserts the loss of all 10 steps within 1e-5 relative and records the largest
 relative difference (printed with -s, and written to parity.json in the module's
 temporary folder).

@@ -2,6 +2,7 @@
 // and a peak memory that does not grow with tokens x vocab.
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
+#include <ATen/autocast_mode.h>
 
 #include <unistd.h>
 
@@ -142,4 +143,28 @@ TEST_CASE("chunked loss never holds the whole logits: peak memory far below the 
   CHECK(chunked_loss == Approx(plain_loss).epsilon(1e-5));
   CHECK(plain > 512 * 1024);        // at least the logits: the measurement sees them
   CHECK(chunked * 4 < plain);       // chunks of 256 x 32000 instead of 4096 x 32000
+}
+
+TEST_CASE("chunked cross-entropy under autocast recomputes the logits in the forward's dtype", "[loss]") {
+  torch::manual_seed(4);
+  const auto h0 = torch::randn({40, 32}), w0 = torch::randn({300, 32}) * 0.2;
+  const auto t = torch::randint(300, {40});
+  auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  auto loss = chunked_linear_cross_entropy(h, w, t, 16);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  CHECK(loss.scalar_type() == torch::kFloat);  // reduced in fp32
+  loss.backward();
+  CHECK(h.grad().scalar_type() == torch::kFloat);
+  CHECK(w.grad().scalar_type() == torch::kFloat);
+  // The reference: bf16 logits as autocast makes them, cross-entropy and grads in fp64.
+  auto hr = h0.clone().requires_grad_(true), wr = w0.clone().requires_grad_(true);
+  auto logits = F::linear(hr.to(torch::kBFloat16), wr.to(torch::kBFloat16)).to(torch::kDouble);
+  auto ref = F::cross_entropy(logits, t);
+  ref.backward();
+  CHECK(rel_err(loss, ref) < 1e-6);
+  CHECK(rel_err(h.grad(), hr.grad()) < 1e-2);  // bf16 matmuls in backward
+  CHECK(rel_err(w.grad(), wr.grad()) < 1e-2);
 }

@@ -38,13 +38,6 @@ void remove_tree(const fs::path& p) {
   if (::access(p.c_str(), F_OK) == 0) ::nftw(p.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
-config::ModelCatalog catalog() {
-  config::ModelCatalog c;
-  c.names = models::model_names();
-  c.parse = [](const std::string& type, config::ArgMap& args) { return models::find_model(type)->parse_args(args); };
-  return c;
-}
-
 at::ScalarType scalar_type_of(const ShardSpec& s) {
   const auto d = parse_dtype(s.dtype);
   if (!d) throw CheckpointError("'" + s.name + "' has unknown dtype '" + s.dtype + "'");
@@ -87,7 +80,7 @@ std::shared_ptr<models::CausalLM> build_model(const Checkpoint& ck) {
   try {
     if (!written) throw config::ConfigError("cannot write " + path);
     config::LoadOptions lo;
-    lo.models = catalog();
+    lo.models = models::model_catalog();
     lo.check_files = false;            // the run's data need not be here
     lo.reject_unimplemented = false;   // only the model section matters
     args = config::load_trainer_args(path, lo);

@@ -15,6 +15,7 @@
 #include "trainer/dist/env_command.h"
 #include "trainer/dist/launcher.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/cli/plan_command.h"
 #include "trainer/train/trainer.h"
 
 namespace nnstrain::cli {
@@ -25,6 +26,7 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
 
   nnstrain [train] --config FILE [--resume [CKPT]] [--print-config] [--key.path value ...]
   nnstrain launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- ARGS
+  nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
   nnstrain env                     print the rank/world this process would use
@@ -32,14 +34,6 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
 Overrides follow nnScaler: --optimizer.args.lr 3e-4 or --optimizer.args.lr=3e-4.
 )";
 
-config::ModelCatalog model_catalog() {
-  config::ModelCatalog c;
-  c.names = models::model_names();
-  c.parse = [](const std::string& type, config::ArgMap& args) {
-    return models::find_model(type)->parse_args(args);
-  };
-  return c;
-}
 
 int train_main(const std::vector<std::string>& argv) {
   std::string config_file, resume;
@@ -78,7 +72,7 @@ int train_main(const std::vector<std::string>& argv) {
     env = dist::read_dist_env();
     config::LoadOptions lo;
     lo.overrides = config::parse_overrides(rest);
-    lo.models = model_catalog();
+    lo.models = models::model_catalog();
     lo.world_size = env.world_size;
     lo.check_files = !print_config;
     args = config::load_trainer_args(config_file, lo);
@@ -118,6 +112,7 @@ int main(int argc, char** argv) {
   if (cmd == "launch") return dist::launch_main(tail(), dist::self_executable(argv[0]));
   if (cmd == "prepare") return data::prepare_main(tail());
   if (cmd == "env") return dist::env_main(tail());
+  if (cmd == "plan") return plan_main(tail());
   if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {
     std::cout << kUsage;
     return cmd.empty() ? 2 : 0;

@@ -77,12 +77,6 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
-config::ModelCatalog catalog() {
-  config::ModelCatalog c;
-  c.names = models::model_names();
-  c.parse = [](const std::string& type, config::ArgMap& args) { return models::find_model(type)->parse_args(args); };
-  return c;
-}
 
 std::string count_text(double n) {
   if (n >= 1e9) return fixed(n / 1e9, 2) + "B";
@@ -173,7 +167,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     config::LoadOptions lo;
     lo.overrides = config::parse_overrides(rest);
     if (runtime_ngpus > 0) lo.overrides.push_back({"compute_config.runtime_ngpus", std::to_string(runtime_ngpus)});
-    lo.models = catalog();
+    lo.models = models::model_catalog();
     lo.world_size = runtime_ngpus > 0 ? runtime_ngpus : 1;
     lo.check_files = false;            // planning reads no data
     lo.reject_unimplemented = false;   // plan setups the trainer cannot run yet

@@ -204,6 +204,8 @@ void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, cons
     w->wait(opts_.timeout);
   } catch (const CollectiveError&) {
     throw;
+  } catch (const c10::Error& e) {
+    fail(g, what, e.what_without_backtrace());
   } catch (const std::exception& e) {
     fail(g, what, e.what());
   }
@@ -214,6 +216,8 @@ c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t,
   std::vector<at::Tensor> v{std::move(t)};
   try {
     return g.backend->allreduce(v);
+  } catch (const c10::Error& e) {
+    fail(g, what, e.what_without_backtrace());
   } catch (const std::exception& e) {
     fail(g, what, e.what());
   }
@@ -223,6 +227,8 @@ c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tenso
   ++seq_;
   try {
     return g.backend->_reduce_scatter_base(out, in);
+  } catch (const c10::Error& e) {
+    fail(g, what, e.what_without_backtrace());
   } catch (const std::exception& e) {
     fail(g, what, e.what());
   }
@@ -232,6 +238,8 @@ c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor ou
   ++seq_;
   try {
     return g.backend->_allgather_base(out, in);
+  } catch (const c10::Error& e) {
+    fail(g, what, e.what_without_backtrace());
   } catch (const std::exception& e) {
     fail(g, what, e.what());
   }
@@ -251,6 +259,8 @@ void Runtime::all_reduce_max(Group& g, at::Tensor t, const char* what) {
   c10::intrusive_ptr<c10d::Work> w;
   try {
     w = g.backend->allreduce(v, o);
+  } catch (const c10::Error& e) {
+    fail(g, what, e.what_without_backtrace());
   } catch (const std::exception& e) {
     fail(g, what, e.what());
   }

@@ -8,7 +8,6 @@
 
 #ifdef NNSTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <cuda_runtime_api.h>
 #endif
 
 namespace nnstrain::train {
@@ -31,31 +30,6 @@ int64_t peak_memory_bytes(const c10::Device& device) {
     in.ignore(1 << 16, '\n');
   }
   return 0;
-}
-
-std::optional<double> peak_flops(const c10::Device& device, const std::string& precision, bool tf32) {
-#ifdef NNSTRAIN_CUDA
-  if (device.is_cuda()) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, device.index()) != cudaSuccess) return std::nullopt;
-    const std::string name = prop.name;
-    // Dense tensor-core peaks (bf16/fp16, tf32, fp32 without tensor cores), FLOP/s.
-    struct Peak { const char* match; double half, tf32, fp32; };
-    static const Peak table[] = {
-        {"H200", 989e12, 494e12, 67e12}, {"H100", 989e12, 494e12, 67e12},
-        {"A100", 312e12, 156e12, 19.5e12}, {"L40S", 362e12, 183e12, 91.6e12},
-        {"A10", 125e12, 62.5e12, 31.2e12}, {"V100", 125e12, 15.7e12, 15.7e12},
-        {"4090", 165e12, 82.6e12, 82.6e12}, {"3090", 71e12, 35.6e12, 35.6e12},
-    };
-    for (const auto& p : table)
-      if (name.find(p.match) != std::string::npos) {
-        if (precision.rfind("32", 0) == 0) return tf32 ? p.tf32 : p.fp32;
-        return p.half;
-      }
-  }
-#endif
-  (void)device; (void)precision; (void)tf32;
-  return std::nullopt;  // CPUs vary too much for a table
 }
 
 JsonlSink::JsonlSink(const std::string& path, bool append) {

@@ -1,5 +1,5 @@
-// What the trainer reports: peak memory, device peak FLOP/s for MFU, and the
-// JSONL metrics sink.
+// What the trainer reports: peak memory and the JSONL metrics sink. (Device
+// peak FLOP/s for MFU come from the planner's device table.)
 #pragma once
 
 #include <c10/core/Device.h>
@@ -15,9 +15,6 @@ namespace nnstrain::train {
 // Peak memory of this process on `device` in bytes: the CUDA allocator's peak,
 // or the peak resident set size (VmHWM) on CPU.
 int64_t peak_memory_bytes(const c10::Device& device);
-
-// Dense peak FLOP/s of the device for `precision` (from a table), if known.
-std::optional<double> peak_flops(const c10::Device& device, const std::string& precision, bool tf32);
 
 // One JSON object per line, flushed every write (a crash loses nothing logged).
 class JsonlSink {

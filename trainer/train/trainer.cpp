@@ -18,6 +18,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/planner.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/train/log.h"
@@ -79,9 +80,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   log::init(env.rank, env.world_size);
   const auto device = pick_device(args.compute_config.device, env.local_rank);
   const int world = env.world_size, rank = env.rank;
-  const int64_t dp = world / args.compute_config.plan_ngpus, dp_rank = rank / args.compute_config.plan_ngpus;
-  const int64_t micro = args.micro_batch_size, accum = args.grad_accumulation_steps;
-  const int64_t global_batch = micro * dp * accum;
+  const int64_t micro = args.micro_batch_size, global_batch = args.global_batch_size;
 
   // Model: same seed on every rank, so replicas start identical.
   torch::manual_seed(args.seed);
@@ -90,7 +89,17 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   models::RuntimeOptions ro;
   ro.chunked_loss = args.model.loss == "chunked";
   ro.loss_chunk_size = args.model.loss_chunk_size;
-  if (args.model.activation_checkpointing) ro.recompute_layers.assign(model->num_layers(), true);
+
+  // The plan: tensor-parallel degree, ZeRO, recompute per layer (planner.h).
+  parallel::PlanRequest preq;
+  preq.args = &args;
+  preq.model = model.get();
+  preq.world_size = world;
+  preq.device = parallel::device_spec(device.is_cuda() ? "auto" : "cpu");
+  preq.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
+  const auto plan = parallel::make_plan(preq);
+  const int64_t dp = plan.dp, dp_rank = rank / plan.tp, accum = plan.grad_accumulation_steps;
+  ro.recompute_layers = plan.recompute;
   model->set_runtime_options(ro);
   model->to(device);
   model->train();
@@ -114,8 +123,8 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   std::unique_ptr<dist::Runtime> rt;
   if (world > 1) {
     dist::RuntimeOptions ropts;
-    ropts.tp = args.compute_config.plan_ngpus;
-    ropts.zero_ngroups = args.compute_config.use_zero ? args.compute_config.zero_ngroups : 1;
+    ropts.tp = plan.tp;
+    ropts.zero_ngroups = plan.zero ? plan.zero_ngroups : 1;
     ropts.backend = args.compute_config.backend;
     ropts.cuda = device.is_cuda();
     ropts.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
@@ -128,7 +137,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     auto shards = parallel::apply_tensor_parallel(*model, rt.get(), world);
     parallel::DataParallelOptions dpo;
     dpo.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
-    dpo.zero = args.compute_config.use_zero;
+    dpo.zero = plan.zero;
     dpo.weight_decay = args.optimizer.weight_decay;
     tr.dp = std::make_unique<parallel::DataParallel>(std::move(shards), rt.get(), dpo);
   }
@@ -173,17 +182,22 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   }
   if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step > 0);
 
-  const auto peak = peak_flops(device, args.precision, args.compute_config.allow_tf32);
+  std::optional<double> peak;  // MFU only where the device table is meaningful (GPUs)
+  if (device.is_cuda()) peak = parallel::peak_flops_for(preq.device, args.precision, args.compute_config.allow_tf32);
   const double flops_per_token = model->flops_per_token(seq_len);
   if (rank == 0) {
     int64_t nparams = 0;
     for (auto& p : tr.dp->params()) nparams += p.tensor.numel();
-    log::info("model " + args.model.type + ": " + fmt(nparams / 1e6, 2) + "M parameters, device " + device.str() +
+    log::info("model " + args.model.type + ": " + std::to_string(nparams) + " parameters, device " + device.str() +
               ", world " + std::to_string(world) + " (dp " + std::to_string(dp) + "), global batch " +
               std::to_string(global_batch) + " x " + std::to_string(seq_len) + " tokens, steps " +
               std::to_string(start_step) + " -> " + std::to_string(max_steps) + ", optimizer " + tr.optimizer->impl() +
-              (args.compute_config.use_zero ? " (ZeRO-1)" : "") +
-              (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.dp->bucket_count()) + " buckets" : ""));
+              (plan.zero ? " (ZeRO-1)" : "") + ", plan tp " + std::to_string(plan.tp) + " x dp " +
+              std::to_string(plan.dp) + ", recompute " +
+              std::to_string(std::count(plan.recompute.begin(), plan.recompute.end(), true)) + " layers" +
+              (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.dp->bucket_count()) + " buckets, " +
+                        std::to_string(tr.dp->reduced_bytes_per_step()) + " gradient bytes reduced per step"
+                  : ""));
   }
 
   // Checkpointing.
@@ -208,7 +222,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
         {"data_cursor", {{"next_step", step}, {"seed", args.seed}, {"global_batch", global_batch}}},
         {"optimizer", {{"type", args.optimizer.type}, {"step_count", tr.optimizer->step_count()}}},
         {"lr_scheduler", {{"type", args.lr_scheduler.type}, {"last_step", step - 1}}},
-        {"plan", {{"tp", args.compute_config.plan_ngpus}, {"dp", dp}, {"zero", args.compute_config.use_zero}}},
+        {"plan", plan},
         {"model_type", args.model.type},
         {"config", args.resolved_yaml}};
     const auto t0 = std::chrono::steady_clock::now();
