@@ -14,8 +14,10 @@
 import json
 import os
 import pathlib
+import re
 import struct
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -47,16 +49,27 @@ def train(plan, tokens, d, *more, resume=None):
     return run
 
 
+# Starts argv[1:] and prints its peak RSS. Through this small process, because Linux
+# carries a process's RSS high-water mark across exec: forked straight from pytest
+# (with torch and transformers loaded), the merge would report pytest's size.
+PEAK_RSS = """
+import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:])
+_, status, usage = os.wait4(p.pid, 0)
+print(f"MAXRSS_KB {usage.ru_maxrss}", flush=True)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def merge(*args, check=True):
     """Runs `nnstrain merge ARGS`; returns (exit status, output, peak RSS in bytes)."""
-    p = subprocess.Popen([nnstrain_bin_path(), "merge", *[str(a) for a in args]], env=single_process_env(1),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _, status, usage = os.wait4(p.pid, 0)  # this child's own rusage: ru_maxrss is its VmHWM
-    p.returncode = os.waitstatus_to_exitcode(status)
-    out = p.stdout.read()
+    p = subprocess.run([sys.executable, "-c", PEAK_RSS, nnstrain_bin_path(), "merge", *[str(a) for a in args]],
+                       env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
     if check:
-        assert p.returncode == 0, out
-    return p.returncode, out, usage.ru_maxrss * 1024
+        assert p.returncode == 0, p.stdout
+    m = re.search(r"MAXRSS_KB (\d+)", p.stdout)
+    return p.returncode, p.stdout, int(m.group(1)) * 1024
 
 
 def tensors(path):
@@ -131,7 +144,17 @@ def test_merged_weights_agree_across_plans(merged, plan):
         want, have = tensors(ref / f), tensors(got / f)
         assert set(want) == set(have)
         for k in want:
-            np.testing.assert_allclose(have[k], want[k], rtol=1e-4, atol=1e-6, err_msg=f"{plan}: {f}: {k}")
+            w, h = want[k], have[k].astype(np.float64)
+            if f == "model.safetensors" and k.endswith("attn.c_attn.bias"):
+                # The key bias cannot change attention (softmax is shift-invariant per query),
+                # so its gradient is rounding noise, which Adam scales up to lr-sized steps.
+                # Compare the query and value parts.
+                c = w.shape[0] // 3
+                w, h = np.concatenate([w[:c], w[2 * c:]]), np.concatenate([h[:c], h[2 * c:]])
+            # Float tolerance relative to the tensor's scale (Adam's moments hold entries near 0).
+            assert np.abs(w).max() > 0, f"{plan}: {f}: {k} is all zeros"
+            err = np.abs(h - w).max() / np.abs(w).max()
+            assert err < 1e-4, f"{plan}: {f}: {k}: max error {err:.3g} of the tensor's scale"
 
 
 def test_resume_from_merged_under_any_plan(runs, merged, tiny_tokens, tmp_path):
@@ -195,29 +218,62 @@ def test_hf_export_loads_in_transformers(runs, merged, tiny_tokens):
                                   ref["h.1.mlp.c_fc.weight"].T)
 
 
-def test_merge_memory_follows_the_largest_tensor_not_the_model(runs, merged, tiny_tokens, tmp_path):
-    # ~27M parameters in 8 layers; the checkpoint (weights + two Adam states) ~330 MB.
-    d = tmp_path / "big"
-    train("dp1", tiny_tokens, d, "--max_train_steps", 1, "--val_every_n_train_steps", 0,
-          "--model.args.n_layer", 8, "--model.args.n_embd", 512, "--model.args.n_head", 8,
-          "--model.args.vocab_size", 4096)
-    ckpt = d / "ckpt" / "step-00000001"
+def write_synthetic_checkpoint(folder, count, rows, cols):
+    """A dp=2 ZeRO-style checkpoint of `count` [rows, cols] F32 tensors, each cut at an odd
+    element between rank 0 and rank 1, written one tensor at a time. Tensor i holds
+    (arange % 1000) + i, so any of it can be checked after merging."""
+    folder.mkdir(parents=True)
+    numel = rows * cols
+    files = {}
+    for rank in (0, 1):
+        entries, header, offset = [], {}, 0
+        for i in range(count):
+            cut = 1 + (i * 7919) % (numel - 1)
+            lo, hi = (0, cut) if rank == 0 else (cut, numel)
+            header[f"model/layer{i}.weight"] = {"dtype": "F32", "shape": [hi - lo],
+                                                "data_offsets": [offset, offset + 4 * (hi - lo)]}
+            offset += 4 * (hi - lo)
+            entries.append({"name": f"model/layer{i}.weight", "dtype": "F32", "global_shape": [rows, cols],
+                            "offsets": [0, 0], "shape": [rows, cols], "flat_range": [lo, hi],
+                            "replica_ranks": [rank]})
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        with open(folder / f"rank-0000{rank}.safetensors", "wb") as f:
+            f.write(struct.pack("<Q", len(h)) + h)
+            for i in range(count):
+                cut = 1 + (i * 7919) % (numel - 1)
+                lo, hi = (0, cut) if rank == 0 else (cut, numel)
+                f.write(((np.arange(lo, hi) % 1000) + i).astype("<f4").tobytes())
+        files[f"rank-0000{rank}.safetensors"] = entries
+    manifest = {"format": "nnstrain-checkpoint", "version": 1, "step": 1, "world_size": 2, "save_type": "sharded",
+                "files": files, "rank_states": {"0": {}, "1": {}}, "state": {"step": 1, "model_type": "synthetic"}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return count * numel * 4, numel * 4
+
+
+def test_merge_memory_follows_the_largest_tensor_not_the_model(runs, tmp_path):
+    # 96 tensors of 8 MiB: a 768 MiB checkpoint, more than the process's startup peak
+    # (LibTorch's libraries), so holding the model would show.
+    count, rows, cols = 96, 2048, 1024
+    model_bytes, largest = write_synthetic_checkpoint(tmp_path / "big", count, rows, cols)
     _, _, base = merge(runs("dp1")[1], "--out", tmp_path / "tiny_merged")
-    _, out, peak = merge(ckpt, "--out", tmp_path / "big_merged")
-    sizes = [np.prod(e["shape"], dtype=np.int64) * 4 for es in
-             json.loads((ckpt / "manifest.json").read_text())["files"].values() for e in es if e["dtype"] == "F32"]
-    model_bytes, largest = int(sum(sizes)), int(max(sizes))
-    _, _, peak_hf = merge(ckpt, "--out", tmp_path / "big_hf", "--hf")
+    _, out, peak = merge(tmp_path / "big", "--out", tmp_path / "big_merged")
     mib = 1 << 20
-    print(f"\nmerge peak RSS: tiny checkpoint {base / mib:.0f} MiB; {model_bytes / mib:.0f} MiB checkpoint "
-          f"(largest tensor {largest / mib:.1f} MiB): {peak / mib:.0f} MiB (+{(peak - base) / mib:.0f}), "
-          f"with --hf {peak_hf / mib:.0f} MiB (+{(peak_hf - base) / mib:.0f})")
-    assert model_bytes > 300 * mib
-    # One tensor, its writer buffer and allocator slack; never the model.
-    assert peak - base < 4 * largest + 48 * mib, out
-    assert peak - base < model_bytes / 4
-    # --hf builds the model once (weights only, a third of the checkpoint) to learn its names.
-    assert peak_hf - base < model_bytes / 2
+    print(f"\nmerge peak RSS (VmHWM): {base / mib:.0f} MiB for a tiny checkpoint; {peak / mib:.0f} MiB "
+          f"(+{(peak - base) / mib:.0f}) for {model_bytes / mib:.0f} MiB in {count} tensors of {largest / mib:.0f} MiB")
+    # One tensor, the writer's buffer and allocator slack; never the model.
+    assert peak - base < 2 * largest + 48 * mib, out
+    # The merged tensors are whole and right (spot checks through a memory map).
+    raw = np.memmap(tmp_path / "big_merged" / "model.safetensors", dtype=np.uint8, mode="r")
+    n = int(raw[:8].view("<u8")[0])
+    header = json.loads(bytes(raw[8:8 + n]))
+    assert header["__metadata__"]["format"] == "pt"
+    for i in (0, 1, count // 2, count - 1):
+        e = header[f"layer{i}.weight"]
+        assert e["shape"] == [rows, cols]
+        b, end = e["data_offsets"]
+        got = raw[8 + n + b:8 + n + end].view("<f4")
+        np.testing.assert_array_equal(got, (np.arange(rows * cols) % 1000 + i).astype("<f4"))
 
 
 def test_merge_cli_errors(runs, tmp_path):

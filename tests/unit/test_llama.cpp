@@ -193,7 +193,7 @@ TEST_CASE("llama attention sharded by heads sums to the whole (GQA, local head c
   CHECK(rel_err(sum, want) < 1e-5);
 }
 
-TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention; dims for the planner", "[llama]") {
+TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention, and dims for the planner", "[llama]") {
   for (bool tied : {false, true}) {
     auto cfg = tiny_config();
     cfg.tie_word_embeddings = tied;

@@ -441,8 +441,6 @@ void check_implemented(const TrainerArgs& a) {
   const auto& c = a.compute_config;
   if (a.precision != "32-true") reject("precision", "precision " + a.precision);
   if (!a.model.init_from.empty()) reject("model.init_from", "loading pretrained weights");
-  if (a.model.loss == "chunked") reject("model.loss", "the chunked loss");
-  if (a.model.activation_checkpointing) reject("model.activation_checkpointing", "activation checkpointing");
 }
 
 }  // namespace nnstrain::config
