@@ -15,6 +15,7 @@
 #include "trainer/dist/env_command.h"
 #include "trainer/dist/launcher.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/checkpoint/merge.h"
 #include "trainer/cli/plan_command.h"
 #include "trainer/train/trainer.h"
 
@@ -26,6 +27,7 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
 
   nnstrain [train] --config FILE [--resume [CKPT]] [--print-config] [--key.path value ...]
   nnstrain launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- ARGS
+  nnstrain merge CKPT --out DIR [--hf]
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
@@ -113,6 +115,7 @@ int main(int argc, char** argv) {
   if (cmd == "prepare") return data::prepare_main(tail());
   if (cmd == "env") return dist::env_main(tail());
   if (cmd == "plan") return plan_main(tail());
+  if (cmd == "merge") return checkpoint::merge_main(tail());
   if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {
     std::cout << kUsage;
     return cmd.empty() ? 2 : 0;

@@ -438,9 +438,7 @@ void check_implemented(const TrainerArgs& a) {
   auto reject = [&](const std::string& key, const std::string& what) {
     throw ConfigError(a.config_file + ": " + key + ": " + what + " is not implemented yet");
   };
-  const auto& c = a.compute_config;
   if (a.precision != "32-true") reject("precision", "precision " + a.precision);
-  if (!a.model.init_from.empty()) reject("model.init_from", "loading pretrained weights");
 }
 
 }  // namespace nnstrain::config

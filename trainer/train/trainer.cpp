@@ -13,6 +13,7 @@
 #include "models/model.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
+#include "trainer/checkpoint/hf.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "trainer/dist/process_groups.h"
@@ -86,6 +87,11 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   torch::manual_seed(args.seed);
   const auto* entry = models::find_model(args.model.type);
   auto model = entry->build(*args.model.args);
+  // Pretrained weights from a Hugging Face directory (shapes must match model.args).
+  if (!args.model.init_from.empty()) {
+    checkpoint::load_hf_weights(*model, args.model.init_from);
+    log::info("initialised weights from " + args.model.init_from);
+  }
   models::RuntimeOptions ro;
   ro.chunked_loss = args.model.loss == "chunked";
   ro.loss_chunk_size = args.model.loss_chunk_size;
