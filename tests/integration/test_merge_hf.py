@@ -294,3 +294,54 @@ def test_merge_cli_errors(runs, tmp_path):
     # A run's save_dir stands for its latest checkpoint.
     rc, out, _ = merge(runs("dp1")[1].parent, "--out", tmp_path / "from_save_dir")
     assert rc == 0 and "step-00000010" in out
+
+
+def splitmix64(x):
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def train_batch(tokens_path, seed, step, count, seq_len):
+    """The trainer's batch of `step` (data/token_bin.cpp window_start), as (x, y)."""
+    tok = np.fromfile(tokens_path, dtype="<u2").astype(np.int64)
+    starts = [splitmix64(splitmix64(splitmix64(seed) ^ step) ^ pos) % (len(tok) - seq_len) for pos in range(count)]
+    return (np.stack([tok[s:s + seq_len] for s in starts]), np.stack([tok[s + 1:s + seq_len + 1] for s in starts]))
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_init_from_a_transformers_save_pretrained(tiny_tokens, tmp_path, layout):
+    """model.init_from: nnstrain's first loss is transformers' loss on the same batch."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(11)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, activation_function="gelu",
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                     bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).float().eval()
+    with torch.no_grad():  # gains and biases random too, so a misplaced one shows
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("ln_1.weight") or name.endswith("ln_2.weight")
+                    or name.endswith("ln_f.weight") else 0.05 * torch.randn_like(p))
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir, **({"max_shard_size": "20KB"} if layout == "sharded" else {}))
+    assert (hf_dir / ("model.safetensors.index.json" if layout == "sharded" else "model.safetensors")).is_file()
+    x, y = train_batch(tiny_tokens, seed=1337, step=0, count=4, seq_len=16)  # tiny_gpt.yaml: seed, micro 4
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(x)).logits
+    want = F.cross_entropy(logits.reshape(-1, 64), torch.tensor(y).reshape(-1)).item()
+
+    d = tmp_path / "run"
+    run = train("dp1", tiny_tokens, d, "--micro_batch_size", 4, "--max_train_steps", 1,
+                "--val_every_n_train_steps", 0, "--model.init_from", hf_dir)
+    assert f"initialised weights from {hf_dir}" in run.output
+    assert run.losses()[1] == pytest.approx(want, rel=1e-5), f"nnstrain {run.losses()[1]} vs transformers {want}"
+    # A model that does not fit the folder: an error naming the file and the tensor.
+    args = [nnstrain_bin_path(), "--config", str(CONFIG), "--run_dir", str(tmp_path / "bad"),
+            "--vars.data", str(tiny_tokens), "--model.init_from", str(hf_dir), "--model.args.n_embd", "48"]
+    p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert ".safetensors" in p.stderr and "has shape" in p.stderr and "needs" in p.stderr, p.stderr
