@@ -149,6 +149,7 @@ def main():
     a = ap.parse_args()
     binary = str(pathlib.Path(a.nnstrain).resolve())
 
+    load_start = round(os.getloadavg()[0], 2)
     work = pathlib.Path(tempfile.mkdtemp(prefix="nnstrain_bench_ckpt_", dir=a.dir))
     try:
         tokens = work / "tokens.bin"
@@ -193,6 +194,7 @@ def main():
         "benchmark": "checkpoint", "date": now.isoformat(timespec="seconds"),
         "device": f"{cpu_model()} ({os.cpu_count()} logical CPUs), filesystem {fs[1]} on {fs[0]}",
         "torch": torch.__version__, "libtorch": libtorch_version(binary), "commit": git_commit(),
+        "binary": binary, "load_avg_1min_start": load_start,
         "model": {"n_layer": a.n_layer, "n_embd": a.n_embd, "n_head": a.n_head, "vocab": a.vocab,
                   "parameters": params},
         "dd_MBps": dd, "dd_MBps_best": dd_best, "runs": runs, "merge": merge_rec,
@@ -230,7 +232,8 @@ def main():
               f"for merging a tiny checkpoint (the binary's startup), +{(mr['peak_rss_bytes'] - mr['peak_rss_tiny_checkpoint_bytes']) / MIB:.0f} MiB; "
               f"with --hf {mr['hf_seconds']:.2f} s, peak {mr['hf_peak_rss_bytes'] / MIB:.0f} MiB "
               f"(+{(mr['hf_peak_rss_bytes'] - mr['peak_rss_tiny_checkpoint_bytes']) / MIB:.0f} MiB: it builds the model once "
-              "to learn its Hugging Face names)."]
+              f"to learn its Hugging Face names, {4 * params / MIB:.0f} MiB of weights, partly hidden under the "
+              "startup peak)."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwrote {stem}.json and {stem}.md")

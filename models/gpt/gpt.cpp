@@ -150,6 +150,8 @@ nlohmann::json Gpt::hf_config() const {
           {"attn_pdrop", cfg_.dropout},
           {"layer_norm_epsilon", 1e-5},
           {"tie_word_embeddings", true},
+          {"bos_token_id", nullptr},  // GPT-2's 50256 lies outside small vocabularies
+          {"eos_token_id", nullptr},
           {"torch_dtype", "float32"}};
 }
 

@@ -13,6 +13,7 @@
 #include <set>
 
 #include <ftw.h>
+#include <sys/stat.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -124,6 +125,21 @@ print(f"max |HF - nnstrain| logits: {diff:.3g} (scale {ours['logits'].abs().max(
 sys.exit(0 if diff < 1e-5 else 1)
 )PY";
 
+// kMakeHf's output, made once per process (Catch2 re-enters a test case per SECTION).
+const TempDir& hf_fixture() {
+  static TempDir dir;
+  static const int rc = python(kMakeHf, {dir.path});
+  REQUIRE(rc == 0);
+  return dir;
+}
+
+void copy_file(const std::string& from, const std::string& to) {
+  std::ifstream in(from, std::ios::binary);
+  std::ofstream out(to, std::ios::binary);
+  out << in.rdbuf();
+  REQUIRE(out.good());
+}
+
 std::shared_ptr<models::CausalLM> build_from_hf(const std::string& dir) {
   const auto* entry = models::find_model("gpt");
   REQUIRE(entry != nullptr);
@@ -136,8 +152,7 @@ std::shared_ptr<models::CausalLM> build_from_hf(const std::string& dir) {
 }  // namespace
 
 TEST_CASE("load_hf_weights reads transformers' save_pretrained, one file or sharded", "[hf]") {
-  TempDir tmp;
-  REQUIRE(python(kMakeHf, {tmp.path}) == 0);
+  const auto& tmp = hf_fixture();
   auto expected = checkpoint::load_tensors(tmp / "expected.safetensors");
   torch::NoGradGuard no_grad;
   for (const char* dir : {"single", "sharded"}) {
@@ -159,9 +174,11 @@ TEST_CASE("load_hf_weights reads transformers' save_pretrained, one file or shar
 }
 
 TEST_CASE("load_hf_weights faults name the file and the tensor", "[hf]") {
-  TempDir tmp;
-  REQUIRE(python(kMakeHf, {tmp.path}) == 0);
+  const auto& tmp = hf_fixture();
   const auto* entry = models::find_model("gpt");
+  TempDir own;  // a copy of "single" for the sections that damage it
+  REQUIRE(::mkdir((own / "single").c_str(), 0755) == 0);
+  for (const char* f : {"config.json", "model.safetensors"}) copy_file(tmp / "single/" + f, own / "single/" + f);
   SECTION("a missing tensor") {
     auto model = entry->build(*checkpoint::hf_model_config(*entry, tmp / "missing"));
     CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, tmp / "missing"),
@@ -181,17 +198,17 @@ TEST_CASE("load_hf_weights faults name the file and the tensor", "[hf]") {
                           Catch::Contains("needs [97,32]"));
   }
   SECTION("another model type") {
-    std::ofstream(tmp / "single/config.json") << R"({"model_type": "llama", "vocab_size": 97})";
+    std::ofstream(own / "single/config.json") << R"({"model_type": "llama", "vocab_size": 97})";
     models::gpt::GptConfig c;
     auto model = entry->build(c);
-    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, tmp / "single"),
+    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, own / "single"),
                       Catch::Contains("config.json") && Catch::Contains("model_type 'llama'"));
-    CHECK_THROWS_WITH(checkpoint::hf_model_config(*entry, tmp / "single"), Catch::Contains("config.json"));
+    CHECK_THROWS_WITH(checkpoint::hf_model_config(*entry, own / "single"), Catch::Contains("config.json"));
   }
   SECTION("no weights at all") {
-    auto model = entry->build(*checkpoint::hf_model_config(*entry, tmp / "single"));
-    ::unlink((tmp / "single/model.safetensors").c_str());
-    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, tmp / "single"),
+    auto model = entry->build(*checkpoint::hf_model_config(*entry, own / "single"));
+    ::unlink((own / "single/model.safetensors").c_str());
+    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, own / "single"),
                       Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
   }
   SECTION("no config.json") {
