@@ -264,6 +264,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="alternate baseline and nnstrain this often; the best median is kept")
     ap.add_argument("--data", default="data/shakespeare_char", help="folder with train.bin (nnstrain prepare)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the JSON and markdown go")
+    ap.add_argument("--note", default="", help="a remark stored with the results (e.g. what else ran)")
     a = ap.parse_args()
     if a.steps <= a.warmup:
         sys.exit("--steps must exceed --warmup")
@@ -273,29 +274,6 @@ def main():
     if not train_bin.is_file():
         sys.exit(f"{train_bin} not found: run `{binary} prepare shakespeare_char` first")
     check_config(binary)
-
-    results = []
-    for threads in a.threads:
-        best = {}
-        for rep in range(a.repeats):
-            for name, fn in (("pytorch_eager", lambda: run_baseline(train_bin, a.steps, threads)),
-                             ("nnstrain", lambda: run_nnstrain(binary, a.steps, threads, data_dir))):
-                load_before = os.getloadavg()[0]
-                secs, losses = fn()
-                s = summarise(secs, losses, a.warmup)
-                s["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-                print(f"threads {threads}, run {rep + 1}: {name:14s} {s['tokens_per_s']:7.0f} tok/s "
-                      f"(median step: {s['tokens_per_s_median']:7.0f}), "
-                      f"median {s['median_ms_per_step']:.1f} ms/step, max {s['max_ms_per_step']:.0f}, loss {s['loss_first']:.3f} -> "
-                      f"{s['loss_last']:.3f}, load {s['load_avg_1min']}", flush=True)
-                if name not in best or s["tokens_per_s_median"] > best[name]["tokens_per_s_median"]:
-                    best[name] = s
-        ratio = best["nnstrain"]["tokens_per_s"] / best["pytorch_eager"]["tokens_per_s"]
-        ratio_median = best["nnstrain"]["tokens_per_s_median"] / best["pytorch_eager"]["tokens_per_s_median"]
-        print(f"threads {threads}: nnstrain / pytorch eager = {ratio:.3f} (mean), {ratio_median:.3f} (median step)",
-              flush=True)
-        results.append({"threads": threads, "ratio_nnstrain_over_pytorch": ratio,
-                        "ratio_nnstrain_over_pytorch_median": ratio_median, **best})
 
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
@@ -311,20 +289,52 @@ def main():
         "model": MODEL, "batch": BATCH,
         "steps": a.steps, "warmup_steps_excluded": a.warmup, "repeats": a.repeats,
         "tokens_per_step": BATCH * MODEL["block_size"],
-        "results": results,
+        "note": a.note,
+        "results": [],
     }
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpt_cpu_{now.strftime('%Y%m%d-%H%M%S')}"
+
+    for threads in a.threads:
+        best = {}
+        for rep in range(a.repeats):
+            for name, fn in (("pytorch_eager", lambda: run_baseline(train_bin, a.steps, threads)),
+                             ("nnstrain", lambda: run_nnstrain(binary, a.steps, threads, data_dir))):
+                load_before = os.getloadavg()[0]
+                secs, losses = fn()
+                s = summarise(secs, losses, a.warmup)
+                s["load_avg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+                print(f"threads {threads}, run {rep + 1}: {name:14s} {s['tokens_per_s']:7.0f} tok/s "
+                      f"(median step: {s['tokens_per_s_median']:7.0f}), median {s['median_ms_per_step']:.1f} "
+                      f"ms/step, max {s['max_ms_per_step']:.0f}, loss {s['loss_first']:.3f} -> "
+                      f"{s['loss_last']:.3f}, load {s['load_avg_1min']}", flush=True)
+                if name not in best or s["tokens_per_s_median"] > best[name]["tokens_per_s_median"]:
+                    best[name] = s
+        ratio = best["nnstrain"]["tokens_per_s"] / best["pytorch_eager"]["tokens_per_s"]
+        ratio_median = best["nnstrain"]["tokens_per_s_median"] / best["pytorch_eager"]["tokens_per_s_median"]
+        print(f"threads {threads}: nnstrain / pytorch eager = {ratio:.3f} (mean), {ratio_median:.3f} (median step)",
+              flush=True)
+        record["results"].append({"threads": threads, "ratio_nnstrain_over_pytorch": ratio,
+                                  "ratio_nnstrain_over_pytorch_median": ratio_median, **best})
+        write_results(stem, record, a)  # after every thread count, so an interrupted run keeps what it measured
+    print(f"wrote {stem}.json and {stem}.md")
+
+
+def write_results(stem, record, a):
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        f"# GPT training on CPU: nnstrain vs eager PyTorch ({now.strftime('%Y-%m-%d %H:%M UTC')})", "",
+        f"# GPT training on CPU: nnstrain vs eager PyTorch ({record['date']})", "",
         f"- device: {record['device']} ({record['logical_cpus']} logical CPUs)",
         f"- torch (baseline) {record['torch']}, LibTorch (nnstrain) {record['libtorch']}",
         f"- commit {record['commit']}",
         f"- model: {CONFIG} (n_layer {MODEL['n_layer']}, n_head {MODEL['n_head']}, n_embd {MODEL['n_embd']}, "
         f"block {MODEL['block_size']}, batch {BATCH}), {a.steps} steps, first {a.warmup} not timed, "
-        f"best of {a.repeats}",
+        f"best median of {a.repeats}",
+    ]
+    if record["note"]:
+        lines.append(f"- note: {record['note']}")
+    lines += [
         "", "tok/s = tokens of the timed steps / their time; median = tokens per step / median step time "
             "(robust to steps stalled by other processes). Ratio > 1: nnstrain faster.",
         "", "| threads | nnstrain tok/s | PyTorch eager tok/s | ratio | nnstrain tok/s (median) | "
@@ -332,7 +342,7 @@ def main():
             "load avg (1 min, before/after) |",
         "|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for r in results:
+    for r in record["results"]:
         n, p = r["nnstrain"], r["pytorch_eager"]
         lines.append(f"| {r['threads']} | {n['tokens_per_s']:.0f} | {p['tokens_per_s']:.0f} | "
                      f"{r['ratio_nnstrain_over_pytorch']:.3f} | {n['tokens_per_s_median']:.0f} | "
@@ -340,7 +350,6 @@ def main():
                      f"{n['max_ms_per_step']:.0f} / {p['max_ms_per_step']:.0f} | "
                      f"nnstrain {n['load_avg_1min']}, PyTorch {p['load_avg_1min']} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
 
 
 if __name__ == "__main__":
