@@ -4,8 +4,9 @@ A tiny llama (2 layers, hidden 32, 2 heads, max_position_embeddings 4096) trains
 2 steps of micro-batch 1 x 4096 tokens read from a uint32 token file, with the
 chunked loss (chunks of 1000 tokens, so the last one is short) and activation
 checkpointing: the run finishes with finite losses, and the plain loss on the
-same run gives the same first loss (1e-5 relative) and, after one optimizer step
-on the two losses' gradients, the same second loss (1e-4 relative).
+same run gives the same first loss (1e-5 relative), the same first gradient norm and,
+after one optimizer step on the two losses' gradients, the same second loss
+(both 1e-4 relative).
 """
 import math
 
@@ -71,13 +72,17 @@ def train(nnstrain, tmp_path, tokens, loss):
     losses = run.losses()
     assert sorted(losses) == [1, 2], f"expected steps 1 and 2 in metrics.jsonl, got {sorted(losses)}\n{run.output}"
     assert all(math.isfinite(v) for v in losses.values()), f"non-finite loss: {losses}"
-    return losses
+    # The planner's start-up line says whether activation checkpointing is on.
+    assert "recompute 2 layers" in run.output, run.output
+    grad_norms = {r["step"]: r["grad_norm"] for r in run.train}
+    return losses, grad_norms
 
 
 def test_long_context_chunked_loss_with_activation_checkpointing(nnstrain, tmp_path, tokens):
-    chunked = train(nnstrain, tmp_path, tokens, "chunked")
-    plain = train(nnstrain, tmp_path, tokens, "plain")
+    chunked, chunked_gn = train(nnstrain, tmp_path, tokens, "chunked")
+    plain, plain_gn = train(nnstrain, tmp_path, tokens, "plain")
     # A freshly initialised model starts near log(vocab).
     assert abs(chunked[1] - math.log(VOCAB)) < 1.0, chunked
     assert chunked[1] == pytest.approx(plain[1], rel=1e-5), (chunked, plain)
+    assert chunked_gn[1] == pytest.approx(plain_gn[1], rel=1e-4), (chunked_gn, plain_gn)
     assert chunked[2] == pytest.approx(plain[2], rel=1e-4), (chunked, plain)

@@ -1,5 +1,6 @@
 #include "trainer/checkpoint/hf.h"
 
+#include <cmath>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -85,6 +86,20 @@ void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
     const auto theirs = j.value("model_type", std::string());
     if (!ours.empty() && !theirs.empty() && ours != theirs)
       throw CheckpointError(config_path.string() + ": model_type '" + theirs + "', but the model is a '" + ours + "'");
+    // Settings that shape no tensor (rope, norm epsilon, activation) must agree
+    // too, or the weights would load into a silently different model.
+    const auto mine = model.hf_config();
+    for (const char* key : {"rope_theta", "rope_scaling", "rms_norm_eps", "layer_norm_epsilon", "activation_function",
+                            "num_key_value_heads", "num_attention_heads", "n_head", "head_dim"}) {
+      if (!mine.contains(key) || !j.contains(key) || j.at(key).is_null() || mine.at(key).is_null()) continue;
+      const auto &a = mine.at(key), &b = j.at(key);
+      const bool same = (a.is_number() && b.is_number()) ? std::abs(a.get<double>() - b.get<double>()) <=
+                                                               1e-9 * std::max(1.0, std::abs(b.get<double>()))
+                                                         : a == b;
+      if (!same)
+        throw CheckpointError(config_path.string() + ": " + key + " is " + b.dump() + " but model.args give " +
+                              a.dump() + "; make model.args match the checkpoint");
+    }
   }
   const auto mapping = model.hf_tensors();
   if (mapping.empty()) throw CheckpointError("the model declares no Hugging Face names: cannot load " + dir_str);
