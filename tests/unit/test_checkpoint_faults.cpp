@@ -21,27 +21,14 @@
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
 
+#include "tests/unit/test_support.h"
+
 using namespace nnstrain::checkpoint;
 
 namespace {
 
-// POSIX rather than std::filesystem: libtorch.so's exported remove_all interposes
-// on libstdc++'s and crashes (see test_tensor_io.cpp).
-int remove_entry(const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_ckpt_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
-
-bool exists(const std::string& p) { return ::access(p.c_str(), F_OK) == 0; }
+using nnstrain::testing::exists;
+using nnstrain::testing::TempDir;
 
 std::string read_text(const std::string& p) {
   std::ifstream in(p, std::ios::binary);

@@ -25,56 +25,16 @@
 #include "trainer/checkpoint/merge.h"
 #include "trainer/checkpoint/tensor_io.h"
 
-extern char** environ;
+#include "tests/unit/test_support.h"
 
 using namespace nnstrain;
 
 namespace {
 
-// POSIX rather than std::filesystem: libtorch.so's exported remove_all interposes
-// on libstdc++'s and crashes (see test_tensor_io.cpp).
-int remove_entry(const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_hf_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
-
-bool exists(const std::string& p) { return ::access(p.c_str(), F_OK) == 0; }
-
-// argv[0] args..., without a shell, with OMP_NUM_THREADS=1; returns the exit status.
-int run(const std::vector<std::string>& args) {
-  std::vector<std::string> a = args;
-  std::vector<char*> argv;
-  for (auto& s : a) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env_s = {"OMP_NUM_THREADS=1"};
-  for (char** e = environ; *e; ++e)
-    if (std::strncmp(*e, "OMP_NUM_THREADS=", 16) != 0 && std::strncmp(*e, "RANK=", 5) != 0 &&
-        std::strncmp(*e, "WORLD_SIZE=", 11) != 0)
-      env_s.push_back(*e);
-  std::vector<char*> envp;
-  for (auto& s : env_s) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  pid_t pid = 0;
-  REQUIRE(::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()) == 0);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-int python(const std::string& script, const std::vector<std::string>& args) {
-  std::vector<std::string> a = {NNSTRAIN_PYTHON, "-c", script};
-  a.insert(a.end(), args.begin(), args.end());
-  return run(a);
-}
+using nnstrain::testing::exists;
+using nnstrain::testing::TempDir;
+using nnstrain::testing::python;
+using nnstrain::testing::run;
 
 // A tiny GPT2LMHeadModel with seeded random weights (gains and biases too), saved
 // as one file, as several files with an index, and once without one tensor; and

@@ -45,8 +45,6 @@ torch::Device pick_device(const std::string& want, int local_rank) {
   return torch::kCPU;
 }
 
-std::string st_dtype(const at::Tensor& t) { return checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())); }
-
 std::string fmt(double v, int prec = 4) {
   std::ostringstream o;
   o.precision(prec);
