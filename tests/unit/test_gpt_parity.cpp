@@ -18,55 +18,17 @@
 #include "models/registry.h"
 #include "trainer/checkpoint/tensor_io.h"
 
-extern char** environ;
+#include "tests/unit/test_support.h"
 
 using namespace nnstrain;
 
 namespace {
 
-// POSIX rather than std::filesystem: libtorch.so's exported remove_all interposes on
-// libstdc++'s and crashes (see test_tensor_io.cpp).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_gpt_parity_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {  // the reference writes files only
-    if (DIR* d = ::opendir(path.c_str())) {
-      while (dirent* e = ::readdir(d))
-        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
-          ::unlink((path + "/" + e->d_name).c_str());
-      ::closedir(d);
-    }
-    ::rmdir(path.c_str());
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using nnstrain::testing::TempDir;
+using nnstrain::testing::rel_err;
 
-// NNSTRAIN_PYTHON script args..., without a shell; returns the exit status.
-int run_python_file(const std::string& script, const std::vector<std::string>& args) {
-  std::vector<std::string> argv_s = {NNSTRAIN_PYTHON, script};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  REQUIRE(::posix_spawn(&pid, NNSTRAIN_PYTHON, nullptr, nullptr, argv.data(), environ) == 0);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
-// max |got - want| / max |want|: one number per tensor, insensitive to tiny entries.
-double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
-  REQUIRE(got.sizes() == want.sizes());
-  const double scale = want.abs().max().item<double>();
-  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).abs().max().item<double>();
-  return scale > 0 ? diff / scale : diff;
-}
+
 
 constexpr double kTol = 1e-5;
 
@@ -89,7 +51,7 @@ struct Reference {
   Reference() {
     const std::string script = std::string(NNSTRAIN_SOURCE_DIR) + "/tests/reference/gpt2_reference.py";
     INFO("running " << NNSTRAIN_PYTHON << " " << script);
-    REQUIRE(run_python_file(script, {dir.path}) == 0);
+    REQUIRE(nnstrain::testing::python_file(script, {dir.path}) == 0);
     weights = checkpoint::load_tensors(dir.file("weights.safetensors"));
     batch = checkpoint::load_tensors(dir.file("batch.safetensors"));
     expected = checkpoint::load_tensors(dir.file("expected.safetensors"));

@@ -13,55 +13,20 @@
 #include <map>
 
 #include "trainer/checkpoint/tensor_io.h"
+
+#include "tests/unit/test_support.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/lr_schedule.h"
-
-extern char** environ;
 
 using namespace nnstrain;
 
 namespace {
 
-// POSIX rather than std::filesystem (see test_tensor_io.cpp: libtorch's remove_all).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_optim_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    if (DIR* d = ::opendir(path.c_str())) {
-      while (dirent* e = ::readdir(d))
-        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
-          ::unlink((path + "/" + e->d_name).c_str());
-      ::closedir(d);
-    }
-    ::rmdir(path.c_str());
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using nnstrain::testing::TempDir;
+using nnstrain::testing::rel_err;
 
-int run_python(const std::string& script, const std::vector<std::string>& args) {
-  std::vector<std::string> argv_s = {NNSTRAIN_PYTHON, "-c", script};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  REQUIRE(::posix_spawn(&pid, NNSTRAIN_PYTHON, nullptr, nullptr, argv.data(), environ) == 0);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
-double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
-  REQUIRE(got.sizes() == want.sizes());
-  const double scale = want.abs().max().item<double>();
-  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).abs().max().item<double>();
-  return scale > 0 ? diff / scale : diff;
-}
+
 
 constexpr int kSteps = 5;
 constexpr double kWeightDecay = 0.1, kBeta1 = 0.9, kBeta2 = 0.99, kEps = 1e-8;
@@ -110,7 +75,7 @@ struct AdamwReference {
   std::map<std::string, torch::Tensor> in, want;
   size_t n = 0;
   AdamwReference() {
-    REQUIRE(run_python(kAdamwReference, {dir.path}) == 0);
+    REQUIRE(nnstrain::testing::python(kAdamwReference, {dir.path}) == 0);
     in = checkpoint::load_tensors(dir.file("inputs.safetensors"));
     want = checkpoint::load_tensors(dir.file("expected.safetensors"));
     while (in.count("param/" + std::to_string(n))) ++n;

@@ -2,6 +2,8 @@
 // program or the reference Python, without a shell.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
@@ -33,6 +35,7 @@ struct TempDir {
   }
   ~TempDir() { ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
   std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::string file(const std::string& name) const { return *this / name; }
 };
 
 inline bool exists(const std::string& p) { return ::access(p.c_str(), F_OK) == 0; }
@@ -64,6 +67,21 @@ inline int python(const std::string& script, const std::vector<std::string>& arg
   std::vector<std::string> a = {NNSTRAIN_PYTHON, "-c", script};
   a.insert(a.end(), args.begin(), args.end());
   return run(a);
+}
+
+// The reference Python on a script file.
+inline int python_file(const std::string& script, const std::vector<std::string>& args) {
+  std::vector<std::string> a = {NNSTRAIN_PYTHON, script};
+  a.insert(a.end(), args.begin(), args.end());
+  return run(a);
+}
+
+// max |got - want| / max |want|: one number per tensor, insensitive to tiny entries.
+inline double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
+  REQUIRE(got.sizes() == want.sizes());
+  const double scale = want.abs().max().item<double>();
+  const double diff = (got.to(torch::kFloat64) - want.to(torch::kFloat64)).abs().max().item<double>();
+  return scale > 0 ? diff / scale : diff;
 }
 
 }  // namespace nnstrain::testing

@@ -12,51 +12,17 @@
 
 #include "trainer/checkpoint/tensor_io.h"
 
-extern char** environ;
+#include "tests/unit/test_support.h"
 
 using namespace nnstrain::checkpoint;
 using Catch::Matchers::Contains;
 
 namespace {
 
-// Plain POSIX on purpose: libtorch.so exports its own std::filesystem::remove_all,
-// which interposes on libstdc++'s and crashes (seen with the torch 2.11 wheel).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/nnstrain_tio_XXXXXX";
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {  // the tests create files only, no subfolders
-    if (DIR* d = ::opendir(path.c_str())) {
-      while (dirent* e = ::readdir(d))
-        if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0)
-          ::unlink((path + "/" + e->d_name).c_str());
-      ::closedir(d);
-    }
-    ::rmdir(path.c_str());
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using nnstrain::testing::TempDir;
+using nnstrain::testing::exists;
 
-bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
 
-// Runs NNSTRAIN_PYTHON -c script args... without a shell; returns the exit status.
-int run_python(const std::string& script, const std::vector<std::string>& args) {
-  std::vector<std::string> argv_s = {NNSTRAIN_PYTHON, "-c", script};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  int rc = ::posix_spawn(&pid, NNSTRAIN_PYTHON, nullptr, nullptr, argv.data(), environ);
-  REQUIRE(rc == 0);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 // The same tensors, spelled once in C++ here and once in Python below.
 std::vector<std::pair<std::string, torch::Tensor>> expected_tensors() {
@@ -176,7 +142,7 @@ from safetensors.torch import save_file
 # The Python writer refuses views; ours lays them out itself.
 save_file({k: v.contiguous() for k, v in expected.items()}, sys.argv[1], metadata={"source": "python", "n": str(len(expected))})
 )PY";
-  REQUIRE(run_python(script, {path}) == 0);
+  REQUIRE(nnstrain::testing::python(script, {path}) == 0);
   SafetensorsReader reader(path);
   auto tensors = expected_tensors();
   const std::map<std::string, std::string> meta = {{"source", "python"},
@@ -214,5 +180,5 @@ for b in bad:
     print("MISMATCH", b, file=sys.stderr)
 sys.exit(1 if bad else 0)
 )PY";
-  CHECK(run_python(script, {path}) == 0);
+  CHECK(nnstrain::testing::python(script, {path}) == 0);
 }
