@@ -448,16 +448,21 @@ TEST_CASE("config: duplicate keys and YAML syntax errors carry lines", "[config]
              Catch::Contains("(line 13): YAML syntax error"));
 }
 
-TEST_CASE("config: check_implemented names what the engine cannot do yet", "[config]") {
+TEST_CASE("config: precision, reduce_dtype and loss_scaler", "[config]") {
   TempDir tmp;
   const std::string base = minimal(tmp.data("t.bin"));
-  CHECK_THAT(load_error(tmp, base + "precision: bf16-mixed\n"),
-             Catch::Contains("precision: precision bf16-mixed is not implemented yet"));
-  // What has landed loads.
-  CHECK(load_error(tmp, base + "compute_config: {use_zero: true}\ncheckpoint: {save_type: deduped}\n").empty());
-  LoadOptions off = options();
-  off.reject_unimplemented = false;
-  CHECK(load_error(tmp, base + "precision: bf16-mixed\n", off).empty());
+  for (const char* p : {"32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed", "fp32", "bf16", "fp16"})
+    CHECK(load_error(tmp, base + "precision: " + p + "\n").empty());
+  CHECK_THAT(load_error(tmp, base + "precision: bf16-mixed\ncompute_config: {reduce_dtype: fp16}\n"),
+             Catch::Contains("compute_config.reduce_dtype (line 14): reduce_dtype fp16 does not fit precision bf16-mixed"));
+  CHECK(load_error(tmp, base + "precision: bf16-mixed\ncompute_config: {reduce_dtype: bf16}\n").empty());
+  CHECK_THAT(load_error(tmp, base + "compute_config: {reduce_dtype: bf16}\n"),
+             Catch::Contains("reduce_dtype bf16 does not fit precision 32-true"));
+  CHECK_THAT(load_error(tmp, base + "precision: bf16-mixed\nloss_scaler: {init_scale: 1024}\n"),
+             Catch::Contains("loss_scaler (line 14): a loss scaler is used by the fp16 precisions"));
+  CHECK(load_error(tmp, base + "precision: 16-mixed\nloss_scaler: {init_scale: 1024, growth_interval: 10}\n").empty());
+  CHECK_THAT(load_error(tmp, base + "precision: 16-mixed\nloss_scaler: {backoff_factor: 1.5}\n"),
+             Catch::Contains("loss_scaler.backoff_factor"));
 }
 
 TEST_CASE("config: keys that contradict each other", "[config]") {

@@ -441,8 +441,9 @@ FAULTS = {
     "missing_shard": (lambda c: (c / SHARD).unlink(), [], [SHARD, "is missing"]),
     "other_shape": (lambda c: None, ["--model.args.n_embd", 48],
                     [SHARD, "model/", "in the checkpoint but", "in the model"]),
-    "dtype_mismatch": (lambda c: edit_manifest(c, lambda m: set_dtype(m, "model/wte.weight", "F16")), [],
-                       [SHARD, "model/wte.weight", "dtype F16 in the checkpoint but F32 in the model"]),
+    # Floating types convert on load (a bf16-true checkpoint resumes under 32-true); an integer type never.
+    "dtype_mismatch": (lambda c: edit_manifest(c, lambda m: set_dtype(m, "model/wte.weight", "I64")), [],
+                       [SHARD, "model/wte.weight", "dtype I64 in the checkpoint but F32 in the model"]),
     "other_model": (lambda c: edit_manifest(c, lambda m: m["state"].update(model_type="llama")), [],
                     ["checkpoint of model type 'llama'", "trains 'gpt'"]),
     "truncated": (lambda c: (c / SHARD).write_bytes((c / SHARD).read_bytes()[:-7]), [], [SHARD, "truncated"]),

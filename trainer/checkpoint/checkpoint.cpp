@@ -255,17 +255,25 @@ void Checkpoint::load_into(StateTensor& want) const {
     throw CheckpointError(where + ": '" + ws.name + "' has shape " + show(first.global_shape) +
                           " in the checkpoint but " + show(ws.global_shape) + " in the model");
   }
-  if (first.dtype != ws.dtype)
+  // Floating-point weights convert (a bf16-true checkpoint resumes under 32-true
+  // and the reverse); anything else (RNG bytes, counters) must match exactly.
+  const auto is_float = [](const std::string& d) { return d == "F32" || d == "BF16" || d == "F16" || d == "F64"; };
+  if (first.dtype != ws.dtype && !(is_float(first.dtype) && is_float(ws.dtype)))
     throw CheckpointError(where + ": '" + ws.name + "' has dtype " + first.dtype + " in the checkpoint but " +
                           ws.dtype + " in the model");
+  for (const auto& st : stored)
+    if (st.spec.dtype != first.dtype)
+      throw CheckpointError(where + ": the stored pieces of '" + ws.name + "' disagree on the dtype (" + first.dtype +
+                            ", " + st.spec.dtype + ")");
   std::vector<ShardSpec> specs;
   for (const auto& st : stored) specs.push_back(st.spec);
   if (covered(specs, ws) != ws.numel())
     throw CheckpointError(dir_ + ": the stored pieces of '" + ws.name + "' do not cover " + ws.describe());
 
-  auto cpu = want.tensor.device().is_cpu() && want.tensor.is_contiguous()
+  const auto stored_type = to_scalar_type(*parse_dtype(first.dtype));
+  auto cpu = want.tensor.device().is_cpu() && want.tensor.is_contiguous() && want.tensor.scalar_type() == stored_type
                  ? want.tensor
-                 : torch::empty({ws.numel()}, want.tensor.options().device(torch::kCPU));
+                 : torch::empty({ws.numel()}, want.tensor.options().device(torch::kCPU).dtype(stored_type));
   auto* dst = static_cast<uint8_t*>(cpu.data_ptr());
   const size_t es = cpu.element_size();
   for (const auto& st : stored) {

@@ -24,11 +24,12 @@ namespace nnstrain::checkpoint {
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: nnstrain merge CKPT --out DIR [--hf]
+constexpr const char* kUsage = R"(usage: nnstrain merge CKPT --out DIR [--hf] [--dtype fp32|bf16|fp16]
 
   CKPT   a checkpoint folder (sharded, deduped or merged), or a save_dir (its `latest` is used)
   --out  the folder to create; written as DIR.tmp, then renamed
   --hf   Hugging Face names and config.json: transformers' from_pretrained(DIR) loads it
+  --dtype  the weights' dtype in the output (default: as stored; *-mixed runs store fp32 masters)
 )";
 
 // POSIX rather than fs::remove_all: libtorch.so exports its own copy of it, which
@@ -139,6 +140,11 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
     if (name.rfind("model/", 0) == 0) {
       file = "model.safetensors";
       p.key = name.substr(6);
+      if (!opts.dtype.empty() && p.spec.dtype != opts.dtype) {
+        if (!hf_dtype_name(p.spec.dtype).size())
+          throw CheckpointError("merge --dtype: '" + name + "' is stored as " + p.spec.dtype + ", not a float type");
+        p.spec.dtype = opts.dtype;  // load_into converts
+      }
       model_dtype = model_dtype.empty() || model_dtype == p.spec.dtype ? p.spec.dtype : "mixed";
       if (opts.hf) {
         auto it = hf.find(p.key);
@@ -238,6 +244,14 @@ int merge_main(const std::vector<std::string>& args) {
       return 0;
     } else if (a == "--hf") {
       opts.hf = true;
+    } else if (a == "--dtype" || a.rfind("--dtype=", 0) == 0) {
+      std::string d = a == "--dtype" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
+      const std::map<std::string, std::string> names = {{"fp32", "F32"}, {"bf16", "BF16"}, {"fp16", "F16"}};
+      if (!names.count(d)) {
+        std::cerr << "nnstrain merge: --dtype must be fp32, bf16 or fp16, not '" << d << "'\n";
+        return 2;
+      }
+      opts.dtype = names.at(d);
     } else if (a == "--out") {
       if (i + 1 >= args.size()) {
         std::cerr << "nnstrain merge: --out needs a folder\n\n" << kUsage;

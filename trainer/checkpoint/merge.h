@@ -36,7 +36,8 @@ namespace nnstrain::checkpoint {
 class Checkpoint;
 
 struct MergeOptions {
-  bool hf = false;  // Hugging Face names, layouts and config.json
+  bool hf = false;    // Hugging Face names, layouts and config.json
+  std::string dtype;  // safetensors name ("F32", "BF16", "F16") of the weights written; "" = as stored
 };
 
 struct MergeReport {

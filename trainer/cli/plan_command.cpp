@@ -1,5 +1,8 @@
 #include "trainer/cli/plan_command.h"
 
+#include "trainer/optim/precision.h"
+#include "trainer/parallel/data_parallel.h"
+
 #include <torch/library.h>
 #include <torch/torch.h>
 
@@ -211,6 +214,12 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
                         {"step_s", r.step_s}});
         j["rejected"] = rj;
       }
+      {
+        const auto ps = optim::precision_setup(targs.precision, cc.reduce_dtype);
+        const auto sb = parallel::state_bytes(ps.param, ps.grad, ps.master_weights);
+        j["state_bytes_per_param"] = {{"total", sb.total()}, {"param", sb.param}, {"grad", sb.grad},
+                                      {"master", sb.master}, {"moments", sb.moments}};
+      }
       out << j.dump(2) << "\n";
       return 0;
     }
@@ -225,6 +234,13 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     out << "run: " << cc.runtime_ngpus << " rank" << (cc.runtime_ngpus == 1 ? "" : "s") << ", plan_ngpus "
         << cc.plan_ngpus << ", precision " << targs.precision << ", micro_batch_size " << targs.micro_batch_size
         << ", seq_len " << plan.seq_len << ", global batch " << targs.global_batch_size << "\n";
+    {
+      const auto ps = optim::precision_setup(targs.precision, cc.reduce_dtype);
+      const auto sb = parallel::state_bytes(ps.param, ps.grad, ps.master_weights);
+      out << "state bytes/param (" << targs.precision << ", before ZeRO): " << fixed(sb.total(), 2) << " (param "
+          << fixed(sb.param, 2) << ", grad " << fixed(sb.grad, 2) << ", master " << fixed(sb.master, 2)
+          << ", moments " << fixed(sb.moments, 2) << ")\n";
+    }
     out << "device: " << d.name << ": " << parallel::format_bytes(d.memory_bytes) << ", " << fixed(peak / 1e12, 1)
         << " TFLOP/s peak for " << targs.precision << (targs.precision.rfind("32", 0) == 0 && cc.allow_tf32 ? " (tf32)" : "")
         << ", " << fixed(d.intra_node_bw / 1e9, 0) << " GB/s within a node, " << fixed(d.inter_node_bw / 1e9, 2)

@@ -29,6 +29,9 @@ struct ComputeConfig {
   double memory_budget_gb = 0;  // per-rank budget for the planner; 0 = fraction of device memory
   bool allow_tf32 = false;
   bool cuda_graphs = false;
+  // Gradient buffer and reduction dtype: auto = fp32 under *-mixed, the
+  // parameters' dtype under *-true. fp32 | bf16 | fp16 otherwise.
+  std::string reduce_dtype = "auto";
 };
 
 struct ModelArgs {
@@ -84,6 +87,17 @@ struct CheckpointArgs {
   bool save_on_end = true;
 };
 
+// Dynamic loss scaling for the fp16 precisions (16-mixed, 16-true), as
+// torch.amp.GradScaler: the loss is multiplied by `scale`; a step whose
+// gradients are non-finite on any rank is skipped and the scale multiplied by
+// backoff_factor; after growth_interval good steps in a row it grows.
+struct LossScalerArgs {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
 struct LogSink {
   std::string type;               // console | jsonl
   std::string path;               // for file sinks
@@ -101,6 +115,7 @@ struct TrainerArgs {
   DataloaderArgs dataloader;
   CheckpointArgs checkpoint;
   std::string precision = "32-true";  // 32-true | 16-true | bf16-true | 16-mixed | bf16-mixed
+  LossScalerArgs loss_scaler;         // used by the fp16 precisions only
   int64_t micro_batch_size = 1;
   int64_t grad_accumulation_steps = 1;
   int64_t global_batch_size = 0;      // 0 = micro x dp x accumulation

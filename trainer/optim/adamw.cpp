@@ -30,12 +30,22 @@ void AdamW::set_step_count(int64_t s) {
   for (auto& t : state_steps_) t.fill_(static_cast<double>(s));
 }
 
-void AdamW::step(double lr) {
+int64_t AdamW::step_count() const {
+  return state_steps_.empty() ? step_ : static_cast<int64_t>(state_steps_.front().item<double>());
+}
+
+void AdamW::step(double lr, const at::Tensor& found_inf) {
   if (segments_.empty()) return;
   torch::NoGradGuard no_grad;
-  ++step_;
-  if (impl_ == "fused") step_fused(lr);
-  else if (impl_ == "foreach") step_foreach(lr);
+  if (impl_ == "fused") {
+    ++step_;
+    step_fused(lr, found_inf);
+    return;
+  }
+  // The reference implementations skip on the host, as torch.optim does without a fused kernel.
+  if (found_inf.defined() && found_inf.item<double>() != 0) return;
+  step_ = step_count() + 1;
+  if (impl_ == "foreach") step_foreach(lr);
   else step_loop(lr);
 }
 
@@ -65,7 +75,7 @@ static void for_each_group(const std::vector<Segment>& segs, Fn fn) {
   for (auto& [key, idx] : groups) fn(key.first, idx);
 }
 
-void AdamW::step_fused(double lr) {
+void AdamW::step_fused(double lr, const at::Tensor& found_inf) {
   for_each_group(segments_, [&](double wd, const std::vector<size_t>& idx) {
     std::vector<at::Tensor> p, g, m, v, steps;
     for (auto i : idx) {
@@ -78,7 +88,9 @@ void AdamW::step_fused(double lr) {
     at::_foreach_add_(steps, 1);
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, args_.beta1, args_.beta2, wd,
                       args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
-                      /*found_inf=*/std::nullopt);
+                      found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt);
+    // A skipped update does not count (torch.optim.adam's fused path does the same).
+    if (found_inf.defined()) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), found_inf.reshape({})));
   });
 }
 

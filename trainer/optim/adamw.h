@@ -24,11 +24,16 @@ class AdamW {
  public:
   AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args);
 
-  // One update with learning rate lr. Gradients must already be final (reduced, clipped).
-  void step(double lr);
+  // One update with learning rate lr. Gradients must already be final (reduced,
+  // clipped, unscaled). found_inf (optional, float [1] on the device): where it
+  // is 1 the update is skipped whole (weights, moments and step count
+  // unchanged), decided on the device by the fused kernel without a host sync;
+  // the foreach and loop implementations read it on the host.
+  void step(double lr, const at::Tensor& found_inf = {});
 
   std::vector<Segment>& segments() { return segments_; }
-  int64_t step_count() const { return step_; }
+  // Updates applied (skipped ones not counted); reads the device (checkpoints, logs).
+  int64_t step_count() const;
   void set_step_count(int64_t s);
   // exp_avg and exp_avg_sq of segment i, same shape as its param.
   at::Tensor& exp_avg(size_t i) { return exp_avg_[i]; }
@@ -38,7 +43,7 @@ class AdamW {
  private:
   void step_loop(double lr);
   void step_foreach(double lr);
-  void step_fused(double lr);
+  void step_fused(double lr, const at::Tensor& found_inf);
 
   std::vector<Segment> segments_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, state_steps_;

@@ -5,7 +5,24 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/checkpoint/tensor_io.h"
+
 namespace nnstrain::parallel {
+
+namespace {
+std::string st_dtype(c10::ScalarType t) { return checkpoint::dtype_name(checkpoint::to_dtype(t)); }
+}  // namespace
+
+StateBytes state_bytes(c10::ScalarType param_dtype, c10::ScalarType grad_dtype, bool master_weights) {
+  StateBytes b;
+  b.param = c10::elementSize(param_dtype);
+  b.grad = c10::elementSize(grad_dtype);
+  b.master = master_weights ? 4 : 0;
+  // AdamW's moments take the dtype of what it updates: the masters, or the parameters.
+  b.moments = 2.0 * (master_weights ? 4 : c10::elementSize(param_dtype));
+  return b;
+}
 
 DataParallel::DataParallel(std::vector<ParamShard> params, dist::Runtime* rt, const DataParallelOptions& opts)
     : params_(std::move(params)), rt_(rt), opts_(opts) {
@@ -17,13 +34,14 @@ DataParallel::DataParallel(std::vector<ParamShard> params, dist::Runtime* rt, co
       zrank_ = rt_->zero.rank;
     }
   }
-  const auto dtype = params_.front().tensor.scalar_type();
+  const auto init_dtype = params_.front().tensor.scalar_type();
   for (const auto& p : params_)
-    TORCH_CHECK(p.tensor.scalar_type() == dtype, "DataParallel: parameters of mixed dtypes (", p.name, ")");
+    TORCH_CHECK(p.tensor.scalar_type() == init_dtype, "DataParallel: parameters of mixed dtypes (", p.name, ")");
+  grads_via_hook_ = opts_.grad_dtype != opts_.param_dtype;
 
   // Buckets over params in reverse order, each padded to a multiple of the ZeRO group size.
   const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
-                                               static_cast<int64_t>(params_.front().tensor.element_size()));
+                                               static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
   offset_.assign(params_.size(), 0);
   bucket_of_.assign(params_.size(), 0);
   int64_t pos = 0;
@@ -48,41 +66,74 @@ DataParallel::DataParallel(std::vector<ParamShard> params, dist::Runtime* rt, co
     pos += n;
   }
   close();
-
-  // Parameters and gradients become views of the flat buffers.
-  auto opt = params_.front().tensor.options();
-  flat_param_ = torch::zeros({pos}, opt);
-  flat_grad_ = torch::zeros({pos}, opt);
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t k = 0; k < params_.size(); ++k) {
-      auto& t = params_[k].tensor;
-      auto pv = flat_param_.narrow(0, offset_[k], t.numel()).view(t.sizes());
-      pv.copy_(t);
-      t.set_data(pv);
-      t.mutable_grad() = flat_grad_.narrow(0, offset_[k], t.numel()).view(t.sizes());
-    }
-  }
   if (opts_.zero) {
     int64_t total = 0;
     for (const auto& b : buckets_) {
       shard_offset_.push_back(total);
       total += chunk_size(b);
     }
-    shard_grad_ = torch::zeros({total}, opt);
+    shard_grad_ = torch::zeros({total}, params_.front().tensor.options().dtype(opts_.grad_dtype));
   }
-  // Hooks: after a parameter's gradient is accumulated, its bucket may be ready.
-  if (dp_ > 1) {
+
+  // The initial values, as built (fp32), in the flat layout: the masters start
+  // from them exactly, the compute copy is their cast.
+  const auto opt = params_.front().tensor.options();
+  {
+    torch::NoGradGuard no_grad;
+    auto init = torch::zeros({pos}, opt);
+    for (size_t k = 0; k < params_.size(); ++k)
+      init.narrow(0, offset_[k], params_[k].tensor.numel()).copy_(params_[k].tensor.reshape({-1}));
+    if (opts_.master_weights) {
+      TORCH_CHECK(init_dtype == torch::kFloat32, "DataParallel: master weights need fp32 initial parameters");
+      if (opts_.zero) {
+        flat_master_ = torch::empty({shard_grad_.numel()}, opt.dtype(torch::kFloat32));
+        for (size_t i = 0; i < buckets_.size(); ++i)
+          flat_master_.narrow(0, shard_offset_[i], chunk_size(buckets_[i]))
+              .copy_(init.narrow(0, chunk_begin(buckets_[i]), chunk_size(buckets_[i])));
+      } else {
+        flat_master_ = init.to(torch::kFloat32);
+      }
+    }
+    flat_param_ = init.to(opts_.param_dtype);
+    flat_grad_ = torch::zeros({pos}, opt.dtype(opts_.grad_dtype));
+    // Parameters become views of the flat buffer; their gradients too where the dtypes agree.
+    for (size_t k = 0; k < params_.size(); ++k) {
+      auto& t = params_[k].tensor;
+      t.set_data(flat_param_.narrow(0, offset_[k], t.numel()).view(t.sizes()));
+      grad_views_.push_back(flat_grad_.narrow(0, offset_[k], t.numel()).view(t.sizes()));
+      if (!grads_via_hook_) t.mutable_grad() = grad_views_.back();
+      params_[k].spec.dtype = st_dtype(opts_.param_dtype);
+    }
+  }
+
+  // Hooks: after a parameter's gradient is accumulated, move it into its fp32
+  // slot (mixed), and its bucket may be ready for reduction.
+  if (dp_ > 1 || grads_via_hook_) {
     for (size_t k = 0; k < params_.size(); ++k) {
       auto acc = torch::autograd::impl::grad_accumulator(params_[k].tensor);
       acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
           [this, k](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            if (grads_via_hook_) {
+              auto& g = params_[k].tensor.mutable_grad();
+              if (g.defined()) {
+                grad_views_[k].add_(g);
+                g.reset();
+              }
+            }
             on_grad_ready(k);
             return outputs;
           }));
       accumulators_.push_back(acc);
     }
   }
+
+  segments_ = make_segments();
+  std::vector<double> w;
+  for (const auto& s : segments_)
+    w.push_back(std::find_if(params_.begin(), params_.end(), [&](const ParamShard& p) { return p.name == s.name; })
+                    ->norm_weight);
+  // Built once: no host-to-device copy inside a step.
+  norm_weights_ = torch::tensor(w, torch::kFloat64).to(opt.dtype(torch::kFloat32));
 }
 
 DataParallel::~DataParallel() = default;
@@ -90,7 +141,11 @@ DataParallel::~DataParallel() = default;
 int64_t DataParallel::chunk_size(const Bucket& b) const { return (b.end - b.begin) / zsize_; }
 int64_t DataParallel::chunk_begin(const Bucket& b) const { return b.begin + zrank_ * chunk_size(b); }
 
-void DataParallel::zero_grad() { flat_grad_.zero_(); }
+void DataParallel::zero_grad() {
+  flat_grad_.zero_();
+  if (grads_via_hook_)
+    for (auto& p : params_) p.tensor.mutable_grad().reset();
+}
 
 void DataParallel::begin_micro_step(bool sync) {
   sync_ = sync && dp_ > 1;
@@ -161,15 +216,9 @@ at::Tensor DataParallel::grad_norm() {
   } else {
     // Sum of squares per segment, weighted so tensor-parallel replicas count once.
     std::vector<at::Tensor> grads;
-    std::vector<double> w;
-    for (const auto& s : optimizer_segments()) {
-      grads.push_back(s.grad);
-      w.push_back(std::find_if(params_.begin(), params_.end(), [&](const ParamShard& p) { return p.name == s.name; })
-                      ->norm_weight);
-    }
+    for (const auto& s : segments_) grads.push_back(s.grad);
     auto norms = torch::stack(at::_foreach_norm(grads)).to(torch::kFloat32);
-    auto weights = torch::tensor(w, torch::kFloat64).to(norms.options());
-    sq = (norms.pow(2) * weights).sum().reshape({1});
+    sq = (norms.pow(2) * norm_weights_).sum().reshape({1});
   }
   // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
   if (rt_ && opts_.zero && rt_->zero.size() > 1) rt_->all_reduce(rt_->zero, sq, "gradient norm all-reduce (ZeRO)");
@@ -182,12 +231,17 @@ void DataParallel::scale_gradients(const at::Tensor& coef) {
   (opts_.zero ? shard_grad_ : flat_grad_).mul_(c);
 }
 
-std::vector<optim::Segment> DataParallel::optimizer_segments() const {
+std::vector<optim::Segment> DataParallel::optimizer_segments() const { return segments_; }
+
+std::vector<optim::Segment> DataParallel::make_segments() const {
   std::vector<optim::Segment> segs;
   auto wd = [&](size_t k) { return optim::weight_decay_for(params_[k].tensor, opts_.weight_decay); };
   if (!opts_.zero) {
-    for (size_t k = 0; k < params_.size(); ++k)
-      segs.push_back({params_[k].name, params_[k].tensor, params_[k].tensor.grad(), wd(k), 0});
+    for (size_t k = 0; k < params_.size(); ++k) {
+      const auto& t = params_[k].tensor;
+      auto param = opts_.master_weights ? flat_master_.narrow(0, offset_[k], t.numel()).view(t.sizes()) : t;
+      segs.push_back({params_[k].name, param, grad_views_[k], wd(k), 0});
+    }
     return segs;
   }
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
@@ -197,8 +251,9 @@ std::vector<optim::Segment> DataParallel::optimizer_segments() const {
       const int64_t p0 = offset_[k], p1 = p0 + params_[k].tensor.numel();
       const int64_t lo = std::max(c0, p0), hi = std::min(c1, p1);
       if (lo >= hi) continue;
-      segs.push_back({params_[k].name, flat_param_.narrow(0, lo, hi - lo),
-                      shard_grad_.narrow(0, shard_offset_[bi] + (lo - c0), hi - lo), wd(k), lo - p0});
+      const int64_t in_shard = shard_offset_[bi] + (lo - c0);
+      auto param = opts_.master_weights ? flat_master_.narrow(0, in_shard, hi - lo) : flat_param_.narrow(0, lo, hi - lo);
+      segs.push_back({params_[k].name, param, shard_grad_.narrow(0, in_shard, hi - lo), wd(k), lo - p0});
     }
   }
   return segs;
@@ -206,10 +261,11 @@ std::vector<optim::Segment> DataParallel::optimizer_segments() const {
 
 std::vector<checkpoint::ShardSpec> DataParallel::segment_specs(const std::string& prefix) const {
   std::vector<checkpoint::ShardSpec> specs;
-  for (const auto& s : optimizer_segments()) {
+  for (const auto& s : segments_) {
     const auto& p = *std::find_if(params_.begin(), params_.end(), [&](const ParamShard& x) { return x.name == s.name; });
     auto spec = p.spec;
     spec.name = prefix + s.name;
+    spec.dtype = st_dtype(s.param.scalar_type());
     if (opts_.zero) {
       spec.flat_begin = s.offset;
       spec.flat_end = s.offset + s.param.numel();
@@ -221,7 +277,31 @@ std::vector<checkpoint::ShardSpec> DataParallel::segment_specs(const std::string
   return specs;
 }
 
+std::vector<checkpoint::StateTensor> DataParallel::weight_state() const {
+  std::vector<checkpoint::StateTensor> out;
+  if (!opts_.master_weights) {
+    for (const auto& p : params_) {
+      auto spec = p.spec;
+      spec.name = "model/" + p.name;
+      out.push_back({spec, p.tensor});
+    }
+    return out;
+  }
+  const auto specs = segment_specs("model/");
+  for (size_t i = 0; i < segments_.size(); ++i) out.push_back({specs[i], segments_[i].param});
+  return out;
+}
+
 void DataParallel::after_optimizer_step() {
+  if (opts_.master_weights) {
+    if (!opts_.zero) {
+      flat_param_.copy_(flat_master_);
+    } else {
+      for (size_t i = 0; i < buckets_.size(); ++i)
+        flat_param_.narrow(0, chunk_begin(buckets_[i]), chunk_size(buckets_[i]))
+            .copy_(flat_master_.narrow(0, shard_offset_[i], chunk_size(buckets_[i])));
+    }
+  }
   if (!opts_.zero || !rt_ || rt_->zero.size() < 2) return;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> inputs;  // kept alive until the gathers finish
@@ -231,6 +311,11 @@ void DataParallel::after_optimizer_step() {
                                           inputs.back(), "parameter all-gather"));
   }
   for (auto& w : works) rt_->wait(w, rt_->zero, "parameter all-gather");
+}
+
+StateBytes DataParallel::held_bytes() const {
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? double(t.nbytes()) : 0.0; };
+  return {bytes(flat_param_), bytes(flat_grad_) + bytes(shard_grad_), bytes(flat_master_), 0.0};
 }
 
 int64_t DataParallel::reduced_bytes_per_step() const {

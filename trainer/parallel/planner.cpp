@@ -1,5 +1,8 @@
 #include "trainer/parallel/planner.h"
 
+#include "trainer/optim/precision.h"
+#include "trainer/parallel/data_parallel.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -151,17 +154,18 @@ std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
   return s;
 }
 
-// Bytes per element: parameters (the copy compute reads), gradients, optimizer
-// state per parameter (AdamW's two moments, plus the fp32 master copy under
-// mixed precision), activations.
+// Bytes per element: parameters (the copy compute reads), gradients (the
+// reduction buffer), optimizer state (fp32 masters under *-mixed plus AdamW's
+// two moments), activations. The first three are what DataParallel allocates
+// (parallel::state_bytes, the same function the trainer's start-up line checks).
 struct PrecisionBytes {
   double param, grad, optim, act;
 };
 
-PrecisionBytes precision_bytes(const std::string& precision) {
-  if (precision == "bf16-mixed" || precision == "16-mixed") return {2, 4, 12, 2};
-  if (precision == "bf16-true" || precision == "16-true") return {2, 2, 4, 2};
-  return {4, 4, 8, 4};  // 32-true
+PrecisionBytes precision_bytes(const config::TrainerArgs& a) {
+  const auto p = optim::precision_setup(a.precision, a.compute_config.reduce_dtype);
+  const auto b = state_bytes(p.param, p.grad, p.master_weights);
+  return {b.param, b.grad, b.master + b.moments, b.param};
 }
 
 int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
@@ -176,7 +180,7 @@ std::string candidate_text(const Candidate& c, int64_t layers) {
 
 PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
   const auto& a = *req.args;
-  const auto pb = precision_bytes(a.precision);
+  const auto pb = precision_bytes(a);
   const double t = c.tp, d = c.dp;
   const double b = double(a.micro_batch_size), s = double(seq_len_of(a, f));
   const double h = double(f.dims.hidden), heads = double(f.dims.heads), kv = double(f.dims.kv_heads);

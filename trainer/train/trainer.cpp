@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 
 #include "data/loader.h"
@@ -22,6 +23,7 @@
 #include "trainer/parallel/planner.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/optim/precision.h"
 #include "trainer/train/log.h"
 #include "trainer/train/metrics.h"
 
@@ -52,26 +54,60 @@ std::string fmt(double v, int prec = 4) {
   return o.str();
 }
 
-// The run's state that checkpoints hold, as ShardSpec'd pieces.
+// A tensor every rank holds whole and identical (loss-scaler state).
+checkpoint::StateTensor replicated(const std::string& name, const at::Tensor& t, int world) {
+  auto spec = checkpoint::ShardSpec::full(name, checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())),
+                                          t.sizes().vec());
+  for (int r = 0; r < world; ++r) spec.replica_ranks.push_back(r);
+  return {spec, t};
+}
+
+// The run's state that checkpoints hold, as ShardSpec'd pieces: the weights
+// (fp32 masters under *-mixed), AdamW's moments, the loss scaler's state.
 struct Trainable {
   std::unique_ptr<parallel::DataParallel> dp;
   std::unique_ptr<optim::AdamW> optimizer;
+  std::optional<optim::LossScaler> scaler;
+  int world = 1;
 
   std::vector<checkpoint::StateTensor> state_tensors() {
-    std::vector<checkpoint::StateTensor> out;
-    for (const auto& p : dp->params()) {
-      auto spec = p.spec;
-      spec.name = "model/" + p.name;
-      out.push_back({spec, p.tensor});
-    }
+    auto out = dp->weight_state();
     const auto m = dp->segment_specs("optim/exp_avg/"), v = dp->segment_specs("optim/exp_avg_sq/");
     for (size_t i = 0; i < m.size(); ++i) {
       out.push_back({m[i], optimizer->exp_avg(i)});
       out.push_back({v[i], optimizer->exp_avg_sq(i)});
     }
+    if (scaler) {
+      out.push_back(replicated("amp/scale", scaler->scale(), world));
+      out.push_back(replicated("amp/growth_tracker", scaler->growth_tracker(), world));
+    }
     return out;
   }
+
+  // Bytes per parameter element this rank holds, by part, measured from its tensors.
+  parallel::StateBytes held_bytes_per_param() {
+    int64_t n = 0;
+    for (const auto& p : dp->params()) n += p.tensor.numel();
+    auto b = dp->held_bytes();
+    for (size_t i = 0; i < optimizer->segments().size(); ++i)
+      b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
+    const double per = 1.0 / double(std::max<int64_t>(1, n));
+    return {b.param * per, b.grad * per, b.master * per, b.moments * per};
+  }
 };
+
+// A test-only switch: NNSTRAIN_TEST_NONFINITE_AT=STEP[:RANK] makes the loss (and
+// so every gradient) of that step non-finite on that rank (all ranks without RANK).
+bool inject_nonfinite(int64_t step, int rank) {
+  static const std::string at = [] {
+    const char* e = std::getenv("NNSTRAIN_TEST_NONFINITE_AT");
+    return std::string(e ? e : "");
+  }();
+  if (at.empty()) return false;
+  const auto colon = at.find(':');
+  if (std::stoll(at.substr(0, colon)) != step) return false;
+  return colon == std::string::npos || std::stoi(at.substr(colon + 1)) == rank;
+}
 
 }  // namespace
 
@@ -135,17 +171,25 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     rt = std::make_unique<dist::Runtime>(env, ropts);
   }
 
-  // Tensor-parallel split (if any), then data-parallel flat buffers.
+  // Tensor-parallel split (if any), then data-parallel flat buffers in the
+  // precision's dtypes (the model was built in fp32: masters start from it exactly).
+  const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
   Trainable tr;
+  tr.world = world;
   {
     auto shards = parallel::apply_tensor_parallel(*model, rt.get(), world);
     parallel::DataParallelOptions dpo;
     dpo.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
     dpo.zero = plan.zero;
     dpo.weight_decay = args.optimizer.weight_decay;
+    dpo.param_dtype = prec.param;
+    dpo.grad_dtype = prec.grad;
+    dpo.master_weights = prec.master_weights;
     tr.dp = std::make_unique<parallel::DataParallel>(std::move(shards), rt.get(), dpo);
   }
   tr.optimizer = std::make_unique<optim::AdamW>(tr.dp->optimizer_segments(), args.optimizer);
+  const auto fopts = torch::TensorOptions().device(device).dtype(torch::kFloat32);
+  if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, fopts);
 
   // Resume.
   int64_t start_step = 0;
@@ -163,7 +207,12 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       throw checkpoint::CheckpointError(resume + ": checkpoint of model type '" + st.value("model_type", "") +
                                         "', but this run trains '" + args.model.type + "'");
     torch::NoGradGuard no_grad;
-    for (auto& t : tr.state_tensors()) ck.load_into(t);
+    for (auto& t : tr.state_tensors()) {
+      // A checkpoint saved without a loss scaler (another precision) keeps the fresh scale.
+      if (t.spec.name.rfind("amp/", 0) == 0 && !ck.has(t.spec.name)) continue;
+      ck.load_into(t);
+    }
+    tr.dp->after_optimizer_step();  // the compute copy from the loaded (master) weights
     start_step = st.at("step").get<int64_t>();
     tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
     const auto rng_name = "rng/cpu/rank" + std::to_string(rank);
@@ -189,6 +238,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   std::optional<double> peak;  // MFU only where the device table is meaningful (GPUs)
   if (device.is_cuda()) peak = parallel::peak_flops_for(preq.device, args.precision, args.compute_config.allow_tf32);
   const double flops_per_token = model->flops_per_token(seq_len);
+  const auto held = tr.held_bytes_per_param();
   if (rank == 0) {
     int64_t nparams = 0;
     for (auto& p : tr.dp->params()) nparams += p.tensor.numel();
@@ -202,6 +252,9 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
               (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.dp->bucket_count()) + " buckets, " +
                         std::to_string(tr.dp->reduced_bytes_per_step()) + " gradient bytes reduced per step"
                   : ""));
+    log::info("precision " + args.precision + ": state bytes/param " + fmt(held.total(), 2) + " (param " +
+              fmt(held.param, 2) + ", grad " + fmt(held.grad, 2) + ", master " + fmt(held.master, 2) +
+              ", moments " + fmt(held.moments, 2) + ")" + (tr.scaler ? ", dynamic loss scaling" : ""));
   }
 
   // Checkpointing.
@@ -212,8 +265,23 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     save_ctx.barrier = [&] { rt->barrier("checkpoint barrier"); };
     save_ctx.all_ok = [&](bool ok) { return !rt->any(!ok, "checkpoint write status"); };
   }
+  // Non-finite steps: skipped on the device; counted, and (without a loss
+  // scaler) the run stops at the next logging step or save, naming the step.
+  auto skipped = torch::zeros({1}, fopts);
+  auto first_bad = torch::full({1}, -1.0, fopts);
+  auto step_dev = torch::full({1}, static_cast<double>(start_step), fopts);
+  auto check_finite = [&]() {
+    if (tr.scaler) return;
+    const double bad = first_bad.item<double>();
+    if (bad >= 0)
+      throw std::runtime_error("step " + std::to_string(static_cast<int64_t>(bad)) +
+                               ": non-finite loss or gradient norm; the update was skipped and training stops (" +
+                               args.precision + " has no loss scaler); the last checkpoint saved is intact");
+  };
+
   auto save = [&](int64_t step) {
     if (args.checkpoint.save_dir.empty()) return;
+    check_finite();
     auto tensors = tr.state_tensors();
     auto rng = at::detail::getDefaultCPUGenerator().get_state();
     auto rng_spec = checkpoint::ShardSpec::full("rng/cpu/rank" + std::to_string(rank), "U8", {rng.numel()});
@@ -268,7 +336,6 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       },
       start_step * accum, args.dataloader.prefetch, device, args.dataloader.pin_memory);
 
-  const auto fopts = torch::TensorOptions().device(device).dtype(torch::kFloat32);
   auto loss_sum = torch::zeros({}, fopts);
   auto grad_norm = torch::zeros({}, fopts);
   auto interval_start = std::chrono::steady_clock::now();
@@ -287,19 +354,34 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       auto batch = loader.next();
       tr.dp->begin_micro_step(a == accum - 1);
       auto loss = model->loss(batch.x, batch.y) / static_cast<double>(accum);
-      loss.backward();
+      if (inject_nonfinite(step + 1, rank)) loss = loss * std::numeric_limits<double>::infinity();
       loss_sum += loss.detach().to(torch::kFloat32);
+      (tr.scaler ? loss * tr.scaler->scale() : loss).backward();
     }
     {
+      // All on the device, no host sync: unscale, non-finite check, clip, update.
       torch::NoGradGuard no_grad;
       tr.dp->finish_gradients();
-      grad_norm = tr.dp->grad_norm();
-      if (args.optimizer.clip_gnorm > 0) {
-        // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up. No host sync.
-        tr.dp->scale_gradients(torch::clamp_max(args.optimizer.clip_gnorm / (grad_norm + 1e-6), 1.0));
+      grad_norm = tr.dp->grad_norm();  // identical on every rank (gradients reduced, norm all-reduced)
+      auto found_inf = torch::isfinite(grad_norm).logical_not().to(torch::kFloat32).reshape({1});
+      at::Tensor coef;
+      if (tr.scaler) {
+        const auto inv_scale = tr.scaler->scale().reciprocal().reshape({});
+        grad_norm = grad_norm * inv_scale;
+        coef = inv_scale;
       }
-      tr.optimizer->step(lr);
+      if (args.optimizer.clip_gnorm > 0) {
+        // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
+        auto clip = torch::clamp_max(args.optimizer.clip_gnorm / (grad_norm + 1e-6), 1.0);
+        coef = coef.defined() ? coef * clip : clip;
+      }
+      if (coef.defined()) tr.dp->scale_gradients(coef);
+      tr.optimizer->step(lr, found_inf);  // skipped whole where found_inf
       tr.dp->after_optimizer_step();
+      if (tr.scaler) tr.scaler->update(found_inf);
+      step_dev.add_(1);
+      first_bad.copy_(torch::where(found_inf.gt(0) & first_bad.lt(0), step_dev, first_bad));
+      skipped.add_(found_inf);
     }
     ++step;
     ++interval_steps;
@@ -318,7 +400,10 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       const double tokens_per_s = interval_steps * global_batch * seq_len / secs;
       nlohmann::json rec = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gn},
                             {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
-                            {"peak_mem_mb", peak_memory_bytes(device) / 1048576.0}};
+                            {"peak_mem_mb", peak_memory_bytes(device) / 1048576.0},
+                            {"skipped_steps", static_cast<int64_t>(skipped.item<double>())}};
+      if (tr.scaler) rec["loss_scale"] = tr.scaler->scale().item<double>();
+      check_finite();
       std::string mfu_txt;
       if (peak) {
         const double mfu = flops_per_token * tokens_per_s / (*peak * world);
@@ -330,7 +415,10 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
           log::info("step " + std::to_string(step) + "/" + std::to_string(max_steps) + ": loss " + fmt(loss) +
                     ", lr " + fmt(lr, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) +
                     " tok/s, " + fmt(ms_per_step, 1) + " ms/step" + mfu_txt + ", peak mem " +
-                    fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB");
+                    fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB" +
+                    (tr.scaler ? ", loss scale " + fmt(rec["loss_scale"].get<double>(), 0) + ", skipped " +
+                                     std::to_string(rec["skipped_steps"].get<int64_t>())
+                               : ""));
         if (jsonl) jsonl->write(rec);
       }
       interval_start = std::chrono::steady_clock::now();
