@@ -34,14 +34,15 @@ int64_t AdamW::step_count() const {
   return state_steps_.empty() ? step_ : static_cast<int64_t>(state_steps_.front().item<double>());
 }
 
-void AdamW::step(double lr, const at::Tensor& found_inf) {
+void AdamW::step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
   if (segments_.empty()) return;
   torch::NoGradGuard no_grad;
   if (impl_ == "fused") {
     ++step_;
-    step_fused(lr, found_inf);
+    step_fused(lr, found_inf, lr_device);
     return;
   }
+  TORCH_CHECK(!lr_device.defined(), "AdamW: a device learning rate needs the fused implementation");
   // The reference implementations skip on the host, as torch.optim does without a fused kernel.
   if (found_inf.defined() && found_inf.item<double>() != 0) return;
   step_ = step_count() + 1;
@@ -75,7 +76,7 @@ static void for_each_group(const std::vector<Segment>& segs, Fn fn) {
   for (auto& [key, idx] : groups) fn(key.first, idx);
 }
 
-void AdamW::step_fused(double lr, const at::Tensor& found_inf) {
+void AdamW::step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
   for_each_group(segments_, [&](double wd, const std::vector<size_t>& idx) {
     std::vector<at::Tensor> p, g, m, v, steps;
     for (auto i : idx) {
@@ -86,9 +87,13 @@ void AdamW::step_fused(double lr, const at::Tensor& found_inf) {
       steps.push_back(state_steps_[i]);
     }
     at::_foreach_add_(steps, 1);
-    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, args_.beta1, args_.beta2, wd,
-                      args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt,
-                      found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt);
+    const auto inf = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
+    if (lr_device.defined())
+      at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr_device, args_.beta1, args_.beta2, wd,
+                        args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+    else
+      at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, args_.beta1, args_.beta2, wd,
+                        args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
     // A skipped update does not count (torch.optim.adam's fused path does the same).
     if (found_inf.defined()) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), found_inf.reshape({})));
   });

@@ -29,7 +29,9 @@ class AdamW {
   // is 1 the update is skipped whole (weights, moments and step count
   // unchanged), decided on the device by the fused kernel without a host sync;
   // the foreach and loop implementations read it on the host.
-  void step(double lr, const at::Tensor& found_inf = {});
+  // lr_device (optional, fused only): the learning rate read from a device
+  // scalar instead, so a captured CUDA graph follows the schedule.
+  void step(double lr, const at::Tensor& found_inf = {}, const at::Tensor& lr_device = {});
 
   std::vector<Segment>& segments() { return segments_; }
   // Updates applied (skipped ones not counted); reads the device (checkpoints, logs).
@@ -43,7 +45,7 @@ class AdamW {
  private:
   void step_loop(double lr);
   void step_foreach(double lr);
-  void step_fused(double lr, const at::Tensor& found_inf);
+  void step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device);
 
   std::vector<Segment> segments_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, state_steps_;

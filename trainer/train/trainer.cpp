@@ -26,6 +26,7 @@
 #include "trainer/optim/precision.h"
 #include "trainer/train/log.h"
 #include "trainer/train/metrics.h"
+#include "trainer/train/step_graph.h"
 
 namespace fs = std::filesystem;
 
@@ -337,24 +338,28 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       start_step * accum, args.dataloader.prefetch, device, args.dataloader.pin_memory);
 
   auto loss_sum = torch::zeros({}, fopts);
+  std::unique_ptr<StepGraph> graph;
   auto grad_norm = torch::zeros({}, fopts);
   auto interval_start = std::chrono::steady_clock::now();
   int64_t interval_steps = 0;
   int64_t step = start_step;
   bool stopped_by_signal = false;
 
-  while (step < max_steps) {
-    const double lr = optim::learning_rate(
-        args.lr_scheduler, args.optimizer.lr,
-        args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
-        args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
+  // One optimizer step on this step's micro-batches, all on the device with no
+  // host sync: forward/backward per micro-batch (gradients reduced as buckets
+  // fill), unscale, non-finite check, clip, AdamW, loss scaler. With
+  // cuda_graphs it is recorded once and replayed (step_graph.h); the learning
+  // rate then comes from lr_dev.
+  double lr = 0;
+  auto lr_dev = torch::zeros({}, fopts);
+  bool poison = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
+  auto train_step = [&](const std::vector<data::Batch>& batches) {
     tr.dp->zero_grad();
     loss_sum.zero_();
     for (int64_t a = 0; a < accum; ++a) {
-      auto batch = loader.next();
       tr.dp->begin_micro_step(a == accum - 1);
-      auto loss = model->loss(batch.x, batch.y) / static_cast<double>(accum);
-      if (inject_nonfinite(step + 1, rank)) loss = loss * std::numeric_limits<double>::infinity();
+      auto loss = model->loss(batches[a].x, batches[a].y) / static_cast<double>(accum);
+      if (poison) loss = loss * std::numeric_limits<double>::infinity();
       loss_sum += loss.detach().to(torch::kFloat32);
       (tr.scaler ? loss * tr.scaler->scale() : loss).backward();
     }
@@ -376,12 +381,38 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
         coef = coef.defined() ? coef * clip : clip;
       }
       if (coef.defined()) tr.dp->scale_gradients(coef);
-      tr.optimizer->step(lr, found_inf);  // skipped whole where found_inf
+      tr.optimizer->step(lr, found_inf, graph ? lr_dev : at::Tensor());  // skipped whole where found_inf
       tr.dp->after_optimizer_step();
       if (tr.scaler) tr.scaler->update(found_inf);
       step_dev.add_(1);
       first_bad.copy_(torch::where(found_inf.gt(0) & first_bad.lt(0), step_dev, first_bad));
       skipped.add_(found_inf);
+    }
+  };
+
+  if (args.compute_config.cuda_graphs) {
+    // What a captured step cannot hold yet: host collectives (Gloo) or NCCL
+    // capture, and recompute's RNG save/restore. Refused, never ignored.
+    if (!device.is_cuda()) throw config::ConfigError("compute_config.cuda_graphs needs a CUDA device");
+    if (world > 1) throw config::ConfigError("compute_config.cuda_graphs: several ranks are not supported yet (one GPU only)");
+    if (std::count(plan.recompute.begin(), plan.recompute.end(), true) > 0)
+      throw config::ConfigError("compute_config.cuda_graphs: activation recompute is not supported with CUDA graphs yet");
+    if (tr.optimizer->impl() != "fused")
+      throw config::ConfigError("compute_config.cuda_graphs needs optimizer.args.impl fused (or auto)");
+    graph = std::make_unique<StepGraph>(train_step, /*warmup=*/3);
+  }
+  while (step < max_steps) {
+    lr = optim::learning_rate(args.lr_scheduler, args.optimizer.lr,
+                              args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
+                              args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
+    std::vector<data::Batch> batches;
+    for (int64_t a = 0; a < accum; ++a) batches.push_back(loader.next());
+    if (graph) {
+      lr_dev.fill_(lr);
+      graph->run(batches);
+    } else {
+      poison = inject_nonfinite(step + 1, rank);
+      train_step(batches);
     }
     ++step;
     ++interval_steps;

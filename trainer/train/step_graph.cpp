@@ -1,0 +1,89 @@
+#include "trainer/train/step_graph.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+#ifdef NNSTRAIN_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace nnstrain::train {
+
+struct StepGraph::Impl {
+  Body body;
+  int warmup = 3;
+  int calls = 0;
+  std::vector<data::Batch> inputs;  // what the graph reads
+#ifdef NNSTRAIN_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+};
+
+StepGraph::StepGraph(Body body, int warmup) : impl_(std::make_unique<Impl>()) {
+#ifndef NNSTRAIN_CUDA
+  throw std::runtime_error("compute_config.cuda_graphs: this nnstrain was built without CUDA");
+#endif
+  impl_->body = std::move(body);
+  impl_->warmup = warmup;
+}
+
+StepGraph::~StepGraph() = default;
+
+bool StepGraph::captured() const {
+#ifdef NNSTRAIN_CUDA
+  return impl_->graph != nullptr;
+#else
+  return false;
+#endif
+}
+
+void StepGraph::run(const std::vector<data::Batch>& batches) {
+#ifdef NNSTRAIN_CUDA
+  auto& m = *impl_;
+  if (m.graph) {
+    for (size_t i = 0; i < batches.size(); ++i) {
+      m.inputs[i].x.copy_(batches[i].x, /*non_blocking=*/true);
+      m.inputs[i].y.copy_(batches[i].y, /*non_blocking=*/true);
+    }
+    m.graph->replay();
+    return;
+  }
+  // Warm-up and capture run on a side stream that waits for, and is then waited
+  // on by, the current one.
+  auto current = c10::cuda::getCurrentCUDAStream();
+  auto side = c10::cuda::getStreamFromPool();
+  {
+    at::cuda::CUDAEvent ready;
+    ready.record(current);
+    ready.block(side);
+  }
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    if (m.calls < m.warmup) {
+      m.body(batches);
+    } else {
+      for (const auto& b : batches) m.inputs.push_back({b.x.clone(), b.y.clone()});
+      m.graph = std::make_unique<at::cuda::CUDAGraph>();
+      m.graph->capture_begin();
+      m.body(m.inputs);
+      m.graph->capture_end();
+    }
+  }
+  {
+    at::cuda::CUDAEvent done;
+    done.record(side);
+    done.block(current);
+  }
+  ++m.calls;
+  // Capturing records the step without running it: run it now.
+  if (m.graph) m.graph->replay();
+#else
+  (void)batches;
+#endif
+}
+
+}  // namespace nnstrain::train
