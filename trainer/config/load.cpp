@@ -244,6 +244,7 @@ TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) 
   c.memory_budget_gb = cc.get_float("memory_budget_gb", 0.0, 0.0);
   c.allow_tf32 = cc.get_bool("allow_tf32", false);
   c.cuda_graphs = cc.get_bool("cuda_graphs", false);
+  if (c.cuda_graphs) cc.fail("cuda_graphs", "CUDA graph capture is not implemented yet; remove the key or set it to false");
   c.reduce_dtype = cc.get_string("reduce_dtype", "auto", {"auto", "fp32", "bf16", "fp16"});
 
   t.pas_policy = top.get_string("pas_policy", "autodist", {"dp", "tp", "hybrid", "autodist"});
