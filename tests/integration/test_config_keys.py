@@ -40,7 +40,9 @@ def doc_tables():
         if not m:
             continue
         if section in SECTIONS:
-            keys.add(SECTIONS[section] + m.group(1))
+            path = SECTIONS[section] + m.group(1)
+            parts = path.split(".")
+            keys |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # "a.b.c": a, a.b too
         elif section == "log":
             sinks.add(m.group(1))
     return keys, sinks
