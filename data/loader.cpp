@@ -3,6 +3,8 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <optional>
+
 namespace nnstrain::data {
 
 PrefetchLoader::PrefetchLoader(Producer producer, int64_t first_index, int depth, c10::Device device,
@@ -26,6 +28,10 @@ PrefetchLoader::~PrefetchLoader() {
 }
 
 void PrefetchLoader::run(int64_t index) {
+  // Pinned host memory belongs to the training device's context: without this
+  // guard the thread would pin on (and open a context on) cuda:0.
+  std::optional<c10::DeviceGuard> guard;
+  if (pin_) guard.emplace(device_);
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -53,6 +59,9 @@ void PrefetchLoader::run(int64_t index) {
 
 Batch PrefetchLoader::to_device(Batch b) const {
   if (device_.is_cpu()) return b;
+  // Asynchronous copies from pinned memory; the caching host allocator keeps a
+  // pinned block alive until the copy that reads it has run.
+  if (pin_ && !b.x.is_pinned()) b = {b.x.pin_memory(), b.y.pin_memory()};
   return {b.x.to(device_, /*non_blocking=*/pin_), b.y.to(device_, /*non_blocking=*/pin_)};
 }
 

@@ -56,8 +56,11 @@ fi
 torch_prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 if [ ! -f "$build/CMakeCache.txt" ]; then
   say "configuring $build ($build_type)"
+  mkdir -p "$build"
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" \
-        -DCMAKE_PREFIX_PATH="$torch_prefix" -DNNSTRAIN_PYTHON="$venv/bin/python" >/dev/null
+        -DCMAKE_PREFIX_PATH="$torch_prefix" -DNNSTRAIN_PYTHON="$venv/bin/python" >"$build/configure.log"
 fi
+# Whether this build compiles the CUDA code, and why (third_party/dependencies.cmake).
+grep -h '^-- nnstrain: CUDA' "$build/configure.log" 2>/dev/null | sed 's/^-- /[setup] /' >&2 || true
 say "building"
 cmake --build "$build" -j "$(nproc)"

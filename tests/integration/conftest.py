@@ -8,7 +8,12 @@
   as a single process and returns a Run with its exit status, output and the
   parsed metrics.jsonl.
 
-Environment: NNSTRAIN_BIN, NNSTRAIN_SOURCE_DIR (both set by tests/CMakeLists.txt).
+- device_args(nproc): the overrides that put a training run on the test device.
+
+Environment: NNSTRAIN_BIN, NNSTRAIN_SOURCE_DIR (both set by tests/CMakeLists.txt);
+NNSTRAIN_TEST_DEVICE = cpu (default) or cuda: the device of the tests labelled
+`device` in CTest (`NNSTRAIN_TEST_DEVICE=cuda ctest -L device` on a GPU machine;
+see tests/README.md).
 """
 import dataclasses
 import json
@@ -26,6 +31,10 @@ CONFIGS = HERE / "configs"
 # A launcher's variables on the machine running the tests must not turn a
 # single-process run into a rank of some other job.
 _LAUNCH_PREFIXES = ("SLURM_", "PBS_", "PALS_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
+TEST_DEVICE = os.environ.get("NNSTRAIN_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"NNSTRAIN_TEST_DEVICE={TEST_DEVICE!r}: expected cpu or cuda")
+
 _LAUNCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
 
@@ -111,10 +120,21 @@ class Run:
         return out
 
 
+def device_args(nproc=1):
+    """Overrides that run a training job of `nproc` ranks on TEST_DEVICE: the CPU, or
+    CUDA (one rank: NCCL were there peers; several ranks: Gloo on CUDA tensors,
+    sharing the GPUs there are through NNSTRAIN_SHARE_DEVICES, see single_process_env)."""
+    if TEST_DEVICE == "cpu":
+        return ["--compute_config.device", "cpu"]
+    return ["--compute_config.device", "cuda", "--compute_config.backend", "nccl" if nproc == 1 else "gloo"]
+
+
 def single_process_env(threads=1, **extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_VARS}
     env["OMP_NUM_THREADS"] = str(threads)
+    if TEST_DEVICE == "cuda":
+        env["NNSTRAIN_SHARE_DEVICES"] = "1"  # several test ranks on a machine's one GPU
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -134,7 +154,7 @@ def nnstrain():
         config = pathlib.Path(config)
         if not config.is_absolute():
             config = CONFIGS / config
-        args = [binary, "--config", str(config), "--run_dir", str(run_dir)]
+        args = [binary, "--config", str(config), "--run_dir", str(run_dir), *device_args(1)]
         args += [str(o) for o in overrides]
         if resume is True:
             args.append("--resume")

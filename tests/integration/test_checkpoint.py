@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, Run, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, SOURCE, Run, device_args, nnstrain_bin_path, read_metrics, single_process_env
 
 CONFIG = CONFIGS / "tiny_gpt.yaml"
 STEPS, CUT = 40, 20
@@ -50,7 +50,7 @@ def command(nproc, *overrides, run_dir, resume=None, config=CONFIG):
     args = [nnstrain_bin_path()]
     if nproc > 1:
         args += ["launch", "--nproc-per-node", str(nproc), "--"]
-    args += ["--config", str(config), "--run_dir", str(run_dir), *[str(o) for o in overrides]]
+    args += ["--config", str(config), "--run_dir", str(run_dir), *device_args(nproc), *[str(o) for o in overrides]]
     if resume is True:
         args.append("--resume")
     elif resume is not None:

@@ -22,6 +22,8 @@ import subprocess
 
 import pytest
 
+from conftest import device_args, single_process_env
+
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "tiny_dp.yaml"
 SOURCE = pathlib.Path(os.environ.get("NNSTRAIN_SOURCE_DIR", HERE.parents[1]))
@@ -58,16 +60,6 @@ COMPARISONS = [
     ("dp2_b4_acc2", "dp4_b4"),
     ("dp2_b4_acc2_zero", "dp2_b4_acc2"),
 ]
-
-
-def job_env():
-    """One thread, and no launcher variables of whatever runs the tests."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-            "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    prefixes = ("SLURM_", "PBS_", "PALS_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def metrics(run_dir):
@@ -107,10 +99,10 @@ def job(tiny_tokens, tmp_path_factory):
             run_dir = tmp_path_factory.mktemp(name)
             train = ["--config", str(CONFIG), "--vars.data", str(tiny_tokens), "--run_dir", str(run_dir),
                      "--micro_batch_size", str(micro), "--grad_accumulation_steps", str(accum),
-                     "--max_train_steps", str(STEPS), *extra]
+                     "--max_train_steps", str(STEPS), *device_args(nproc), *extra]
             args = [nnstrain_bin, *train] if nproc == 1 else \
                 [nnstrain_bin, "launch", "--nproc-per-node", str(nproc), "--", *train]
-            p = subprocess.run(args, cwd=SOURCE, env=job_env(), capture_output=True, text=True, timeout=150)
+            p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=150)
             if p.returncode != 0:
                 pytest.fail(f"{name}: exited with {p.returncode}: {' '.join(args)}\n{p.stdout}{p.stderr}")
             j = Job(name, nproc, micro, accum, p, metrics(run_dir))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import CONFIGS, SOURCE, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
 TOL = 1e-5
@@ -21,7 +21,7 @@ TOL = 1e-5
 def run(ranks, run_dir, data, *overrides, resume=None, save_dir=None):
     """nnstrain on `ranks` processes (through `nnstrain launch` when > 1); returns {step: (loss, grad_norm)}."""
     args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data),
-            "--model.args.n_head", "4", "--global_batch_size", "4", *map(str, overrides)]
+            "--model.args.n_head", "4", "--global_batch_size", "4", *device_args(ranks), *map(str, overrides)]
     if save_dir:
         args += ["--checkpoint.save_dir", str(save_dir), "--checkpoint.every_n_train_steps", "5"]
     if resume:

@@ -94,6 +94,9 @@ int train_main(const std::vector<std::string>& argv) {
   } catch (const config::ConfigError& e) {
     std::cerr << "nnstrain: config error: " << e.what() << "\n";
     return 2;
+  } catch (const dist::DistEnvError& e) {
+    std::cerr << "nnstrain: launch environment error: " << e.what() << "\n";
+    return 2;
   } catch (const dist::CollectiveError& e) {
     // Peers are gone: leave at once, process-group teardown could block on them.
     std::cerr << "nnstrain: " << e.what() << std::endl;

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "trainer/train/log.h"
@@ -19,6 +21,10 @@ namespace nnstrain::dist {
 namespace {
 
 constexpr auto kHeartbeat = std::chrono::milliseconds(500);
+constexpr auto kMonitorPoll = std::chrono::milliseconds(100);
+// NCCL's watchdog fires this much after our monitor, which then has had time to
+// diagnose (heartbeats watched 2.5 s, the store probed up to 3 s) and exit.
+constexpr auto kWatchdogMargin = std::chrono::seconds(30);
 
 int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -93,11 +99,13 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts)
     }
   }
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  if (backend_name_ == "nccl") monitor_ = std::thread([this] { monitor_loop(); });
 }
 
 Runtime::~Runtime() {
   stop_ = true;
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (monitor_.joinable()) monitor_.join();
 }
 
 Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool cpu_only) {
@@ -114,8 +122,9 @@ Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool 
     if (nccl) {
 #ifdef NNSTRAIN_CUDA
       auto o = c10d::ProcessGroupNCCL::Options::create();
-      o->timeout = opts_.timeout;
+      o->timeout = opts_.timeout + kWatchdogMargin;  // our monitor (monitor_loop) reports first
       g.backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, g.rank, g.size(), o);
+      g.nccl = true;
 #else
       throw std::runtime_error("this nnstrain was built without CUDA, so without NCCL; use compute_config.backend: gloo");
 #endif
@@ -161,8 +170,11 @@ void Runtime::heartbeat_loop() {
 }
 
 void Runtime::fail(const Group& g, const char* what, const std::string& cause) {
+  throw CollectiveError(diagnose(g, what, cause, seq_.load()));
+}
+
+std::string Runtime::diagnose(const Group& g, const char* what, const std::string& cause, int64_t my_seq) {
   std::ostringstream msg;
-  const int64_t my_seq = seq_.load();
   msg << "rank " << rank_ << ": collective '" << what << "' (#" << my_seq << ") on group " << g.name << " (ranks "
       << join(g.ranks) << ") failed: " << cause;
   // Which ranks stopped answering: those whose heartbeat no longer moves, or
@@ -196,12 +208,66 @@ void Runtime::fail(const Group& g, const char* what, const std::string& cause) {
   } catch (const std::exception&) {
     msg << "; the rendezvous store on rank 0 is unreachable: rank 0 is gone";
   }
-  throw CollectiveError(msg.str());
+  return msg.str();
+}
+
+void Runtime::monitor_loop() {
+  while (!stop_) {
+    std::this_thread::sleep_for(kMonitorPoll);
+    std::optional<InFlight> late;
+    std::string cause;
+    {
+      std::lock_guard<std::mutex> lock(inflight_mu_);
+      const auto now = std::chrono::steady_clock::now();
+      for (auto it = inflight_.begin(); it != inflight_.end();) {
+        std::exception_ptr error;
+        bool done = false;
+        try {
+          done = it->work && it->work->isCompleted();
+          if (done) error = it->work->exception();
+        } catch (...) {
+          done = true;
+          error = std::current_exception();
+        }
+        if (error) {
+          try {
+            std::rethrow_exception(error);
+          } catch (const c10::Error& err) {
+            cause = err.what_without_backtrace();
+          } catch (const std::exception& err) {
+            cause = err.what();
+          } catch (...) {
+            cause = "unknown error";
+          }
+          late = *it;
+          break;
+        }
+        if (done) {
+          it = inflight_.erase(it);
+        } else if (now > it->deadline) {
+          cause = "not complete after collective_timeout_s " +
+                  std::to_string(std::chrono::duration<double>(opts_.timeout).count()) + " s";
+          late = *it;
+          break;
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (late) {
+      // Peers are gone or frozen: leave at once (teardown could block on them).
+      std::cerr << "nnstrain: " << diagnose(*late->group, late->what, cause, late->seq) << std::endl;
+      std::_Exit(1);
+    }
+  }
 }
 
 void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what) {
   try {
-    w->wait(opts_.timeout);
+    if (g.nccl)
+      w->wait();  // the current stream waits for the collective; the host goes on
+    else
+      w->wait(opts_.timeout);
   } catch (const CollectiveError&) {
     throw;
   } catch (const c10::Error& e) {
@@ -211,38 +277,47 @@ void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, cons
   }
 }
 
-c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t, const char* what) {
-  ++seq_;
-  std::vector<at::Tensor> v{std::move(t)};
+template <typename F>
+c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, F&& call) {
+  const int64_t seq = ++seq_;
+  if (g.nccl) {  // watched from the call on: creating a communicator blocks until every rank joins
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    inflight_.push_back({seq, &g, what, std::chrono::steady_clock::now() + opts_.timeout, {}});
+  }
+  // Hands the work to the monitor, or (null: the call failed) forgets the entry.
+  auto settle = [&](const c10::intrusive_ptr<c10d::Work>& w) {
+    if (!g.nccl) return;
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    auto it = std::find_if(inflight_.begin(), inflight_.end(), [&](const InFlight& f) { return f.seq == seq; });
+    if (it == inflight_.end()) return;
+    if (w) it->work = w;
+    else inflight_.erase(it);
+  };
+  c10::intrusive_ptr<c10d::Work> w;
   try {
-    return g.backend->allreduce(v);
+    w = call();
   } catch (const c10::Error& e) {
+    settle({});
     fail(g, what, e.what_without_backtrace());
   } catch (const std::exception& e) {
+    settle({});
     fail(g, what, e.what());
   }
+  settle(w);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t, const char* what) {
+  std::vector<at::Tensor> v{std::move(t)};
+  return issue(g, what, [&] { return g.backend->allreduce(v); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
-  ++seq_;
-  try {
-    return g.backend->_reduce_scatter_base(out, in);
-  } catch (const c10::Error& e) {
-    fail(g, what, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    fail(g, what, e.what());
-  }
+  return issue(g, what, [&] { return g.backend->_reduce_scatter_base(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
-  ++seq_;
-  try {
-    return g.backend->_allgather_base(out, in);
-  } catch (const c10::Error& e) {
-    fail(g, what, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    fail(g, what, e.what());
-  }
+  return issue(g, what, [&] { return g.backend->_allgather_base(out, in); });
 }
 
 void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {
@@ -252,19 +327,10 @@ void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {
 
 void Runtime::all_reduce_max(Group& g, at::Tensor t, const char* what) {
   if (g.size() < 2) return;
-  ++seq_;
   std::vector<at::Tensor> v{std::move(t)};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
-  c10::intrusive_ptr<c10d::Work> w;
-  try {
-    w = g.backend->allreduce(v, o);
-  } catch (const c10::Error& e) {
-    fail(g, what, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    fail(g, what, e.what());
-  }
-  wait(w, g, what);
+  wait(issue(g, what, [&] { return g.backend->allreduce(v, o); }), g, what);
 }
 
 void Runtime::barrier(const char* what) {
@@ -274,10 +340,17 @@ void Runtime::barrier(const char* what) {
 }
 
 bool Runtime::any(bool flag, const char* what) {
-  if (control.size() < 2) return flag;
-  auto t = torch::full({1}, flag ? 1 : 0, torch::kInt32);
+  std::vector<int64_t> v{flag ? 1 : 0};
+  host_max(v, what);
+  return v[0] != 0;
+}
+
+void Runtime::host_max(std::vector<int64_t>& values, const char* what) {
+  if (control.size() < 2 || values.empty()) return;
+  auto t = torch::tensor(values, torch::kInt64);
   all_reduce_max(control, t, what);
-  return t.item<int>() != 0;
+  const auto* p = t.data_ptr<int64_t>();
+  values.assign(p, p + values.size());
 }
 
 }  // namespace nnstrain::dist

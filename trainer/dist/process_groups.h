@@ -3,6 +3,13 @@
 // ranks innermost, so a TP group stays within a node), collectives that fail
 // loudly naming the collective and the ranks that stopped answering, and a CPU
 // control group for decisions every rank must agree on (stop, skip).
+//
+// Waiting: Gloo work is waited on by the host, with the collective timeout.
+// NCCL work is waited on the current CUDA stream (the host never blocks inside a
+// step); its timeout is enforced by a monitor thread that watches every NCCL
+// collective in flight and, past collective_timeout_s, prints the same diagnosis
+// and ends the process with status 1. NCCL's own watchdog, set a little later,
+// is the backstop.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +41,7 @@ struct Group {
   std::vector<int> ranks;                    // global ranks, in group order
   int rank = 0;                              // this process's index in `ranks`
   c10::intrusive_ptr<c10d::Backend> backend; // null when size() == 1
+  bool nccl = false;                         // backend is NCCL: waits go on the stream
   int size() const { return static_cast<int>(ranks.size()); }
 };
 
@@ -58,8 +67,10 @@ class Runtime {
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement
 
-  // Collectives. `what` names the operation in error messages. Async ones
-  // return a handle; wait() turns a failure into a CollectiveError.
+  // Collectives on the Runtime's own groups (the monitor keeps a pointer to
+  // `g`). `what` names the operation in error messages. Async ones return a
+  // handle; wait() turns a failure into a CollectiveError. On NCCL groups wait()
+  // only orders the current stream after the collective.
   c10::intrusive_ptr<c10d::Work> all_reduce_async(Group& g, at::Tensor t, const char* what);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
   c10::intrusive_ptr<c10d::Work> all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
@@ -69,11 +80,28 @@ class Runtime {
   void barrier(const char* what);
   // true on every rank if `flag` is true on any: the collective stop decision.
   bool any(bool flag, const char* what);
+  // Element-wise maximum over every rank, on the host (the CPU control group).
+  void host_max(std::vector<int64_t>& values, const char* what);
 
  private:
   Group make_group(const std::string& name, std::vector<int> ranks, bool cpu_only);
+  // Runs `issue` (a backend call returning work) as collective `what` on `g`,
+  // counted and, on NCCL, watched by the monitor until it completes.
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> issue(Group& g, const char* what, F&& issue);
   [[noreturn]] void fail(const Group& g, const char* what, const std::string& cause);
+  // The failure message: the collective, the group and which ranks stopped answering.
+  std::string diagnose(const Group& g, const char* what, const std::string& cause, int64_t seq);
   void heartbeat_loop();
+  void monitor_loop();
+
+  struct InFlight {                  // an NCCL collective the monitor watches
+    int64_t seq;
+    const Group* group;
+    const char* what;
+    std::chrono::steady_clock::time_point deadline;
+    c10::intrusive_ptr<c10d::Work> work;  // null while the backend call itself runs
+  };
 
   int rank_, world_;
   std::string backend_name_;
@@ -82,6 +110,9 @@ class Runtime {
   std::atomic<int64_t> seq_{0};      // collectives entered, published by the heartbeat
   std::atomic<bool> stop_{false};
   std::thread heartbeat_;
+  std::mutex inflight_mu_;
+  std::vector<InFlight> inflight_;
+  std::thread monitor_;
 };
 
 }  // namespace nnstrain::dist

@@ -70,11 +70,13 @@ DeviceSpec table_entry(const std::string& name) {
   throw PlanError("unknown device '" + name + "'; known: H100, H200, A100-80G, A100-40G, cpu, auto");
 }
 
-// The CUDA device 0 as a table entry: matched by name, memory as reported.
+// The current CUDA device (the rank's own once bound) as a table entry: matched
+// by name, memory as reported.
 DeviceSpec cuda_device_spec() {
 #ifdef NNSTRAIN_CUDA
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) {
     const std::string name = prop.name;
     const double mem = double(prop.totalGlobalMem);
     DeviceSpec s = table_entry("H100");

@@ -15,8 +15,10 @@
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/hf.h"
+#include "trainer/checkpoint/rng_state.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
+#include "trainer/dist/device.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/data_parallel.h"
@@ -27,6 +29,7 @@
 #include "trainer/train/log.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/step_graph.h"
+#include "trainer/train/stop_decision.h"
 
 namespace fs = std::filesystem;
 
@@ -36,17 +39,6 @@ namespace {
 
 std::atomic<int> g_stop_signal{0};
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
-
-torch::Device pick_device(const std::string& want, int local_rank) {
-  if (want == "cpu") return torch::kCPU;
-  if (want == "cuda" && !torch::cuda::is_available())
-    throw std::runtime_error("compute_config.device is cuda but no CUDA device is available");
-  if (torch::cuda::is_available()) {
-    const int n = static_cast<int>(torch::cuda::device_count());
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % n));
-  }
-  return torch::kCPU;
-}
 
 std::string fmt(double v, int prec = 4) {
   std::ostringstream o;
@@ -114,7 +106,8 @@ bool inject_nonfinite(int64_t step, int rank) {
 
 int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts) {
   log::init(env.rank, env.world_size);
-  const auto device = pick_device(args.compute_config.device, env.local_rank);
+  const torch::Device device = dist::bind_device(args.compute_config.device, env);  // before any CUDA work
+  dist::set_allow_tf32(args.compute_config.allow_tf32);
   const int world = env.world_size, rank = env.rank;
   const int64_t micro = args.micro_batch_size, global_batch = args.global_batch_size;
 
@@ -216,14 +209,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     tr.dp->after_optimizer_step();  // the compute copy from the loaded (master) weights
     start_step = st.at("step").get<int64_t>();
     tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
-    const auto rng_name = "rng/cpu/rank" + std::to_string(rank);
-    if (ck.has(rng_name)) {
-      checkpoint::StateTensor rng{ck.pieces(rng_name).front().first,
-                                  torch::empty({ck.pieces(rng_name).front().first.numel()}, torch::kUInt8)};
-      ck.load_into(rng);
-      auto gen = at::detail::getDefaultCPUGenerator();
-      gen.set_state(rng.tensor);
-    }
+    checkpoint::restore_rng_state(ck, rank, device);
     log::info("resumed from " + resume + " at step " + std::to_string(start_step));
   }
 
@@ -284,10 +270,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     if (args.checkpoint.save_dir.empty()) return;
     check_finite();
     auto tensors = tr.state_tensors();
-    auto rng = at::detail::getDefaultCPUGenerator().get_state();
-    auto rng_spec = checkpoint::ShardSpec::full("rng/cpu/rank" + std::to_string(rank), "U8", {rng.numel()});
-    rng_spec.replica_ranks = {rank};
-    tensors.push_back({rng_spec, rng});
+    for (auto& t : checkpoint::rng_state_tensors(rank, device)) tensors.push_back(std::move(t));
     nlohmann::json state = {
         {"step", step},
         {"epoch", step * global_batch / std::max<int64_t>(1, train_ds.samples_per_epoch())},
@@ -344,6 +327,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   int64_t interval_steps = 0;
   int64_t step = start_step;
   bool stopped_by_signal = false;
+  StopDecision stop_decision(rt.get());
 
   // One optimizer step on this step's micro-batches, all on the device with no
   // host sync: forward/backward per micro-batch (gradients reduced as buckets
@@ -458,7 +442,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     if (args.val_every_n_train_steps > 0 && (step % args.val_every_n_train_steps == 0 || last)) evaluate(step);
     const bool periodic = args.checkpoint.every_n_train_steps > 0 && step % args.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
-    const bool stop = rt ? rt->any(g_stop_signal.load() != 0, "stop decision") : g_stop_signal.load() != 0;
+    const bool stop = stop_decision.after_step(step, g_stop_signal.load() != 0, periodic || last);
     if (stop) {
       log::warn("stop requested (SIGTERM/SIGUSR1): saving and stopping at step " + std::to_string(step));
       stopped_by_signal = true;

@@ -1,0 +1,148 @@
+"""docs/config.md and the loader agree on every key (issue 10: no key that
+silently does nothing).
+
+- Every key in docs/config.md's tables is read by the loader: it appears, with
+  its default, in `nnstrain --print-config` of a config that sets every optional
+  section (the loader records each key it reads, and only those).
+- Every key the loader reads is documented there.
+- An undocumented key is refused (status 2, naming it) in every mapping the
+  docs describe, so nothing the docs do not list can be set and ignored.
+- `compute_config.cuda_graphs: true` is refused where it cannot work (here: on CPU).
+
+`model.args` (each model's own, see docs/models.md) and `vars` (the user's) are
+outside these tables and not walked here.
+"""
+import pathlib
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import SOURCE, nnstrain_bin_path, single_process_env
+
+DOC = SOURCE / "docs" / "config.md"
+# docs/config.md's "## <heading>" -> the key prefix of its table's rows.
+SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "model.", "optimizer": "optimizer.",
+            "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
+            "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler."}
+OUTSIDE = ("vars.", "model.args.")  # not described by these tables
+
+
+def doc_tables():
+    """({documented key path}, {documented log sink type}) from docs/config.md."""
+    keys, sinks, section = set(), set(), None
+    for line in DOC.read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+            continue
+        m = re.match(r"\| `([^`]+)` \|", line)
+        if not m:
+            continue
+        if section in SECTIONS:
+            path = SECTIONS[section] + m.group(1)
+            parts = path.split(".")
+            keys |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # "a.b.c": a, a.b too
+        elif section == "log":
+            sinks.add(m.group(1))
+    return keys, sinks
+
+
+def flatten(node, prefix=""):
+    """Every key path of a YAML mapping, parents included: {"a", "a.b", ...}."""
+    out = set()
+    for k, v in node.items():
+        path = prefix + str(k)
+        out.add(path)
+        if isinstance(v, dict):
+            out |= flatten(v, path + ".")
+    return out
+
+
+def full_config(tmp_path):
+    """A config that sets every optional section, so the loader reads every key."""
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(4096))
+    return {
+        "vars": {"data": str(tokens)},
+        "run_dir": str(tmp_path / "run"),
+        "compute_config": {"device": "cpu"},
+        "model": {"type": "gpt", "args": {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2,
+                                          "n_embd": 16}},
+        "optimizer": {"type": "adamw", "args": {"lr": 1e-3}},
+        "lr_scheduler": {"type": "cosine", "args": {"warmup_steps": 1}},
+        "dataset": {"type": "token_bin", "train_args": {"path": "$(vars.data)", "seq_len": 16},
+                    "val_args": {"path": "$(vars.data)"}},
+        "dataloader": {},
+        "checkpoint": {"save_dir": str(tmp_path / "ckpt")},
+        "max_train_steps": 2,
+        "precision": "16-mixed",  # so loss_scaler is read too
+        "loss_scaler": {},
+        "log": [{"type": "console"}, {"type": "jsonl", "args": {"path": str(tmp_path / "m.jsonl")}}],
+    }
+
+
+def load(cfg, tmp_path, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([nnstrain_bin_path(), "--config", str(path), "--print-config"], cwd=SOURCE,
+                          env=single_process_env(1), capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("keys")
+    p = load(full_config(tmp), tmp)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return yaml.safe_load(p.stdout)
+
+
+def test_the_doc_tables_are_found():
+    keys, sinks = doc_tables()
+    # A parser that found nothing would make the comparisons below vacuous.
+    assert {"compute_config.device", "optimizer.args.lr", "checkpoint.save_dir", "precision"} <= keys, keys
+    assert len(keys) > 40, keys
+    assert sinks == {"console", "jsonl"}, sinks
+
+
+def test_every_documented_key_is_read_by_the_loader(resolved):
+    documented, _ = doc_tables()
+    read = flatten(resolved)
+    missing = sorted(documented - read)
+    assert not missing, f"documented in docs/config.md but never read by the loader: {missing}"
+
+
+def test_every_key_the_loader_reads_is_documented(resolved):
+    documented, sinks = doc_tables()
+    read = {k for k in flatten(resolved) if not k.startswith(OUTSIDE)}
+    undocumented = sorted(read - documented)
+    assert not undocumented, f"read by the loader but not in docs/config.md's tables: {undocumented}"
+    assert {s["type"] for s in resolved["log"]} == sinks
+
+
+MAPPINGS = ["", "compute_config", "model", "optimizer", "optimizer.args", "lr_scheduler", "lr_scheduler.args",
+            "dataset", "dataset.train_args", "dataset.val_args", "dataloader", "checkpoint"]
+
+
+@pytest.mark.parametrize("where", MAPPINGS)
+def test_an_undocumented_key_is_refused(tmp_path, where):
+    cfg = full_config(tmp_path)
+    node = cfg
+    for part in filter(None, where.split(".")):
+        node = node[part]
+    node["not_a_documented_key"] = 1
+    p = load(cfg, tmp_path)
+    path = f"{where}.not_a_documented_key" if where else "not_a_documented_key"
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert path in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_cuda_graphs_is_refused_on_cpu(tmp_path, tiny_tokens):
+    # The key is read (it loads); a CPU run refuses it before training, naming it.
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(SOURCE / "tests/integration/configs/tiny_gpt.yaml"),
+                        "--vars.data", str(tiny_tokens), "--run_dir", str(tmp_path), "--compute_config.cuda_graphs",
+                        "true", "--max_train_steps", "2"], capture_output=True, text=True,
+                       env=single_process_env(), timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "compute_config.cuda_graphs needs a CUDA device" in p.stderr, p.stderr
