@@ -46,6 +46,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_gpt_cpu import cpu_model, libtorch_version  # noqa: E402  (the CPU benchmark's helpers)
 CONFIGS = HERE / "configs"
 DATA = ROOT / "runs" / "battery_data"
 
@@ -66,7 +68,7 @@ BENCH = {
                "--model.args.vocab_size", "512", "--vars.block_size", "64"],
         smoke_batches=[8, 4], smoke_steps=(12, 4, 4), smoke_vocab=500),
     "llama": dict(
-        config="llama3_1b.yaml", steps=30, log_every=5, drop=10, batches=[8, 6, 4, 2, 1],
+        config="llama3_1b.yaml", steps=25, log_every=5, drop=10, batches=[8, 6, 4, 2, 1],
         cap_nnstrain=180, cap_eager=180, cap_compile=300,
         smoke=["--model.args.num_hidden_layers", "2", "--model.args.hidden_size", "64",
                "--model.args.intermediate_size", "128", "--model.args.num_attention_heads", "4",
@@ -158,6 +160,16 @@ def tail(text, n=6):
     return "\n".join(text.strip().splitlines()[-n:])
 
 
+def error_of(rc, text):
+    """The line that says what went wrong (not a backtrace), else the output's end."""
+    if rc == 124:
+        return "timed out"
+    for line in text.splitlines():
+        if re.search(r"error|Error|exception|Killed", line) and not line.lstrip().startswith("frame #"):
+            return line.strip()[:300]
+    return tail(text, 3)[:300]
+
+
 # ---------------------------------------------------------------- environment
 
 def environment(a):
@@ -183,16 +195,6 @@ def environment(a):
     return env
 
 
-def cpu_model():
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def commit():
     """git HEAD (+ -dirty); on the GPU machine (no .git) what fetch_deps.sh recorded."""
     try:
@@ -208,21 +210,6 @@ def commit():
     recorded = ROOT / ".debs" / "commit.txt"
     if recorded.exists():
         return recorded.read_text().strip() + " (recorded by fetch_deps.sh)"
-    return "unknown"
-
-
-def libtorch_version(binary):
-    """Version of the libtorch the binary loads (ldd -> torch/lib -> torch/version.py)."""
-    try:
-        out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
-        m = re.search(r"libtorch_cpu\.so => (\S+)", out)
-        if m:
-            version_py = pathlib.Path(m.group(1)).resolve().parent.parent / "version.py"
-            v = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_py.read_text())
-            if v:
-                return v.group(1)
-    except OSError:
-        pass
     return "unknown"
 
 
@@ -344,7 +331,7 @@ def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout):
     res = {"rc": rc, "wall_s": wall, "overrides": list(map(str, overrides))}
     if rc != 0:
         res["oom"] = is_oom(rc, text)
-        res["error"] = "timed out" if rc == 124 else tail(text, 4)
+        res["error"] = error_of(rc, text)
     if metrics.exists():
         res.update(read_metrics(metrics, drop))
     return res
@@ -407,7 +394,7 @@ def run_reference(ctx, name, mode, cfg, batch, cap):
         oom = res.get("oom") or is_oom(rc, text)
         tries.append({"batch": batch, "rc": rc, "oom": bool(oom)})
         if not oom:
-            return {"error": "timed out" if rc == 124 else tail(text, 4), "rc": rc, "tries": tries}
+            return {"error": error_of(rc, text), "rc": rc, "tries": tries}
         batch //= 2
     return {"error": "out of memory at every batch", "tries": tries}
 
@@ -594,7 +581,7 @@ def write_summary(r, path):
                              ", ".join(f"{k} {v:.2f}" for k, v in x["split_ms"].items()))
             if who == "pytorch_compile" and x.get("first_step_s"):
                 notes.append(f"- {name} torch.compile: first step (compilation) {x['first_step_s']:.0f} s")
-        if e.get("probes"):
+        if e.get("probes") and e["probes"][0]["micro_batch"]:
             notes.append(f"- {name} micro-batch probe: " + ", ".join(
                 f"{p['micro_batch']}: {'OOM' if p['oom'] else ('ok' if p['rc'] == 0 else 'rc ' + str(p['rc']))}"
                 for p in e["probes"]))

@@ -113,7 +113,13 @@ class LlamaBlock(nn.Module):
         v = self.v_proj(h).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        # GQA: the flash kernel takes the KV heads as they are (CUDA, 16-bit); elsewhere
+        # enable_gqa would fall back to the math kernel, so repeat them (HF's repeat_kv).
+        native = self.n_kv != self.n_head and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+        if self.n_kv != self.n_head and not native:
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native)
         x = x + self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
         h = F.rms_norm(x, (C,), self.post_attention_layernorm, self.eps)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
