@@ -135,6 +135,9 @@ def run_cmd(cmd, logfile, timeout, cwd=ROOT, env=None):
         except subprocess.TimeoutExpired:
             rc = 124
             f.write(f"\n[driver] killed after {timeout} s\n")
+        except OSError as e:  # e.g. no nnstrain binary (the build failed)
+            rc = 127
+            f.write(f"\n[driver] error: cannot run: {e}\n")
     text = pathlib.Path(logfile).read_text(errors="replace")
     log(f"  rc {rc} in {time.time() - t0:.0f} s: {pathlib.Path(logfile).name}")
     return rc, text
@@ -172,17 +175,26 @@ def error_of(rc, text):
 
 # ---------------------------------------------------------------- environment
 
+# Asked in a child process: a CUDA context held by the driver would take GPU
+# memory from the runs it measures.
+TORCH_FACTS = """
+import json, torch
+f = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    f.update(device=torch.cuda.get_device_name(0), device_memory_gb=round(p.total_memory / 2**30, 1),
+             sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+print(json.dumps(f))
+"""
+
+
 def environment(a):
-    import torch
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-           "cuda_runtime": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-           "commit": commit(), "smoke": a.smoke, "nnstrain": str(a.nnstrain),
-           "libtorch": libtorch_version(a.nnstrain)}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        env.update(device=torch.cuda.get_device_name(0), device_memory_gb=round(p.total_memory / 2**30, 1),
-                   sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+           "host": platform.node(), "python": platform.python_version(), "commit": commit(), "smoke": a.smoke,
+           "nnstrain": str(a.nnstrain), "libtorch": libtorch_version(a.nnstrain)}
+    p = subprocess.run([a.python, "-c", TORCH_FACTS], capture_output=True, text=True, timeout=120)
+    env.update(last_json_line(p.stdout) or {"torch": f"unknown ({p.stderr.strip()[-200:]})"})
+    if "device" in env:
         try:
             q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
                                 "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
@@ -244,12 +256,47 @@ def ensure_matmul(ctx):
 # ---------------------------------------------------------------- nnstrain
 
 def resolved_config(ctx, config, overrides):
+    """nnstrain's resolved config; without a working binary, the YAML read here."""
     import yaml
-    p = subprocess.run([ctx.a.nnstrain, "--config", config, *overrides, "--print-config"], cwd=ROOT,
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"nnstrain --print-config failed: {p.stderr.strip()}")
-    return yaml.safe_load(p.stdout)
+    try:
+        p = subprocess.run([ctx.a.nnstrain, "--config", config, *overrides, "--print-config"], cwd=ROOT,
+                           capture_output=True, text=True)
+        if p.returncode == 0:
+            return yaml.safe_load(p.stdout)
+        why = p.stderr.strip()[-300:]
+    except OSError as e:
+        why = str(e)
+    log(f"nnstrain --print-config failed ({why}): reading {config} here")
+    return read_config_here(config, overrides)
+
+
+def read_config_here(config, overrides):
+    """The battery's configs resolved without nnstrain (they set every key the
+    references read): --a.b value overrides, then $(vars.X) substitution."""
+    import yaml
+    cfg = yaml.safe_load(pathlib.Path(config).read_text())
+    for key, value in zip(overrides[::2], overrides[1::2]):
+        node, parts = cfg, key.lstrip("-").split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+
+    def subst(v):
+        if isinstance(v, dict):
+            return {k: subst(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [subst(x) for x in v]
+        if isinstance(v, str):
+            m = re.fullmatch(r"\$\(vars\.(\w+)\)", v)
+            if m:
+                return cfg["vars"][m.group(1)]
+            return re.sub(r"\$\(vars\.(\w+)\)", lambda m: str(cfg["vars"][m.group(1)]), v)
+        return v
+
+    cfg = subst(cfg)
+    cfg["lr_scheduler"]["args"].setdefault("decay_steps", 0)
+    cfg.setdefault("seed", 0)
+    return cfg
 
 
 def flops_per_token(cfg):
@@ -343,7 +390,10 @@ def run_plan(ctx, name, overrides):
     # Run-only keys the plan command takes as config overrides too; the run dir does not matter.
     cmd = [ctx.a.nnstrain, "plan", "--config", cfg, "--json", "--runtime-ngpus", "1",
            "--device", plan_device_name(ctx.results["env"]), *overrides]
-    p = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    try:
+        p = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": f"nnstrain plan: {e}"}
     (ctx.out / name / "plan.json").write_text(p.stdout or p.stderr)
     if p.returncode != 0:
         return {"error": p.stderr.strip()[-400:]}
