@@ -645,7 +645,7 @@ def write_summary(r, path):
               f"- best val loss {fmt(n.get('best_val_loss'), '.4f')} at step {n.get('best_val_step', '-')}, "
               f"final {fmt(n.get('final_val_loss'), '.4f')} (goal <= 1.48; nanoGPT 1.4697)",
               f"- wall time {fmt(n.get('wall_s'), '.1f')} s (process start to exit, evaluation included; "
-              f"nanoGPT ~3 min on an A100); training ms/step {fmt(n.get('ms_per_step'), '.2f')}",
+              f"nanoGPT ~3 min on an A100); mean ms/step {fmt(n.get('ms_per_step'), '.2f')} (evaluation included)",
               f"- peak memory {fmt(n.get('peak_mem_mb'), '.0f')} MiB" +
               (f"; ERROR: {n['error']}" if "error" in n else "")]
     if notes:
