@@ -33,7 +33,8 @@
 # NNSTRAIN_BUILD_DIR (build), NNSTRAIN_BIN, NNSTRAIN_BATTERY_PRECISION
 # (override every config's precision), NNSTRAIN_BATTERY_TARGETS (build only
 # these), NNSTRAIN_BATTERY_CMAKE_ARGS (extra configure arguments),
-# NNSTRAIN_BATTERY_RESULTS (the results folder), NNSTRAIN_COMMIT.
+# NNSTRAIN_BATTERY_RESULTS (the results folder), NNSTRAIN_COMMIT,
+# NNSTRAIN_BATTERY_SKIP_COMPILE=1 (leave out the torch.compile references).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
