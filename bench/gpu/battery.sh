@@ -82,7 +82,13 @@ say "results: $res; phases: ${phases[*]}; budget ${budget}s; smoke=$smoke"
 # CMAKE_PREFIX_PATH and at run time through LD_LIBRARY_PATH.
 if compgen -G "$root/.debs/*.deb" >/dev/null; then
   mkdir -p "$prefix"
-  for d in "$root"/.debs/*.deb; do dpkg -x "$d" "$prefix" || say "dpkg -x $d failed"; done
+  for d in "$root"/.debs/*.deb; do
+    if command -v dpkg >/dev/null; then
+      dpkg -x "$d" "$prefix" || say "dpkg -x $d failed"
+    else  # a .deb is an ar archive holding data.tar.*
+      (t=$(mktemp -d) && cd "$t" && ar x "$d" && tar xf data.tar.* -C "$prefix"; rm -rf "$t") || say "unpacking $d failed"
+    fi
+  done
   libdir=$(dirname "$(find "$prefix" -name 'libyaml-cpp.so*' | head -1)")
   export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   say "unpacked $(ls "$root"/.debs/*.deb | wc -l) packages into $prefix (libraries: $libdir)"
