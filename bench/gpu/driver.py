@@ -524,6 +524,18 @@ def bench_timed(ctx, name):
         entry["plan"]["error"] = entry["plan"]["estimate_total_mb"] / meas - 1.0
     ctx.save()
 
+    # The same run with the whole step captured in a CUDA graph (compute_config.cuda_graphs;
+    # one GPU only, so not in the CPU smoke test).
+    if not ctx.smoke and nn.get("rc") == 0:
+        log(f"{name}: nnstrain with cuda_graphs")
+        g = run_nnstrain(ctx, name, "graphs", b["config"], over + ["--compute_config.cuda_graphs", "true"], drop,
+                         ctx.left(b["cap_nnstrain"]))
+        if "ms_per_step" in g:
+            g["tokens_per_s"] = tokens_step / g["ms_per_step"] * 1000.0
+        add_mfu(g, fpt, rate)
+        entry["nnstrain_graphs"] = g
+        ctx.save()
+
     # The PyTorch loops on the same shapes, data and batch. Compile starts at the
     # batch eager fitted: an OOM found only after compiling costs a minute.
     batch = cfg["micro_batch_size"]
@@ -534,8 +546,9 @@ def bench_timed(ctx, name):
         batch = ref.get("batch", batch)
         add_mfu(ref, fpt, rate)
         entry[f"pytorch_{mode}"] = ref
-        if nn.get("tokens_per_s") and ref.get("tokens_per_s"):
-            entry[f"ratio_vs_{mode}"] = nn["tokens_per_s"] / ref["tokens_per_s"]
+        for who, n in (("", nn), ("graphs_", entry.get("nnstrain_graphs", {}))):
+            if n.get("tokens_per_s") and ref.get("tokens_per_s"):
+                entry[f"{who}ratio_vs_{mode}"] = n["tokens_per_s"] / ref["tokens_per_s"]
         ctx.save()
 
 
@@ -595,12 +608,14 @@ def write_summary(r, path):
           "MFU nnstrain / eager / compile | nnstrain vs eager / compile | peak MiB nnstrain / eager / compile | "
           "plan estimate MiB (error) |",
           "|---|---|---|---:|---|---|---|---|"]
-    for name in ("shakespeare", "gpt2", "llama"):
-        e = r.get("benchmarks", {}).get(name)
-        if not e:
-            continue
-        n, pe, pc = e.get("nnstrain", {}), e.get("pytorch_eager", {}), e.get("pytorch_compile", {})
-        pl = e.get("plan", {})
+    rows = [(name, variant) for name in ("shakespeare", "gpt2", "llama") for variant in ("", "graphs")
+            if r.get("benchmarks", {}).get(name) and (not variant or "nnstrain_graphs" in r["benchmarks"][name])]
+    for name, variant in rows:
+        e = r["benchmarks"][name]
+        n = e.get("nnstrain_graphs" if variant else "nnstrain", {})
+        pe, pc = e.get("pytorch_eager", {}), e.get("pytorch_compile", {})
+        pl = e.get("plan", {}) if not variant else {}
+        pre = "graphs_" if variant else ""
 
         def ms(x):
             if "error" in x and "ms_per_step" not in x:
@@ -615,9 +630,10 @@ def write_summary(r, path):
         est = (f"{fmt(pl.get('estimate_total_mb'), '.0f')} ({fmt(100 * pl['error'], '+.1f')}%)"
                if "error" in pl and isinstance(pl.get("error"), float) else pl.get("error", "-")[:60]
                if isinstance(pl.get("error"), str) else "-")
-        L.append(f"| {name} | {e.get('micro_batch', '?')} x {e.get('seq_len', '?')} | {ms(n)} / {ms(pe)} / {ms(pc)} | "
+        label = f"{name} (cuda_graphs)" if variant else name
+        L.append(f"| {label} | {e.get('micro_batch', '?')} x {e.get('seq_len', '?')} | {ms(n)} / {ms(pe)} / {ms(pc)} | "
                  f"{fmt(n.get('tokens_per_s'), '.0f')} | {pct(n)} / {pct(pe)} / {pct(pc)} | "
-                 f"{fmt(e.get('ratio_vs_eager'), '.2f')} / {fmt(e.get('ratio_vs_compile'), '.2f')} | "
+                 f"{fmt(e.get(pre + 'ratio_vs_eager'), '.2f')} / {fmt(e.get(pre + 'ratio_vs_compile'), '.2f')} | "
                  f"{fmt(n.get('peak_mem_mb'), '.0f')} / {fmt(pe.get('peak_mem_mb'), '.0f')} / "
                  f"{fmt(pc.get('peak_mem_mb'), '.0f')} | {est} |")
     notes = []
@@ -625,12 +641,12 @@ def write_summary(r, path):
         e = r.get("benchmarks", {}).get(name, {})
         if "error" in e:
             notes.append(f"- {name}: {e['error']}")
-        for who in ("nnstrain", "pytorch_eager", "pytorch_compile"):
+        for who in ("nnstrain", "nnstrain_graphs", "pytorch_eager", "pytorch_compile"):
             x = e.get(who, {})
             if "error" in x:
                 notes.append(f"- {name} {who}: {x['error']}".replace("\n", " | "))
             if x.get("split_ms"):
-                notes.append(f"- {name} nnstrain step split (ms): " +
+                notes.append(f"- {name} {who} step split (ms): " +
                              ", ".join(f"{k} {v:.2f}" for k, v in x["split_ms"].items()))
             if who == "pytorch_compile" and x.get("first_step_s"):
                 notes.append(f"- {name} torch.compile: first step (compilation) {x['first_step_s']:.0f} s")
