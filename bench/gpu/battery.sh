@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# The GPU battery (issue 11): on a fresh GPU machine with only what it has
+# (python3 with PyTorch, cmake, ninja, nvcc, a compiler; no package registry),
+# builds nnstrain against the carried Debian packages, runs the device-aware
+# tests on CUDA and the benchmarks, and writes one results folder.
+#
+#   bash bench/gpu/battery.sh [PHASE ...]        (from the repository root or anywhere)
+#
+# Phases, run in the order given (default: all, in this order):
+#   build             configure (once; an existing build dir is reused) and build everything
+#   tests             NNSTRAIN_TEST_DEVICE=cuda ctest -L device
+#   matmul            the bf16 matmul rate (MFU denominator; benchmarks measure it anyway)
+#   shakespeare       nanoGPT shakespeare_char timing: nnstrain vs PyTorch eager vs compile
+#   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile
+#   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile
+#   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
+# A benchmark phase builds only the nnstrain binary if there is none (or uses
+# NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
+#
+# Needs, carried next to the checkout: .debs/ (bench/gpu/fetch_deps.sh) and
+# data/shakespeare_char/ (`build/nnstrain prepare shakespeare_char`).
+#
+# Every phase is logged and time-boxed; the whole call keeps inside
+# NNSTRAIN_BATTERY_BUDGET_S (default 560 s, one 10-minute device command):
+# a phase that would start with too little time left is skipped and says so.
+# After every phase the results are packed into $OUT (5 files at most):
+#   summary.md, results.json, battery.log, gpu_<stamp>.tar.gz (the folder
+#   bench/results/gpu_<stamp>/ with every log and metrics file), and nnstrain
+#   (the binary, after a build, to carry into a second call as runs/battery_bin/).
+#
+# Environment: NNSTRAIN_BATTERY_SMOKE=1 (tiny shapes on the CPU, for a dry run
+# on a machine without a GPU), NNSTRAIN_BATTERY_PYTHON (python3),
+# NNSTRAIN_BUILD_DIR (build), NNSTRAIN_BIN, NNSTRAIN_BATTERY_PRECISION
+# (override every config's precision), NNSTRAIN_BATTERY_TARGETS (build only
+# these), NNSTRAIN_BATTERY_CMAKE_ARGS (extra configure arguments),
+# NNSTRAIN_BATTERY_RESULTS (the results folder), NNSTRAIN_COMMIT,
+# NNSTRAIN_BATTERY_SKIP_COMPILE=1 (leave out the torch.compile references).
+set -uo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+t_start=$(date +%s)
+budget=${NNSTRAIN_BATTERY_BUDGET_S:-560}
+smoke=${NNSTRAIN_BATTERY_SMOKE:-0}
+py=${NNSTRAIN_BATTERY_PYTHON:-python3}
+build=${NNSTRAIN_BUILD_DIR:-$root/build}
+prefix=${NNSTRAIN_DEPS_PREFIX:-/tmp/nnstrain_deps}
+stamp=$(date -u +%Y%m%d-%H%M%S)
+if [ "$smoke" = 1 ]; then
+  res=${NNSTRAIN_BATTERY_RESULTS:-$root/runs/battery_smoke/gpu_smoke_$stamp}
+else
+  res=${NNSTRAIN_BATTERY_RESULTS:-$root/bench/results/gpu_$stamp}
+fi
+out=${OUT:-$root/runs/battery_out}
+mkdir -p "$res" "$out"
+exec > >(tee -a "$res/battery.log") 2>&1
+
+phases=("$@")
+((${#phases[@]})) || phases=(build tests shakespeare gpt2 llama shakespeare_full)
+
+say() { echo "[battery $(date -u +%H:%M:%S) +$(($(date +%s) - t_start))s] $*"; }
+left() { echo $((budget - ($(date +%s) - t_start))); }
+
+# Results into $OUT after every phase: what a killed call leaves still comes back.
+pack() {
+  cp -f "$res/summary.md" "$res/results.json" "$out/" 2>/dev/null
+  cp -f "$res/battery.log" "$out/" 2>/dev/null
+  tar czf "$out/$(basename "$res").tar.gz" -C "$(dirname "$res")" "$(basename "$res")" 2>/dev/null
+}
+
+# ---------------------------------------------------------------- the machine
+say "results: $res; phases: ${phases[*]}; budget ${budget}s; smoke=$smoke"
+{
+  echo "## machine"; uname -a; nproc
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  for t in cmake ninja c++ g++ nvcc; do printf '%s: ' "$t"; command -v "$t" >/dev/null && "$t" --version 2>&1 | head -1 || echo MISSING; done
+  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
+} 2>&1 | sed 's/^/  /'
+
+# ---------------------------------------------------------------- the Debian packages
+# Unpacked into a private prefix (never into /); found by find_package through
+# CMAKE_PREFIX_PATH and at run time through LD_LIBRARY_PATH.
+if compgen -G "$root/.debs/*.deb" >/dev/null; then
+  mkdir -p "$prefix"
+  for d in "$root"/.debs/*.deb; do
+    if command -v dpkg >/dev/null; then
+      dpkg -x "$d" "$prefix" || say "dpkg -x $d failed"
+    else  # a .deb is an ar archive holding data.tar.*
+      (t=$(mktemp -d) && cd "$t" && ar x "$d" && tar xf data.tar.* -C "$prefix"; rm -rf "$t") || say "unpacking $d failed"
+    fi
+  done
+  libdir=$(dirname "$(find "$prefix" -name 'libyaml-cpp.so*' | head -1)")
+  export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  say "unpacked $(ls "$root"/.debs/*.deb | wc -l) packages into $prefix (libraries: $libdir)"
+else
+  say "no .debs/ carried: the build relies on packages installed on this machine"
+fi
+[ -f "$root/.debs/commit.txt" ] && [ -z "${NNSTRAIN_COMMIT:-}" ] && export NNSTRAIN_COMMIT="$(cat "$root/.debs/commit.txt")"
+
+# ---------------------------------------------------------------- build
+configure() {
+  if [ -f "$build/CMakeCache.txt" ] && ! grep -q "^CMAKE_HOME_DIRECTORY:INTERNAL=$root\$" "$build/CMakeCache.txt"; then
+    say "build dir $build was configured for another checkout: starting it afresh"
+    rm -rf "$build"
+  fi
+  [ -f "$build/CMakeCache.txt" ] && return 0
+  local torch_prefix cuda_args=()
+  torch_prefix=$("$py" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)') || return 1
+  if [ "$smoke" != 1 ]; then
+    if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+    cuda_args=(-DNNSTRAIN_WITH_CUDA=ON)
+  fi
+  say "configuring $build"
+  # shellcheck disable=SC2086
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr" -DNNSTRAIN_PYTHON="$(command -v "$py")" \
+    "${cuda_args[@]}" ${NNSTRAIN_BATTERY_CMAKE_ARGS:-}
+}
+
+build_targets() {  # targets... (none: all)
+  configure || return 1
+  local t=()
+  for x in "$@"; do t+=(--target "$x"); done
+  say "building ${*:-everything}"
+  cmake --build "$build" -j "$(nproc)" "${t[@]}"
+}
+
+nnstrain_bin() {  # prints the binary to benchmark, building it if need be
+  if [ -n "${NNSTRAIN_BIN:-}" ]; then echo "$NNSTRAIN_BIN"; return 0; fi
+  local carried=$root/runs/battery_bin/nnstrain  # built by an earlier call (its $OUT/nnstrain)
+  if [ ! -f "$build/CMakeCache.txt" ] && [ -f "$carried" ]; then
+    chmod +x "$carried"
+    say "using the carried binary $carried (built by an earlier call; check it matches this commit)" >&2
+    echo "$carried"; return 0
+  fi
+  build_targets nnstrain >&2 || return 1
+  echo "$build/nnstrain"
+}
+
+# ---------------------------------------------------------------- phases
+run_phase() {  # name cap_seconds command...
+  local name=$1 cap=$2; shift 2
+  local l; l=$(left)
+  if ((l < 45)); then
+    say "SKIPPED $name: ${l}s left of the ${budget}s budget"
+    echo "$name: skipped (${l}s left)" >> "$res/phases.txt"
+    return 0
+  fi
+  local t=$((cap < l - 15 ? cap : l - 15))
+  say "phase $name (at most ${t}s)"
+  local t0; t0=$(date +%s)
+  PHASE_LIMIT=$t timeout --kill-after=10 "$t" "$@"
+  local rc=$?
+  say "phase $name: rc $rc in $(($(date +%s) - t0))s$([ $rc = 124 ] && echo ' (timed out)')"
+  echo "$name: rc $rc, $(($(date +%s) - t0))s" >> "$res/phases.txt"
+  pack
+}
+
+phase_build() {
+  build_targets ${NNSTRAIN_BATTERY_TARGETS:-} || return 1
+  if [ "$smoke" != 1 ] && [ -x "$build/nnstrain" ]; then
+    cp -f "$build/nnstrain" "$out/nnstrain"  # carry into a second call as runs/battery_bin/nnstrain
+    ldd "$build/nnstrain" | grep -E "not found|torch_cuda|yaml|spdlog|fmt" | sed 's/^/  /'
+  fi
+}
+
+phase_tests() {
+  build_targets ${NNSTRAIN_BATTERY_TARGETS:-} || return 1  # a no-op after the build phase
+  local dev=cuda; [ "$smoke" = 1 ] && dev=cpu
+  local n; n=$(cd "$build" && ctest -N -L device | sed -n 's/^Total Tests: //p')
+  if [ "${n:-0}" = 0 ]; then
+    say "no test carries the label 'device' (yet): nothing to run"
+    printf '{"summary": "no tests labelled device", "rc": 0}\n' > "$res/tests.json"
+    return 0
+  fi
+  say "running $n device tests on $dev"
+  (cd "$build" && NNSTRAIN_TEST_DEVICE=$dev ctest -L device -j 4 --timeout 170 --output-on-failure) > "$res/tests.log" 2>&1
+  local rc=$?
+  local summary; summary=$(grep -E "tests passed|tests failed" "$res/tests.log" | tail -1)
+  local failed; failed=$(sed -n '/The following tests FAILED/,$p' "$res/tests.log" | grep -E '^\s+[0-9]+ - ' | sed 's/^ *//' | paste -sd ';' -)
+  "$py" -c 'import json,sys; print(json.dumps({"summary": sys.argv[1], "rc": int(sys.argv[2]), "failed": sys.argv[3]}))' \
+    "${summary:-no summary (see tests.log)} (NNSTRAIN_TEST_DEVICE=$dev)" "$rc" "$failed" > "$res/tests.json"
+  tail -n 25 "$res/tests.log"
+  return $rc
+}
+
+phase_bench() {  # driver phases...
+  local bin
+  bin=$(nnstrain_bin) || { say "no nnstrain binary (the build failed): PyTorch references only"; bin=$build/nnstrain; }
+  local args=(--results "$res" --nnstrain "$bin" --python "$(command -v "$py")" --time-limit $((PHASE_LIMIT - 10)))
+  [ "$smoke" = 1 ] && args+=(--smoke)
+  [ -n "${NNSTRAIN_BATTERY_PRECISION:-}" ] && args+=(--precision "$NNSTRAIN_BATTERY_PRECISION")
+  [ -n "${NNSTRAIN_BATTERY_SKIP_COMPILE:-}" ] && args+=(--skip-compile)
+  "$py" "$root/bench/gpu/driver.py" "$@" "${args[@]}"
+}
+export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench
+export root build prefix py smoke res out t_start budget
+
+for p in "${phases[@]}"; do
+  case $p in
+    build)            run_phase build 420 bash -c phase_build ;;
+    tests)            run_phase tests 240 bash -c phase_tests ;;
+    matmul)           run_phase matmul 90 bash -c 'phase_bench matmul' ;;
+    shakespeare)      run_phase shakespeare 330 bash -c 'phase_bench shakespeare' ;;
+    gpt2)             run_phase gpt2 330 bash -c 'phase_bench gpt2' ;;
+    llama)            run_phase llama 420 bash -c 'phase_bench llama' ;;
+    shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full)" ;;
+  esac
+done
+# The summary reads tests.json too; rewrite it once all phases are done.
+"$py" "$root/bench/gpu/driver.py" summary --results "$res" --nnstrain "${NNSTRAIN_BIN:-$build/nnstrain}" \
+  $([ "$smoke" = 1 ] && echo --smoke) >/dev/null 2>&1
+pack
+say "done in $(($(date +%s) - t_start))s; results in $res and $out"
+cat "$res/summary.md" 2>/dev/null

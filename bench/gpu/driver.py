@@ -1,0 +1,711 @@
+#!/usr/bin/env python3
+"""The GPU battery's benchmarks: nnstrain against PyTorch eager and torch.compile.
+
+Phases (run in the order given, each adds to the same results folder):
+  matmul            bf16 8192^3 matrix-product rate (matmul_probe.py): the MFU
+                    denominator. Measured first by any benchmark phase of a
+                    results folder that lacks it, so MFU always uses a rate
+                    measured in the same run.
+  shakespeare       nanoGPT's shakespeare_char (configs/shakespeare_char.yaml)
+                    timed: nnstrain for --steps steps without evaluation, and
+                    reference.py eager and compile on the same shapes and data.
+  shakespeare_full  the same config as written: 5000 steps with evaluation;
+                    best validation loss and wall time.
+  gpt2              GPT-2 124M, block 1024, synthetic uint16 tokens: the largest
+                    micro-batch nnstrain fits without recompute (probed from the
+                    top), then eager and compile at that batch (halved on OOM).
+  llama             a Llama 3.2 1B shape at sequence 4096, synthetic uint32
+                    tokens, chunked loss; probed and compared like gpt2.
+  summary           rewrite summary.md from results.json.
+
+For every nnstrain run: ms/step and tokens/s from its metrics.jsonl (records
+after the first --drop steps; each record covers the steps since the previous
+one and ends with the one host sync of a logging step), its own mfu, the
+allocator's peak memory and any step-time split fields it logs (*_ms), and
+`nnstrain plan --json` for the same overrides: the planner's estimate against
+the measured peak. MFU for nnstrain, eager and compile alike = FLOPs per token
+(nnstrain's formula: 6 x matmul parameters + 12 x layers x width x seq) x
+tokens/s / the measured matmul rate.
+
+Writes results.json (every number) and summary.md (the table) into --results,
+after every measurement, so a phase cut short keeps what it measured.
+--smoke: tiny shapes and few steps on the CPU (a check of the plumbing).
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_gpt_cpu import cpu_model, libtorch_version  # noqa: E402  (the CPU benchmark's helpers)
+CONFIGS = HERE / "configs"
+DATA = ROOT / "runs" / "battery_data"
+
+# Per benchmark: config, timing (steps, logging interval, first steps dropped),
+# micro-batch candidates (None: the config's), caps in seconds for each child
+# process, and the smoke-test overrides (tiny shapes on the CPU).
+BENCH = {
+    "shakespeare": dict(
+        config="shakespeare_char.yaml", steps=300, log_every=25, drop=50, batches=None,
+        cap_nnstrain=120, cap_eager=120, cap_compile=200,
+        smoke=["--model.args.n_layer", "2", "--model.args.n_head", "2", "--model.args.n_embd", "32",
+               "--vars.block_size", "32", "--micro_batch_size", "4"],
+        smoke_steps=(20, 5, 5)),
+    "gpt2": dict(
+        config="gpt2_124m.yaml", steps=60, log_every=10, drop=20, batches=[64, 48, 32, 24, 16, 12, 8, 4],
+        cap_nnstrain=150, cap_eager=150, cap_compile=240,
+        smoke=["--model.args.n_layer", "2", "--model.args.n_head", "2", "--model.args.n_embd", "32",
+               "--model.args.vocab_size", "512", "--vars.block_size", "64"],
+        smoke_batches=[8, 4], smoke_steps=(12, 4, 4), smoke_vocab=500),
+    "llama": dict(
+        config="llama3_1b.yaml", steps=25, log_every=5, drop=10, batches=[8, 6, 4, 2, 1],
+        cap_nnstrain=180, cap_eager=180, cap_compile=300,
+        smoke=["--model.args.num_hidden_layers", "2", "--model.args.hidden_size", "64",
+               "--model.args.intermediate_size", "128", "--model.args.num_attention_heads", "4",
+               "--model.args.num_key_value_heads", "2", "--model.args.vocab_size", "512",
+               "--vars.seq_len", "64", "--model.loss_chunk_size", "32"],
+        smoke_batches=[4, 2], smoke_steps=(8, 2, 2), smoke_vocab=512),
+}
+SYNTHETIC = {  # benchmark -> (folder, numpy dtype, token ids drawn from [0, n))
+    "gpt2": ("gpt2", "uint16", 50257),
+    "llama": ("llama3", "uint32", 128256),
+}
+
+
+# ---------------------------------------------------------------- small helpers
+
+def log(msg):
+    print(f"[driver {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Ctx:
+    """Run-wide settings, the results and the time left."""
+
+    def __init__(self, a):
+        self.a = a
+        self.smoke = a.smoke
+        self.device = "cpu" if a.smoke else "cuda"
+        self.out = pathlib.Path(a.results).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.time() + a.time_limit if a.time_limit else None
+        path = self.out / "results.json"
+        self.results = json.loads(path.read_text()) if path.exists() else {"benchmarks": {}}
+
+    def left(self, cap):
+        """Seconds a child may run: its cap, bounded by the phase's time limit."""
+        if self.deadline is None:
+            return cap
+        return max(1, min(cap, int(self.deadline - time.time()) - 5))
+
+    def save(self):
+        tests = self.out / "tests.json"  # written by battery.sh's tests phase
+        if tests.exists():
+            self.results["tests"] = json.loads(tests.read_text())
+        phases = self.out / "phases.txt"  # battery.sh: each phase's exit status, time, or why skipped
+        if phases.exists():
+            self.results["phases"] = phases.read_text().splitlines()
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
+        write_summary(self.results, self.out / "summary.md")
+
+
+def run_cmd(cmd, logfile, timeout, cwd=ROOT, env=None):
+    """Runs cmd with its output in logfile; returns (rc, text). rc 124: timed out."""
+    t0 = time.time()
+    env = dict(os.environ if env is None else env)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(logfile, "w") as f:
+        f.write("$ " + " ".join(map(str, cmd)) + "\n")
+        f.flush()
+        try:
+            p = subprocess.run(list(map(str, cmd)), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                               timeout=timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+            f.write(f"\n[driver] killed after {timeout} s\n")
+        except OSError as e:  # e.g. no nnstrain binary (the build failed)
+            rc = 127
+            f.write(f"\n[driver] error: cannot run: {e}\n")
+    text = pathlib.Path(logfile).read_text(errors="replace")
+    log(f"  rc {rc} in {time.time() - t0:.0f} s: {pathlib.Path(logfile).name}")
+    return rc, text
+
+
+def is_oom(rc, text):
+    return rc != 0 and rc != 124 and re.search(r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY", text,
+                                               re.I) is not None
+
+
+def last_json_line(text):
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def tail(text, n=6):
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def error_of(rc, text):
+    """The line that says what went wrong (not a backtrace), else the output's end."""
+    if rc == 124:
+        return "timed out"
+    for line in text.splitlines():
+        if re.search(r"error|Error|exception|Killed", line) and not line.lstrip().startswith("frame #"):
+            return line.strip()[:300]
+    return tail(text, 3)[:300]
+
+
+# ---------------------------------------------------------------- environment
+
+# Asked in a child process: a CUDA context held by the driver would take GPU
+# memory from the runs it measures.
+TORCH_FACTS = """
+import json, torch
+f = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    f.update(device=torch.cuda.get_device_name(0), device_memory_gb=round(p.total_memory / 2**30, 1),
+             sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+print(json.dumps(f))
+"""
+
+
+def environment(a):
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "host": platform.node(), "python": platform.python_version(), "commit": commit(), "smoke": a.smoke,
+           "nnstrain": str(a.nnstrain), "libtorch": libtorch_version(a.nnstrain)}
+    p = subprocess.run([a.python, "-c", TORCH_FACTS], capture_output=True, text=True, timeout=120)
+    env.update(last_json_line(p.stdout) or {"torch": f"unknown ({p.stderr.strip()[-200:]})"})
+    if "device" in env:
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            env["nvidia_smi"] = q.stdout.strip()
+            env["driver"] = q.stdout.split(",")[0].strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            env["driver"] = f"unknown ({e})"
+    else:
+        env.update(device=cpu_model(), driver="none (CPU)")
+    return env
+
+
+def commit():
+    """git HEAD (+ -dirty); on the GPU machine (no .git) what fetch_deps.sh recorded."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True).stdout.strip()
+            return head.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        pass
+    if os.environ.get("NNSTRAIN_COMMIT"):
+        return os.environ["NNSTRAIN_COMMIT"]
+    recorded = ROOT / ".debs" / "commit.txt"
+    if recorded.exists():
+        return recorded.read_text().strip() + " (recorded by fetch_deps.sh)"
+    return "unknown"
+
+
+def plan_device_name(env):
+    if env.get("driver", "").startswith("none"):
+        return "cpu"
+    name = env.get("device", "")
+    for key in ("H200", "H100"):
+        if key in name:
+            return key
+    if "A100" in name:
+        return "A100-80G" if env.get("device_memory_gb", 0) > 50 else "A100-40G"
+    return "auto"
+
+
+# ---------------------------------------------------------------- matmul
+
+def ensure_matmul(ctx):
+    if "matmul" in ctx.results:
+        return ctx.results["matmul"]
+    log("matmul probe")
+    cmd = [ctx.a.python, HERE / "matmul_probe.py", "--device", ctx.device]
+    if ctx.smoke:
+        cmd += ["--size", "512", "--repeats", "3"]
+    rc, text = run_cmd(cmd, ctx.out / "matmul.log", ctx.left(120))
+    res = last_json_line(text) if rc == 0 else None
+    ctx.results["matmul"] = res or {"error": f"rc {rc}: {tail(text, 3)}"}
+    ctx.save()
+    return ctx.results["matmul"]
+
+
+# ---------------------------------------------------------------- nnstrain
+
+def resolved_config(ctx, config, overrides):
+    """nnstrain's resolved config; without a working binary, the YAML read here."""
+    import yaml
+    try:
+        p = subprocess.run([ctx.a.nnstrain, "--config", config, *overrides, "--print-config"], cwd=ROOT,
+                           capture_output=True, text=True)
+        if p.returncode == 0:
+            return yaml.safe_load(p.stdout)
+        why = p.stderr.strip()[-300:]
+    except OSError as e:
+        why = str(e)
+    log(f"nnstrain --print-config failed ({why}): reading {config} here")
+    return read_config_here(config, overrides)
+
+
+def read_config_here(config, overrides):
+    """The battery's configs resolved without nnstrain (they set every key the
+    references read): --a.b value overrides, then $(vars.X) substitution."""
+    import yaml
+    cfg = yaml.safe_load(pathlib.Path(config).read_text())
+    for key, value in zip(overrides[::2], overrides[1::2]):
+        node, parts = cfg, key.lstrip("-").split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+
+    def subst(v):
+        if isinstance(v, dict):
+            return {k: subst(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [subst(x) for x in v]
+        if isinstance(v, str):
+            m = re.fullmatch(r"\$\(vars\.(\w+)\)", v)
+            if m:
+                return cfg["vars"][m.group(1)]
+            return re.sub(r"\$\(vars\.(\w+)\)", lambda m: str(cfg["vars"][m.group(1)]), v)
+        return v
+
+    cfg = subst(cfg)
+    cfg["lr_scheduler"]["args"].setdefault("decay_steps", 0)
+    cfg.setdefault("seed", 0)
+    return cfg
+
+
+def flops_per_token(cfg):
+    """nnstrain's Model::flops_per_token (models/gpt/gpt.cpp, models/llama/llama.cpp)."""
+    m, T = cfg["model"]["args"], cfg["dataset"]["train_args"]["seq_len"]
+    if cfg["model"]["type"] == "gpt":
+        C, L = m["n_embd"], m["n_layer"]
+        n = L * 12 * C * C + m["vocab_size"] * C
+        return 6 * n + 12.0 * L * C * T
+    C, L = m["hidden_size"], m["num_hidden_layers"]
+    hd = m.get("head_dim") or C // m["num_attention_heads"]
+    q, kv = m["num_attention_heads"] * hd, m["num_key_value_heads"] * hd
+    n = L * (C * q * 2 + C * kv * 2 + 3 * C * m["intermediate_size"]) + m["vocab_size"] * C
+    return 6 * n + 12.0 * L * q * T
+
+
+def base_overrides(ctx, name):
+    b = BENCH[name]
+    o = []
+    if name in SYNTHETIC:
+        o += ["--vars.data_dir", str(DATA / SYNTHETIC[name][0])]
+    if ctx.smoke:
+        o += ["--compute_config.device", "cpu"] + b["smoke"]
+    if ctx.a.precision:
+        o += ["--precision", ctx.a.precision]
+    return o
+
+
+def steps_of(ctx, name):
+    b = BENCH[name]
+    return b["smoke_steps"] if ctx.smoke else (b["steps"], b["log_every"], b["drop"])
+
+
+def read_metrics(path, drop):
+    """Steps kept (after `drop`), their mean and median ms/step, the other fields."""
+    recs = [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+    train = [r for r in recs if "ms_per_step" in r]
+    vals = [r for r in recs if "val_loss" in r]
+    kept, prev = [], 0
+    for r in train:
+        n = r["step"] - prev
+        prev = r["step"]
+        if r["step"] - n >= drop:
+            kept.append((n, r))
+    out = {"records": len(train), "val_losses": [(r["step"], r["val_loss"]) for r in vals]}
+    if train:
+        out["loss_first"], out["loss_last"] = train[0].get("loss"), train[-1].get("loss")
+        out["peak_mem_mb"] = max(r.get("peak_mem_mb", 0) for r in train)
+        for k in sorted({k for r in train for k in r if k.startswith("peak_") and k != "peak_mem_mb"}):
+            out[k] = max(r.get(k, 0) for r in train)
+    if kept:
+        steps = sum(n for n, _ in kept)
+        out["steps_timed"] = steps
+        out["ms_per_step"] = sum(n * r["ms_per_step"] for n, r in kept) / steps
+        out["ms_per_step_median"] = statistics.median(r["ms_per_step"] for _, r in kept)
+        mfus = [r["mfu"] for _, r in kept if "mfu" in r]
+        if mfus:
+            out["mfu_reported"] = statistics.mean(mfus)
+        # Step-time split (data wait, forward, backward, optimizer, communication), if logged.
+        split = sorted({k for _, r in kept for k in r if k.endswith("_ms") and isinstance(r[k], (int, float))})
+        if split:
+            out["split_ms"] = {k: statistics.mean(r[k] for _, r in kept if k in r) for k in split}
+    return out
+
+
+def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout):
+    """One nnstrain training run: its metrics after `drop` steps (or error / oom)."""
+    d = ctx.out / name
+    d.mkdir(exist_ok=True)
+    run_dir = ROOT / "runs" / "battery" / name / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [ctx.a.nnstrain, "--config", CONFIGS / config, "--run_dir", run_dir, *overrides]
+    t0 = time.time()
+    rc, text = run_cmd(cmd, d / f"nnstrain_{tag}.log", timeout)
+    wall = time.time() - t0
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        shutil.copy(metrics, d / f"metrics_{tag}.jsonl")
+    res = {"rc": rc, "wall_s": wall, "overrides": list(map(str, overrides))}
+    if rc != 0:
+        res["oom"] = is_oom(rc, text)
+        res["error"] = error_of(rc, text)
+    if metrics.exists():
+        res.update(read_metrics(metrics, drop))
+    return res
+
+
+def run_plan(ctx, name, overrides):
+    """`nnstrain plan --json` for the same overrides: estimate and recompute."""
+    cfg = CONFIGS / BENCH[name]["config"]
+    # Run-only keys the plan command takes as config overrides too; the run dir does not matter.
+    cmd = [ctx.a.nnstrain, "plan", "--config", cfg, "--json", "--runtime-ngpus", "1",
+           "--device", plan_device_name(ctx.results["env"]), *overrides]
+    try:
+        p = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": f"nnstrain plan: {e}"}
+    (ctx.out / name / "plan.json").write_text(p.stdout or p.stderr)
+    if p.returncode != 0:
+        return {"error": p.stderr.strip()[-400:]}
+    plan = json.loads(p.stdout)["plan"]
+    est = plan.get("estimate", {})
+    return {"device": plan.get("device"), "estimate_total_mb": est.get("total_bytes", 0) / 2**20,
+            "estimate": {k: v for k, v in est.items()}, "recompute_layers": sum(plan.get("recompute", [])),
+            "tp": plan.get("tp"), "zero": plan.get("zero"), "step_s_estimate": est.get("step_s")}
+
+
+# ---------------------------------------------------------------- the PyTorch reference
+
+def run_reference(ctx, name, mode, cfg, batch, cap):
+    """reference.py on the shapes of nnstrain's resolved config; halves the batch on OOM."""
+    steps, log_every, drop = steps_of(ctx, name)
+    m, tr, o = cfg["model"]["args"], cfg["dataset"]["train_args"], cfg["optimizer"]["args"]
+    s = cfg["lr_scheduler"]["args"]
+    args = ["--mode", mode, "--device", ctx.device, "--data", tr["path"], "--dtype", tr["dtype"],
+            "--seq-len", tr["seq_len"], "--warmup", drop, "--steps", steps - drop, "--log-every", log_every,
+            "--lr", o["lr"], "--min-lr", s["min_lr"], "--warmup-iters", s["warmup_steps"],
+            "--lr-decay-iters", s["decay_steps"] or cfg["max_train_steps"], "--beta1", o["betas"][0],
+            "--beta2", o["betas"][1], "--eps", o["eps"], "--weight-decay", o["weight_decay"],
+            "--clip", cfg["optimizer"]["clip_gnorm"], "--seed", cfg["seed"]]
+    if cfg["precision"] == "bf16-mixed":
+        args.append("--bf16")
+    if cfg["model"]["type"] == "gpt":
+        args += ["--model", "gpt", "--vocab-size", m["vocab_size"], "--n-layer", m["n_layer"], "--n-head",
+                 m["n_head"], "--n-embd", m["n_embd"], "--dropout", m["dropout"]]
+        if m["bias"]:
+            args.append("--bias")
+    else:
+        args += ["--model", "llama", "--vocab-size", m["vocab_size"], "--n-layer", m["num_hidden_layers"],
+                 "--n-head", m["num_attention_heads"], "--n-kv-head", m["num_key_value_heads"],
+                 "--head-dim", m.get("head_dim") or 0, "--n-embd", m["hidden_size"],
+                 "--ffn", m["intermediate_size"], "--rope-theta", m["rope_theta"], "--norm-eps",
+                 m["rms_norm_eps"]]
+        if m["tie_word_embeddings"]:
+            args.append("--tie")
+    tries = []
+    while batch >= 1:
+        log(f"{name}: PyTorch {mode}, batch {batch}")
+        rc, text = run_cmd([ctx.a.python, HERE / "reference.py", *args, "--batch", batch],
+                           ctx.out / name / f"pytorch_{mode}_b{batch}.log", ctx.left(cap))
+        res = last_json_line(text) or {}
+        if rc == 0 and "ms_per_step" in res:
+            res["tries"] = tries
+            return res
+        oom = res.get("oom") or is_oom(rc, text)
+        tries.append({"batch": batch, "rc": rc, "oom": bool(oom)})
+        if not oom:
+            return {"error": error_of(rc, text), "rc": rc, "tries": tries}
+        batch //= 2
+    return {"error": "out of memory at every batch", "tries": tries}
+
+
+# ---------------------------------------------------------------- benchmarks
+
+def ensure_synthetic(ctx, name):
+    folder, dtype, n_ids = SYNTHETIC[name]
+    if ctx.smoke:
+        n_ids = BENCH[name]["smoke_vocab"]
+    path = DATA / folder / "train.bin"
+    n_tokens = 200_000 if ctx.smoke else 16 * 2**20
+    if path.exists() and path.stat().st_size == n_tokens * (2 if dtype == "uint16" else 4):
+        return path
+    import numpy as np
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ids = np.random.default_rng(1234).integers(0, n_ids, n_tokens, dtype=np.dtype(dtype))
+    ids.tofile(path)
+    log(f"wrote {path} ({n_tokens} {dtype} tokens from [0, {n_ids}))")
+    return path
+
+
+def add_mfu(res, fpt, rate_tflops):
+    if rate_tflops and res.get("ms_per_step") and res.get("tokens_per_s"):
+        res["mfu"] = fpt * res["tokens_per_s"] / (rate_tflops * 1e12)
+
+
+def bench_timed(ctx, name):
+    """nnstrain (batch probed where the benchmark lists candidates), then eager and compile."""
+    b = BENCH[name]
+    if name in SYNTHETIC:
+        ensure_synthetic(ctx, name)
+    elif not (ROOT / "data" / "shakespeare_char" / "train.bin").exists():
+        ctx.results["benchmarks"][name] = {"error": "data/shakespeare_char/train.bin missing: run "
+                                           "`build/nnstrain prepare shakespeare_char` here and carry data/shakespeare_char"}
+        ctx.save()
+        return
+    rate = ensure_matmul(ctx).get("tflops_median")
+    steps, log_every, drop = steps_of(ctx, name)
+    base = base_overrides(ctx, name)
+    timing = ["--max_train_steps", str(steps), "--log_progress_every_n_train_steps", str(log_every),
+              "--val_every_n_train_steps", "0"]
+    batches = b.get("smoke_batches") if ctx.smoke else b["batches"]
+    entry = ctx.results["benchmarks"].setdefault(name, {})
+    entry.update(config=f"bench/gpu/configs/{b['config']}", steps=steps, log_every=log_every,
+                 steps_dropped=drop)
+
+    # nnstrain: the first candidate (largest first) that runs without running out of memory.
+    probes, nn = [], None
+    for mb in (batches or [None]):
+        over = base + timing + (["--micro_batch_size", str(mb)] if mb else [])
+        log(f"{name}: nnstrain" + (f", micro-batch {mb}" if mb else ""))
+        res = run_nnstrain(ctx, name, f"b{mb}" if mb else "timing", b["config"], over, drop,
+                           ctx.left(b["cap_nnstrain"]))
+        probes.append({"micro_batch": mb, "rc": res["rc"], "oom": res.get("oom", False)})
+        if res["rc"] == 0 or not res.get("oom"):
+            nn = res
+            break
+    entry["probes"] = probes
+    if nn is None:
+        entry["nnstrain"] = {"error": "out of memory at every micro-batch candidate"}
+        ctx.save()
+        return
+    cfg = resolved_config(ctx, CONFIGS / b["config"], over)
+    fpt = flops_per_token(cfg)
+    tokens_step = cfg["micro_batch_size"] * cfg["dataset"]["train_args"]["seq_len"]
+    if "ms_per_step" in nn:
+        nn["tokens_per_s"] = tokens_step / nn["ms_per_step"] * 1000.0
+    add_mfu(nn, fpt, rate)
+    entry.update(micro_batch=cfg["micro_batch_size"], seq_len=cfg["dataset"]["train_args"]["seq_len"],
+                 precision=cfg["precision"], flops_per_token=fpt, tokens_per_step=tokens_step,
+                 matmul_tflops=rate, nnstrain=nn)
+    entry["plan"] = run_plan(ctx, name, over)
+    meas = nn.get("peak_mem_mb")
+    if meas and entry["plan"].get("estimate_total_mb"):
+        entry["plan"]["measured_peak_mb"] = meas
+        entry["plan"]["error"] = entry["plan"]["estimate_total_mb"] / meas - 1.0
+    ctx.save()
+
+    # The same run with the whole step captured in a CUDA graph (compute_config.cuda_graphs;
+    # one GPU only, so not in the CPU smoke test).
+    if not ctx.smoke and nn.get("rc") == 0:
+        log(f"{name}: nnstrain with cuda_graphs")
+        g = run_nnstrain(ctx, name, "graphs", b["config"], over + ["--compute_config.cuda_graphs", "true"], drop,
+                         ctx.left(b["cap_nnstrain"]))
+        if "ms_per_step" in g:
+            g["tokens_per_s"] = tokens_step / g["ms_per_step"] * 1000.0
+        add_mfu(g, fpt, rate)
+        entry["nnstrain_graphs"] = g
+        ctx.save()
+
+    # The PyTorch loops on the same shapes, data and batch. Compile starts at the
+    # batch eager fitted: an OOM found only after compiling costs a minute.
+    batch = cfg["micro_batch_size"]
+    for mode in ("eager", "compile"):
+        if ctx.a.skip_compile and mode == "compile":
+            continue
+        ref = run_reference(ctx, name, mode, cfg, batch, b[f"cap_{mode}"])
+        batch = ref.get("batch", batch)
+        add_mfu(ref, fpt, rate)
+        entry[f"pytorch_{mode}"] = ref
+        for who, n in (("", nn), ("graphs_", entry.get("nnstrain_graphs", {}))):
+            if n.get("tokens_per_s") and ref.get("tokens_per_s"):
+                entry[f"{who}ratio_vs_{mode}"] = n["tokens_per_s"] / ref["tokens_per_s"]
+        ctx.save()
+
+
+def bench_full(ctx):
+    """shakespeare_char as written: 5000 steps, evaluation every 250 steps."""
+    name = "shakespeare_full"
+    if not (ROOT / "data" / "shakespeare_char" / "train.bin").exists():
+        ctx.results["benchmarks"][name] = {"error": "data/shakespeare_char/train.bin missing"}
+        ctx.save()
+        return
+    over = base_overrides(ctx, "shakespeare")
+    if ctx.smoke:
+        over += ["--max_train_steps", "40", "--val_every_n_train_steps", "20", "--max_val_steps", "4",
+                 "--lr_scheduler.args.decay_steps", "40", "--lr_scheduler.args.warmup_steps", "5"]
+    (ctx.out / name).mkdir(exist_ok=True)
+    log("shakespeare_full: nnstrain, the whole run")
+    res = run_nnstrain(ctx, name, "full", BENCH["shakespeare"]["config"], over, 0, ctx.left(600))
+    vals = res.get("val_losses", [])
+    if vals:
+        best = min(vals, key=lambda sv: sv[1])
+        res["best_val_loss"], res["best_val_step"] = best[1], best[0]
+        res["final_val_loss"] = vals[-1][1]
+    ctx.results["benchmarks"][name] = {"config": "bench/gpu/configs/shakespeare_char.yaml", "nnstrain": res,
+                                       "goal": "best val loss <= 1.48; nanoGPT: 1.4697 in ~3 min on an A100"}
+    ctx.save()
+
+
+# ---------------------------------------------------------------- summary
+
+def fmt(v, spec=".1f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def write_summary(r, path):
+    env = r.get("env", {})
+    mm = r.get("matmul", {})
+    L = [f"# GPU battery: nnstrain vs PyTorch eager vs torch.compile ({env.get('date', '?')})", "",
+         f"- device: {env.get('device', '?')} ({env.get('device_memory_gb', '?')} GiB), driver {env.get('driver', '?')}",
+         f"- LibTorch (nnstrain) {env.get('libtorch', '?')}; torch (references) {env.get('torch', '?')}, "
+         f"CUDA {env.get('cuda_runtime', '?')}, cuDNN {env.get('cudnn', '?')}",
+         f"- commit {env.get('commit', '?')}",
+         f"- matmul rate (MFU denominator): {fmt(mm.get('tflops_median'))} TFLOP/s median "
+         f"({mm.get('dtype', '?')} {mm.get('size', '?')}^3, max {fmt(mm.get('tflops_max'))})"
+         + (f" ERROR {mm['error']}" if "error" in mm else "")]
+    if env.get("smoke"):
+        L.append("- **SMOKE TEST**: tiny shapes on the CPU; the figures mean nothing")
+    t = r.get("tests")
+    if t:
+        L.append(f"- device tests (`ctest -L device`): {t.get('summary', '?')}"
+                 + (f"; failed: {t['failed']}" if t.get("failed") else ""))
+    if r.get("phases"):
+        L.append("- phases (rc 124 = timed out): " + "; ".join(r["phases"]))
+    L += ["", "ms/step: nnstrain = mean over the timed steps of its metrics records; PyTorch = CUDA events over "
+          "the timed steps. MFU = nnstrain's FLOPs/token x tokens/s / the matmul rate above. Ratio > 1: nnstrain "
+          "faster. Memory: allocator peak (allocated) in MiB; estimate = `nnstrain plan` total.", "",
+          "| benchmark | micro-batch x seq | ms/step nnstrain / eager / compile | tok/s nnstrain | "
+          "MFU nnstrain / eager / compile | nnstrain vs eager / compile | peak MiB nnstrain / eager / compile | "
+          "plan estimate MiB (error) |",
+          "|---|---|---|---:|---|---|---|---|"]
+    rows = [(name, variant) for name in ("shakespeare", "gpt2", "llama") for variant in ("", "graphs")
+            if r.get("benchmarks", {}).get(name) and (not variant or "nnstrain_graphs" in r["benchmarks"][name])]
+    for name, variant in rows:
+        e = r["benchmarks"][name]
+        n = e.get("nnstrain_graphs" if variant else "nnstrain", {})
+        pe, pc = e.get("pytorch_eager", {}), e.get("pytorch_compile", {})
+        pl = e.get("plan", {}) if not variant else {}
+        pre = "graphs_" if variant else ""
+
+        def ms(x):
+            if "error" in x and "ms_per_step" not in x:
+                return "fail"
+            b = x.get("batch")
+            extra = f" (b{b})" if b and b != e.get("micro_batch") else ""
+            return fmt(x.get("ms_per_step"), ".2f") + extra
+
+        def pct(x):
+            return fmt(100 * x["mfu"], ".1f") + "%" if x.get("mfu") is not None else "-"
+
+        est = (f"{fmt(pl.get('estimate_total_mb'), '.0f')} ({fmt(100 * pl['error'], '+.1f')}%)"
+               if "error" in pl and isinstance(pl.get("error"), float) else pl.get("error", "-")[:60]
+               if isinstance(pl.get("error"), str) else "-")
+        label = f"{name} (cuda_graphs)" if variant else name
+        L.append(f"| {label} | {e.get('micro_batch', '?')} x {e.get('seq_len', '?')} | {ms(n)} / {ms(pe)} / {ms(pc)} | "
+                 f"{fmt(n.get('tokens_per_s'), '.0f')} | {pct(n)} / {pct(pe)} / {pct(pc)} | "
+                 f"{fmt(e.get(pre + 'ratio_vs_eager'), '.2f')} / {fmt(e.get(pre + 'ratio_vs_compile'), '.2f')} | "
+                 f"{fmt(n.get('peak_mem_mb'), '.0f')} / {fmt(pe.get('peak_mem_mb'), '.0f')} / "
+                 f"{fmt(pc.get('peak_mem_mb'), '.0f')} | {est} |")
+    notes = []
+    for name in ("shakespeare", "gpt2", "llama"):
+        e = r.get("benchmarks", {}).get(name, {})
+        if "error" in e:
+            notes.append(f"- {name}: {e['error']}")
+        for who in ("nnstrain", "nnstrain_graphs", "pytorch_eager", "pytorch_compile"):
+            x = e.get(who, {})
+            if "error" in x:
+                notes.append(f"- {name} {who}: {x['error']}".replace("\n", " | "))
+            if x.get("split_ms"):
+                notes.append(f"- {name} {who} step split (ms): " +
+                             ", ".join(f"{k} {v:.2f}" for k, v in x["split_ms"].items()))
+            if who == "pytorch_compile" and x.get("first_step_s"):
+                notes.append(f"- {name} torch.compile: first step (compilation) {x['first_step_s']:.0f} s")
+        if e.get("probes") and e["probes"][0]["micro_batch"]:
+            notes.append(f"- {name} micro-batch probe: " + ", ".join(
+                f"{p['micro_batch']}: {'OOM' if p['oom'] else ('ok' if p['rc'] == 0 else 'rc ' + str(p['rc']))}"
+                for p in e["probes"]))
+        pl = e.get("plan", {})
+        if pl.get("recompute_layers"):
+            notes.append(f"- {name}: the planner chose recompute for {pl['recompute_layers']} layers")
+    f = r.get("benchmarks", {}).get("shakespeare_full")
+    if f:
+        n = f.get("nnstrain", {})
+        L += ["", "## shakespeare_char, full run (5000 steps, eval every 250 x 200 batches)", "",
+              f"- best val loss {fmt(n.get('best_val_loss'), '.4f')} at step {n.get('best_val_step', '-')}, "
+              f"final {fmt(n.get('final_val_loss'), '.4f')} (goal <= 1.48; nanoGPT 1.4697)",
+              f"- wall time {fmt(n.get('wall_s'), '.1f')} s (process start to exit, evaluation included; "
+              f"nanoGPT ~3 min on an A100); mean ms/step {fmt(n.get('ms_per_step'), '.2f')} (evaluation included)",
+              f"- peak memory {fmt(n.get('peak_mem_mb'), '.0f')} MiB" +
+              (f"; ERROR: {n['error']}" if "error" in n else "")]
+    if notes:
+        L += ["", "## Notes", ""] + notes
+    path.write_text("\n".join(L) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("phases", nargs="+",
+                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "summary"])
+    ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
+    ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
+    ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
+    ap.add_argument("--precision", default="", help="override every config's precision (e.g. 32-true)")
+    ap.add_argument("--time-limit", type=float, default=0, help="seconds for all phases of this call; 0 = none")
+    ap.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile reference")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    a = ap.parse_args()
+    a.nnstrain = str(pathlib.Path(a.nnstrain).resolve())
+    ctx = Ctx(a)
+    if "env" not in ctx.results:
+        ctx.results["env"] = environment(a)
+        ctx.save()
+    for phase in a.phases:
+        log(f"phase {phase}")
+        try:
+            if phase == "matmul":
+                ensure_matmul(ctx)
+            elif phase in ("shakespeare", "gpt2", "llama"):
+                bench_timed(ctx, phase)
+            elif phase == "shakespeare_full":
+                bench_full(ctx)
+        except Exception as e:  # one phase's failure must not lose the others
+            log(f"phase {phase} failed: {e!r}")
+            ctx.results["benchmarks"].setdefault(phase, {})["error"] = f"driver: {e!r}"
+        ctx.save()
+    log(f"results in {ctx.out}")
+
+
+if __name__ == "__main__":
+    main()
