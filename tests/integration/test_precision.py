@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from conftest import TEST_DEVICE, device_args
+
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "tiny_dp.yaml"
 SOURCE = pathlib.Path(os.environ.get("NNSTRAIN_SOURCE_DIR", HERE.parents[1]))
@@ -39,6 +41,8 @@ def job_env(**extra):
     prefixes = ("SLURM_", "PBS_", "PALS_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(prefixes)}
     env["OMP_NUM_THREADS"] = "1"
+    if TEST_DEVICE == "cuda":
+        env["NNSTRAIN_SHARE_DEVICES"] = "1"  # several test ranks on a machine's one GPU
     env.update(extra)
     return env
 
@@ -68,7 +72,7 @@ def train(tiny_tokens, tmp_path_factory):
     def run(name, nproc, *overrides, env=None, check=True, resume=None, run_dir=None):
         run_dir = run_dir or tmp_path_factory.mktemp(name)
         args = ["--config", str(CONFIG), "--vars.data", str(tiny_tokens), "--run_dir", str(run_dir),
-                "--max_train_steps", str(STEPS), *map(str, overrides)]
+                "--max_train_steps", str(STEPS), *device_args(nproc), *map(str, overrides)]
         if resume is not None:
             args += ["--resume", str(resume)]
         cmd = [binary, *args] if nproc == 1 else [binary, "launch", "--nproc-per-node", str(nproc), "--", *args]

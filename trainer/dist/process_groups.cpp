@@ -1,5 +1,6 @@
 #include "trainer/dist/process_groups.h"
 
+#include <ATen/DeviceAccelerator.h>
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -99,7 +100,15 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts)
     }
   }
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
-  if (backend_name_ == "nccl") monitor_ = std::thread([this] { monitor_loop(); });
+  if (backend_name_ == "nccl") {
+    // The monitor queries CUDA events: on this rank's device, so that it never
+    // opens a context on cuda:0 (a new thread's default).
+    const int device = opts.cuda ? at::accelerator::getDeviceIndex() : -1;
+    monitor_ = std::thread([this, device] {
+      if (device >= 0) at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(device));
+      monitor_loop();
+    });
+  }
 }
 
 Runtime::~Runtime() {
