@@ -15,10 +15,11 @@ out=$root/.debs
 mkdir -p "$out"
 
 # scripts/setup.sh's C++ dependencies (third_party/dependencies.cmake), with the
-# runtime libraries the -dev packages point at. libgloo-dev is left out: the
-# build takes Gloo from LibTorch. Build tools (cmake, ninja, g++) are there.
+# runtime libraries the -dev packages point at, and libgloo-dev: c10d's
+# ProcessGroupGloo.hpp includes <gloo/...>, which the torch wheel does not ship
+# (the GPU machine's first build failed on it). Build tools (cmake, ninja, g++) are there.
 pkgs=(libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libspdlog-dev libspdlog1.10
-      libfmt-dev libfmt9 catch2 libcxxopts-dev)
+      libfmt-dev libfmt9 catch2 libcxxopts-dev libgloo-dev)
 
 missing=()
 for p in "${pkgs[@]}"; do
