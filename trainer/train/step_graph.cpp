@@ -7,6 +7,7 @@
 #ifdef NNSTRAIN_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -67,8 +68,13 @@ void StepGraph::run(const std::vector<data::Batch>& batches) {
       m.body(batches);
     } else {
       for (const auto& b : batches) m.inputs.push_back({b.x.clone(), b.y.clone()});
+      // The warm-up's cached blocks go back to the device, so the graph's private
+      // pool can take that memory instead of doubling the footprint.
+      c10::cuda::CUDACachingAllocator::emptyCache();
       m.graph = std::make_unique<at::cuda::CUDAGraph>();
-      m.graph->capture_begin();
+      // Thread-local capture: the prefetch thread keeps copying the next batches
+      // (on its own stream) while this thread records.
+      m.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
       m.body(m.inputs);
       m.graph->capture_end();
     }
