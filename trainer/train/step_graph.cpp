@@ -5,7 +5,6 @@
 #include <stdexcept>
 
 #ifdef NNSTRAIN_CUDA
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,6 +22,14 @@ struct StepGraph::Impl {
   std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
 };
+
+void use_capture_stream(const c10::Device& device) {
+#ifdef NNSTRAIN_CUDA
+  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, device.index()));
+#else
+  (void)device;
+#endif
+}
 
 StepGraph::StepGraph(Body body, int warmup) : impl_(std::make_unique<Impl>()) {
 #ifndef NNSTRAIN_CUDA
@@ -53,40 +60,21 @@ void StepGraph::run(const std::vector<data::Batch>& batches) {
     m.graph->replay();
     return;
   }
-  // Warm-up and capture run on a side stream that waits for, and is then waited
-  // on by, the current one.
-  auto current = c10::cuda::getCurrentCUDAStream();
-  auto side = c10::cuda::getStreamFromPool();
-  {
-    at::cuda::CUDAEvent ready;
-    ready.record(current);
-    ready.block(side);
-  }
-  {
-    c10::cuda::CUDAStreamGuard guard(side);
-    if (m.calls < m.warmup) {
-      m.body(batches);
-    } else {
-      for (const auto& b : batches) m.inputs.push_back({b.x.clone(), b.y.clone()});
-      // The warm-up's cached blocks go back to the device, so the graph's private
-      // pool can take that memory instead of doubling the footprint.
-      c10::cuda::CUDACachingAllocator::emptyCache();
-      m.graph = std::make_unique<at::cuda::CUDAGraph>();
-      // Thread-local capture: the prefetch thread keeps copying the next batches
-      // (on its own stream) while this thread records.
-      m.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-      m.body(m.inputs);
-      m.graph->capture_end();
-    }
-  }
-  {
-    at::cuda::CUDAEvent done;
-    done.record(side);
-    done.block(current);
+  if (m.calls < m.warmup) {
+    m.body(batches);
+  } else {
+    for (const auto& b : batches) m.inputs.push_back({b.x.clone(), b.y.clone()});
+    // The warm-up's cached blocks go back to the device, so the graph's private
+    // pool can take that memory instead of doubling the footprint.
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    m.graph = std::make_unique<at::cuda::CUDAGraph>();
+    // Thread-local capture: the prefetch thread keeps pinning host memory meanwhile.
+    m.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    m.body(m.inputs);
+    m.graph->capture_end();
+    m.graph->replay();  // capturing recorded the step without running it
   }
   ++m.calls;
-  // Capturing records the step without running it: run it now.
-  if (m.graph) m.graph->replay();
 #else
   (void)batches;
 #endif

@@ -4,18 +4,26 @@
 // graph launch instead of hundreds of kernel launches. Its inputs are static: the
 // batches are copied into buffers the graph reads, the learning rate into a
 // device scalar; everything else the step touches lives in tensors that persist
-// across steps. The first `warmup` steps run eagerly on a side stream (as
-// PyTorch's whole-network capture requires: lazy initialisation, cuBLAS
-// workspaces, autograd's device threads), the next is captured and replayed.
+// across steps. The whole run works on one non-default stream
+// (use_capture_stream(), called before the model's gradient hooks exist: autograd
+// runs each AccumulateGrad node on the stream current when it was created, and
+// the legacy default stream cannot take part in a capture). The first `warmup`
+// steps run eagerly (lazy initialisation, cuBLAS workspaces, autograd's device
+// threads), the next is captured and replayed.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 #include "data/token_bin.h"
 
 namespace nnstrain::train {
+
+// Makes a pool stream of `device` current for this thread, for the rest of the run.
+void use_capture_stream(const c10::Device& device);
 
 class StepGraph {
  public:

@@ -108,6 +108,8 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   log::init(env.rank, env.world_size);
   const torch::Device device = dist::bind_device(args.compute_config.device, env);  // before any CUDA work
   dist::set_allow_tf32(args.compute_config.allow_tf32);
+  // CUDA graphs: the run works on a non-default stream from here on (step_graph.h).
+  if (args.compute_config.cuda_graphs && device.is_cuda()) use_capture_stream(device);
   const int world = env.world_size, rank = env.rank;
   const int64_t micro = args.micro_batch_size, global_batch = args.global_batch_size;
 
