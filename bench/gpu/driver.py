@@ -525,16 +525,25 @@ def bench_timed(ctx, name):
     ctx.save()
 
     # The same run with the whole step captured in a CUDA graph (compute_config.cuda_graphs;
-    # one GPU only, so not in the CPU smoke test).
+    # one GPU only, so not in the CPU smoke test). Capture needs memory beside the
+    # step's own: on OOM it steps down the remaining micro-batch candidates.
     if not ctx.smoke and nn.get("rc") == 0:
-        log(f"{name}: nnstrain with cuda_graphs")
-        g = run_nnstrain(ctx, name, "graphs", b["config"], over + ["--compute_config.cuda_graphs", "true"], drop,
-                         ctx.left(b["cap_nnstrain"]))
-        if "ms_per_step" in g:
-            g["tokens_per_s"] = tokens_step / g["ms_per_step"] * 1000.0
-        add_mfu(g, fpt, rate)
-        entry["nnstrain_graphs"] = g
-        ctx.save()
+        rest = batches[batches.index(cfg["micro_batch_size"]):] if batches else [None]
+        for mb in rest:
+            g_over = [x for x in over]
+            if mb:
+                g_over[g_over.index("--micro_batch_size") + 1] = str(mb)
+            log(f"{name}: nnstrain with cuda_graphs" + (f", micro-batch {mb}" if mb else ""))
+            g = run_nnstrain(ctx, name, f"graphs_b{mb}" if mb else "graphs", b["config"],
+                             g_over + ["--compute_config.cuda_graphs", "true"], drop, ctx.left(b["cap_nnstrain"]))
+            g["batch"] = mb or cfg["micro_batch_size"]
+            if "ms_per_step" in g:
+                g["tokens_per_s"] = g["batch"] * entry["seq_len"] / g["ms_per_step"] * 1000.0
+            add_mfu(g, fpt, rate)
+            entry["nnstrain_graphs"] = g
+            ctx.save()
+            if g["rc"] == 0 or not g.get("oom"):
+                break
 
     # The PyTorch loops on the same shapes, data and batch. Compile starts at the
     # batch eager fitted: an OOM found only after compiling costs a minute.
