@@ -10,10 +10,13 @@ loss; a lost update path (updates rounded away in bf16, a scale never undone) en
 far above it, at the loss of an untrained or barely trained model (>= 2.4 here).
 The bf16-mixed run must also reach nanoGPT's bar, val loss <= 1.95.
 
-16-mixed runs its first 500 steps only (same schedule, decay_steps is fixed in the
-config): this CPU has no native fp16 matrix units, so fp16 GEMMs are emulated
-and a step costs several times a bf16 or fp32 one; the curve is compared at the
-evaluations it reaches (250, 500).
+16-mixed runs the first 100 steps only (same schedule: decay_steps is fixed in
+the config): CPUs without fp16 matrix units (this one has AVX512-BF16 but no
+AVX512-FP16) run fp16 GEMMs about 15x slower than bf16 (1059 vs 58 ms/step
+measured here). Its training-loss curve (logged every 50 steps, on exactly the
+batches 32-true trains on) must stay within 1% of 32-true's: loss scaling and
+the fp32 masters make its first steps follow fp32 closely, where a missing
+unscale or lost updates would not.
 """
 import json
 import os
@@ -26,7 +29,7 @@ from conftest import SOURCE, nnstrain_bin_path, single_process_env
 
 CONFIG = SOURCE / "configs" / "shakespeare_char_cpu.yaml"
 VAL_ATOL = 0.03
-MODES = {"32-true": 2000, "bf16-mixed": 2000, "16-mixed": 500}  # mode: steps
+MODES = {"32-true": 2000, "bf16-mixed": 2000, "16-mixed": 100}  # mode: steps
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +53,27 @@ def curves(data, tmp_path_factory):
         assert p.returncode == 0, p.stdout + p.stderr
         recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
         out[mode] = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+        out[mode + "/train"] = {r["step"]: r["loss"] for r in recs if "loss" in r}
         print(f"\n{mode}: " + ", ".join(f"{s}: {v:.4f}" for s, v in sorted(out[mode].items())))
     return out
 
 
-@pytest.mark.parametrize("mode", ["bf16-mixed", "16-mixed"])
-def test_val_curve_follows_fp32(curves, mode):
-    got, ref = curves[mode], curves["32-true"]
-    assert sorted(ref) == list(range(250, 2001, 250))
-    assert sorted(got) == list(range(250, MODES[mode] + 1, 250))
+def test_bf16_mixed_val_curve_follows_fp32(curves):
+    got, ref = curves["bf16-mixed"], curves["32-true"]
+    assert sorted(ref) == sorted(got) == list(range(250, 2001, 250))
     diffs = {s: got[s] - ref[s] for s in got}
-    print(f"\n{mode} - 32-true: " + ", ".join(f"{s}: {d:+.4f}" for s, d in sorted(diffs.items())))
+    print("\nbf16-mixed - 32-true: " + ", ".join(f"{s}: {d:+.4f}" for s, d in sorted(diffs.items())))
     assert all(abs(d) <= VAL_ATOL for d in diffs.values()), diffs
     assert ref[2000] < ref[250] - 0.3  # the comparison is over a real learning curve
+
+
+def test_fp16_mixed_train_curve_follows_fp32(curves):
+    got, ref = curves["16-mixed/train"], curves["32-true/train"]
+    assert sorted(got) == [50, 100]
+    rel = {s: abs(got[s] - ref[s]) / ref[s] for s in got}
+    print(f"\n16-mixed vs 32-true train loss: {got} vs {[ref[s] for s in got]}, rel {rel}")
+    assert all(r <= 0.01 for r in rel.values()), rel
+    assert ref[100] < ref[50] - 0.1  # still falling fast there: a frozen model would be far off
 
 
 def test_bf16_mixed_reaches_nanogpt_bar(curves):
