@@ -63,6 +63,14 @@ def framed_records(path):
     return n
 
 
+def tag(key):
+    """The tag nnstrain gives a metrics key (docs/observability.md): grouped into time/, val/, train/."""
+    for group in ("time", "val"):
+        if key.startswith(group + "_"):
+            return group + "/" + key[len(group) + 1:]
+    return "train/" + key
+
+
 def assert_scalars_match(scalars, records, what):
     """Every numeric field of every record is a TensorBoard scalar at its step, equal as float32."""
     checked = 0
@@ -70,10 +78,11 @@ def assert_scalars_match(scalars, records, what):
         for key, v in r.items():
             if key == "step" or not isinstance(v, (int, float)) or isinstance(v, bool):
                 continue
-            assert key in scalars, f"{what}: tag {key} missing from TensorBoard (tags: {sorted(scalars)})"
-            assert r["step"] in scalars[key], f"{what}: {key} has no value at step {r['step']}"
-            got = scalars[key][r["step"]]
-            assert np.float32(got) == np.float32(v), f"{what}: {key} at step {r['step']}: {got} != {v}"
+            t = tag(key)
+            assert t in scalars, f"{what}: tag {t} missing from TensorBoard (tags: {sorted(scalars)})"
+            assert r["step"] in scalars[t], f"{what}: {t} has no value at step {r['step']}"
+            got = scalars[t][r["step"]]
+            assert np.float32(got) == np.float32(v), f"{what}: {t} at step {r['step']}: {got} != {v}"
             checked += 1
     return checked
 
@@ -98,9 +107,12 @@ def test_tensorboard_events_hold_every_logged_scalar(straight):
         assert all(key in r for r in run.train), f"{key} missing from metrics.jsonl"
     n = assert_scalars_match(scalars, run.train + run.val, "straight run")
     assert n >= 40 * 11 + 4, n
-    assert sorted(scalars["val_loss"]) == [10, 20, 30, 40]
+    assert sorted(scalars["val/loss"]) == [10, 20, 30, 40]
+    assert sorted(scalars["train/loss"]) == list(range(1, 41))
+    assert "time/forward_ms" in scalars
     # Nothing in TensorBoard that the JSONL does not have.
-    assert sorted(scalars["loss"]) == list(range(1, 41))
+    keys = {k for r in run.train + run.val for k in r if k != "step"}
+    assert set(scalars) == {tag(k) for k in keys}, sorted(scalars)
 
 
 def test_step_time_split_is_logged(straight):
@@ -171,7 +183,7 @@ def test_resume_after_an_interrupted_run_logs_every_step_once(nnstrain, tiny_tok
     assert len(files) == 2  # one per session; the second restarts at step 21
     for f in files:
         assert records[f.name] == framed_records(f)
-    assert sorted(scalars["loss"]) == list(range(1, 41))
+    assert sorted(scalars["train/loss"]) == list(range(1, 41))
     assert_scalars_match(scalars, second.train + second.val, "resumed run")
 
 

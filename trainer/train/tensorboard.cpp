@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
+#include <string>
 
 namespace nnstrain::train {
 
@@ -59,6 +60,15 @@ std::string event_header(int64_t step) {
 
 }  // namespace
 
+std::string TensorBoardSink::tag_for(const std::string& key) {
+  for (const char* group : {"time", "val"}) {
+    const std::string prefix = std::string(group) + "_";
+    if (key.rfind(prefix, 0) == 0 && key.size() > prefix.size())
+      return std::string(group) + "/" + key.substr(prefix.size());
+  }
+  return "train/" + key;
+}
+
 uint32_t crc32c(const void* data, size_t size) {
   static const auto table = make_crc_table();
   uint32_t c = 0xFFFFFFFFu;
@@ -103,7 +113,7 @@ void TensorBoardSink::write(const nlohmann::json& record) {
   for (const auto& [key, value] : record.items()) {
     if (key == "step" || !value.is_number()) continue;
     std::string v;  // Summary.Value: tag = 1 (string), simple_value = 2 (float)
-    put_bytes(v, 1, key);
+    put_bytes(v, 1, tag_for(key));
     put_key(v, 2, 5);
     put_fixed(v, static_cast<float>(value.get<double>()));
     put_bytes(summary, 1, v);  // Summary.value = 1 (repeated)

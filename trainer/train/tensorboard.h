@@ -25,9 +25,14 @@ class TensorBoardSink {
   // shows once.
   TensorBoardSink(const std::string& dir, int64_t start_step);
 
-  // Every numeric field of `record` except "step" becomes a scalar (its key is
-  // the tag) at step record["step"]. Flushed every write.
+  // Every numeric field of `record` except "step" becomes a scalar at step
+  // record["step"], tagged by tag_for(key). Flushed every write.
   void write(const nlohmann::json& record);
+
+  // The TensorBoard tag of a metrics key, grouped the way TensorBoard shows
+  // sections: "time_forward_ms" -> "time/forward_ms", "val_loss" -> "val/loss",
+  // anything else -> "train/<key>" ("train/loss", "train/loss_scale", ...).
+  static std::string tag_for(const std::string& key);
 
   const std::string& path() const { return path_; }
 
