@@ -23,7 +23,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import nnstrain_bin_path
+from conftest import SOURCE, nnstrain_bin_path, single_process_env
 
 CONFIG = "tiny_gpt.yaml"
 TIME_KEYS = ["time_data_ms", "time_forward_ms", "time_backward_ms", "time_comm_ms", "time_optimizer_ms"]
@@ -158,6 +158,25 @@ def test_profiler_trace_has_step_parts(nnstrain, tiny_tokens, tmp_path):
         return {e["name"] for e in spans if e.get("cat") == "cpu_op" and r["ts"] <= e["ts"] <= r["ts"] + r["dur"]}
     assert ops_inside("forward") & {"aten::mm", "aten::matmul", "aten::addmm", "aten::linear"}, "no matmul in forward"
     assert any(n.endswith("Backward0") for n in ops_inside("backward")), "no autograd function in backward"
+
+
+def test_two_ranks_write_a_trace_and_a_log_each(tiny_tokens, tmp_path):
+    d = tmp_path / "dp2"
+    args = [nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", "--config",
+            str(SOURCE / "tests/integration/configs" / CONFIG), "--vars.data", str(tiny_tokens), "--run_dir", str(d),
+            "--max_train_steps", "4", "--checkpoint.save_dir=", "--profile.steps", "[2, 3]"]
+    p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for rank in (0, 1):
+        events = json.loads((d / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]
+        names = {e["name"] for e in events if e.get("ph") == "X"}
+        assert {"ProfilerStep#2", "ProfilerStep#3", "forward", "backward", "communication", "optimizer"} <= names
+        assert (d / "logs" / f"rank{rank}.log").is_file()
+    assert "world 2 (dp 2)" in (d / "logs" / "rank0.log").read_text()
+    # Only rank 0 writes metrics and events: one record per step, one event file.
+    recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    assert len(list((d / "tensorboard").iterdir())) == 1
 
 
 def test_resume_after_an_interrupted_run_logs_every_step_once(nnstrain, tiny_tokens, tmp_path, straight):

@@ -9,6 +9,7 @@
 
 #ifdef NNSTRAIN_CUDA
 #include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace nnstrain::train {
@@ -25,6 +26,7 @@ const char* StepTimer::metric_key(Part p) { return kKeys[p]; }
 
 struct StepTimer::Impl {
   bool cuda = false;
+  c10::DeviceIndex index = 0;  // the training device (which need not be the current one)
   bool timed = false;
   int current = -1;  // the part running now, -1 outside a step
   std::string step_name;
@@ -41,7 +43,7 @@ struct StepTimer::Impl {
   size_t used = 0;
   void record() {
     if (used == events.size()) events.emplace_back(cudaEventDefault);  // timing enabled
-    events[used++].record();
+    events[used++].record(c10::cuda::getCurrentCUDAStream(index));
   }
 #endif
 
@@ -68,7 +70,10 @@ struct StepTimer::Impl {
   }
 };
 
-StepTimer::StepTimer(const c10::Device& device) : impl_(std::make_unique<Impl>()) { impl_->cuda = device.is_cuda(); }
+StepTimer::StepTimer(const c10::Device& device) : impl_(std::make_unique<Impl>()) {
+  impl_->cuda = device.is_cuda();
+  impl_->index = device.has_index() ? device.index() : 0;
+}
 StepTimer::~StepTimer() = default;
 
 void StepTimer::begin_step(int64_t step_number, bool timed) {
