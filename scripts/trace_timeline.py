@@ -42,6 +42,7 @@ def main():
         rows.append((len(stack), e))
         stack.append(e)
     depth = 2 + a.depth  # step, part, then operators
+    span_ms = (max(e["ts"] + e["dur"] for e in steps) - t0) / 1000
     fig, ax = plt.subplots(figsize=(14, 1.0 + 0.55 * depth))
     for level, e in rows:
         if level >= depth:
@@ -49,8 +50,8 @@ def main():
         x, w = (e["ts"] - t0) / 1000, e["dur"] / 1000
         color = "#f2cf5b" if level == 0 else PARTS.get(e["name"], "#bab0ac")
         ax.barh(-level, w, left=x, height=0.8, color=color, edgecolor="white", linewidth=0.3)
-        if w > 0.06 * max(s["dur"] for s in steps) / 1000:
-            label = e["name"].replace("aten::", "")
+        label = e["name"].replace("autograd::engine::evaluate_function: ", "").replace("aten::", "")
+        if w > span_ms * 0.004 * len(label):  # room for the text (about 0.4% of the width per character)
             ax.text(x + w / 2, -level, label, ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks([-i for i in range(depth)])
     ax.set_yticklabels(["step", "part"] + [f"op level {i + 1}" for i in range(depth - 2)])
