@@ -115,6 +115,20 @@ def test_tensorboard_events_hold_every_logged_scalar(straight):
     assert set(scalars) == {tag(k) for k in keys}, sorted(scalars)
 
 
+def test_the_reader_checks_crcs(straight, tmp_path):
+    """A flipped byte in the last record's payload must make the reader stop before it,
+    so the record counts compared above do check nnstrain's CRC32C."""
+    from tensorboard.backend.event_processing import event_file_loader
+    src = next((straight[0] / "tensorboard").iterdir())
+    data = bytearray(src.read_bytes())
+    data[-8] ^= 0x01  # inside the last payload (its CRC is the final 4 bytes)
+    bad = tmp_path / src.name
+    bad.write_bytes(bytes(data))
+    n_good = sum(1 for _ in event_file_loader.RawEventFileLoader(str(src)).Load())
+    n_bad = sum(1 for _ in event_file_loader.RawEventFileLoader(str(bad)).Load())
+    assert n_bad == n_good - 1 == framed_records(bad) - 1
+
+
 def test_step_time_split_is_logged(straight):
     _, run = straight
     for r in run.train:
