@@ -14,7 +14,7 @@ venv=${NNSTRAIN_VENV:-$HOME/.cache/nnstrain/venv}
 build=${NNSTRAIN_BUILD_DIR:-$root/build}
 build_type=${NNSTRAIN_BUILD_TYPE:-Release}
 torch_pin="torch==2.11.*"
-py_pkgs=(numpy safetensors transformers pytest)
+py_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib)
 
 say() { echo "[setup] $*" >&2; }
 

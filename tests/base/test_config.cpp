@@ -184,8 +184,28 @@ TEST_CASE("config: defaults of a minimal file", "[config]") {
   CHECK(t.grad_accumulation_steps == 1);
   CHECK(t.global_batch_size == 4);  // micro 4 x dp 1 x accumulation 1
   CHECK_FALSE(t.dataset.val_args);
-  REQUIRE(t.log.size() == 2);
+  REQUIRE(t.log.size() == 3);  // console, jsonl, tensorboard
   CHECK(t.log[1].path == (fs::path("runs/tiny") / "metrics.jsonl").string());
+  CHECK(t.log[2].type == "tensorboard");
+  CHECK(t.log[2].path == (fs::path("runs/tiny") / "tensorboard").string());
+  CHECK_FALSE(t.profile.enabled());
+  CHECK_FALSE(t.memory_snapshot);
+}
+
+TEST_CASE("config: profile window and its checks", "[config]") {
+  TempDir tmp;
+  const std::string file = tmp.write("tiny.yaml", minimal(tmp.data("t.bin")) + "profile: {steps: [3, 5]}\n");
+  const TrainerArgs t = load_trainer_args(file, options());
+  CHECK(t.profile.from == 3);
+  CHECK(t.profile.to == 5);
+  CHECK(t.profile.dir == (fs::path("runs/tiny") / "profile").string());
+  LoadOptions bad = options();
+  bad.overrides = {{"profile.steps", "[5, 3]"}};
+  CHECK_THROWS_WITH(load_trainer_args(file, bad), Catch::Contains("profile.steps"));
+  bad.overrides = {{"profile.steps", "[2.5, 3]"}};
+  CHECK_THROWS_WITH(load_trainer_args(file, bad), Catch::Contains("whole step numbers"));
+  bad.overrides = {{"profile.stesp", "[1, 2]"}};
+  CHECK_THROWS_WITH(load_trainer_args(file, bad), Catch::Contains("profile.stesp"));
 }
 
 TEST_CASE("config: the launch size fills runtime_ngpus and the batch derives accumulation", "[config]") {

@@ -25,7 +25,7 @@ DOC = SOURCE / "docs" / "config.md"
 # docs/config.md's "## <heading>" -> the key prefix of its table's rows.
 SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "model.", "optimizer": "optimizer.",
             "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
-            "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler."}
+            "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
 
 
@@ -78,7 +78,9 @@ def full_config(tmp_path):
         "max_train_steps": 2,
         "precision": "16-mixed",  # so loss_scaler is read too
         "loss_scaler": {},
-        "log": [{"type": "console"}, {"type": "jsonl", "args": {"path": str(tmp_path / "m.jsonl")}}],
+        "profile": {"steps": [1, 2]},
+        "log": [{"type": "console"}, {"type": "jsonl", "args": {"path": str(tmp_path / "m.jsonl")}},
+                {"type": "tensorboard", "args": {"dir": str(tmp_path / "tb")}}],
     }
 
 
@@ -102,7 +104,7 @@ def test_the_doc_tables_are_found():
     # A parser that found nothing would make the comparisons below vacuous.
     assert {"compute_config.device", "optimizer.args.lr", "checkpoint.save_dir", "precision"} <= keys, keys
     assert len(keys) > 40, keys
-    assert sinks == {"console", "jsonl"}, sinks
+    assert sinks == {"console", "jsonl", "tensorboard"}, sinks
 
 
 def test_every_documented_key_is_read_by_the_loader(resolved):
@@ -121,7 +123,7 @@ def test_every_key_the_loader_reads_is_documented(resolved):
 
 
 MAPPINGS = ["", "compute_config", "model", "optimizer", "optimizer.args", "lr_scheduler", "lr_scheduler.args",
-            "dataset", "dataset.train_args", "dataset.val_args", "dataloader", "checkpoint"]
+            "dataset", "dataset.train_args", "dataset.val_args", "dataloader", "checkpoint", "profile"]
 
 
 @pytest.mark.parametrize("where", MAPPINGS)

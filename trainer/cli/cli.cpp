@@ -17,6 +17,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/checkpoint/merge.h"
 #include "trainer/cli/plan_command.h"
+#include "trainer/cli/report.h"
 #include "trainer/train/trainer.h"
 
 namespace nnstrain::cli {
@@ -31,6 +32,7 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
+  nnstrain report RUN_DIR [--out PNG] [--no-plot]   summary of a run folder and a PNG of its loss curves
   nnstrain env                     print the rank/world this process would use
 
 Overrides follow nnScaler: --optimizer.args.lr 3e-4 or --optimizer.args.lr=3e-4.
@@ -119,6 +121,7 @@ int main(int argc, char** argv) {
   if (cmd == "env") return dist::env_main(tail());
   if (cmd == "plan") return plan_main(tail());
   if (cmd == "merge") return checkpoint::merge_main(tail());
+  if (cmd == "report") return report_main(tail());
   if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {
     std::cout << kUsage;
     return cmd.empty() ? 2 : 0;

@@ -1,6 +1,6 @@
 #pragma once
 
 namespace nnstrain::cli {
-// Dispatches `nnstrain [train|merge|plan|launch|prepare|env] ...`; returns the exit status.
+// Dispatches `nnstrain [train|merge|plan|launch|prepare|report|env] ...`; returns the exit status.
 int main(int argc, char** argv);
 }

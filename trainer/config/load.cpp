@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <sstream>
 
@@ -359,33 +360,56 @@ TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) 
   t.log_progress_every_n_train_steps = top.get_int("log_progress_every_n_train_steps", 10, 1);
   t.seed = static_cast<uint64_t>(top.get_int("seed", 0, 0));
 
-  // log: a list of sinks; absent = console plus <run_dir>/metrics.jsonl.
+  // log: a list of sinks; absent = console, <run_dir>/metrics.jsonl, <run_dir>/tensorboard.
   const std::string default_metrics = (fs::path(t.run_dir) / "metrics.jsonl").string();
+  const std::string default_events = (fs::path(t.run_dir) / "tensorboard").string();
   if (top.has("log")) {
     for (auto& sink_impl : top_impl->child_list("log")) {
       ArgMap sink(sink_impl);
       LogSink ls;
-      ls.type = sink.get_string("type", std::nullopt, {"console", "jsonl"});
+      ls.type = sink.get_string("type", std::nullopt, {"console", "jsonl", "tensorboard"});
       ArgMap sargs_ = sink.child("args");
       if (ls.type == "jsonl") {
         ls.path = sargs_.get_string("path", default_metrics);
         if (ls.path.empty()) sargs_.fail("path", "must not be empty");
+      } else if (ls.type == "tensorboard") {
+        ls.path = sargs_.get_string("dir", default_events);
+        if (ls.path.empty()) sargs_.fail("dir", "must not be empty");
       }
       t.log.push_back(ls);
     }
   } else {
-    t.log = {{"console", ""}, {"jsonl", default_metrics}};
+    t.log = {{"console", ""}, {"jsonl", default_metrics}, {"tensorboard", default_events}};
     YAML::Node seq(YAML::NodeType::Sequence);
     for (const auto& ls : t.log) {
       YAML::Node sink(YAML::NodeType::Map);
       sink["type"] = ls.type;
       YAML::Node args(YAML::NodeType::Map);
-      if (!ls.path.empty()) args["path"] = ls.path;
+      if (!ls.path.empty()) args[ls.type == "tensorboard" ? "dir" : "path"] = ls.path;
       sink["args"] = args;
       seq.push_back(sink);
     }
     top_impl->record("log", seq);
   }
+
+  // profile: {steps: [from, to], dir, record_shapes, with_stack}
+  if (top.has("profile")) {
+    ArgMap prof = top.child("profile");
+    const auto steps = prof.get_float_list("steps");
+    if (steps.size() != 2 || steps[0] != std::floor(steps[0]) || steps[1] != std::floor(steps[1]) || steps[0] < 1 ||
+        steps[1] < steps[0])
+      prof.fail("steps", "expected two whole step numbers [from, to] with 1 <= from <= to");
+    t.profile.from = static_cast<int64_t>(steps[0]);
+    t.profile.to = static_cast<int64_t>(steps[1]);
+    t.profile.dir = prof.get_string("dir", (fs::path(t.run_dir) / "profile").string());
+    if (t.profile.dir.empty()) prof.fail("dir", "must not be empty");
+    t.profile.record_shapes = prof.get_bool("record_shapes", false);
+    t.profile.with_stack = prof.get_bool("with_stack", false);
+  }
+  t.memory_snapshot = top.get_bool("memory_snapshot", false);
+  t.memory_snapshot_step = top.get_int("memory_snapshot_step", 0, 0);
+  if (t.memory_snapshot_step > 0 && !t.memory_snapshot)
+    top.fail("memory_snapshot_step", "is set but memory_snapshot is false");
 
   // Unknown keys before the checks that combine keys: a misspelt key would
   // otherwise surface as a confusing consequence of its default.

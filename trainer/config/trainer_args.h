@@ -99,13 +99,22 @@ struct LossScalerArgs {
 };
 
 struct LogSink {
-  std::string type;               // console | jsonl
-  std::string path;               // for file sinks
+  std::string type;               // console | jsonl | tensorboard
+  std::string path;               // jsonl: the file; tensorboard: the folder of event files
+};
+
+// profile: record steps [from, to] (1-based, inclusive) with LibTorch's profiler.
+struct ProfileArgs {
+  int64_t from = 0, to = 0;       // to == 0: no profiling
+  std::string dir;                // one Chrome trace per rank; default <run_dir>/profile
+  bool record_shapes = false;
+  bool with_stack = false;
+  bool enabled() const { return to > 0; }
 };
 
 struct TrainerArgs {
   std::string config_file;
-  std::string run_dir;            // where metrics.jsonl goes
+  std::string run_dir;            // the run folder: config, plan, metrics, events, logs (docs/observability.md)
   ComputeConfig compute_config;
   std::string pas_policy = "autodist";  // dp | tp | hybrid | autodist
   ModelArgs model;
@@ -126,6 +135,9 @@ struct TrainerArgs {
   int64_t log_progress_every_n_train_steps = 10;
   uint64_t seed = 0;
   std::vector<LogSink> log;
+  ProfileArgs profile;
+  bool memory_snapshot = false;       // CUDA allocator history and snapshots
+  int64_t memory_snapshot_step = 0;   // dump after this step; 0 = the run's first step
 
   std::string resolved_yaml;          // the resolved configuration, as YAML
 };

@@ -1,5 +1,6 @@
 #include "trainer/train/log.h"
 
+#include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -19,7 +20,17 @@ std::shared_ptr<spdlog::logger> logger() {
 void init(int rank, int world_size) {
   auto l = logger();
   if (world_size > 1) l->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(rank) + "] [%^%l%$] %v");
-  l->set_level(rank == 0 ? spdlog::level::info : spdlog::level::warn);
+  // The terminal gets rank 0's info and every rank's warnings; a rank's log file (add_file) gets its info too.
+  l->set_level(spdlog::level::info);
+  l->sinks().front()->set_level(rank == 0 ? spdlog::level::info : spdlog::level::warn);
+}
+void add_file(const std::string& path) {
+  auto sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/false);
+  sink->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] %v");
+  auto& sinks = logger()->sinks();
+  sinks.resize(1);  // one log file at a time: the terminal sink stays first
+  sinks.push_back(sink);
+  logger()->flush_on(spdlog::level::info);
 }
 void info(const std::string& msg) { logger()->info(msg); }
 void warn(const std::string& msg) { logger()->warn(msg); }

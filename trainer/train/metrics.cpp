@@ -6,6 +6,9 @@
 #include <fstream>
 #include <map>
 
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/train/log.h"
+
 #ifdef NNSTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -32,10 +35,36 @@ int64_t peak_memory_bytes(const c10::Device& device) {
   return 0;
 }
 
-JsonlSink::JsonlSink(const std::string& path, bool append) {
+namespace {
+// Keeps the records of steps <= keep_through_step (rewritten durably); a torn
+// last line (the interrupted run died mid-write) goes too.
+void drop_records_after(const std::string& path, int64_t keep_through_step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto rec = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (rec.is_object() && rec.contains("step") && rec["step"].is_number_integer() &&
+        rec["step"].get<int64_t>() <= keep_through_step)
+      kept += line + "\n";
+    else
+      ++dropped;
+  }
+  in.close();
+  checkpoint::write_file_durable(path, kept);
+  if (dropped > 0)
+    log::info("dropped " + std::to_string(dropped) + " records after step " + std::to_string(keep_through_step) +
+              " from " + path + " (logged after the checkpoint this run resumes from)");
+}
+}  // namespace
+
+JsonlSink::JsonlSink(const std::string& path, int64_t start_step) {
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
-  out_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (start_step > 0) drop_records_after(path, start_step);
+  out_.open(path, start_step > 0 ? std::ios::app : std::ios::trunc);
   if (!out_) throw std::runtime_error("cannot open metrics file " + path);
 }
 

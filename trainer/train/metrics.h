@@ -19,8 +19,10 @@ int64_t peak_memory_bytes(const c10::Device& device);
 // One JSON object per line, flushed every write (a crash loses nothing logged).
 class JsonlSink {
  public:
-  // A fresh run starts the file anew; a resumed one appends to it.
-  JsonlSink(const std::string& path, bool append);
+  // A run resumed at `start_step` keeps the records of steps up to it and drops
+  // those the interrupted run logged after its checkpoint, so every step appears
+  // once; a fresh run (0) starts the file anew.
+  JsonlSink(const std::string& path, int64_t start_step);
   void write(const nlohmann::json& record);
 
  private:

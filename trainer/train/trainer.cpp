@@ -27,9 +27,14 @@
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/optim/precision.h"
 #include "trainer/train/log.h"
+#include "trainer/train/memory_snapshot.h"
 #include "trainer/train/metrics.h"
+#include "trainer/train/profiler.h"
+#include "trainer/train/run_dir.h"
 #include "trainer/train/step_graph.h"
+#include "trainer/train/step_timer.h"
 #include "trainer/train/stop_decision.h"
+#include "trainer/train/tensorboard.h"
 
 namespace fs = std::filesystem;
 
@@ -102,10 +107,16 @@ bool inject_nonfinite(int64_t step, int rank) {
   return colon == std::string::npos || std::stoi(at.substr(colon + 1)) == rank;
 }
 
-}  // namespace
+// What an out-of-memory message needs, kept outside the loop's scope.
+struct OomContext {
+  double estimate_bytes = 0;                   // the planner's per-rank total
+  std::unique_ptr<MemorySnapshots> snapshots;  // memory_snapshot: true
+};
 
-int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts) {
+int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts, OomContext& oom) {
   log::init(env.rank, env.world_size);
+  fs::create_directories(fs::path(args.run_dir) / "logs");
+  log::add_file(rank_log_path(args.run_dir, env.rank));
   const torch::Device device = dist::bind_device(args.compute_config.device, env);  // before any CUDA work
   dist::set_allow_tf32(args.compute_config.allow_tf32);
   // CUDA graphs: the run works on a non-default stream from here on (step_graph.h).
@@ -134,6 +145,7 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   preq.device = parallel::device_spec(device.is_cuda() ? "auto" : "cpu");
   preq.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
   const auto plan = parallel::make_plan(preq);
+  oom.estimate_bytes = plan.estimate.total_bytes;
   const int64_t dp = plan.dp, dp_rank = rank / plan.tp, accum = plan.grad_accumulation_steps;
   ro.recompute_layers = plan.recompute;
   model->set_runtime_options(ro);
@@ -214,15 +226,18 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     checkpoint::restore_rng_state(ck, rank, device);
     log::info("resumed from " + resume + " at step " + std::to_string(start_step));
   }
+  if (rank == 0) write_run_files(args, plan, {world, device.str(), resume, start_step, global_batch * seq_len});
 
   // Logging sinks.
   std::unique_ptr<JsonlSink> jsonl;
+  std::unique_ptr<TensorBoardSink> tb;
   bool console = args.log.empty();
   for (const auto& s : args.log) {
     if (s.type == "console") console = true;
-    if (s.type == "jsonl" && rank == 0) jsonl = std::make_unique<JsonlSink>(s.path, start_step > 0);
+    if (s.type == "jsonl" && rank == 0) jsonl = std::make_unique<JsonlSink>(s.path, start_step);
+    if (s.type == "tensorboard" && rank == 0) tb = std::make_unique<TensorBoardSink>(s.path, start_step);
   }
-  if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step > 0);
+  if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step);
 
   std::optional<double> peak;  // MFU only where the device table is meaningful (GPUs)
   if (device.is_cuda()) peak = parallel::peak_flops_for(preq.device, args.precision, args.compute_config.allow_tf32);
@@ -306,7 +321,9 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     const double val_loss = sum.item<double>() / args.max_val_steps;
     if (rank == 0) {
       log::info("step " + std::to_string(step) + ": val loss " + fmt(val_loss));
-      if (jsonl) jsonl->write({{"step", step}, {"val_loss", val_loss}});
+      const nlohmann::json rec = {{"step", step}, {"val_loss", val_loss}};
+      if (jsonl) jsonl->write(rec);
+      if (tb) tb->write(rec);
     }
   };
 
@@ -321,6 +338,19 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
         return train_ds.train_batch(s, (a * dp + dp_rank) * micro, micro);
       },
       start_step * accum, args.dataloader.prefetch, device, args.dataloader.pin_memory);
+
+  // Step-time split at logging steps, profiler window, CUDA memory snapshots.
+  auto logs_at = [&](int64_t s) { return s % args.log_progress_every_n_train_steps == 0 || s == max_steps; };
+  StepTimer timer(device);
+  StepProfiler profiler(args.profile, device, rank);
+  if (args.memory_snapshot) {
+    if (!device.is_cuda())
+      throw config::ConfigError("memory_snapshot: true needs a CUDA device, but this run uses " + device.str() +
+                                " (on CPU the progress line shows peak RSS)");
+    oom.snapshots = std::make_unique<MemorySnapshots>((fs::path(args.run_dir) / "memory").string(), rank,
+                                                      args.memory_snapshot_step > 0 ? args.memory_snapshot_step
+                                                                                    : start_step + 1);
+  }
 
   auto loss_sum = torch::zeros({}, fopts);
   std::unique_ptr<StepGraph> graph;
@@ -344,15 +374,19 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     loss_sum.zero_();
     for (int64_t a = 0; a < accum; ++a) {
       tr.dp->begin_micro_step(a == accum - 1);
+      timer.enter(StepTimer::kForward);
       auto loss = model->loss(batches[a].x, batches[a].y) / static_cast<double>(accum);
       if (poison) loss = loss * std::numeric_limits<double>::infinity();
       loss_sum += loss.detach().to(torch::kFloat32);
+      timer.enter(StepTimer::kBackward);
       (tr.scaler ? loss * tr.scaler->scale() : loss).backward();
     }
     {
       // All on the device, no host sync: unscale, non-finite check, clip, update.
       torch::NoGradGuard no_grad;
+      timer.enter(StepTimer::kComm);
       tr.dp->finish_gradients();
+      timer.enter(StepTimer::kOptimizer);
       grad_norm = tr.dp->grad_norm();  // identical on every rank (gradients reduced, norm all-reduced)
       auto found_inf = torch::isfinite(grad_norm).logical_not().to(torch::kFloat32).reshape({1});
       at::Tensor coef;
@@ -368,7 +402,9 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       }
       if (coef.defined()) tr.dp->scale_gradients(coef);
       tr.optimizer->step(lr, found_inf, graph ? lr_dev : at::Tensor());  // skipped whole where found_inf
+      timer.enter(StepTimer::kComm);
       tr.dp->after_optimizer_step();
+      timer.enter(StepTimer::kOptimizer);
       if (tr.scaler) tr.scaler->update(found_inf);
       step_dev.add_(1);
       first_bad.copy_(torch::where(found_inf.gt(0) & first_bad.lt(0), step_dev, first_bad));
@@ -391,6 +427,9 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
     lr = optim::learning_rate(args.lr_scheduler, args.optimizer.lr,
                               args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
                               args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
+    profiler.before_step(step + 1);
+    // A replayed CUDA graph has no parts to time (the timer's calls ran at capture): no split then.
+    timer.begin_step(step + 1, !graph && logs_at(step + 1));
     std::vector<data::Batch> batches;
     for (int64_t a = 0; a < accum; ++a) batches.push_back(loader.next());
     if (graph) {
@@ -400,8 +439,11 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
       poison = inject_nonfinite(step + 1, rank);
       train_step(batches);
     }
+    timer.end_step();
     ++step;
     ++interval_steps;
+    profiler.after_step(step);
+    if (oom.snapshots) oom.snapshots->after_step(step);
 
     const bool last = step == max_steps;
     if (step % args.log_progress_every_n_train_steps == 0 || last) {
@@ -427,6 +469,16 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
         rec["mfu"] = mfu;
         mfu_txt = ", mfu " + fmt(100 * mfu, 1) + "%";
       }
+      std::string split_txt;
+      if (!graph) {
+        const auto split = timer.read();  // this (logged) step's parts
+        split_txt = ", time";
+        for (int p = 0; p < StepTimer::kNumParts; ++p) {
+          rec[StepTimer::metric_key(StepTimer::Part(p))] = split[p];
+          split_txt += std::string(p ? " / " : " ") + StepTimer::name(StepTimer::Part(p)) + " " + fmt(split[p], 1);
+        }
+        split_txt += " ms";
+      }
       if (rank == 0) {
         if (console)
           log::info("step " + std::to_string(step) + "/" + std::to_string(max_steps) + ": loss " + fmt(loss) +
@@ -435,8 +487,10 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
                     fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB" +
                     (tr.scaler ? ", loss scale " + fmt(rec["loss_scale"].get<double>(), 0) + ", skipped " +
                                      std::to_string(rec["skipped_steps"].get<int64_t>())
-                               : ""));
+                               : "") +
+                    split_txt);
         if (jsonl) jsonl->write(rec);
+        if (tb) tb->write(rec);
       }
       interval_start = std::chrono::steady_clock::now();
       interval_steps = 0;
@@ -454,6 +508,27 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
   }
   if (rank == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   return 0;
+}
+
+}  // namespace
+
+int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts) {
+  OomContext oom;
+  try {
+    return train_loop(args, env, opts, oom);
+  } catch (const c10::OutOfMemoryError& e) {
+    // A planner that underestimated, or a budget set too high: say both numbers and where to look.
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    std::string msg = "rank " + std::to_string(env.rank) + ": out of memory: " + what + "; the planner estimated " +
+                      fmt(oom.estimate_bytes / 1073741824.0, 2) + " GiB per rank (nnstrain plan shows the parts)";
+    const std::string snap = oom.snapshots ? oom.snapshots->oom_snapshot() : "";
+    msg += snap.empty() ? (oom.snapshots ? "; no memory snapshot could be written"
+                                         : "; set memory_snapshot: true to record where the memory went")
+                        : "; memory snapshot " + snap + " (open it in https://pytorch.org/memory_viz)";
+    log::error(msg);
+    return 1;
+  }
 }
 
 }  // namespace nnstrain::train

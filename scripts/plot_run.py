@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Loss curves of an nnstrain run folder as a PNG: training and validation loss
+against steps (left) and tokens seen (right). Called by `nnstrain report`;
+reads RUN_DIR/metrics.jsonl and, for the tokens axis, RUN_DIR/run.json.
+
+    python scripts/plot_run.py RUN_DIR [--out PNG]
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=pathlib.Path)
+    ap.add_argument("--out", type=pathlib.Path)
+    a = ap.parse_args()
+    out = a.out or a.run_dir / "loss_curves.png"
+
+    train, val = [], []
+    for line in (a.run_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if "val_loss" in rec:
+                val.append((rec["step"], rec["val_loss"]))
+            elif "loss" in rec:
+                train.append((rec["step"], rec["loss"]))
+    if not train and not val:
+        sys.exit(f"{a.run_dir}/metrics.jsonl: no loss records to plot")
+    run_json = a.run_dir / "run.json"
+    tokens_per_step = json.loads(run_json.read_text()).get("tokens_per_step", 0) if run_json.exists() else 0
+
+    axes_x = [("step", 1)] + ([("tokens", tokens_per_step)] if tokens_per_step else [])
+    fig, axes = plt.subplots(1, len(axes_x), figsize=(6 * len(axes_x), 4.2), squeeze=False)
+    for ax, (label, scale) in zip(axes[0], axes_x):
+        if train:
+            ax.plot([s * scale for s, _ in train], [v for _, v in train], label="train", lw=1.2)
+        if val:
+            ax.plot([s * scale for s, _ in val], [v for _, v in val], "o-", label="val", lw=1.5, ms=3)
+        ax.set_xlabel(label)
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"nnstrain run {a.run_dir.resolve().name}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

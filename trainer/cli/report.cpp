@@ -1,0 +1,183 @@
+#include "trainer/cli/report.h"
+
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/train/step_timer.h"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::cli {
+
+namespace {
+
+constexpr const char* kUsage = "usage: nnstrain report RUN_DIR [--out PNG] [--no-plot]\n";
+
+struct ReportError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string fixed(double v, int prec) {
+  std::ostringstream o;
+  o.precision(prec);
+  o << std::fixed << v;
+  return o.str();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// metrics.jsonl, split into training records and validation records.
+void read_metrics(const fs::path& file, std::vector<nlohmann::json>& train, std::vector<nlohmann::json>& val) {
+  std::ifstream in(file);
+  if (!in) throw ReportError(file.string() + ": not found (is this a run folder? it holds metrics.jsonl)");
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.empty()) continue;
+    auto rec = nlohmann::json::parse(line, nullptr, false);
+    if (!rec.is_object() || !rec.contains("step") || !rec["step"].is_number_integer())
+      throw ReportError(file.string() + " line " + std::to_string(n) + ": not a metrics record");
+    (rec.contains("val_loss") ? val : train).push_back(std::move(rec));
+  }
+  if (train.empty() && val.empty()) throw ReportError(file.string() + ": no records yet");
+}
+
+std::string checkpoints_line(const fs::path& run_dir) {
+  std::ifstream in(run_dir / "run.json");
+  if (!in) return "unknown (no run.json)";
+  const auto run = nlohmann::json::parse(in, nullptr, false);
+  const std::string dir = run.is_object() ? run.value("checkpoint_dir", "") : "";
+  if (dir.empty()) return "none (checkpoint.save_dir not set)";
+  std::vector<std::string> saved;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 &&
+        fs::exists(e.path() / "manifest.json"))
+      saved.push_back(e.path().filename().string());
+  std::sort(saved.begin(), saved.end());
+  if (saved.empty()) return dir + ": none saved";
+  std::string out = dir + ": ";
+  for (size_t i = 0; i < saved.size(); ++i) out += (i ? ", " : "") + saved[i];
+  const auto latest = checkpoint::latest(dir);
+  if (!latest.empty()) out += " (latest " + fs::path(latest).filename().string() + ")";
+  return out;
+}
+
+// Runs `argv` and waits; returns its exit status (127 if it could not start).
+int run_program(const std::vector<std::string>& argv) {
+  std::vector<char*> cargv;
+  for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  pid_t pid = 0;
+  if (posix_spawnp(&pid, cargv[0], nullptr, nullptr, cargv.data(), environ) != 0) return 127;
+  int status = 0;
+  if (waitpid(pid, &status, 0) < 0) return 127;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+int report_main(const std::vector<std::string>& args) {
+  std::string run_dir, out;
+  bool plot = true;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--out" && i + 1 < args.size()) {
+      out = args[++i];
+    } else if (args[i] == "--no-plot") {
+      plot = false;
+    } else if (args[i] == "-h" || args[i] == "--help") {
+      std::cout << kUsage;
+      return 0;
+    } else if (args[i].rfind("-", 0) != 0 && run_dir.empty()) {
+      run_dir = args[i];
+    } else {
+      std::cerr << "nnstrain report: unexpected argument '" << args[i] << "'\n" << kUsage;
+      return 2;
+    }
+  }
+  if (run_dir.empty()) {
+    std::cerr << "nnstrain report: missing RUN_DIR\n" << kUsage;
+    return 2;
+  }
+  if (out.empty()) out = (fs::path(run_dir) / "loss_curves.png").string();
+
+  std::vector<nlohmann::json> train, val;
+  try {
+    read_metrics(fs::path(run_dir) / "metrics.jsonl", train, val);
+  } catch (const ReportError& e) {
+    std::cerr << "nnstrain report: " << e.what() << "\n";
+    return 2;
+  }
+
+  auto column = [&](const char* key) {
+    std::vector<double> v;
+    for (const auto& r : train)
+      if (r.contains(key) && r[key].is_number()) v.push_back(r[key].get<double>());
+    return v;
+  };
+  std::ostringstream s;
+  s << "run              " << run_dir << "\n";
+  if (!train.empty()) {
+    const auto &first = train.front(), &last = train.back();
+    s << "steps            " << first["step"].get<int64_t>() << " .. " << last["step"].get<int64_t>() << " ("
+      << train.size() << " logged)\n";
+    if (first.contains("loss") && last.contains("loss"))
+      s << "train loss       " << fixed(first["loss"].get<double>(), 4) << " (step " << first["step"] << ") -> "
+        << fixed(last["loss"].get<double>(), 4) << " (step " << last["step"] << ")\n";
+  }
+  if (!val.empty()) {
+    const auto best = std::min_element(val.begin(), val.end(), [](const auto& a, const auto& b) {
+      return a["val_loss"].template get<double>() < b["val_loss"].template get<double>();
+    });
+    s << "best val loss    " << fixed((*best)["val_loss"].get<double>(), 4) << " at step " << (*best)["step"]
+      << " (last " << fixed(val.back()["val_loss"].get<double>(), 4) << " at step " << val.back()["step"] << ")\n";
+  } else {
+    s << "best val loss    none (no validation records)\n";
+  }
+  if (auto v = column("tokens_per_s"); !v.empty()) s << "tokens/s         " << fixed(median(v), 0) << " (median)\n";
+  if (auto v = column("mfu"); !v.empty()) s << "MFU              " << fixed(100 * median(v), 1) << "% (median)\n";
+  if (auto v = column("peak_mem_mb"); !v.empty())
+    s << "peak memory      " << fixed(*std::max_element(v.begin(), v.end()), 0) << " MB\n";
+  std::string split;
+  for (int p = 0; p < train::StepTimer::kNumParts; ++p) {
+    const auto part = train::StepTimer::Part(p);
+    const auto v = column(train::StepTimer::metric_key(part));
+    if (!v.empty()) split += std::string(split.empty() ? "" : " / ") + train::StepTimer::name(part) + " " +
+                             fixed(median(v), 1);
+  }
+  if (!split.empty()) s << "step time split  " << split << " ms (median of logged steps)\n";
+  s << "checkpoints      " << checkpoints_line(run_dir) << "\n";
+  std::cout << s.str();
+  if (!plot) return 0;
+
+  const char* env_py = std::getenv("NNSTRAIN_PYTHON");
+  const std::string python = env_py && *env_py ? env_py : NNSTRAIN_DEFAULT_PYTHON;
+  const std::string script = std::string(NNSTRAIN_SCRIPTS_DIR) + "/plot_run.py";
+  const int rc = run_program({python, script, run_dir, "--out", out});
+  if (rc != 0) {
+    std::cerr << "nnstrain report: the loss-curve plot failed (" << python << " " << script << " exited with "
+              << rc << "); it needs matplotlib (scripts/setup.sh installs it; NNSTRAIN_PYTHON picks the Python), "
+              << "or pass --no-plot\n";
+    return 1;
+  }
+  std::cout << "plot             " << out << "\n";
+  return 0;
+}
+
+}  // namespace nnstrain::cli

@@ -1,0 +1,29 @@
+// `memory_snapshot: true` (CUDA): the caching allocator records its history
+// (every allocation and free, with C++ stacks) from the start; a snapshot in
+// the pickle format PyTorch's memory viz reads (https://pytorch.org/memory_viz)
+// is written after step `memory_snapshot_step` and, from the allocator's
+// out-of-memory callback, at the moment an allocation fails.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace nnstrain::train {
+
+class MemorySnapshots {
+ public:
+  // Throws config::ConfigError in a build without CUDA.
+  MemorySnapshots(const std::string& dir, int rank, int64_t at_step);
+  ~MemorySnapshots();
+
+  void after_step(int64_t step);
+  // Where the out-of-memory snapshot went ("" if none was written).
+  std::string oom_snapshot() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // shared with the allocator's callback, which outlives this
+};
+
+}  // namespace nnstrain::train
