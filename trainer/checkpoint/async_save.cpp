@@ -31,6 +31,7 @@ struct Saver::Impl {
   std::function<void(const SaveReport&)> on_published;
 
   std::vector<at::Tensor> host;  // snapshot buffers, reused while shapes and dtypes stay
+  std::vector<bool> host_pinned;
   std::thread worker;            // the save in flight, if joinable
   std::string error;             // its failure, set by the worker
   // CPU: the worker copies the state while training runs the next forward and
@@ -46,7 +47,10 @@ struct Saver::Impl {
   // Copies every tensor into `host`; returns the pieces as the writer sees them.
   std::vector<StateTensor> snapshot(const std::vector<StateTensor>& tensors) {
     torch::NoGradGuard no_grad;
-    if (host.size() != tensors.size()) host.assign(tensors.size(), at::Tensor());
+    if (host.size() != tensors.size()) {
+      host.assign(tensors.size(), at::Tensor());
+      host_pinned.assign(tensors.size(), false);
+    }
     std::vector<StateTensor> out;
     out.reserve(tensors.size());
 #ifdef NNSTRAIN_CUDA
@@ -69,9 +73,13 @@ struct Saver::Impl {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const auto& src = tensors[i].tensor;
       auto& buf = host[i];
+      // A buffer is pinned exactly when its source is a CUDA tensor (no is_pinned() query:
+      // on a machine without a GPU that would consult the CUDA runtime).
       if (!buf.defined() || buf.sizes() != src.sizes() || buf.scalar_type() != src.scalar_type() ||
-          buf.is_pinned() != src.is_cuda())
+          host_pinned[i] != src.is_cuda()) {
         buf = torch::empty(src.sizes(), src.options().device(torch::kCPU).pinned_memory(src.is_cuda()));
+        host_pinned[i] = src.is_cuda();
+      }
       buf.copy_(src, /*non_blocking=*/src.is_cuda());
       out.push_back({tensors[i].spec, buf});
     }
