@@ -13,6 +13,8 @@
 
 #include <torch/torch.h>
 
+#include "trainer/config/arg_map.h"
+
 namespace nnstrain::data {
 
 struct TokenFile::Impl {
@@ -99,6 +101,14 @@ int64_t TokenFile::max_token() const {
     m.max_token = mx;
   });
   return m.max_token;
+}
+
+void check_token_ids(const TokenFile& file, int64_t vocab_size, const std::string& key) {
+  const int64_t mx = file.max_token();
+  if (mx >= vocab_size)
+    throw config::ConfigError(key + ": token file '" + file.path() + "' holds token id " + std::to_string(mx) +
+                              ", but the model's vocabulary has " + std::to_string(vocab_size) + " ids (0.." +
+                              std::to_string(vocab_size - 1) + "); model.args' vocab_size or the data is wrong");
 }
 
 uint64_t splitmix64(uint64_t x) {

@@ -34,6 +34,10 @@ class TokenFile {
   std::shared_ptr<Impl> impl_;
 };
 
+// Before training: every id in `file` must be below the model's vocabulary. Throws
+// config::ConfigError (exit 2) naming `key`, the file, the largest id and the vocabulary.
+void check_token_ids(const TokenFile& file, int64_t vocab_size, const std::string& key);
+
 struct Batch {
   at::Tensor x, y;  // [B, T] int64; y[b, t] = token after x[b, t]
 };

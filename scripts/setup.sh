@@ -19,8 +19,9 @@ py_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib)
 say() { echo "[setup] $*" >&2; }
 
 # 1. Debian packages: compilers' helpers and the C++ dependencies.
+#    clang + libclang-rt-dev: libFuzzer and the sanitizers for tests/fuzz (CTest's fuzz.libfuzzer).
 apt_pkgs=(cmake ninja-build ccache g++ pkg-config libyaml-cpp-dev nlohmann-json3-dev
-          libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev)
+          libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev clang libclang-rt-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

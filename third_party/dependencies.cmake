@@ -9,7 +9,7 @@ find_package(nlohmann_json 3 REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(cxxopts REQUIRED)
 find_package(Threads REQUIRED)
-if(NNSTRAIN_BUILD_TESTS)
+if(NNSTRAIN_BUILD_TESTS AND NOT NNSTRAIN_FUZZ)
   find_package(Catch2 2 REQUIRED)
 endif()
 
@@ -51,6 +51,9 @@ if(_nnstrain_torch_cuda_lib)
 elseif(NNSTRAIN_WITH_CUDA STREQUAL "ON")
   message(FATAL_ERROR "nnstrain: NNSTRAIN_WITH_CUDA=ON but this LibTorch has no CUDA (no libtorch_cuda.so)")
 endif()
+if(NNSTRAIN_FUZZ)  # the fuzz build (tests/fuzz) covers torch-free code only
+  message(STATUS "nnstrain: fuzz build: nnstrain_base and the libFuzzer targets, no LibTorch")
+else()
 find_package(Torch REQUIRED)
 if(NNSTRAIN_CUDA)
   # NCCL's header: the one of the NCCL the wheel ships (nvidia/nccl), else the toolkit's.
@@ -67,6 +70,7 @@ elseif(_nnstrain_torch_cuda_lib)
   message(STATUS "nnstrain: CUDA off: no CUDA toolkit found (set CUDAToolkit_ROOT to use one): building the CPU-only binary")
 else()
   message(STATUS "nnstrain: CUDA off: this LibTorch has no CUDA: building the CPU-only binary")
+endif()
 endif()
 
 # yaml-cpp's Debian target name changed across versions.

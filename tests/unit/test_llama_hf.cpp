@@ -103,6 +103,23 @@ const TempDir& hf_fixture() {
   return dir;
 }
 
+// model.args matching kMakeHf's LlamaConfig.
+models::llama::LlamaConfig fixture_config() {
+  models::llama::LlamaConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 64;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 64;
+  c.rope_theta = 10000.0;
+  c.rope_scaling = {"llama3", 8.0, 1.0, 4.0, 32};
+  c.rms_norm_eps = 1e-5;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
 std::shared_ptr<models::CausalLM> build_from_hf(const std::string& dir) {
   const auto* entry = models::find_model("llama");
   REQUIRE(entry != nullptr);
@@ -187,18 +204,7 @@ TEST_CASE("llama: the registry's model from matching model.args loads the HF wei
   auto expected = checkpoint::load_tensors(tmp / "expected.safetensors");
   const auto* entry = models::find_model("llama");
   REQUIRE(entry != nullptr);
-  models::llama::LlamaConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 64;
-  c.intermediate_size = 96;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 64;
-  c.rope_theta = 10000.0;
-  c.rope_scaling = {"llama3", 8.0, 1.0, 4.0, 32};
-  c.rms_norm_eps = 1e-5;
-  c.tie_word_embeddings = false;
+  auto c = fixture_config();
   auto model = entry->build(c);
   checkpoint::load_hf_weights(*model, tmp / "sharded");
   model->eval();
@@ -206,9 +212,11 @@ TEST_CASE("llama: the registry's model from matching model.args loads the HF wei
   CHECK(model->loss(expected["x"], expected["y"]).item<double>() ==
         Approx(expected["loss"].item<double>()).epsilon(1e-5));
   // Without the llama3 scaling the same weights give other logits: the test sees rope.
+  // (load_hf_weights refuses that model: its weights are copied over instead.)
   c.rope_scaling = {};
   auto unscaled = entry->build(c);
-  checkpoint::load_hf_weights(*unscaled, tmp / "sharded");
+  auto theirs = model->named_parameters();
+  for (auto& p : unscaled->named_parameters()) p.value().copy_(theirs[p.key()]);
   unscaled->eval();
   CHECK((unscaled->logits(expected["x"]) - expected["logits"]).abs().max().item<double>() > 1e-3);
 }
@@ -249,5 +257,58 @@ TEST_CASE("llama merge --hf: from_pretrained gives nnstrain's logits", "[hf][mer
   for (const auto& p : a) {
     INFO(p.key());
     CHECK(torch::equal(p.value(), b[p.key()]));
+  }
+}
+
+TEST_CASE("llama init_from: settings that contradict config.json are refused in both transformers layouts",
+          "[hf][llama]") {
+  const auto& fixture = hf_fixture();
+  TempDir tmp;
+  // The fixture's folder twice: config.json with rope under rope_parameters
+  // (transformers 5) and as rope_theta + rope_scaling (transformers 4).
+  std::ifstream in(fixture / "single/config.json");
+  const auto cfg = nlohmann::json::parse(in);
+  nlohmann::json v5 = cfg, v4 = cfg;
+  nlohmann::json rope = cfg.contains("rope_parameters") ? cfg.at("rope_parameters") : cfg.at("rope_scaling");
+  if (!rope.contains("rope_theta")) rope["rope_theta"] = cfg.at("rope_theta");
+  v5.erase("rope_scaling");
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = rope;
+  v4.erase("rope_parameters");
+  v4["rope_theta"] = rope.at("rope_theta");
+  rope.erase("rope_theta");
+  v4["rope_scaling"] = rope;
+  for (const auto& [name, j] : {std::pair<std::string, nlohmann::json>{"v4", v4}, {"v5", v5}}) {
+    REQUIRE(::mkdir((tmp / name).c_str(), 0755) == 0);
+    std::ofstream(tmp / name + "/config.json") << j.dump(1);
+    REQUIRE(::link((fixture / "single/model.safetensors").c_str(), (tmp / name + "/model.safetensors").c_str()) == 0);
+  }
+
+  auto c = fixture_config();
+  const auto* entry = models::find_model("llama");
+  REQUIRE(entry != nullptr);
+  auto load = [&](const models::llama::LlamaConfig& cc, const std::string& layout) {
+    auto model = entry->build(cc);
+    checkpoint::load_hf_weights(*model, tmp / layout);
+  };
+  using Catch::Matchers::Contains;
+  for (const std::string layout : {"v4", "v5"}) {
+    INFO(layout);
+    CHECK_NOTHROW(load(c, layout));  // matching settings: the check is not a blanket refusal
+    auto theta = c;
+    theta.rope_theta = 500000.0;
+    CHECK_THROWS_WITH(load(theta, layout), Contains("rope_theta is 10000") && Contains("model.args give 500000"));
+    auto factor = c;
+    factor.rope_scaling.factor = 4.0;
+    CHECK_THROWS_WITH(load(factor, layout), Contains("rope_scaling is") && Contains("\"factor\":4.0"));
+    auto plain = c;
+    plain.rope_scaling = {};
+    CHECK_THROWS_WITH(load(plain, layout), Contains("rope_scaling is") && Contains("model.args give null"));
+    auto eps = c;
+    eps.rms_norm_eps = 1e-6;
+    CHECK_THROWS_WITH(load(eps, layout), Contains("rms_norm_eps is 1e-05") && Contains("model.args give 1e-06"));
+    auto tied = c;
+    tied.tie_word_embeddings = true;
+    CHECK_THROWS_WITH(load(tied, layout), Contains("tie_word_embeddings is false"));
   }
 }

@@ -23,23 +23,13 @@ namespace nnstrain::checkpoint {
 
 namespace {
 
-constexpr const char* kFormat = "nnstrain-checkpoint";
-constexpr int kVersion = 1;
+constexpr const char* kFormat = kCheckpointFormat;
+constexpr int kVersion = kCheckpointVersion;
 
 std::string rank_file(int rank, const char* ext) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "rank-%05d.%s", rank, ext);
   return buf;
-}
-
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw CheckpointError(path.string() + ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
-  }
 }
 
 int remove_entry(const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }
@@ -102,34 +92,72 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
+namespace {
+fs::path tmp_dir(const SaveOptions& opts, int64_t step) { return fs::path(opts.save_dir) / (".tmp-" + step_dir_name(step)); }
+}  // namespace
+
+void begin_save(const SaveOptions& opts, int64_t step) {
+  const fs::path tmp = tmp_dir(opts, step);
+  fs::create_directories(opts.save_dir);
+  remove_tree(tmp.string());  // leftovers of a crashed save
+  fs::create_directories(tmp);
+}
+
+uint64_t write_rank_files(const SaveOptions& opts, int rank, int64_t step, const std::vector<StateTensor>& tensors,
+                          const nlohmann::json& rank_state) {
+  const fs::path tmp = tmp_dir(opts, step);
+  nlohmann::json sidecar = {{"rank", rank}, {"tensors", nlohmann::json::array()}, {"state", rank_state}};
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (opts.save_type == "deduped" && t.spec.owner() != rank) continue;
+    out.emplace_back(t.spec.name, t.tensor);
+    sidecar["tensors"].push_back(t.spec);
+    bytes += static_cast<uint64_t>(t.tensor.numel()) * t.tensor.element_size();
+  }
+  save_tensors((tmp / rank_file(rank, "safetensors")).string(), out, {{"format", kFormat}});
+  write_file_durable((tmp / rank_file(rank, "json")).string(), sidecar.dump());
+  return bytes;
+}
+
+void abandon_save(const SaveOptions& opts, int64_t step) { remove_tree(tmp_dir(opts, step).string()); }
+
+std::string publish(const SaveOptions& opts, int world_size, int64_t step, const nlohmann::json& state) {
+  const fs::path dir(opts.save_dir);
+  const fs::path final_dir = dir / step_dir_name(step);
+  const fs::path tmp = tmp_dir(opts, step);
+  nlohmann::json files = nlohmann::json::object(), rank_states = nlohmann::json::object();
+  for (int r = 0; r < world_size; ++r) {
+    auto side = read_json_bounded((tmp / rank_file(r, "json")).string());
+    files[rank_file(r, "safetensors")] = side.at("tensors");
+    rank_states[std::to_string(r)] = side.at("state");
+  }
+  nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"step", step},
+                             {"world_size", world_size}, {"save_type", opts.save_type},
+                             {"files", files}, {"rank_states", rank_states}, {"state", state}};
+  write_file_durable((tmp / "manifest.json").string(), manifest.dump(1));  // last: its presence means complete
+  fsync_dir(tmp.string());
+  if (fs::exists(final_dir)) discard(final_dir);  // a stale one of the same step from an earlier run
+  fs::rename(tmp, final_dir);
+  fsync_dir(dir.string());
+  write_file_durable((dir / "latest").string(), step_dir_name(step) + "\n");
+  fsync_dir(dir.string());
+  prune(dir, opts.keep_last, final_dir);
+  return final_dir.string();
+}
+
 std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
                  const std::vector<StateTensor>& tensors, const nlohmann::json& state,
                  const nlohmann::json& rank_state) {
-  const fs::path dir(opts.save_dir);
-  const fs::path final_dir = dir / step_dir_name(step);
-  const fs::path tmp = dir / (".tmp-" + step_dir_name(step));
   auto barrier = [&] { if (ctx.barrier) ctx.barrier(); };
-
-  if (ctx.rank == 0) {
-    fs::create_directories(dir);
-    remove_tree(tmp.string());  // leftovers of a crashed save
-    fs::create_directories(tmp);
-  }
+  if (ctx.rank == 0) begin_save(opts, step);
   barrier();
 
   // Every rank writes what it holds (sharded) or what it owns among replicas (deduped).
   bool ok = true;
   std::string failure;
   try {
-    nlohmann::json sidecar = {{"rank", ctx.rank}, {"tensors", nlohmann::json::array()}, {"state", rank_state}};
-    std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& t : tensors) {
-      if (opts.save_type == "deduped" && t.spec.owner() != ctx.rank) continue;
-      out.emplace_back(t.spec.name, t.tensor);
-      sidecar["tensors"].push_back(t.spec);
-    }
-    save_tensors((tmp / rank_file(ctx.rank, "safetensors")).string(), out, {{"format", kFormat}});
-    write_file_durable((tmp / rank_file(ctx.rank, "json")).string(), sidecar.dump());
+    write_rank_files(opts, ctx.rank, step, tensors, rank_state);
   } catch (const std::exception& e) {
     ok = false;
     failure = e.what();
@@ -137,87 +165,45 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
   const bool all_ok = ctx.all_ok ? ctx.all_ok(ok) : ok;
   if (!ok) throw CheckpointError("rank " + std::to_string(ctx.rank) + " could not write its shard: " + failure);
   if (!all_ok) {
-    if (ctx.rank == 0) remove_tree(tmp.string());  // every rank is past writing: all_ok is collective
+    if (ctx.rank == 0) abandon_save(opts, step);  // every rank is past writing: all_ok is collective
     throw CheckpointError("checkpoint of step " + std::to_string(step) + " not published: another rank failed to write");
   }
-
-  if (ctx.rank == 0) {
-    nlohmann::json files = nlohmann::json::object(), rank_states = nlohmann::json::object();
-    for (int r = 0; r < ctx.world_size; ++r) {
-      auto side = read_json(tmp / rank_file(r, "json"));
-      files[rank_file(r, "safetensors")] = side.at("tensors");
-      rank_states[std::to_string(r)] = side.at("state");
-    }
-    nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"step", step},
-                               {"world_size", ctx.world_size}, {"save_type", opts.save_type},
-                               {"files", files}, {"rank_states", rank_states}, {"state", state}};
-    write_file_durable((tmp / "manifest.json").string(), manifest.dump(1));  // last: its presence means complete
-    fsync_dir(tmp.string());
-    if (fs::exists(final_dir)) discard(final_dir);  // a stale one of the same step from an earlier run
-    fs::rename(tmp, final_dir);
-    fsync_dir(dir.string());
-    write_file_durable((dir / "latest").string(), step_dir_name(step) + "\n");
-    fsync_dir(dir.string());
-    prune(dir, opts.keep_last, final_dir);
-  }
+  if (ctx.rank == 0) publish(opts, ctx.world_size, step, state);
   barrier();
-  return final_dir.string();
+  return (fs::path(opts.save_dir) / step_dir_name(step)).string();
 }
 
 std::string latest(const std::string& save_dir) {
-  const fs::path p = fs::path(save_dir) / "latest";
-  std::ifstream in(p);
-  std::string name;
-  if (in && (in >> name) && fs::exists(fs::path(save_dir) / name / "manifest.json"))
-    return (fs::path(save_dir) / name).string();
-  // No pointer, or it names a folder that is gone (a crash while a stale folder of the
-  // same step was being replaced): the newest complete step folder, if any.
+  // The newest complete step folder. `latest` can lag behind it (a crash after a
+  // folder is published but before the pointer moves), so it is not trusted for this.
   std::string best;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(save_dir, ec)) {
     const auto n = e.path().filename().string();
-    if (n.rfind("step-", 0) == 0 && fs::exists(e.path() / "manifest.json") && n > best) best = n;
+    if (n.size() == 13 && n.rfind("step-", 0) == 0 && std::all_of(n.begin() + 5, n.end(), ::isdigit) &&
+        fs::exists(e.path() / "manifest.json") && n > best)
+      best = n;
   }
   if (!best.empty()) return (fs::path(save_dir) / best).string();
-  return name.empty() ? "" : (fs::path(save_dir) / name).string();  // loading it reports what is wrong
+  // None complete: the folder the pointer names, if any, so that loading it says what is wrong.
+  std::ifstream in(fs::path(save_dir) / "latest");
+  std::string name;
+  if (!(in && (in >> name))) return "";
+  check_plain_name(name, (fs::path(save_dir) / "latest").string() + ": checkpoint name");
+  return (fs::path(save_dir) / name).string();
 }
 
 Checkpoint::Checkpoint(std::string dir) : dir_(std::move(dir)) {
   const fs::path m = fs::path(dir_) / "manifest.json";
   if (!fs::is_directory(dir_)) throw CheckpointError(dir_ + ": no such checkpoint folder");
   if (!fs::exists(m)) throw CheckpointError(dir_ + ": manifest.json missing: not a complete checkpoint");
-  manifest_ = read_json(m);
-  if (manifest_.value("format", "") != kFormat)
-    throw CheckpointError(m.string() + ": not an nnstrain checkpoint manifest (format '" +
-                          manifest_.value("format", "") + "')");
-  if (manifest_.value("version", 0) != kVersion)
-    throw CheckpointError(m.string() + ": unsupported version " + manifest_.value("version", nlohmann::json(0)).dump());
-  try {
-    for (const auto& [file, specs] : manifest_.at("files").items()) {
-      if (!fs::exists(fs::path(dir_) / file))
-        throw CheckpointError(dir_ + ": shard file " + file + " listed in manifest.json is missing");
-      for (const auto& j : specs) {
-        Stored st{j.get<ShardSpec>(), file, j.value("key", std::string()), j.value("transposed", false)};
-        if (st.key.empty()) st.key = st.spec.name;
-        if (st.transposed && (st.spec.global_shape.size() != 2 || !st.spec.is_full()))
-          throw CheckpointError(m.string() + ": '" + st.spec.name + "' in " + file +
-                                " is marked transposed but is not a whole 2-d tensor");
-        auto& list = index_[st.spec.name];
-        if (!list.empty() && (list.front().spec.global_shape != st.spec.global_shape ||
-                              list.front().spec.dtype != st.spec.dtype))
-          throw CheckpointError(m.string() + ": the pieces of '" + st.spec.name + "' in " + list.front().file +
-                                " and " + file + " disagree on the global shape or dtype");
-        list.push_back(std::move(st));
-      }
-    }
-    (void)manifest_.at("state");
-    (void)manifest_.at("rank_states");
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError(m.string() + ": malformed manifest: " + e.what());
-  } catch (const std::runtime_error& e) {
-    if (dynamic_cast<const CheckpointError*>(&e)) throw;
-    throw CheckpointError(m.string() + ": " + e.what());
-  }
+  auto parsed = parse_manifest(read_file_bounded(m.string()), m.string());
+  // Names are plain (parse_manifest); here, before any shard is opened, no link may leave the folder.
+  for (const auto& file : parsed.files)
+    if (!fs::exists(confined_path(dir_, file, m.string() + ": shard file")))
+      throw CheckpointError(dir_ + ": shard file " + file + " listed in manifest.json is missing");
+  manifest_ = std::move(parsed.json);
+  index_ = std::move(parsed.index);
 }
 
 std::optional<nlohmann::json> Checkpoint::rank_state(int rank) const {
@@ -265,8 +251,30 @@ void Checkpoint::load_into(StateTensor& want) const {
     if (st.spec.dtype != first.dtype)
       throw CheckpointError(where + ": the stored pieces of '" + ws.name + "' disagree on the dtype (" + first.dtype +
                             ", " + st.spec.dtype + ")");
+  // Every stored piece checked against its file before any arithmetic trusts the
+  // manifest's shapes (a row count is then bounded by the bytes really stored).
+  std::vector<const SafetensorsReader*> readers;
+  std::vector<const TensorInfo*> infos;
   std::vector<ShardSpec> specs;
-  for (const auto& st : stored) specs.push_back(st.spec);
+  for (const auto& st : stored) {
+    const auto path = (fs::path(dir_) / st.file).string();
+    auto& reader = readers_[path];
+    if (!reader) reader = std::make_shared<SafetensorsReader>(path);
+    const auto* info = reader->find(st.key);
+    if (!info)
+      throw CheckpointError(path + ": tensor '" + st.key + "' listed in manifest.json is not in the file");
+    auto expect_shape = st.spec.shape;
+    if (st.transposed) std::reverse(expect_shape.begin(), expect_shape.end());
+    if (dtype_name(info->dtype) != st.spec.dtype || info->numel() != st.spec.numel() ||
+        (st.transposed && info->shape != expect_shape))
+      throw CheckpointError(path + ": tensor '" + st.key + "' disagrees with its manifest entry (dtype " +
+                            dtype_name(info->dtype) + ", shape " + nlohmann::json(info->shape).dump() +
+                            "; manifest: " + st.spec.dtype + ", " + std::to_string(st.spec.numel()) + " elements" +
+                            (st.transposed ? ", transposed " + nlohmann::json(expect_shape).dump() : "") + ")");
+    readers.push_back(reader.get());
+    infos.push_back(info);
+    specs.push_back(st.spec);
+  }
   if (covered(specs, ws) != ws.numel())
     throw CheckpointError(dir_ + ": the stored pieces of '" + ws.name + "' do not cover " + ws.describe());
 
@@ -276,28 +284,16 @@ void Checkpoint::load_into(StateTensor& want) const {
                  : torch::empty({ws.numel()}, want.tensor.options().device(torch::kCPU).dtype(stored_type));
   auto* dst = static_cast<uint8_t*>(cpu.data_ptr());
   const size_t es = cpu.element_size();
-  for (const auto& st : stored) {
-    const auto& spec = st.spec;
-    const auto copies = overlap(spec, ws);
+  for (size_t i = 0; i < stored.size(); ++i) {
+    const auto& st = stored[i];
+    const auto copies = overlap(st.spec, ws);
     if (copies.empty()) continue;
-    const auto path = (fs::path(dir_) / st.file).string();
-    auto& reader = readers_[path];
-    if (!reader) reader = std::make_shared<SafetensorsReader>(path);
-    const auto* info = reader->find(st.key);
-    if (!info)
-      throw CheckpointError(path + ": tensor '" + st.key + "' listed in manifest.json is not in the file");
-    auto expect_shape = spec.shape;
-    if (st.transposed) std::reverse(expect_shape.begin(), expect_shape.end());
-    if (dtype_name(info->dtype) != spec.dtype || info->numel() != spec.numel() ||
-        (st.transposed && info->shape != expect_shape))
-      throw CheckpointError(path + ": tensor '" + st.key + "' disagrees with its manifest entry (dtype " +
-                            dtype_name(info->dtype) + ", shape " + nlohmann::json(info->shape).dump() +
-                            "; manifest: " + spec.dtype + ", " + std::to_string(spec.numel()) + " elements" +
-                            (st.transposed ? ", transposed " + nlohmann::json(expect_shape).dump() : "") + ")");
+    const auto* reader = readers[i];
+    const auto* info = infos[i];
     const uint8_t* src = reader->data(*info);
     at::Tensor untransposed;  // the stored transpose turned back, for a transposed piece
     if (st.transposed) {
-      untransposed = torch::from_blob(const_cast<uint8_t*>(src), expect_shape,
+      untransposed = torch::from_blob(const_cast<uint8_t*>(src), info->shape,
                                       cpu.options().dtype(to_scalar_type(info->dtype)))
                          .t()
                          .contiguous();

@@ -17,13 +17,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "trainer/checkpoint/manifest.h"
 #include "trainer/checkpoint/shard_spec.h"
 
 namespace nnstrain::checkpoint {
-
-struct CheckpointError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // A local piece and what it is.
 struct StateTensor {
@@ -56,6 +53,19 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
                  const std::vector<StateTensor>& tensors, const nlohmann::json& state,
                  const nlohmann::json& rank_state);
 
+// The phases of save(), for the asynchronous saver (async_save.h), which runs them
+// on a background thread and agrees through the store instead of collectives.
+// Rank 0: a fresh, empty save_dir/.tmp-step-N.
+void begin_save(const SaveOptions& opts, int64_t step);
+// Every rank: its safetensors file and ShardSpec list into the temporary folder,
+// fsynced. Returns the tensor bytes written.
+uint64_t write_rank_files(const SaveOptions& opts, int rank, int64_t step, const std::vector<StateTensor>& tensors,
+                          const nlohmann::json& rank_state);
+// Rank 0, after every rank has written: manifest last, rename, `latest`, prune. Returns the folder.
+std::string publish(const SaveOptions& opts, int world_size, int64_t step, const nlohmann::json& state);
+// Rank 0, after some rank failed: the temporary folder goes.
+void abandon_save(const SaveOptions& opts, int64_t step);
+
 // A published checkpoint folder, opened and checked.
 class Checkpoint {
  public:
@@ -77,12 +87,7 @@ class Checkpoint {
   // name inside the file when it is not the global name, e.g. a Hugging Face
   // name) and "transposed" (a full 2-d tensor stored as its transpose, as
   // GPT-2's Conv1D weights are); merged --hf checkpoints use both.
-  struct Stored {
-    ShardSpec spec;
-    std::string file;
-    std::string key;
-    bool transposed = false;
-  };
+  using Stored = ManifestEntry;
 
  private:
   std::string dir_;
@@ -91,7 +96,9 @@ class Checkpoint {
   mutable std::map<std::string, std::shared_ptr<class SafetensorsReader>> readers_;  // opened on first use
 };
 
-// `latest` under save_dir, if any ("" otherwise).
+// The newest complete checkpoint (step folder with a manifest) under save_dir, for
+// --resume; if none is complete, the folder `latest` names (loading it reports the
+// fault); "" when there is neither.
 std::string latest(const std::string& save_dir);
 
 // Writes a small file durably: a temporary name, fsync, rename over `path`.

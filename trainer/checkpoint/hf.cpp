@@ -14,22 +14,13 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
+#include "trainer/util/text.h"
 
 namespace fs = std::filesystem;
 
 namespace nnstrain::checkpoint {
 
 namespace {
-
-nlohmann::json read_json_file(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw CheckpointError(path.string() + ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
-  }
-}
 
 std::string show(const std::vector<int64_t>& s) { return nlohmann::json(s).dump(); }
 
@@ -45,17 +36,66 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
   if (!fs::exists(index))
     throw CheckpointError(dir.string() + ": neither model.safetensors nor model.safetensors.index.json "
                           "(only safetensors checkpoints are read; no pickle)");
-  const auto j = read_json_file(index);
+  const auto j = read_json_bounded(index.string());
   if (!j.contains("weight_map") || !j.at("weight_map").is_object())
     throw CheckpointError(index.string() + ": no \"weight_map\" object");
   for (const auto& [name, file] : j.at("weight_map").items()) {
     if (!file.is_string()) throw CheckpointError(index.string() + ": weight_map entry of '" + name + "' is not a file name");
     const auto f = file.get<std::string>();
-    if (f.find('/') != std::string::npos || f == "..")
-      throw CheckpointError(index.string() + ": weight_map file '" + f + "' of '" + name + "' is not a plain file name");
+    confined_path(dir.string(), f, index.string() + ": weight_map file of " + util::quote_prefix(name) + ":");
     where[name] = f;
   }
   return where;
+}
+
+// The config.json keys that change what the model computes without changing a
+// tensor's shape (both GPT-2 and Llama spellings), and the vocabulary. Widths and
+// depths are left to the weight loader, whose message names the file and tensor.
+const char* const kMathKeys[] = {"vocab_size", "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
+                                 "rms_norm_eps", "layer_norm_epsilon", "hidden_act", "activation_function",
+                                 "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta"};
+const char* const kRopeScalingKeys[] = {"factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings"};
+
+// Those settings in one layout. transformers 5 nests rope_theta and the scaling under
+// `rope_parameters`; 4 writes top-level `rope_theta` + `rope_scaling` ("type" in
+// older files). rope_scaling becomes null for plain rope (absent, null or "default").
+nlohmann::json math_settings(const nlohmann::json& j) {
+  nlohmann::json out = nlohmann::json::object();
+  if (!j.is_object()) return out;
+  for (const char* key : kMathKeys)
+    if (j.contains(key) && !j.at(key).is_null()) out[key] = j.at(key);
+  nlohmann::json rope = nullptr;
+  if (j.contains("rope_parameters") && j.at("rope_parameters").is_object()) {
+    rope = j.at("rope_parameters");
+    if (rope.contains("rope_theta") && !rope.at("rope_theta").is_null()) out["rope_theta"] = rope.at("rope_theta");
+  } else if (j.contains("rope_scaling")) {
+    rope = j.at("rope_scaling");
+  }
+  nlohmann::json scaling = nullptr;
+  if (rope.is_object()) {
+    const auto type = rope.contains("rope_type") ? rope.at("rope_type") : rope.value("type", nlohmann::json("default"));
+    if (type != "default") {
+      scaling = {{"rope_type", type}};
+      for (const char* key : kRopeScalingKeys)
+        if (rope.contains(key)) scaling[key] = rope.at(key);
+    }
+  } else if (!rope.is_null()) {
+    scaling = rope;  // not an object: compared as is, so it is refused
+  }
+  out["rope_scaling"] = scaling;
+  return out;
+}
+
+bool same_setting(const nlohmann::json& a, const nlohmann::json& b) {
+  if (a.is_number() && b.is_number())
+    return std::abs(a.get<double>() - b.get<double>()) <= 1e-9 * std::max(1.0, std::abs(b.get<double>()));
+  if (a.is_object() && b.is_object()) {  // a rope_scaling block: what both give must agree
+    for (const auto& [k, v] : a.items())
+      if (b.contains(k) && !same_setting(v, b.at(k))) return false;
+    return true;
+  }
+  return a == b;
 }
 
 }  // namespace
@@ -65,7 +105,7 @@ std::shared_ptr<const config::ModelConfig> hf_model_config(const models::ModelEn
   if (!entry.from_hf_config)
     throw CheckpointError("model type '" + entry.name + "' cannot be initialised from a Hugging Face checkpoint (" +
                           path.string() + ")");
-  const auto j = read_json_file(path);
+  const auto j = read_json_bounded(path.string());
   try {
     auto cfg = entry.from_hf_config(j);
     if (!cfg) throw std::runtime_error("not a config of model type '" + entry.name + "'");
@@ -81,24 +121,21 @@ void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
   const fs::path dir(dir_str);
   const auto config_path = dir / "config.json";
   if (fs::exists(config_path)) {
-    const auto j = read_json_file(config_path);
+    const auto j = read_json_bounded(config_path.string());
     const auto ours = model.hf_config().value("model_type", std::string());
     const auto theirs = j.value("model_type", std::string());
     if (!ours.empty() && !theirs.empty() && ours != theirs)
       throw CheckpointError(config_path.string() + ": model_type '" + theirs + "', but the model is a '" + ours + "'");
-    // Settings that shape no tensor (rope, norm epsilon, activation) must agree
-    // too, or the weights would load into a silently different model.
-    const auto mine = model.hf_config();
-    for (const char* key : {"rope_theta", "rope_scaling", "rms_norm_eps", "layer_norm_epsilon", "activation_function",
-                            "num_key_value_heads", "num_attention_heads", "n_head", "head_dim"}) {
-      if (!mine.contains(key) || !j.contains(key) || j.at(key).is_null() || mine.at(key).is_null()) continue;
-      const auto &a = mine.at(key), &b = j.at(key);
-      const bool same = (a.is_number() && b.is_number()) ? std::abs(a.get<double>() - b.get<double>()) <=
-                                                               1e-9 * std::max(1.0, std::abs(b.get<double>()))
-                                                         : a == b;
-      if (!same)
-        throw CheckpointError(config_path.string() + ": " + key + " is " + b.dump() + " but model.args give " +
-                              a.dump() + "; make model.args match the checkpoint");
+    // Every setting that changes the math must agree, or the weights would load
+    // into a silently different model (rope, norm epsilon, activation shape no tensor).
+    const auto mine = math_settings(model.hf_config()), theirs_math = math_settings(j);
+    for (const auto& [key, a] : mine.items()) {
+      if (!theirs_math.contains(key) || (a.is_null() && key != "rope_scaling")) continue;
+      const auto& b = theirs_math.at(key);
+      if (!same_setting(a, b))
+        throw CheckpointError(config_path.string() + ": " + key + " is " + b.dump().substr(0, 300) +
+                              " in config.json but model.args give " + a.dump() +
+                              "; make model.args match the checkpoint");
     }
   }
   const auto mapping = model.hf_tensors();

@@ -14,6 +14,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "trainer/util/text.h"
+
 // Tensor bytes are copied as they lie in the file, which is little-endian.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");
 
@@ -226,10 +228,10 @@ void SafetensorsReader::validate() {
       Level& level = stack.back();
       std::string key = parsed.get<std::string>();
       if (!level.keys.insert(key).second) {
-        if (stack.size() == 1) fail("duplicate tensor name '" + key + "' in the header");
+        if (stack.size() == 1) fail("duplicate tensor name " + util::quote_prefix(key) + " in the header");
         const std::string& owner = stack[stack.size() - 2].last_key;
-        if (owner == kMetadataKey) fail("duplicate key '" + key + "' in __metadata__");
-        fail("duplicate key '" + key + "' in the entry of tensor '" + owner + "'");
+        if (owner == kMetadataKey) fail("duplicate key " + util::quote_prefix(key) + " in __metadata__");
+        fail("duplicate key " + util::quote_prefix(key) + " in the entry of tensor " + util::quote_prefix(owner));
       }
       level.last_key = std::move(key);
     }
@@ -262,27 +264,27 @@ void SafetensorsReader::validate() {
         fail("__metadata__ must be an object of strings, not " + json_kind(entry));
       for (const auto& [key, value] : entry.items()) {
         if (!value.is_string())
-          fail("__metadata__ value of '" + key + "' must be a string, not " + json_kind(value));
+          fail("__metadata__ value of " + util::quote_prefix(key) + " must be a string, not " + json_kind(value));
         metadata_[key] = value.get<std::string>();
       }
       continue;
     }
-    const std::string where = "tensor '" + name + "'";
+    const std::string where = "tensor " + util::quote_prefix(name);
     if (!entry.is_object()) fail(where + " must be an object, not " + json_kind(entry));
     for (const auto& [key, value] : entry.items()) {
       (void)value;
       if (key != "dtype" && key != "shape" && key != "data_offsets")
-        fail(where + " has unexpected key '" + key + "'");
+        fail(where + " has unexpected key " + util::quote_prefix(key));
     }
     for (const char* key : {"dtype", "shape", "data_offsets"})
-      if (!entry.contains(key)) fail(where + " lacks '" + key + "'");
+      if (!entry.contains(key)) fail(where + " lacks " + util::quote_prefix(key));
 
     TensorInfo info;
     info.name = name;
     const ojson& dtype = entry["dtype"];
     if (!dtype.is_string()) fail(where + " dtype must be a string, not " + json_kind(dtype));
     auto parsed = parse_dtype(dtype.get<std::string>());
-    if (!parsed) fail(where + " has unknown dtype '" + dtype.get<std::string>() + "'");
+    if (!parsed) fail(where + " has unknown dtype " + util::quote_prefix(dtype.get<std::string>()));
     info.dtype = *parsed;
 
     const ojson& shape = entry["shape"];
@@ -318,12 +320,12 @@ void SafetensorsReader::validate() {
   const TensorInfo* prev = nullptr;
   for (const TensorInfo& t : tensors_) {
     if (t.begin < expected)
-      fail("tensors '" + prev->name + "' and '" + t.name + "' overlap: '" + t.name +
-           "' begins at " + std::to_string(t.begin) + " but '" + prev->name + "' ends at " +
+      fail("tensors " + util::quote_prefix(prev->name) + " and " + util::quote_prefix(t.name) + " overlap: " + util::quote_prefix(t.name) +
+           " begins at " + std::to_string(t.begin) + " but " + util::quote_prefix(prev->name) + " ends at " +
            std::to_string(expected));
     if (t.begin > expected)
       fail("hole in the data section: bytes [" + std::to_string(expected) + ", " +
-           std::to_string(t.begin) + ") before tensor '" + t.name + "' belong to no tensor");
+           std::to_string(t.begin) + ") before tensor " + util::quote_prefix(t.name) + " belong to no tensor");
     expected = t.end;
     prev = &t;
   }
@@ -345,7 +347,7 @@ const TensorInfo* SafetensorsReader::find(const std::string& name) const {
 
 const TensorInfo& SafetensorsReader::at(const std::string& name) const {
   const TensorInfo* info = find(name);
-  if (!info) fail("has no tensor '" + name + "'");
+  if (!info) fail("has no tensor " + util::quote_prefix(name));
   return *info;
 }
 

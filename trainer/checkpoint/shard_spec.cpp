@@ -1,8 +1,11 @@
 #include "trainer/checkpoint/shard_spec.h"
 
 #include <algorithm>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
+
+#include "trainer/util/text.h"
 
 namespace nnstrain::checkpoint {
 
@@ -62,33 +65,68 @@ void to_json(nlohmann::json& j, const ShardSpec& s) {
   }
 }
 
+namespace {
+// A list of integers from a file: nlohmann would convert a float such as 1e300 with
+// an undefined cast (found by fuzz_manifest), so anything but integers is refused.
+template <typename T>
+std::vector<T> int_list(const nlohmann::json& j, const char* key, const std::string& name) {
+  const auto& v = j.at(key);
+  if (!v.is_array()) throw std::runtime_error("shard spec of " + util::quote_prefix(name) + ": " + key + " is not a list");
+  std::vector<T> out;
+  for (const auto& x : v) {
+    if (!x.is_number_integer() || (x.is_number_unsigned() && x.get<uint64_t>() > uint64_t(INT64_MAX)) ||
+        x.get<int64_t>() < std::numeric_limits<T>::min() || x.get<int64_t>() > std::numeric_limits<T>::max())
+      throw std::runtime_error("shard spec of " + util::quote_prefix(name) + ": " + key + " holds " +
+                               util::quote_prefix(x.dump()) + ", not an integer in range");
+    out.push_back(static_cast<T>(x.get<int64_t>()));
+  }
+  return out;
+}
+}  // namespace
+
 void from_json(const nlohmann::json& j, ShardSpec& s) {
   s.name = j.at("name").get<std::string>();
   s.dtype = j.at("dtype").get<std::string>();
-  s.global_shape = j.at("global_shape").get<std::vector<int64_t>>();
-  s.offsets = j.at("offsets").get<std::vector<int64_t>>();
-  s.shape = j.at("shape").get<std::vector<int64_t>>();
-  s.replica_ranks = j.value("replica_ranks", std::vector<int>{});
+  s.global_shape = int_list<int64_t>(j, "global_shape", s.name);
+  s.offsets = int_list<int64_t>(j, "offsets", s.name);
+  s.shape = int_list<int64_t>(j, "shape", s.name);
+  s.replica_ranks = j.contains("replica_ranks") ? int_list<int>(j, "replica_ranks", s.name) : std::vector<int>{};
   if (j.contains("flat_range")) {
-    s.flat_begin = j.at("flat_range").at(0).get<int64_t>();
-    s.flat_end = j.at("flat_range").at(1).get<int64_t>();
+    const auto range = int_list<int64_t>(j, "flat_range", s.name);
+    if (range.size() != 2) throw std::runtime_error("shard spec of " + util::quote_prefix(s.name) + ": flat_range is not [begin, end]");
+    s.flat_begin = range[0];
+    s.flat_end = range[1];
   }
   s.more_blocks.clear();
   if (j.contains("more_blocks"))
     for (const auto& b : j.at("more_blocks"))
-      s.more_blocks.push_back({b.at("offsets").get<std::vector<int64_t>>(), b.at("shape").get<std::vector<int64_t>>()});
+      s.more_blocks.push_back({int_list<int64_t>(b, "offsets", s.name), int_list<int64_t>(b, "shape", s.name)});
+  // Everything below is data from a file: bound it before any arithmetic on it.
+  const std::string what = "shard spec of " + util::quote_prefix(s.name);
   const auto rank = s.global_shape.size();
+  if (rank > kMaxRank) throw std::runtime_error(what + ": " + std::to_string(rank) + " dimensions, more than " + std::to_string(kMaxRank));
+  auto checked_numel = [&](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (auto d : shape)
+      if (d < 0 || __builtin_mul_overflow(n, d, &n) || n > kMaxNumel)
+        throw std::runtime_error(what + ": shape " + nlohmann::json(shape).dump() + " is negative or too large");
+    return n;
+  };
+  checked_numel(s.global_shape);
+  int64_t slice = 0;
   auto check = [&](const std::vector<int64_t>& offsets, const std::vector<int64_t>& shape) {
     if (offsets.size() != rank || shape.size() != rank)
-      throw std::runtime_error("shard spec of '" + s.name + "': offsets/shape rank differs from global_shape");
+      throw std::runtime_error(what + ": offsets/shape rank differs from global_shape");
     for (size_t d = 0; d < rank; ++d)
-      if (offsets[d] < 0 || shape[d] < 0 || offsets[d] + shape[d] > s.global_shape[d])
-        throw std::runtime_error("shard spec of '" + s.name + "': slice out of bounds in dim " + std::to_string(d));
+      if (offsets[d] < 0 || shape[d] < 0 || offsets[d] > s.global_shape[d] - shape[d])
+        throw std::runtime_error(what + ": slice out of bounds in dim " + std::to_string(d));
+    slice += checked_numel(shape);
+    if (slice > kMaxNumel) throw std::runtime_error(what + ": its blocks hold too many elements");
   };
   check(s.offsets, s.shape);
   for (const auto& b : s.more_blocks) check(b.offsets, b.shape);
-  if (s.flat_begin < 0 || s.flat_begin > s.end() || s.end() > s.slice_numel())
-    throw std::runtime_error("shard spec of '" + s.name + "': flat range out of bounds");
+  if (s.flat_begin < 0 || s.flat_end < -1 || s.flat_begin > s.end() || s.end() > s.slice_numel())
+    throw std::runtime_error(what + ": flat range out of bounds");
 }
 
 // Runs of one rectangular block whose storage starts at `base` in the piece,

@@ -43,7 +43,13 @@ struct ShardSpec {
   std::string describe() const;       // "name[0:64, 128:256] flat[0:100]"
 };
 
+// Bounds from_json enforces on specs read from files (a tensor of 2^62 elements
+// has no use; overflow-free arithmetic below it).
+constexpr size_t kMaxRank = 16;
+constexpr int64_t kMaxNumel = int64_t{1} << 62;
+
 void to_json(nlohmann::json& j, const ShardSpec& s);
+// Throws std::runtime_error (naming the tensor) for a spec out of bounds.
 void from_json(const nlohmann::json& j, ShardSpec& s);
 
 // A run of elements contiguous in the global tensor's row-major order.

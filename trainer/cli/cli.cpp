@@ -26,7 +26,7 @@ namespace {
 
 constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer for transformer language models
 
-  nnstrain [train] --config FILE [--resume [CKPT]] [--print-config] [--key.path value ...]
+  nnstrain [train] --config FILE [--resume [CKPT]] [--print-config] [--debug] [--key.path value ...]
   nnstrain launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- ARGS
   nnstrain merge CKPT --out DIR [--hf]
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
@@ -35,13 +35,14 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
   nnstrain report RUN_DIR [--out PNG] [--no-plot]   summary of a run folder and a PNG of its loss curves
   nnstrain env                     print the rank/world this process would use
 
+--debug keeps LibTorch's C++ backtrace in errors raised while training.
 Overrides follow nnScaler: --optimizer.args.lr 3e-4 or --optimizer.args.lr=3e-4.
 )";
 
 
 int train_main(const std::vector<std::string>& argv) {
   std::string config_file, resume;
-  bool print_config = false;
+  bool print_config = false, debug = false;
   std::vector<std::string> rest;
   for (size_t i = 0; i < argv.size(); ++i) {
     const auto& a = argv[i];
@@ -59,6 +60,8 @@ int train_main(const std::vector<std::string>& argv) {
       resume = a.substr(9);
     } else if (a == "--print-config") {
       print_config = true;
+    } else if (a == "--debug") {
+      debug = true;
     } else if (a == "-h" || a == "--help") {
       std::cout << kUsage;
       return 0;
@@ -99,6 +102,9 @@ int train_main(const std::vector<std::string>& argv) {
   } catch (const dist::DistEnvError& e) {
     std::cerr << "nnstrain: launch environment error: " << e.what() << "\n";
     return 2;
+  } catch (const train::StepError& e) {
+    std::cerr << "nnstrain: " << (debug ? e.detail : std::string(e.what())) << "\n";
+    return 1;
   } catch (const dist::CollectiveError& e) {
     // Peers are gone: leave at once, process-group teardown could block on them.
     std::cerr << "nnstrain: " << e.what() << std::endl;

@@ -7,17 +7,20 @@
 #include <sstream>
 
 #include "trainer/config/arg_map_impl.h"
+#include "trainer/util/text.h"
 
 namespace nnstrain::config {
 
 namespace {
+
+using util::quote_prefix;
 
 bool is_unset(const YAML::Node& v) { return !v.IsDefined() || v.IsNull(); }
 
 std::string describe(const YAML::Node& v) {
   if (v.IsMap()) return "a mapping";
   if (v.IsSequence()) return "a list";
-  return "'" + v.Scalar() + "'";
+  return quote_prefix(v.Scalar());
 }
 
 std::string lower(std::string s) {
@@ -145,10 +148,14 @@ YAML::Node substitute_vars(const YAML::Node& node, const YAML::Node& vars,
   const std::string& s = node.Scalar();
   if (s.find("$(") == std::string::npos) return node;
 
+  // A reference as messages show it: "$(vars.x)", cut short if it is long.
+  auto shown = [](const std::string& ref) {
+    return "$(" + (ref.size() > 48 ? ref.substr(0, 48) + "..." : ref) + ")";
+  };
   auto lookup = [&](const std::string& ref) -> YAML::Node {
     const std::string prefix = "vars.";
     if (ref.compare(0, prefix.size(), prefix) != 0 || ref.size() == prefix.size())
-      fail("unknown reference $(" + ref + "): only $(vars.NAME) references are supported");
+      fail("unknown reference " + shown(ref) + ": only $(vars.NAME) references are supported");
     YAML::Node cur = vars;
     std::stringstream parts(ref.substr(prefix.size()));
     std::string part;
@@ -165,7 +172,7 @@ YAML::Node substitute_vars(const YAML::Node& node, const YAML::Node& vars,
       }
       if (!found) {
         std::string hint = did_you_mean(part, names);
-        fail("unknown variable $(" + ref + ")" + hint +
+        fail("unknown variable " + shown(ref) + hint +
              (names.empty() ? "; no variables are defined under vars" : ""));
       }
       cur.reset(next);
@@ -184,12 +191,12 @@ YAML::Node substitute_vars(const YAML::Node& node, const YAML::Node& vars,
     size_t start = s.find("$(", pos);
     if (start == std::string::npos) break;
     size_t end = s.find(')', start);
-    if (end == std::string::npos) fail("unterminated reference in '" + s + "' (expected $(vars.NAME))");
+    if (end == std::string::npos) fail("unterminated reference in " + quote_prefix(s) + " (expected $(vars.NAME))");
     const std::string ref = s.substr(start + 2, end - start - 2);
     YAML::Node v = lookup(ref);
     if (!v.IsScalar())
-      fail("$(" + ref + ") is " + describe(v) + ", which can only be used as a whole value, not inside '" +
-           s + "'");
+      fail(shown(ref) + " is " + describe(v) + ", which can only be used as a whole value, not inside " +
+           quote_prefix(s));
     out += s.substr(pos, start - pos) + v.Scalar();
     pos = end + 1;
   }
@@ -249,7 +256,7 @@ std::string ArgMap::Impl::loc_of(const std::string& key) const {
 }
 
 std::string ArgMap::Impl::where(const std::string& key) const {
-  const std::string full = key_path(key);
+  const std::string full = key_path(key.size() > 48 ? key.substr(0, 48) + "..." : key);  // a stray key may be long
   const std::string l = loc_of(key);
   if (!l.empty()) return full + " (" + l + ")";
   if (find(key)) return full;
@@ -323,7 +330,7 @@ void ArgMap::Impl::collect_unknown(std::vector<std::string>& errors) const {
     if (hint.empty())
       hint = known.empty() ? " (" + (path.empty() ? std::string("the top level") : path) + " takes no keys)"
                            : "; known keys here: " + join(known);
-    errors.push_back(ctx->file + ": " + where(e.key) + ": unknown key '" + e.key + "'" + hint);
+    errors.push_back(ctx->file + ": " + where(e.key) + ": unknown key " + quote_prefix(e.key) + hint);
   }
   for (const auto& c : children) c->collect_unknown(errors);
 }
@@ -348,7 +355,7 @@ int64_t ArgMap::get_int(const std::string& key, std::optional<int64_t> def, std:
     bool overflow = false;
     if (!v.IsScalar()) impl_->fail(key, "expected an integer, got " + describe(v));
     if (!parse_int(v.Scalar(), x, overflow))
-      impl_->fail(key, overflow ? "integer '" + v.Scalar() + "' is out of range"
+      impl_->fail(key, overflow ? "integer " + quote_prefix(v.Scalar()) + " is out of range"
                                 : "expected an integer, got " + describe(v));
     if ((min && x < *min) || (max && x > *max))
       impl_->fail(key, "must be " + range_text_int(min, max) + ", got " + std::to_string(x));
@@ -401,7 +408,7 @@ std::string ArgMap::get_string(const std::string& key, std::optional<std::string
     if (!v.IsScalar()) impl_->fail(key, "expected a string, got " + describe(v));
     x = v.Scalar();
     if (!choices.empty() && std::find(choices.begin(), choices.end(), x) == choices.end())
-      impl_->fail(key, "'" + x + "' is not one of: " + join(choices) + did_you_mean(x, choices));
+      impl_->fail(key, quote_prefix(x) + " is not one of: " + join(choices) + did_you_mean(x, choices));
   }
   impl_->record(key, YAML::Node(x));
   return x;
@@ -438,6 +445,12 @@ void ArgMap::fail(const std::string& key, const std::string& message) const { im
 void ArgMap::finish() {
   std::vector<std::string> errors;
   impl_->collect_unknown(errors);
+  constexpr size_t kShown = 20;  // a file of thousands of stray keys gets a readable message
+  if (errors.size() > kShown) {
+    const size_t more = errors.size() - kShown;
+    errors.resize(kShown);
+    errors.push_back("... and " + std::to_string(more) + " more unknown keys");
+  }
   if (!errors.empty()) throw ConfigError(join(errors, "\n"));
 }
 

@@ -4,9 +4,12 @@
 #include <cctype>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "trainer/config/arg_map_impl.h"
+#include "trainer/util/text.h"
 
 namespace nnstrain::config {
 
@@ -15,16 +18,93 @@ using Impl = ArgMap::Impl;
 
 namespace {
 
+using util::quote_prefix;
+
+// Bounds on a configuration. Real configs are a few KB with a few hundred nodes;
+// these stop a crafted file (an alias bomb, a megabyte-long key) in milliseconds,
+// before anything walks or copies the tree.
+constexpr uintmax_t kMaxConfigBytes = uintmax_t{1} << 20;
+constexpr size_t kMaxNodes = 100'000;  // counted with every alias expanded
+constexpr size_t kMaxDepth = 64;
+constexpr size_t kMaxKeyBytes = 256;
+constexpr size_t kMaxScalarBytes = 16384;
+
+void check_bounds(const YAML::Node& root, const std::string& file) {
+  size_t nodes = 0;
+  std::function<void(const YAML::Node&, const std::string&, size_t)> walk = [&](const YAML::Node& n,
+                                                                                 const std::string& path,
+                                                                                 size_t depth) {
+    auto fail = [&](const std::string& what) {
+      const int line = n.Mark().line;
+      throw ConfigError(file + (line >= 0 ? " (line " + std::to_string(line + 1) + ")" : "") + ": " +
+                        (path.empty() ? std::string("top level") : path) + ": " + what);
+    };
+    if (++nodes > kMaxNodes)
+      fail("more than " + std::to_string(kMaxNodes) +
+           " YAML nodes with aliases expanded (the limit; is an alias repeated into a bomb?)");
+    if (depth > kMaxDepth) fail("nested deeper than the limit of " + std::to_string(kMaxDepth) + " levels");
+    if (n.IsScalar() && n.Scalar().size() > kMaxScalarBytes)
+      fail("value " + quote_prefix(n.Scalar()) + " is longer than the limit of " +
+           std::to_string(kMaxScalarBytes) + " bytes");
+    if (n.IsSequence()) {
+      size_t i = 0;
+      for (const auto& item : n) walk(item, path + "[" + std::to_string(i++) + "]", depth + 1);
+    } else if (n.IsMap()) {
+      for (const auto& kv : n) {
+        const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+        const bool plain = key.size() <= 32 && std::all_of(key.begin(), key.end(), [](unsigned char c) {
+          return c > 0x20 && c < 0x7f && c != '.';
+        });
+        const std::string shown = plain ? key : quote_prefix(key, 32);
+        const std::string child = path.empty() ? shown : path + "." + shown;
+        if (key.size() > kMaxKeyBytes) {
+          const int line = kv.first.Mark().line;
+          throw ConfigError(file + (line >= 0 ? " (line " + std::to_string(line + 1) + ")" : "") + ": key " +
+                            quote_prefix(key) + " is longer than the limit of " + std::to_string(kMaxKeyBytes) +
+                            " bytes");
+        }
+        walk(kv.first, child, depth + 1);
+        walk(kv.second, child, depth + 1);
+      }
+    }
+  };
+  walk(root, "", 0);
+}
+
 YAML::Node read_config_file(const std::string& file) {
   std::error_code ec;
   if (!fs::is_regular_file(file, ec))
     throw ConfigError(file + ": configuration file not found" +
                       (fs::exists(file, ec) ? " (it is not a regular file)" : ""));
+  const uintmax_t bytes = fs::file_size(file, ec);
+  if (!ec && bytes > kMaxConfigBytes)
+    throw ConfigError(file + ": " + std::to_string(bytes) + " bytes, over the limit of " +
+                      std::to_string(kMaxConfigBytes) + " bytes for a configuration file");
+  std::ifstream in(file, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   YAML::Node root;
   try {
-    root = YAML::LoadFile(file);
+    root = YAML::Load(text);
   } catch (const YAML::ParserException& e) {
-    throw ConfigError(file + " (line " + std::to_string(e.mark.line + 1) + "): YAML syntax error: " + e.msg);
+    // yaml-cpp says "illegal map value" for a plain key over YAML's 1024 characters: name that.
+    std::string hint;
+    size_t start = 0;
+    for (int l = 0; l < e.mark.line && start != std::string::npos; ++l) {
+      start = text.find('\n', start);
+      if (start != std::string::npos) ++start;
+    }
+    if (start != std::string::npos && e.mark.line >= 0) {
+      const std::string line = text.substr(start, text.find('\n', start) - start);
+      const auto opened = std::count(line.begin(), line.end(), '[') + std::count(line.begin(), line.end(), '{');
+      if (opened > static_cast<long>(kMaxDepth))
+        hint = "; the line opens " + std::to_string(opened) + " brackets: values nested deeper than " +
+               std::to_string(kMaxDepth) + " levels are refused";
+      else if (line.size() > 1024 && e.msg.find("map value") != std::string::npos)
+        hint = "; the line is " + std::to_string(line.size()) + " bytes long (" + quote_prefix(line) +
+               "): a plain key may have at most 1024 characters in YAML, and nnstrain's at most " +
+               std::to_string(kMaxKeyBytes) + " bytes";
+    }
+    throw ConfigError(file + " (line " + std::to_string(e.mark.line + 1) + "): YAML syntax error: " + e.msg + hint);
   } catch (const YAML::Exception& e) {
     throw ConfigError(file + ": cannot read: " + e.what());
   }
@@ -63,7 +143,7 @@ void apply_override(YAML::Node& root, ConfigContext& ctx, const std::string& key
     try {
       parsed = YAML::Load(value);
     } catch (const YAML::Exception& e) {
-      bad("cannot read the value '" + value + "' as YAML: " + e.msg);
+      bad("cannot read the value " + quote_prefix(value) + " as YAML: " + e.msg);
     }
   }
 
@@ -91,7 +171,7 @@ void apply_override(YAML::Node& root, ConfigContext& ctx, const std::string& key
       else next.reset(cur[part]);
       if (!existed) ctx.cmdline_paths.insert(path);
     } else {
-      bad(path + " is a single value ('" + cur.Scalar() + "'), so it has no key '" + part + "'");
+      bad(path + " is a single value (" + quote_prefix(cur.Scalar()) + "), so it has no key " + quote_prefix(part));
     }
     if (!last) cur.reset(next);
   }
@@ -211,6 +291,7 @@ TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) 
   ctx->file = file;
   YAML::Node root = read_config_file(file);
   for (const auto& [key, value] : opts.overrides) apply_override(root, *ctx, key, value);
+  check_bounds(root, file);  // overrides included
 
   auto top_impl = Impl::make(ctx, "", "", root);
   ArgMap top(top_impl);
@@ -319,6 +400,7 @@ TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) 
   k.keep_last_n_checkpoints = static_cast<int>(ck.get_int("keep_last_n_checkpoints", 0, 0, 1 << 20));
   k.resume_from = ck.get_string("resume_from", "");
   k.save_on_end = ck.get_bool("save_on_end", true);
+  k.async_save = ck.get_bool("async_save", true);
 
   std::vector<std::string> precision_choices = kPrecisions;
   for (const auto& [alias, canonical] : kPrecisionAliases) precision_choices.push_back(alias);

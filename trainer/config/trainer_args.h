@@ -85,6 +85,7 @@ struct CheckpointArgs {
   int keep_last_n_checkpoints = 0;    // 0 = keep all
   std::string resume_from;            // a checkpoint folder, or "last"
   bool save_on_end = true;
+  bool async_save = true;              // snapshot to host memory, write in the background
 };
 
 // Dynamic loss scaling for the fp16 precisions (16-mixed, 16-true), as

@@ -61,6 +61,8 @@ class Runtime {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   const std::string& backend_name() const { return backend_name_; }
+  // The rendezvous store, for agreement off the training stream (asynchronous checkpoints).
+  c10::intrusive_ptr<c10d::Store> store() const { return store_; }
 
   Group world, dp, tp;
   Group zero;        // ZeRO shard group: a slice of dp of size dp / zero_ngroups

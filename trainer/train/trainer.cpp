@@ -13,6 +13,7 @@
 #include "data/token_bin.h"
 #include "models/model.h"
 #include "models/registry.h"
+#include "trainer/checkpoint/async_save.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/hf.h"
 #include "trainer/checkpoint/rng_state.h"
@@ -43,6 +44,7 @@ namespace nnstrain::train {
 namespace {
 
 std::atomic<int> g_stop_signal{0};
+std::atomic<int64_t> g_running_step{0};  // the step in progress (0: before training), for error messages
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
 std::string fmt(double v, int prec = 4) {
@@ -159,6 +161,8 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   data::TokenBinDataset train_ds(args.dataset.train_args, args.seed);
   std::optional<data::TokenBinDataset> val_ds;
   if (args.dataset.val_args) val_ds.emplace(*args.dataset.val_args, args.seed);
+  data::check_token_ids(train_ds.file(), model->vocab_size(), "dataset.train_args.path");
+  if (val_ds) data::check_token_ids(val_ds->file(), model->vocab_size(), "dataset.val_args.path");
   const int64_t seq_len = train_ds.seq_len();
   if (seq_len > model->max_seq_len())
     throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(seq_len) +
@@ -283,6 +287,22 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
                                args.precision + " has no loss scaler); the last checkpoint saved is intact");
   };
 
+  checkpoint::SaveStore save_store;
+  if (rt) {
+    auto store = rt->store();
+    save_store.set = [store](const std::string& k, const std::string& v) {
+      store->set(k, std::vector<uint8_t>(v.begin(), v.end()));
+    };
+    save_store.get = [store](const std::string& k) {
+      const auto v = store->get(k);
+      return std::string(v.begin(), v.end());
+    };
+  }
+  checkpoint::Saver saver(save_opts, save_ctx, args.checkpoint.async_save, save_store,
+                          [](const checkpoint::SaveReport& r) {
+                            log::info("saved checkpoint " + r.dir + " in " + fmt(r.total_s, 2) + " s (this rank wrote " +
+                                      fmt(r.bytes / 1048576.0, 1) + " MiB in " + fmt(r.write_s, 2) + " s)");
+                          });
   auto save = [&](int64_t step) {
     if (args.checkpoint.save_dir.empty()) return;
     check_finite();
@@ -298,10 +318,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
         {"plan", plan},
         {"model_type", args.model.type},
         {"config", args.resolved_yaml}};
-    const auto t0 = std::chrono::steady_clock::now();
-    const auto dir = checkpoint::save(save_opts, save_ctx, step, tensors, state, nlohmann::json::object());
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    log::info("saved checkpoint " + dir + " in " + fmt(s, 2) + " s");
+    saver.save(step, tensors, state, nlohmann::json::object());
   };
 
   auto evaluate = [&](int64_t step) {
@@ -384,6 +401,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     {
       // All on the device, no host sync: unscale, non-finite check, clip, update.
       torch::NoGradGuard no_grad;
+      saver.state_may_change();  // an asynchronous save may still be copying the state
       timer.enter(StepTimer::kComm);
       tr.dp->finish_gradients();
       timer.enter(StepTimer::kOptimizer);
@@ -424,6 +442,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     graph = std::make_unique<StepGraph>(train_step, /*warmup=*/3);
   }
   while (step < max_steps) {
+    g_running_step.store(step + 1);
     lr = optim::learning_rate(args.lr_scheduler, args.optimizer.lr,
                               args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
                               args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
@@ -434,6 +453,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     for (int64_t a = 0; a < accum; ++a) batches.push_back(loader.next());
     if (graph) {
       lr_dev.fill_(lr);
+      saver.state_may_change();  // host side: a replayed step does not run train_step's call
       graph->run(batches);
     } else {
       poison = inject_nonfinite(step + 1, rank);
@@ -506,6 +526,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     if (periodic || (last && args.checkpoint.save_on_end) || stop) save(step);
     if (stop) break;
   }
+  saver.wait();  // the last save is published before the run ends
   if (rank == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   return 0;
 }
@@ -528,7 +549,19 @@ int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOpti
                         : "; memory snapshot " + snap + " (open it in https://pytorch.org/memory_viz)";
     log::error(msg);
     return 1;
+  } catch (const c10::Error& e) {
+    throw step_error(e, env.rank, g_running_step.load());
   }
+}
+
+StepError step_error(const std::exception& torch_error, int rank, int64_t step) {
+  // LibTorch's message carries a C++ backtrace: one line for the user, the whole for --debug.
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&torch_error);
+  std::string msg = c10_error ? c10_error->what_without_backtrace() : torch_error.what();
+  msg = msg.substr(0, msg.find('\n'));
+  return StepError("rank " + std::to_string(rank) + ": " +
+                       (step > 0 ? "step " + std::to_string(step) : std::string("before training")) + ": " + msg,
+                   torch_error.what());
 }
 
 }  // namespace nnstrain::train

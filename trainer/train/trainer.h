@@ -2,12 +2,24 @@
 // streams data, steps the optimizer, evaluates, logs and checkpoints.
 #pragma once
 
+#include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "trainer/config/trainer_args.h"
 #include "trainer/dist/dist_env.h"
 
 namespace nnstrain::train {
+
+// A LibTorch error while training, as one line naming the rank and step; `detail`
+// keeps LibTorch's full message with its backtrace (printed under --debug).
+struct StepError : std::runtime_error {
+  StepError(const std::string& line, std::string detail) : std::runtime_error(line), detail(std::move(detail)) {}
+  std::string detail;
+};
+
+// `torch_error` (a c10::Error) raised on `rank` during `step` (0: before training).
+StepError step_error(const std::exception& torch_error, int rank, int64_t step);
 
 struct RunOptions {
   std::string resume;  // "" = fresh (unless checkpoint.resume_from), "last", or a checkpoint folder
