@@ -28,7 +28,7 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
 
   nnstrain [train] --config FILE [--resume [CKPT]] [--print-config] [--debug] [--key.path value ...]
   nnstrain launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- ARGS
-  nnstrain merge CKPT --out DIR [--hf]
+  nnstrain merge CKPT --out DIR [--hf] [--dtype fp32|bf16|fp16]
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
