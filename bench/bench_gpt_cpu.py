@@ -173,12 +173,7 @@ def run_nnstrain(binary, steps, threads, data_dir):
                 "--checkpoint.save_dir=", "--checkpoint.every_n_train_steps", "0",
                 "--checkpoint.keep_last_n_checkpoints", "0", "--optimizer.args.impl", "fused",
                 "--vars.data_dir", str(data_dir)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
-        p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
-        if p.returncode != 0:
-            sys.exit(f"nnstrain failed ({p.returncode}): {' '.join(args)}\n{p.stdout}{p.stderr}")
+        run_nnstrain(args, threads)
         recs = [json.loads(l) for l in (pathlib.Path(tmp) / "metrics.jsonl").read_text().splitlines() if l.strip()]
     recs = [r for r in recs if "loss" in r]
     if [r["step"] for r in recs] != list(range(1, steps + 1)):
@@ -228,6 +223,18 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def run_nnstrain(args, threads):
+    """One single-process nnstrain run on `threads` threads, without a launcher's
+    variables; exits the benchmark with the run's output if it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"nnstrain failed ({p.returncode}): {' '.join(map(str, args))}\n{p.stdout}{p.stderr}")
+    return p
 
 
 def libtorch_version(binary):
