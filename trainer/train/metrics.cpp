@@ -22,6 +22,10 @@ int64_t peak_memory_bytes(const c10::Device& device) {
     return stats.allocated_bytes[0].peak;  // aggregate pool
   }
 #endif
+  return peak_host_rss_bytes();
+}
+
+int64_t peak_host_rss_bytes() {
   std::ifstream in("/proc/self/status");
   std::string key;
   while (in >> key) {

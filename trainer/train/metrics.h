@@ -15,6 +15,8 @@ namespace nnstrain::train {
 // Peak memory of this process on `device` in bytes: the CUDA allocator's peak,
 // or the peak resident set size (VmHWM) on CPU.
 int64_t peak_memory_bytes(const c10::Device& device);
+// This process's peak resident set size (VmHWM) in bytes: host memory, whatever the device.
+int64_t peak_host_rss_bytes();
 
 // One JSON object per line, flushed every write (a crash loses nothing logged).
 class JsonlSink {

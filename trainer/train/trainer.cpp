@@ -230,6 +230,9 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     checkpoint::restore_rng_state(ck, rank, device);
     log::info("resumed from " + resume + " at step " + std::to_string(start_step));
   }
+  // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
+  log::info("rank " + std::to_string(rank) + ": start-up peak host RSS " +
+            fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB");
   if (rank == 0) write_run_files(args, plan, {world, device.str(), resume, start_step, global_batch * seq_len});
 
   // Logging sinks.
