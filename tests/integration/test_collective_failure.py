@@ -10,6 +10,9 @@ MASTER_PORT set here. Once rank 0 has logged a few steps:
 - rank 1 SIGSTOPped: rank 0 exits non-zero within the timeout plus a margin,
   naming rank 1;
 - under `nnstrain launch`, a worker SIGKILLed: the launcher exits non-zero naming it.
+And before training: a rank that reports different device memory than rank 0
+(the test switch NNSTRAIN_TEST_DEVICE_MEMORY_GB) makes both ranks exit non-zero
+naming it, before any step, well within the collective timeout.
 """
 import json
 import os
@@ -91,7 +94,7 @@ def exit_within(p, seconds):
 class Ranks:
     """Two ranks started by hand, as torchrun would; everything killed on exit."""
 
-    def __init__(self, binary, tokens, tmp_path, world=2):
+    def __init__(self, binary, tokens, tmp_path, world=2, extra_env=None):
         self.run_dir = tmp_path / "run"
         port = free_port()
         self.procs = []
@@ -99,6 +102,7 @@ class Ranks:
             env = base_env()
             env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.update(extra_env or {})
             log = open(tmp_path / f"rank{rank}.log", "w+")
             p = subprocess.Popen([binary, *train_args(tokens, self.run_dir)], cwd=SOURCE, env=env,
                                  stdout=log, stderr=subprocess.STDOUT)
@@ -155,6 +159,19 @@ def test_frozen_rank_is_named_within_the_timeout(nnstrain_bin, tiny_tokens, tmp_
         assert re.search(r"ranks not answering \(process gone or frozen\): 1\b", out), out
         # It waited for the timeout rather than failing at once (rank 1 was alive, just silent).
         assert took >= TIMEOUT_S - 1, f"rank 0 gave up after {took:.1f} s, before the {TIMEOUT_S} s timeout"
+
+
+def test_rank_with_other_device_memory_is_named_before_training(nnstrain_bin, tiny_tokens, tmp_path):
+    with Ranks(nnstrain_bin, tiny_tokens, tmp_path, extra_env={"NNSTRAIN_TEST_DEVICE_MEMORY_GB": "1:3"}) as job:
+        for rank, p in enumerate(job.procs):
+            rc, took = exit_within(p, START_S)
+            out = read(p)
+            print(f"\nrank {rank} exited {rc} after {took:.1f} s: {out.strip().splitlines()[-1]}")
+            assert rc != 0, out
+            assert re.search(r"rank 1 \(host [^)]+\) reports device memory 3\.0 GiB \(rank 0: [0-9.]+ GiB\)", out), out
+            assert "cannot agree on one plan" in out, out
+            assert "Traceback" not in out and "frame #" not in out, out
+        assert logged_steps(job.run_dir) == 0  # nothing trained
 
 
 def children(pid):

@@ -50,21 +50,25 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const DistEnv& env, bool server
 
 }  // namespace
 
-Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts)
-    : rank_(env.rank), world_(env.world_size), opts_(opts) {
+c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+  try {
+    return connect_store(env, env.rank == 0, timeout);
+  } catch (const std::exception& e) {
+    throw CollectiveError("rank " + std::to_string(env.rank) + ": rendezvous with " + env.master_addr + ":" +
+                          std::to_string(env.master_port) + " failed: " + e.what());
+  }
+}
+
+Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_ptr<c10d::Store> store)
+    : rank_(env.rank), world_(env.world_size), opts_(opts), store_(std::move(store)) {
   backend_name_ = opts.backend == "auto" ? (opts.cuda ? "nccl" : "gloo") : opts.backend;
   const int tp_size = opts.tp, dp_size = world_ / tp_size;
   if (world_ % tp_size != 0)
     throw std::runtime_error("world size " + std::to_string(world_) + " is not a multiple of plan_ngpus " +
                              std::to_string(tp_size));
   if (world_ > 1) {
-    try {
-      store_ = connect_store(env, rank_ == 0, opts.timeout);
-      store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
-    } catch (const std::exception& e) {
-      throw CollectiveError("rank " + std::to_string(rank_) + ": rendezvous with " + env.master_addr + ":" +
-                            std::to_string(env.master_port) + " failed: " + e.what());
-    }
+    if (!store_) store_ = rendezvous(env, opts.timeout);
+    store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
   }
   // Groups, created in one global order (each rank joins only its own) so that
   // overlapping rendezvous can never deadlock. Rank = dp_index * tp + tp_index.

@@ -53,9 +53,15 @@ struct RuntimeOptions {
   std::chrono::milliseconds timeout{600000};
 };
 
+// Connects this rank to the job's rendezvous store (rank 0 serves it), waiting
+// up to `timeout`. Throws CollectiveError naming the rank and address on failure.
+c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout);
+
 class Runtime {
  public:
-  Runtime(const DistEnv& env, const RuntimeOptions& opts);
+  // `store`: the job's rendezvous (rendezvous() above), made before the plan so
+  // that the ranks can agree on it; null connects here. Unused for one process.
+  Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_ptr<c10d::Store> store = nullptr);
   ~Runtime();
 
   int rank() const { return rank_; }

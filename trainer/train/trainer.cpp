@@ -23,6 +23,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/planner.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/optim/lr_schedule.h"
@@ -146,7 +147,12 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   preq.world_size = world;
   preq.device = parallel::device_spec(device.is_cuda() ? "auto" : "cpu");
   preq.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
-  const auto plan = parallel::make_plan(preq);
+  // Several ranks meet at the rendezvous store first and agree on one plan there
+  // (plan_agreement.h), before any collective.
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
+  c10::intrusive_ptr<c10d::Store> store;
+  if (world > 1) store = dist::rendezvous(env, timeout);
+  const auto plan = store ? parallel::agree_plan(preq, *store, rank, world, timeout) : parallel::make_plan(preq);
   oom.estimate_bytes = plan.estimate.total_bytes;
   const int64_t dp = plan.dp, dp_rank = rank / plan.tp, accum = plan.grad_accumulation_steps;
   ro.recompute_layers = plan.recompute;
@@ -179,8 +185,8 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     ropts.zero_ngroups = plan.zero ? plan.zero_ngroups : 1;
     ropts.backend = args.compute_config.backend;
     ropts.cuda = device.is_cuda();
-    ropts.timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
-    rt = std::make_unique<dist::Runtime>(env, ropts);
+    ropts.timeout = timeout;
+    rt = std::make_unique<dist::Runtime>(env, ropts, store);
   }
 
   // Tensor-parallel split (if any), then data-parallel flat buffers in the
