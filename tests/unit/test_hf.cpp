@@ -22,7 +22,7 @@
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/hf.h"
-#include "trainer/checkpoint/merge.h"
+#include "trainer/interop/model_checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 
 #include "tests/unit/test_support.h"
@@ -194,14 +194,14 @@ TEST_CASE("merge --hf: from_pretrained gives nnstrain's logits", "[hf][merge]") 
                "--max_train_steps", "3", "--val_every_n_train_steps", "0"}) == 0);
   const auto src = checkpoint::latest(tmp / "ckpt");
   REQUIRE(!src.empty());
-  const auto report = checkpoint::merge(src, tmp / "hf", {/*hf=*/true});
+  const auto report = interop::merge(src, tmp / "hf", /*hf=*/true);
   CHECK(report.tensors > 0);
   CHECK(exists(tmp / "hf/config.json"));
 
   // nnstrain's logits from the original checkpoint, through the trainer's names only.
   const checkpoint::Checkpoint ck(src);
-  auto ours = checkpoint::build_model(ck);
-  checkpoint::load_model_weights(ck, *ours);
+  auto ours = interop::build_model(ck);
+  interop::load_model_weights(ck, *ours);
   ours->eval();
   torch::NoGradGuard no_grad;
   torch::manual_seed(3);
@@ -212,8 +212,8 @@ TEST_CASE("merge --hf: from_pretrained gives nnstrain's logits", "[hf][merge]") 
   // The --hf folder back into nnstrain, both ways, is bitwise the original.
   auto via_hf = build_from_hf(tmp / "hf");
   const checkpoint::Checkpoint merged(tmp / "hf");
-  auto via_manifest = checkpoint::build_model(merged);
-  checkpoint::load_model_weights(merged, *via_manifest);
+  auto via_manifest = interop::build_model(merged);
+  interop::load_model_weights(merged, *via_manifest);
   auto a = ours->named_parameters(), b = via_hf->named_parameters(), c = via_manifest->named_parameters();
   REQUIRE(a.size() == b.size());
   for (const auto& p : a) {

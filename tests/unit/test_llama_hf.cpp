@@ -24,7 +24,7 @@
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/hf.h"
-#include "trainer/checkpoint/merge.h"
+#include "trainer/interop/model_checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 
 #include "tests/unit/test_support.h"
@@ -241,8 +241,8 @@ TEST_CASE("llama merge --hf: from_pretrained gives nnstrain's logits", "[hf][mer
   CHECK(exists(tmp / "hf/config.json"));
 
   const checkpoint::Checkpoint ck(src);
-  auto ours = checkpoint::build_model(ck);
-  checkpoint::load_model_weights(ck, *ours);
+  auto ours = interop::build_model(ck);
+  interop::load_model_weights(ck, *ours);
   ours->eval();
   torch::NoGradGuard no_grad;
   torch::manual_seed(3);

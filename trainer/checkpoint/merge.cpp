@@ -2,42 +2,18 @@
 
 #include <torch/torch.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <filesystem>
-#include <iostream>
 #include <map>
 
-#include <ftw.h>
-#include <unistd.h>
-
-#include "models/model.h"
-#include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
-#include "trainer/config/load.h"
 
 namespace fs = std::filesystem;
 
 namespace nnstrain::checkpoint {
 
 namespace {
-
-constexpr const char* kUsage = R"(usage: nnstrain merge CKPT --out DIR [--hf] [--dtype fp32|bf16|fp16]
-
-  CKPT   a checkpoint folder (sharded, deduped or merged), or a save_dir (its `latest` is used)
-  --out  the folder to create; written as DIR.tmp, then renamed
-  --hf   Hugging Face names and config.json: transformers' from_pretrained(DIR) loads it
-  --dtype  the weights' dtype in the output (default: as stored; *-mixed runs store fp32 masters)
-)";
-
-// POSIX rather than fs::remove_all: libtorch.so exports its own copy of it, which
-// crashes when it wins symbol resolution (pytorch#133437).
-int remove_entry(const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }
-void remove_tree(const fs::path& p) {
-  if (::access(p.c_str(), F_OK) == 0) ::nftw(p.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
 
 at::ScalarType scalar_type_of(const ShardSpec& s) {
   const auto d = parse_dtype(s.dtype);
@@ -61,49 +37,6 @@ struct Planned {
 
 }  // namespace
 
-std::shared_ptr<models::CausalLM> build_model(const Checkpoint& ck) {
-  const auto& st = ck.state();
-  const std::string where = (fs::path(ck.dir()) / "manifest.json").string();
-  const std::string type = st.value("model_type", "");
-  const std::string yaml = st.value("config", "");
-  const auto* entry = models::find_model(type);
-  if (!entry) throw CheckpointError(where + ": unknown model type '" + type + "' in the trainer state");
-  if (yaml.empty()) throw CheckpointError(where + ": the trainer state holds no resolved config to rebuild the model");
-
-  // load_trainer_args reads files; the saved config goes through a temporary one.
-  const char* tmpdir = std::getenv("TMPDIR");
-  std::string path = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/nnstrain_config_XXXXXX.yaml";
-  const int fd = ::mkstemps(path.data(), 5);
-  if (fd < 0) throw CheckpointError("cannot create a temporary file for the saved config: " + std::string(std::strerror(errno)));
-  const bool written = ::write(fd, yaml.data(), yaml.size()) == static_cast<ssize_t>(yaml.size());
-  ::close(fd);
-  config::TrainerArgs args;
-  try {
-    if (!written) throw config::ConfigError("cannot write " + path);
-    config::LoadOptions lo;
-    lo.models = models::model_catalog();
-    lo.check_files = false;            // the run's data need not be here
-    lo.reject_unimplemented = false;   // only the model section matters
-    args = config::load_trainer_args(path, lo);
-  } catch (const config::ConfigError& e) {
-    ::unlink(path.c_str());
-    throw CheckpointError(where + ": the saved config does not load: " + e.what());
-  }
-  ::unlink(path.c_str());
-  if (args.model.type != type || !args.model.args)
-    throw CheckpointError(where + ": the saved config's model '" + args.model.type + "' is not the state's '" + type + "'");
-  return entry->build(*args.model.args);
-}
-
-void load_model_weights(const Checkpoint& ck, models::CausalLM& model) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : model.named_parameters()) {
-    auto t = p.value().detach();
-    StateTensor st{ShardSpec::full("model/" + p.key(), dtype_name(to_dtype(t.scalar_type())), t.sizes().vec()), t};
-    ck.load_into(st);
-  }
-}
-
 MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const MergeOptions& opts) {
   const Checkpoint ck(ckpt_dir);
   fs::path out = fs::path(out_dir).lexically_normal();
@@ -112,13 +45,10 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
   if (fs::exists(out)) throw CheckpointError(out.string() + ": already exists; merge writes a new folder");
   const fs::path tmp = out.string() + ".tmp";
 
-  // Hugging Face names need the model's declaration; build it, take what we need, free it.
-  std::map<std::string, models::HfTensor> hf;  // by our parameter name
-  nlohmann::json hf_config;
+  // Hugging Face names, by our parameter name: each must be used exactly once.
+  std::map<std::string, HfName> hf;
   if (opts.hf) {
-    auto model = build_model(ck);
-    for (const auto& h : model->hf_tensors()) hf[h.ours] = h;
-    hf_config = model->hf_config();
+    hf = opts.hf->names;
     if (hf.empty()) throw CheckpointError("merge --hf: model '" + ck.state().value("model_type", "") +
                                           "' declares no Hugging Face names");
   }
@@ -176,6 +106,7 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
       write_file_durable((tmp / "config.yaml").string(), state.at("config").get<std::string>());
     write_file_durable((tmp / "trainer_state.json").string(), state.dump(2) + "\n");
     if (opts.hf) {
+      auto hf_config = opts.hf->config;
       const auto hf_dtype = hf_dtype_name(model_dtype);
       if (!hf_dtype.empty() && hf_config.contains("torch_dtype")) hf_config["torch_dtype"] = hf_dtype;
       write_file_durable((tmp / "config.json").string(), hf_config.dump(2) + "\n");
@@ -228,65 +159,14 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
     fs::rename(tmp, out);
     fsync_dir(fs::absolute(out).parent_path().string());
   } catch (...) {
-    remove_tree(tmp);
+    try {
+      remove_tree(tmp);
+    } catch (const CheckpointError&) {
+      // The first failure is the one to report; DIR.tmp is never mistaken for DIR.
+    }
     throw;
   }
   return report;
-}
-
-int merge_main(const std::vector<std::string>& args) {
-  std::string src, out;
-  MergeOptions opts;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const auto& a = args[i];
-    if (a == "-h" || a == "--help") {
-      std::cout << kUsage;
-      return 0;
-    } else if (a == "--hf") {
-      opts.hf = true;
-    } else if (a == "--dtype" || a.rfind("--dtype=", 0) == 0) {
-      std::string d = a == "--dtype" ? (i + 1 < args.size() ? args[++i] : "") : a.substr(8);
-      const std::map<std::string, std::string> names = {{"fp32", "F32"}, {"bf16", "BF16"}, {"fp16", "F16"}};
-      if (!names.count(d)) {
-        std::cerr << "nnstrain merge: --dtype must be fp32, bf16 or fp16, not '" << d << "'\n";
-        return 2;
-      }
-      opts.dtype = names.at(d);
-    } else if (a == "--out") {
-      if (i + 1 >= args.size()) {
-        std::cerr << "nnstrain merge: --out needs a folder\n\n" << kUsage;
-        return 2;
-      }
-      out = args[++i];
-    } else if (a.rfind("--out=", 0) == 0) {
-      out = a.substr(6);
-    } else if (a.rfind("-", 0) == 0 || !src.empty()) {
-      std::cerr << "nnstrain merge: unexpected argument '" << a << "'\n\n" << kUsage;
-      return 2;
-    } else {
-      src = a;
-    }
-  }
-  if (src.empty() || out.empty()) {
-    std::cerr << "nnstrain merge: need CKPT and --out DIR\n\n" << kUsage;
-    return 2;
-  }
-  try {
-    // A run's save_dir stands for its latest checkpoint.
-    if (!fs::exists(fs::path(src) / "manifest.json") && fs::exists(fs::path(src) / "latest")) {
-      const auto l = latest(src);
-      std::cout << "nnstrain merge: " << src << " is a save_dir; merging its latest checkpoint " << l << "\n";
-      src = l;
-    }
-    const auto r = merge(src, out, opts);
-    std::cout << "nnstrain merge: wrote " << r.out_dir << " (" << r.tensors << " tensors, "
-              << r.bytes / 1048576.0 << " MiB; largest tensor " << r.largest_bytes / 1048576.0 << " MiB)"
-              << (opts.hf ? " with Hugging Face names and config.json" : "") << "\n";
-    return 0;
-  } catch (const std::exception& e) {
-    std::cerr << "nnstrain merge: error: " << e.what() << "\n";
-    return 1;
-  }
 }
 
 }  // namespace nnstrain::checkpoint

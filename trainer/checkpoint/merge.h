@@ -1,4 +1,4 @@
-// `nnstrain merge CKPT --out DIR [--hf]`: one full checkpoint from a sharded or
+// `nnstrain merge` (its CLI: trainer/interop/merge_command.h): one full checkpoint from a sharded or
 // deduped one. The result is itself an nnstrain checkpoint (manifest.json of
 // whole-tensor ShardSpecs, world_size 1), so `--resume DIR` works under any plan,
 // laid out for humans and other tools:
@@ -11,32 +11,42 @@
 //   config.yaml             the resolved configuration of the run
 //
 // With --hf, model.safetensors holds Hugging Face names and layouts instead
-// (models::CausalLM::hf_tensors(): renamed, Conv1D weights transposed) and
+// (renamed, Conv1D weights transposed, as the caller's HfExport says) and
 // config.json is added, so transformers' from_pretrained(DIR) loads it; the
-// manifest maps those entries back, so the folder still resumes.
+// manifest maps those entries back, so the folder still resumes. This module
+// knows no model: trainer/interop builds the HfExport from the model's
+// declaration and runs the CLI.
 //
 // Tensors are streamed: each global tensor is assembled from its stored pieces,
 // appended to its output file and freed before the next, so the peak memory is
-// about the largest tensor, not the model. --hf additionally builds the model
-// once, to learn its Hugging Face names, and frees it before streaming.
+// about the largest tensor, not the model.
 // The output is written to DIR.tmp and published by rename.
 #pragma once
 
 #include <cstdint>
-#include <memory>
+#include <map>
+#include <optional>
 #include <string>
-#include <vector>
 
-namespace nnstrain::models {
-class CausalLM;
-}
+#include <nlohmann/json.hpp>
 
 namespace nnstrain::checkpoint {
 
-class Checkpoint;
+// One model tensor's Hugging Face name and layout.
+struct HfName {
+  std::string theirs;      // e.g. "transformer.h.0.attn.c_attn.weight"
+  bool transpose = false;  // stored [in, out] (GPT-2's Conv1D)
+};
+
+// What --hf needs from the model: every parameter's HF name (by our name,
+// without "model/"), and config.json.
+struct HfExport {
+  std::map<std::string, HfName> names;
+  nlohmann::json config;
+};
 
 struct MergeOptions {
-  bool hf = false;    // Hugging Face names, layouts and config.json
+  std::optional<HfExport> hf;  // Hugging Face names, layouts and config.json
   std::string dtype;  // safetensors name ("F32", "BF16", "F16") of the weights written; "" = as stored
 };
 
@@ -50,15 +60,5 @@ struct MergeReport {
 // Throws CheckpointError (or SafetensorsError) naming the file and the fault;
 // leaves no DIR behind on failure. Refuses an existing DIR.
 MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const MergeOptions& opts = {});
-
-// The CLI: args are what follows "merge". Returns the exit status (0, 1 error, 2 usage).
-int merge_main(const std::vector<std::string>& args);
-
-// The registered model a checkpoint was saved from, built from its resolved
-// config (state "model_type" + "config") with fresh weights, not loaded.
-std::shared_ptr<models::CausalLM> build_model(const Checkpoint& ck);
-
-// Copies the checkpoint's model/* tensors into `model`'s parameters (one process, whole tensors).
-void load_model_weights(const Checkpoint& ck, models::CausalLM& model);
 
 }  // namespace nnstrain::checkpoint

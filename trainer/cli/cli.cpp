@@ -15,7 +15,7 @@
 #include "trainer/dist/env_command.h"
 #include "trainer/dist/launcher.h"
 #include "trainer/dist/process_groups.h"
-#include "trainer/checkpoint/merge.h"
+#include "trainer/interop/merge_command.h"
 #include "trainer/cli/plan_command.h"
 #include "trainer/cli/report.h"
 #include "trainer/train/trainer.h"
@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
   if (cmd == "prepare") return data::prepare_main(tail());
   if (cmd == "env") return dist::env_main(tail());
   if (cmd == "plan") return plan_main(tail());
-  if (cmd == "merge") return checkpoint::merge_main(tail());
+  if (cmd == "merge") return interop::merge_main(tail());
   if (cmd == "report") return report_main(tail());
   if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {
     std::cout << kUsage;

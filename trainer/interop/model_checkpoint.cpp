@@ -1,0 +1,82 @@
+#include "trainer/interop/model_checkpoint.h"
+
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include <unistd.h>
+
+#include "models/model.h"
+#include "models/registry.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/checkpoint/tensor_io.h"
+#include "trainer/config/load.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::interop {
+
+std::shared_ptr<models::CausalLM> build_model(const checkpoint::Checkpoint& ck) {
+  const auto& st = ck.state();
+  const std::string where = (fs::path(ck.dir()) / "manifest.json").string();
+  const std::string type = st.value("model_type", "");
+  const std::string yaml = st.value("config", "");
+  const auto* entry = models::find_model(type);
+  if (!entry) throw checkpoint::CheckpointError(where + ": unknown model type '" + type + "' in the trainer state");
+  if (yaml.empty()) throw checkpoint::CheckpointError(where + ": the trainer state holds no resolved config to rebuild the model");
+
+  // load_trainer_args reads files; the saved config goes through a temporary one.
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string path = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/nnstrain_config_XXXXXX.yaml";
+  const int fd = ::mkstemps(path.data(), 5);
+  if (fd < 0) throw checkpoint::CheckpointError("cannot create a temporary file for the saved config: " + std::string(std::strerror(errno)));
+  const bool written = ::write(fd, yaml.data(), yaml.size()) == static_cast<ssize_t>(yaml.size());
+  ::close(fd);
+  config::TrainerArgs args;
+  try {
+    if (!written) throw config::ConfigError("cannot write " + path);
+    config::LoadOptions lo;
+    lo.models = models::model_catalog();
+    lo.check_files = false;            // the run's data need not be here
+    lo.reject_unimplemented = false;   // only the model section matters
+    args = config::load_trainer_args(path, lo);
+  } catch (const config::ConfigError& e) {
+    ::unlink(path.c_str());
+    throw checkpoint::CheckpointError(where + ": the saved config does not load: " + e.what());
+  }
+  ::unlink(path.c_str());
+  if (args.model.type != type || !args.model.args)
+    throw checkpoint::CheckpointError(where + ": the saved config's model '" + args.model.type + "' is not the state's '" + type + "'");
+  return entry->build(*args.model.args);
+}
+
+void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& model) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : model.named_parameters()) {
+    auto t = p.value().detach();
+    checkpoint::StateTensor st{checkpoint::ShardSpec::full("model/" + p.key(), checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())), t.sizes().vec()), t};
+    ck.load_into(st);
+  }
+}
+
+checkpoint::HfExport hf_export(const models::CausalLM& model) {
+  checkpoint::HfExport e;
+  for (const auto& h : model.hf_tensors()) e.names[h.ours] = {h.theirs, h.transpose};
+  e.config = model.hf_config();
+  return e;
+}
+
+checkpoint::MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, bool hf,
+                              const std::string& dtype) {
+  checkpoint::MergeOptions opts;
+  opts.dtype = dtype;
+  if (hf) {
+    // Build the model only to learn its names; freed before the tensors stream.
+    opts.hf = hf_export(*build_model(checkpoint::Checkpoint(ckpt_dir)));
+  }
+  return checkpoint::merge(ckpt_dir, out_dir, opts);
+}
+
+}  // namespace nnstrain::interop
