@@ -1,9 +1,9 @@
-// ZeRO-1 partitioning of parallel::DataParallel with a real dist::Runtime (Gloo
+// ZeRO-1 partitioning (parallel::TrainingState + GradientReducer) with a real dist::Runtime (Gloo
 // over a TCPStore), its ranks run as threads of this process, one Runtime each:
 // - each rank's optimizer state is 1/Z of the whole plus bucket padding, counted
 //   from the exp_avg tensors optim::AdamW actually allocated;
 // - the segments of a ZeRO group are disjoint and cover every parameter element
-//   exactly once (checkpoint::covered / overlap on dp.segment_specs);
+//   exactly once (checkpoint::covered / overlap on the state's segment_specs);
 // - after steps with different gradients on every rank, all ranks hold the same
 //   parameters, equal to one process's AdamW on the averaged gradients, and each
 //   rank's exp_avg chunk is the matching slice of that process's exp_avg.
@@ -22,7 +22,8 @@
 #include "trainer/checkpoint/shard_spec.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
-#include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/grad_reducer.h"
+#include "trainer/parallel/training_state.h"
 
 using namespace nnstrain;
 
@@ -122,34 +123,39 @@ RankResult run_rank(int rank, int world, int zero_ngroups, int port) {
       spec.replica_ranks = all;
       shards.push_back({param_name(k), t, spec});
     }
-    parallel::DataParallelOptions o;
+    parallel::TrainingStateOptions o;
     o.bucket_cap_mb = kBucketCapMb;
     o.zero = true;
+    o.zero_size = rt.zero.size();
+    o.zero_rank = rt.zero.rank;
+    o.zero_replicas = rt.zero_cross.ranks;
     o.weight_decay = kWeightDecay;
-    parallel::DataParallel dp(std::move(shards), &rt, o);
-    optim::AdamW opt(dp.optimizer_segments(), adamw_args());
+    parallel::TrainingState state(std::move(shards), o);
+    parallel::GradientReducer reducer(state, &rt);
+    optim::AdamW opt(state.optimizer_segments(), adamw_args());
 
     res.zero_rank = rt.zero.rank;
     res.zero_size = rt.zero.size();
     res.zero_ranks = rt.zero.ranks;
-    res.bucket_count = dp.bucket_count();
-    res.padded_total = dp.reduced_bytes_per_step() / static_cast<int64_t>(sizeof(float));
+    res.bucket_count = reducer.bucket_count();
+    res.padded_total = reducer.reduced_bytes_per_step() / static_cast<int64_t>(sizeof(float));
     for (size_t i = 0; i < opt.segments().size(); ++i) res.state_numel += opt.exp_avg(i).numel();
-    res.specs = dp.segment_specs("optim/exp_avg/");
+    res.specs = state.segment_specs("optim/exp_avg/");
 
     for (int s = 0; s < kSteps; ++s) {
-      dp.zero_grad();
-      dp.begin_micro_step(true);
+      state.zero_grad();
+      reducer.begin_micro_step(true);
       auto loss = torch::zeros({});
-      for (size_t k = 0; k < kShapes.size(); ++k) loss = loss + (dp.params()[k].tensor * rank_input(rank, s, k)).sum();
+      for (size_t k = 0; k < kShapes.size(); ++k) loss = loss + (state.params()[k].tensor * rank_input(rank, s, k)).sum();
       loss.backward();  // hooks launch the buckets' reduce-scatters
       torch::NoGradGuard no_grad;
-      dp.finish_gradients();
+      reducer.finish_gradients();
       opt.step(kLr);
-      dp.after_optimizer_step();
+      state.refresh_compute_copy();
+      reducer.gather_params();
     }
     for (size_t i = 0; i < opt.segments().size(); ++i) res.exp_avg.push_back(opt.exp_avg(i).clone());
-    for (const auto& p : dp.params()) res.params.push_back(p.tensor.detach().clone());
+    for (const auto& p : state.params()) res.params.push_back(p.tensor.detach().clone());
   } catch (const std::exception& e) {
     res.error = "rank " + std::to_string(rank) + ": " + e.what();
   }

@@ -1,7 +1,7 @@
 #include "trainer/cli/plan_command.h"
 
 #include "trainer/optim/precision.h"
-#include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/training_state.h"
 
 #include <torch/library.h>
 #include <torch/torch.h>

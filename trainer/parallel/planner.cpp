@@ -1,7 +1,7 @@
 #include "trainer/parallel/planner.h"
 
 #include "trainer/optim/precision.h"
-#include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/training_state.h"
 
 #include <torch/torch.h>
 
@@ -158,7 +158,7 @@ std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
 
 // Bytes per element: parameters (the copy compute reads), gradients (the
 // reduction buffer), optimizer state (fp32 masters under *-mixed plus AdamW's
-// two moments), activations. The first three are what DataParallel allocates
+// two moments), activations. The first three are what TrainingState allocates
 // (parallel::state_bytes, the same function the trainer's start-up line checks).
 struct PrecisionBytes {
   double param, grad, optim, act;

@@ -7,7 +7,8 @@
 
 #include <vector>
 
-#include "trainer/parallel/data_parallel.h"
+#include "trainer/dist/process_groups.h"
+#include "trainer/parallel/training_state.h"
 
 namespace nnstrain::models {
 class CausalLM;

@@ -22,10 +22,12 @@
 #include "trainer/dist/device.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
-#include "trainer/parallel/data_parallel.h"
+#include "trainer/parallel/clip.h"
+#include "trainer/parallel/grad_reducer.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/planner.h"
 #include "trainer/parallel/tensor_parallel.h"
+#include "trainer/parallel/training_state.h"
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/optim/precision.h"
 #include "trainer/train/log.h"
@@ -66,14 +68,15 @@ checkpoint::StateTensor replicated(const std::string& name, const at::Tensor& t,
 // The run's state that checkpoints hold, as ShardSpec'd pieces: the weights
 // (fp32 masters under *-mixed), AdamW's moments, the loss scaler's state.
 struct Trainable {
-  std::unique_ptr<parallel::DataParallel> dp;
+  std::unique_ptr<parallel::TrainingState> state;
+  std::unique_ptr<parallel::GradientReducer> reducer;
   std::unique_ptr<optim::AdamW> optimizer;
   std::optional<optim::LossScaler> scaler;
   int world = 1;
 
   std::vector<checkpoint::StateTensor> state_tensors() {
-    auto out = dp->weight_state();
-    const auto m = dp->segment_specs("optim/exp_avg/"), v = dp->segment_specs("optim/exp_avg_sq/");
+    auto out = state->weight_state();
+    const auto m = state->segment_specs("optim/exp_avg/"), v = state->segment_specs("optim/exp_avg_sq/");
     for (size_t i = 0; i < m.size(); ++i) {
       out.push_back({m[i], optimizer->exp_avg(i)});
       out.push_back({v[i], optimizer->exp_avg_sq(i)});
@@ -85,11 +88,18 @@ struct Trainable {
     return out;
   }
 
+  // The compute copy from what the optimizer updated (or a checkpoint loaded):
+  // masters cast, ZeRO chunks gathered.
+  void after_optimizer_step() {
+    state->refresh_compute_copy();
+    reducer->gather_params();
+  }
+
   // Bytes per parameter element this rank holds, by part, measured from its tensors.
   parallel::StateBytes held_bytes_per_param() {
     int64_t n = 0;
-    for (const auto& p : dp->params()) n += p.tensor.numel();
-    auto b = dp->held_bytes();
+    for (const auto& p : state->params()) n += p.tensor.numel();
+    auto b = state->held_bytes();
     for (size_t i = 0; i < optimizer->segments().size(); ++i)
       b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
     const double per = 1.0 / double(std::max<int64_t>(1, n));
@@ -196,16 +206,22 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   tr.world = world;
   {
     auto shards = parallel::apply_tensor_parallel(*model, rt.get(), world);
-    parallel::DataParallelOptions dpo;
-    dpo.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
-    dpo.zero = plan.zero;
-    dpo.weight_decay = args.optimizer.weight_decay;
-    dpo.param_dtype = prec.param;
-    dpo.grad_dtype = prec.grad;
-    dpo.master_weights = prec.master_weights;
-    tr.dp = std::make_unique<parallel::DataParallel>(std::move(shards), rt.get(), dpo);
+    parallel::TrainingStateOptions so;
+    so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
+    so.zero = plan.zero;
+    if (plan.zero && rt) {
+      so.zero_size = rt->zero.size();
+      so.zero_rank = rt->zero.rank;
+      so.zero_replicas = rt->zero_cross.ranks;
+    }
+    so.weight_decay = args.optimizer.weight_decay;
+    so.param_dtype = prec.param;
+    so.grad_dtype = prec.grad;
+    so.master_weights = prec.master_weights;
+    tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
+    tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt.get());
   }
-  tr.optimizer = std::make_unique<optim::AdamW>(tr.dp->optimizer_segments(), args.optimizer);
+  tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
   const auto fopts = torch::TensorOptions().device(device).dtype(torch::kFloat32);
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, fopts);
 
@@ -230,7 +246,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
       if (t.spec.name.rfind("amp/", 0) == 0 && !ck.has(t.spec.name)) continue;
       ck.load_into(t);
     }
-    tr.dp->after_optimizer_step();  // the compute copy from the loaded (master) weights
+    tr.after_optimizer_step();  // the compute copy from the loaded (master) weights
     start_step = st.at("step").get<int64_t>();
     tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
     checkpoint::restore_rng_state(ck, rank, device);
@@ -258,7 +274,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   const auto held = tr.held_bytes_per_param();
   if (rank == 0) {
     int64_t nparams = 0;
-    for (auto& p : tr.dp->params()) nparams += p.tensor.numel();
+    for (auto& p : tr.state->params()) nparams += p.tensor.numel();
     log::info("model " + args.model.type + ": " + std::to_string(nparams) + " parameters, device " + device.str() +
               ", world " + std::to_string(world) + " (dp " + std::to_string(dp) + "), global batch " +
               std::to_string(global_batch) + " x " + std::to_string(seq_len) + " tokens, steps " +
@@ -266,8 +282,8 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
               (plan.zero ? " (ZeRO-1)" : "") + ", plan tp " + std::to_string(plan.tp) + " x dp " +
               std::to_string(plan.dp) + ", recompute " +
               std::to_string(std::count(plan.recompute.begin(), plan.recompute.end(), true)) + " layers" +
-              (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.dp->bucket_count()) + " buckets, " +
-                        std::to_string(tr.dp->reduced_bytes_per_step()) + " gradient bytes reduced per step"
+              (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.reducer->bucket_count()) + " buckets, " +
+                        std::to_string(tr.reducer->reduced_bytes_per_step()) + " gradient bytes reduced per step"
                   : ""));
     log::info("precision " + args.precision + ": state bytes/param " + fmt(held.total(), 2) + " (param " +
               fmt(held.param, 2) + ", grad " + fmt(held.grad, 2) + ", master " + fmt(held.master, 2) +
@@ -396,10 +412,10 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   auto lr_dev = torch::zeros({}, fopts);
   bool poison = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
   auto train_step = [&](const std::vector<data::Batch>& batches) {
-    tr.dp->zero_grad();
+    tr.state->zero_grad();
     loss_sum.zero_();
     for (int64_t a = 0; a < accum; ++a) {
-      tr.dp->begin_micro_step(a == accum - 1);
+      tr.reducer->begin_micro_step(a == accum - 1);
       timer.enter(StepTimer::kForward);
       auto loss = model->loss(batches[a].x, batches[a].y) / static_cast<double>(accum);
       if (poison) loss = loss * std::numeric_limits<double>::infinity();
@@ -412,9 +428,9 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
       torch::NoGradGuard no_grad;
       saver.state_may_change();  // an asynchronous save may still be copying the state
       timer.enter(StepTimer::kComm);
-      tr.dp->finish_gradients();
+      tr.reducer->finish_gradients();
       timer.enter(StepTimer::kOptimizer);
-      grad_norm = tr.dp->grad_norm();  // identical on every rank (gradients reduced, norm all-reduced)
+      grad_norm = parallel::global_grad_norm(*tr.state, rt.get());  // identical on every rank
       auto found_inf = torch::isfinite(grad_norm).logical_not().to(torch::kFloat32).reshape({1});
       at::Tensor coef;
       if (tr.scaler) {
@@ -423,14 +439,13 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
         coef = inv_scale;
       }
       if (args.optimizer.clip_gnorm > 0) {
-        // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), never up.
-        auto clip = torch::clamp_max(args.optimizer.clip_gnorm / (grad_norm + 1e-6), 1.0);
+        auto clip = parallel::clip_coefficient(grad_norm, args.optimizer.clip_gnorm);
         coef = coef.defined() ? coef * clip : clip;
       }
-      if (coef.defined()) tr.dp->scale_gradients(coef);
+      if (coef.defined()) tr.state->scale_gradients(coef);
       tr.optimizer->step(lr, found_inf, graph ? lr_dev : at::Tensor());  // skipped whole where found_inf
       timer.enter(StepTimer::kComm);
-      tr.dp->after_optimizer_step();
+      tr.after_optimizer_step();
       timer.enter(StepTimer::kOptimizer);
       if (tr.scaler) tr.scaler->update(found_inf);
       step_dev.add_(1);

@@ -1,0 +1,23 @@
+// The global gradient norm and clipping, as functions of a TrainingState after
+// its gradients are reduced. All on the device: no host sync.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace nnstrain::dist {
+class Runtime;
+}
+
+namespace nnstrain::parallel {
+
+class TrainingState;
+
+// L2 norm of the whole model's (averaged) gradients, identical on every rank:
+// ZeRO chunks are summed over the ZeRO group, tensor-parallel pieces over the
+// TP group, and a piece every TP rank replicates counts once. rt may be null.
+at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt);
+
+// torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1.
+at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm);
+
+}  // namespace nnstrain::parallel

@@ -1,0 +1,138 @@
+// The training state of one rank: the parameters it holds, in flat buffers, in
+// the precision's dtypes, with the ShardSpecs checkpoints need and the segments
+// the optimizer updates. Communication is elsewhere (grad_reducer.h); the
+// gradient norm and clipping are functions over this state (clip.h).
+//
+// Layout: parameters lie in reverse registration order (the order backward
+// produces gradients), cut into buckets of reducer_bucket_cap_mb; under ZeRO
+// each bucket is padded to a multiple of the ZeRO group size and every rank
+// owns one chunk of every bucket.
+//
+// Precision lives here, not in the model (DESIGN.md idea 7). The parameters the
+// model computes with are views of flat_param in the compute dtype. Under
+// *-mixed the optimizer updates fp32 masters (the whole buffer, or only this
+// rank's ZeRO chunks), and the compute copy is refreshed from them after each
+// step. Gradients live in flat_grad in the reduction dtype: when that is the
+// compute dtype, param.grad is a view of it; otherwise (fp32 reduction of
+// bf16/fp16 compute) each parameter's gradient is added into its fp32 slot as
+// soon as autograd has accumulated it (accumulate_into_slot) and then dropped,
+// so accumulation over micro-steps is in fp32 too (Megatron's main_grad).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/optim/adamw.h"
+
+namespace nnstrain::parallel {
+
+// A parameter as this rank holds it: the local tensor and which piece of the
+// global parameter it is (replica_ranks: the ranks holding the same piece).
+struct ParamShard {
+  std::string name;
+  at::Tensor tensor;
+  checkpoint::ShardSpec spec;
+  // Share of this piece in the global gradient norm: 1 for a piece only this
+  // rank's tensor-parallel group position holds, 1/tp for one every TP rank replicates.
+  double norm_weight = 1.0;
+};
+
+// Bytes a rank holds per parameter element, by part, for a precision setup:
+// what TrainingState allocates (params, gradients, fp32 masters) plus AdamW's
+// two moments, before ZeRO partitioning. The planner's memory model uses the same numbers.
+struct StateBytes {
+  double param = 4, grad = 4, master = 0, moments = 8;
+  double total() const { return param + grad + master + moments; }
+};
+StateBytes state_bytes(c10::ScalarType param_dtype, c10::ScalarType grad_dtype, bool master_weights);
+
+// Where each parameter and bucket lies in the flat buffers; pure arithmetic.
+struct FlatLayout {
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // [begin, end) in the flat buffers, padding included
+    std::vector<size_t> params;  // indices, in layout order
+  };
+  std::vector<int64_t> offset;    // per parameter
+  std::vector<size_t> bucket_of;  // per parameter
+  std::vector<Bucket> buckets;
+  int64_t size = 0;               // elements, padding included
+  int zsize = 1, zrank = 0;       // ZeRO group size and this rank's place in it (1, 0: no ZeRO)
+  std::vector<int64_t> shard_offset;  // each bucket's chunk in the shard buffer (ZeRO)
+  int64_t shard_size = 0;
+
+  // numels: per parameter, in registration order. cap: elements per bucket.
+  static FlatLayout make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank);
+  int64_t chunk_size(const Bucket& b) const { return (b.end - b.begin) / zsize; }
+  int64_t chunk_begin(const Bucket& b) const { return b.begin + zrank * chunk_size(b); }
+};
+
+struct TrainingStateOptions {
+  double bucket_cap_mb = 25.0;
+  bool zero = false;
+  int zero_size = 1, zero_rank = 0;    // the ZeRO group (zero: true)
+  std::vector<int> zero_replicas{0};   // ranks holding the same ZeRO chunks (checkpoint replicas)
+  double weight_decay = 0.0;           // for tensors of two or more dims
+  c10::ScalarType param_dtype = c10::ScalarType::Float;  // what the model computes with
+  c10::ScalarType grad_dtype = c10::ScalarType::Float;   // gradient buffer and reduction dtype
+  bool master_weights = false;                           // fp32 masters in the optimizer (*-mixed)
+};
+
+class TrainingState {
+ public:
+  // Parameters become views of the flat buffer; their values as built (fp32
+  // under *-mixed) start the masters exactly.
+  TrainingState(std::vector<ParamShard> params, const TrainingStateOptions& opts);
+
+  const std::vector<ParamShard>& params() const { return params_; }
+  const FlatLayout& layout() const { return layout_; }
+  const TrainingStateOptions& options() const { return opts_; }
+
+  // Gradients. flat_grad: every parameter's slot; shard_grad (ZeRO): this
+  // rank's reduced chunks, bucket after bucket. reduced_grads: what the
+  // optimizer and the norm read, whichever of the two that is.
+  at::Tensor& flat_param() { return flat_param_; }
+  at::Tensor& flat_grad() { return flat_grad_; }
+  at::Tensor& shard_grad() { return shard_grad_; }
+  at::Tensor& reduced_grads() { return opts_.zero ? shard_grad_ : flat_grad_; }
+  bool grads_via_hook() const { return grads_via_hook_; }
+  // After autograd accumulated parameter k's gradient (grads_via_hook): into its slot, then dropped.
+  void accumulate_into_slot(size_t k);
+  void zero_grad();
+  void scale_gradients(const at::Tensor& coef);
+
+  // What the optimizer updates: whole parameters (or masters), or this rank's ZeRO chunks.
+  const std::vector<optim::Segment>& optimizer_segments() const { return segments_; }
+  // Per segment, on the device: its share in the global norm (ParamShard::norm_weight).
+  const at::Tensor& norm_weights() const { return norm_weights_; }
+  bool norm_weighted() const { return norm_weighted_; }
+  // The ShardSpec of each optimizer segment (state named prefix + param name).
+  std::vector<checkpoint::ShardSpec> segment_specs(const std::string& prefix) const;
+  // The weights checkpoints store: fp32 masters under *-mixed (this rank's ZeRO
+  // chunks only, as flat pieces), else the parameters. Named "model/<name>".
+  std::vector<checkpoint::StateTensor> weight_state() const;
+  // After the optimizer (or a checkpoint load) changed the masters: the compute
+  // copy of what this rank updates (its chunks under ZeRO: the reducer gathers the rest).
+  void refresh_compute_copy();
+  // Bytes of parameters, gradients and masters this rank holds (moments: 0, the optimizer holds them).
+  StateBytes held_bytes() const;
+
+ private:
+  std::vector<optim::Segment> make_segments() const;
+
+  std::vector<ParamShard> params_;
+  TrainingStateOptions opts_;
+  FlatLayout layout_;
+  bool grads_via_hook_ = false;
+  at::Tensor flat_param_, flat_grad_, shard_grad_;
+  at::Tensor flat_master_;              // *-mixed: fp32 masters (whole, or this rank's ZeRO chunks)
+  std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
+  std::vector<optim::Segment> segments_;
+  at::Tensor norm_weights_;
+  bool norm_weighted_ = false;
+};
+
+}  // namespace nnstrain::parallel
