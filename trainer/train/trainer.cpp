@@ -10,31 +10,17 @@
 #include <sstream>
 
 #include "data/loader.h"
-#include "data/token_bin.h"
-#include "models/model.h"
-#include "models/registry.h"
+#include "trainer/config/arg_map.h"
 #include "trainer/checkpoint/async_save.h"
-#include "trainer/checkpoint/checkpoint.h"
-#include "trainer/checkpoint/hf.h"
 #include "trainer/checkpoint/rng_state.h"
-#include "trainer/checkpoint/safetensors.h"
-#include "trainer/checkpoint/tensor_io.h"
-#include "trainer/dist/device.h"
-#include "trainer/dist/process_groups.h"
-#include "trainer/optim/adamw.h"
-#include "trainer/parallel/clip.h"
-#include "trainer/parallel/grad_reducer.h"
-#include "trainer/parallel/plan_agreement.h"
-#include "trainer/parallel/planner.h"
-#include "trainer/parallel/tensor_parallel.h"
-#include "trainer/parallel/training_state.h"
 #include "trainer/optim/lr_schedule.h"
-#include "trainer/optim/precision.h"
+#include "trainer/parallel/clip.h"
 #include "trainer/train/log.h"
 #include "trainer/train/memory_snapshot.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/profiler.h"
 #include "trainer/train/run_dir.h"
+#include "trainer/train/startup.h"
 #include "trainer/train/step_graph.h"
 #include "trainer/train/step_timer.h"
 #include "trainer/train/stop_decision.h"
@@ -57,56 +43,6 @@ std::string fmt(double v, int prec = 4) {
   return o.str();
 }
 
-// A tensor every rank holds whole and identical (loss-scaler state).
-checkpoint::StateTensor replicated(const std::string& name, const at::Tensor& t, int world) {
-  auto spec = checkpoint::ShardSpec::full(name, checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())),
-                                          t.sizes().vec());
-  for (int r = 0; r < world; ++r) spec.replica_ranks.push_back(r);
-  return {spec, t};
-}
-
-// The run's state that checkpoints hold, as ShardSpec'd pieces: the weights
-// (fp32 masters under *-mixed), AdamW's moments, the loss scaler's state.
-struct Trainable {
-  std::unique_ptr<parallel::TrainingState> state;
-  std::unique_ptr<parallel::GradientReducer> reducer;
-  std::unique_ptr<optim::AdamW> optimizer;
-  std::optional<optim::LossScaler> scaler;
-  int world = 1;
-
-  std::vector<checkpoint::StateTensor> state_tensors() {
-    auto out = state->weight_state();
-    const auto m = state->segment_specs("optim/exp_avg/"), v = state->segment_specs("optim/exp_avg_sq/");
-    for (size_t i = 0; i < m.size(); ++i) {
-      out.push_back({m[i], optimizer->exp_avg(i)});
-      out.push_back({v[i], optimizer->exp_avg_sq(i)});
-    }
-    if (scaler) {
-      out.push_back(replicated("amp/scale", scaler->scale(), world));
-      out.push_back(replicated("amp/growth_tracker", scaler->growth_tracker(), world));
-    }
-    return out;
-  }
-
-  // The compute copy from what the optimizer updated (or a checkpoint loaded):
-  // masters cast, ZeRO chunks gathered.
-  void after_optimizer_step() {
-    state->refresh_compute_copy();
-    reducer->gather_params();
-  }
-
-  // Bytes per parameter element this rank holds, by part, measured from its tensors.
-  parallel::StateBytes held_bytes_per_param() {
-    int64_t n = 0;
-    for (const auto& p : state->params()) n += p.tensor.numel();
-    auto b = state->held_bytes();
-    for (size_t i = 0; i < optimizer->segments().size(); ++i)
-      b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
-    const double per = 1.0 / double(std::max<int64_t>(1, n));
-    return {b.param * per, b.grad * per, b.master * per, b.moments * per};
-  }
-};
-
 // A test-only switch: NNSTRAIN_TEST_NONFINITE_AT=STEP[:RANK] makes the loss (and
 // so every gradient) of that step non-finite on that rank (all ranks without RANK).
 bool inject_nonfinite(int64_t step, int rank) {
@@ -126,433 +62,386 @@ struct OomContext {
   std::unique_ptr<MemorySnapshots> snapshots;  // memory_snapshot: true
 };
 
-int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts, OomContext& oom) {
-  log::init(env.rank, env.world_size);
-  fs::create_directories(fs::path(args.run_dir) / "logs");
-  log::add_file(rank_log_path(args.run_dir, env.rank));
-  const torch::Device device = dist::bind_device(args.compute_config.device, env);  // before any CUDA work
-  dist::set_allow_tf32(args.compute_config.allow_tf32);
-  // CUDA graphs: the run works on a non-default stream from here on (step_graph.h).
-  if (args.compute_config.cuda_graphs && device.is_cuda()) use_capture_stream(device);
-  const int world = env.world_size, rank = env.rank;
-  const int64_t micro = args.micro_batch_size, global_batch = args.global_batch_size;
+// The training loop: step, evaluate, save and the progress line, over what
+// start-up (startup.h) made.
+class Trainer {
+ public:
+  Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
+          std::shared_ptr<models::CausalLM> model, Agreed agreed, std::unique_ptr<dist::Runtime> rt, Trainable tr,
+          Data data, int64_t start_step, OomContext& oom);
+  int run();
 
-  // Model: same seed on every rank, so replicas start identical.
-  torch::manual_seed(args.seed);
-  const auto* entry = models::find_model(args.model.type);
-  auto model = entry->build(*args.model.args);
-  // Pretrained weights from a Hugging Face directory (shapes must match model.args).
-  if (!args.model.init_from.empty()) {
-    checkpoint::load_hf_weights(*model, args.model.init_from);
-    log::info("initialised weights from " + args.model.init_from);
-  }
-  models::RuntimeOptions ro;
-  ro.chunked_loss = args.model.loss == "chunked";
-  ro.loss_chunk_size = args.model.loss_chunk_size;
+ private:
+  void step(const std::vector<data::Batch>& batches);
+  void log_progress();
+  void evaluate();
+  void save();
+  void check_finite();
+  void announce(int64_t start_step);
 
-  // The plan: tensor-parallel degree, ZeRO, recompute per layer (planner.h).
-  parallel::PlanRequest preq;
-  preq.args = &args;
-  preq.model = model.get();
-  preq.world_size = world;
-  preq.device = parallel::device_spec(device.is_cuda() ? "auto" : "cpu");
-  preq.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
-  // Several ranks meet at the rendezvous store first and agree on one plan there
-  // (plan_agreement.h), before any collective.
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
-  c10::intrusive_ptr<c10d::Store> store;
-  if (world > 1) store = dist::rendezvous(env, timeout);
-  const auto plan = store ? parallel::agree_plan(preq, *store, rank, world, timeout) : parallel::make_plan(preq);
-  oom.estimate_bytes = plan.estimate.total_bytes;
-  const int64_t dp = plan.dp, dp_rank = rank / plan.tp, accum = plan.grad_accumulation_steps;
-  ro.recompute_layers = plan.recompute;
-  model->set_runtime_options(ro);
-  model->to(device);
-  model->train();
-  // Dropout streams differ between data-parallel replicas and agree within a
-  // tensor-parallel group, so replicated regions draw the same masks there.
-  torch::manual_seed(args.seed + 1000003ULL * static_cast<uint64_t>(dp_rank));
+  const config::TrainerArgs& args_;
+  const int rank_, world_;
+  const torch::Device device_;
+  std::shared_ptr<models::CausalLM> model_;
+  const parallel::Plan plan_;
+  std::unique_ptr<dist::Runtime> rt_;
+  Trainable tr_;
+  Data data_;
+  const int64_t micro_, global_batch_, accum_, dp_, dp_rank_;
+  const torch::TensorOptions fopts_;
+  std::optional<double> peak_flops_;  // MFU only where the device table is meaningful (GPUs)
 
-  // Data.
-  data::TokenBinDataset train_ds(args.dataset.train_args, args.seed);
-  std::optional<data::TokenBinDataset> val_ds;
-  if (args.dataset.val_args) val_ds.emplace(*args.dataset.val_args, args.seed);
-  data::check_token_ids(train_ds.file(), model->vocab_size(), "dataset.train_args.path");
-  if (val_ds) data::check_token_ids(val_ds->file(), model->vocab_size(), "dataset.val_args.path");
-  const int64_t seq_len = train_ds.seq_len();
-  if (seq_len > model->max_seq_len())
-    throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(seq_len) +
-                              " exceeds the model's maximum sequence length " + std::to_string(model->max_seq_len()));
-  // One epoch = samples_per_epoch samples (docs/data.md), in whole steps.
-  const int64_t steps_per_epoch = std::max<int64_t>(1, train_ds.samples_per_epoch() / global_batch);
-  const int64_t max_steps = args.max_train_steps > 0 ? args.max_train_steps : args.max_epochs * steps_per_epoch;
+  std::unique_ptr<JsonlSink> jsonl_;
+  std::unique_ptr<TensorBoardSink> tb_;
+  bool console_ = false;
+  std::unique_ptr<checkpoint::Saver> saver_;
+  std::unique_ptr<data::PrefetchLoader> loader_;
+  StepTimer timer_;
+  StepProfiler profiler_;
+  MemorySnapshots* snapshots_ = nullptr;  // owned by the OomContext
+  std::unique_ptr<StopDecision> stop_decision_;
+  std::unique_ptr<StepGraph> graph_;
 
-  // Process groups (none for one process).
-  std::unique_ptr<dist::Runtime> rt;
-  if (world > 1) {
-    dist::RuntimeOptions ropts;
-    ropts.tp = plan.tp;
-    ropts.zero_ngroups = plan.zero ? plan.zero_ngroups : 1;
-    ropts.backend = args.compute_config.backend;
-    ropts.cuda = device.is_cuda();
-    ropts.timeout = timeout;
-    rt = std::make_unique<dist::Runtime>(env, ropts, store);
-  }
+  // On the device, read only at logging steps and saves (the one host sync).
+  at::Tensor loss_sum_, grad_norm_, lr_dev_;
+  at::Tensor skipped_, first_bad_, step_dev_;  // non-finite steps: count, first one, step counter
+  int64_t step_ = 0;
+  double lr_ = 0;
+  bool poison_ = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
+  std::chrono::steady_clock::time_point interval_start_;
+  int64_t interval_steps_ = 0;
+};
 
-  // Tensor-parallel split (if any), then data-parallel flat buffers in the
-  // precision's dtypes (the model was built in fp32: masters start from it exactly).
-  const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
-  Trainable tr;
-  tr.world = world;
-  {
-    auto shards = parallel::apply_tensor_parallel(*model, rt.get(), world);
-    parallel::TrainingStateOptions so;
-    so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
-    so.zero = plan.zero;
-    if (plan.zero && rt) {
-      so.zero_size = rt->zero.size();
-      so.zero_rank = rt->zero.rank;
-      so.zero_replicas = rt->zero_cross.ranks;
-    }
-    so.weight_decay = args.optimizer.weight_decay;
-    so.param_dtype = prec.param;
-    so.grad_dtype = prec.grad;
-    so.master_weights = prec.master_weights;
-    tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
-    tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt.get());
-  }
-  tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
-  const auto fopts = torch::TensorOptions().device(device).dtype(torch::kFloat32);
-  if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, fopts);
+Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
+                 std::shared_ptr<models::CausalLM> model, Agreed agreed, std::unique_ptr<dist::Runtime> rt,
+                 Trainable tr, Data data, int64_t start_step, OomContext& oom)
+    : args_(args),
+      rank_(env.rank),
+      world_(env.world_size),
+      device_(device),
+      model_(std::move(model)),
+      plan_(std::move(agreed.plan)),
+      rt_(std::move(rt)),
+      tr_(std::move(tr)),
+      data_(std::move(data)),
+      micro_(args.micro_batch_size),
+      global_batch_(args.global_batch_size),
+      accum_(plan_.grad_accumulation_steps),
+      dp_(plan_.dp),
+      dp_rank_(env.rank / plan_.tp),
+      fopts_(torch::TensorOptions().device(device).dtype(torch::kFloat32)),
+      timer_(device),
+      profiler_(args.profile, device, env.rank),
+      step_(start_step) {
+  if (device.is_cuda()) peak_flops_ = parallel::peak_flops_for(agreed.device, args.precision, args.compute_config.allow_tf32);
 
-  // Resume.
-  int64_t start_step = 0;
-  std::string resume = opts.resume.empty() ? args.checkpoint.resume_from : opts.resume;
-  if (resume == "last") {
-    if (args.checkpoint.save_dir.empty())
-      throw config::ConfigError("--resume without a path needs checkpoint.save_dir");
-    resume = checkpoint::latest(args.checkpoint.save_dir);
-    if (resume.empty()) log::warn("no checkpoint under " + args.checkpoint.save_dir + " yet: starting fresh");
-  }
-  if (!resume.empty()) {
-    checkpoint::Checkpoint ck(resume);
-    const auto& st = ck.state();
-    if (st.value("model_type", "") != args.model.type)
-      throw checkpoint::CheckpointError(resume + ": checkpoint of model type '" + st.value("model_type", "") +
-                                        "', but this run trains '" + args.model.type + "'");
-    torch::NoGradGuard no_grad;
-    for (auto& t : tr.state_tensors()) {
-      // A checkpoint saved without a loss scaler (another precision) keeps the fresh scale.
-      if (t.spec.name.rfind("amp/", 0) == 0 && !ck.has(t.spec.name)) continue;
-      ck.load_into(t);
-    }
-    tr.after_optimizer_step();  // the compute copy from the loaded (master) weights
-    start_step = st.at("step").get<int64_t>();
-    tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
-    checkpoint::restore_rng_state(ck, rank, device);
-    log::info("resumed from " + resume + " at step " + std::to_string(start_step));
-  }
-  // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
-  log::info("rank " + std::to_string(rank) + ": start-up peak host RSS " +
-            fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB");
-  if (rank == 0) write_run_files(args, plan, {world, device.str(), resume, start_step, global_batch * seq_len});
-
-  // Logging sinks.
-  std::unique_ptr<JsonlSink> jsonl;
-  std::unique_ptr<TensorBoardSink> tb;
-  bool console = args.log.empty();
+  // Logging sinks (rank 0 writes them).
+  console_ = args.log.empty();
   for (const auto& s : args.log) {
-    if (s.type == "console") console = true;
-    if (s.type == "jsonl" && rank == 0) jsonl = std::make_unique<JsonlSink>(s.path, start_step);
-    if (s.type == "tensorboard" && rank == 0) tb = std::make_unique<TensorBoardSink>(s.path, start_step);
+    if (s.type == "console") console_ = true;
+    if (s.type == "jsonl" && rank_ == 0) jsonl_ = std::make_unique<JsonlSink>(s.path, start_step);
+    if (s.type == "tensorboard" && rank_ == 0) tb_ = std::make_unique<TensorBoardSink>(s.path, start_step);
   }
-  if (args.log.empty() && rank == 0) jsonl = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step);
+  if (args.log.empty() && rank_ == 0)
+    jsonl_ = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step);
 
-  std::optional<double> peak;  // MFU only where the device table is meaningful (GPUs)
-  if (device.is_cuda()) peak = parallel::peak_flops_for(preq.device, args.precision, args.compute_config.allow_tf32);
-  const double flops_per_token = model->flops_per_token(seq_len);
-  const auto held = tr.held_bytes_per_param();
-  if (rank == 0) {
-    int64_t nparams = 0;
-    for (auto& p : tr.state->params()) nparams += p.tensor.numel();
-    log::info("model " + args.model.type + ": " + std::to_string(nparams) + " parameters, device " + device.str() +
-              ", world " + std::to_string(world) + " (dp " + std::to_string(dp) + "), global batch " +
-              std::to_string(global_batch) + " x " + std::to_string(seq_len) + " tokens, steps " +
-              std::to_string(start_step) + " -> " + std::to_string(max_steps) + ", optimizer " + tr.optimizer->impl() +
-              (plan.zero ? " (ZeRO-1)" : "") + ", plan tp " + std::to_string(plan.tp) + " x dp " +
-              std::to_string(plan.dp) + ", recompute " +
-              std::to_string(std::count(plan.recompute.begin(), plan.recompute.end(), true)) + " layers" +
-              (rt ? ", backend " + rt->backend_name() + ", " + std::to_string(tr.reducer->bucket_count()) + " buckets, " +
-                        std::to_string(tr.reducer->reduced_bytes_per_step()) + " gradient bytes reduced per step"
-                  : ""));
-    log::info("precision " + args.precision + ": state bytes/param " + fmt(held.total(), 2) + " (param " +
-              fmt(held.param, 2) + ", grad " + fmt(held.grad, 2) + ", master " + fmt(held.master, 2) +
-              ", moments " + fmt(held.moments, 2) + ")" + (tr.scaler ? ", dynamic loss scaling" : ""));
-  }
-
-  // Checkpointing.
-  checkpoint::SaveOptions save_opts{args.checkpoint.save_dir, args.checkpoint.save_type,
-                                    args.checkpoint.keep_last_n_checkpoints};
-  checkpoint::SaveContext save_ctx{rank, world, {}, {}};
-  if (rt) {
-    save_ctx.barrier = [&] { rt->barrier("checkpoint barrier"); };
-    save_ctx.all_ok = [&](bool ok) { return !rt->any(!ok, "checkpoint write status"); };
-  }
-  // Non-finite steps: skipped on the device; counted, and (without a loss
-  // scaler) the run stops at the next logging step or save, naming the step.
-  auto skipped = torch::zeros({1}, fopts);
-  auto first_bad = torch::full({1}, -1.0, fopts);
-  auto step_dev = torch::full({1}, static_cast<double>(start_step), fopts);
-  auto check_finite = [&]() {
-    if (tr.scaler) return;
-    const double bad = first_bad.item<double>();
-    if (bad >= 0)
-      throw std::runtime_error("step " + std::to_string(static_cast<int64_t>(bad)) +
-                               ": non-finite loss or gradient norm; the update was skipped and training stops (" +
-                               args.precision + " has no loss scaler); the last checkpoint saved is intact");
-  };
-
-  checkpoint::SaveStore save_store;
-  if (rt) {
-    auto store = rt->store();
-    save_store.set = [store](const std::string& k, const std::string& v) {
-      store->set(k, std::vector<uint8_t>(v.begin(), v.end()));
-    };
-    save_store.get = [store](const std::string& k) {
-      const auto v = store->get(k);
+  // Checkpoints: ranks agree on a save's outcome by collective (synchronous) or
+  // through the store (asynchronous, off the training stream).
+  checkpoint::SaveContext ctx{rank_, world_, {}, {}};
+  checkpoint::SaveStore store;
+  if (rt_) {
+    auto* rt_ptr = rt_.get();
+    ctx.barrier = [rt_ptr] { rt_ptr->barrier("checkpoint barrier"); };
+    ctx.all_ok = [rt_ptr](bool ok) { return !rt_ptr->any(!ok, "checkpoint write status"); };
+    auto s = rt_->store();
+    store.set = [s](const std::string& k, const std::string& v) { s->set(k, std::vector<uint8_t>(v.begin(), v.end())); };
+    store.get = [s](const std::string& k) {
+      const auto v = s->get(k);
       return std::string(v.begin(), v.end());
     };
   }
-  checkpoint::Saver saver(save_opts, save_ctx, args.checkpoint.async_save, save_store,
-                          [](const checkpoint::SaveReport& r) {
-                            log::info("saved checkpoint " + r.dir + " in " + fmt(r.total_s, 2) + " s (this rank wrote " +
-                                      fmt(r.bytes / 1048576.0, 1) + " MiB in " + fmt(r.write_s, 2) + " s)");
-                          });
-  auto save = [&](int64_t step) {
-    if (args.checkpoint.save_dir.empty()) return;
-    check_finite();
-    auto tensors = tr.state_tensors();
-    for (auto& t : checkpoint::rng_state_tensors(rank, device)) tensors.push_back(std::move(t));
-    nlohmann::json state = {
-        {"step", step},
-        {"epoch", step * global_batch / std::max<int64_t>(1, train_ds.samples_per_epoch())},
-        {"consumed_samples", step * global_batch},
-        {"data_cursor", {{"next_step", step}, {"seed", args.seed}, {"global_batch", global_batch}}},
-        {"optimizer", {{"type", args.optimizer.type}, {"step_count", tr.optimizer->step_count()}}},
-        {"lr_scheduler", {{"type", args.lr_scheduler.type}, {"last_step", step - 1}}},
-        {"plan", plan},
-        {"model_type", args.model.type},
-        {"config", args.resolved_yaml}};
-    saver.save(step, tensors, state, nlohmann::json::object());
-  };
-
-  auto evaluate = [&](int64_t step) {
-    if (!val_ds || args.max_val_steps <= 0) return;
-    torch::NoGradGuard no_grad;
-    model->eval();
-    auto sum = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kFloat32));
-    for (int64_t k = 0; k < args.max_val_steps; ++k) {
-      auto b = val_ds->val_batch(k, dp_rank * micro, micro);
-      sum += model->loss(b.x.to(device), b.y.to(device)).detach().to(torch::kFloat32);
-    }
-    model->train();
-    if (rt) {
-      rt->all_reduce(rt->dp, sum, "validation loss all-reduce");
-      sum.div_(dp);
-    }
-    const double val_loss = sum.item<double>() / args.max_val_steps;
-    if (rank == 0) {
-      log::info("step " + std::to_string(step) + ": val loss " + fmt(val_loss));
-      const nlohmann::json rec = {{"step", step}, {"val_loss", val_loss}};
-      if (jsonl) jsonl->write(rec);
-      if (tb) tb->write(rec);
-    }
-  };
-
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);
+  saver_ = std::make_unique<checkpoint::Saver>(
+      checkpoint::SaveOptions{args.checkpoint.save_dir, args.checkpoint.save_type, args.checkpoint.keep_last_n_checkpoints},
+      ctx, args.checkpoint.async_save, store, [](const checkpoint::SaveReport& r) {
+        log::info("saved checkpoint " + r.dir + " in " + fmt(r.total_s, 2) + " s (this rank wrote " +
+                  fmt(r.bytes / 1048576.0, 1) + " MiB in " + fmt(r.write_s, 2) + " s)");
+      });
 
   // Batches for step s, micro-step a on this data-parallel rank: positions
   // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s.
-  data::PrefetchLoader loader(
-      [&](int64_t index) {
-        const int64_t s = index / accum, a = index % accum;
-        return train_ds.train_batch(s, (a * dp + dp_rank) * micro, micro);
+  loader_ = std::make_unique<data::PrefetchLoader>(
+      [this](int64_t index) {
+        const int64_t s = index / accum_, a = index % accum_;
+        return data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_);
       },
-      start_step * accum, args.dataloader.prefetch, device, args.dataloader.pin_memory);
+      start_step * accum_, args.dataloader.prefetch, device, args.dataloader.pin_memory);
 
-  // Step-time split at logging steps, profiler window, CUDA memory snapshots.
-  auto logs_at = [&](int64_t s) { return s % args.log_progress_every_n_train_steps == 0 || s == max_steps; };
-  StepTimer timer(device);
-  StepProfiler profiler(args.profile, device, rank);
   if (args.memory_snapshot) {
     if (!device.is_cuda())
       throw config::ConfigError("memory_snapshot: true needs a CUDA device, but this run uses " + device.str() +
                                 " (on CPU the progress line shows peak RSS)");
-    oom.snapshots = std::make_unique<MemorySnapshots>((fs::path(args.run_dir) / "memory").string(), rank,
+    oom.snapshots = std::make_unique<MemorySnapshots>((fs::path(args.run_dir) / "memory").string(), rank_,
                                                       args.memory_snapshot_step > 0 ? args.memory_snapshot_step
                                                                                     : start_step + 1);
+    snapshots_ = oom.snapshots.get();
   }
+  stop_decision_ = std::make_unique<StopDecision>(rt_.get());
 
-  auto loss_sum = torch::zeros({}, fopts);
-  std::unique_ptr<StepGraph> graph;
-  auto grad_norm = torch::zeros({}, fopts);
-  auto interval_start = std::chrono::steady_clock::now();
-  int64_t interval_steps = 0;
-  int64_t step = start_step;
-  bool stopped_by_signal = false;
-  StopDecision stop_decision(rt.get());
-
-  // One optimizer step on this step's micro-batches, all on the device with no
-  // host sync: forward/backward per micro-batch (gradients reduced as buckets
-  // fill), unscale, non-finite check, clip, AdamW, loss scaler. With
-  // cuda_graphs it is recorded once and replayed (step_graph.h); the learning
-  // rate then comes from lr_dev.
-  double lr = 0;
-  auto lr_dev = torch::zeros({}, fopts);
-  bool poison = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
-  auto train_step = [&](const std::vector<data::Batch>& batches) {
-    tr.state->zero_grad();
-    loss_sum.zero_();
-    for (int64_t a = 0; a < accum; ++a) {
-      tr.reducer->begin_micro_step(a == accum - 1);
-      timer.enter(StepTimer::kForward);
-      auto loss = model->loss(batches[a].x, batches[a].y) / static_cast<double>(accum);
-      if (poison) loss = loss * std::numeric_limits<double>::infinity();
-      loss_sum += loss.detach().to(torch::kFloat32);
-      timer.enter(StepTimer::kBackward);
-      (tr.scaler ? loss * tr.scaler->scale() : loss).backward();
-    }
-    {
-      // All on the device, no host sync: unscale, non-finite check, clip, update.
-      torch::NoGradGuard no_grad;
-      saver.state_may_change();  // an asynchronous save may still be copying the state
-      timer.enter(StepTimer::kComm);
-      tr.reducer->finish_gradients();
-      timer.enter(StepTimer::kOptimizer);
-      grad_norm = parallel::global_grad_norm(*tr.state, rt.get());  // identical on every rank
-      auto found_inf = torch::isfinite(grad_norm).logical_not().to(torch::kFloat32).reshape({1});
-      at::Tensor coef;
-      if (tr.scaler) {
-        const auto inv_scale = tr.scaler->scale().reciprocal().reshape({});
-        grad_norm = grad_norm * inv_scale;
-        coef = inv_scale;
-      }
-      if (args.optimizer.clip_gnorm > 0) {
-        auto clip = parallel::clip_coefficient(grad_norm, args.optimizer.clip_gnorm);
-        coef = coef.defined() ? coef * clip : clip;
-      }
-      if (coef.defined()) tr.state->scale_gradients(coef);
-      tr.optimizer->step(lr, found_inf, graph ? lr_dev : at::Tensor());  // skipped whole where found_inf
-      timer.enter(StepTimer::kComm);
-      tr.after_optimizer_step();
-      timer.enter(StepTimer::kOptimizer);
-      if (tr.scaler) tr.scaler->update(found_inf);
-      step_dev.add_(1);
-      first_bad.copy_(torch::where(found_inf.gt(0) & first_bad.lt(0), step_dev, first_bad));
-      skipped.add_(found_inf);
-    }
-  };
+  loss_sum_ = torch::zeros({}, fopts_);
+  grad_norm_ = torch::zeros({}, fopts_);
+  lr_dev_ = torch::zeros({}, fopts_);
+  skipped_ = torch::zeros({1}, fopts_);
+  first_bad_ = torch::full({1}, -1.0, fopts_);
+  step_dev_ = torch::full({1}, static_cast<double>(start_step), fopts_);
 
   if (args.compute_config.cuda_graphs) {
     // What a captured step cannot hold yet: host collectives (Gloo) or NCCL
     // capture, and recompute's RNG save/restore. Refused, never ignored.
     if (!device.is_cuda()) throw config::ConfigError("compute_config.cuda_graphs needs a CUDA device");
-    if (world > 1) throw config::ConfigError("compute_config.cuda_graphs: several ranks are not supported yet (one GPU only)");
-    if (std::count(plan.recompute.begin(), plan.recompute.end(), true) > 0)
+    if (world_ > 1) throw config::ConfigError("compute_config.cuda_graphs: several ranks are not supported yet (one GPU only)");
+    if (std::count(plan_.recompute.begin(), plan_.recompute.end(), true) > 0)
       throw config::ConfigError("compute_config.cuda_graphs: activation recompute is not supported with CUDA graphs yet");
-    if (tr.optimizer->impl() != "fused")
+    if (tr_.optimizer->impl() != "fused")
       throw config::ConfigError("compute_config.cuda_graphs needs optimizer.args.impl fused (or auto)");
-    graph = std::make_unique<StepGraph>(train_step, /*warmup=*/3);
+    graph_ = std::make_unique<StepGraph>([this](const std::vector<data::Batch>& b) { step(b); }, /*warmup=*/3);
   }
-  while (step < max_steps) {
-    g_running_step.store(step + 1);
-    lr = optim::learning_rate(args.lr_scheduler, args.optimizer.lr,
-                              args.lr_scheduler.interval == "epoch" ? step / steps_per_epoch : step,
-                              args.lr_scheduler.interval == "epoch" ? max_steps / steps_per_epoch : max_steps);
-    profiler.before_step(step + 1);
-    // A replayed CUDA graph has no parts to time (the timer's calls ran at capture): no split then.
-    timer.begin_step(step + 1, !graph && logs_at(step + 1));
-    std::vector<data::Batch> batches;
-    for (int64_t a = 0; a < accum; ++a) batches.push_back(loader.next());
-    if (graph) {
-      lr_dev.fill_(lr);
-      saver.state_may_change();  // host side: a replayed step does not run train_step's call
-      graph->run(batches);
-    } else {
-      poison = inject_nonfinite(step + 1, rank);
-      train_step(batches);
-    }
-    timer.end_step();
-    ++step;
-    ++interval_steps;
-    profiler.after_step(step);
-    if (oom.snapshots) oom.snapshots->after_step(step);
+  announce(start_step);
+}
 
-    const bool last = step == max_steps;
-    if (step % args.log_progress_every_n_train_steps == 0 || last) {
-      if (rt) {
-        rt->all_reduce(rt->dp, loss_sum, "loss all-reduce");
-        loss_sum.div_(dp);
-      }
-      const double loss = loss_sum.item<double>();  // the one host sync, at logging steps
-      const double gn = grad_norm.item<double>();
-      const auto now = std::chrono::steady_clock::now();
-      const double secs = std::chrono::duration<double>(now - interval_start).count();
-      const double ms_per_step = 1000.0 * secs / interval_steps;
-      const double tokens_per_s = interval_steps * global_batch * seq_len / secs;
-      nlohmann::json rec = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gn},
-                            {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
-                            {"peak_mem_mb", peak_memory_bytes(device) / 1048576.0},
-                            {"skipped_steps", static_cast<int64_t>(skipped.item<double>())}};
-      if (tr.scaler) rec["loss_scale"] = tr.scaler->scale().item<double>();
-      check_finite();
-      std::string mfu_txt;
-      if (peak) {
-        const double mfu = flops_per_token * tokens_per_s / (*peak * world);
-        rec["mfu"] = mfu;
-        mfu_txt = ", mfu " + fmt(100 * mfu, 1) + "%";
-      }
-      std::string split_txt;
-      if (!graph) {
-        const auto split = timer.read();  // this (logged) step's parts
-        split_txt = ", time";
-        for (int p = 0; p < StepTimer::kNumParts; ++p) {
-          rec[StepTimer::metric_key(StepTimer::Part(p))] = split[p];
-          split_txt += std::string(p ? " / " : " ") + StepTimer::name(StepTimer::Part(p)) + " " + fmt(split[p], 1);
-        }
-        split_txt += " ms";
-      }
-      if (rank == 0) {
-        if (console)
-          log::info("step " + std::to_string(step) + "/" + std::to_string(max_steps) + ": loss " + fmt(loss) +
-                    ", lr " + fmt(lr, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) +
-                    " tok/s, " + fmt(ms_per_step, 1) + " ms/step" + mfu_txt + ", peak mem " +
-                    fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB" +
-                    (tr.scaler ? ", loss scale " + fmt(rec["loss_scale"].get<double>(), 0) + ", skipped " +
-                                     std::to_string(rec["skipped_steps"].get<int64_t>())
-                               : "") +
-                    split_txt);
-        if (jsonl) jsonl->write(rec);
-        if (tb) tb->write(rec);
-      }
-      interval_start = std::chrono::steady_clock::now();
-      interval_steps = 0;
+// The start-up summary (rank 0).
+void Trainer::announce(int64_t start_step) {
+  if (rank_ != 0) return;
+  const auto held = tr_.held_bytes_per_param();
+  int64_t nparams = 0;
+  for (auto& p : tr_.state->params()) nparams += p.tensor.numel();
+  log::info("model " + args_.model.type + ": " + std::to_string(nparams) + " parameters, device " + device_.str() +
+            ", world " + std::to_string(world_) + " (dp " + std::to_string(dp_) + "), global batch " +
+            std::to_string(global_batch_) + " x " + std::to_string(data_.seq_len) + " tokens, steps " +
+            std::to_string(start_step) + " -> " + std::to_string(data_.max_steps) + ", optimizer " +
+            tr_.optimizer->impl() + (plan_.zero ? " (ZeRO-1)" : "") + ", plan tp " + std::to_string(plan_.tp) +
+            " x dp " + std::to_string(plan_.dp) + ", recompute " +
+            std::to_string(std::count(plan_.recompute.begin(), plan_.recompute.end(), true)) + " layers" +
+            (rt_ ? ", backend " + rt_->backend_name() + ", " + std::to_string(tr_.reducer->bucket_count()) +
+                       " buckets, " + std::to_string(tr_.reducer->reduced_bytes_per_step()) +
+                       " gradient bytes reduced per step"
+                 : ""));
+  log::info("precision " + args_.precision + ": state bytes/param " + fmt(held.total(), 2) + " (param " +
+            fmt(held.param, 2) + ", grad " + fmt(held.grad, 2) + ", master " + fmt(held.master, 2) + ", moments " +
+            fmt(held.moments, 2) + ")" + (tr_.scaler ? ", dynamic loss scaling" : ""));
+}
+
+// One optimizer step on this step's micro-batches, all on the device with no
+// host sync: forward/backward per micro-batch (gradients reduced as buckets
+// fill), unscale, non-finite check, clip, AdamW, loss scaler. With cuda_graphs
+// it is recorded once and replayed (step_graph.h); the learning rate then
+// comes from lr_dev_.
+void Trainer::step(const std::vector<data::Batch>& batches) {
+  tr_.state->zero_grad();
+  loss_sum_.zero_();
+  for (int64_t a = 0; a < accum_; ++a) {
+    tr_.reducer->begin_micro_step(a == accum_ - 1);
+    timer_.enter(StepTimer::kForward);
+    auto loss = model_->loss(batches[a].x, batches[a].y) / static_cast<double>(accum_);
+    if (poison_) loss = loss * std::numeric_limits<double>::infinity();
+    loss_sum_ += loss.detach().to(torch::kFloat32);
+    timer_.enter(StepTimer::kBackward);
+    (tr_.scaler ? loss * tr_.scaler->scale() : loss).backward();
+  }
+  torch::NoGradGuard no_grad;
+  saver_->state_may_change();  // an asynchronous save may still be copying the state
+  timer_.enter(StepTimer::kComm);
+  tr_.reducer->finish_gradients();
+  timer_.enter(StepTimer::kOptimizer);
+  grad_norm_ = parallel::global_grad_norm(*tr_.state, rt_.get());  // identical on every rank
+  auto found_inf = torch::isfinite(grad_norm_).logical_not().to(torch::kFloat32).reshape({1});
+  at::Tensor coef;
+  if (tr_.scaler) {
+    const auto inv_scale = tr_.scaler->scale().reciprocal().reshape({});
+    grad_norm_ = grad_norm_ * inv_scale;
+    coef = inv_scale;
+  }
+  if (args_.optimizer.clip_gnorm > 0) {
+    auto clip = parallel::clip_coefficient(grad_norm_, args_.optimizer.clip_gnorm);
+    coef = coef.defined() ? coef * clip : clip;
+  }
+  if (coef.defined()) tr_.state->scale_gradients(coef);
+  tr_.optimizer->step(lr_, found_inf, graph_ ? lr_dev_ : at::Tensor());  // skipped whole where found_inf
+  timer_.enter(StepTimer::kComm);
+  tr_.after_optimizer_step();
+  timer_.enter(StepTimer::kOptimizer);
+  if (tr_.scaler) tr_.scaler->update(found_inf);
+  step_dev_.add_(1);
+  first_bad_.copy_(torch::where(found_inf.gt(0) & first_bad_.lt(0), step_dev_, first_bad_));
+  skipped_.add_(found_inf);
+}
+
+// Without a loss scaler a non-finite step stops the run at the next logging
+// step or save, naming the step (the update itself was skipped on the device).
+void Trainer::check_finite() {
+  if (tr_.scaler) return;
+  const double bad = first_bad_.item<double>();
+  if (bad >= 0)
+    throw std::runtime_error("step " + std::to_string(static_cast<int64_t>(bad)) +
+                             ": non-finite loss or gradient norm; the update was skipped and training stops (" +
+                             args_.precision + " has no loss scaler); the last checkpoint saved is intact");
+}
+
+void Trainer::log_progress() {
+  if (rt_) {
+    rt_->all_reduce(rt_->dp, loss_sum_, "loss all-reduce");
+    loss_sum_.div_(dp_);
+  }
+  const double loss = loss_sum_.item<double>();  // the one host sync, at logging steps
+  const double gn = grad_norm_.item<double>();
+  const auto now = std::chrono::steady_clock::now();
+  const double secs = std::chrono::duration<double>(now - interval_start_).count();
+  const double ms_per_step = 1000.0 * secs / interval_steps_;
+  const double tokens_per_s = interval_steps_ * global_batch_ * data_.seq_len / secs;
+  nlohmann::json rec = {{"step", step_}, {"loss", loss}, {"lr", lr_}, {"grad_norm", gn},
+                        {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
+                        {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
+                        {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
+  if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
+  check_finite();
+  std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
+                     ", lr " + fmt(lr_, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) + " tok/s, " +
+                     fmt(ms_per_step, 1) + " ms/step";
+  if (peak_flops_) {
+    const double mfu = model_->flops_per_token(data_.seq_len) * tokens_per_s / (*peak_flops_ * world_);
+    rec["mfu"] = mfu;
+    line += ", mfu " + fmt(100 * mfu, 1) + "%";
+  }
+  line += ", peak mem " + fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB";
+  if (tr_.scaler)
+    line += ", loss scale " + fmt(rec["loss_scale"].get<double>(), 0) + ", skipped " +
+            std::to_string(rec["skipped_steps"].get<int64_t>());
+  if (!graph_) {
+    // A replayed CUDA graph has no parts to time (the timer's calls ran at capture).
+    const auto split = timer_.read();
+    line += ", time";
+    for (int p = 0; p < StepTimer::kNumParts; ++p) {
+      rec[StepTimer::metric_key(StepTimer::Part(p))] = split[p];
+      line += std::string(p ? " / " : " ") + StepTimer::name(StepTimer::Part(p)) + " " + fmt(split[p], 1);
     }
-    if (args.val_every_n_train_steps > 0 && (step % args.val_every_n_train_steps == 0 || last)) evaluate(step);
-    const bool periodic = args.checkpoint.every_n_train_steps > 0 && step % args.checkpoint.every_n_train_steps == 0;
+    line += " ms";
+  }
+  if (rank_ == 0) {
+    if (console_) log::info(line);
+    if (jsonl_) jsonl_->write(rec);
+    if (tb_) tb_->write(rec);
+  }
+  interval_start_ = std::chrono::steady_clock::now();
+  interval_steps_ = 0;
+}
+
+void Trainer::evaluate() {
+  if (!data_.val || args_.max_val_steps <= 0) return;
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  auto sum = torch::zeros({}, fopts_);
+  for (int64_t k = 0; k < args_.max_val_steps; ++k) {
+    auto b = data_.val->val_batch(k, dp_rank_ * micro_, micro_);
+    sum += model_->loss(b.x.to(device_), b.y.to(device_)).detach().to(torch::kFloat32);
+  }
+  model_->train();
+  if (rt_) {
+    rt_->all_reduce(rt_->dp, sum, "validation loss all-reduce");
+    sum.div_(dp_);
+  }
+  const double val_loss = sum.item<double>() / args_.max_val_steps;
+  if (rank_ != 0) return;
+  log::info("step " + std::to_string(step_) + ": val loss " + fmt(val_loss));
+  const nlohmann::json rec = {{"step", step_}, {"val_loss", val_loss}};
+  if (jsonl_) jsonl_->write(rec);
+  if (tb_) tb_->write(rec);
+}
+
+void Trainer::save() {
+  if (args_.checkpoint.save_dir.empty()) return;
+  check_finite();
+  auto tensors = tr_.state_tensors();
+  for (auto& t : checkpoint::rng_state_tensors(rank_, device_)) tensors.push_back(std::move(t));
+  const nlohmann::json state = {
+      {"step", step_},
+      {"epoch", step_ * global_batch_ / std::max<int64_t>(1, data_.train->samples_per_epoch())},
+      {"consumed_samples", step_ * global_batch_},
+      {"data_cursor", {{"next_step", step_}, {"seed", args_.seed}, {"global_batch", global_batch_}}},
+      {"optimizer", {{"type", args_.optimizer.type}, {"step_count", tr_.optimizer->step_count()}}},
+      {"lr_scheduler", {{"type", args_.lr_scheduler.type}, {"last_step", step_ - 1}}},
+      {"plan", plan_},
+      {"model_type", args_.model.type},
+      {"config", args_.resolved_yaml}};
+  saver_->save(step_, tensors, state, nlohmann::json::object());
+}
+
+int Trainer::run() {
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+  const int64_t max_steps = data_.max_steps, every = args_.log_progress_every_n_train_steps;
+  const bool by_epoch = args_.lr_scheduler.interval == "epoch";
+  bool stopped_by_signal = false;
+  interval_start_ = std::chrono::steady_clock::now();
+  while (step_ < max_steps) {
+    g_running_step.store(step_ + 1);
+    lr_ = optim::learning_rate(args_.lr_scheduler, args_.optimizer.lr, by_epoch ? step_ / data_.steps_per_epoch : step_,
+                               by_epoch ? max_steps / data_.steps_per_epoch : max_steps);
+    profiler_.before_step(step_ + 1);
+    const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
+    timer_.begin_step(step_ + 1, !graph_ && logs);
+    std::vector<data::Batch> batches;
+    for (int64_t a = 0; a < accum_; ++a) batches.push_back(loader_->next());
+    if (graph_) {
+      lr_dev_.fill_(lr_);
+      saver_->state_may_change();  // host side: a replayed step does not run step()'s call
+      graph_->run(batches);
+    } else {
+      poison_ = inject_nonfinite(step_ + 1, rank_);
+      step(batches);
+    }
+    timer_.end_step();
+    ++step_;
+    ++interval_steps_;
+    profiler_.after_step(step_);
+    if (snapshots_) snapshots_->after_step(step_);
+
+    const bool last = step_ == max_steps;
+    if (logs) log_progress();
+    if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) evaluate();
+    const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
-    const bool stop = stop_decision.after_step(step, g_stop_signal.load() != 0, periodic || last);
+    const bool stop = stop_decision_->after_step(step_, g_stop_signal.load() != 0, periodic || last);
     if (stop) {
-      log::warn("stop requested (SIGTERM/SIGUSR1): saving and stopping at step " + std::to_string(step));
+      log::warn("stop requested (SIGTERM/SIGUSR1): saving and stopping at step " + std::to_string(step_));
       stopped_by_signal = true;
     }
-    if (periodic || (last && args.checkpoint.save_on_end) || stop) save(step);
+    if (periodic || (last && args_.checkpoint.save_on_end) || stop) save();
     if (stop) break;
   }
-  saver.wait();  // the last save is published before the run ends
-  if (rank == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
+  saver_->wait();  // the last save is published before the run ends
+  if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   return 0;
+}
+
+int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts, OomContext& oom) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
+  const torch::Device device = start_rank(args, env);
+  auto model = build_model(args);
+  auto agreed = decide_plan(args, env, *model, device, timeout);
+  oom.estimate_bytes = agreed.plan.estimate.total_bytes;
+  auto data = open_data(args, *model);
+  auto rt = connect(args, env, agreed, device, timeout);
+  auto tr = make_trainable(args, agreed.plan, *model, rt.get(), env, device);
+  int64_t start_step = 0;
+  const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);
+  // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
+  log::info("rank " + std::to_string(env.rank) + ": start-up peak host RSS " +
+            fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB");
+  if (env.rank == 0)
+    write_run_files(args, agreed.plan,
+                    {env.world_size, device.str(), resumed_from, start_step, args.global_batch_size * data.seq_len});
+  Trainer trainer(args, env, device, std::move(model), std::move(agreed), std::move(rt), std::move(tr),
+                  std::move(data), start_step, oom);
+  return trainer.run();
 }
 
 }  // namespace

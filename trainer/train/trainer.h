@@ -1,5 +1,6 @@
-// The training loop: builds the model from the registry, applies the plan,
-// streams data, steps the optimizer, evaluates, logs and checkpoints.
+// `nnstrain train`: start-up (startup.h: model, agreed plan, data, process
+// groups, training state, resume), then the loop (trainer.cpp: step, evaluate,
+// save, progress), with LibTorch errors turned into one line.
 #pragma once
 
 #include <cstdint>

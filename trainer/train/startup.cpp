@@ -1,0 +1,189 @@
+#include "trainer/train/startup.h"
+
+#include <filesystem>
+
+#include "models/registry.h"
+#include "trainer/checkpoint/hf.h"
+#include "trainer/checkpoint/rng_state.h"
+#include "trainer/checkpoint/tensor_io.h"
+#include "trainer/config/arg_map.h"
+#include "trainer/dist/device.h"
+#include "trainer/parallel/plan_agreement.h"
+#include "trainer/parallel/tensor_parallel.h"
+#include "trainer/train/log.h"
+#include "trainer/train/run_dir.h"
+#include "trainer/train/step_graph.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::train {
+
+namespace {
+
+// A tensor every rank holds whole and identical (loss-scaler state).
+checkpoint::StateTensor replicated(const std::string& name, const at::Tensor& t, int world) {
+  auto spec = checkpoint::ShardSpec::full(name, checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())),
+                                          t.sizes().vec());
+  for (int r = 0; r < world; ++r) spec.replica_ranks.push_back(r);
+  return {spec, t};
+}
+
+}  // namespace
+
+std::vector<checkpoint::StateTensor> Trainable::state_tensors() {
+  auto out = state->weight_state();
+  const auto m = state->segment_specs("optim/exp_avg/"), v = state->segment_specs("optim/exp_avg_sq/");
+  for (size_t i = 0; i < m.size(); ++i) {
+    out.push_back({m[i], optimizer->exp_avg(i)});
+    out.push_back({v[i], optimizer->exp_avg_sq(i)});
+  }
+  if (scaler) {
+    out.push_back(replicated("amp/scale", scaler->scale(), world));
+    out.push_back(replicated("amp/growth_tracker", scaler->growth_tracker(), world));
+  }
+  return out;
+}
+
+void Trainable::after_optimizer_step() {
+  state->refresh_compute_copy();
+  reducer->gather_params();
+}
+
+parallel::StateBytes Trainable::held_bytes_per_param() {
+  int64_t n = 0;
+  for (const auto& p : state->params()) n += p.tensor.numel();
+  auto b = state->held_bytes();
+  for (size_t i = 0; i < optimizer->segments().size(); ++i)
+    b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
+  const double per = 1.0 / double(std::max<int64_t>(1, n));
+  return {b.param * per, b.grad * per, b.master * per, b.moments * per};
+}
+
+torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& env) {
+  log::init(env.rank, env.world_size);
+  fs::create_directories(fs::path(args.run_dir) / "logs");
+  log::add_file(rank_log_path(args.run_dir, env.rank));
+  const torch::Device device = dist::bind_device(args.compute_config.device, env);
+  dist::set_allow_tf32(args.compute_config.allow_tf32);
+  // CUDA graphs: the run works on a non-default stream from here on (step_graph.h).
+  if (args.compute_config.cuda_graphs && device.is_cuda()) use_capture_stream(device);
+  return device;
+}
+
+std::shared_ptr<models::CausalLM> build_model(const config::TrainerArgs& args) {
+  torch::manual_seed(args.seed);
+  auto model = models::find_model(args.model.type)->build(*args.model.args);
+  if (!args.model.init_from.empty()) {
+    checkpoint::load_hf_weights(*model, args.model.init_from);
+    log::info("initialised weights from " + args.model.init_from);
+  }
+  return model;
+}
+
+Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
+                   const torch::Device& device, std::chrono::milliseconds timeout) {
+  parallel::PlanRequest req;
+  req.args = &args;
+  req.model = &model;
+  req.world_size = env.world_size;
+  req.device = parallel::device_spec(device.is_cuda() ? "auto" : "cpu");
+  req.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
+  Agreed a{{}, req.device, nullptr};
+  if (env.world_size > 1) a.store = dist::rendezvous(env, timeout);
+  a.plan = a.store ? parallel::agree_plan(req, *a.store, env.rank, env.world_size, timeout) : parallel::make_plan(req);
+  return a;
+}
+
+std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,
+                                       const torch::Device& device, std::chrono::milliseconds timeout) {
+  if (env.world_size == 1) return nullptr;
+  dist::RuntimeOptions o;
+  o.tp = a.plan.tp;
+  o.zero_ngroups = a.plan.zero ? a.plan.zero_ngroups : 1;
+  o.backend = args.compute_config.backend;
+  o.cuda = device.is_cuda();
+  o.timeout = timeout;
+  return std::make_unique<dist::Runtime>(env, o, a.store);
+}
+
+Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, models::CausalLM& model,
+                         dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device) {
+  models::RuntimeOptions ro;
+  ro.chunked_loss = args.model.loss == "chunked";
+  ro.loss_chunk_size = args.model.loss_chunk_size;
+  ro.recompute_layers = plan.recompute;
+  model.set_runtime_options(ro);
+  model.to(device);
+  model.train();
+  // Dropout streams differ between data-parallel replicas and agree within a
+  // tensor-parallel group, so replicated regions draw the same masks there.
+  torch::manual_seed(args.seed + 1000003ULL * static_cast<uint64_t>(env.rank / plan.tp));
+
+  const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
+  parallel::TrainingStateOptions so;
+  so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
+  so.zero = plan.zero;
+  if (plan.zero && rt) {
+    so.zero_size = rt->zero.size();
+    so.zero_rank = rt->zero.rank;
+    so.zero_replicas = rt->zero_cross.ranks;
+  }
+  so.weight_decay = args.optimizer.weight_decay;
+  so.param_dtype = prec.param;
+  so.grad_dtype = prec.grad;
+  so.master_weights = prec.master_weights;
+  Trainable tr;
+  tr.world = env.world_size;
+  tr.state = std::make_unique<parallel::TrainingState>(parallel::apply_tensor_parallel(model, rt, env.world_size), so);
+  tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt);
+  tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
+  if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
+  return tr;
+}
+
+Data open_data(const config::TrainerArgs& args, const models::CausalLM& model) {
+  Data d;
+  d.train = std::make_unique<data::TokenBinDataset>(args.dataset.train_args, args.seed);
+  if (args.dataset.val_args) d.val = std::make_unique<data::TokenBinDataset>(*args.dataset.val_args, args.seed);
+  data::check_token_ids(d.train->file(), model.vocab_size(), "dataset.train_args.path");
+  if (d.val) data::check_token_ids(d.val->file(), model.vocab_size(), "dataset.val_args.path");
+  d.seq_len = d.train->seq_len();
+  if (d.seq_len > model.max_seq_len())
+    throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(d.seq_len) +
+                              " exceeds the model's maximum sequence length " + std::to_string(model.max_seq_len()));
+  // One epoch = samples_per_epoch samples (docs/data.md), in whole steps.
+  d.steps_per_epoch = std::max<int64_t>(1, d.train->samples_per_epoch() / args.global_batch_size);
+  d.max_steps = args.max_train_steps > 0 ? args.max_train_steps : args.max_epochs * d.steps_per_epoch;
+  return d;
+}
+
+std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trainable& tr, int rank,
+                   const torch::Device& device, int64_t* step) {
+  *step = 0;
+  std::string dir = opts.resume.empty() ? args.checkpoint.resume_from : opts.resume;
+  if (dir == "last") {
+    if (args.checkpoint.save_dir.empty()) throw config::ConfigError("--resume without a path needs checkpoint.save_dir");
+    dir = checkpoint::latest(args.checkpoint.save_dir);
+    if (dir.empty()) log::warn("no checkpoint under " + args.checkpoint.save_dir + " yet: starting fresh");
+  }
+  if (dir.empty()) return dir;
+  checkpoint::Checkpoint ck(dir);
+  const auto& st = ck.state();
+  if (st.value("model_type", "") != args.model.type)
+    throw checkpoint::CheckpointError(dir + ": checkpoint of model type '" + st.value("model_type", "") +
+                                      "', but this run trains '" + args.model.type + "'");
+  torch::NoGradGuard no_grad;
+  for (auto& t : tr.state_tensors()) {
+    // A checkpoint saved without a loss scaler (another precision) keeps the fresh scale.
+    if (t.spec.name.rfind("amp/", 0) == 0 && !ck.has(t.spec.name)) continue;
+    ck.load_into(t);
+  }
+  tr.after_optimizer_step();  // the compute copy from the loaded (master) weights
+  *step = st.at("step").get<int64_t>();
+  tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
+  checkpoint::restore_rng_state(ck, rank, device);
+  log::info("resumed from " + dir + " at step " + std::to_string(*step));
+  return dir;
+}
+
+}  // namespace nnstrain::train

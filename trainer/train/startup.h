@@ -1,0 +1,88 @@
+// Start-up: the steps that take a config to a running Trainer, in order:
+//   start_rank -> build_model -> decide_plan (agreed by every rank) -> open_data
+//   -> connect (process groups) -> make_trainable (split, training state,
+//   optimizer) -> resume
+// (train_loop in trainer.cpp runs them). Each is a function of what came before.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "data/token_bin.h"
+#include "models/model.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/config/trainer_args.h"
+#include "trainer/dist/dist_env.h"
+#include "trainer/dist/process_groups.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/optim/precision.h"
+#include "trainer/parallel/grad_reducer.h"
+#include "trainer/parallel/plan.h"
+#include "trainer/parallel/planner.h"
+#include "trainer/parallel/training_state.h"
+#include "trainer/train/trainer.h"
+
+namespace nnstrain::train {
+
+// What a run trains and checkpoints: the training state (weights, fp32 masters
+// under *-mixed), its gradient reducer, AdamW and the loss scaler.
+struct Trainable {
+  std::unique_ptr<parallel::TrainingState> state;
+  std::unique_ptr<parallel::GradientReducer> reducer;
+  std::unique_ptr<optim::AdamW> optimizer;
+  std::optional<optim::LossScaler> scaler;
+  int world = 1;
+
+  // Everything a checkpoint holds of it, as ShardSpec'd pieces.
+  std::vector<checkpoint::StateTensor> state_tensors();
+  // The compute copy from what the optimizer updated (or a checkpoint loaded):
+  // masters cast, ZeRO chunks gathered.
+  void after_optimizer_step();
+  // Bytes per parameter element this rank holds, by part, measured from its tensors.
+  parallel::StateBytes held_bytes_per_param();
+};
+
+// This rank's log files and device (bound before any CUDA work).
+torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& env);
+
+// The registered model, the same on every rank (same seed), with Hugging Face
+// weights when model.init_from names them (shapes must match model.args).
+std::shared_ptr<models::CausalLM> build_model(const config::TrainerArgs& args);
+
+// The plan (tensor-parallel degree, ZeRO, recompute per layer), agreed by every
+// rank at the rendezvous store before any collective (plan_agreement.h).
+struct Agreed {
+  parallel::Plan plan;
+  parallel::DeviceSpec device;            // what the cost model assumed (MFU's peak)
+  c10::intrusive_ptr<c10d::Store> store;  // null for one process
+};
+Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
+                   const torch::Device& device, std::chrono::milliseconds timeout);
+
+// The token files, checked against the model, and the run's length in steps.
+struct Data {
+  std::unique_ptr<data::TokenBinDataset> train, val;
+  int64_t seq_len = 0, steps_per_epoch = 1, max_steps = 0;
+};
+Data open_data(const config::TrainerArgs& args, const models::CausalLM& model);
+
+// Process groups for the plan (null for one process).
+std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,
+                                       const torch::Device& device, std::chrono::milliseconds timeout);
+
+// The model on its device with the plan's recompute and loss, split over the
+// tensor-parallel group, and the training state over this rank's pieces.
+Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, models::CausalLM& model,
+                         dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device);
+
+// Loads the checkpoint --resume (or checkpoint.resume_from) names into the
+// state; returns its folder ("" for a fresh start) and sets *step.
+std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trainable& tr, int rank,
+                   const torch::Device& device, int64_t* step);
+
+}  // namespace nnstrain::train
