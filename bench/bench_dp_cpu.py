@@ -50,6 +50,9 @@ import time
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402,F401  (bench_checkpoint and bench_async_save import them from here)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/shakespeare_char_cpu.yaml"
 # configs/shakespeare_char_cpu.yaml's model, for the exact parameter count (check_log() compares).
@@ -178,40 +181,6 @@ def check_log(output, nparams):
     if logged != nparams:
         sys.exit(f"log says {logged} parameters, the model config gives {nparams}: update MODEL")
     return logged / 1e6, int(m.group(2))
-
-
-def cpu_model():
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def libtorch_version(binary):
-    try:
-        out = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
-        m = re.search(r"libtorch_cpu\.so => (\S+)", out)
-        if m:
-            version_py = pathlib.Path(m.group(1)).resolve().parent.parent / "version.py"
-            v = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_py.read_text())
-            if v:
-                return v.group(1)
-    except OSError:
-        pass
-    return "unknown"
-
-
-def git_commit():
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def main():

@@ -46,6 +46,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_common import cpu_model, git_commit, libtorch_version, run_single  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/shakespeare_char_cpu.yaml"
 
@@ -164,7 +167,7 @@ def run_baseline(train_bin, steps, threads):
 
 # ---------------------------------------------------------------- nnstrain
 
-def run_nnstrain(binary, steps, threads, data_dir):
+def nnstrain_step_times(binary, steps, threads, data_dir):
     """Per-step seconds (from metrics.jsonl tokens_per_s) and losses of nnstrain."""
     tokens_per_step = BATCH * MODEL["block_size"]
     with tempfile.TemporaryDirectory(prefix="nnstrain_bench_") as tmp:
@@ -173,7 +176,7 @@ def run_nnstrain(binary, steps, threads, data_dir):
                 "--checkpoint.save_dir=", "--checkpoint.every_n_train_steps", "0",
                 "--checkpoint.keep_last_n_checkpoints", "0", "--optimizer.args.impl", "fused",
                 "--vars.data_dir", str(data_dir)]
-        run_nnstrain(args, threads)
+        run_single(args, threads)
         recs = [json.loads(l) for l in (pathlib.Path(tmp) / "metrics.jsonl").read_text().splitlines() if l.strip()]
     recs = [r for r in recs if "loss" in r]
     if [r["step"] for r in recs] != list(range(1, steps + 1)):
@@ -213,53 +216,6 @@ def summarise(secs, losses, warmup):
     return {"tokens_per_s": per_step * len(kept) / sum(kept), "tokens_per_s_median": per_step / median,
             "median_ms_per_step": 1000 * median, "max_ms_per_step": 1000 * max(kept),
             "steps_timed": len(kept), "loss_first": losses[0], "loss_last": losses[-1]}
-
-
-def cpu_model():
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def run_nnstrain(args, threads):
-    """One single-process nnstrain run on `threads` threads, without a launcher's
-    variables; exits the benchmark with the run's output if it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(f"nnstrain failed ({p.returncode}): {' '.join(map(str, args))}\n{p.stdout}{p.stderr}")
-    return p
-
-
-def libtorch_version(binary):
-    """Version of the libtorch the binary loads (ldd -> torch/lib -> torch/version.py)."""
-    try:
-        out = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
-        m = re.search(r"libtorch_cpu\.so => (\S+)", out)
-        if m:
-            version_py = pathlib.Path(m.group(1)).resolve().parent.parent / "version.py"
-            v = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_py.read_text())
-            if v:
-                return v.group(1)
-    except OSError:
-        pass
-    return "unknown"
-
-
-def git_commit():
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def main():
@@ -307,7 +263,7 @@ def main():
         best = {}
         for rep in range(a.repeats):
             for name, fn in (("pytorch_eager", lambda: run_baseline(train_bin, a.steps, threads)),
-                             ("nnstrain", lambda: run_nnstrain(binary, a.steps, threads, data_dir))):
+                             ("nnstrain", lambda: nnstrain_step_times(binary, a.steps, threads, data_dir))):
                 load_before = os.getloadavg()[0]
                 secs, losses = fn()
                 s = summarise(secs, losses, a.warmup)

@@ -44,6 +44,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_common import cpu_model, git_commit  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/llama3_mini.yaml"
 
@@ -212,20 +215,6 @@ def check_config(binary):
 
 # ---------------------------------------------------------------- reporting
 
-def cpu_model():
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def git_commit():
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return head.stdout.strip() + (" (working tree has uncommitted changes)" if dirty else "")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"), help="the nnstrain binary")
@@ -281,7 +270,7 @@ def main():
     stem = out / "llama3_mini_cpu"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        f"# llama3_mini training on CPU: nnstrain vs PyTorch + transformers LlamaForCausalLM", "",
+        "# llama3_mini training on CPU: nnstrain vs PyTorch + transformers LlamaForCausalLM", "",
         f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}",
         f"- device: {record['device']} ({record['logical_cpus']} logical CPUs, shared with other builds: "
         "see the load averages)",

@@ -44,7 +44,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_gpt_cpu import run_nnstrain  # noqa: E402  (one single-process run, shared with the GPT bench)
+from bench_common import run_single  # noqa: E402
 CONFIG = "configs/shakespeare_char_cpu.yaml"
 STEPS, FROM, TO = 200, 30, 180
 TOKENS_PER_STEP = 12 * 64
@@ -83,7 +83,7 @@ def run_once(binary, extra, threads, data_dir):
         args = [binary, "--config", CONFIG, "--run_dir", tmp, "--max_train_steps", str(STEPS),
                 "--val_every_n_train_steps", "0", "--checkpoint.save_dir=", "--checkpoint.every_n_train_steps", "0",
                 "--vars.data_dir", str(data_dir), *extra]
-        p = run_nnstrain(args, threads)
+        p = run_single(args, threads)
         out = p.stdout + p.stderr
         stopped = "stopped early on request" in out
         if "--profile.steps" in extra and not stopped and not (pathlib.Path(tmp) / "profile" / "trace_rank0.json").is_file():

@@ -28,7 +28,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_dp_cpu import cpu_model, git_commit, libtorch_version  # noqa: E402
+from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_gpt.yaml"

@@ -74,7 +74,6 @@ int train_main(const std::vector<std::string>& argv) {
     return 2;
   }
   dist::DistEnv env;
-  config::TrainerArgs args;
   try {
     env = dist::read_dist_env();
     config::LoadOptions lo;
@@ -82,19 +81,11 @@ int train_main(const std::vector<std::string>& argv) {
     lo.models = models::model_catalog();
     lo.world_size = env.world_size;
     lo.check_files = !print_config;
-    args = config::load_trainer_args(config_file, lo);
-  } catch (const config::ConfigError& e) {
-    std::cerr << "nnstrain: config error: " << e.what() << "\n";
-    return 2;
-  } catch (const dist::DistEnvError& e) {
-    std::cerr << "nnstrain: launch environment error: " << e.what() << "\n";
-    return 2;
-  }
-  if (print_config) {
-    std::cout << args.resolved_yaml;
-    return 0;
-  }
-  try {
+    const auto args = config::load_trainer_args(config_file, lo);
+    if (print_config) {
+      std::cout << args.resolved_yaml;
+      return 0;
+    }
     return train::run(args, env, {resume});
   } catch (const config::ConfigError& e) {
     std::cerr << "nnstrain: config error: " << e.what() << "\n";

@@ -67,25 +67,36 @@ void AdamW::step_loop(double lr) {
 }
 
 // Groups segments by weight decay and device; one kernel launch per group.
+// One group's tensors, as the foreach and fused kernels take them.
+struct GroupTensors {
+  std::vector<at::Tensor> p, g, m, v, steps;
+};
+
+// Calls fn(weight_decay, tensors) per group of segments with the same weight
+// decay, device and dtype (what one multi-tensor kernel call can take).
 template <typename Fn>
-static void for_each_group(const std::vector<Segment>& segs, Fn fn) {
+void AdamW::for_each_group(Fn fn) {
   std::map<std::pair<double, std::string>, std::vector<size_t>> groups;
-  for (size_t i = 0; i < segs.size(); ++i)
-    groups[{segs[i].weight_decay, segs[i].param.device().str() + c10::toString(segs[i].param.scalar_type())}]
+  for (size_t i = 0; i < segments_.size(); ++i)
+    groups[{segments_[i].weight_decay,
+            segments_[i].param.device().str() + c10::toString(segments_[i].param.scalar_type())}]
         .push_back(i);
-  for (auto& [key, idx] : groups) fn(key.first, idx);
+  for (auto& [key, idx] : groups) {
+    GroupTensors t;
+    for (auto i : idx) {
+      t.p.push_back(segments_[i].param);
+      t.g.push_back(segments_[i].grad);
+      t.m.push_back(exp_avg_[i]);
+      t.v.push_back(exp_avg_sq_[i]);
+      t.steps.push_back(state_steps_[i]);
+    }
+    fn(key.first, t);
+  }
 }
 
 void AdamW::step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
-  for_each_group(segments_, [&](double wd, const std::vector<size_t>& idx) {
-    std::vector<at::Tensor> p, g, m, v, steps;
-    for (auto i : idx) {
-      p.push_back(segments_[i].param);
-      g.push_back(segments_[i].grad);
-      m.push_back(exp_avg_[i]);
-      v.push_back(exp_avg_sq_[i]);
-      steps.push_back(state_steps_[i]);
-    }
+  for_each_group([&](double wd, GroupTensors& t) {
+    auto& [p, g, m, v, steps] = t;
     at::_foreach_add_(steps, 1);
     const auto inf = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
     if (lr_device.defined())
@@ -102,15 +113,8 @@ void AdamW::step_fused(double lr, const at::Tensor& found_inf, const at::Tensor&
 void AdamW::step_foreach(double lr) {
   const double b1 = args_.beta1, b2 = args_.beta2;
   const double bc1 = 1 - std::pow(b1, step_), bc2 = 1 - std::pow(b2, step_);
-  for_each_group(segments_, [&](double wd, const std::vector<size_t>& idx) {
-    std::vector<at::Tensor> p, g, m, v, steps;
-    for (auto i : idx) {
-      p.push_back(segments_[i].param);
-      g.push_back(segments_[i].grad);
-      m.push_back(exp_avg_[i]);
-      v.push_back(exp_avg_sq_[i]);
-      steps.push_back(state_steps_[i]);
-    }
+  for_each_group([&](double wd, GroupTensors& t) {
+    auto& [p, g, m, v, steps] = t;
     at::_foreach_add_(steps, 1);
     if (wd != 0) at::_foreach_mul_(p, 1 - lr * wd);
     at::_foreach_lerp_(m, g, 1 - b1);

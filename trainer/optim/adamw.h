@@ -46,6 +46,8 @@ class AdamW {
   void step_loop(double lr);
   void step_foreach(double lr);
   void step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device);
+  template <typename Fn>
+  void for_each_group(Fn fn);  // per group of segments one multi-tensor kernel call can take
 
   std::vector<Segment> segments_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, state_steps_;

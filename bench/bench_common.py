@@ -1,0 +1,58 @@
+"""What every benchmark records and how it runs nnstrain: the machine, the
+LibTorch the binary loads, the commit, and a single-process run."""
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cpu_model():
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def libtorch_version(binary):
+    """Version of the libtorch the binary loads (ldd -> torch/lib -> torch/version.py)."""
+    try:
+        out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
+        m = re.search(r"libtorch_cpu\.so => (\S+)", out)
+        if m:
+            version_py = pathlib.Path(m.group(1)).resolve().parent.parent / "version.py"
+            v = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_py.read_text())
+            if v:
+                return v.group(1)
+    except OSError:
+        pass
+    return "unknown"
+
+
+def git_commit():
+    """HEAD, with -dirty when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def run_single(args, threads):
+    """One single-process nnstrain run on `threads` threads, without a launcher's
+    variables; exits the benchmark with the run's output if it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"nnstrain failed ({p.returncode}): {' '.join(map(str, args))}\n{p.stdout}{p.stderr}")
+    return p
