@@ -11,6 +11,7 @@
 
 #include "data/loader.h"
 #include "data/token_bin.h"
+#include "models/common/init.h"
 #include "models/model.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/async_save.h"
@@ -126,15 +127,9 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   const int world = env.world_size, rank = env.rank;
   const int64_t micro = args.micro_batch_size, global_batch = args.global_batch_size;
 
-  // Model: same seed on every rank, so replicas start identical.
-  torch::manual_seed(args.seed);
+  // The whole model on meta (shapes, no storage): what the planner splits.
   const auto* entry = models::find_model(args.model.type);
-  auto model = entry->build(*args.model.args);
-  // Pretrained weights from a Hugging Face directory (shapes must match model.args).
-  if (!args.model.init_from.empty()) {
-    checkpoint::load_hf_weights(*model, args.model.init_from);
-    log::info("initialised weights from " + args.model.init_from);
-  }
+  auto model = entry->build_sharded(*args.model.args, parallel::sharding_context(nullptr));
   models::RuntimeOptions ro;
   ro.chunked_loss = args.model.loss == "chunked";
   ro.loss_chunk_size = args.model.loss_chunk_size;
@@ -150,9 +145,6 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   oom.estimate_bytes = plan.estimate.total_bytes;
   const int64_t dp = plan.dp, dp_rank = rank / plan.tp, accum = plan.grad_accumulation_steps;
   ro.recompute_layers = plan.recompute;
-  model->set_runtime_options(ro);
-  model->to(device);
-  model->train();
   // Dropout streams differ between data-parallel replicas and agree within a
   // tensor-parallel group, so replicated regions draw the same masks there.
   torch::manual_seed(args.seed + 1000003ULL * static_cast<uint64_t>(dp_rank));
@@ -189,7 +181,20 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   Trainable tr;
   tr.world = world;
   {
-    auto shards = parallel::apply_tensor_parallel(*model, rt.get(), world);
+    // This rank's piece of the model, built on meta and materialised on the
+    // device: Hugging Face weights (only its slices read), or the fresh
+    // initialisation, slice for slice that of one process with the same seed.
+    model = entry->build_sharded(*args.model.args, parallel::sharding_context(rt.get()));
+    if (!args.model.init_from.empty()) {
+      const auto r = checkpoint::load_hf_weights(*model, args.model.init_from, device);
+      log::info("initialised weights from " + args.model.init_from + " (this rank read " +
+                fmt(r.bytes_read / 1048576.0, 1) + " of " + fmt(r.bytes_needed / 1048576.0, 1) + " MiB)");
+    } else {
+      models::common::materialise_fresh(*model, device, args.seed);
+    }
+    model->set_runtime_options(ro);
+    model->train();
+    auto shards = parallel::tensor_parallel_shards(*model, rt.get(), world);
     parallel::DataParallelOptions dpo;
     dpo.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
     dpo.zero = plan.zero;
