@@ -1,7 +1,9 @@
-// The interface every registered model implements. A model is plain LibTorch
-// modules plus declarations: how its layers may be split (for the planner and
-// trainer/parallel), how its weights map to Hugging Face names, and its FLOPs.
-// Model code holds no collective calls, no YAML and no knowledge of ranks.
+// The interface every registered model implements. A model is built from its
+// config and a ShardingContext (models/common/sharding.h) out of the typed
+// layers of models/common/layers.h, usually on the meta device, then
+// materialised (models/common/init.h). It declares how its weights map to
+// Hugging Face names and its FLOPs; how it may be split is what its layers
+// declare. Model code holds no collective calls, no YAML and no knowledge of ranks.
 #pragma once
 
 #include <torch/torch.h>
@@ -13,23 +15,6 @@
 #include "models/common/layers.h"
 
 namespace nnstrain::models {
-
-// How trainer/parallel may split a parameter over tensor-parallel ranks (Megatron style).
-enum class SplitStyle {
-  Replicate,  // every rank holds all of it
-  Column,     // output features split (dim 0 of a [out, in] weight, and its bias)
-  Row,        // input features split (dim 1 of a [out, in] weight; bias replicated)
-  Vocab,      // embedding / LM head rows split by vocabulary
-};
-
-struct ParamSplit {
-  std::string param;        // parameter name as in named_parameters()
-  SplitStyle style = SplitStyle::Replicate;
-  int64_t unit = 1;         // split only in multiples of this (e.g. head_dim for QKV)
-  // Column splits of fused projections (QKV, gate/up): the sizes of the fused
-  // parts along dim 0; each part is split separately so every rank gets its slice of each.
-  std::vector<int64_t> fused_parts;
-};
 
 // One tensor's name in a Hugging Face checkpoint.
 struct HfTensor {
@@ -65,9 +50,13 @@ class CausalLM : public torch::nn::Module {
   virtual double flops_per_token(int64_t seq_len) const = 0;
 
   virtual ModelDims dims() const { return {}; }
-  // The output head, for trainer/parallel to install a vocab-parallel loss.
-  virtual common::LmHead* output_head() { return nullptr; }
-  virtual std::vector<ParamSplit> split_declaration() const { return {}; }
+  // Every parameter as its layer declares it (split, global shape, this rank's
+  // blocks, init), in named_parameters() order. Throws if a parameter does not
+  // belong to a layer that declares it.
+  std::vector<common::ParamLayout> param_layouts() const;
+  // How the model may be split: the non-replicated entries of param_layouts().
+  // Derived from the layers that compute the splits, so it cannot drift from them.
+  std::vector<ParamSplit> split_declaration() const;
   virtual std::vector<HfTensor> hf_tensors() const { return {}; }
   virtual nlohmann::json hf_config() const { return nlohmann::json::object(); }
 

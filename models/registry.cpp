@@ -1,5 +1,10 @@
 #include "models/registry.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+
+#include "models/common/init.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
 
@@ -7,10 +12,29 @@ namespace nnstrain::models {
 
 const std::vector<ModelEntry>& registered_models() {
   // One line per model.
-  static const std::vector<ModelEntry> all = {
-      gpt::registry_entry(),
-      llama::registry_entry(),
-  };
+  static const std::vector<ModelEntry> all = [] {
+    std::vector<ModelEntry> v = {
+        gpt::registry_entry(),
+        llama::registry_entry(),
+    };
+    for (auto& e : v) {
+      if (e.build) continue;
+      e.build = [sharded = e.build_sharded](const config::ModelConfig& c) {
+        common::ShardingContext meta;
+        meta.options = meta.options.device(c10::kMeta);
+        auto model = sharded(c, meta);
+        uint64_t seed;
+        {
+          auto gen = at::detail::getDefaultCPUGenerator();
+          std::lock_guard<std::mutex> lock(gen.mutex());
+          seed = gen.get<at::CPUGeneratorImpl>()->random64();
+        }
+        common::materialise_fresh(*model, c10::Device(c10::kCPU), seed);
+        return model;
+      };
+    }
+    return v;
+  }();
   return all;
 }
 

@@ -13,6 +13,10 @@
 #include "trainer/config/load.h"
 #include "trainer/config/trainer_args.h"
 
+namespace nnstrain::models::common {
+struct ShardingContext;
+}
+
 namespace nnstrain::models {
 
 class CausalLM;
@@ -21,8 +25,12 @@ struct ModelEntry {
   std::string name;
   // model.args -> a validated, model-specific config (errors via ArgMap name the key and line).
   std::function<std::shared_ptr<const config::ModelConfig>(config::ArgMap&)> parse_args;
-  // Build with freshly initialised weights (uses the current torch RNG).
+  // The whole model (tp 1) on the CPU, freshly initialised from a seed drawn
+  // from the current torch CPU generator. Filled in by the registry.
   std::function<std::shared_ptr<CausalLM>(const config::ModelConfig&)> build;
+  // This rank's piece of the model for a sharding context, parameters on
+  // ctx.options (on meta: not yet materialised, models/common/init.h).
+  std::function<std::shared_ptr<CausalLM>(const config::ModelConfig&, const common::ShardingContext&)> build_sharded;
   // A Hugging Face config.json -> our config (for model.init_from); null if unsupported.
   std::function<std::shared_ptr<const config::ModelConfig>(const nlohmann::json&)> from_hf_config;
 };

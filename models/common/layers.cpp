@@ -1,42 +1,172 @@
 #include "models/common/layers.h"
 
+#include <stdexcept>
+
 #include "models/common/lm_loss.h"
+#include "models/common/tp_ops.h"
 
 namespace nnstrain::models::common {
 
-LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
-  weight = register_parameter("weight", torch::empty({out, in}));
-  if (with_bias) bias = register_parameter("bias", torch::zeros({out}));
-  torch::nn::init::normal_(weight, 0.0, 0.02);
+int64_t ShardingContext::local(int64_t n, const std::string& what, int64_t unit) const {
+  if (tp < 1 || rank < 0 || rank >= tp)
+    throw std::invalid_argument("sharding context: rank " + std::to_string(rank) + " of tp " + std::to_string(tp));
+  if (n % (tp * unit) != 0)
+    throw std::invalid_argument("cannot split " + what + " of " + std::to_string(n) + " over " + std::to_string(tp) +
+                                " tensor-parallel ranks in whole units of " + std::to_string(unit));
+  return n / tp;
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  if (override_forward) return override_forward(x, weight, bias);
-  return torch::nn::functional::linear(x, weight, bias);
+int64_t ShardingContext::padded_vocab(int64_t vocab) const {
+  if (tp <= 1) return vocab;
+  const int64_t m = tp * std::max<int64_t>(1, vocab_multiple);
+  return (vocab + m - 1) / m * m;
 }
 
-EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim) {
-  weight = register_parameter("weight", torch::empty({num, dim}));
-  torch::nn::init::normal_(weight, 0.0, 0.02);
+// ---- layouts -----------------------------------------------------------------
+
+ParamLayout replicated_layout(const std::string& name, std::vector<int64_t> shape, InitRule init) {
+  ParamLayout l;
+  l.name = name;
+  l.split.param = name;
+  l.global_shape = shape;
+  l.blocks = {{std::vector<int64_t>(shape.size(), 0), shape}};
+  l.local_shape = shape;
+  l.init = init;
+  return l;
 }
 
-torch::Tensor EmbeddingImpl::forward(const torch::Tensor& idx) {
-  if (override_forward) return override_forward(idx, weight);
-  return torch::embedding(weight, idx);
+ParamLayout column_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape,
+                          std::vector<int64_t> parts, int64_t unit, InitRule init) {
+  ParamLayout l = replicated_layout(name, shape, init);
+  l.split = {name, SplitStyle::Column, unit, parts.size() > 1 ? parts : std::vector<int64_t>{}};
+  if (!ctx.parallel()) return l;  // the whole tensor as one block, fused parts or not
+  l.blocks.clear();
+  int64_t start = 0, rows = 0;
+  for (auto part : parts) {
+    const int64_t n = ctx.local(part, "'" + name + "' (column-parallel, size " + std::to_string(part) + ")", unit);
+    Block b{std::vector<int64_t>(shape.size(), 0), shape};
+    b.offsets[0] = start + ctx.rank * n;
+    b.shape[0] = n;
+    l.blocks.push_back(b);
+    start += part;
+    rows += n;
+  }
+  l.local_shape[0] = rows;
+  return l;
 }
 
-LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_) : eps(eps_) {
-  weight = register_parameter("weight", torch::ones({dim}));
-  if (with_bias) bias = register_parameter("bias", torch::zeros({dim}));
+ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape, int64_t unit,
+                       InitRule init) {
+  ParamLayout l = replicated_layout(name, shape, init);
+  l.split = {name, SplitStyle::Row, unit, {}};
+  const int64_t n = ctx.local(shape.at(1), "'" + name + "' (row-parallel)", unit);
+  l.blocks[0].offsets[1] = ctx.rank * n;
+  l.blocks[0].shape[1] = n;
+  l.local_shape[1] = n;
+  return l;
+}
+
+// Rows [rank x rows, +rows) of the padded vocabulary; the blocks cover only true rows.
+ParamLayout vocab_layout(const std::string& name, const ShardingContext& ctx, int64_t vocab, int64_t dim,
+                         InitRule init, int64_t* start) {
+  ParamLayout l = replicated_layout(name, {vocab, dim}, init);
+  l.split = {name, SplitStyle::Vocab, 1, {}};
+  const int64_t rows = ctx.padded_vocab(vocab) / ctx.tp;
+  *start = ctx.rank * rows;
+  const int64_t held = std::min(rows, vocab - *start);
+  if (held < 1)
+    throw std::invalid_argument("vocabulary of " + std::to_string(vocab) + " is too small to split over " +
+                                std::to_string(ctx.tp) + " tensor-parallel ranks");
+  l.blocks = {{{*start, 0}, {held, dim}}};
+  l.local_shape = {rows, dim};
+  return l;
+}
+
+// ---- ShardedModule -------------------------------------------------------------
+
+at::Tensor ShardedModule::add_param(const ParamLayout& layout, const c10::TensorOptions& opts) {
+  at::Tensor t;
+  if (opts.device().is_meta()) {
+    t = torch::empty(layout.local_shape, opts);
+  } else {
+    torch::NoGradGuard no_grad;
+    switch (layout.init.kind) {
+      case InitRule::Kind::Normal: t = torch::empty(layout.local_shape, opts).normal_(0.0, layout.init.std); break;
+      case InitRule::Kind::Ones: t = torch::ones(layout.local_shape, opts); break;
+      default: t = torch::zeros(layout.local_shape, opts);
+    }
+  }
+  return register_parameter(layout.name, t);
+}
+
+void ShardedModule::replace_parameter(const std::string& name, at::Tensor t) {
+  auto* slot = parameters_.find(name);
+  TORCH_CHECK(slot, "replace_parameter: no parameter '", name, "'");
+  TORCH_CHECK(slot->sizes() == t.sizes(), "replace_parameter: '", name, "' is ", slot->sizes(), ", given ", t.sizes());
+  t = t.detach();
+  t.set_requires_grad(true);
+  *slot = t;
+  rebind();
+}
+
+namespace {
+at::Tensor param_or_undefined(const torch::OrderedDict<std::string, at::Tensor>& params, const std::string& name) {
+  const auto* p = params.find(name);
+  return p ? *p : at::Tensor();
+}
+}  // namespace
+
+// ---- plain layers ------------------------------------------------------------------
+
+LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, InitRule init, const c10::TensorOptions& opts) {
+  layouts_.push_back(replicated_layout("weight", {out, in}, init));
+  if (with_bias) layouts_.push_back(replicated_layout("bias", {out}, InitRule::zeros()));
+  for (auto& l : layouts_) add_param(l, opts), l.owner = this;
+  rebind();
+}
+
+void LinearImpl::rebind() {
+  weight = param_or_undefined(parameters_, "weight");
+  bias = param_or_undefined(parameters_, "bias");
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight, bias); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim, InitRule init, const c10::TensorOptions& opts) {
+  layouts_.push_back(replicated_layout("weight", {num, dim}, init));
+  add_param(layouts_[0], opts);
+  layouts_[0].owner = this;
+  rebind();
+}
+
+void EmbeddingImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& idx) { return torch::embedding(weight, idx); }
+
+LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const c10::TensorOptions& opts) : eps(eps_) {
+  layouts_.push_back(replicated_layout("weight", {dim}, InitRule::ones()));
+  if (with_bias) layouts_.push_back(replicated_layout("bias", {dim}, InitRule::zeros()));
+  for (auto& l : layouts_) add_param(l, opts), l.owner = this;
+  rebind();
+}
+
+void LayerNormImpl::rebind() {
+  weight = param_or_undefined(parameters_, "weight");
+  bias = param_or_undefined(parameters_, "bias");
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
   return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
 }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
-  weight = register_parameter("weight", torch::ones({dim}));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opts) : eps(eps_) {
+  layouts_.push_back(replicated_layout("weight", {dim}, InitRule::ones()));
+  add_param(layouts_[0], opts);
+  layouts_[0].owner = this;
+  rebind();
 }
+
+void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // Normalise in fp32 as Hugging Face's LlamaRMSNorm does, then cast back.
@@ -45,22 +175,129 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return weight * normed.to(x.scalar_type());
 }
 
+// ---- tensor-parallel layers ----------------------------------------------------------
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const ShardingContext& ctx, int64_t in,
+                                                   std::vector<int64_t> out_parts, int64_t unit, bool with_bias,
+                                                   InitRule init)
+    : ctx_(ctx) {
+  int64_t out = 0;
+  for (auto p : out_parts) out += p;
+  layouts_.push_back(column_layout("weight", ctx, {out, in}, out_parts, unit, init));
+  if (with_bias) layouts_.push_back(column_layout("bias", ctx, {out}, out_parts, unit, InitRule::zeros()));
+  for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
+  rebind();
+}
+
+void ColumnParallelLinearImpl::rebind() {
+  weight = param_or_undefined(parameters_, "weight");
+  bias = param_or_undefined(parameters_, "bias");
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
+  return torch::nn::functional::linear(copy_to_tp(x, ctx_.comm), weight, bias);
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t in, int64_t out, int64_t unit,
+                                             bool with_bias, InitRule init)
+    : ctx_(ctx) {
+  layouts_.push_back(row_layout("weight", ctx, {out, in}, unit, init));
+  if (with_bias) layouts_.push_back(replicated_layout("bias", {out}, InitRule::zeros()));
+  for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
+  rebind();
+}
+
+void RowParallelLinearImpl::rebind() {
+  weight = param_or_undefined(parameters_, "weight");
+  bias = param_or_undefined(parameters_, "bias");
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
+  auto y = reduce_from_tp(torch::nn::functional::linear(x, weight), ctx_.comm);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const ShardingContext& ctx, int64_t vocab, int64_t dim,
+                                                       InitRule init)
+    : ctx_(ctx) {
+  layouts_.push_back(vocab_layout("weight", ctx, vocab, dim, init, &start_));
+  add_param(layouts_[0], ctx.options);
+  layouts_[0].owner = this;
+  rebind();
+}
+
+void VocabParallelEmbeddingImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& idx) {
+  if (!ctx_.parallel()) return torch::embedding(weight, idx);
+  const int64_t rows = weight.size(0);
+  auto outside = (idx < start_) | (idx >= start_ + rows);
+  auto local = (idx - start_).masked_fill(outside, 0);
+  auto e = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_tp(e, ctx_.comm);
+}
+
+// ---- LM head ---------------------------------------------------------------------
+
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets) {
   return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), targets);
 }
 
 torch::Tensor LmHead::logits(const torch::Tensor& hidden, const torch::Tensor& weight) const {
-  if (override_logits) return override_logits(hidden, weight);
   return torch::nn::functional::linear(hidden, weight);
 }
 
-torch::Tensor LmHead::loss(const torch::Tensor& hidden, const torch::Tensor& weight,
-                           const torch::Tensor& targets, int64_t chunk_size) const {
-  if (override_loss) return override_loss(hidden, weight, targets);
+torch::Tensor LmHead::loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                           int64_t chunk_size) const {
   auto h = hidden.reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
   if (chunk_size > 0) return chunked_linear_cross_entropy(h, weight, t, chunk_size);
   return cross_entropy(torch::nn::functional::linear(h, weight), t);
+}
+
+ParallelLmHeadImpl::ParallelLmHeadImpl(const ShardingContext& ctx, int64_t vocab, int64_t dim, bool own_weight,
+                                       InitRule init)
+    : ctx_(ctx), vocab_(vocab) {
+  auto l = vocab_layout("weight", ctx, vocab, dim, init, &start_);
+  if (own_weight) {
+    layouts_.push_back(l);
+    add_param(layouts_[0], ctx.options);
+    layouts_[0].owner = this;
+  }
+  rebind();
+}
+
+void ParallelLmHeadImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
+
+torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch::Tensor& w,
+                                       const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index) const {
+  auto h = hidden.reshape({-1, hidden.size(-1)});
+  auto t = targets.reshape({-1});
+  if (!ctx_.parallel()) {
+    if (chunk_size > 0) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    return torch::nn::functional::cross_entropy(
+        torch::nn::functional::linear(h, w).to(torch::kFloat32), t,
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
+  }
+  const int64_t held = std::min<int64_t>(w.size(0), vocab_ - start_);  // rows past it are padding
+  h = copy_to_tp(h, ctx_.comm);
+  if (chunk_size > 0)
+    return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
+  return vocab_parallel_cross_entropy(torch::nn::functional::linear(h, w), t, start_, held, ignore_index, ctx_.comm);
+}
+
+torch::Tensor ParallelLmHeadImpl::logits(const torch::Tensor& hidden, const torch::Tensor& w) const {
+  if (!ctx_.parallel()) return torch::nn::functional::linear(hidden, w);
+  // Evaluation only: no gradient through the gather. Padding rows sit at the
+  // end of the last rank's piece, so the true vocabulary is a prefix.
+  auto local = torch::nn::functional::linear(hidden, w).contiguous();
+  auto all = ctx_.comm->all_gather(local);  // [tp, ..., V/tp]
+  auto moved = all.movedim(0, -2);          // [..., tp, V/tp]
+  auto sizes = local.sizes().vec();
+  sizes.back() = -1;
+  return moved.reshape(sizes).narrow(-1, 0, vocab_);
 }
 
 }  // namespace nnstrain::models::common

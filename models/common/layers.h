@@ -1,71 +1,217 @@
-// Building blocks shared by the models. Each layer that tensor parallelism may
-// split carries an optional `override_forward` that trainer/parallel installs;
-// the model itself computes local sizes from its (possibly sharded) weights and
-// never asks how it is split.
+// Building blocks shared by the models, built from a ShardingContext. The
+// tensor-parallel ones (column, row, vocab-parallel embedding, parallel LM head)
+// allocate only this rank's piece and communicate through the context's TpComm;
+// at tp == 1 each is a plain layer (no autograd function, no communication).
+//
+// Every layer declares, for each parameter it registers, a ParamLayout: how it
+// may be split, the global tensor, this rank's blocks of it and its init rule.
+// A model's split declaration is derived from these (CausalLM::split_declaration),
+// so the layer that computes a split is the only place that states it: the
+// declaration cannot drift from what runs.
 #pragma once
 
 #include <torch/torch.h>
 
-#include <functional>
+#include <vector>
+
+#include "models/common/sharding.h"
 
 namespace nnstrain::models::common {
 
-// y = x W^T + b, with W [out, in].
-class LinearImpl : public torch::nn::Module {
+// How a fresh parameter is filled. materialise() applies it so that every
+// slice is the same at any tp degree (models/common/init.h).
+struct InitRule {
+  enum class Kind { Normal, Zeros, Ones };
+  Kind kind = Kind::Zeros;
+  double std = 0.0;
+  static InitRule normal(double s) { return {Kind::Normal, s}; }
+  static InitRule zeros() { return {Kind::Zeros, 0.0}; }
+  static InitRule ones() { return {Kind::Ones, 0.0}; }
+};
+
+struct Block {
+  std::vector<int64_t> offsets, shape;  // a rectangle of the global tensor
+};
+
+class ShardedModule;
+
+// One parameter as its layer declares it.
+struct ParamLayout {
+  std::string name;                   // as in named_parameters() once collected; layer-local before
+  ParamSplit split;                   // how it may be split (Replicate: never)
+  std::vector<int64_t> global_shape;  // the global tensor (the true vocabulary, never padded)
+  std::vector<Block> blocks;          // this rank's blocks, stacked along dim 0 in local storage
+  std::vector<int64_t> local_shape;   // the local tensor: the blocks' rows, then padding rows (zero)
+  InitRule init;
+  ShardedModule* owner = nullptr;
+  bool split_here() const { return blocks.size() != 1 || blocks[0].shape != global_shape; }
+};
+
+// A module whose own parameters carry layouts and can be swapped for
+// materialised tensors (they are built on meta).
+class ShardedModule : public torch::nn::Module {
  public:
-  using Forward = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& weight,
-                                              const torch::Tensor& bias)>;
-  LinearImpl(int64_t in, int64_t out, bool bias);
+  virtual std::vector<ParamLayout> layouts() const = 0;
+  // Replaces this module's parameter `name` (layer-local) by `t`, which must
+  // have the local shape; t becomes a leaf requiring grad.
+  void replace_parameter(const std::string& name, at::Tensor t);
+
+ protected:
+  // Registers a parameter of `layout.local_shape` on `opts`: empty on meta,
+  // else filled by the init rule from the global generator (standalone use).
+  at::Tensor add_param(const ParamLayout& layout, const c10::TensorOptions& opts);
+  virtual void rebind() = 0;  // refresh member handles after replace_parameter
+};
+
+// Layouts of a parameter every rank holds whole, and of a split one.
+ParamLayout replicated_layout(const std::string& name, std::vector<int64_t> shape, InitRule init);
+// Column split (dim 0) of `shape`, each fused part on its own; vocab split with
+// `padded_rows` local rows (>= the true rows this rank holds); row split (dim 1).
+ParamLayout column_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape,
+                          std::vector<int64_t> parts, int64_t unit, InitRule init);
+ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape,
+                       int64_t unit, InitRule init);
+
+// y = x W^T + b, W [out, in], replicated.
+class LinearImpl : public ShardedModule {
+ public:
+  LinearImpl(int64_t in, int64_t out, bool bias, InitRule init = InitRule::normal(0.02),
+             const c10::TensorOptions& opts = {});
   torch::Tensor forward(const torch::Tensor& x);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight, bias;  // bias undefined when disabled
-  Forward override_forward;    // set by trainer/parallel (e.g. row-parallel all-reduce)
+
+ private:
+  void rebind() override;
+  std::vector<ParamLayout> layouts_;
 };
 TORCH_MODULE(Linear);
 
-class EmbeddingImpl : public torch::nn::Module {
+// Megatron's column-parallel linear: W's output rows split (each fused part on
+// its own, in whole `unit`s), output left split; the input's gradient is
+// all-reduced over the group in backward.
+class ColumnParallelLinearImpl : public ShardedModule {
  public:
-  using Forward = std::function<torch::Tensor(const torch::Tensor& idx, const torch::Tensor& weight)>;
-  EmbeddingImpl(int64_t num, int64_t dim);
+  ColumnParallelLinearImpl(const ShardingContext& ctx, int64_t in, std::vector<int64_t> out_parts, int64_t unit,
+                           bool bias, InitRule init);
+  torch::Tensor forward(const torch::Tensor& x);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
+  int64_t local_out() const { return weight.size(0); }
+  torch::Tensor weight, bias;
+
+ private:
+  void rebind() override;
+  ShardingContext ctx_;
+  std::vector<ParamLayout> layouts_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// Megatron's row-parallel linear: W's input columns split, partial outputs
+// all-reduced over the group, then the (replicated) bias added.
+class RowParallelLinearImpl : public ShardedModule {
+ public:
+  RowParallelLinearImpl(const ShardingContext& ctx, int64_t in, int64_t out, int64_t unit, bool bias, InitRule init);
+  torch::Tensor forward(const torch::Tensor& x);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
+  torch::Tensor weight, bias;
+
+ private:
+  void rebind() override;
+  ShardingContext ctx_;
+  std::vector<ParamLayout> layouts_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+class EmbeddingImpl : public ShardedModule {
+ public:
+  EmbeddingImpl(int64_t num, int64_t dim, InitRule init = InitRule::normal(0.02), const c10::TensorOptions& opts = {});
   torch::Tensor forward(const torch::Tensor& idx);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;
-  Forward override_forward;    // vocab-parallel lookup
+
+ private:
+  void rebind() override;
+  std::vector<ParamLayout> layouts_;
 };
 TORCH_MODULE(Embedding);
 
-// LayerNorm with an optional bias (nanoGPT's `bias` option; LibTorch's has both or neither).
-class LayerNormImpl : public torch::nn::Module {
+// Rows of the vocabulary split over the group: each rank looks up the ids it
+// holds, zeros for the others, and the partial embeddings are all-reduced.
+class VocabParallelEmbeddingImpl : public ShardedModule {
  public:
-  LayerNormImpl(int64_t dim, bool bias, double eps = 1e-5);
+  VocabParallelEmbeddingImpl(const ShardingContext& ctx, int64_t vocab, int64_t dim, InitRule init);
+  torch::Tensor forward(const torch::Tensor& idx);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
+  int64_t vocab_start() const { return start_; }
+  torch::Tensor weight;  // [vocab / tp, dim]
+
+ private:
+  void rebind() override;
+  ShardingContext ctx_;
+  int64_t start_ = 0;
+  std::vector<ParamLayout> layouts_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// LayerNorm with an optional bias (nanoGPT's `bias` option; LibTorch's has both or neither).
+class LayerNormImpl : public ShardedModule {
+ public:
+  LayerNormImpl(int64_t dim, bool bias, double eps = 1e-5, const c10::TensorOptions& opts = {});
   torch::Tensor forward(const torch::Tensor& x);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight, bias;
   double eps;
+
+ private:
+  void rebind() override;
+  std::vector<ParamLayout> layouts_;
 };
 TORCH_MODULE(LayerNorm);
 
-class RMSNormImpl : public torch::nn::Module {
+class RMSNormImpl : public ShardedModule {
  public:
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps, const c10::TensorOptions& opts = {});
   torch::Tensor forward(const torch::Tensor& x);
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;
   double eps;
+
+ private:
+  void rebind() override;
+  std::vector<ParamLayout> layouts_;
 };
 TORCH_MODULE(RMSNorm);
 
-// The LM head and next-token loss. `weight` is [vocab, dim] (tied to the token
-// embedding or its own). The trainer's parallel layer may override the loss with
-// a vocab-parallel cross-entropy that never gathers the full logits.
+// The unsplit LM head and next-token loss on a [vocab, dim] weight.
 struct LmHead {
-  using LossForward = std::function<torch::Tensor(const torch::Tensor& hidden, const torch::Tensor& weight,
-                                                  const torch::Tensor& targets)>;
-  using LogitsForward = std::function<torch::Tensor(const torch::Tensor& hidden, const torch::Tensor& weight)>;
-  LossForward override_loss;
-  LogitsForward override_logits;
   // Mean cross-entropy of hidden [B, T, C] against targets [B, T]; chunk_size > 0
   // computes it over token chunks, recomputing logits in backward.
-  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& weight,
-                     const torch::Tensor& targets, int64_t chunk_size = 0) const;
+  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                     int64_t chunk_size = 0) const;
   torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) const;
 };
+
+// The LM head over a vocabulary-split weight ([vocab / tp, dim], this rank's
+// rows from vocab_start): its own "weight" when `own_weight` (untied), else
+// the tied embedding's, passed to loss/logits. The loss is the vocab-parallel
+// cross-entropy (chunked over tokens when chunk_size > 0); the full logits are
+// gathered only by logits(), for evaluation. At tp == 1: the plain LmHead.
+class ParallelLmHeadImpl : public ShardedModule {
+ public:
+  ParallelLmHeadImpl(const ShardingContext& ctx, int64_t vocab, int64_t dim, bool own_weight, InitRule init);
+  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                     int64_t chunk_size = 0, int64_t ignore_index = -100) const;
+  torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) const;
+  std::vector<ParamLayout> layouts() const override { return layouts_; }
+  torch::Tensor weight;  // undefined when tied
+
+ private:
+  void rebind() override;
+  ShardingContext ctx_;
+  int64_t vocab_ = 0, start_ = 0;
+  std::vector<ParamLayout> layouts_;
+};
+TORCH_MODULE(ParallelLmHead);
 
 // Plain next-token cross-entropy: logits [N, V] float, targets [N]. Mean over N.
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets);

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "models/common/tp_ops.h"
+
 namespace nnstrain::models::common {
 namespace {
 
@@ -90,6 +92,128 @@ class ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinear
   }
 };
 
+// Cross-entropy over vocabulary-split logits [N, rows]: per token, the global max,
+// sum of exponentials and target logit are reduced over the group (two
+// collectives: the max, then the other two packed in one tensor).
+class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
+                               int64_t vocab_start, int64_t held, int64_t ignore_index,
+                               const c10::intrusive_ptr<TpComm>& comm) {
+    ctx->saved_data["comm"] = comm_capsule(comm);
+    auto& c = comm_from(ctx->saved_data["comm"]);
+    // Reduced in fp32 (fp64 for fp64 logits); padding columns never count.
+    const auto acc = logits.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+    auto lf = logits.narrow(1, 0, held).to(acc);
+    auto mx = std::get<0>(lf.max(1)).contiguous();
+    c.all_reduce_max(mx);
+    auto shifted = lf - mx.unsqueeze(1);
+    const auto valid = targets.ne(ignore_index);
+    const auto in_range = valid & targets.ge(vocab_start) & targets.lt(vocab_start + held);
+    const auto local_t = (targets - vocab_start).masked_fill(in_range.logical_not(), 0);
+    auto target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(in_range.logical_not(), 0.0);
+    auto e = shifted.exp();
+    auto stats = torch::stack({target_logit, e.sum(1)});
+    c.all_reduce(stats);
+    const auto sum_exp = stats[1];
+    auto softmax = e.div_(sum_exp.unsqueeze(1));
+    auto per_token = (sum_exp.log() - stats[0]).masked_fill(valid.logical_not(), 0.0);
+    auto count = valid.sum().to(acc);  // 0 counted -> NaN, as F::cross_entropy
+    ctx->save_for_backward({softmax, local_t, in_range, valid, count});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    ctx->saved_data["rows"] = logits.size(1);
+    return per_token.sum() / count;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    auto grad = saved[0].clone();  // softmax - onehot(target) where the target is local
+    grad.scatter_add_(1, saved[1].unsqueeze(1), -saved[2].to(grad.scalar_type()).unsqueeze(1));
+    grad.mul_(saved[3].to(grad.scalar_type()).unsqueeze(1)).mul_(g[0] / saved[4]);
+    const int64_t pad = ctx->saved_data["rows"].toInt() - grad.size(1);
+    if (pad > 0) grad = torch::constant_pad_nd(grad, {0, pad});
+    return {grad.to(static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt())), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// ChunkedLinearCrossEntropy over a vocabulary-split weight: per chunk, the
+// statistics above; only the global per-token logsumexp is kept for backward.
+class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<ChunkedVocabParallelCrossEntropy> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
+                               const torch::Tensor& targets, int64_t vocab_start, int64_t held, int64_t chunk,
+                               int64_t ignore_index, const c10::intrusive_ptr<TpComm>& comm) {
+    ctx->saved_data["comm"] = comm_capsule(comm);
+    auto& c = comm_from(ctx->saved_data["comm"]);
+    const auto mm = matmul_dtype(hidden, weight);
+    const auto acc = mm == torch::kDouble ? torch::kDouble : torch::kFloat;
+    const int64_t N = hidden.size(0);
+    const auto w = weight.narrow(0, 0, held).to(mm);
+    auto lse = torch::empty({N}, hidden.options().dtype(acc));
+    auto total = torch::zeros({}, hidden.options().dtype(acc));
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      auto logits = torch::mm(hidden.narrow(0, s, n).to(mm), w.t()).to(acc);
+      const auto t = targets.narrow(0, s, n);
+      const auto valid = t.ne(ignore_index);
+      const auto in_range = valid & t.ge(vocab_start) & t.lt(vocab_start + held);
+      auto mx = std::get<0>(logits.max(1)).contiguous();
+      c.all_reduce_max(mx);
+      const auto local_t = (t - vocab_start).masked_fill(in_range.logical_not(), 0);
+      auto target_logit =
+          logits.gather(1, local_t.unsqueeze(1)).squeeze(1).sub(mx).masked_fill(in_range.logical_not(), 0.0);
+      auto stats = torch::stack({target_logit, (logits - mx.unsqueeze(1)).exp_().sum(1)});
+      c.all_reduce(stats);
+      auto l = mx + stats[1].log();
+      lse.narrow(0, s, n).copy_(l);
+      total += torch::where(valid, stats[1].log() - stats[0], torch::zeros_like(l)).sum();
+    }
+    auto count = targets.ne(ignore_index).sum().to(acc);
+    ctx->save_for_backward({hidden, weight, targets, lse, count});
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["vocab_start"] = vocab_start;
+    ctx->saved_data["held"] = held;
+    ctx->saved_data["mm_dtype"] = static_cast<int64_t>(mm);
+    return total / count;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &count = saved[4];
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const int64_t vocab_start = ctx->saved_data["vocab_start"].toInt(), held = ctx->saved_data["held"].toInt();
+    const auto mm = static_cast<at::ScalarType>(ctx->saved_data["mm_dtype"].toInt());
+    const auto acc = lse.scalar_type();
+    const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const int64_t N = hidden.size(0);
+    const auto w = weight.narrow(0, 0, held).to(mm);
+    const auto scale = (grad_out[0].to(acc) / count).reshape({});
+    torch::Tensor grad_h, grad_w;
+    if (need_h) grad_h = torch::empty_like(hidden, at::MemoryFormat::Contiguous);
+    if (need_w) grad_w = torch::zeros(weight.sizes(), weight.options().dtype(acc));  // padding rows stay 0
+    for (int64_t s = 0; s < N && (need_h || need_w); s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      const auto h = hidden.narrow(0, s, n).to(mm);
+      const auto t = targets.narrow(0, s, n);
+      const auto valid = t.ne(ignore_index);
+      const auto in_range = valid & t.ge(vocab_start) & t.lt(vocab_start + held);
+      auto g = torch::mm(h, w.t()).to(acc);
+      g.sub_(lse.narrow(0, s, n).unsqueeze(1)).exp_();
+      g.scatter_add_(1, (t - vocab_start).masked_fill(in_range.logical_not(), 0).unsqueeze(1),
+                     -in_range.to(acc).unsqueeze(1));
+      g.mul_(torch::where(valid, scale, torch::zeros_like(scale)).unsqueeze(1));
+      const auto gm = g.to(mm);
+      if (need_h) grad_h.narrow(0, s, n).copy_(torch::mm(gm, w));  // this rank's part; the group sums it
+      if (need_w) grad_w.narrow(0, 0, held).add_(torch::mm(gm.t(), h).to(acc));
+    }
+    if (need_w) grad_w = grad_w.to(weight.scalar_type());
+    return {grad_h, grad_w, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
@@ -102,6 +226,33 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
               "chunked_linear_cross_entropy: expected targets [", hidden.size(0), "], got ", targets.sizes());
   return ChunkedLinearCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), chunk_size, ignore_index);
+}
+
+}  // namespace nnstrain::models::common
+
+namespace nnstrain::models::common {
+
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           int64_t vocab_start, int64_t held, int64_t ignore_index,
+                                           const c10::intrusive_ptr<TpComm>& comm) {
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) && held >= 1 &&
+                  held <= logits.size(1),
+              "vocab_parallel_cross_entropy: expected logits [N, rows] and targets [N], got ", logits.sizes(), " and ",
+              targets.sizes());
+  return VocabParallelCrossEntropy::apply(logits, targets.to(torch::kLong), vocab_start, held, ignore_index, comm);
+}
+
+torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                                   const torch::Tensor& targets, int64_t vocab_start, int64_t held,
+                                                   int64_t chunk_size, int64_t ignore_index,
+                                                   const c10::intrusive_ptr<TpComm>& comm) {
+  TORCH_CHECK(chunk_size > 0, "chunked_vocab_parallel_cross_entropy: chunk_size must be positive, got ", chunk_size);
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1) && held >= 1 &&
+                  held <= weight.size(0),
+              "chunked_vocab_parallel_cross_entropy: expected hidden [N, C] and weight [rows, C], got ",
+              hidden.sizes(), " and ", weight.sizes());
+  return ChunkedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
+                                                 chunk_size, ignore_index, comm);
 }
 
 }  // namespace nnstrain::models::common

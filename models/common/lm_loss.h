@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "models/common/sharding.h"
+
 namespace nnstrain::models::common {
 
 // hidden [N, C], weight [V, C], targets [N] -> mean cross-entropy over N, equal
@@ -16,5 +18,21 @@ namespace nnstrain::models::common {
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t chunk_size,
                                            int64_t ignore_index = -100);
+
+// The same loss over a vocabulary split across the tensor-parallel group. This
+// rank holds the rows [vocab_start, vocab_start + held) of the head weight (rows
+// past `held` are padding and never reach the loss); only per-token statistics
+// cross ranks (max, sum of exponentials, target logit). ignore_index as above.
+// logits: [N, rows] local logits of hidden against the local weight.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           int64_t vocab_start, int64_t held, int64_t ignore_index,
+                                           const c10::intrusive_ptr<TpComm>& comm);
+// Chunked over tokens as chunked_linear_cross_entropy: hidden [N, C] (already
+// replicated onto the group; its gradient here is this rank's partial sum),
+// weight [rows, C] local.
+torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                                   const torch::Tensor& targets, int64_t vocab_start, int64_t held,
+                                                   int64_t chunk_size, int64_t ignore_index,
+                                                   const c10::intrusive_ptr<TpComm>& comm);
 
 }  // namespace nnstrain::models::common

@@ -8,16 +8,23 @@ namespace F = torch::nn::functional;
 
 namespace nnstrain::models::gpt {
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg)
-    : head_dim(cfg.n_embd / cfg.n_head), dropout(cfg.dropout) {
-  c_attn = register_module("c_attn", common::Linear(cfg.n_embd, 3 * cfg.n_embd, cfg.bias));
-  c_proj = register_module("c_proj", common::Linear(cfg.n_embd, cfg.n_embd, cfg.bias));
+namespace {
+// nanoGPT: residual projections get std 0.02 / sqrt(2 * n_layer) (GPT-2 paper), other matrices 0.02.
+common::InitRule proj_init(const GptConfig& cfg) { return common::InitRule::normal(0.02 / std::sqrt(2.0 * cfg.n_layer)); }
+const common::InitRule kInit = common::InitRule::normal(0.02);
+}  // namespace
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx)
+    : head_dim(cfg.n_embd / cfg.n_head), heads(ctx.local(cfg.n_head, "n_head")), dropout(cfg.dropout) {
+  const int64_t C = cfg.n_embd;
+  c_attn = register_module("c_attn", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{C, C, C}, head_dim, cfg.bias, kInit));
+  c_proj = register_module("c_proj", common::RowParallelLinear(ctx, C, C, head_dim, cfg.bias, proj_init(cfg)));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const auto B = x.size(0), T = x.size(1);
-  auto qkv = c_attn(x);  // [B, T, 3 * local width]: local heads follow from the (maybe sharded) weight
-  const int64_t width = qkv.size(-1) / 3, heads = width / head_dim;
+  auto qkv = c_attn(x);  // [B, T, 3 * this rank's width]
+  const int64_t width = heads * head_dim;
   auto parts = qkv.split(width, -1);
   auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, head_dim}).transpose(1, 2); };
   auto y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]),
@@ -27,9 +34,10 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   return F::dropout(c_proj(y), F::DropoutFuncOptions().p(dropout).training(is_training()));
 }
 
-MlpImpl::MlpImpl(const GptConfig& cfg) : dropout(cfg.dropout) {
-  c_fc = register_module("c_fc", common::Linear(cfg.n_embd, 4 * cfg.n_embd, cfg.bias));
-  c_proj = register_module("c_proj", common::Linear(4 * cfg.n_embd, cfg.n_embd, cfg.bias));
+MlpImpl::MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx) : dropout(cfg.dropout) {
+  const int64_t C = cfg.n_embd;
+  c_fc = register_module("c_fc", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{4 * C}, 1, cfg.bias, kInit));
+  c_proj = register_module("c_proj", common::RowParallelLinear(ctx, 4 * C, C, 1, cfg.bias, proj_init(cfg)));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
@@ -37,11 +45,11 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return F::dropout(y, F::DropoutFuncOptions().p(dropout).training(is_training()));
 }
 
-BlockImpl::BlockImpl(const GptConfig& cfg) {
-  ln_1 = register_module("ln_1", common::LayerNorm(cfg.n_embd, cfg.bias));
-  attn = register_module("attn", CausalSelfAttention(cfg));
-  ln_2 = register_module("ln_2", common::LayerNorm(cfg.n_embd, cfg.bias));
-  mlp = register_module("mlp", Mlp(cfg));
+BlockImpl::BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx) {
+  ln_1 = register_module("ln_1", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx.options));
+  attn = register_module("attn", CausalSelfAttention(cfg, ctx));
+  ln_2 = register_module("ln_2", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx.options));
+  mlp = register_module("mlp", Mlp(cfg, ctx));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
@@ -49,19 +57,13 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   return y + mlp(ln_2(y));
 }
 
-Gpt::Gpt(const GptConfig& cfg) : cfg_(cfg) {
-  wte = register_module("wte", common::Embedding(cfg.vocab_size, cfg.n_embd));
-  wpe = register_module("wpe", common::Embedding(cfg.block_size, cfg.n_embd));
+Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg) {
+  wte = register_module("wte", common::VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.n_embd, kInit));
+  wpe = register_module("wpe", common::Embedding(cfg.block_size, cfg.n_embd, kInit, ctx.options));
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < cfg.n_layer; ++i) h->push_back(Block(cfg));
-  ln_f = register_module("ln_f", common::LayerNorm(cfg.n_embd, cfg.bias));
-  // nanoGPT: residual projections get std 0.02 / sqrt(2 * n_layer) (GPT-2 paper).
-  torch::NoGradGuard no_grad;
-  const double proj_std = 0.02 / std::sqrt(2.0 * cfg.n_layer);
-  for (auto& p : named_parameters()) {
-    if (p.key().size() >= 13 && p.key().compare(p.key().size() - 13, 13, "c_proj.weight") == 0)
-      p.value().normal_(0.0, proj_std);
-  }
+  for (int64_t i = 0; i < cfg.n_layer; ++i) h->push_back(Block(cfg, ctx));
+  ln_f = register_module("ln_f", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx.options));
+  lm_head = common::ParallelLmHead(ctx, cfg.vocab_size, cfg.n_embd, /*own_weight=*/false, kInit);
 }
 
 torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
@@ -82,10 +84,10 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
 
 torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head.loss(hidden(idx), wte->weight, targets, chunk);
+  return lm_head->loss(hidden(idx), wte->weight, targets, chunk);
 }
 
-torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head.logits(hidden(idx), wte->weight); }
+torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }
 
 double Gpt::flops_per_token(int64_t seq_len) const {
   // 6 FLOPs per parameter per token (position embeddings do no matmul), plus attention.
@@ -96,23 +98,6 @@ double Gpt::flops_per_token(int64_t seq_len) const {
 
 ModelDims Gpt::dims() const {
   return {cfg_.n_embd, cfg_.n_layer, cfg_.n_head, cfg_.n_head, 4 * cfg_.n_embd, cfg_.vocab_size, cfg_.block_size, true};
-}
-
-std::vector<ParamSplit> Gpt::split_declaration() const {
-  const int64_t hd = cfg_.n_embd / cfg_.n_head, C = cfg_.n_embd;
-  std::vector<ParamSplit> s{{"wte.weight", SplitStyle::Vocab, 1, {}}};
-  for (int64_t i = 0; i < cfg_.n_layer; ++i) {
-    const auto p = "h." + std::to_string(i) + ".";
-    s.push_back({p + "attn.c_attn.weight", SplitStyle::Column, hd, {C, C, C}});
-    s.push_back({p + "attn.c_proj.weight", SplitStyle::Row, hd, {}});
-    s.push_back({p + "mlp.c_fc.weight", SplitStyle::Column, 1, {}});
-    s.push_back({p + "mlp.c_proj.weight", SplitStyle::Row, 1, {}});
-    if (cfg_.bias) {
-      s.push_back({p + "attn.c_attn.bias", SplitStyle::Column, hd, {C, C, C}});
-      s.push_back({p + "mlp.c_fc.bias", SplitStyle::Column, 1, {}});
-    }
-  }
-  return s;  // everything not listed is replicated
 }
 
 std::vector<HfTensor> Gpt::hf_tensors() const {
@@ -188,8 +173,9 @@ std::shared_ptr<const config::ModelConfig> from_hf(const nlohmann::json& j) {
 
 ModelEntry registry_entry() {
   return {"gpt", parse_args,
-          [](const config::ModelConfig& c) {
-            return std::make_shared<Gpt>(dynamic_cast<const GptConfig&>(c));
+          nullptr,  // registry: build_sharded + fresh initialisation
+          [](const config::ModelConfig& c, const common::ShardingContext& ctx) -> std::shared_ptr<CausalLM> {
+            return std::make_shared<Gpt>(dynamic_cast<const GptConfig&>(c), ctx);
           },
           from_hf};
 }

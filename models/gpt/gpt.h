@@ -20,26 +20,28 @@ struct GptConfig : config::ModelConfig {
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  CausalSelfAttentionImpl(const GptConfig& cfg);
+  CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
   torch::Tensor forward(const torch::Tensor& x);
-  common::Linear c_attn{nullptr}, c_proj{nullptr};
-  int64_t head_dim;
+  common::ColumnParallelLinear c_attn{nullptr};  // Q, K, V: this rank's heads of each
+  common::RowParallelLinear c_proj{nullptr};
+  int64_t head_dim, heads;  // heads: this rank's
   double dropout;
 };
 TORCH_MODULE(CausalSelfAttention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(const GptConfig& cfg);
+  MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
   torch::Tensor forward(const torch::Tensor& x);
-  common::Linear c_fc{nullptr}, c_proj{nullptr};
+  common::ColumnParallelLinear c_fc{nullptr};
+  common::RowParallelLinear c_proj{nullptr};
   double dropout;
 };
 TORCH_MODULE(Mlp);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const GptConfig& cfg);
+  BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
   torch::Tensor forward(const torch::Tensor& x);
   common::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
@@ -49,7 +51,8 @@ TORCH_MODULE(Block);
 
 class Gpt : public CausalLM {
  public:
-  explicit Gpt(const GptConfig& cfg);
+  // Parameters on ctx.options (meta: materialise them, models/common/init.h).
+  explicit Gpt(const GptConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
@@ -57,15 +60,14 @@ class Gpt : public CausalLM {
   int64_t num_layers() const override { return cfg_.n_layer; }
   double flops_per_token(int64_t seq_len) const override;
   ModelDims dims() const override;
-  common::LmHead* output_head() override { return &lm_head; }
-  std::vector<ParamSplit> split_declaration() const override;
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;
 
-  common::Embedding wte{nullptr}, wpe{nullptr};
+  common::VocabParallelEmbedding wte{nullptr};
+  common::Embedding wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   common::LayerNorm ln_f{nullptr};
-  common::LmHead lm_head;  // weight tied to wte
+  common::ParallelLmHead lm_head{nullptr};  // weight tied to wte (not a module of its own)
 
  private:
   torch::Tensor hidden(const torch::Tensor& idx);

@@ -55,26 +55,25 @@ torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const
   return (tf * cos + rotate_half(tf) * sin).to(t.scalar_type());
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 }  // namespace
 
-AttentionImpl::AttentionImpl(const LlamaConfig& cfg) : head_dim(cfg.head_dim) {
-  const int64_t C = cfg.hidden_size, q = cfg.num_attention_heads * head_dim,
-                kv = cfg.num_key_value_heads * head_dim;
-  q_proj = register_module("q_proj", common::Linear(C, q, cfg.attention_bias));
-  k_proj = register_module("k_proj", common::Linear(C, kv, cfg.attention_bias));
-  v_proj = register_module("v_proj", common::Linear(C, kv, cfg.attention_bias));
-  o_proj = register_module("o_proj", common::Linear(q, C, cfg.attention_bias));
+AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx)
+    : head_dim(cfg.head_dim),
+      heads(ctx.local(cfg.num_attention_heads, "num_attention_heads")),
+      kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")) {
+  const int64_t C = cfg.hidden_size, q = cfg.num_attention_heads * head_dim, kv = cfg.num_key_value_heads * head_dim;
+  const auto init = common::InitRule::normal(cfg.initializer_range);
+  const bool b = cfg.attention_bias;
+  q_proj = register_module("q_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{q}, head_dim, b, init));
+  k_proj = register_module("k_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
+  v_proj = register_module("v_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
+  o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, head_dim, b, init));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const auto B = x.size(0), T = x.size(1);
   auto q = q_proj(x), k = k_proj(x), v = v_proj(x);
-  // Local head counts follow from the (maybe tensor-parallel sharded) weights.
-  const int64_t heads = q.size(-1) / head_dim, kv_heads = k.size(-1) / head_dim;
   auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
   q = apply_rope(split(q, heads), cos, sin);
   k = apply_rope(split(k, kv_heads), cos, sin);
@@ -94,20 +93,23 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
-MlpImpl::MlpImpl(const LlamaConfig& cfg) {
-  gate_proj = register_module("gate_proj", common::Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias));
-  up_proj = register_module("up_proj", common::Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias));
-  down_proj = register_module("down_proj", common::Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias));
+MlpImpl::MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
+  const int64_t C = cfg.hidden_size, I = cfg.intermediate_size;
+  const auto init = common::InitRule::normal(cfg.initializer_range);
+  gate_proj = register_module("gate_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{I}, 1, cfg.mlp_bias, init));
+  up_proj = register_module("up_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{I}, 1, cfg.mlp_bias, init));
+  down_proj = register_module("down_proj", common::RowParallelLinear(ctx, I, C, 1, cfg.mlp_bias, init));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(F::silu(gate_proj(x)) * up_proj(x)); }
 
-DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg) {
-  self_attn = register_module("self_attn", Attention(cfg));
-  mlp = register_module("mlp", Mlp(cfg));
-  input_layernorm = register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps));
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
+  self_attn = register_module("self_attn", Attention(cfg, ctx));
+  mlp = register_module("mlp", Mlp(cfg, ctx));
+  input_layernorm =
+      register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.options));
   post_attention_layernorm =
-      register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps));
+      register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.options));
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -115,34 +117,25 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
   return h + mlp(post_attention_layernorm(h));
 }
 
-Llama::Llama(const LlamaConfig& cfg) : cfg_(cfg.resolved()) {
+// As transformers' LlamaPreTrainedModel: N(0, initializer_range) for every
+// matrix (the layers' InitRule), zero biases, unit norm weights.
+Llama::Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg.resolved()) {
   const auto& c = cfg_;
   TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, "llama: num_attention_heads ",
               c.num_attention_heads, " is not divisible by num_key_value_heads ", c.num_key_value_heads);
   TORCH_CHECK(c.head_dim % 2 == 0, "llama: head_dim ", c.head_dim, " must be even for rotary embeddings");
-  embed_tokens = register_module("embed_tokens", common::Embedding(c.vocab_size, c.hidden_size));
+  const auto init = common::InitRule::normal(c.initializer_range);
+  embed_tokens = register_module("embed_tokens", common::VocabParallelEmbedding(ctx, c.vocab_size, c.hidden_size, init));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c));
-  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps));
-  if (!c.tie_word_embeddings)
-    lm_head_proj = register_module("lm_head", common::Linear(c.hidden_size, c.vocab_size, false));
-
-  // As transformers' LlamaPreTrainedModel: N(0, initializer_range) for every
-  // matrix, zero biases, unit norm weights.
-  torch::NoGradGuard no_grad;
-  for (auto& p : named_parameters()) {
-    if (p.value().dim() == 2)
-      p.value().normal_(0.0, c.initializer_range);
-    else if (ends_with(p.key(), ".bias"))
-      p.value().zero_();
-    else
-      p.value().fill_(1.0);
-  }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, ctx));
+  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx.options));
+  lm_head = common::ParallelLmHead(ctx, c.vocab_size, c.hidden_size, !c.tie_word_embeddings, init);
+  if (!c.tie_word_embeddings) register_module("lm_head", lm_head);
   inv_freq_ = rope_inv_freq(c);
 }
 
 const torch::Tensor& Llama::head_weight() const {
-  return cfg_.tie_word_embeddings ? embed_tokens->weight : lm_head_proj->weight;
+  return cfg_.tie_word_embeddings ? embed_tokens->weight : lm_head->weight;
 }
 
 std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::Device& device) {
@@ -177,10 +170,10 @@ torch::Tensor Llama::hidden(const torch::Tensor& idx) {
 
 torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
   const auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head.loss(hidden(idx), head_weight(), targets, chunk);
+  return lm_head->loss(hidden(idx), head_weight(), targets, chunk);
 }
 
-torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head.logits(hidden(idx), head_weight()); }
+torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }
 
 double Llama::flops_per_token(int64_t seq_len) const {
   const auto& c = cfg_;
@@ -197,26 +190,6 @@ ModelDims Llama::dims() const {
   return {cfg_.hidden_size,         cfg_.num_hidden_layers, cfg_.num_attention_heads,
           cfg_.num_key_value_heads, cfg_.intermediate_size, cfg_.vocab_size,
           cfg_.max_position_embeddings, cfg_.tie_word_embeddings};
-}
-
-std::vector<ParamSplit> Llama::split_declaration() const {
-  const int64_t hd = cfg_.head_dim;
-  std::vector<ParamSplit> s{{"embed_tokens.weight", SplitStyle::Vocab, 1, {}}};
-  if (!cfg_.tie_word_embeddings) s.push_back({"lm_head.weight", SplitStyle::Vocab, 1, {}});
-  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
-    const auto p = "layers." + std::to_string(i) + ".";
-    for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
-      s.push_back({p + "self_attn." + proj + ".weight", SplitStyle::Column, hd, {}});
-      if (cfg_.attention_bias) s.push_back({p + "self_attn." + proj + ".bias", SplitStyle::Column, hd, {}});
-    }
-    s.push_back({p + "self_attn.o_proj.weight", SplitStyle::Row, hd, {}});
-    for (const char* proj : {"gate_proj", "up_proj"}) {
-      s.push_back({p + "mlp." + proj + ".weight", SplitStyle::Column, 1, {}});
-      if (cfg_.mlp_bias) s.push_back({p + "mlp." + proj + ".bias", SplitStyle::Column, 1, {}});
-    }
-    s.push_back({p + "mlp.down_proj.weight", SplitStyle::Row, 1, {}});
-  }
-  return s;  // everything not listed (norms, row biases) is replicated
 }
 
 std::vector<HfTensor> Llama::hf_tensors() const {
@@ -383,7 +356,10 @@ std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
 
 ModelEntry registry_entry() {
   return {"llama", parse_args,
-          [](const config::ModelConfig& c) { return std::make_shared<Llama>(dynamic_cast<const LlamaConfig&>(c)); },
+          nullptr,  // registry: build_sharded + fresh initialisation
+          [](const config::ModelConfig& c, const common::ShardingContext& ctx) -> std::shared_ptr<CausalLM> {
+            return std::make_shared<Llama>(dynamic_cast<const LlamaConfig&>(c), ctx);
+          },
           [](const nlohmann::json& j) -> std::shared_ptr<const config::ModelConfig> { return config_from_hf(j); }};
 }
 

@@ -52,25 +52,27 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg);
 
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const LlamaConfig& cfg);
+  AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   // cos, sin: [T, head_dim] (Hugging Face's rotate_half layout).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  common::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  int64_t head_dim;
+  common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
+  common::RowParallelLinear o_proj{nullptr};
+  int64_t head_dim, heads, kv_heads;  // this rank's heads
 };
 TORCH_MODULE(Attention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const LlamaConfig& cfg);
+  MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor forward(const torch::Tensor& x);  // down(silu(gate(x)) * up(x))
-  common::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  common::ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
+  common::RowParallelLinear down_proj{nullptr};
 };
 TORCH_MODULE(Mlp);
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  explicit DecoderLayerImpl(const LlamaConfig& cfg);
+  DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
@@ -80,7 +82,8 @@ TORCH_MODULE(DecoderLayer);
 
 class Llama : public CausalLM {
  public:
-  explicit Llama(const LlamaConfig& cfg);
+  // Parameters on ctx.options (meta: materialise them, models/common/init.h).
+  explicit Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
@@ -88,17 +91,16 @@ class Llama : public CausalLM {
   int64_t num_layers() const override { return cfg_.num_hidden_layers; }
   double flops_per_token(int64_t seq_len) const override;
   ModelDims dims() const override;
-  common::LmHead* output_head() override { return &lm_head; }
-  std::vector<ParamSplit> split_declaration() const override;
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;
   const LlamaConfig& config() const { return cfg_; }
 
-  common::Embedding embed_tokens{nullptr};
+  common::VocabParallelEmbedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   common::RMSNorm norm{nullptr};
-  common::Linear lm_head_proj{nullptr};  // "lm_head"; null when tied to embed_tokens
-  common::LmHead lm_head;                // the head's loss/logits on head_weight()
+  // Loss and logits on head_weight(); the module "lm_head" with its own weight
+  // when untied, a head on embed_tokens' weight (no module) when tied.
+  common::ParallelLmHead lm_head{nullptr};
 
   const torch::Tensor& head_weight() const;
 

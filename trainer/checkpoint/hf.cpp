@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "models/common/init.h"
 #include "models/model.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
@@ -117,7 +118,7 @@ std::shared_ptr<const config::ModelConfig> hf_model_config(const models::ModelEn
   }
 }
 
-void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
+HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str, std::optional<c10::Device> device) {
   const fs::path dir(dir_str);
   const auto config_path = dir / "config.json";
   if (fs::exists(config_path)) {
@@ -141,15 +142,25 @@ void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
   const auto mapping = model.hf_tensors();
   if (mapping.empty()) throw CheckpointError("the model declares no Hugging Face names: cannot load " + dir_str);
   const auto where = weight_files(dir);
+  std::map<std::string, const models::HfTensor*> theirs_of;
+  for (const auto& h : mapping) theirs_of[h.ours] = &h;
 
-  auto params = model.named_parameters();
-  std::map<std::string, bool> loaded;
-  for (const auto& p : params) loaded[p.key()] = false;
+  // Where the parameters go: where they are, or the CPU for a model on meta.
+  c10::Device target = device.value_or(c10::Device(c10::kCPU));
+  if (!device)
+    for (const auto& p : model.parameters())
+      if (!p.is_meta()) target = p.device();
+
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
-  torch::NoGradGuard no_grad;
-  for (const auto& h : mapping) {
-    auto* param = params.find(h.ours);
-    if (!param) throw CheckpointError("hf_tensors() names '" + h.ours + "', which is not a parameter of the model");
+  HfLoadReport report;
+  // Each parameter is allocated at this rank's shape and filled with only the
+  // slices it holds, read from the memory-mapped file (no whole-tensor copy).
+  models::common::materialise(model, target, [&](const models::common::ParamLayout& l, at::Tensor& local) {
+    auto hit = theirs_of.find(l.name);
+    if (hit == theirs_of.end())
+      throw CheckpointError("the model's parameter '" + l.name + "' has no Hugging Face name: cannot load it from " +
+                            dir_str);
+    const auto& h = *hit->second;
     auto it = where.find(h.theirs);
     if (it == where.end())
       throw CheckpointError((dir / (fs::exists(dir / "model.safetensors") ? "model.safetensors"
@@ -161,7 +172,7 @@ void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
     if (!reader) reader = std::make_unique<SafetensorsReader>(path);
     const auto* info = reader->find(h.theirs);
     if (!info) throw CheckpointError(path + ": tensor '" + h.theirs + "' is missing (the index names this file)");
-    auto want = param->sizes().vec();
+    auto want = l.global_shape;
     if (h.transpose) {
       if (want.size() != 2) throw CheckpointError("hf_tensors() marks '" + h.ours + "' transposed but it is not 2-d");
       std::swap(want[0], want[1]);
@@ -169,13 +180,25 @@ void load_hf_weights(models::CausalLM& model, const std::string& dir_str) {
     if (info->shape != want)
       throw CheckpointError(path + ": tensor '" + h.theirs + "' has shape " + show(info->shape) + " but the model's '" +
                             h.ours + "' needs " + show(want) + (h.transpose ? " (stored transposed)" : ""));
-    auto t = read_tensor(*reader, h.theirs);
-    if (h.transpose) t = t.t();
-    param->copy_(t);  // converts dtype and device
-    loaded[h.ours] = true;
-  }
-  for (const auto& [name, done] : loaded)
-    if (!done) throw CheckpointError("the model's parameter '" + name + "' has no Hugging Face name: cannot load it from " + dir_str);
+    report.bytes_needed += info->nbytes();
+    int64_t row = 0;
+    for (const auto& b : l.blocks) {
+      auto off = b.offsets, size = b.shape;
+      if (h.transpose) std::swap(off[0], off[1]), std::swap(size[0], size[1]);
+      auto t = read_tensor_slice(*reader, h.theirs, off, size);
+      report.bytes_read += t.nbytes();
+      if (h.transpose) t = t.t();
+      const int64_t rows = b.shape.empty() ? 1 : b.shape[0];
+      (b.shape.empty() ? local : local.narrow(0, row, rows)).copy_(t);  // converts dtype and device
+      row += rows;
+    }
+  });
+  std::map<std::string, bool> known;
+  for (const auto& p : model.named_parameters()) known[p.key()] = true;
+  for (const auto& h : mapping)
+    if (!known.count(h.ours))
+      throw CheckpointError("hf_tensors() names '" + h.ours + "', which is not a parameter of the model");
+  return report;
 }
 
 }  // namespace nnstrain::checkpoint

@@ -5,7 +5,12 @@
 // The other direction is `nnstrain merge --hf` (merge.h).
 #pragma once
 
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace nnstrain::config {
@@ -22,11 +27,19 @@ namespace nnstrain::checkpoint {
 // from_hf_config. Throws CheckpointError naming the file and the fault.
 std::shared_ptr<const config::ModelConfig> hf_model_config(const models::ModelEntry& entry, const std::string& dir);
 
-// Copies every parameter of `model` from DIR's safetensors (converting dtype,
-// transposing where hf_tensors() says so). Throws CheckpointError naming the
+// Materialises every parameter of `model` (built on meta, or already
+// allocated) from DIR's safetensors on `device` (default: where the parameters
+// are, the CPU for meta), converting dtype and transposing where hf_tensors()
+// says so. Only the blocks this rank holds (its layouts) are read from the
+// memory-mapped files. Throws CheckpointError naming the
 // file and tensor on a missing tensor or a shape mismatch, and when config.json's
 // model_type is not the model's. Tensors of the files the model does not use
 // (buffers such as GPT-2's attn.bias masks) are ignored.
-void load_hf_weights(models::CausalLM& model, const std::string& dir);
+struct HfLoadReport {
+  uint64_t bytes_read = 0;    // bytes of the slices this rank copied out of the files
+  uint64_t bytes_needed = 0;  // bytes of the whole tensors the model maps (what tp 1 reads)
+};
+HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir,
+                             std::optional<c10::Device> device = std::nullopt);
 
 }  // namespace nnstrain::checkpoint

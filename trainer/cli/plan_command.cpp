@@ -3,53 +3,20 @@
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/training_state.h"
 
-#include <torch/library.h>
 #include <torch/torch.h>
 
-#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
 #include <cstdio>
 #include <iostream>
 
 #include "models/model.h"
+#include "models/common/sharding.h"
 #include "models/registry.h"
 #include "trainer/config/arg_map.h"
 #include "trainer/config/load.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/planner.h"
-
-// Building a model "on meta": LibTorch has no default-device switch in C++ and
-// our modules create their parameters with plain torch::empty/zeros/ones, so
-// while planning we route every tensor factory to the meta device through a
-// dispatch key that is otherwise unused (TESTING_ONLY_GenericMode, the same
-// mechanism torchdistX's deferred init uses with its own key): included in the
-// thread-local key set only inside build_model_for_planning, it turns empty()
-// into a meta allocation and passes every other op through; ops on meta
-// tensors (normal_, fill_, ...) then run their shape-only meta kernels.
-namespace {
-
-at::Tensor planning_empty(c10::SymIntArrayRef size, std::optional<at::ScalarType> dtype,
-                          std::optional<at::Layout> layout, std::optional<at::Device> device,
-                          std::optional<bool> pin_memory, std::optional<at::MemoryFormat> memory_format) {
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::TESTING_ONLY_GenericMode);
-  return at::empty_symint(size, at::TensorOptions().dtype(dtype).layout(layout).device(at::kMeta), memory_format);
-}
-
-at::Tensor planning_empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
-                                  std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
-                                  std::optional<at::Device> device, std::optional<bool> pin_memory) {
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::TESTING_ONLY_GenericMode);
-  return at::empty_strided_symint(size, stride, at::TensorOptions().dtype(dtype).layout(layout).device(at::kMeta));
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
-TORCH_LIBRARY_IMPL(aten, TESTING_ONLY_GenericMode, m) {
-  m.impl("empty.memory_format", planning_empty);
-  m.impl("empty_strided", planning_empty_strided);
-}
 
 namespace nnstrain::cli {
 
@@ -94,14 +61,10 @@ std::shared_ptr<models::CausalLM> build_model_for_planning(const config::Trainer
   const auto* entry = models::find_model(args.model.type);
   if (!entry) throw config::ConfigError("model.type: unknown model type '" + args.model.type + "'");
   if (!args.model.args) throw config::ConfigError("model.args: not parsed (no model catalog given to the loader)");
-  torch::NoGradGuard no_grad;
-  try {
-    c10::impl::IncludeDispatchKeyGuard meta(c10::DispatchKey::TESTING_ONLY_GenericMode);
-    return entry->build(*args.model.args);
-  } catch (const c10::Error&) {
-    // A constructor that reads tensor values (item(), data_ptr) cannot run on meta.
-  }
-  return entry->build(*args.model.args);
+  // On meta: shapes only, planning a 1.3B model allocates nothing.
+  models::common::ShardingContext meta;
+  meta.options = meta.options.device(c10::kMeta);
+  return entry->build_sharded(*args.model.args, meta);
 }
 
 int plan_main(const std::vector<std::string>& args) { return plan_main(args, std::cout, std::cerr); }

@@ -1,12 +1,13 @@
-// Tensor parallelism, Megatron style, applied from a model's split declaration:
-// column-parallel linears (QKV by heads, MLP up), row-parallel linears (attention
-// output, MLP down), a vocab-parallel embedding and a vocab-parallel
-// cross-entropy that never gathers the full logits. Communication happens in
-// custom autograd functions; the model's code is untouched.
+// Tensor parallelism, Megatron style. The models build it themselves: their
+// typed layers (models/common/layers.h) allocate this rank's pieces from a
+// ShardingContext and communicate through its TpComm. What lives here is the
+// communicator over dist::Runtime's tensor-parallel group, the context a rank
+// builds its model with, and the ShardSpecs of what the rank then holds.
 #pragma once
 
 #include <vector>
 
+#include "models/common/sharding.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/training_state.h"
 
@@ -16,17 +17,16 @@ class CausalLM;
 
 namespace nnstrain::parallel {
 
-struct TpError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+// The tensor-parallel group's collectives, as the models' layers call them.
+c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt);
 
-// Replaces each split parameter by this rank's piece and installs the
-// communicating forwards. rt may be null only when the world is one process.
-// Returns every parameter as this rank holds it, with its ShardSpec; the
-// replicas of a piece are the ranks at the same tensor-parallel position.
-std::vector<ParamShard> apply_tensor_parallel(models::CausalLM& model, dist::Runtime* rt, int world_size);
+// This rank's context: tp degree and position from rt (tp 1 without one),
+// parameters built on the meta device, to be materialised on the run's device.
+models::common::ShardingContext sharding_context(dist::Runtime* rt);
 
-// Refuses, with the numbers, a degree the model's declaration cannot split into.
-void check_tensor_parallel(const models::CausalLM& model, int tp);
+// Every parameter as this rank holds it, with its ShardSpec from its layer's
+// layout; the replicas of a split piece are the ranks at the same
+// tensor-parallel position (the dp group), of a replicated one every rank.
+std::vector<ParamShard> tensor_parallel_shards(models::CausalLM& model, dist::Runtime* rt, int world_size);
 
 }  // namespace nnstrain::parallel

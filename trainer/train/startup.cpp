@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "models/common/init.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/hf.h"
 #include "trainer/checkpoint/rng_state.h"
@@ -70,12 +71,19 @@ torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& e
   return device;
 }
 
-std::shared_ptr<models::CausalLM> build_model(const config::TrainerArgs& args) {
-  torch::manual_seed(args.seed);
-  auto model = models::find_model(args.model.type)->build(*args.model.args);
+std::shared_ptr<models::CausalLM> describe_model(const config::TrainerArgs& args) {
+  return models::find_model(args.model.type)->build_sharded(*args.model.args, parallel::sharding_context(nullptr));
+}
+
+std::shared_ptr<models::CausalLM> materialise_model(const config::TrainerArgs& args, dist::Runtime* rt,
+                                                    const torch::Device& device) {
+  auto model = models::find_model(args.model.type)->build_sharded(*args.model.args, parallel::sharding_context(rt));
   if (!args.model.init_from.empty()) {
-    checkpoint::load_hf_weights(*model, args.model.init_from);
-    log::info("initialised weights from " + args.model.init_from);
+    const auto r = checkpoint::load_hf_weights(*model, args.model.init_from, device);
+    log::info("initialised weights from " + args.model.init_from + " (this rank read " +
+              std::to_string(r.bytes_read >> 20) + " of " + std::to_string(r.bytes_needed >> 20) + " MiB)");
+  } else {
+    models::common::materialise_fresh(*model, device, args.seed);
   }
   return model;
 }
@@ -113,7 +121,6 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   ro.loss_chunk_size = args.model.loss_chunk_size;
   ro.recompute_layers = plan.recompute;
   model.set_runtime_options(ro);
-  model.to(device);
   model.train();
   // Dropout streams differ between data-parallel replicas and agree within a
   // tensor-parallel group, so replicated regions draw the same masks there.
@@ -134,7 +141,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   so.master_weights = prec.master_weights;
   Trainable tr;
   tr.world = env.world_size;
-  tr.state = std::make_unique<parallel::TrainingState>(parallel::apply_tensor_parallel(model, rt, env.world_size), so);
+  tr.state = std::make_unique<parallel::TrainingState>(parallel::tensor_parallel_shards(model, rt, env.world_size), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt);
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));

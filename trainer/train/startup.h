@@ -1,7 +1,7 @@
 // Start-up: the steps that take a config to a running Trainer, in order:
-//   start_rank -> build_model -> decide_plan (agreed by every rank) -> open_data
-//   -> connect (process groups) -> make_trainable (split, training state,
-//   optimizer) -> resume
+//   start_rank -> describe_model (on meta) -> decide_plan (agreed by every rank)
+//   -> open_data -> connect (process groups) -> materialise_model (this rank's
+//   shards) -> make_trainable (training state, optimizer) -> resume
 // (train_loop in trainer.cpp runs them). Each is a function of what came before.
 #pragma once
 
@@ -50,9 +50,8 @@ struct Trainable {
 // This rank's log files and device (bound before any CUDA work).
 torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& env);
 
-// The registered model, the same on every rank (same seed), with Hugging Face
-// weights when model.init_from names them (shapes must match model.args).
-std::shared_ptr<models::CausalLM> build_model(const config::TrainerArgs& args);
+// The whole model on the meta device (shapes, no storage): what the planner splits.
+std::shared_ptr<models::CausalLM> describe_model(const config::TrainerArgs& args);
 
 // The plan (tensor-parallel degree, ZeRO, recompute per layer), agreed by every
 // rank at the rendezvous store before any collective (plan_agreement.h).
@@ -75,8 +74,14 @@ Data open_data(const config::TrainerArgs& args, const models::CausalLM& model);
 std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,
                                        const torch::Device& device, std::chrono::milliseconds timeout);
 
-// The model on its device with the plan's recompute and loss, split over the
-// tensor-parallel group, and the training state over this rank's pieces.
+// This rank's piece of the model, built on meta and materialised on the
+// device: Hugging Face weights (only its slices read), or the fresh
+// initialisation, slice for slice that of one process with the same seed.
+std::shared_ptr<models::CausalLM> materialise_model(const config::TrainerArgs& args, dist::Runtime* rt,
+                                                    const torch::Device& device);
+
+// The model set up for training (the plan's recompute, the loss), and the
+// training state over this rank's pieces in the precision's dtypes.
 Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, models::CausalLM& model,
                          dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device);
 

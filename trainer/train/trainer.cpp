@@ -425,11 +425,12 @@ int Trainer::run() {
 int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts, OomContext& oom) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
   const torch::Device device = start_rank(args, env);
-  auto model = build_model(args);
-  auto agreed = decide_plan(args, env, *model, device, timeout);
+  const auto whole = describe_model(args);
+  auto agreed = decide_plan(args, env, *whole, device, timeout);
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
-  auto data = open_data(args, *model);
+  auto data = open_data(args, *whole);
   auto rt = connect(args, env, agreed, device, timeout);
+  auto model = materialise_model(args, rt.get(), device);
   auto tr = make_trainable(args, agreed.plan, *model, rt.get(), env, device);
   int64_t start_step = 0;
   const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);

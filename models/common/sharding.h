@@ -1,0 +1,70 @@
+// What a model is built from besides its config: the tensor-parallel degree and
+// this rank's position in it, the options (device) to build on, and the
+// collectives its parallel layers need. Models read local sizes from here and
+// never see a rank or a process group: layers call the abstract TpComm, which
+// trainer/parallel implements over its tensor-parallel group.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/TensorOptions.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace nnstrain::models {
+
+// How a parameter may be split over tensor-parallel ranks (Megatron style).
+enum class SplitStyle {
+  Replicate,  // every rank holds all of it
+  Column,     // output features split (dim 0 of a [out, in] weight, and its bias)
+  Row,        // input features split (dim 1 of a [out, in] weight; bias replicated)
+  Vocab,      // embedding / LM head rows split by vocabulary
+};
+
+struct ParamSplit {
+  std::string param;        // parameter name as in named_parameters()
+  SplitStyle style = SplitStyle::Replicate;
+  int64_t unit = 1;         // split only in multiples of this (e.g. head_dim for QKV)
+  // Column splits of fused projections (QKV, gate/up): the sizes of the fused
+  // parts along dim 0; each part is split separately so every rank gets its slice of each.
+  std::vector<int64_t> fused_parts;
+};
+
+namespace common {
+
+// Collectives over the tensor-parallel group. Tensors in, results out; every
+// rank of the group calls them in the same order. Held by autograd functions
+// through an IValue capsule, hence the CustomClassHolder base.
+class TpComm : public torch::CustomClassHolder {
+ public:
+  ~TpComm() override = default;
+  virtual void all_reduce(at::Tensor& t) = 0;      // sum, in place (t contiguous)
+  virtual void all_reduce_max(at::Tensor& t) = 0;  // elementwise max, in place
+  // [tp, *t.shape]: every rank's t in rank order.
+  virtual at::Tensor all_gather(const at::Tensor& t) = 0;
+  // t [tp, *rest] -> [*rest]: the sum over ranks of their t[my rank].
+  virtual at::Tensor reduce_scatter(const at::Tensor& t) = 0;
+};
+
+struct ShardingContext {
+  int tp = 1;    // tensor-parallel degree
+  int rank = 0;  // this rank's position in its tensor-parallel group
+  // Where parameters are allocated at construction: meta (shapes only, filled
+  // later by materialise) or a real device.
+  c10::TensorOptions options = c10::TensorOptions().dtype(c10::kFloat);
+  c10::intrusive_ptr<TpComm> comm;  // null when tp == 1
+  // Under tensor parallelism the vocabulary is padded to a multiple of
+  // tp x vocab_multiple rows (zero, never in the loss, metrics or checkpoints).
+  int64_t vocab_multiple = 1;
+
+  bool parallel() const { return tp > 1; }
+  // n split over the group; throws naming `what` unless n is a multiple of tp x unit.
+  int64_t local(int64_t n, const std::string& what, int64_t unit = 1) const;
+  // The vocabulary as the split layers hold it: unpadded at tp == 1.
+  int64_t padded_vocab(int64_t vocab) const;
+};
+
+}  // namespace common
+}  // namespace nnstrain::models

@@ -1,0 +1,38 @@
+#include "models/model.h"
+
+#include <map>
+#include <stdexcept>
+
+namespace nnstrain::models {
+
+std::vector<common::ParamLayout> CausalLM::param_layouts() const {
+  auto& self = const_cast<CausalLM&>(*this);  // named_modules() is not const in LibTorch
+  std::map<std::string, common::ParamLayout> by_name;
+  for (const auto& item : self.named_modules("", /*include_self=*/false)) {
+    const auto* m = dynamic_cast<const common::ShardedModule*>(item.value().get());
+    if (!m) continue;
+    for (auto l : m->layouts()) {
+      l.name = item.key() + "." + l.name;
+      l.split.param = l.name;
+      by_name.emplace(l.name, std::move(l));  // a module reached twice declares the same
+    }
+  }
+  std::vector<common::ParamLayout> out;
+  for (const auto& p : self.named_parameters()) {
+    auto it = by_name.find(p.key());
+    if (it == by_name.end())
+      throw std::logic_error("parameter '" + p.key() + "' belongs to no layer of models/common/layers.h, so nothing "
+                             "declares how it is split or initialised");
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+std::vector<ParamSplit> CausalLM::split_declaration() const {
+  std::vector<ParamSplit> out;
+  for (const auto& l : param_layouts())
+    if (l.split.style != SplitStyle::Replicate) out.push_back(l.split);
+  return out;
+}
+
+}  // namespace nnstrain::models

@@ -1,0 +1,366 @@
+// Typed tensor-parallel layers without processes: models built for rank r of a
+// tp group on meta and materialised on the CPU, put together by their layouts,
+// equal the one-process model bitwise; the vocab-parallel loss and logits over
+// two threads (a fake TpComm) equal the unsplit ones, ignore_index and padding included.
+#include <torch/torch.h>
+
+#include <catch2/catch.hpp>
+
+#include <condition_variable>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "models/common/init.h"
+#include "models/common/layers.h"
+#include "models/gpt/gpt.h"
+#include "models/llama/llama.h"
+#include "models/model.h"
+#include "test_support.h"
+#include "trainer/checkpoint/hf.h"
+#include "trainer/checkpoint/tensor_io.h"
+
+using nnstrain::models::CausalLM;
+using nnstrain::models::SplitStyle;
+using nnstrain::models::common::ParamLayout;
+using nnstrain::models::common::ShardingContext;
+using nnstrain::models::common::TpComm;
+namespace common = nnstrain::models::common;
+
+namespace {
+
+// A communicator a model must not call while it is only built and materialised.
+struct NoComm : TpComm {
+  void all_reduce(at::Tensor&) override { FAIL("all_reduce called"); }
+  void all_reduce_max(at::Tensor&) override { FAIL("all_reduce_max called"); }
+  at::Tensor all_gather(const at::Tensor&) override { FAIL("all_gather called"); return {}; }
+  at::Tensor reduce_scatter(const at::Tensor&) override { FAIL("reduce_scatter called"); return {}; }
+};
+
+ShardingContext meta_context(int tp, int rank) {
+  ShardingContext ctx;
+  ctx.tp = tp;
+  ctx.rank = rank;
+  ctx.options = ctx.options.device(c10::kMeta);
+  if (tp > 1) ctx.comm = c10::make_intrusive<NoComm>();
+  return ctx;
+}
+
+using Build = std::function<std::shared_ptr<CausalLM>(const ShardingContext&)>;
+using Materialise = std::function<void(CausalLM&)>;
+
+// Every rank's pieces written into global tensors; each element written exactly once
+// for split parameters, and replicated ones equal on every rank.
+std::map<std::string, at::Tensor> assemble(const Build& build, int tp, const Materialise& materialise) {
+  std::map<std::string, at::Tensor> whole, written;
+  for (int r = 0; r < tp; ++r) {
+    auto model = build(meta_context(tp, r));
+    materialise(*model);
+    const auto params = model->named_parameters();
+    for (const auto& l : model->param_layouts()) {
+      const auto& local = params[l.name];
+      REQUIRE(local.sizes().vec() == l.local_shape);
+      REQUIRE(local.device().is_cpu());
+      if (!whole.count(l.name)) {
+        whole[l.name] = torch::full(l.global_shape, std::nan(""));
+        written[l.name] = torch::zeros(l.global_shape, torch::kInt);
+      }
+      int64_t row = 0;
+      for (const auto& b : l.blocks) {
+        auto dst = whole[l.name], cnt = written[l.name];
+        for (size_t d = 0; d < b.shape.size(); ++d) {
+          dst = dst.narrow(int64_t(d), b.offsets[d], b.shape[d]);
+          cnt = cnt.narrow(int64_t(d), b.offsets[d], b.shape[d]);
+        }
+        const auto piece = local.narrow(0, row, b.shape[0]);
+        if (l.split_here()) {
+          dst.copy_(piece);
+          cnt.add_(1);
+        } else if (r == 0) {
+          dst.copy_(piece);
+          cnt.fill_(1);
+        } else {
+          CHECK(torch::equal(dst, piece));  // replicated: the same on every rank
+        }
+        row += b.shape[0];
+      }
+      // Padding rows (a vocabulary tp does not divide) are zero.
+      if (row < local.size(0)) CHECK(local.narrow(0, row, local.size(0) - row).abs().max().item<float>() == 0);
+    }
+  }
+  for (const auto& item : written) {
+    INFO(item.first);
+    CHECK(item.second.eq(1).all().item<bool>());
+  }
+  return whole;
+}
+
+std::map<std::string, at::Tensor> assemble(const Build& build, int tp, uint64_t seed) {
+  return assemble(build, tp, [seed](CausalLM& m) { common::materialise_fresh(m, c10::Device(c10::kCPU), seed); });
+}
+
+void check_shards_equal_one_process(const Build& build, std::vector<int> tps) {
+  const uint64_t seed = 1337;
+  const auto ref = assemble(build, 1, seed);
+  // Not trivially equal: the weights are random and differ between parameters.
+  bool some_split = false;
+  for (int tp : tps) {
+    const auto got = assemble(build, tp, seed);
+    REQUIRE(got.size() == ref.size());
+    for (const auto& [name, t] : ref) {
+      INFO("tp " << tp << ": " << name);
+      CHECK(torch::equal(got.at(name), t));
+    }
+    auto m = build(meta_context(tp, 0));
+    for (const auto& l : m->param_layouts()) some_split |= l.split_here();
+  }
+  CHECK(some_split);
+}
+
+}  // namespace
+
+TEST_CASE("fresh init: GPT shards at tp 2 and 4 put together equal tp 1 bitwise", "[tp_layers]") {
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.vocab_size = 64;
+  cfg.block_size = 16;
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_embd = 32;
+  cfg.bias = true;
+  Build build = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx); };
+  check_shards_equal_one_process(build, {2, 4});
+
+  // The rules are nanoGPT's: 0.02, residual projections 0.02 / sqrt(2 L), zero biases, unit LN weights.
+  auto m = build(meta_context(1, 0));
+  common::materialise_fresh(*m, c10::Device(c10::kCPU), 7);
+  const auto p = m->named_parameters();
+  CHECK(p["h.0.attn.c_attn.weight"].std().item<double>() == Approx(0.02).epsilon(0.1));
+  CHECK(p["h.1.mlp.c_proj.weight"].std().item<double>() == Approx(0.01).epsilon(0.1));
+  CHECK(p["h.0.attn.c_attn.bias"].abs().max().item<float>() == 0);
+  CHECK(p["ln_f.weight"].eq(1).all().item<bool>());
+  CHECK(!torch::equal(p["h.0.attn.c_attn.weight"].narrow(0, 0, 32), p["h.1.attn.c_attn.weight"].narrow(0, 0, 32)));
+  // Another seed, other values.
+  auto m2 = build(meta_context(1, 0));
+  common::materialise_fresh(*m2, c10::Device(c10::kCPU), 8);
+  CHECK(!torch::equal(m2->named_parameters()["wte.weight"], p["wte.weight"]));
+}
+
+TEST_CASE("fresh init: Llama (GQA, untied and tied) shards at tp 2 and 4 equal tp 1 bitwise", "[tp_layers]") {
+  for (bool tied : {false, true}) {
+    nnstrain::models::llama::LlamaConfig cfg;
+    cfg.vocab_size = 96;
+    cfg.hidden_size = 64;
+    cfg.intermediate_size = 64;
+    cfg.num_hidden_layers = 2;
+    cfg.num_attention_heads = 8;
+    cfg.num_key_value_heads = 4;
+    cfg.max_position_embeddings = 32;
+    cfg.attention_bias = true;
+    cfg.tie_word_embeddings = tied;
+    INFO("tied " << tied);
+    Build build = [&](const ShardingContext& ctx) {
+      return std::make_shared<nnstrain::models::llama::Llama>(cfg, ctx);
+    };
+    check_shards_equal_one_process(build, {2, 4});
+    // One vocab-parallel head, on the right weight.
+    auto m = build(meta_context(2, 1));
+    CHECK(m->named_parameters().contains("lm_head.weight") == !tied);
+    int vocab_splits = 0;
+    for (const auto& s : m->split_declaration()) vocab_splits += s.style == SplitStyle::Vocab;
+    CHECK(vocab_splits == (tied ? 1 : 2));
+  }
+}
+
+TEST_CASE("fresh init: pieces spanning several generated row blocks, column and row split", "[tp_layers]") {
+  // 3000 rows of 1200: blocks of 873 rows, so pieces straddle block edges.
+  const std::vector<int64_t> shape{3000, 1200};
+  REQUIRE(common::init_rows_per_block(shape) < 1500);
+  auto whole = torch::zeros(shape);
+  ParamLayout ref = common::replicated_layout("x.weight", shape, common::InitRule::normal(1.0));
+  common::fill_fresh(ref, whole, 5);
+  for (int tp : {2, 3, 4}) {
+    for (int r = 0; r < tp; ++r) {
+      auto ctx = meta_context(tp, r);
+      for (auto l : {common::column_layout("x.weight", ctx, shape, {1200, 1200, 600}, 1, common::InitRule::normal(1.0)),
+                     common::row_layout("x.weight", ctx, shape, 1, common::InitRule::normal(1.0))}) {
+        auto local = torch::zeros(l.local_shape);
+        common::fill_fresh(l, local, 5);
+        int64_t row = 0;
+        for (const auto& b : l.blocks) {
+          const auto want = whole.narrow(0, b.offsets[0], b.shape[0]).narrow(1, b.offsets[1], b.shape[1]);
+          INFO("tp " << tp << " rank " << r << " " << (l.split.style == SplitStyle::Row ? "row" : "column"));
+          CHECK(torch::equal(local.narrow(0, row, b.shape[0]), want));
+          row += b.shape[0];
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// Collectives between threads of one process (one thread per rank).
+struct ThreadGroup {
+  explicit ThreadGroup(int n) : n(n), slots(n) {}
+  std::vector<at::Tensor> exchange(int rank, const at::Tensor& t) {
+    std::unique_lock<std::mutex> lock(m);
+    slots[rank] = t.detach().clone();
+    const int64_t my = generation;
+    if (++arrived == n) {
+      arrived = 0;
+      result = slots;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return generation != my; });
+    }
+    return result;
+  }
+  int n, arrived = 0;
+  int64_t generation = 0;
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<at::Tensor> slots, result;
+  int calls = 0;
+};
+
+struct ThreadComm : TpComm {
+  ThreadComm(ThreadGroup& g, int rank) : g(g), rank(rank) {}
+  void all_reduce(at::Tensor& t) override {
+    auto v = g.exchange(rank, t);
+    t.copy_(torch::stack(v).sum(0));
+  }
+  void all_reduce_max(at::Tensor& t) override {
+    auto v = g.exchange(rank, t);
+    t.copy_(std::get<0>(torch::stack(v).max(0)));
+  }
+  at::Tensor all_gather(const at::Tensor& t) override { return torch::stack(g.exchange(rank, t)); }
+  at::Tensor reduce_scatter(const at::Tensor& t) override {
+    auto v = g.exchange(rank, t);
+    auto out = torch::zeros_like(t[rank]);
+    for (auto& x : v) out += x[rank];
+    return out;
+  }
+  ThreadGroup& g;
+  int rank;
+};
+
+}  // namespace
+
+TEST_CASE("vocab-parallel loss (plain and chunked) and logits over 2 ranks equal the unsplit ones, "
+          "ignore_index and vocabulary padding included", "[tp_layers]") {
+  namespace F = torch::nn::functional;
+  torch::manual_seed(3);
+  const int64_t N = 14, C = 8, V = 9;  // 9 rows over 2 ranks: 5 + 4 and one padding row
+  const int tp = 2;
+  const auto hidden = torch::randn({2, N / 2, C}, torch::kDouble);
+  const auto weight = torch::randn({V, C}, torch::kDouble);
+  for (int64_t ignore : {int64_t{-100}, int64_t{3}}) {
+    auto targets = torch::randint(V, {2, N / 2});
+    targets[0][1] = ignore;
+    targets[1][4] = ignore;
+    targets[1][5] = 3;  // the ignored id itself when ignore == 3
+    REQUIRE(targets.ne(ignore).sum().item<int64_t>() < N);
+    // The reference: F::cross_entropy on the whole logits.
+    auto h_ref = hidden.clone().requires_grad_(true);
+    auto w_ref = weight.clone().requires_grad_(true);
+    auto ref = F::cross_entropy(F::linear(h_ref.reshape({-1, C}), w_ref), targets.reshape({-1}),
+                                F::CrossEntropyFuncOptions().ignore_index(ignore));
+    ref.backward();
+    const auto full_logits = F::linear(hidden, weight);
+
+    for (int64_t chunk : {int64_t{0}, int64_t{4}}) {
+      INFO("ignore_index " << ignore << ", chunk " << chunk);
+      ThreadGroup group(tp);
+      std::vector<double> loss(tp);
+      std::vector<at::Tensor> gh(tp), gw(tp), logits(tp);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < tp; ++r)
+        threads.emplace_back([&, r] {
+          ShardingContext ctx;
+          ctx.tp = tp;
+          ctx.rank = r;
+          ctx.options = ctx.options.dtype(torch::kDouble);
+          ctx.comm = c10::make_intrusive<ThreadComm>(group, r);
+          common::ParallelLmHead head(ctx, V, C, /*own_weight=*/false, common::InitRule::normal(1.0));
+          const int64_t rows = 5, start = r * rows, held = std::min<int64_t>(rows, V - start);
+          auto w = torch::zeros({rows, C}, torch::kDouble);
+          w.narrow(0, 0, held).copy_(weight.narrow(0, start, held));
+          w.requires_grad_(true);
+          auto h = hidden.clone().requires_grad_(true);
+          auto l = head->loss(h, w, targets, chunk, ignore);
+          l.backward();
+          loss[r] = l.item<double>();
+          gh[r] = h.grad();
+          gw[r] = w.grad();
+          torch::NoGradGuard no_grad;
+          logits[r] = head->logits(hidden, w.detach());
+        });
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < tp; ++r) {
+        INFO("rank " << r);
+        CHECK(loss[r] == Approx(ref.item<double>()).epsilon(1e-12));
+        CHECK(torch::allclose(gh[r], h_ref.grad(), 1e-10, 1e-12));
+        const int64_t start = r * 5, held = std::min<int64_t>(5, V - start);
+        CHECK(torch::allclose(gw[r].narrow(0, 0, held), w_ref.grad().narrow(0, start, held), 1e-10, 1e-12));
+        if (held < 5) CHECK(gw[r].narrow(0, held, 5 - held).abs().max().item<double>() == 0);  // padding: no gradient
+        CHECK(logits[r].sizes() == full_logits.sizes());  // padding column dropped
+        CHECK(torch::allclose(logits[r], full_logits, 1e-12, 1e-12));
+      }
+    }
+  }
+}
+
+TEST_CASE("HF init_from at tp 2 reads only each rank's slices and equals the tp 1 load", "[tp_layers]") {
+  nnstrain::models::llama::LlamaConfig lcfg;
+  lcfg.vocab_size = 512;
+  lcfg.hidden_size = 128;
+  lcfg.intermediate_size = 256;
+  lcfg.num_hidden_layers = 2;
+  lcfg.num_attention_heads = 4;
+  lcfg.num_key_value_heads = 2;
+  lcfg.max_position_embeddings = 32;
+  nnstrain::models::gpt::GptConfig gcfg;
+  gcfg.vocab_size = 64;
+  gcfg.block_size = 16;
+  gcfg.n_layer = 2;
+  gcfg.n_head = 4;
+  gcfg.n_embd = 32;
+  const std::vector<std::pair<std::string, Build>> models = {
+      {"llama", [&](const ShardingContext& c) { return std::make_shared<nnstrain::models::llama::Llama>(lcfg, c); }},
+      {"gpt", [&](const ShardingContext& c) { return std::make_shared<nnstrain::models::gpt::Gpt>(gcfg, c); }}};
+  for (const auto& [type, build] : models) {
+    INFO(type);
+    // A Hugging Face folder written from a fresh one-process model.
+    nnstrain::testing::TempDir dir("nnstrain_hf_tp");
+    auto src = build(meta_context(1, 0));
+    common::materialise_fresh(*src, c10::Device(c10::kCPU), 11);
+    const auto params = src->named_parameters();
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& h : src->hf_tensors()) {
+      auto t = params[h.ours];
+      tensors.push_back({h.theirs, h.transpose ? t.t().contiguous() : t});
+    }
+    nnstrain::checkpoint::save_tensors(dir / "model.safetensors", tensors);
+    { std::ofstream(dir / "config.json") << src->hf_config().dump(); }
+
+    std::vector<nnstrain::checkpoint::HfLoadReport> reports;
+    auto load = [&](CausalLM& m) { reports.push_back(nnstrain::checkpoint::load_hf_weights(m, dir.path)); };
+    const auto one = assemble(build, 1, load);
+    const auto two = assemble(build, 2, load);
+    for (const auto& [name, t] : one) {
+      INFO(name);
+      CHECK(torch::equal(t, params[name]));
+      CHECK(torch::equal(two.at(name), t));
+    }
+    REQUIRE(reports.size() == 3);
+    CHECK(reports[0].bytes_read == reports[0].bytes_needed);
+    for (int r = 1; r <= 2; ++r) {
+      const double share = double(reports[r].bytes_read) / double(reports[r].bytes_needed);
+      INFO("rank " << r - 1 << " read " << reports[r].bytes_read << " of " << reports[r].bytes_needed << " bytes");
+      CHECK(share < 0.55);  // half of every split tensor, plus the small replicated ones
+      CHECK(share > 0.45);
+    }
+  }
+}
