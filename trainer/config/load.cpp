@@ -71,17 +71,25 @@ void check_bounds(const YAML::Node& root, const std::string& file) {
   walk(root, "", 0);
 }
 
-YAML::Node read_config_file(const std::string& file) {
+void check_config_size(uintmax_t bytes, const std::string& file) {
+  if (bytes > kMaxConfigBytes)
+    throw ConfigError(file + ": " + std::to_string(bytes) + " bytes, over the limit of " +
+                      std::to_string(kMaxConfigBytes) + " bytes for a configuration file");
+}
+
+std::string read_config_text(const std::string& file) {
   std::error_code ec;
   if (!fs::is_regular_file(file, ec))
     throw ConfigError(file + ": configuration file not found" +
                       (fs::exists(file, ec) ? " (it is not a regular file)" : ""));
   const uintmax_t bytes = fs::file_size(file, ec);
-  if (!ec && bytes > kMaxConfigBytes)
-    throw ConfigError(file + ": " + std::to_string(bytes) + " bytes, over the limit of " +
-                      std::to_string(kMaxConfigBytes) + " bytes for a configuration file");
+  if (!ec) check_config_size(bytes, file);  // before reading a huge file into memory
   std::ifstream in(file, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+YAML::Node parse_config_text(const std::string& text, const std::string& file) {
+  check_config_size(text.size(), file);  // the file may have grown since its size was read
   YAML::Node root;
   try {
     root = YAML::Load(text);
@@ -287,9 +295,13 @@ std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vect
 }
 
 TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) {
+  return load_trainer_args_from_text(read_config_text(file), file, opts);
+}
+
+TrainerArgs load_trainer_args_from_text(const std::string& text, const std::string& file, const LoadOptions& opts) {
   auto ctx = std::make_shared<ConfigContext>();
   ctx->file = file;
-  YAML::Node root = read_config_file(file);
+  YAML::Node root = parse_config_text(text, file);
   for (const auto& [key, value] : opts.overrides) apply_override(root, *ctx, key, value);
   check_bounds(root, file);  // overrides included
 
