@@ -197,22 +197,63 @@ YAML::Node resolve_vars(Impl& vars_map) {
       if (has_ref(n.IsMap() ? item.second : item)) return true;
     return false;
   };
-  std::function<YAML::Node(const YAML::Node&, const YAML::Node&, const std::string&)> pass =
-      [&](const YAML::Node& n, const YAML::Node& lookup, const std::string& key) -> YAML::Node {
-    if (n.IsScalar())
-      return substitute_vars(n, lookup, [&](const std::string& m) { vars_map.fail(key, m); });
+  // One round substitutes every reference once. A substitution can multiply what it
+  // copies (a variable holding two references to the one before, and so on: 2^n nodes,
+  // or a string 2^n long, from n short lines), so the file's own limits bound what a
+  // round builds, counted as it is built. Every node is built afresh (substituted values
+  // cloned): sharing nodes of the previous round would make yaml-cpp merge that round's
+  // whole node set into each new container, quadratic time.
+  size_t built = 0;
+  auto spend = [&](size_t nodes, const std::string& key) {
+    built += nodes;
+    if (built > kMaxNodes)
+      vars_map.fail(key, "more than " + std::to_string(kMaxNodes) +
+                             " YAML nodes once variables are substituted (the limit; does a variable repeat "
+                             "another into a bomb?)");
+  };
+  // Nodes in n, counted as a tree, stopping past the limit.
+  std::function<size_t(const YAML::Node&, size_t)> tree_size = [&](const YAML::Node& n, size_t depth) -> size_t {
+    if (depth > kMaxDepth || !n.IsDefined()) return kMaxNodes + 1;
+    size_t total = 1;
+    for (const auto& item : n) {
+      if (total > kMaxNodes) break;
+      if (n.IsMap()) total += 1 + tree_size(item.second, depth + 1);
+      else total += tree_size(item, depth + 1);
+    }
+    return total;
+  };
+  std::function<YAML::Node(const YAML::Node&, const YAML::Node&, const std::string&, size_t)> pass =
+      [&](const YAML::Node& n, const YAML::Node& lookup, const std::string& key, size_t depth) -> YAML::Node {
+    if (depth > kMaxDepth)
+      vars_map.fail(key, "nested deeper than the limit of " + std::to_string(kMaxDepth) +
+                             " levels once variables are substituted");
+    if (n.IsScalar()) {
+      YAML::Node out = substitute_vars(n, lookup, [&](const std::string& m) { vars_map.fail(key, m); });
+      if (out.IsScalar() && out.Scalar().size() > kMaxScalarBytes)
+        vars_map.fail(key, "value " + quote_prefix(out.Scalar()) + " is longer than the limit of " +
+                               std::to_string(kMaxScalarBytes) + " bytes once variables are substituted");
+      const size_t size = tree_size(out, depth);
+      spend(size, key);
+      return YAML::Clone(out);
+    }
     if (n.IsSequence()) {
+      spend(1, key);
       YAML::Node seq(YAML::NodeType::Sequence);
-      for (const auto& item : n) seq.push_back(pass(item, lookup, key));
+      for (const auto& item : n) seq.push_back(pass(item, lookup, key, depth + 1));
       seq.SetStyle(n.Style());
       return seq;
     }
     if (n.IsMap()) {
+      spend(1, key);
       YAML::Node map(YAML::NodeType::Map);
-      for (const auto& kv : n) map[kv.first.Scalar()] = pass(kv.second, lookup, key);
+      for (const auto& kv : n) {
+        spend(1, key);
+        map[kv.first.Scalar()] = pass(kv.second, lookup, key, depth + 1);
+      }
       return map;
     }
-    return n;
+    spend(1, key);
+    return YAML::Clone(n);
   };
   for (size_t round = 0; round <= vars_map.entries.size(); ++round) {
     std::string pending;
@@ -220,7 +261,8 @@ YAML::Node resolve_vars(Impl& vars_map) {
       if (has_ref(resolved[e.key])) pending = pending.empty() ? e.key : pending;
     if (pending.empty()) return resolved;
     YAML::Node next(YAML::NodeType::Map);
-    for (const auto& e : vars_map.entries) next[e.key] = pass(resolved[e.key], resolved, e.key);
+    built = 0;
+    for (const auto& e : vars_map.entries) next[e.key] = pass(resolved[e.key], resolved, e.key, 1);
     resolved.reset(next);
     if (round == vars_map.entries.size()) vars_map.fail(pending, "circular reference between variables");
   }
