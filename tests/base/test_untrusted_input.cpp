@@ -116,7 +116,7 @@ TEST_CASE("yaml: variables substituted into a bomb are refused by the node and l
   SECTION("nodes: each variable a list of two references to the one before") {
     const auto [msg, secs] = load(s, std::string(kMinimal) + vars_bomb(30));
     INFO(msg);
-    CHECK_THAT(msg, Contains("vars.v") && Contains("more than 100000 YAML nodes once variables are substituted"));
+    CHECK_THAT(msg, Contains("vars.v") && Contains("more than 100000 YAML nodes built substituting variables"));
     CHECK(msg.size() < 400);
   }
   SECTION("a string doubled by each variable") {
@@ -135,7 +135,7 @@ TEST_CASE("yaml: variables substituted into a bomb are refused by the node and l
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const auto [msg, secs] = load(s, text);
     INFO(msg);
-    CHECK_THAT(msg, Contains("vars.betas") && Contains("once variables are substituted"));
+    CHECK_THAT(msg, Contains("vars.betas") && Contains("substitut"));
   }
   SECTION("under the limit, the same construction resolves") {
     config::LoadOptions opts;

@@ -199,8 +199,9 @@ YAML::Node resolve_vars(Impl& vars_map) {
   };
   // One round substitutes every reference once. A substitution can multiply what it
   // copies (a variable holding two references to the one before, and so on: 2^n nodes,
-  // or a string 2^n long, from n short lines), so the file's own limits bound what a
-  // round builds, counted as it is built. Every node is built afresh (substituted values
+  // or a string 2^n long, from n short lines), so the file's own limits bound what all
+  // rounds together build, counted as it is built (a cycle of large variables cannot
+  // rebuild them round after round). Every node is built afresh (substituted values
   // cloned): sharing nodes of the previous round would make yaml-cpp merge that round's
   // whole node set into each new container, quadratic time.
   size_t built = 0;
@@ -208,17 +209,18 @@ YAML::Node resolve_vars(Impl& vars_map) {
     built += nodes;
     if (built > kMaxNodes)
       vars_map.fail(key, "more than " + std::to_string(kMaxNodes) +
-                             " YAML nodes once variables are substituted (the limit; does a variable repeat "
+                             " YAML nodes built substituting variables (the limit; does a variable repeat "
                              "another into a bomb?)");
   };
-  // Nodes in n, counted as a tree, stopping past the limit.
-  std::function<size_t(const YAML::Node&, size_t)> tree_size = [&](const YAML::Node& n, size_t depth) -> size_t {
+  // Nodes in n, counted as a tree, stopping once past `limit`.
+  std::function<size_t(const YAML::Node&, size_t, size_t)> tree_size = [&](const YAML::Node& n, size_t depth,
+                                                                             size_t limit) -> size_t {
     if (depth > kMaxDepth || !n.IsDefined()) return kMaxNodes + 1;
     size_t total = 1;
     for (const auto& item : n) {
-      if (total > kMaxNodes) break;
-      if (n.IsMap()) total += 1 + tree_size(item.second, depth + 1);
-      else total += tree_size(item, depth + 1);
+      if (total > limit) break;
+      if (n.IsMap()) total += 1 + tree_size(item.second, depth + 1, limit - total);
+      else total += tree_size(item, depth + 1, limit - total);
     }
     return total;
   };
@@ -232,7 +234,7 @@ YAML::Node resolve_vars(Impl& vars_map) {
       if (out.IsScalar() && out.Scalar().size() > kMaxScalarBytes)
         vars_map.fail(key, "value " + quote_prefix(out.Scalar()) + " is longer than the limit of " +
                                std::to_string(kMaxScalarBytes) + " bytes once variables are substituted");
-      const size_t size = tree_size(out, depth);
+      const size_t size = tree_size(out, depth, kMaxNodes - std::min(built, kMaxNodes));
       spend(size, key);
       return YAML::Clone(out);
     }
@@ -261,7 +263,6 @@ YAML::Node resolve_vars(Impl& vars_map) {
       if (has_ref(resolved[e.key])) pending = pending.empty() ? e.key : pending;
     if (pending.empty()) return resolved;
     YAML::Node next(YAML::NodeType::Map);
-    built = 0;
     for (const auto& e : vars_map.entries) next[e.key] = pass(resolved[e.key], resolved, e.key, 1);
     resolved.reset(next);
     if (round == vars_map.entries.size()) vars_map.fail(pending, "circular reference between variables");
