@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "trainer/checkpoint/manifest.h"
@@ -96,6 +97,54 @@ TEST_CASE("yaml: a config just under the node limit still loads", "[untrusted][c
   // 10^4 expanded nodes: legitimate anchors keep working.
   const auto [msg, secs] = load(s, std::string(kMinimal) + alias_bomb(4, "vars"));
   CHECK(msg.empty());
+}
+
+// `levels` variables, each a list holding the previous one twice: 2^levels nodes once
+// substituted, from a few hundred bytes that hold no alias at all.
+std::string vars_bomb(int levels) {
+  std::string y = "vars:\n  v0: [lol, lol]\n";
+  for (int i = 1; i < levels; ++i) {
+    const std::string ref = "$(vars.v" + std::to_string(i - 1) + ")";
+    y += "  v" + std::to_string(i) + ": [" + ref + ", " + ref + "]\n";
+  }
+  return y;
+}
+
+TEST_CASE("yaml: variables substituted into a bomb are refused by the node and length limits",
+          "[untrusted][config]") {
+  Scratch s;
+  SECTION("nodes: each variable a list of two references to the one before") {
+    const auto [msg, secs] = load(s, std::string(kMinimal) + vars_bomb(30));
+    INFO(msg);
+    CHECK_THAT(msg, Contains("vars.v") && Contains("more than 100000 YAML nodes built substituting variables"));
+    CHECK(msg.size() < 400);
+  }
+  SECTION("a string doubled by each variable") {
+    std::string y = "vars:\n  s0: lollollol\n";
+    for (int i = 1; i < 30; ++i)
+      y += "  s" + std::to_string(i) + ": $(vars.s" + std::to_string(i - 1) + ")$(vars.s" + std::to_string(i - 1) + ")\n";
+    const auto [msg, secs] = load(s, std::string(kMinimal) + y);
+    INFO(msg);
+    CHECK_THAT(msg, Contains("longer than the limit of 16384 bytes once variables are substituted"));
+    CHECK(msg.size() < 400);
+  }
+  SECTION("a variable that refers to itself twice (found by fuzz_config: it ran for minutes)") {
+    std::ifstream in(std::string(NNSTRAIN_SOURCE_DIR) + "/tests/fuzz/regressions/config/vars-self-reference-bomb",
+                     std::ios::binary);
+    REQUIRE(in);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto [msg, secs] = load(s, text);
+    INFO(msg);
+    CHECK_THAT(msg, Contains("vars.betas") && Contains("substitut"));
+  }
+  SECTION("under the limit, the same construction resolves") {
+    config::LoadOptions opts;
+    opts.check_files = false;
+    const auto args = config::load_trainer_args_from_text(
+        std::string(kMinimal) + vars_bomb(12) + "  name: $(vars.base)-b\n  base: a\nrun_dir: $(vars.name)\n",
+        "vars.yaml", opts);
+    CHECK(args.run_dir == "a-b");
+  }
 }
 
 TEST_CASE("yaml: long keys and values, big files: refused with a short quote", "[untrusted][config]") {

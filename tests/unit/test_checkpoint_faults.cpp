@@ -12,8 +12,12 @@
 #include <sstream>
 #include <thread>
 
+#include <fcntl.h>
 #include <ftw.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "trainer/checkpoint/checkpoint.h"
@@ -143,6 +147,44 @@ size_t count_tensor(const std::string& file, const std::string& name) {
 }
 
 }  // namespace
+
+TEST_CASE("a shard larger than the writer's writeback window round-trips and leaves the page cache",
+          "[checkpoint][safetensors]") {
+  // 3 x 72 MiB + odd-sized tensors: writeback starts every 32 MiB and ranges 4 chunks back
+  // are waited for and dropped, so this crosses every branch of that path mid-tensor.
+  TempDir tmp;
+  const auto path = tmp / "big.safetensors";
+  torch::manual_seed(0);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (int i = 0; i < 3; ++i) {
+    tensors.emplace_back("small." + std::to_string(i), torch::randn({1001 + i}));
+    tensors.emplace_back("big." + std::to_string(i), torch::randn({18 * 1024 * 1024 + 7 * i}));
+  }
+  save_tensors(path, tensors, {{"format", "test"}});
+
+  struct statfs fs {};
+  REQUIRE(::statfs(path.c_str(), &fs) == 0);
+  if (fs.f_type != TMPFS_MAGIC && fs.f_type != RAMFS_MAGIC) {  // where pages can be dropped at all
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    REQUIRE(fd >= 0);
+    struct stat st {};
+    REQUIRE(::fstat(fd, &st) == 0);
+    void* map = ::mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    REQUIRE(map != MAP_FAILED);
+    const size_t page = ::sysconf(_SC_PAGESIZE), pages = (st.st_size + page - 1) / page;
+    std::vector<unsigned char> resident(pages);
+    REQUIRE(::mincore(map, st.st_size, resident.data()) == 0);
+    size_t cached = 0;
+    for (unsigned char r : resident) cached += r & 1;
+    ::munmap(map, st.st_size);
+    ::close(fd);
+    CHECK(cached < pages / 10);  // durable, then dropped: not kept at the training's expense
+  }
+
+  const auto back = load_tensors(path);
+  REQUIRE(back.size() == tensors.size());
+  for (const auto& [name, t] : tensors) CHECK(torch::equal(back.at(name), t));
+}
 
 TEST_CASE("save publishes step folders, `latest` and prunes", "[checkpoint]") {
   TempDir tmp;

@@ -26,6 +26,14 @@ using ojson = nlohmann::ordered_json;  // keeps header order, so ties sort stabl
 
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // the reference implementation's limit
 constexpr size_t kWriteBuffer = size_t{8} << 20;
+// Writeback in the background while writing: every kWritebackChunk bytes the kernel
+// is told to start writing them to disk, so finish()'s fsync finds little left
+// (dirty pages otherwise sit in the page cache until the fsync, below the kernel's
+// background threshold, and the disk idles while we copy). Ranges kWritebackLag
+// chunks back are waited for and dropped from the page cache, so a checkpoint
+// neither piles up dirty memory nor evicts the training's pages.
+constexpr uint64_t kWritebackChunk = uint64_t{32} << 20;
+constexpr uint64_t kWritebackLag = 4;
 const char* const kMetadataKey = "__metadata__";
 
 struct DTypeRow {
@@ -489,7 +497,8 @@ void SafetensorsWriter::write_all(const uint8_t* bytes, size_t n) {
     return;
   }
   while (n > 0) {
-    ssize_t w = ::write(fd_, bytes, std::min<size_t>(n, size_t{1} << 30));
+    // In chunks, so that writeback starts during a large tensor too.
+    ssize_t w = ::write(fd_, bytes, std::min<size_t>(n, kWritebackChunk));
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) {
       failed_ = true;
@@ -497,7 +506,43 @@ void SafetensorsWriter::write_all(const uint8_t* bytes, size_t n) {
     }
     bytes += w;
     n -= static_cast<size_t>(w);
+    offset_ += static_cast<uint64_t>(w);
+    start_writeback();
   }
+}
+
+void SafetensorsWriter::start_writeback() {
+#ifdef SYNC_FILE_RANGE_WRITE
+  if (!writeback_ || offset_ - started_ < kWritebackChunk) return;
+  const uint64_t end = offset_ - offset_ % kWritebackChunk;
+  // Errors are real I/O errors (or "not supported": then fsync alone, as before). They
+  // must not be ignored: a waiting sync_file_range consumes the error fsync would report.
+  auto range = [&](uint64_t from, uint64_t to, unsigned flags) {
+    while (::sync_file_range(fd_, static_cast<off64_t>(from), static_cast<off64_t>(to - from), flags) != 0) {
+      if (errno == EINTR) continue;
+      if (errno == EINVAL || errno == ENOSYS || errno == ESPIPE) {
+        writeback_ = false;
+        return false;
+      }
+      failed_ = true;
+      fail("writeback failed: " + errno_text());
+    }
+    return true;
+  };
+  if (!range(started_, end, SYNC_FILE_RANGE_WRITE)) return;
+  started_ = end;
+  if (end >= kWritebackLag * kWritebackChunk) {
+    const uint64_t done = end - kWritebackLag * kWritebackChunk;
+    if (done > dropped_) {
+      if (!range(dropped_, done, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER))
+        return;
+      // Written back (not yet durable: finish() fsyncs the file, which flushes the disk's cache).
+      (void)::posix_fadvise(fd_, static_cast<off_t>(dropped_), static_cast<off_t>(done - dropped_),
+                            POSIX_FADV_DONTNEED);
+      dropped_ = done;
+    }
+  }
+#endif
 }
 
 void SafetensorsWriter::flush_buffer() {
@@ -512,8 +557,10 @@ void SafetensorsWriter::flush_buffer() {
     }
     p += w;
     n -= static_cast<size_t>(w);
+    offset_ += static_cast<uint64_t>(w);
   }
   buffered_ = 0;
+  start_writeback();
 }
 
 void SafetensorsWriter::append(const void* bytes, size_t n) {
@@ -541,6 +588,8 @@ void SafetensorsWriter::finish() {
     failed_ = true;
     fail("fsync failed: " + errno_text());
   }
+  // Durable now: keep the page cache for the training, not for a file nobody reads soon.
+  (void)::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
   int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) {
     failed_ = true;

@@ -99,6 +99,7 @@ class SafetensorsWriter {
   void write_header();
   void flush_buffer();
   void write_all(const uint8_t* bytes, size_t n);
+  void start_writeback();  // after each write: see kWritebackChunk
   std::string current_tensor() const;
 
   std::string path_;
@@ -109,6 +110,10 @@ class SafetensorsWriter {
   uint64_t written_ = 0;  // data bytes appended so far
   std::unique_ptr<uint8_t[]> buffer_;  // uninitialised: no 8 MiB memset per file
   size_t capacity_ = 0, buffered_ = 0;
+  uint64_t offset_ = 0;   // bytes handed to write(2)
+  uint64_t started_ = 0;  // writeback started for [0, started_)
+  uint64_t dropped_ = 0;  // written back and dropped from the page cache: [0, dropped_)
+  bool writeback_ = true;  // false where sync_file_range is not supported
   int fd_ = -1;
   bool header_written_ = false;
   bool finished_ = false;

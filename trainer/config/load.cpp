@@ -71,17 +71,25 @@ void check_bounds(const YAML::Node& root, const std::string& file) {
   walk(root, "", 0);
 }
 
-YAML::Node read_config_file(const std::string& file) {
+void check_config_size(uintmax_t bytes, const std::string& file) {
+  if (bytes > kMaxConfigBytes)
+    throw ConfigError(file + ": " + std::to_string(bytes) + " bytes, over the limit of " +
+                      std::to_string(kMaxConfigBytes) + " bytes for a configuration file");
+}
+
+std::string read_config_text(const std::string& file) {
   std::error_code ec;
   if (!fs::is_regular_file(file, ec))
     throw ConfigError(file + ": configuration file not found" +
                       (fs::exists(file, ec) ? " (it is not a regular file)" : ""));
   const uintmax_t bytes = fs::file_size(file, ec);
-  if (!ec && bytes > kMaxConfigBytes)
-    throw ConfigError(file + ": " + std::to_string(bytes) + " bytes, over the limit of " +
-                      std::to_string(kMaxConfigBytes) + " bytes for a configuration file");
+  if (!ec) check_config_size(bytes, file);  // before reading a huge file into memory
   std::ifstream in(file, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+YAML::Node parse_config_text(const std::string& text, const std::string& file) {
+  check_config_size(text.size(), file);  // the file may have grown since its size was read
   YAML::Node root;
   try {
     root = YAML::Load(text);
@@ -189,22 +197,65 @@ YAML::Node resolve_vars(Impl& vars_map) {
       if (has_ref(n.IsMap() ? item.second : item)) return true;
     return false;
   };
-  std::function<YAML::Node(const YAML::Node&, const YAML::Node&, const std::string&)> pass =
-      [&](const YAML::Node& n, const YAML::Node& lookup, const std::string& key) -> YAML::Node {
-    if (n.IsScalar())
-      return substitute_vars(n, lookup, [&](const std::string& m) { vars_map.fail(key, m); });
+  // One round substitutes every reference once. A substitution can multiply what it
+  // copies (a variable holding two references to the one before, and so on: 2^n nodes,
+  // or a string 2^n long, from n short lines), so the file's own limits bound what all
+  // rounds together build, counted as it is built (a cycle of large variables cannot
+  // rebuild them round after round). Every node is built afresh (substituted values
+  // cloned): sharing nodes of the previous round would make yaml-cpp merge that round's
+  // whole node set into each new container, quadratic time.
+  size_t built = 0;
+  auto spend = [&](size_t nodes, const std::string& key) {
+    built += nodes;
+    if (built > kMaxNodes)
+      vars_map.fail(key, "more than " + std::to_string(kMaxNodes) +
+                             " YAML nodes built substituting variables (the limit; does a variable repeat "
+                             "another into a bomb?)");
+  };
+  // Nodes in n, counted as a tree, stopping once past `limit`.
+  std::function<size_t(const YAML::Node&, size_t, size_t)> tree_size = [&](const YAML::Node& n, size_t depth,
+                                                                             size_t limit) -> size_t {
+    if (depth > kMaxDepth || !n.IsDefined()) return kMaxNodes + 1;
+    size_t total = 1;
+    for (const auto& item : n) {
+      if (total > limit) break;
+      if (n.IsMap()) total += 1 + tree_size(item.second, depth + 1, limit - total);
+      else total += tree_size(item, depth + 1, limit - total);
+    }
+    return total;
+  };
+  std::function<YAML::Node(const YAML::Node&, const YAML::Node&, const std::string&, size_t)> pass =
+      [&](const YAML::Node& n, const YAML::Node& lookup, const std::string& key, size_t depth) -> YAML::Node {
+    if (depth > kMaxDepth)
+      vars_map.fail(key, "nested deeper than the limit of " + std::to_string(kMaxDepth) +
+                             " levels once variables are substituted");
+    if (n.IsScalar()) {
+      YAML::Node out = substitute_vars(n, lookup, [&](const std::string& m) { vars_map.fail(key, m); });
+      if (out.IsScalar() && out.Scalar().size() > kMaxScalarBytes)
+        vars_map.fail(key, "value " + quote_prefix(out.Scalar()) + " is longer than the limit of " +
+                               std::to_string(kMaxScalarBytes) + " bytes once variables are substituted");
+      const size_t size = tree_size(out, depth, kMaxNodes - std::min(built, kMaxNodes));
+      spend(size, key);
+      return YAML::Clone(out);
+    }
     if (n.IsSequence()) {
+      spend(1, key);
       YAML::Node seq(YAML::NodeType::Sequence);
-      for (const auto& item : n) seq.push_back(pass(item, lookup, key));
+      for (const auto& item : n) seq.push_back(pass(item, lookup, key, depth + 1));
       seq.SetStyle(n.Style());
       return seq;
     }
     if (n.IsMap()) {
+      spend(1, key);
       YAML::Node map(YAML::NodeType::Map);
-      for (const auto& kv : n) map[kv.first.Scalar()] = pass(kv.second, lookup, key);
+      for (const auto& kv : n) {
+        spend(1, key);
+        map[kv.first.Scalar()] = pass(kv.second, lookup, key, depth + 1);
+      }
       return map;
     }
-    return n;
+    spend(1, key);
+    return YAML::Clone(n);
   };
   for (size_t round = 0; round <= vars_map.entries.size(); ++round) {
     std::string pending;
@@ -212,7 +263,7 @@ YAML::Node resolve_vars(Impl& vars_map) {
       if (has_ref(resolved[e.key])) pending = pending.empty() ? e.key : pending;
     if (pending.empty()) return resolved;
     YAML::Node next(YAML::NodeType::Map);
-    for (const auto& e : vars_map.entries) next[e.key] = pass(resolved[e.key], resolved, e.key);
+    for (const auto& e : vars_map.entries) next[e.key] = pass(resolved[e.key], resolved, e.key, 1);
     resolved.reset(next);
     if (round == vars_map.entries.size()) vars_map.fail(pending, "circular reference between variables");
   }
@@ -287,9 +338,13 @@ std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vect
 }
 
 TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) {
+  return load_trainer_args_from_text(read_config_text(file), file, opts);
+}
+
+TrainerArgs load_trainer_args_from_text(const std::string& text, const std::string& file, const LoadOptions& opts) {
   auto ctx = std::make_shared<ConfigContext>();
   ctx->file = file;
-  YAML::Node root = read_config_file(file);
+  YAML::Node root = parse_config_text(text, file);
   for (const auto& [key, value] : opts.overrides) apply_override(root, *ctx, key, value);
   check_bounds(root, file);  // overrides included
 

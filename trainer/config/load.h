@@ -33,6 +33,9 @@ struct LoadOptions {
 
 // Throws ConfigError.
 TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts);
+// The same on a file's text, already read: `file` names it in messages and gives
+// run_dir's default. load_trainer_args reads the file and calls this (so does the fuzzer).
+TrainerArgs load_trainer_args_from_text(const std::string& text, const std::string& file, const LoadOptions& opts);
 
 // "--a.b.c value" / "--a.b.c=value" tokens (argv leftovers) -> overrides, in order.
 // Throws ConfigError on a key without a value or a token that is not an override.

@@ -2,11 +2,7 @@
 
 #include <torch/torch.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <filesystem>
-
-#include <unistd.h>
 
 #include "models/model.h"
 #include "models/registry.h"
@@ -25,30 +21,22 @@ std::shared_ptr<models::CausalLM> build_model(const checkpoint::Checkpoint& ck) 
   const std::string yaml = st.value("config", "");
   const auto* entry = models::find_model(type);
   if (!entry) throw checkpoint::CheckpointError(where + ": unknown model type '" + type + "' in the trainer state");
-  if (yaml.empty()) throw checkpoint::CheckpointError(where + ": the trainer state holds no resolved config to rebuild the model");
+  if (yaml.empty())
+    throw checkpoint::CheckpointError(where + ": the trainer state holds no resolved config to rebuild the model");
 
-  // load_trainer_args reads files; the saved config goes through a temporary one.
-  const char* tmpdir = std::getenv("TMPDIR");
-  std::string path = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/nnstrain_config_XXXXXX.yaml";
-  const int fd = ::mkstemps(path.data(), 5);
-  if (fd < 0) throw checkpoint::CheckpointError("cannot create a temporary file for the saved config: " + std::string(std::strerror(errno)));
-  const bool written = ::write(fd, yaml.data(), yaml.size()) == static_cast<ssize_t>(yaml.size());
-  ::close(fd);
   config::TrainerArgs args;
   try {
-    if (!written) throw config::ConfigError("cannot write " + path);
     config::LoadOptions lo;
     lo.models = models::model_catalog();
     lo.check_files = false;            // the run's data need not be here
     lo.reject_unimplemented = false;   // only the model section matters
-    args = config::load_trainer_args(path, lo);
+    args = config::load_trainer_args_from_text(yaml, where + " (saved config)", lo);
   } catch (const config::ConfigError& e) {
-    ::unlink(path.c_str());
     throw checkpoint::CheckpointError(where + ": the saved config does not load: " + e.what());
   }
-  ::unlink(path.c_str());
   if (args.model.type != type || !args.model.args)
-    throw checkpoint::CheckpointError(where + ": the saved config's model '" + args.model.type + "' is not the state's '" + type + "'");
+    throw checkpoint::CheckpointError(where + ": the saved config's model '" + args.model.type + "' is not the state's '" +
+                                      type + "'");
   return entry->build(*args.model.args);
 }
 
@@ -56,7 +44,8 @@ void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& mode
   torch::NoGradGuard no_grad;
   for (auto& p : model.named_parameters()) {
     auto t = p.value().detach();
-    checkpoint::StateTensor st{checkpoint::ShardSpec::full("model/" + p.key(), checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())), t.sizes().vec()), t};
+    const auto dtype = checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type()));
+    checkpoint::StateTensor st{checkpoint::ShardSpec::full("model/" + p.key(), dtype, t.sizes().vec()), t};
     ck.load_into(st);
   }
 }
