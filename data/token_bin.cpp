@@ -13,7 +13,7 @@
 
 #include <torch/torch.h>
 
-#include "trainer/config/arg_map.h"
+#include "base/config/arg_map.h"
 
 namespace nnstrain::data {
 

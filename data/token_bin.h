@@ -12,7 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::data {
 

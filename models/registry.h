@@ -9,9 +9,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "trainer/config/arg_map.h"
-#include "trainer/config/load.h"
-#include "trainer/config/trainer_args.h"
+#include "base/config/arg_map.h"
+#include "base/config/load.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::models::common {
 struct ShardingContext;

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "trainer/config/arg_map.h"
-#include "trainer/config/load.h"
+#include "base/config/arg_map.h"
+#include "base/config/load.h"
 
 namespace fs = std::filesystem;
 using namespace nnstrain::config;

@@ -14,8 +14,8 @@
 #include <string>
 
 #include "trainer/checkpoint/manifest.h"
-#include "trainer/config/load.h"
-#include "trainer/util/text.h"
+#include "base/config/load.h"
+#include "base/text.h"
 
 namespace fs = std::filesystem;
 using namespace nnstrain;
@@ -225,15 +225,15 @@ TEST_CASE("manifest: shard names must be plain names, refused before any file is
 TEST_CASE("manifest: a ShardSpec with a huge or negative shape is refused, not overflowed", "[untrusted][checkpoint]") {
   nlohmann::json spec = {{"name", "w"}, {"dtype", "F32"}, {"global_shape", {int64_t{1} << 40, int64_t{1} << 40}},
                          {"offsets", {0, 0}}, {"shape", {1, 1}}};
-  CHECK_THROWS_WITH(spec.get<checkpoint::ShardSpec>(), Contains("negative or too large"));
+  CHECK_THROWS_WITH(spec.get<sharding::ShardSpec>(), Contains("negative or too large"));
   spec["global_shape"] = {4, -1};
-  CHECK_THROWS_WITH(spec.get<checkpoint::ShardSpec>(), Contains("negative or too large"));
+  CHECK_THROWS_WITH(spec.get<sharding::ShardSpec>(), Contains("negative or too large"));
   spec["global_shape"] = {4.7e96, 1};  // fuzz_manifest's first find: a float cast to int64 (UB)
-  CHECK_THROWS_WITH(spec.get<checkpoint::ShardSpec>(), Contains("not an integer"));
+  CHECK_THROWS_WITH(spec.get<sharding::ShardSpec>(), Contains("not an integer"));
   spec["global_shape"] = {INT64_MAX, 1};
   spec["offsets"] = {INT64_MAX, 0};
   spec["shape"] = {1, 1};  // offsets + shape would overflow
-  CHECK_THROWS(spec.get<checkpoint::ShardSpec>());
+  CHECK_THROWS(spec.get<sharding::ShardSpec>());
 }
 
 TEST_CASE("confined_path: a symbolic link may not leave the folder", "[untrusted][checkpoint]") {

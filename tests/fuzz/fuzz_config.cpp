@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <string>
 
-#include "trainer/config/load.h"
+#include "base/config/load.h"
 
 using namespace nnstrain::config;
 

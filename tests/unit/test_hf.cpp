@@ -21,7 +21,7 @@
 #include "models/gpt/gpt.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
-#include "trainer/checkpoint/hf.h"
+#include "trainer/interop/hf_import.h"
 #include "trainer/interop/model_checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 
@@ -103,8 +103,8 @@ void copy_file(const std::string& from, const std::string& to) {
 std::shared_ptr<models::CausalLM> build_from_hf(const std::string& dir) {
   const auto* entry = models::find_model("gpt");
   REQUIRE(entry != nullptr);
-  auto model = entry->build(*checkpoint::hf_model_config(*entry, dir));
-  checkpoint::load_hf_weights(*model, dir);
+  auto model = entry->build(*interop::hf_model_config(*entry, dir));
+  interop::load_hf_weights(*model, dir);
   model->eval();
   return model;
 }
@@ -140,8 +140,8 @@ TEST_CASE("load_hf_weights faults name the file and the tensor", "[hf]") {
   REQUIRE(::mkdir((own / "single").c_str(), 0755) == 0);
   for (const char* f : {"config.json", "model.safetensors"}) copy_file(tmp / "single/" + f, own / "single/" + f);
   SECTION("a missing tensor") {
-    auto model = entry->build(*checkpoint::hf_model_config(*entry, tmp / "missing"));
-    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, tmp / "missing"),
+    auto model = entry->build(*interop::hf_model_config(*entry, tmp / "missing"));
+    CHECK_THROWS_WITH(interop::load_hf_weights(*model, tmp / "missing"),
                       Catch::Contains("missing/model.safetensors") &&
                           Catch::Contains("'transformer.h.1.mlp.c_fc.weight'") && Catch::Contains("missing"));
   }
@@ -153,7 +153,7 @@ TEST_CASE("load_hf_weights faults name the file and the tensor", "[hf]") {
     c.n_head = 4;
     c.n_embd = 32;  // the checkpoint has 64
     auto model = entry->build(c);
-    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, tmp / "single"),
+    CHECK_THROWS_WITH(interop::load_hf_weights(*model, tmp / "single"),
                       Catch::Contains("single/model.safetensors") && Catch::Contains("has shape [97,64]") &&
                           Catch::Contains("needs [97,32]"));
   }
@@ -161,18 +161,18 @@ TEST_CASE("load_hf_weights faults name the file and the tensor", "[hf]") {
     std::ofstream(own / "single/config.json") << R"({"model_type": "llama", "vocab_size": 97})";
     models::gpt::GptConfig c;
     auto model = entry->build(c);
-    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, own / "single"),
+    CHECK_THROWS_WITH(interop::load_hf_weights(*model, own / "single"),
                       Catch::Contains("config.json") && Catch::Contains("model_type 'llama'"));
-    CHECK_THROWS_WITH(checkpoint::hf_model_config(*entry, own / "single"), Catch::Contains("config.json"));
+    CHECK_THROWS_WITH(interop::hf_model_config(*entry, own / "single"), Catch::Contains("config.json"));
   }
   SECTION("no weights at all") {
-    auto model = entry->build(*checkpoint::hf_model_config(*entry, own / "single"));
+    auto model = entry->build(*interop::hf_model_config(*entry, own / "single"));
     ::unlink((own / "single/model.safetensors").c_str());
-    CHECK_THROWS_WITH(checkpoint::load_hf_weights(*model, own / "single"),
+    CHECK_THROWS_WITH(interop::load_hf_weights(*model, own / "single"),
                       Catch::Contains("neither model.safetensors nor model.safetensors.index.json"));
   }
   SECTION("no config.json") {
-    CHECK_THROWS_WITH(checkpoint::hf_model_config(*entry, tmp / "nowhere"),
+    CHECK_THROWS_WITH(interop::hf_model_config(*entry, tmp / "nowhere"),
                       Catch::Contains("nowhere/config.json") && Catch::Contains("cannot open"));
   }
 }

@@ -17,7 +17,7 @@
 #include "models/common/lm_loss.h"
 #include "models/llama/llama.h"
 #include "trainer/checkpoint/tensor_io.h"
-#include "trainer/config/load.h"
+#include "base/config/load.h"
 
 using nnstrain::models::SplitStyle;
 using nnstrain::models::llama::Llama;

@@ -23,7 +23,7 @@
 #include "models/llama/llama.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
-#include "trainer/checkpoint/hf.h"
+#include "trainer/interop/hf_import.h"
 #include "trainer/interop/model_checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 
@@ -123,8 +123,8 @@ models::llama::LlamaConfig fixture_config() {
 std::shared_ptr<models::CausalLM> build_from_hf(const std::string& dir) {
   const auto* entry = models::find_model("llama");
   REQUIRE(entry != nullptr);
-  auto model = entry->build(*checkpoint::hf_model_config(*entry, dir));
-  checkpoint::load_hf_weights(*model, dir);
+  auto model = entry->build(*interop::hf_model_config(*entry, dir));
+  interop::load_hf_weights(*model, dir);
   model->eval();
   return model;
 }
@@ -206,7 +206,7 @@ TEST_CASE("llama: the registry's model from matching model.args loads the HF wei
   REQUIRE(entry != nullptr);
   auto c = fixture_config();
   auto model = entry->build(c);
-  checkpoint::load_hf_weights(*model, tmp / "sharded");
+  interop::load_hf_weights(*model, tmp / "sharded");
   model->eval();
   torch::NoGradGuard no_grad;
   CHECK(model->loss(expected["x"], expected["y"]).item<double>() ==
@@ -289,7 +289,7 @@ TEST_CASE("llama init_from: settings that contradict config.json are refused in 
   REQUIRE(entry != nullptr);
   auto load = [&](const models::llama::LlamaConfig& cc, const std::string& layout) {
     auto model = entry->build(cc);
-    checkpoint::load_hf_weights(*model, tmp / layout);
+    interop::load_hf_weights(*model, tmp / layout);
   };
   using Catch::Matchers::Contains;
   for (const std::string layout : {"v4", "v5"}) {

@@ -12,7 +12,7 @@
 
 #include "models/gpt/gpt.h"
 #include "trainer/cli/plan_command.h"
-#include "trainer/config/arg_map.h"
+#include "base/config/arg_map.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/planner.h"
 

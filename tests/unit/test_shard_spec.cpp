@@ -8,14 +8,14 @@
 
 #include <random>
 
-#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/sharding/shard_spec.h"
 
-using nnstrain::checkpoint::Copy;
-using nnstrain::checkpoint::covered;
-using nnstrain::checkpoint::overlap;
-using nnstrain::checkpoint::Run;
-using nnstrain::checkpoint::runs;
-using nnstrain::checkpoint::ShardSpec;
+using nnstrain::sharding::Copy;
+using nnstrain::sharding::covered;
+using nnstrain::sharding::overlap;
+using nnstrain::sharding::Run;
+using nnstrain::sharding::runs;
+using nnstrain::sharding::ShardSpec;
 
 namespace {
 

@@ -18,7 +18,7 @@
 #include "models/llama/llama.h"
 #include "models/model.h"
 #include "test_support.h"
-#include "trainer/checkpoint/hf.h"
+#include "trainer/interop/hf_import.h"
 #include "trainer/checkpoint/tensor_io.h"
 
 using nnstrain::models::CausalLM;
@@ -345,8 +345,8 @@ TEST_CASE("HF init_from at tp 2 reads only each rank's slices and equals the tp 
     nnstrain::checkpoint::save_tensors(dir / "model.safetensors", tensors);
     { std::ofstream(dir / "config.json") << src->hf_config().dump(); }
 
-    std::vector<nnstrain::checkpoint::HfLoadReport> reports;
-    auto load = [&](CausalLM& m) { reports.push_back(nnstrain::checkpoint::load_hf_weights(m, dir.path)); };
+    std::vector<nnstrain::interop::HfLoadReport> reports;
+    auto load = [&](CausalLM& m) { reports.push_back(nnstrain::interop::load_hf_weights(m, dir.path)); };
     const auto one = assemble(build, 1, load);
     const auto two = assemble(build, 2, load);
     for (const auto& [name, t] : one) {

@@ -3,7 +3,7 @@
 // - each rank's optimizer state is 1/Z of the whole plus bucket padding, counted
 //   from the exp_avg tensors optim::AdamW actually allocated;
 // - the segments of a ZeRO group are disjoint and cover every parameter element
-//   exactly once (checkpoint::covered / overlap on the state's segment_specs);
+//   exactly once (sharding::covered / overlap on the state's segment_specs);
 // - after steps with different gradients on every rank, all ranks hold the same
 //   parameters, equal to one process's AdamW on the averaged gradients, and each
 //   rank's exp_avg chunk is the matching slice of that process's exp_avg.
@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/sharding/shard_spec.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/parallel/grad_reducer.h"
@@ -91,7 +91,7 @@ struct RankResult {
   std::vector<int> zero_ranks;
   int64_t bucket_count = 0, padded_total = 0;
   int64_t state_numel = 0;                      // exp_avg elements this rank allocated
-  std::vector<checkpoint::ShardSpec> specs;     // optim/exp_avg/<name>, one per segment
+  std::vector<sharding::ShardSpec> specs;     // optim/exp_avg/<name>, one per segment
   std::vector<torch::Tensor> exp_avg;           // same order
   std::vector<torch::Tensor> params;            // after kSteps steps, in kShapes order
   std::vector<std::vector<torch::Tensor>> grads_seen;  // this rank's own inputs (step 0)
@@ -119,7 +119,7 @@ RankResult run_rank(int rank, int world, int zero_ngroups, int port) {
     for (int r = 0; r < world; ++r) all[r] = r;
     for (size_t k = 0; k < kShapes.size(); ++k) {
       auto t = init[k].clone().set_requires_grad(true);
-      auto spec = checkpoint::ShardSpec::full(param_name(k), "F32", kShapes[k]);
+      auto spec = sharding::ShardSpec::full(param_name(k), "F32", kShapes[k]);
       spec.replica_ranks = all;
       shards.push_back({param_name(k), t, spec});
     }
@@ -235,8 +235,8 @@ void check_zero(int world, int zero_ngroups) {
     CHECK(group_state == total);
     for (size_t k = 0; k < kShapes.size(); ++k) {
       const auto name = "optim/exp_avg/" + param_name(k);
-      const auto wanted = checkpoint::ShardSpec::full(name, "F32", kShapes[k]);
-      std::vector<checkpoint::ShardSpec> pieces;
+      const auto wanted = sharding::ShardSpec::full(name, "F32", kShapes[k]);
+      std::vector<sharding::ShardSpec> pieces;
       std::vector<int> owner;
       for (int m : members)
         for (const auto& s : results[m].specs)
@@ -247,13 +247,13 @@ void check_zero(int world, int zero_ngroups) {
       INFO(name << " in ZeRO group of rank " << members.front());
       int64_t held = 0;
       for (const auto& p : pieces) held += p.numel();
-      CHECK(checkpoint::covered(pieces, wanted) == wanted.numel());
+      CHECK(sharding::covered(pieces, wanted) == wanted.numel());
       CHECK(held == wanted.numel());
       for (size_t a = 0; a < pieces.size(); ++a)
         for (size_t b = a + 1; b < pieces.size(); ++b) {
           INFO(pieces[a].describe() << " on rank " << owner[a] << " vs " << pieces[b].describe() << " on rank "
                                     << owner[b]);
-          CHECK(checkpoint::overlap(pieces[a], pieces[b]).empty());
+          CHECK(sharding::overlap(pieces[a], pieces[b]).empty());
         }
     }
   }

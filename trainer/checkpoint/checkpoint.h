@@ -18,15 +18,12 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/checkpoint/manifest.h"
-#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/sharding/shard_spec.h"
+#include "trainer/sharding/state_tensor.h"
 
 namespace nnstrain::checkpoint {
 
-// A local piece and what it is.
-struct StateTensor {
-  ShardSpec spec;
-  at::Tensor tensor;  // the local piece, numel() == spec.numel()
-};
+using sharding::StateTensor;
 
 // How this rank takes part in a collective save or load.
 struct SaveContext {

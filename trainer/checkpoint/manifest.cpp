@@ -9,7 +9,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "trainer/util/text.h"
+#include "base/text.h"
 
 namespace nnstrain::checkpoint {
 

@@ -13,9 +13,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/sharding/shard_spec.h"
 
 namespace nnstrain::checkpoint {
+
+using sharding::ShardSpec;  // checkpoints are written against ShardSpecs (trainer/sharding)
 
 struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -14,7 +14,7 @@
 #include <unordered_set>
 #include <utility>
 
-#include "trainer/util/text.h"
+#include "base/text.h"
 
 // Tensor bytes are copied as they lie in the file, which is little-endian.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");

@@ -9,8 +9,8 @@
 
 #include "data/prepare.h"
 #include "models/registry.h"
-#include "trainer/config/arg_map.h"
-#include "trainer/config/load.h"
+#include "base/config/arg_map.h"
+#include "base/config/load.h"
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/env_command.h"
 #include "trainer/dist/launcher.h"

@@ -13,8 +13,8 @@
 #include "models/model.h"
 #include "models/common/sharding.h"
 #include "models/registry.h"
-#include "trainer/config/arg_map.h"
-#include "trainer/config/load.h"
+#include "base/config/arg_map.h"
+#include "base/config/load.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/planner.h"
 

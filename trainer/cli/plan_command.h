@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::models {
 class CausalLM;

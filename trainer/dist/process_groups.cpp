@@ -15,7 +15,7 @@
 #include <optional>
 #include <sstream>
 
-#include "trainer/train/log.h"
+#include "base/log.h"
 
 namespace nnstrain::dist {
 

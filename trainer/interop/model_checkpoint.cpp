@@ -8,7 +8,7 @@
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
-#include "trainer/config/load.h"
+#include "base/config/load.h"
 
 namespace fs = std::filesystem;
 
@@ -45,7 +45,7 @@ void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& mode
   for (auto& p : model.named_parameters()) {
     auto t = p.value().detach();
     const auto dtype = checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type()));
-    checkpoint::StateTensor st{checkpoint::ShardSpec::full("model/" + p.key(), dtype, t.sizes().vec()), t};
+    sharding::StateTensor st{sharding::ShardSpec::full("model/" + p.key(), dtype, t.sizes().vec()), t};
     ck.load_into(st);
   }
 }

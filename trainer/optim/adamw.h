@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::optim {
 

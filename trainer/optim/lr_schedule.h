@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::optim {
 

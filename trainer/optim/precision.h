@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::optim {
 

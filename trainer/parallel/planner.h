@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 #include "trainer/parallel/plan.h"
 
 namespace nnstrain::models {

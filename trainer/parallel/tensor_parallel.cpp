@@ -69,7 +69,7 @@ std::vector<ParamShard> tensor_parallel_shards(models::CausalLM& model, dist::Ru
   for (size_t i = 0; i < layouts.size(); ++i) {
     const auto& l = layouts[i];
     const auto& p = params[l.name];
-    auto spec = checkpoint::ShardSpec::full(l.name, checkpoint::dtype_name(checkpoint::to_dtype(p.scalar_type())),
+    auto spec = sharding::ShardSpec::full(l.name, checkpoint::dtype_name(checkpoint::to_dtype(p.scalar_type())),
                                             l.global_shape);
     if (!l.split_here()) {
       spec.replica_ranks = all;

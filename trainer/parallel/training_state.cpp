@@ -154,8 +154,8 @@ std::vector<optim::Segment> TrainingState::make_segments() const {
   return segs;
 }
 
-std::vector<checkpoint::ShardSpec> TrainingState::segment_specs(const std::string& prefix) const {
-  std::vector<checkpoint::ShardSpec> specs;
+std::vector<sharding::ShardSpec> TrainingState::segment_specs(const std::string& prefix) const {
+  std::vector<sharding::ShardSpec> specs;
   for (const auto& s : segments_) {
     const auto& p = *std::find_if(params_.begin(), params_.end(), [&](const ParamShard& x) { return x.name == s.name; });
     auto spec = p.spec;
@@ -172,8 +172,8 @@ std::vector<checkpoint::ShardSpec> TrainingState::segment_specs(const std::strin
   return specs;
 }
 
-std::vector<checkpoint::StateTensor> TrainingState::weight_state() const {
-  std::vector<checkpoint::StateTensor> out;
+std::vector<sharding::StateTensor> TrainingState::weight_state() const {
+  std::vector<sharding::StateTensor> out;
   if (!opts_.master_weights) {
     for (const auto& p : params_) {
       auto spec = p.spec;

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "trainer/checkpoint/checkpoint.h"
-#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/sharding/state_tensor.h"
+#include "trainer/sharding/shard_spec.h"
 #include "trainer/optim/adamw.h"
 
 namespace nnstrain::parallel {
@@ -35,7 +35,7 @@ namespace nnstrain::parallel {
 struct ParamShard {
   std::string name;
   at::Tensor tensor;
-  checkpoint::ShardSpec spec;
+  sharding::ShardSpec spec;
   // Share of this piece in the global gradient norm: 1 for a piece only this
   // rank's tensor-parallel group position holds, 1/tp for one every TP rank replicates.
   double norm_weight = 1.0;
@@ -110,10 +110,10 @@ class TrainingState {
   const at::Tensor& norm_weights() const { return norm_weights_; }
   bool norm_weighted() const { return norm_weighted_; }
   // The ShardSpec of each optimizer segment (state named prefix + param name).
-  std::vector<checkpoint::ShardSpec> segment_specs(const std::string& prefix) const;
+  std::vector<sharding::ShardSpec> segment_specs(const std::string& prefix) const;
   // The weights checkpoints store: fp32 masters under *-mixed (this rank's ZeRO
   // chunks only, as flat pieces), else the parameters. Named "model/<name>".
-  std::vector<checkpoint::StateTensor> weight_state() const;
+  std::vector<sharding::StateTensor> weight_state() const;
   // After the optimizer (or a checkpoint load) changed the masters: the compute
   // copy of what this rank updates (its chunks under ZeRO: the reducer gathers the rest).
   void refresh_compute_copy();

@@ -4,8 +4,8 @@
 #include <fstream>
 #include <mutex>
 
-#include "trainer/config/arg_map.h"
-#include "trainer/train/log.h"
+#include "base/config/arg_map.h"
+#include "base/log.h"
 
 #ifdef NNSTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -7,7 +7,7 @@
 #include <map>
 
 #include "trainer/checkpoint/checkpoint.h"
-#include "trainer/train/log.h"
+#include "base/log.h"
 
 #ifdef NNSTRAIN_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

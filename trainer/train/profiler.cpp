@@ -5,7 +5,7 @@
 #include <filesystem>
 #include <set>
 
-#include "trainer/train/log.h"
+#include "base/log.h"
 
 namespace nnstrain::train {
 

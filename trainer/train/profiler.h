@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::train {
 

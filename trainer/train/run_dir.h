@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::train {
 

@@ -4,14 +4,14 @@
 
 #include "models/common/init.h"
 #include "models/registry.h"
-#include "trainer/checkpoint/hf.h"
+#include "trainer/interop/hf_import.h"
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/checkpoint/tensor_io.h"
-#include "trainer/config/arg_map.h"
+#include "base/config/arg_map.h"
 #include "trainer/dist/device.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/tensor_parallel.h"
-#include "trainer/train/log.h"
+#include "base/log.h"
 #include "trainer/train/run_dir.h"
 #include "trainer/train/step_graph.h"
 
@@ -22,8 +22,8 @@ namespace nnstrain::train {
 namespace {
 
 // A tensor every rank holds whole and identical (loss-scaler state).
-checkpoint::StateTensor replicated(const std::string& name, const at::Tensor& t, int world) {
-  auto spec = checkpoint::ShardSpec::full(name, checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())),
+sharding::StateTensor replicated(const std::string& name, const at::Tensor& t, int world) {
+  auto spec = sharding::ShardSpec::full(name, checkpoint::dtype_name(checkpoint::to_dtype(t.scalar_type())),
                                           t.sizes().vec());
   for (int r = 0; r < world; ++r) spec.replica_ranks.push_back(r);
   return {spec, t};
@@ -31,7 +31,7 @@ checkpoint::StateTensor replicated(const std::string& name, const at::Tensor& t,
 
 }  // namespace
 
-std::vector<checkpoint::StateTensor> Trainable::state_tensors() {
+std::vector<sharding::StateTensor> Trainable::state_tensors() {
   auto out = state->weight_state();
   const auto m = state->segment_specs("optim/exp_avg/"), v = state->segment_specs("optim/exp_avg_sq/");
   for (size_t i = 0; i < m.size(); ++i) {
@@ -79,7 +79,7 @@ std::shared_ptr<models::CausalLM> materialise_model(const config::TrainerArgs& a
                                                     const torch::Device& device) {
   auto model = models::find_model(args.model.type)->build_sharded(*args.model.args, parallel::sharding_context(rt));
   if (!args.model.init_from.empty()) {
-    const auto r = checkpoint::load_hf_weights(*model, args.model.init_from, device);
+    const auto r = interop::load_hf_weights(*model, args.model.init_from, device);
     log::info("initialised weights from " + args.model.init_from + " (this rank read " +
               std::to_string(r.bytes_read >> 20) + " of " + std::to_string(r.bytes_needed >> 20) + " MiB)");
   } else {

@@ -16,7 +16,7 @@
 #include "data/token_bin.h"
 #include "models/model.h"
 #include "trainer/checkpoint/checkpoint.h"
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
@@ -39,7 +39,7 @@ struct Trainable {
   int world = 1;
 
   // Everything a checkpoint holds of it, as ShardSpec'd pieces.
-  std::vector<checkpoint::StateTensor> state_tensors();
+  std::vector<sharding::StateTensor> state_tensors();
   // The compute copy from what the optimizer updated (or a checkpoint loaded):
   // masters cast, ZeRO chunks gathered.
   void after_optimizer_step();

@@ -10,12 +10,12 @@
 #include <sstream>
 
 #include "data/loader.h"
-#include "trainer/config/arg_map.h"
+#include "base/config/arg_map.h"
 #include "trainer/checkpoint/async_save.h"
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/parallel/clip.h"
-#include "trainer/train/log.h"
+#include "base/log.h"
 #include "trainer/train/memory_snapshot.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/profiler.h"

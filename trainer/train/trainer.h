@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "trainer/config/trainer_args.h"
+#include "base/config/trainer_args.h"
 #include "trainer/dist/dist_env.h"
 
 namespace nnstrain::train {

@@ -1,4 +1,4 @@
-#include "trainer/checkpoint/hf.h"
+#include "trainer/interop/hf_import.h"
 
 #include <cmath>
 #include <torch/torch.h>
@@ -15,11 +15,13 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
-#include "trainer/util/text.h"
+#include "base/text.h"
 
 namespace fs = std::filesystem;
 
-namespace nnstrain::checkpoint {
+namespace nnstrain::interop {
+
+using namespace checkpoint;  // CheckpointError, the safetensors reader, bounded JSON
 
 namespace {
 
@@ -201,4 +203,4 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
   return report;
 }
 
-}  // namespace nnstrain::checkpoint
+}  // namespace nnstrain::interop

@@ -1,13 +1,13 @@
-#include "trainer/checkpoint/shard_spec.h"
+#include "trainer/sharding/shard_spec.h"
 
 #include <algorithm>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 
-#include "trainer/util/text.h"
+#include "base/text.h"
 
-namespace nnstrain::checkpoint {
+namespace nnstrain::sharding {
 
 ShardSpec ShardSpec::full(std::string name, std::string dtype, std::vector<int64_t> shape) {
   ShardSpec s;
@@ -204,4 +204,4 @@ int64_t covered(const std::vector<ShardSpec>& pieces, const ShardSpec& wanted) {
   return total + (cur_hi - cur_lo);
 }
 
-}  // namespace nnstrain::checkpoint
+}  // namespace nnstrain::sharding

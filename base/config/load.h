@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "trainer/config/arg_map.h"
-#include "trainer/config/trainer_args.h"
+#include "base/config/arg_map.h"
+#include "base/config/trainer_args.h"
 
 namespace nnstrain::config {
 

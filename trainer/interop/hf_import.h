@@ -2,7 +2,7 @@
 // transformers' save_pretrained writes (config.json plus model.safetensors, or
 // model.safetensors.index.json and the files it names). Names and layouts are
 // mapped through the model's own declaration (models::CausalLM::hf_tensors()).
-// The other direction is `nnstrain merge --hf` (merge.h).
+// The other direction is `nnstrain merge --hf` (model_checkpoint.h, checkpoint/merge.h).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -21,7 +21,7 @@ class CausalLM;
 struct ModelEntry;
 }
 
-namespace nnstrain::checkpoint {
+namespace nnstrain::interop {
 
 // DIR/config.json -> the model's config, through the registry entry's
 // from_hf_config. Throws CheckpointError naming the file and the fault.
@@ -42,4 +42,4 @@ struct HfLoadReport {
 HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir,
                              std::optional<c10::Device> device = std::nullopt);
 
-}  // namespace nnstrain::checkpoint
+}  // namespace nnstrain::interop

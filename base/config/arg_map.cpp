@@ -1,4 +1,4 @@
-#include "trainer/config/arg_map.h"
+#include "base/config/arg_map.h"
 
 #include <algorithm>
 #include <cctype>
@@ -6,8 +6,8 @@
 #include <cmath>
 #include <sstream>
 
-#include "trainer/config/arg_map_impl.h"
-#include "trainer/util/text.h"
+#include "base/config/arg_map_impl.h"
+#include "base/text.h"
 
 namespace nnstrain::config {
 

@@ -10,7 +10,7 @@
 
 #include <yaml-cpp/yaml.h>
 
-#include "trainer/config/arg_map.h"
+#include "base/config/arg_map.h"
 
 namespace nnstrain::config {
 

@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace nnstrain::checkpoint {
+namespace nnstrain::sharding {
 
 struct ShardSpec {
   std::string name;                   // global name, e.g. "model/h.0.attn.c_attn.weight"
@@ -71,4 +71,4 @@ std::vector<Copy> overlap(const ShardSpec& stored, const ShardSpec& wanted);
 // Total elements of `wanted` covered by `pieces` (to check a load is complete).
 int64_t covered(const std::vector<ShardSpec>& pieces, const ShardSpec& wanted);
 
-}  // namespace nnstrain::checkpoint
+}  // namespace nnstrain::sharding

@@ -1,4 +1,4 @@
-#include "trainer/config/load.h"
+#include "base/config/load.h"
 
 #include <algorithm>
 #include <cctype>
@@ -8,8 +8,8 @@
 #include <iterator>
 #include <sstream>
 
-#include "trainer/config/arg_map_impl.h"
-#include "trainer/util/text.h"
+#include "base/config/arg_map_impl.h"
+#include "base/text.h"
 
 namespace nnstrain::config {
 
