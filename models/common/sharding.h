@@ -56,7 +56,8 @@ struct ShardingContext {
   c10::TensorOptions options = c10::TensorOptions().dtype(c10::kFloat);
   c10::intrusive_ptr<TpComm> comm;  // null when tp == 1
   // Under tensor parallelism the vocabulary is padded to a multiple of
-  // tp x vocab_multiple rows (zero, never in the loss, metrics or checkpoints).
+  // tp x vocab_multiple rows and each rank's share is padded / tp rows; the
+  // padding rows (at the end) are never allocated (model.make_vocab_size_divisible_by).
   int64_t vocab_multiple = 1;
 
   bool parallel() const { return tp > 1; }

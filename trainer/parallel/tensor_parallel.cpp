@@ -44,9 +44,10 @@ c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt) {
   return c10::make_intrusive<RuntimeTpComm>(rt);
 }
 
-models::common::ShardingContext sharding_context(dist::Runtime* rt) {
+models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple) {
   models::common::ShardingContext ctx;
   ctx.options = ctx.options.device(c10::kMeta);
+  ctx.vocab_multiple = vocab_multiple;
   if (rt && rt->tp.size() > 1) {
     ctx.tp = rt->tp.size();
     ctx.rank = rt->tp.rank;

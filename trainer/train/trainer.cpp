@@ -184,7 +184,14 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     // This rank's piece of the model, built on meta and materialised on the
     // device: Hugging Face weights (only its slices read), or the fresh
     // initialisation, slice for slice that of one process with the same seed.
-    model = entry->build_sharded(*args.model.args, parallel::sharding_context(rt.get()));
+    const auto ctx = parallel::sharding_context(rt.get(), args.model.make_vocab_size_divisible_by);
+    const int64_t vocab = model->vocab_size(), padded = ctx.padded_vocab(vocab);
+    if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
+      throw config::ConfigError("model.make_vocab_size_divisible_by " +
+                                std::to_string(args.model.make_vocab_size_divisible_by) + ": padding the vocabulary of " +
+                                std::to_string(vocab) + " to " + std::to_string(padded) + " leaves tensor-parallel rank " +
+                                std::to_string(ctx.tp - 1) + " no rows; lower it");
+    model = entry->build_sharded(*args.model.args, ctx);
     if (!args.model.init_from.empty()) {
       const auto r = checkpoint::load_hf_weights(*model, args.model.init_from, device);
       log::info("initialised weights from " + args.model.init_from + " (this rank read " +
