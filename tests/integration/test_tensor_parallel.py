@@ -220,3 +220,21 @@ def test_shakespeare_char_config_runs_at_tp2_as_one_process(tmp_path):
                        cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "attention heads 6 is not divisible by tp 4" in p.stdout + p.stderr
     assert "vocabulary" not in p.stdout + p.stderr
+
+
+def test_dropout_at_tp2_resumes_exactly(tmp_path, tiny_tokens):
+    """With dropout, every generator a tp=2 rank draws from (the default ones and
+    the sharded-region one of its attention heads) is in the checkpoint: a resume
+    continues the very same masks."""
+    ranks, ov = PLANS["tp2"]
+    drop = ["--model.args.dropout", "0.2"]
+    straight = run(ranks, tmp_path / "straight", tiny_tokens, *ov, *drop, save_dir=tmp_path / "ckpt")
+    resumed = run(ranks, tmp_path / "resumed", tiny_tokens, *ov, *drop, resume=tmp_path / "ckpt" / "step-00000005")
+    assert sorted(resumed) == list(range(6, 11))
+    assert all(resumed[s] == straight[s] for s in resumed), (resumed, straight)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000005" / "manifest.json").read_text())
+    names = {e["name"] for entries in manifest["files"].values() for e in entries}
+    assert {"rng/tp/rank0", "rng/tp/rank1"} <= names
+    # Dropout acts: the losses differ from a run without it.
+    plain = run(ranks, tmp_path / "plain", tiny_tokens, *ov)
+    assert plain[10][0] != straight[10][0]

@@ -12,6 +12,7 @@
 #include "data/loader.h"
 #include "data/token_bin.h"
 #include "models/common/init.h"
+#include "models/common/parallel_rng.h"
 #include "models/model.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/async_save.h"
@@ -179,12 +180,14 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   // precision's dtypes (the model was built in fp32: masters start from it exactly).
   const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
   Trainable tr;
+  std::shared_ptr<models::common::ParallelRng> tp_rng;  // sharded-region dropout (tp > 1), in checkpoints
   tr.world = world;
   {
     // This rank's piece of the model, built on meta and materialised on the
     // device: Hugging Face weights (only its slices read), or the fresh
     // initialisation, slice for slice that of one process with the same seed.
-    const auto ctx = parallel::sharding_context(rt.get(), args.model.make_vocab_size_divisible_by);
+    const auto ctx = parallel::sharding_context(rt.get(), args.model.make_vocab_size_divisible_by, args.seed);
+    tp_rng = ctx.rng;
     const int64_t vocab = model->vocab_size(), padded = ctx.padded_vocab(vocab);
     if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
       throw config::ConfigError("model.make_vocab_size_divisible_by " +
@@ -239,7 +242,10 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     tr.dp->after_optimizer_step();  // the compute copy from the loaded (master) weights
     start_step = st.at("step").get<int64_t>();
     tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
-    checkpoint::restore_rng_state(ck, rank, device);
+    std::vector<checkpoint::ExtraRngState> extra;
+    if (tp_rng) extra.push_back({"tp", tp_rng->state(device)});
+    checkpoint::restore_rng_state(ck, rank, device, &extra);
+    if (tp_rng) tp_rng->set_state(device, extra[0].state);
     log::info("resumed from " + resume + " at step " + std::to_string(start_step));
   }
   // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
@@ -322,7 +328,9 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     if (args.checkpoint.save_dir.empty()) return;
     check_finite();
     auto tensors = tr.state_tensors();
-    for (auto& t : checkpoint::rng_state_tensors(rank, device)) tensors.push_back(std::move(t));
+    std::vector<checkpoint::ExtraRngState> extra;
+    if (tp_rng) extra.push_back({"tp", tp_rng->state(device)});
+    for (auto& t : checkpoint::rng_state_tensors(rank, device, extra)) tensors.push_back(std::move(t));
     nlohmann::json state = {
         {"step", step},
         {"epoch", step * global_batch / std::max<int64_t>(1, train_ds.samples_per_epoch())},
