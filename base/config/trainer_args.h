@@ -41,6 +41,9 @@ struct ModelArgs {
   bool activation_checkpointing = false;
   std::string loss = "plain";                 // plain | chunked
   int loss_chunk_size = 4096;                 // tokens per chunk for the chunked loss
+  // Under tensor parallelism the vocabulary is padded to a multiple of this x tp
+  // (Megatron's make_vocab_size_divisible_by); padding rows are never allocated.
+  int make_vocab_size_divisible_by = 1;
 };
 
 struct OptimizerArgs {

@@ -66,19 +66,23 @@ ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std:
   return l;
 }
 
-// Rows [rank x rows, +rows) of the padded vocabulary; the blocks cover only true rows.
+// Rows [rank x rows, +rows) of the padded vocabulary, rows = padded / tp: only
+// the true ones are allocated, so the last rank(s) may hold fewer rows and no
+// padding row ever exists (nothing to mask, save or keep at zero).
 ParamLayout vocab_layout(const std::string& name, const ShardingContext& ctx, int64_t vocab, int64_t dim,
                          InitRule init, int64_t* start) {
   ParamLayout l = replicated_layout(name, {vocab, dim}, init);
   l.split = {name, SplitStyle::Vocab, 1, {}};
+  if (!ctx.parallel()) return l;
   const int64_t rows = ctx.padded_vocab(vocab) / ctx.tp;
   *start = ctx.rank * rows;
   const int64_t held = std::min(rows, vocab - *start);
   if (held < 1)
-    throw std::invalid_argument("vocabulary of " + std::to_string(vocab) + " is too small to split over " +
-                                std::to_string(ctx.tp) + " tensor-parallel ranks");
+    throw std::invalid_argument("a vocabulary of " + std::to_string(vocab) + " padded to " +
+                                std::to_string(ctx.padded_vocab(vocab)) + " leaves tensor-parallel rank " +
+                                std::to_string(ctx.rank) + " of " + std::to_string(ctx.tp) + " no rows");
   l.blocks = {{{*start, 0}, {held, dim}}};
-  l.local_shape = {rows, dim};
+  l.local_shape = {held, dim};
   return l;
 }
 
@@ -281,7 +285,7 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
         torch::nn::functional::linear(h, w).to(torch::kFloat32), t,
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
   }
-  const int64_t held = std::min<int64_t>(w.size(0), vocab_ - start_);  // rows past it are padding
+  const int64_t held = w.size(0);
   h = copy_to_tp(h, ctx_.comm);
   if (chunk_size > 0)
     return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
@@ -290,10 +294,13 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
 
 torch::Tensor ParallelLmHeadImpl::logits(const torch::Tensor& hidden, const torch::Tensor& w) const {
   if (!ctx_.parallel()) return torch::nn::functional::linear(hidden, w);
-  // Evaluation only: no gradient through the gather. Padding rows sit at the
-  // end of the last rank's piece, so the true vocabulary is a prefix.
-  auto local = torch::nn::functional::linear(hidden, w).contiguous();
-  auto all = ctx_.comm->all_gather(local);  // [tp, ..., V/tp]
+  // Evaluation only: no gradient through the gather. Every rank's piece is
+  // padded to padded_vocab / tp columns for the gather; the padding sits at the
+  // end of the padded vocabulary, so the true vocabulary is a prefix.
+  auto local = torch::nn::functional::linear(hidden, w);
+  const int64_t rows = ctx_.padded_vocab(vocab_) / ctx_.tp;
+  if (local.size(-1) < rows) local = torch::constant_pad_nd(local, {0, rows - local.size(-1)});
+  auto all = ctx_.comm->all_gather(local.contiguous());  // [tp, ..., rows]
   auto moved = all.movedim(0, -2);          // [..., tp, V/tp]
   auto sizes = local.sizes().vec();
   sizes.back() = -1;

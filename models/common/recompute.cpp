@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 
+#include <map>
 #include <mutex>
 #include <optional>
 
@@ -15,8 +16,10 @@ using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
 
 // Lets the autograd context hold the block (saved_data takes IValues only).
 struct FnHolder : torch::CustomClassHolder {
-  explicit FnHolder(Fn f) : fn(std::move(f)) {}
+  FnHolder(Fn f, ParallelRng* r) : fn(std::move(f)), rng(r) {}
   Fn fn;
+  ParallelRng* rng;                                   // sharded-region generator, if any
+  std::map<std::string, torch::Tensor> rng_states;    // its states at forward
 };
 
 // The generators whose draws fn may make: the CPU one, and x's CUDA one.
@@ -77,6 +80,7 @@ class Recompute : public torch::autograd::Function<Recompute> {
     auto gens = generators_for(x);
     const auto states = get_states(gens);
     const auto dev = x.device().type();
+    if (holder->rng) holder->rng_states = holder->rng->states();
     torch::Tensor y;
     {
       torch::NoGradGuard no_grad;
@@ -101,8 +105,14 @@ class Recompute : public torch::autograd::Function<Recompute> {
     torch::Tensor y;
     {
       ReplayGuard replay(x, rng, autocast_on, autocast_dtype);
+      std::map<std::string, torch::Tensor> rng_after;
+      if (holder->rng) {
+        rng_after = holder->rng->states();
+        holder->rng->set_states(holder->rng_states);
+      }
       torch::AutoGradMode grad_on(true);
       y = holder->fn(xd);
+      if (holder->rng) holder->rng->set_states(rng_after);
     }
     // Re-entrant backward: accumulates fn's parameter grads and xd's.
     if (y.requires_grad() && grad_out[0].defined()) torch::autograd::backward({y}, {grad_out[0]});
@@ -112,12 +122,12 @@ class Recompute : public torch::autograd::Function<Recompute> {
 
 }  // namespace
 
-torch::Tensor recompute(Fn fn, const torch::Tensor& x) {
+torch::Tensor recompute(Fn fn, const torch::Tensor& x, ParallelRng* rng) {
   if (!torch::GradMode::is_enabled()) return fn(x);
   // The autograd function's output needs grad only if an input does; a block
   // fed a grad-free input still has parameters that want theirs.
   const auto in = x.requires_grad() ? x : x.detach().requires_grad_(true);
-  return Recompute::apply(in, c10::make_intrusive<FnHolder>(std::move(fn)));
+  return Recompute::apply(in, c10::make_intrusive<FnHolder>(std::move(fn), rng));
 }
 
 }  // namespace nnstrain::models::common

@@ -6,6 +6,8 @@
 
 #include <functional>
 
+#include "models/common/parallel_rng.h"
+
 namespace nnstrain::models::common {
 
 // y = fn(x), keeping only x for backward. Backward re-runs fn on x with grad
@@ -15,6 +17,8 @@ namespace nnstrain::models::common {
 // when x needs none. Without grad mode this is a plain fn(x).
 // fn must depend on nothing but x and its parameters (captured tensors it reads
 // are read again in backward), and must be callable again until backward ran.
-torch::Tensor recompute(std::function<torch::Tensor(const torch::Tensor&)> fn, const torch::Tensor& x);
+// With `rng`, its sharded-region state (model-parallel RNG) is replayed too.
+torch::Tensor recompute(std::function<torch::Tensor(const torch::Tensor&)> fn, const torch::Tensor& x,
+                        ParallelRng* rng = nullptr);
 
 }  // namespace nnstrain::models::common

@@ -10,6 +10,7 @@
 #include <c10/core/TensorOptions.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,8 @@ struct ParamSplit {
 
 namespace common {
 
+class ParallelRng;
+
 // Collectives over the tensor-parallel group. Tensors in, results out; every
 // rank of the group calls them in the same order. Held by autograd functions
 // through an IValue capsule, hence the CustomClassHolder base.
@@ -56,8 +59,12 @@ struct ShardingContext {
   c10::TensorOptions options = c10::TensorOptions().dtype(c10::kFloat);
   c10::intrusive_ptr<TpComm> comm;  // null when tp == 1
   // Under tensor parallelism the vocabulary is padded to a multiple of
-  // tp x vocab_multiple rows (zero, never in the loss, metrics or checkpoints).
+  // tp x vocab_multiple rows and each rank's share is padded / tp rows; the
+  // padding rows (at the end) are never allocated (model.make_vocab_size_divisible_by).
   int64_t vocab_multiple = 1;
+  // Dropout masks of sharded regions (this rank's heads) come from here; null:
+  // the default generator (tp 1, or no dropout to draw). models/common/parallel_rng.h.
+  std::shared_ptr<ParallelRng> rng;
 
   bool parallel() const { return tp > 1; }
   // n split over the group; throws naming `what` unless n is a multiple of tp x unit.

@@ -15,7 +15,7 @@ const common::InitRule kInit = common::InitRule::normal(0.02);
 }  // namespace
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx)
-    : head_dim(cfg.n_embd / cfg.n_head), heads(ctx.local(cfg.n_head, "n_head")), dropout(cfg.dropout) {
+    : head_dim(cfg.n_embd / cfg.n_head), heads(ctx.local(cfg.n_head, "n_head")), dropout(cfg.dropout), rng(ctx.rng) {
   const int64_t C = cfg.n_embd;
   c_attn = register_module("c_attn", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{C, C, C}, head_dim, cfg.bias, kInit));
   c_proj = register_module("c_proj", common::RowParallelLinear(ctx, C, C, head_dim, cfg.bias, proj_init(cfg)));
@@ -27,9 +27,15 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t width = heads * head_dim;
   auto parts = qkv.split(width, -1);
   auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, head_dim}).transpose(1, 2); };
-  auto y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]),
-                                            /*attn_mask=*/{}, is_training() ? dropout : 0.0,
-                                            /*is_causal=*/true);
+  const double p = is_training() ? dropout : 0.0;
+  torch::Tensor y;
+  {
+    // Attention-probability dropout on this rank's heads: a sharded region, so
+    // under tp > 1 its masks come from this rank's own generator state.
+    auto fork = p > 0 && rng ? rng->fork(x.device()) : common::ParallelRng::Fork();
+    y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), /*attn_mask=*/{}, p,
+                                         /*is_causal=*/true);
+  }
   y = y.transpose(1, 2).contiguous().view({B, T, width});
   return F::dropout(c_proj(y), F::DropoutFuncOptions().p(dropout).training(is_training()));
 }
@@ -57,7 +63,7 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   return y + mlp(ln_2(y));
 }
 
-Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg) {
+Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg), rng_(ctx.rng) {
   wte = register_module("wte", common::VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.n_embd, kInit));
   wpe = register_module("wpe", common::Embedding(cfg.block_size, cfg.n_embd, kInit, ctx.options));
   h = register_module("h", torch::nn::ModuleList());
@@ -75,7 +81,7 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
   for (size_t i = 0; i < h->size(); ++i) {
     auto block = h->ptr<BlockImpl>(i);
     if (i < recompute.size() && recompute[i] && is_training())
-      x = common::recompute([block](const torch::Tensor& t) { return block->forward(t); }, x);
+      x = common::recompute([block](const torch::Tensor& t) { return block->forward(t); }, x, rng_.get());
     else
       x = block->forward(x);
   }

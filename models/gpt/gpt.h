@@ -3,6 +3,7 @@
 #pragma once
 
 #include "models/common/layers.h"
+#include "models/common/parallel_rng.h"
 #include "models/model.h"
 #include "models/registry.h"
 
@@ -26,6 +27,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   common::RowParallelLinear c_proj{nullptr};
   int64_t head_dim, heads;  // heads: this rank's
   double dropout;
+  std::shared_ptr<common::ParallelRng> rng;  // attention dropout on this rank's heads (tp > 1)
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -72,6 +74,7 @@ class Gpt : public CausalLM {
  private:
   torch::Tensor hidden(const torch::Tensor& idx);
   GptConfig cfg_;
+  std::shared_ptr<common::ParallelRng> rng_;
 };
 
 ModelEntry registry_entry();

@@ -4,6 +4,7 @@ checkpoints that move between tensor-parallel, data-parallel and hybrid plans.
 The GPT of configs/tiny_dp.yaml with 4 heads (so tp=4 splits heads, MLP and the
 64-token vocabulary evenly), global batch 4 everywhere, dropout 0, clipping on.
 """
+import json
 import os
 import pathlib
 import subprocess
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import (CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env,
+                      write_token_file)
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
 TOL = 1e-5
@@ -133,3 +135,106 @@ def test_chunked_loss_parity_with_one_process(straight, tmp_path, tiny_tokens, p
     # The chunked loss is the plain one (to fp32 rounding), so this compares a real loss.
     plain, _ = straight["tp1"]
     assert max(rel(ref[s][0], plain[s][0]) for s in ref) < 1e-4
+
+
+# A vocabulary tp does not divide (65): padded to 66 (tp 2) or 68 (tp 4), the
+# padding rows never allocated; the token file uses all 65 ids.
+ODD = ["--model.args.vocab_size", "65"]
+
+
+@pytest.fixture(scope="module")
+def odd_vocab(tmp_path_factory):
+    data = write_token_file(tmp_path_factory.mktemp("data65") / "tokens.bin", vocab=65)
+    out = {}
+    for name in ("tp1", "tp2", "tp4"):
+        ranks, ov = PLANS[name]
+        d = tmp_path_factory.mktemp(name + "_v65")
+        out[name] = (run(ranks, d / "run", data, *ov, *ODD, save_dir=d / "ckpt"), d / "ckpt")
+    return data, out
+
+
+@pytest.mark.parametrize("plan", ["tp2", "tp4"])
+def test_padded_vocabulary_parity_with_one_process(odd_vocab, plan):
+    _, runs = odd_vocab
+    ref, _ = runs["tp1"]
+    got, _ = runs[plan]
+    assert sorted(got) == list(range(1, 11))
+    worst_loss = max(rel(got[s][0], ref[s][0]) for s in ref)
+    worst_norm = max(rel(got[s][1], ref[s][1]) for s in ref)
+    print(f"{plan} vocab 65: largest relative loss difference {worst_loss:.2e}, grad norm {worst_norm:.2e}")
+    assert worst_loss < TOL and worst_norm < TOL
+    assert any(ref[s][1] > 0.95 for s in ref)  # clipping was active
+
+
+def test_padded_vocabulary_checkpoint_holds_the_true_vocabulary_and_resumes_across_tp(odd_vocab, tmp_path):
+    data, runs = odd_vocab
+    ref, _ = runs["tp1"]
+    _, ckpt = runs["tp2"]
+    # The checkpoint holds the true vocabulary: 33 + 32 rows, no padding row.
+    manifest = json.loads((ckpt / "step-00000005" / "manifest.json").read_text())
+    wte = [e for entries in manifest["files"].values() for e in entries if e["name"] == "model/wte.weight"]
+    assert sorted((e["offsets"][0], e["shape"][0]) for e in wte) == [(0, 33), (33, 32)]
+    assert all(e["global_shape"] == [65, 32] for e in wte)
+    for src, dst in (("tp2", "tp4"), ("tp4", "tp1")):
+        ranks, ov = PLANS[dst]
+        got = run(ranks, tmp_path / f"{src}_{dst}", data, *ov, *ODD, resume=runs[src][1] / "step-00000005")
+        assert sorted(got) == list(range(6, 11))
+        worst = max(rel(got[s][0], ref[s][0]) for s in got)
+        print(f"vocab 65 {src} -> {dst}: largest relative loss difference after resume {worst:.2e}")
+        assert worst < TOL
+    merged = tmp_path / "merged"
+    p = subprocess.run([nnstrain_bin_path(), "merge", str(ckpt / "step-00000010"), "--out", str(merged), "--hf"],
+                       capture_output=True, text=True, env=single_process_env(1))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert load_file(str(merged / "model.safetensors"))["transformer.wte.weight"].shape == (65, 32)
+
+
+def test_shakespeare_char_config_runs_at_tp2_as_one_process(tmp_path):
+    """configs/shakespeare_char.yaml (65 characters, 6 heads) as shipped, at tp 2 vs one
+    process (a small batch and dropout 0 so the runs compare); tp 4 is refused for its
+    6 attention heads, not for the vocabulary."""
+    data_dir = tmp_path / "data"
+    for split, seed in (("train", 0), ("val", 1)):
+        write_token_file(data_dir / f"{split}.bin", n_tokens=40000, vocab=65, seed=seed)
+    common = ["--config", str(SOURCE / "configs" / "shakespeare_char.yaml"), "--vars.data_dir", str(data_dir),
+              "--micro_batch_size", "2", "--max_train_steps", "4", "--val_every_n_train_steps", "0",
+              "--log_progress_every_n_train_steps", "1", "--model.args.dropout", "0.0",
+              "--compute_config.device", "cpu"]
+    losses = {}
+    for tp in (1, 2):
+        args = [*common, "--run_dir", str(tmp_path / f"tp{tp}"), "--checkpoint.save_dir", str(tmp_path / f"ckpt{tp}")]
+        if tp > 1:
+            args += ["--compute_config.plan_ngpus", str(tp), "--pas_policy", "tp"]
+        cmd = [nnstrain_bin_path(), *args] if tp == 1 else \
+            [nnstrain_bin_path(), "launch", "--nproc-per-node", str(tp), "--", *args]
+        p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"tp {tp}:\n{p.stdout}{p.stderr}"
+        train, _ = read_metrics(tmp_path / f"tp{tp}" / "metrics.jsonl")
+        losses[tp] = {r["step"]: r["loss"] for r in train}
+    assert sorted(losses[2]) == [1, 2, 3, 4]
+    worst = max(rel(losses[2][s], losses[1][s]) for s in losses[1])
+    print(f"shakespeare_char tp2 vs one process: largest relative loss difference {worst:.2e}")
+    assert worst < TOL
+    p = subprocess.run([nnstrain_bin_path(), "plan", "--config", str(SOURCE / "configs" / "shakespeare_char.yaml"),
+                        "--runtime-ngpus", "4", "--compute_config.plan_ngpus", "4", "--pas_policy", "tp"],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "attention heads 6 is not divisible by tp 4" in p.stdout + p.stderr
+    assert "vocabulary" not in p.stdout + p.stderr
+
+
+def test_dropout_at_tp2_resumes_exactly(tmp_path, tiny_tokens):
+    """With dropout, every generator a tp=2 rank draws from (the default ones and
+    the sharded-region one of its attention heads) is in the checkpoint: a resume
+    continues the very same masks."""
+    ranks, ov = PLANS["tp2"]
+    drop = ["--model.args.dropout", "0.2"]
+    straight = run(ranks, tmp_path / "straight", tiny_tokens, *ov, *drop, save_dir=tmp_path / "ckpt")
+    resumed = run(ranks, tmp_path / "resumed", tiny_tokens, *ov, *drop, resume=tmp_path / "ckpt" / "step-00000005")
+    assert sorted(resumed) == list(range(6, 11))
+    assert all(resumed[s] == straight[s] for s in resumed), (resumed, straight)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000005" / "manifest.json").read_text())
+    names = {e["name"] for entries in manifest["files"].values() for e in entries}
+    assert {"rng/tp/rank0", "rng/tp/rank1"} <= names
+    # Dropout acts: the losses differ from a run without it.
+    plain = run(ranks, tmp_path / "plain", tiny_tokens, *ov)
+    assert plain[10][0] != straight[10][0]

@@ -14,6 +14,8 @@
 
 #include "models/common/init.h"
 #include "models/common/layers.h"
+#include "models/common/parallel_rng.h"
+#include "models/common/recompute.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
 #include "models/model.h"
@@ -130,6 +132,12 @@ TEST_CASE("fresh init: GPT shards at tp 2 and 4 put together equal tp 1 bitwise"
   cfg.bias = true;
   Build build = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx); };
   check_shards_equal_one_process(build, {2, 4});
+  // A vocabulary tp does not divide: 65 rows as 33 + 32 at tp 2, 17 + 17 + 17 + 14 at tp 4.
+  auto odd = cfg;
+  odd.vocab_size = 65;
+  Build build_odd = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(odd, ctx); };
+  check_shards_equal_one_process(build_odd, {2, 4});
+  CHECK(build_odd(meta_context(4, 3))->named_parameters()["wte.weight"].size(0) == 14);
 
   // The rules are nanoGPT's: 0.02, residual projections 0.02 / sqrt(2 L), zero biases, unit LN weights.
   auto m = build(meta_context(1, 0));
@@ -285,9 +293,7 @@ TEST_CASE("vocab-parallel loss (plain and chunked) and logits over 2 ranks equal
           ctx.comm = c10::make_intrusive<ThreadComm>(group, r);
           common::ParallelLmHead head(ctx, V, C, /*own_weight=*/false, common::InitRule::normal(1.0));
           const int64_t rows = 5, start = r * rows, held = std::min<int64_t>(rows, V - start);
-          auto w = torch::zeros({rows, C}, torch::kDouble);
-          w.narrow(0, 0, held).copy_(weight.narrow(0, start, held));
-          w.requires_grad_(true);
+          auto w = weight.narrow(0, start, held).clone().requires_grad_(true);  // rank 1: 4 true rows, no padding row
           auto h = hidden.clone().requires_grad_(true);
           auto l = head->loss(h, w, targets, chunk, ignore);
           l.backward();
@@ -303,8 +309,8 @@ TEST_CASE("vocab-parallel loss (plain and chunked) and logits over 2 ranks equal
         CHECK(loss[r] == Approx(ref.item<double>()).epsilon(1e-12));
         CHECK(torch::allclose(gh[r], h_ref.grad(), 1e-10, 1e-12));
         const int64_t start = r * 5, held = std::min<int64_t>(5, V - start);
-        CHECK(torch::allclose(gw[r].narrow(0, 0, held), w_ref.grad().narrow(0, start, held), 1e-10, 1e-12));
-        if (held < 5) CHECK(gw[r].narrow(0, held, 5 - held).abs().max().item<double>() == 0);  // padding: no gradient
+        CHECK(gw[r].size(0) == held);
+        CHECK(torch::allclose(gw[r], w_ref.grad().narrow(0, start, held), 1e-10, 1e-12));
         CHECK(logits[r].sizes() == full_logits.sizes());  // padding column dropped
         CHECK(torch::allclose(logits[r], full_logits, 1e-12, 1e-12));
       }
@@ -363,4 +369,112 @@ TEST_CASE("HF init_from at tp 2 reads only each rank's slices and equals the tp 
       CHECK(share > 0.45);
     }
   }
+}
+
+namespace {
+// One rank alone: every collective is the identity (enough to run a rank's forward).
+struct SoloComm : TpComm {
+  void all_reduce(at::Tensor&) override {}
+  void all_reduce_max(at::Tensor&) override {}
+  at::Tensor all_gather(const at::Tensor& t) override { return t.unsqueeze(0); }
+  at::Tensor reduce_scatter(const at::Tensor& t) override { return t[0]; }
+};
+}  // namespace
+
+TEST_CASE("model-parallel RNG: a fork draws per TP rank and leaves the default stream as it was", "[tp_layers]") {
+  using nnstrain::models::common::ParallelRng;
+  const c10::Device cpu(c10::kCPU);
+  CHECK(common::parallel_rng_seed(1337, 0, 0) != common::parallel_rng_seed(1337, 0, 1));
+  CHECK(common::parallel_rng_seed(1337, 0, 1) != common::parallel_rng_seed(1337, 1, 0));
+  torch::manual_seed(5);
+  const auto plain = torch::rand({64});  // the default stream with no fork
+  std::vector<at::Tensor> sharded(2), again(2), after(2);
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(5);
+    ParallelRng rng(common::parallel_rng_seed(1337, 0, r));
+    {
+      auto fork = rng.fork(cpu);
+      sharded[r] = torch::rand({64});
+    }
+    after[r] = torch::rand({64});
+    const auto state = rng.state(cpu);
+    {
+      auto fork = rng.fork(cpu);
+      again[r] = torch::rand({64});
+    }
+    CHECK(!torch::equal(again[r], sharded[r]));  // the rank's own stream moves on
+    rng.set_state(cpu, state);                   // and restores (checkpoints, recompute)
+    auto fork = rng.fork(cpu);
+    CHECK(torch::equal(torch::rand({64}), again[r]));
+  }
+  CHECK(!torch::equal(sharded[0], sharded[1]));  // sharded regions: independent masks per TP rank
+  CHECK(torch::equal(after[0], after[1]));       // replicated regions: the same on every rank...
+  CHECK(torch::equal(after[0], plain));          // ...and as if no fork had happened
+}
+
+TEST_CASE("model-parallel RNG: GPT attention dropout at tp 2 differs per rank on its heads, "
+          "the replicated output dropout agrees", "[tp_layers]") {
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_embd = 32;
+  cfg.block_size = 16;
+  cfg.dropout = 0.5;
+  const auto x = torch::randn({2, 16, 32});
+  auto forward = [&](int rng_rank) {
+    ShardingContext ctx;
+    ctx.tp = 2;
+    ctx.rank = 0;  // the same weights on both: only the generator differs
+    ctx.comm = c10::make_intrusive<SoloComm>();
+    ctx.rng = std::make_shared<nnstrain::models::common::ParallelRng>(common::parallel_rng_seed(1, 0, rng_rank));
+    torch::manual_seed(9);
+    nnstrain::models::gpt::CausalSelfAttention attn(cfg, ctx);
+    // A nonzero bias, so a query whose attention the dropout emptied does not
+    // give exact zeros: zeros then come from the output dropout alone.
+    torch::NoGradGuard no_grad;
+    attn->c_proj->bias.fill_(1.0);
+    attn->train();
+    torch::manual_seed(10);
+    auto y = attn->forward(x);
+    return std::make_pair(y, torch::rand({16}));  // the default stream after the block
+  };
+  const auto [y0, next0] = forward(0);
+  const auto [y1, next1] = forward(1);
+  const auto [y0b, next0b] = forward(0);
+  CHECK(torch::equal(y0, y0b));    // deterministic per rank
+  CHECK(!torch::equal(y0, y1));    // attention-probability masks differ between TP ranks
+  const auto zeros0 = y0.eq(0), zeros1 = y1.eq(0);
+  CHECK(zeros0.sum().item<int64_t>() > 100);  // the output dropout (p 0.5) zeroed elements...
+  CHECK(torch::equal(zeros0, zeros1));        // ...at the same positions on both ranks
+  CHECK(torch::equal(next0, next1));          // and the default stream moved alike
+}
+
+TEST_CASE("model-parallel RNG: a recomputed block replays its sharded-region masks", "[tp_layers]") {
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.n_layer = 1;
+  cfg.n_head = 4;
+  cfg.n_embd = 32;
+  cfg.block_size = 16;
+  cfg.dropout = 0.3;
+  const auto x = torch::randn({2, 16, 32});
+  auto grads = [&](bool recompute) {
+    ShardingContext ctx;
+    ctx.tp = 2;
+    ctx.comm = c10::make_intrusive<SoloComm>();
+    ctx.rng = std::make_shared<nnstrain::models::common::ParallelRng>(common::parallel_rng_seed(3, 0, 1));
+    torch::manual_seed(4);
+    nnstrain::models::gpt::Block block(cfg, ctx);
+    block->train();
+    torch::manual_seed(5);
+    auto xin = x.clone().requires_grad_(true);
+    auto fn = [&](const torch::Tensor& t) { return block->forward(t); };
+    auto y = recompute ? common::recompute(fn, xin, ctx.rng.get()) : fn(xin);
+    y.pow(2).sum().backward();
+    std::vector<at::Tensor> g{xin.grad()};
+    for (const auto& p : block->parameters()) g.push_back(p.grad());
+    return g;
+  };
+  const auto plain = grads(false), replayed = grads(true);
+  REQUIRE(plain.size() == replayed.size());
+  for (size_t i = 0; i < plain.size(); ++i) CHECK(torch::allclose(plain[i], replayed[i], 1e-5, 1e-6));
 }

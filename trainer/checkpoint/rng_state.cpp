@@ -25,8 +25,13 @@ std::vector<std::pair<std::string, c10::Device>> generators(int rank, c10::Devic
 
 }  // namespace
 
-std::vector<StateTensor> rng_state_tensors(int rank, c10::Device device) {
+std::vector<StateTensor> rng_state_tensors(int rank, c10::Device device, const std::vector<ExtraRngState>& extra) {
   std::vector<StateTensor> out;
+  for (const auto& e : extra) {
+    auto spec = ShardSpec::full("rng/" + e.name + "/rank" + std::to_string(rank), "U8", {e.state.numel()});
+    spec.replica_ranks = {rank};
+    out.push_back({spec, e.state.contiguous()});
+  }
   for (const auto& [name, dev] : generators(rank, device)) {
     auto gen = at::globalContext().defaultGenerator(dev);
     at::Tensor state;
@@ -41,8 +46,19 @@ std::vector<StateTensor> rng_state_tensors(int rank, c10::Device device) {
   return out;
 }
 
-std::vector<std::string> restore_rng_state(const Checkpoint& ck, int rank, c10::Device device) {
+std::vector<std::string> restore_rng_state(const Checkpoint& ck, int rank, c10::Device device,
+                                           std::vector<ExtraRngState>* extra) {
   std::vector<std::string> restored;
+  std::vector<ExtraRngState> none;
+  for (auto& e : extra ? *extra : none) {  // both lvalues: e refers into *extra
+    const auto name = "rng/" + e.name + "/rank" + std::to_string(rank);
+    if (!ck.has(name)) continue;
+    const auto stored = ck.pieces(name).front().first;
+    StateTensor st{stored, torch::empty({stored.numel()}, torch::kUInt8)};
+    ck.load_into(st);
+    e.state = st.tensor;
+    restored.push_back(name);
+  }
   for (const auto& [name, dev] : generators(rank, device)) {
     if (!ck.has(name)) continue;
     const auto stored = ck.pieces(name).front().first;

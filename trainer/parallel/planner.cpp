@@ -152,7 +152,9 @@ int split_dim(const ParamFact& p) {
 
 std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
   auto s = p.shape;
-  if (tp > 1 && p.split.style != models::SplitStyle::Replicate && !s.empty()) s[split_dim(p)] /= tp;
+  // Rounded up: a padded vocabulary's first ranks hold ceil(V / tp) rows.
+  if (tp > 1 && p.split.style != models::SplitStyle::Replicate && !s.empty())
+    s[split_dim(p)] = (s[split_dim(p)] + tp - 1) / tp;
   return s;
 }
 
@@ -293,16 +295,13 @@ std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
   if (d.kv_heads != d.heads) check("key/value heads", d.kv_heads);
   check("ffn width", d.ffn);
   check("hidden size", d.hidden);
-  if (f.vocab_parallel_head && d.vocab % tp != 0) {
-    const int64_t padded = (d.vocab + tp - 1) / tp * tp;
-    out.push_back("vocabulary " + std::to_string(d.vocab) + " is not divisible by tp " + t +
-                  "; the fix is padding it: set the model's vocab_size to " + std::to_string(padded) +
-                  " (the next multiple of " + t + "; nanoGPT pads GPT-2's 50257 to 50304, a multiple of 64)");
-  }
+  // A vocabulary tp does not divide is padded (model.make_vocab_size_divisible_by).
   if (!out.empty()) return out;
   // The declaration itself: every split dimension (or fused part) in whole units per rank.
   for (const auto& p : f.params) {
-    if (p.split.style == models::SplitStyle::Replicate || p.shape.empty()) continue;
+    if (p.split.style == models::SplitStyle::Replicate || p.split.style == models::SplitStyle::Vocab ||
+        p.shape.empty())
+      continue;
     const int dim = split_dim(p);
     const int64_t unit = std::max<int64_t>(1, p.split.unit);
     std::vector<int64_t> parts = p.split.fused_parts;

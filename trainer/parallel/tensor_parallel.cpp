@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "models/common/parallel_rng.h"
 #include "models/model.h"
 #include "trainer/checkpoint/tensor_io.h"
 
@@ -44,13 +45,16 @@ c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt) {
   return c10::make_intrusive<RuntimeTpComm>(rt);
 }
 
-models::common::ShardingContext sharding_context(dist::Runtime* rt) {
+models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple, uint64_t seed) {
   models::common::ShardingContext ctx;
   ctx.options = ctx.options.device(c10::kMeta);
+  ctx.vocab_multiple = vocab_multiple;
   if (rt && rt->tp.size() > 1) {
     ctx.tp = rt->tp.size();
     ctx.rank = rt->tp.rank;
     ctx.comm = make_tp_comm(*rt);
+    ctx.rng = std::make_shared<models::common::ParallelRng>(
+        models::common::parallel_rng_seed(seed, rt->dp.rank, rt->tp.rank));
   }
   return ctx;
 }

@@ -21,8 +21,10 @@ namespace nnstrain::parallel {
 c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt);
 
 // This rank's context: tp degree and position from rt (tp 1 without one),
-// parameters built on the meta device, to be materialised on the run's device.
-models::common::ShardingContext sharding_context(dist::Runtime* rt);
+// parameters built on the meta device, to be materialised on the run's device;
+// the vocabulary padded to a multiple of vocab_multiple x tp; under tp > 1 a
+// model-parallel RNG for sharded regions, seeded from (seed, dp rank, tp rank).
+models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple = 1, uint64_t seed = 0);
 
 // Every parameter as this rank holds it, with its ShardSpec from its layer's
 // layout; the replicas of a split piece are the ranks at the same

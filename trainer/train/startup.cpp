@@ -60,6 +60,19 @@ parallel::StateBytes Trainable::held_bytes_per_param() {
   return {b.param * per, b.grad * per, b.master * per, b.moments * per};
 }
 
+std::vector<sharding::StateTensor> Trainable::rng_state_tensors(int rank, const torch::Device& device) {
+  std::vector<checkpoint::ExtraRngState> extra;
+  if (tp_rng) extra.push_back({"tp", tp_rng->state(device)});
+  return checkpoint::rng_state_tensors(rank, device, extra);
+}
+
+void Trainable::restore_rng_state(const checkpoint::Checkpoint& ck, int rank, const torch::Device& device) {
+  std::vector<checkpoint::ExtraRngState> extra;
+  if (tp_rng) extra.push_back({"tp", tp_rng->state(device)});
+  checkpoint::restore_rng_state(ck, rank, device, &extra);
+  if (tp_rng) tp_rng->set_state(device, extra[0].state);
+}
+
 torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& env) {
   log::init(env.rank, env.world_size);
   fs::create_directories(fs::path(args.run_dir) / "logs");
@@ -75,17 +88,23 @@ std::shared_ptr<models::CausalLM> describe_model(const config::TrainerArgs& args
   return models::find_model(args.model.type)->build_sharded(*args.model.args, parallel::sharding_context(nullptr));
 }
 
-std::shared_ptr<models::CausalLM> materialise_model(const config::TrainerArgs& args, dist::Runtime* rt,
-                                                    const torch::Device& device) {
-  auto model = models::find_model(args.model.type)->build_sharded(*args.model.args, parallel::sharding_context(rt));
+LocalModel materialise_model(const config::TrainerArgs& args, dist::Runtime* rt, const torch::Device& device,
+                             int64_t vocab) {
+  const auto ctx = parallel::sharding_context(rt, args.model.make_vocab_size_divisible_by, args.seed);
+  const int64_t padded = ctx.padded_vocab(vocab);
+  if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
+    throw config::ConfigError("model.make_vocab_size_divisible_by " + std::to_string(args.model.make_vocab_size_divisible_by) +
+                              ": padding the vocabulary of " + std::to_string(vocab) + " to " + std::to_string(padded) +
+                              " leaves tensor-parallel rank " + std::to_string(ctx.tp - 1) + " no rows; lower it");
+  LocalModel local{models::find_model(args.model.type)->build_sharded(*args.model.args, ctx), ctx.rng};
   if (!args.model.init_from.empty()) {
-    const auto r = interop::load_hf_weights(*model, args.model.init_from, device);
+    const auto r = interop::load_hf_weights(*local.model, args.model.init_from, device);
     log::info("initialised weights from " + args.model.init_from + " (this rank read " +
               std::to_string(r.bytes_read >> 20) + " of " + std::to_string(r.bytes_needed >> 20) + " MiB)");
   } else {
-    models::common::materialise_fresh(*model, device, args.seed);
+    models::common::materialise_fresh(*local.model, device, args.seed);
   }
-  return model;
+  return local;
 }
 
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
@@ -114,8 +133,9 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   return std::make_unique<dist::Runtime>(env, o, a.store);
 }
 
-Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, models::CausalLM& model,
+Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, const LocalModel& local,
                          dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device) {
+  auto& model = *local.model;
   models::RuntimeOptions ro;
   ro.chunked_loss = args.model.loss == "chunked";
   ro.loss_chunk_size = args.model.loss_chunk_size;
@@ -141,6 +161,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   so.master_weights = prec.master_weights;
   Trainable tr;
   tr.world = env.world_size;
+  tr.tp_rng = local.tp_rng;
   tr.state = std::make_unique<parallel::TrainingState>(parallel::tensor_parallel_shards(model, rt, env.world_size), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt);
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
@@ -188,7 +209,7 @@ std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trai
   tr.after_optimizer_step();  // the compute copy from the loaded (master) weights
   *step = st.at("step").get<int64_t>();
   tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
-  checkpoint::restore_rng_state(ck, rank, device);
+  tr.restore_rng_state(ck, rank, device);
   log::info("resumed from " + dir + " at step " + std::to_string(*step));
   return dir;
 }

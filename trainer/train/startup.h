@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "data/token_bin.h"
+#include "models/common/parallel_rng.h"
 #include "models/model.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "base/config/trainer_args.h"
@@ -36,6 +37,7 @@ struct Trainable {
   std::unique_ptr<parallel::GradientReducer> reducer;
   std::unique_ptr<optim::AdamW> optimizer;
   std::optional<optim::LossScaler> scaler;
+  std::shared_ptr<models::common::ParallelRng> tp_rng;  // sharded-region dropout (tp > 1)
   int world = 1;
 
   // Everything a checkpoint holds of it, as ShardSpec'd pieces.
@@ -45,6 +47,9 @@ struct Trainable {
   void after_optimizer_step();
   // Bytes per parameter element this rank holds, by part, measured from its tensors.
   parallel::StateBytes held_bytes_per_param();
+  // Every random generator's state (the default ones and tp_rng), for checkpoints.
+  std::vector<sharding::StateTensor> rng_state_tensors(int rank, const torch::Device& device);
+  void restore_rng_state(const checkpoint::Checkpoint& ck, int rank, const torch::Device& device);
 };
 
 // This rank's log files and device (bound before any CUDA work).
@@ -77,12 +82,18 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
 // This rank's piece of the model, built on meta and materialised on the
 // device: Hugging Face weights (only its slices read), or the fresh
 // initialisation, slice for slice that of one process with the same seed.
-std::shared_ptr<models::CausalLM> materialise_model(const config::TrainerArgs& args, dist::Runtime* rt,
-                                                    const torch::Device& device);
+// Under tp > 1 the vocabulary (`vocab`, the whole model's) is padded as
+// model.make_vocab_size_divisible_by says, and sharded regions get their own RNG.
+struct LocalModel {
+  std::shared_ptr<models::CausalLM> model;
+  std::shared_ptr<models::common::ParallelRng> tp_rng;  // null at tp 1
+};
+LocalModel materialise_model(const config::TrainerArgs& args, dist::Runtime* rt, const torch::Device& device,
+                             int64_t vocab);
 
 // The model set up for training (the plan's recompute, the loss), and the
 // training state over this rank's pieces in the precision's dtypes.
-Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, models::CausalLM& model,
+Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& plan, const LocalModel& local,
                          dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device);
 
 // Loads the checkpoint --resume (or checkpoint.resume_from) names into the

@@ -360,7 +360,7 @@ void Trainer::save() {
   if (args_.checkpoint.save_dir.empty()) return;
   check_finite();
   auto tensors = tr_.state_tensors();
-  for (auto& t : checkpoint::rng_state_tensors(rank_, device_)) tensors.push_back(std::move(t));
+  for (auto& t : tr_.rng_state_tensors(rank_, device_)) tensors.push_back(std::move(t));
   const nlohmann::json state = {
       {"step", step_},
       {"epoch", step_ * global_batch_ / std::max<int64_t>(1, data_.train->samples_per_epoch())},
@@ -430,8 +430,8 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
   auto data = open_data(args, *whole);
   auto rt = connect(args, env, agreed, device, timeout);
-  auto model = materialise_model(args, rt.get(), device);
-  auto tr = make_trainable(args, agreed.plan, *model, rt.get(), env, device);
+  auto local = materialise_model(args, rt.get(), device, whole->vocab_size());
+  auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
   int64_t start_step = 0;
   const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);
   // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
@@ -440,7 +440,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   if (env.rank == 0)
     write_run_files(args, agreed.plan,
                     {env.world_size, device.str(), resumed_from, start_step, args.global_batch_size * data.seq_len});
-  Trainer trainer(args, env, device, std::move(model), std::move(agreed), std::move(rt), std::move(tr),
+  Trainer trainer(args, env, device, std::move(local.model), std::move(agreed), std::move(rt), std::move(tr),
                   std::move(data), start_step, oom);
   return trainer.run();
 }
