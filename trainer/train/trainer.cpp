@@ -186,8 +186,15 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     // This rank's piece of the model, built on meta and materialised on the
     // device: Hugging Face weights (only its slices read), or the fresh
     // initialisation, slice for slice that of one process with the same seed.
-    const auto ctx = parallel::sharding_context(rt.get(), args.model.make_vocab_size_divisible_by, args.seed);
+    const auto ctx = parallel::sharding_context(rt.get(), args.model.make_vocab_size_divisible_by, args.seed,
+                                                args.compute_config.sequence_parallel);
     tp_rng = ctx.rng;
+    for (const auto* ds : {&train_ds, val_ds ? &*val_ds : nullptr})
+      if (ds && ctx.sp() && ds->seq_len() % ctx.tp != 0)
+        throw config::ConfigError("compute_config.sequence_parallel: the sequence of " +
+                                  std::to_string(ds->seq_len()) + " tokens (dataset." +
+                                  (ds == &train_ds ? "train" : "val") + "_args.seq_len) is not divisible by tp " +
+                                  std::to_string(ctx.tp) + "; set it to false or change seq_len");
     const int64_t vocab = model->vocab_size(), padded = ctx.padded_vocab(vocab);
     if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
       throw config::ConfigError("model.make_vocab_size_divisible_by " +
