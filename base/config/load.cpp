@@ -375,6 +375,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.reducer_bucket_cap_mb = cc.get_float("reducer_bucket_cap_mb", 25.0);
   if (c.reducer_bucket_cap_mb <= 0) cc.fail("reducer_bucket_cap_mb", "must be > 0");
   c.collective_timeout_s = cc.get_float("collective_timeout_s", 600.0);
+  c.sequence_parallel = cc.get_bool("sequence_parallel", true);
   if (c.collective_timeout_s <= 0) cc.fail("collective_timeout_s", "must be > 0");
   c.backend = cc.get_string("backend", "auto", {"auto", "nccl", "gloo"});
   c.device = cc.get_string("device", "auto", {"auto", "cpu", "cuda"});

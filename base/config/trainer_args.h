@@ -24,6 +24,8 @@ struct ComputeConfig {
   int zero_ngroups = 1;         // ZeRO partitions within groups of dp/zero_ngroups ranks
   double reducer_bucket_cap_mb = 25.0;
   double collective_timeout_s = 600.0;
+  // Megatron's sequence parallelism alongside tensor parallelism (only at tp > 1).
+  bool sequence_parallel = true;
   std::string backend = "auto"; // auto | nccl | gloo
   std::string device = "auto";  // auto | cpu | cuda
   double memory_budget_gb = 0;  // per-rank budget for the planner; 0 = fraction of device memory

@@ -1,8 +1,10 @@
 #include "models/common/layers.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "models/common/lm_loss.h"
+#include "models/common/parallel_rng.h"
 #include "models/common/tp_ops.h"
 
 namespace nnstrain::models::common {
@@ -111,6 +113,36 @@ void ShardedModule::replace_parameter(const std::string& name, at::Tensor t) {
   t.set_requires_grad(true);
   *slot = t;
   rebind();
+  hook_sequence_grad(name);
+}
+
+void ShardedModule::sum_grads_over_sequence(const ShardingContext& ctx, std::vector<std::string> names) {
+  if (!ctx.sp()) return;
+  sp_comm_ = ctx.comm;
+  sp_params_ = std::move(names);
+  for (const auto& n : sp_params_) hook_sequence_grad(n);
+}
+
+void ShardedModule::hook_sequence_grad(const std::string& name) {
+  if (!sp_comm_ || std::find(sp_params_.begin(), sp_params_.end(), name) == sp_params_.end()) return;
+  auto* p = parameters_.find(name);
+  if (!p || p->is_meta()) return;  // hooked once materialised
+  p->register_hook([comm = sp_comm_](const at::Tensor& g) {
+    auto sum = g.contiguous().clone();
+    comm->all_reduce(sum);
+    return sum;
+  });
+}
+
+torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x) {
+  return ctx.sp() ? scatter_to_seq(x, ctx.tp, ctx.rank, ctx.comm) : x;
+}
+
+torch::Tensor region_dropout(const ShardingContext& ctx, const torch::Tensor& x, double p, bool training) {
+  namespace F = torch::nn::functional;
+  if (!training || p <= 0) return x;
+  auto fork = ctx.sp() && ctx.rng ? ctx.rng->fork(x.device()) : ParallelRng::Fork();
+  return F::dropout(x, F::DropoutFuncOptions().p(p).training(true));
 }
 
 namespace {
@@ -154,6 +186,11 @@ LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const c10
   rebind();
 }
 
+LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const ShardingContext& ctx)
+    : LayerNormImpl(dim, with_bias, eps_, ctx.options) {
+  sum_grads_over_sequence(ctx, {"weight", "bias"});
+}
+
 void LayerNormImpl::rebind() {
   weight = param_or_undefined(parameters_, "weight");
   bias = param_or_undefined(parameters_, "bias");
@@ -168,6 +205,10 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opt
   add_param(layouts_[0], opts);
   layouts_[0].owner = this;
   rebind();
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx) : RMSNormImpl(dim, eps_, ctx.options) {
+  sum_grads_over_sequence(ctx, {"weight"});
 }
 
 void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
@@ -200,6 +241,7 @@ void ColumnParallelLinearImpl::rebind() {
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
+  if (ctx_.sp()) return sequence_parallel_linear(x, weight, bias, ctx_.tp, ctx_.comm);
   return torch::nn::functional::linear(copy_to_tp(x, ctx_.comm), weight, bias);
 }
 
@@ -210,6 +252,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t
   if (with_bias) layouts_.push_back(replicated_layout("bias", {out}, InitRule::zeros()));
   for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
   rebind();
+  sum_grads_over_sequence(ctx, {"bias"});  // added after the reduce-scatter
 }
 
 void RowParallelLinearImpl::rebind() {
@@ -219,7 +262,8 @@ void RowParallelLinearImpl::rebind() {
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
-  auto y = reduce_from_tp(torch::nn::functional::linear(x, weight), ctx_.comm);
+  const auto partial = torch::nn::functional::linear(x, weight);
+  auto y = ctx_.sp() ? reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm) : reduce_from_tp(partial, ctx_.comm);
   return bias.defined() ? y + bias : y;
 }
 
@@ -240,7 +284,7 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& idx) {
   auto outside = (idx < start_) | (idx >= start_ + rows);
   auto local = (idx - start_).masked_fill(outside, 0);
   auto e = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
-  return reduce_from_tp(e, ctx_.comm);
+  return ctx_.sp() ? reduce_scatter_to_seq(e, ctx_.tp, ctx_.comm) : reduce_from_tp(e, ctx_.comm);
 }
 
 // ---- LM head ---------------------------------------------------------------------
@@ -277,7 +321,9 @@ void ParallelLmHeadImpl::rebind() { weight = param_or_undefined(parameters_, "we
 
 torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch::Tensor& w,
                                        const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index) const {
-  auto h = hidden.reshape({-1, hidden.size(-1)});
+  // Under sequence parallelism the hidden states arrive as this rank's tokens:
+  // gathered whole (their gradient reduce-scattered back), as copy_to_tp would.
+  auto h = (ctx_.sp() ? gather_from_seq(hidden, ctx_.tp, ctx_.comm) : hidden).reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
   if (!ctx_.parallel()) {
     if (chunk_size > 0) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
@@ -286,7 +332,7 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
   }
   const int64_t held = w.size(0);
-  h = copy_to_tp(h, ctx_.comm);
+  if (!ctx_.sp()) h = copy_to_tp(h, ctx_.comm);
   if (chunk_size > 0)
     return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
   return vocab_parallel_cross_entropy(torch::nn::functional::linear(h, w), t, start_, held, ignore_index, ctx_.comm);
@@ -297,7 +343,7 @@ torch::Tensor ParallelLmHeadImpl::logits(const torch::Tensor& hidden, const torc
   // Evaluation only: no gradient through the gather. Every rank's piece is
   // padded to padded_vocab / tp columns for the gather; the padding sits at the
   // end of the padded vocabulary, so the true vocabulary is a prefix.
-  auto local = torch::nn::functional::linear(hidden, w);
+  auto local = torch::nn::functional::linear(ctx_.sp() ? gather_from_seq(hidden, ctx_.tp, ctx_.comm) : hidden, w);
   const int64_t rows = ctx_.padded_vocab(vocab_) / ctx_.tp;
   if (local.size(-1) < rows) local = torch::constant_pad_nd(local, {0, rows - local.size(-1)});
   auto all = ctx_.comm->all_gather(local.contiguous());  // [tp, ..., rows]

@@ -57,11 +57,27 @@ class ShardedModule : public torch::nn::Module {
   void replace_parameter(const std::string& name, at::Tensor t);
 
  protected:
+  // Parameters used on a sequence shard (norms, biases after a reduce-scatter)
+  // get only this rank's tokens' share of their gradient: a hook all-reduces it
+  // over the group as autograd produces it, before any data-parallel reduction.
+  void sum_grads_over_sequence(const ShardingContext& ctx, std::vector<std::string> names);
   // Registers a parameter of `layout.local_shape` on `opts`: empty on meta,
   // else filled by the init rule from the global generator (standalone use).
   at::Tensor add_param(const ParamLayout& layout, const c10::TensorOptions& opts);
   virtual void rebind() = 0;  // refresh member handles after replace_parameter
+
+ private:
+  void hook_sequence_grad(const std::string& name);
+  c10::intrusive_ptr<TpComm> sp_comm_;
+  std::vector<std::string> sp_params_;
 };
+
+// Sequence parallelism's entry into the sequence-sharded region for a
+// replicated [.., T, ..] tensor (dim 1): this rank's tokens (identity without it).
+torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x);
+// Dropout in the sequence-sharded region: under sequence parallelism each rank's
+// tokens draw their own masks (the model-parallel RNG), else plain dropout.
+torch::Tensor region_dropout(const ShardingContext& ctx, const torch::Tensor& x, double p, bool training);
 
 // Layouts of a parameter every rank holds whole, and of a split one.
 ParamLayout replicated_layout(const std::string& name, std::vector<int64_t> shape, InitRule init);
@@ -157,6 +173,7 @@ TORCH_MODULE(VocabParallelEmbedding);
 class LayerNormImpl : public ShardedModule {
  public:
   LayerNormImpl(int64_t dim, bool bias, double eps = 1e-5, const c10::TensorOptions& opts = {});
+  LayerNormImpl(int64_t dim, bool bias, double eps, const ShardingContext& ctx);  // sequence-parallel aware
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight, bias;
@@ -171,6 +188,7 @@ TORCH_MODULE(LayerNorm);
 class RMSNormImpl : public ShardedModule {
  public:
   RMSNormImpl(int64_t dim, double eps, const c10::TensorOptions& opts = {});
+  RMSNormImpl(int64_t dim, double eps, const ShardingContext& ctx);  // sequence-parallel aware
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;

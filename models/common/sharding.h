@@ -58,6 +58,10 @@ struct ShardingContext {
   // later by materialise) or a real device.
   c10::TensorOptions options = c10::TensorOptions().dtype(c10::kFloat);
   c10::intrusive_ptr<TpComm> comm;  // null when tp == 1
+  // Megatron's sequence parallelism: norms, dropout and residuals hold T / tp
+  // tokens each, all-gathered before column-parallel linears and the LM head,
+  // reduce-scattered after row-parallel linears and the embedding.
+  bool sequence_parallel = false;
   // Under tensor parallelism the vocabulary is padded to a multiple of
   // tp x vocab_multiple rows and each rank's share is padded / tp rows; the
   // padding rows (at the end) are never allocated (model.make_vocab_size_divisible_by).
@@ -67,6 +71,7 @@ struct ShardingContext {
   std::shared_ptr<ParallelRng> rng;
 
   bool parallel() const { return tp > 1; }
+  bool sp() const { return tp > 1 && sequence_parallel; }
   // n split over the group; throws naming `what` unless n is a multiple of tp x unit.
   int64_t local(int64_t n, const std::string& what, int64_t unit = 1) const;
   // The vocabulary as the split layers hold it: unpadded at tp == 1.

@@ -15,6 +15,22 @@ at::Tensor copy_to_tp(const at::Tensor& x, const c10::intrusive_ptr<TpComm>& com
 // g: all-reduce forward, identity backward.
 at::Tensor reduce_from_tp(const at::Tensor& x, const c10::intrusive_ptr<TpComm>& comm);
 
+// Sequence parallelism, along dim 1 of [B, T, ...] (T split in rank order):
+// all-gather forward, reduce-scatter of the gradient backward (before a
+// column-parallel linear, the LM head);
+at::Tensor gather_from_seq(const at::Tensor& x, int tp, const c10::intrusive_ptr<TpComm>& comm);
+// reduce-scatter forward, all-gather backward (after a row-parallel linear, the embedding);
+at::Tensor reduce_scatter_to_seq(const at::Tensor& x, int tp, const c10::intrusive_ptr<TpComm>& comm);
+// this rank's part forward, all-gather backward (a replicated input entering the region).
+at::Tensor scatter_to_seq(const at::Tensor& x, int tp, int rank, const c10::intrusive_ptr<TpComm>& comm);
+
+// A column-parallel linear on a sequence shard, as Megatron's: forward
+// all-gathers x and applies the linear; only the shard is kept for backward,
+// which gathers it again (so the gathered input costs no activation memory)
+// and reduce-scatters the input's gradient.
+at::Tensor sequence_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int tp,
+                                    const c10::intrusive_ptr<TpComm>& comm);
+
 // For autograd functions: store a comm in / take it back from saved_data.
 c10::IValue comm_capsule(const c10::intrusive_ptr<TpComm>& comm);
 TpComm& comm_from(const c10::IValue& capsule);

@@ -15,15 +15,15 @@ const common::InitRule kInit = common::InitRule::normal(0.02);
 }  // namespace
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx)
-    : head_dim(cfg.n_embd / cfg.n_head), heads(ctx.local(cfg.n_head, "n_head")), dropout(cfg.dropout), rng(ctx.rng) {
+    : head_dim(cfg.n_embd / cfg.n_head), heads(ctx.local(cfg.n_head, "n_head")), dropout(cfg.dropout), ctx(ctx) {
   const int64_t C = cfg.n_embd;
   c_attn = register_module("c_attn", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{C, C, C}, head_dim, cfg.bias, kInit));
   c_proj = register_module("c_proj", common::RowParallelLinear(ctx, C, C, head_dim, cfg.bias, proj_init(cfg)));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1);
-  auto qkv = c_attn(x);  // [B, T, 3 * this rank's width]
+  auto qkv = c_attn(x);  // [B, T, 3 * this rank's width]: all T tokens under sequence parallelism too
+  const auto B = qkv.size(0), T = qkv.size(1);
   const int64_t width = heads * head_dim;
   auto parts = qkv.split(width, -1);
   auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, head_dim}).transpose(1, 2); };
@@ -32,29 +32,28 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   {
     // Attention-probability dropout on this rank's heads: a sharded region, so
     // under tp > 1 its masks come from this rank's own generator state.
-    auto fork = p > 0 && rng ? rng->fork(x.device()) : common::ParallelRng::Fork();
+    auto fork = p > 0 && ctx.rng ? ctx.rng->fork(x.device()) : common::ParallelRng::Fork();
     y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), /*attn_mask=*/{}, p,
                                          /*is_causal=*/true);
   }
   y = y.transpose(1, 2).contiguous().view({B, T, width});
-  return F::dropout(c_proj(y), F::DropoutFuncOptions().p(dropout).training(is_training()));
+  return common::region_dropout(ctx, c_proj(y), dropout, is_training());
 }
 
-MlpImpl::MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx) : dropout(cfg.dropout) {
+MlpImpl::MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx) : dropout(cfg.dropout), ctx(ctx) {
   const int64_t C = cfg.n_embd;
   c_fc = register_module("c_fc", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{4 * C}, 1, cfg.bias, kInit));
   c_proj = register_module("c_proj", common::RowParallelLinear(ctx, 4 * C, C, 1, cfg.bias, proj_init(cfg)));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  auto y = c_proj(torch::gelu(c_fc(x)));
-  return F::dropout(y, F::DropoutFuncOptions().p(dropout).training(is_training()));
+  return common::region_dropout(ctx, c_proj(torch::gelu(c_fc(x))), dropout, is_training());
 }
 
 BlockImpl::BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx) {
-  ln_1 = register_module("ln_1", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx.options));
+  ln_1 = register_module("ln_1", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx));
   attn = register_module("attn", CausalSelfAttention(cfg, ctx));
-  ln_2 = register_module("ln_2", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx.options));
+  ln_2 = register_module("ln_2", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx));
   mlp = register_module("mlp", Mlp(cfg, ctx));
 }
 
@@ -63,12 +62,12 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   return y + mlp(ln_2(y));
 }
 
-Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg), rng_(ctx.rng) {
+Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg), ctx_(ctx) {
   wte = register_module("wte", common::VocabParallelEmbedding(ctx, cfg.vocab_size, cfg.n_embd, kInit));
   wpe = register_module("wpe", common::Embedding(cfg.block_size, cfg.n_embd, kInit, ctx.options));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.n_layer; ++i) h->push_back(Block(cfg, ctx));
-  ln_f = register_module("ln_f", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx.options));
+  ln_f = register_module("ln_f", common::LayerNorm(cfg.n_embd, cfg.bias, 1e-5, ctx));
   lm_head = common::ParallelLmHead(ctx, cfg.vocab_size, cfg.n_embd, /*own_weight=*/false, kInit);
 }
 
@@ -76,12 +75,15 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
   const auto T = idx.size(1);
   TORCH_CHECK(T <= cfg_.block_size, "sequence of ", T, " tokens exceeds block_size ", cfg_.block_size);
   auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
-  auto x = F::dropout(wte(idx) + wpe(pos), F::DropoutFuncOptions().p(cfg_.dropout).training(is_training()));
+  // Under sequence parallelism wte gives this rank's tokens; so does the position
+  // embedding's entry into the region (its gradient all-gathered back whole).
+  auto x = common::region_dropout(ctx_, wte(idx) + common::to_sequence_shard(ctx_, wpe(pos).unsqueeze(0)), cfg_.dropout,
+                                  is_training());
   const auto& recompute = runtime_.recompute_layers;
   for (size_t i = 0; i < h->size(); ++i) {
     auto block = h->ptr<BlockImpl>(i);
     if (i < recompute.size() && recompute[i] && is_training())
-      x = common::recompute([block](const torch::Tensor& t) { return block->forward(t); }, x, rng_.get());
+      x = common::recompute([block](const torch::Tensor& t) { return block->forward(t); }, x, ctx_.rng.get());
     else
       x = block->forward(x);
   }

@@ -27,7 +27,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   common::RowParallelLinear c_proj{nullptr};
   int64_t head_dim, heads;  // heads: this rank's
   double dropout;
-  std::shared_ptr<common::ParallelRng> rng;  // attention dropout on this rank's heads (tp > 1)
+  common::ShardingContext ctx;  // its rng: attention dropout on this rank's heads (tp > 1)
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -38,6 +38,7 @@ class MlpImpl : public torch::nn::Module {
   common::ColumnParallelLinear c_fc{nullptr};
   common::RowParallelLinear c_proj{nullptr};
   double dropout;
+  common::ShardingContext ctx;
 };
 TORCH_MODULE(Mlp);
 
@@ -74,7 +75,7 @@ class Gpt : public CausalLM {
  private:
   torch::Tensor hidden(const torch::Tensor& idx);
   GptConfig cfg_;
-  std::shared_ptr<common::ParallelRng> rng_;
+  common::ShardingContext ctx_;
 };
 
 ModelEntry registry_entry();

@@ -72,8 +72,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const auto B = x.size(0), T = x.size(1);
-  auto q = q_proj(x), k = k_proj(x), v = v_proj(x);
+  auto q = q_proj(x), k = k_proj(x), v = v_proj(x);  // all T tokens under sequence parallelism too
+  const auto B = q.size(0), T = q.size(1);
   auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
   q = apply_rope(split(q, heads), cos, sin);
   k = apply_rope(split(k, kv_heads), cos, sin);
@@ -107,9 +107,9 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::Shardin
   self_attn = register_module("self_attn", Attention(cfg, ctx));
   mlp = register_module("mlp", Mlp(cfg, ctx));
   input_layernorm =
-      register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.options));
+      register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx));
   post_attention_layernorm =
-      register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.options));
+      register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx));
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -128,7 +128,7 @@ Llama::Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx) : cfg_(
   embed_tokens = register_module("embed_tokens", common::VocabParallelEmbedding(ctx, c.vocab_size, c.hidden_size, init));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, ctx));
-  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx.options));
+  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx));
   lm_head = common::ParallelLmHead(ctx, c.vocab_size, c.hidden_size, !c.tie_word_embeddings, init);
   if (!c.tie_word_embeddings) register_module("lm_head", lm_head);
   inv_freq_ = rope_inv_freq(c);

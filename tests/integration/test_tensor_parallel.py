@@ -238,3 +238,25 @@ def test_dropout_at_tp2_resumes_exactly(tmp_path, tiny_tokens):
     # Dropout acts: the losses differ from a run without it.
     plain = run(ranks, tmp_path / "plain", tiny_tokens, *ov)
     assert plain[10][0] != straight[10][0]
+
+
+def test_without_sequence_parallelism_parity_with_one_process(straight, tmp_path, tiny_tokens):
+    """The plans above run with sequence parallelism (the default at tp > 1); without it too."""
+    ref, _ = straight["tp1"]
+    ranks, ov = PLANS["tp2"]
+    got = run(ranks, tmp_path / "run", tiny_tokens, *ov, "--compute_config.sequence_parallel", "false")
+    worst_loss = max(rel(got[s][0], ref[s][0]) for s in ref)
+    worst_norm = max(rel(got[s][1], ref[s][1]) for s in ref)
+    print(f"tp2 without sequence parallelism: largest relative loss difference {worst_loss:.2e}, "
+          f"grad norm {worst_norm:.2e}")
+    assert worst_loss < TOL and worst_norm < TOL
+
+
+def test_sequence_parallel_needs_a_divisible_sequence(tmp_path, tiny_tokens):
+    args = ["--config", str(CONFIG), "--run_dir", str(tmp_path / "run"), "--vars.data", str(tiny_tokens),
+            "--vars.seq_len", "30", "--model.args.n_head", "4", "--global_batch_size", "4",
+            "--micro_batch_size", "4", "--compute_config.plan_ngpus", "4", "--pas_policy", "tp"]
+    p = subprocess.run([nnstrain_bin_path(), "launch", "--nproc-per-node", "4", "--", *args], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "compute_config.sequence_parallel" in p.stdout + p.stderr and "30 tokens" in p.stdout + p.stderr

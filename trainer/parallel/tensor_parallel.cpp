@@ -45,7 +45,8 @@ c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt) {
   return c10::make_intrusive<RuntimeTpComm>(rt);
 }
 
-models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple, uint64_t seed) {
+models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple, uint64_t seed,
+                                                 bool sequence_parallel) {
   models::common::ShardingContext ctx;
   ctx.options = ctx.options.device(c10::kMeta);
   ctx.vocab_multiple = vocab_multiple;
@@ -53,6 +54,7 @@ models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t voca
     ctx.tp = rt->tp.size();
     ctx.rank = rt->tp.rank;
     ctx.comm = make_tp_comm(*rt);
+    ctx.sequence_parallel = sequence_parallel;
     ctx.rng = std::make_shared<models::common::ParallelRng>(
         models::common::parallel_rng_seed(seed, rt->dp.rank, rt->tp.rank));
   }

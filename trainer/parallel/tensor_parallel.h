@@ -24,7 +24,9 @@ c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt);
 // parameters built on the meta device, to be materialised on the run's device;
 // the vocabulary padded to a multiple of vocab_multiple x tp; under tp > 1 a
 // model-parallel RNG for sharded regions, seeded from (seed, dp rank, tp rank).
-models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple = 1, uint64_t seed = 0);
+// Sequence parallelism with it when `sequence_parallel`.
+models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple = 1, uint64_t seed = 0,
+                                                 bool sequence_parallel = false);
 
 // Every parameter as this rank holds it, with its ShardSpec from its layer's
 // layout; the replicas of a split piece are the ranks at the same

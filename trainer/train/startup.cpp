@@ -90,7 +90,8 @@ std::shared_ptr<models::CausalLM> describe_model(const config::TrainerArgs& args
 
 LocalModel materialise_model(const config::TrainerArgs& args, dist::Runtime* rt, const torch::Device& device,
                              int64_t vocab) {
-  const auto ctx = parallel::sharding_context(rt, args.model.make_vocab_size_divisible_by, args.seed);
+  const auto ctx = parallel::sharding_context(rt, args.model.make_vocab_size_divisible_by, args.seed,
+                                              args.compute_config.sequence_parallel);
   const int64_t padded = ctx.padded_vocab(vocab);
   if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
     throw config::ConfigError("model.make_vocab_size_divisible_by " + std::to_string(args.model.make_vocab_size_divisible_by) +
@@ -169,10 +170,17 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   return tr;
 }
 
-Data open_data(const config::TrainerArgs& args, const models::CausalLM& model) {
+Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp) {
   Data d;
   d.train = std::make_unique<data::TokenBinDataset>(args.dataset.train_args, args.seed);
   if (args.dataset.val_args) d.val = std::make_unique<data::TokenBinDataset>(*args.dataset.val_args, args.seed);
+  // Sequence parallelism splits every sequence over the tensor-parallel ranks.
+  for (const auto* ds : {d.train.get(), d.val.get()})
+    if (ds && tp > 1 && args.compute_config.sequence_parallel && ds->seq_len() % tp != 0)
+      throw config::ConfigError("compute_config.sequence_parallel: the sequence of " + std::to_string(ds->seq_len()) +
+                                " tokens (dataset." + (ds == d.train.get() ? "train" : "val") +
+                                "_args.seq_len) is not divisible by tp " + std::to_string(tp) +
+                                "; set it to false or change seq_len");
   data::check_token_ids(d.train->file(), model.vocab_size(), "dataset.train_args.path");
   if (d.val) data::check_token_ids(d.val->file(), model.vocab_size(), "dataset.val_args.path");
   d.seq_len = d.train->seq_len();

@@ -68,12 +68,13 @@ struct Agreed {
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
                    const torch::Device& device, std::chrono::milliseconds timeout);
 
-// The token files, checked against the model, and the run's length in steps.
+// The token files, checked against the model (and sequence parallelism's split
+// over tp ranks), and the run's length in steps.
 struct Data {
   std::unique_ptr<data::TokenBinDataset> train, val;
   int64_t seq_len = 0, steps_per_epoch = 1, max_steps = 0;
 };
-Data open_data(const config::TrainerArgs& args, const models::CausalLM& model);
+Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp);
 
 // Process groups for the plan (null for one process).
 std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,

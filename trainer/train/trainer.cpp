@@ -428,7 +428,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   const auto whole = describe_model(args);
   auto agreed = decide_plan(args, env, *whole, device, timeout);
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
-  auto data = open_data(args, *whole);
+  auto data = open_data(args, *whole, agreed.plan.tp);
   auto rt = connect(args, env, agreed, device, timeout);
   auto local = materialise_model(args, rt.get(), device, whole->vocab_size());
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Activation memory per rank with and without sequence parallelism, on CPU.
+
+A GPT whose activations dwarf its weights (2 layers x 512, 8 heads, vocabulary
+256, micro-batch 8 x 1024 tokens, no dropout: the fused attention kernel then
+keeps no [T x T] scores) is
+trained for 2 steps at tp 1, 2, 4, with compute_config.sequence_parallel true
+and false (one process per rank, Gloo, OMP_NUM_THREADS=1). Per run:
+- start-up: rank 0's host RSS peak once the model and training state are built
+  (its log's `start-up peak host RSS`);
+- after step 1: rank 0's peak RSS (metrics.jsonl `peak_mem_mb`, VmHWM), i.e.
+  start-up plus what the first forward/backward held at its peak;
+- activations = the difference: bytes kept for backward (the norms' and
+  residuals' inputs and outputs that sequence parallelism splits, and the
+  rest) plus backward's transients.
+
+Writes bench/results/sp_activations_<UTC time>.json and .md.
+
+Usage (from the repository root):
+  /root/.cache/nnstrain/venv/bin/python bench/bench_sp_activations.py --nnstrain build/nnstrain
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_dp_cpu import cpu_model, git_commit, libtorch_version  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
+RSS = re.compile(r"rank 0: start-up peak host RSS ([0-9.]+) MiB")
+SEQ, BATCH, EMBD, LAYERS = 1024, 8, 512, 2
+
+
+def run(binary, tp, sp, data, work):
+    run_dir = work / f"tp{tp}_sp{int(sp)}"
+    args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data), "--vars.seq_len", str(SEQ),
+            "--model.args.n_layer", str(LAYERS), "--model.args.n_embd", str(EMBD), "--model.args.n_head", "8",
+            "--model.args.vocab_size", "256", "--model.args.dropout", "0.0", "--micro_batch_size", str(BATCH),
+            "--global_batch_size", str(BATCH), "--max_train_steps", "2", "--compute_config.reducer_bucket_cap_mb", "25",
+            "--compute_config.sequence_parallel", "true" if sp else "false"]
+    if tp > 1:
+        args += ["--compute_config.plan_ngpus", str(tp), "--pas_policy", "tp"]
+    cmd = [binary, *args] if tp == 1 else [binary, "launch", "--nproc-per-node", str(tp), "--", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=1200)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
+    startup = None
+    for log in (run_dir / "logs").glob("*"):
+        m = RSS.search(log.read_text())
+        if m:
+            startup = float(m.group(1))
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    step1 = next(r for r in recs if r.get("step") == 1 and "peak_mem_mb" in r)
+    peak = step1["peak_mem_mb"]  # MiB (bytes / 2^20)
+    return {"tp": tp, "sp": sp, "startup_mib": startup, "peak_step1_mib": peak, "activations_mib": peak - startup}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = ap.parse_args()
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        data = tmp / "tokens.bin"
+        np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint16).tofile(data)
+        for tp, sp in ((1, False), (2, False), (2, True), (4, False), (4, True)):
+            rows.append(run(a.nnstrain, tp, sp, data, tmp))
+            print(rows[-1], flush=True)
+    base = rows[0]["activations_mib"]
+    per_layer_tensor = SEQ * BATCH * EMBD * 4 / 2**20
+    out = {"date": stamp.isoformat(timespec="seconds"), "device": cpu_model(), "libtorch": libtorch_version(a.nnstrain),
+           "commit": git_commit(), "load": os.getloadavg(), "rows": rows,
+           "model": f"GPT {LAYERS} x {EMBD}, 8 heads, vocab 256, no dropout; micro-batch {BATCH} x {SEQ} tokens; fp32"}
+    name = f"sp_activations_{stamp.strftime('%Y%m%d-%H%M%S')}"
+    pathlib.Path(a.out, name + ".json").write_text(json.dumps(out, indent=1))
+    lines = [f"# Activation memory per rank, tensor parallelism with and without sequence parallelism "
+             f"({stamp:%Y-%m-%d %H:%M} UTC)", "",
+             f"- device: {out['device']}; LibTorch {out['libtorch']}; commit {out['commit']}; load averages "
+             f"{', '.join(f'{x:.1f}' for x in out['load'])}",
+             f"- model: {out['model']}; Gloo, OMP_NUM_THREADS=1 per rank; one [b, s, h] fp32 tensor = "
+             f"{per_layer_tensor:.0f} MiB",
+             "- activations = rank 0's peak RSS over step 1 minus its start-up peak (model and training state "
+             "built): what forward kept for backward plus backward's transients", "",
+             "| tp | sequence parallel | start-up RSS | peak after step 1 | activations | vs tp=1 |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['tp']} | {'on' if r['sp'] else 'off'} | {r['startup_mib']:.0f} MiB | "
+                     f"{r['peak_step1_mib']:.0f} MiB | {r['activations_mib']:.0f} MiB | "
+                     f"{r['activations_mib'] / base:.2f} |")
+    pathlib.Path(a.out, name + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
