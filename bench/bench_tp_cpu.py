@@ -28,14 +28,14 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_dp_cpu import cpu_model, git_commit, libtorch_version  # noqa: E402
+from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
 SEQ, BATCH = 128, 8
 
 
-def run(binary, tp, data, work, steps):
+def run(binary, tp, data, work, steps, extra=()):
     run_dir = work / "run"
     args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data),
             "--vars.seq_len", str(SEQ), "--model.args.n_layer", "4", "--model.args.n_embd", "256",
@@ -44,6 +44,7 @@ def run(binary, tp, data, work, steps):
             "--compute_config.reducer_bucket_cap_mb", "25", "--lr_scheduler.args.decay_steps", str(steps)]
     if tp > 1:
         args += ["--compute_config.plan_ngpus", str(tp), "--pas_policy", "tp"]
+    args += list(extra)
     cmd = [binary, *args] if tp == 1 else [binary, "launch", "--nproc-per-node", str(tp), "--", *args]
     load0 = os.getloadavg()[0]
     p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--a-label", default="a")
     ap.add_argument("--b", required=True)
     ap.add_argument("--b-label", default="b")
+    ap.add_argument("--a-args", default="", help="extra overrides for binary a, e.g. '--compute_config.sequence_parallel false'")
+    ap.add_argument("--b-args", default="", help="extra overrides for binary b")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -81,10 +84,10 @@ def main():
         data = tmp / "tokens.bin"
         np.random.default_rng(0).integers(0, 512, 400_000, dtype=np.uint16).tofile(data)
         for k in range(a.repeats):
-            for label, binary in ((a.a_label, a.a), (a.b_label, a.b)):
+            for label, binary, extra in ((a.a_label, a.a, a.a_args.split()), (a.b_label, a.b, a.b_args.split())):
                 work = tmp / f"{label}{k}"
                 work.mkdir()
-                recs, load = run(binary, a.tp, data, work, a.steps)
+                recs, load = run(binary, a.tp, data, work, a.steps, extra)
                 s = summarise(recs, a.warmup)
                 s["load"] = load
                 results[label].append(s)
