@@ -3,24 +3,15 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include "base/hash.h"
 #include "models/model.h"
 
 namespace nnstrain::models::common {
 
 namespace {
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 0xCBF29CE484222325ULL;
-  for (unsigned char c : s) h = (h ^ c) * 0x100000001B3ULL;
-  return h;
-}
+using base::fnv1a;
+using base::splitmix64;
 
 constexpr int64_t kBlockElements = int64_t{1} << 20;
 

@@ -4,16 +4,11 @@
 
 #include <mutex>
 
+#include "base/hash.h"
+
 namespace nnstrain::models::common {
 
-namespace {
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-}  // namespace
+using base::splitmix64;
 
 uint64_t parallel_rng_seed(uint64_t seed, int64_t dp_rank, int64_t tp_rank) {
   // Megatron offsets its tensor-parallel seed by 2718 + tp rank; mixed here so

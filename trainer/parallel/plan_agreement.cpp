@@ -1,5 +1,7 @@
 #include "trainer/parallel/plan_agreement.h"
 
+#include "base/hash.h"
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <unistd.h>
 
@@ -17,16 +19,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string fnv1a_hex(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-  return buf;
-}
+using base::fnv1a_hex;
 
 std::string hostname() {
   char buf[256] = {0};
