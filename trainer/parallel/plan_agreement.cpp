@@ -224,10 +224,11 @@ Plan agree_plan(const PlanRequest& req, c10d::Store& store, int rank, int world_
              hash + " on rank 0): are all ranks running the same nnstrain build?";
     }
     ex.set(kGo, go);
-    if (go != "ok") {
-      if (world_size > 1) ex.wait_all(kDone, kLinger, present);
-      throw PlanAgreementError(go);
-    }
+    // Rank 0 serves the store: it waits until every rank has read the outcome, so
+    // that failing right after (a config error every rank finds) cannot take the
+    // store from under a rank still reading it.
+    if (!present.empty()) ex.wait_all(kDone, go == "ok" ? timeout : kLinger, present);
+    if (go != "ok") throw PlanAgreementError(go);
     return verdict["plan"].get<Plan>();
   }
 

@@ -8,7 +8,9 @@
 //   2. rank 0 checks that they agree, plans, and publishes its verdict: the plan,
 //      or an error naming every rank whose facts differ from rank 0's;
 //   3. every rank recomputes the plan from the agreed facts and reports its hash;
-//      rank 0 publishes "go" only if every hash equals its own.
+//      rank 0 publishes "go" only if every hash equals its own, and returns once
+//      every rank has read it (it serves the store: a failure right after must
+//      not take the store from a rank still reading).
 // Every rank ends with the same message on a disagreement; a rank that never
 // reports is named once the collective timeout has passed.
 #pragma once
