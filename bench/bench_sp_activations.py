@@ -12,7 +12,10 @@ and false (one process per rank, Gloo, OMP_NUM_THREADS=1). Per run:
   start-up plus what the first forward/backward held at its peak;
 - activations = the difference: bytes kept for backward (the norms' and
   residuals' inputs and outputs that sequence parallelism splits, and the
-  rest) plus backward's transients.
+  rest) plus backward's transients;
+- held by forward: metrics.jsonl `activation_mb` of step 1, rank 0's bytes in
+  use (malloc) right after the forward minus right before it: what forward
+  keeps for backward, without backward's transients.
 
 Writes bench/results/sp_activations_<UTC time>.json and .md.
 
@@ -32,7 +35,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_dp_cpu import cpu_model, git_commit, libtorch_version  # noqa: E402
+from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
@@ -62,7 +65,8 @@ def run(binary, tp, sp, data, work):
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     step1 = next(r for r in recs if r.get("step") == 1 and "peak_mem_mb" in r)
     peak = step1["peak_mem_mb"]  # MiB (bytes / 2^20)
-    return {"tp": tp, "sp": sp, "startup_mib": startup, "peak_step1_mib": peak, "activations_mib": peak - startup}
+    return {"tp": tp, "sp": sp, "startup_mib": startup, "peak_step1_mib": peak, "activations_mib": peak - startup,
+            "held_by_forward_mib": step1["activation_mb"]}
 
 
 def main():
@@ -80,6 +84,7 @@ def main():
             rows.append(run(a.nnstrain, tp, sp, data, tmp))
             print(rows[-1], flush=True)
     base = rows[0]["activations_mib"]
+    base_held = rows[0]["held_by_forward_mib"]
     per_layer_tensor = SEQ * BATCH * EMBD * 4 / 2**20
     out = {"date": stamp.isoformat(timespec="seconds"), "device": cpu_model(), "libtorch": libtorch_version(a.nnstrain),
            "commit": git_commit(), "load": os.getloadavg(), "rows": rows,
@@ -93,13 +98,17 @@ def main():
              f"- model: {out['model']}; Gloo, OMP_NUM_THREADS=1 per rank; one [b, s, h] fp32 tensor = "
              f"{per_layer_tensor:.0f} MiB",
              "- activations = rank 0's peak RSS over step 1 minus its start-up peak (model and training state "
-             "built): what forward kept for backward plus backward's transients", "",
-             "| tp | sequence parallel | start-up RSS | peak after step 1 | activations | vs tp=1 |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "built): what forward kept for backward plus backward's transients",
+             "- held by forward = rank 0's bytes in use (malloc) after step 1's forward minus before it "
+             "(metrics `activation_mb`): what forward keeps for backward", "",
+             "| tp | sequence parallel | start-up RSS | peak after step 1 | activations (peak) | vs tp=1 | "
+             "held by forward | vs tp=1 |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['tp']} | {'on' if r['sp'] else 'off'} | {r['startup_mib']:.0f} MiB | "
                      f"{r['peak_step1_mib']:.0f} MiB | {r['activations_mib']:.0f} MiB | "
-                     f"{r['activations_mib'] / base:.2f} |")
+                     f"{r['activations_mib'] / base:.2f} | {r['held_by_forward_mib']:.0f} MiB | "
+                     f"{r['held_by_forward_mib'] / base_held:.2f} |")
     pathlib.Path(a.out, name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <map>
 
+#include <malloc.h>
+
 #include "trainer/checkpoint/checkpoint.h"
 #include "base/log.h"
 
@@ -23,6 +25,17 @@ int64_t peak_memory_bytes(const c10::Device& device) {
   }
 #endif
   return peak_host_rss_bytes();
+}
+
+int64_t memory_in_use_bytes(const c10::Device& device) {
+#ifdef NNSTRAIN_CUDA
+  if (device.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[0].current;
+  }
+#endif
+  const auto m = ::mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
 }
 
 int64_t peak_host_rss_bytes() {

@@ -17,6 +17,10 @@ namespace nnstrain::train {
 int64_t peak_memory_bytes(const c10::Device& device);
 // This process's peak resident set size (VmHWM) in bytes: host memory, whatever the device.
 int64_t peak_host_rss_bytes();
+// Bytes allocated now on `device`: the CUDA allocator's current bytes, or on CPU
+// what malloc has handed out (mallinfo2: arena plus mmapped chunks), which is
+// where LibTorch's CPU tensors live. Differences of it measure what a phase holds.
+int64_t memory_in_use_bytes(const c10::Device& device);
 
 // One JSON object per line, flushed every write (a crash loses nothing logged).
 class JsonlSink {

@@ -108,6 +108,8 @@ class Trainer {
   int64_t step_ = 0;
   double lr_ = 0;
   bool poison_ = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
+  bool logs_ = false;    // this step logs progress
+  int64_t activation_bytes_ = -1;  // held by the logged step's last forward (-1: not measured)
   std::chrono::steady_clock::time_point interval_start_;
   int64_t interval_steps_ = 0;
 };
@@ -241,7 +243,11 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   for (int64_t a = 0; a < accum_; ++a) {
     tr_.reducer->begin_micro_step(a == accum_ - 1);
     timer_.enter(StepTimer::kForward);
+    // At logging steps: what the last micro-batch's forward holds for backward.
+    const bool measure = logs_ && a == accum_ - 1;
+    const int64_t before = measure ? memory_in_use_bytes(device_) : 0;
     auto loss = model_->loss(batches[a].x, batches[a].y) / static_cast<double>(accum_);
+    if (measure) activation_bytes_ = memory_in_use_bytes(device_) - before;
     if (poison_) loss = loss * std::numeric_limits<double>::infinity();
     loss_sum_ += loss.detach().to(torch::kFloat32);
     timer_.enter(StepTimer::kBackward);
@@ -302,6 +308,8 @@ void Trainer::log_progress() {
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
+  if (activation_bytes_ >= 0) rec["activation_mb"] = activation_bytes_ / 1048576.0;
+  activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
                      ", lr " + fmt(lr_, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) + " tok/s, " +
@@ -387,6 +395,7 @@ int Trainer::run() {
                                by_epoch ? max_steps / data_.steps_per_epoch : max_steps);
     profiler_.before_step(step_ + 1);
     const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
+    logs_ = logs;
     timer_.begin_step(step_ + 1, !graph_ && logs);
     std::vector<data::Batch> batches;
     for (int64_t a = 0; a < accum_; ++a) batches.push_back(loader_->next());
