@@ -31,6 +31,10 @@ at::Tensor scatter_to_seq(const at::Tensor& x, int tp, int rank, const c10::intr
 at::Tensor sequence_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int tp,
                                     const c10::intrusive_ptr<TpComm>& comm);
 
+// A group of one: every collective is the identity (the vocab-parallel loss
+// over a whole vocabulary is the plain one).
+c10::intrusive_ptr<TpComm> solo_comm();
+
 // For autograd functions: store a comm in / take it back from saved_data.
 c10::IValue comm_capsule(const c10::intrusive_ptr<TpComm>& comm);
 TpComm& comm_from(const c10::IValue& capsule);
