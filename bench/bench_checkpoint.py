@@ -108,6 +108,7 @@ def train(binary, nproc, run_dir, tokens, args, save_type, steps, every):
     cmd += ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(tokens),
             "--checkpoint.save_dir", str(run_dir / "ckpt"), "--checkpoint.save_type", save_type,
             "--checkpoint.every_n_train_steps", str(every), "--checkpoint.keep_last_n_checkpoints", "2",
+            "--checkpoint.async_save", "false",  # what this bench times: the whole synchronous save
             "--checkpoint.save_on_end", "false", "--max_train_steps", str(steps), "--val_every_n_train_steps", "0",
             "--model.args.n_layer", str(args.n_layer), "--model.args.n_embd", str(args.n_embd),
             "--model.args.n_head", str(args.n_head), "--model.args.vocab_size", str(args.vocab),
