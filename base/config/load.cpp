@@ -375,7 +375,11 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.plan_ngpus = static_cast<int>(cc.get_int("plan_ngpus", 1, 1, 1 << 20));
   const bool runtime_given = cc.has("runtime_ngpus");
   c.runtime_ngpus = static_cast<int>(cc.get_int("runtime_ngpus", opts.world_size, 1, 1 << 20));
-  c.use_zero = cc.get_bool("use_zero", false);
+  {
+    // nnScaler's boolean stays valid: true is stage 1, false stage 0.
+    const auto z = cc.get_string("use_zero", "0", {"0", "1", "2", "3", "true", "false"});
+    c.use_zero = z == "true" ? 1 : z == "false" ? 0 : std::stoi(z);
+  }
   c.zero_ngroups = static_cast<int>(cc.get_int("zero_ngroups", 1, 1, 1 << 20));
   c.reducer_bucket_cap_mb = cc.get_float("reducer_bucket_cap_mb", 25.0);
   if (c.reducer_bucket_cap_mb <= 0) cc.fail("reducer_bucket_cap_mb", "must be > 0");

@@ -20,7 +20,7 @@ struct ModelConfig {
 struct ComputeConfig {
   int plan_ngpus = 1;           // ranks one model replica spans (tensor parallel degree)
   int runtime_ngpus = 0;        // total ranks; 0 = take WORLD_SIZE from the launcher
-  bool use_zero = false;        // ZeRO-1: optimizer states partitioned over dp ranks
+  int use_zero = 0;             // ZeRO stage 0-3 (true = 1): 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp
   int zero_ngroups = 1;         // ZeRO partitions within groups of dp/zero_ngroups ranks
   double reducer_bucket_cap_mb = 25.0;
   double collective_timeout_s = 600.0;

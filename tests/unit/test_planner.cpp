@@ -64,7 +64,7 @@ parallel::DeviceSpec test_device() {
 std::string key(const parallel::Plan& p) {
   int k = 0;
   for (bool r : p.recompute) k += r;
-  return "tp=" + std::to_string(p.tp) + " zero=" + (p.zero ? "on" : "off") + " k=" + std::to_string(k);
+  return "tp=" + std::to_string(p.tp) + " zero=" + std::to_string(p.zero_stage) + " k=" + std::to_string(k);
 }
 
 // Every candidate of autodist for (world, plan_ngpus), by hand.
@@ -110,7 +110,7 @@ TEST_CASE("planner: an ample budget gives pure data parallelism", "[planner]") {
   const auto plan = parallel::make_plan(req, &rejected);
   CHECK(plan.tp == 1);
   CHECK(plan.dp == 4);
-  CHECK_FALSE(plan.zero);
+  CHECK_FALSE(plan.zero_stage);
   CHECK(plan.recompute == std::vector<bool>(4, false));
   CHECK(plan.grad_accumulation_steps == 1);
   CHECK(plan.estimate.total_bytes <= 1e12);
@@ -217,7 +217,7 @@ TEST_CASE("planner: shrinking the budget moves to ZeRO, then recompute, then ten
     }
     REQUIRE(best != nullptr);
     CHECK(plan.tp == best->tp);
-    CHECK(plan.zero == best->zero);
+    CHECK(plan.zero_stage == best->zero_stage);
     int k = 0;
     for (bool r : plan.recompute) k += r;
     CHECK(k == best->recompute_layers);
@@ -225,14 +225,14 @@ TEST_CASE("planner: shrinking the budget moves to ZeRO, then recompute, then ten
   }
   CHECK(threw);
   REQUIRE(sequence.size() >= 4);
-  CHECK(sequence.front() == "tp=1 zero=off k=0");
-  CHECK(sequence[1] == "tp=1 zero=on k=0");
+  CHECK(sequence.front() == "tp=1 zero=0 k=0");
+  CHECK(sequence[1] == "tp=1 zero=1 k=0");
   auto first = [&](const std::string& needle) {
     for (size_t i = 0; i < sequence.size(); ++i)
       if (sequence[i].find(needle) != std::string::npos) return i;
     return sequence.size();
   };
-  CHECK(first("zero=on") < first("k=1"));
+  CHECK(first("zero=1") < first("k=1"));
   CHECK(first("k=1") < first("tp=2"));
   CHECK(first("tp=2") < first("tp=4"));
   CHECK(first("tp=4") < sequence.size());
@@ -316,10 +316,10 @@ TEST_CASE("planner: fixed policies and config switches", "[planner]") {
   }
   SECTION("use_zero keeps ZeRO on, activation_checkpointing recomputes every layer") {
     auto args = args_for(4, 1, 1, 4, 32);
-    args.compute_config.use_zero = true;
+    args.compute_config.use_zero = 1;
     args.model.activation_checkpointing = true;
     const auto p = parallel::make_plan({&args, model.get(), 4, test_device(), 0});
-    CHECK(p.zero);
+    CHECK(p.zero_stage == 1);
     CHECK(p.recompute == std::vector<bool>(3, true));
   }
   SECTION("mixed precision: 2-byte params, 4-byte grads, 12-byte optimizer state") {

@@ -171,7 +171,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
                         {"reason", r.reason},
                         {"tp", r.cand.tp},
                         {"dp", r.cand.dp},
-                        {"zero", r.cand.zero},
+                        {"zero", r.cand.zero_stage},
                         {"recompute_layers", r.cand.recompute_layers},
                         {"memory_bytes", r.memory_bytes},
                         {"step_s", r.step_s}});

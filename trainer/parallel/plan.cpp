@@ -19,7 +19,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"world", p.world},
        {"tp", p.tp},
        {"dp", p.dp},
-       {"zero", p.zero},
+       {"zero", p.zero_stage},
        {"zero_ngroups", p.zero_ngroups},
        {"recompute", p.recompute},
        {"params", params},
@@ -49,7 +49,9 @@ void from_json(const nlohmann::json& j, Plan& p) {
     p.world = j.at("world").get<int>();
     p.tp = j.at("tp").get<int>();
     p.dp = j.at("dp").get<int>();
-    p.zero = j.at("zero").get<bool>();
+    // Checkpoints before ZeRO stages saved a boolean (stage 1 or none).
+    const auto& z = j.at("zero");
+    p.zero_stage = z.is_boolean() ? (z.get<bool>() ? 1 : 0) : z.get<int>();
     p.zero_ngroups = j.value("zero_ngroups", 1);
     p.recompute = j.at("recompute").get<std::vector<bool>>();
     for (const auto& pj : j.at("params")) {
@@ -143,8 +145,8 @@ std::string recompute_text(const std::vector<bool>& r) {
 std::string describe(const Plan& p, bool explain) {
   std::ostringstream o;
   o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp << " x dp " << p.dp
-    << ", zero " << (p.zero ? "on" : "off");
-  if (p.zero && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
+    << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
+  if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
   if (p.seq_len > 0)
     o << "  batch per rank: " << p.grad_accumulation_steps << " micro-batch"

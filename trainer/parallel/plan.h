@@ -29,7 +29,7 @@ struct PlanEstimate {
 struct Plan {
   std::string policy;            // the pas_policy that produced it
   int world = 1, tp = 1, dp = 1;
-  bool zero = false;
+  int zero_stage = 0;            // ZeRO: 0 off, 1 optimizer, 2 + gradients, 3 + parameters
   int zero_ngroups = 1;
   std::vector<bool> recompute;   // per model layer
   std::vector<ParamPlan> params;

@@ -178,7 +178,7 @@ int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
 }
 
 std::string candidate_text(const Candidate& c, int64_t layers) {
-  return "tp=" + std::to_string(c.tp) + " dp=" + std::to_string(c.dp) + " zero=" + (c.zero ? "on" : "off") +
+  return "tp=" + std::to_string(c.tp) + " dp=" + std::to_string(c.dp) + " zero=" + std::to_string(c.zero_stage) +
          " recompute=" + std::to_string(c.recompute_layers) + "/" + std::to_string(layers);
 }
 
@@ -202,13 +202,13 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   }
   const double cap = a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
   const double zgroups = std::max(1, a.compute_config.zero_ngroups);
-  const double z = c.zero ? std::max(1.0, d / zgroups) : 1.0;  // ZeRO shard group size
+  const double z = c.zero_stage ? std::max(1.0, d / zgroups) : 1.0;  // ZeRO shard group size
   const double buckets = std::ceil(p_local * pb.grad / cap);
-  const double padded = p_local + (c.zero ? buckets * (z - 1) : 0.0);  // each bucket padded to a multiple of z
+  const double padded = p_local + (c.zero_stage ? buckets * (z - 1) : 0.0);  // each bucket padded to a multiple of z
   e.param_bytes = p_local * pb.param;
   // Full gradient buffer (ZeRO-1 keeps it), plus ZeRO's reduced chunk.
-  e.grad_bytes = p_local * pb.grad + (c.zero ? padded / z * pb.grad : 0.0);
-  e.optim_bytes = (c.zero ? padded / z : p_local) * pb.optim;
+  e.grad_bytes = p_local * pb.grad + (c.zero_stage ? padded / z * pb.grad : 0.0);
+  e.optim_bytes = (c.zero_stage ? padded / z : p_local) * pb.optim;
 
   // Activations of one micro-batch (Korthikanti et al. 2022, bytes at 16 bit):
   // per layer s*b*(10h + (attention 4h(1 + kv/a) + MLP 4 ffn)/t + 5 a s/t),
@@ -234,7 +234,7 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   // Transient: two gradient buckets in flight, ZeRO's gathered-parameter bucket.
   double transient = 0;
   if (c.dp > 1) transient += 2 * std::min(cap, p_local * pb.grad);
-  if (c.zero && c.dp > 1) transient += std::min(cap, p_local * pb.param);
+  if (c.zero_stage && c.dp > 1) transient += std::min(cap, p_local * pb.param);
   e.transient_bytes = transient;
   e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
 
@@ -261,7 +261,7 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     const double alpha = req.device.collective_latency_s;
     double overlappable;  // launched bucket by bucket during the last micro-batch's backward
     double after = 0;     // after the optimizer step
-    if (c.zero) {
+    if (c.zero_stage) {
       // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
       // all-gather of the updated parameters.
       const double groups = d / z;
@@ -415,7 +415,7 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
     const int dp = world / t;
     const auto fails = tp_failures(f, t);
     if (!fails.empty()) {
-      entries.push_back({{t, dp, false, 0}, join(fails, "; "), {}});
+      entries.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
       continue;
     }
     if (a.global_batch_size % (a.micro_batch_size * dp) != 0) {
@@ -426,10 +426,10 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
                          {}});
       continue;
     }
-    std::vector<bool> zeros;
+    std::vector<int> zeros;
     if (policy != "autodist" || cc.use_zero) zeros = {cc.use_zero};
-    else zeros = dp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false};
-    for (bool zero : zeros) {
+    else zeros = dp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0};
+    for (int zero : zeros) {
       if (zero && dp % cc.zero_ngroups != 0) {
         entries.push_back({{t, dp, zero, 0},
                            "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
@@ -496,7 +496,7 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   p.world = world;
   p.tp = best->c.tp;
   p.dp = best->c.dp;
-  p.zero = best->c.zero;
+  p.zero_stage = best->c.zero_stage;
   p.zero_ngroups = cc.zero_ngroups;
   p.recompute.assign(L, false);
   for (int i = 0; i < best->c.recompute_layers && i < L; ++i) p.recompute[i] = true;
@@ -524,12 +524,12 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
     const auto& r = rejected[i];
     size_t j = i;
     while (j + 1 < rejected.size() && rejected[j + 1].kind == r.kind && r.kind != "infeasible" &&
-           rejected[j + 1].cand.tp == r.cand.tp && rejected[j + 1].cand.zero == r.cand.zero &&
+           rejected[j + 1].cand.tp == r.cand.tp && rejected[j + 1].cand.zero_stage == r.cand.zero_stage &&
            rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1)
       ++j;
     const auto& last = rejected[j];
     std::string head = "tp=" + std::to_string(r.cand.tp) + " dp=" + std::to_string(r.cand.dp) +
-                       " zero=" + (r.cand.zero ? "on" : "off");
+                       " zero=" + std::to_string(r.cand.zero_stage);
     if (r.kind == "infeasible") {
       o << "  " << head << ": infeasible: " << r.reason << "\n";
     } else if (i == j) {

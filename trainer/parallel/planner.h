@@ -69,13 +69,13 @@ constexpr double kAssumedEfficiency = 0.5;  // achieved / peak FLOP/s
 // One point of the search space.
 struct Candidate {
   int tp = 1, dp = 1;
-  bool zero = false;
+  int zero_stage = 0;
   int recompute_layers = 0;  // the first k layers recompute their activations
 };
 
 // A candidate the planner did not take, and why.
 struct Rejected {
-  std::string candidate;  // e.g. "tp=2 dp=4 zero=off recompute=3/12"
+  std::string candidate;  // e.g. "tp=2 dp=4 zero=0 recompute=3/12"
   std::string reason;     // with the numbers
   // Structured for tests and --json: kind is infeasible | memory | slower.
   std::string kind;

@@ -127,7 +127,7 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   if (env.world_size == 1) return nullptr;
   dist::RuntimeOptions o;
   o.tp = a.plan.tp;
-  o.zero_ngroups = a.plan.zero ? a.plan.zero_ngroups : 1;
+  o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
   o.backend = args.compute_config.backend;
   o.cuda = device.is_cuda();
   o.timeout = timeout;
@@ -150,8 +150,8 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
   parallel::TrainingStateOptions so;
   so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
-  so.zero = plan.zero;
-  if (plan.zero && rt) {
+  so.zero = plan.zero_stage > 0;
+  if (plan.zero_stage && rt) {
     so.zero_size = rt->zero.size();
     so.zero_rank = rt->zero.rank;
     so.zero_replicas = rt->zero_cross.ranks;

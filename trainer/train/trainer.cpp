@@ -220,7 +220,7 @@ void Trainer::announce(int64_t start_step) {
             ", world " + std::to_string(world_) + " (dp " + std::to_string(dp_) + "), global batch " +
             std::to_string(global_batch_) + " x " + std::to_string(data_.seq_len) + " tokens, steps " +
             std::to_string(start_step) + " -> " + std::to_string(data_.max_steps) + ", optimizer " +
-            tr_.optimizer->impl() + (plan_.zero ? " (ZeRO-1)" : "") + ", plan tp " + std::to_string(plan_.tp) +
+            tr_.optimizer->impl() + (plan_.zero_stage ? " (ZeRO-" + std::to_string(plan_.zero_stage) + ")" : "") + ", plan tp " + std::to_string(plan_.tp) +
             " x dp " + std::to_string(plan_.dp) + ", recompute " +
             std::to_string(std::count(plan_.recompute.begin(), plan_.recompute.end(), true)) + " layers" +
             (rt_ ? ", backend " + rt_->backend_name() + ", " + std::to_string(tr_.reducer->bucket_count()) +
