@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "models/common/block_runner.h"
 #include "models/common/layers.h"
 
 namespace nnstrain::models {
@@ -34,6 +35,7 @@ struct RuntimeOptions {
   std::vector<bool> recompute_layers;  // activation checkpointing per block (empty = none)
   bool chunked_loss = false;           // LM head + loss over token chunks, logits never whole
   int64_t loss_chunk_size = 4096;
+  std::shared_ptr<common::BlockHooks> block_hooks;  // the trainer's, around every block (ZeRO-3)
 };
 
 class CausalLM : public torch::nn::Module {
@@ -62,8 +64,18 @@ class CausalLM : public torch::nn::Module {
 
   virtual void set_runtime_options(const RuntimeOptions& opts) { runtime_ = opts; }
   const RuntimeOptions& runtime_options() const { return runtime_; }
+  // The name of the module list holding the transformer blocks ("h.3.attn..."
+  // is block 3's): ZeRO-3 makes each block one unit of parameters.
+  virtual std::string blocks_name() const = 0;
 
  protected:
+  // Block i of the model's stack, as the runtime options say (recompute, hooks).
+  torch::Tensor run_block(size_t i, const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                          const torch::Tensor& x, common::ParallelRng* rng) {
+    const auto& r = runtime_.recompute_layers;
+    return common::run_block(i, fn, x, i < r.size() && r[i] && is_training(), runtime_.block_hooks.get(), rng);
+  }
+
   RuntimeOptions runtime_;
 };
 

@@ -381,6 +381,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     c.use_zero = z == "true" ? 1 : z == "false" ? 0 : std::stoi(z);
   }
   c.zero_ngroups = static_cast<int>(cc.get_int("zero_ngroups", 1, 1, 1 << 20));
+  c.zero_prefetch = static_cast<int>(cc.get_int("zero_prefetch", 1, 0, 64));
   c.reducer_bucket_cap_mb = cc.get_float("reducer_bucket_cap_mb", 25.0);
   if (c.reducer_bucket_cap_mb <= 0) cc.fail("reducer_bucket_cap_mb", "must be > 0");
   c.collective_timeout_s = cc.get_float("collective_timeout_s", 600.0);

@@ -22,6 +22,7 @@ struct ComputeConfig {
   int runtime_ngpus = 0;        // total ranks; 0 = take WORLD_SIZE from the launcher
   int use_zero = 0;             // ZeRO stage 0-3 (true = 1): 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp
   int zero_ngroups = 1;         // ZeRO partitions within groups of dp/zero_ngroups ranks
+  int zero_prefetch = 1;        // ZeRO-3: block units whose gathers are issued ahead of the one running
   double reducer_bucket_cap_mb = 25.0;
   double collective_timeout_s = 600.0;
   // Megatron's sequence parallelism alongside tensor parallelism (only at tp > 1).

@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "models/common/recompute.h"
 
 namespace F = torch::nn::functional;
 
@@ -79,13 +78,9 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
   // embedding's entry into the region (its gradient all-gathered back whole).
   auto x = common::region_dropout(ctx_, wte(idx) + common::to_sequence_shard(ctx_, wpe(pos).unsqueeze(0)), cfg_.dropout,
                                   is_training());
-  const auto& recompute = runtime_.recompute_layers;
   for (size_t i = 0; i < h->size(); ++i) {
     auto block = h->ptr<BlockImpl>(i);
-    if (i < recompute.size() && recompute[i] && is_training())
-      x = common::recompute([block](const torch::Tensor& t) { return block->forward(t); }, x, ctx_.rng.get());
-    else
-      x = block->forward(x);
+    x = run_block(i, [block](const torch::Tensor& t) { return block->forward(t); }, x, ctx_.rng.get());
   }
   return ln_f(x);
 }

@@ -61,6 +61,7 @@ class Gpt : public CausalLM {
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.block_size; }
   int64_t num_layers() const override { return cfg_.n_layer; }
+  std::string blocks_name() const override { return "h"; }
   double flops_per_token(int64_t seq_len) const override;
   ModelDims dims() const override;
   std::vector<HfTensor> hf_tensors() const override;

@@ -3,7 +3,6 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "models/common/recompute.h"
 
 namespace F = torch::nn::functional;
 
@@ -156,14 +155,10 @@ torch::Tensor Llama::hidden(const torch::Tensor& idx) {
               cfg_.max_position_embeddings);
   auto x = embed_tokens(idx);
   const auto [cos, sin] = rotary(T, x.device());
-  const auto& recompute = runtime_.recompute_layers;
   for (size_t i = 0; i < layers->size(); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);
-    if (i < recompute.size() && recompute[i] && is_training())
-      x = common::recompute([layer, cos = cos, sin = sin](const torch::Tensor& t) { return layer->forward(t, cos, sin); },
-                            x);
-    else
-      x = layer->forward(x, cos, sin);
+    x = run_block(i, [layer, cos = cos, sin = sin](const torch::Tensor& t) { return layer->forward(t, cos, sin); }, x,
+                  nullptr);
   }
   return norm(x);
 }

@@ -89,6 +89,7 @@ class Llama : public CausalLM {
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.max_position_embeddings; }
   int64_t num_layers() const override { return cfg_.num_hidden_layers; }
+  std::string blocks_name() const override { return "layers"; }
   double flops_per_token(int64_t seq_len) const override;
   ModelDims dims() const override;
   std::vector<HfTensor> hf_tensors() const override;

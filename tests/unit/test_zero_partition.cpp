@@ -125,7 +125,7 @@ RankResult run_rank(int rank, int world, int zero_ngroups, int port) {
     }
     parallel::TrainingStateOptions o;
     o.bucket_cap_mb = kBucketCapMb;
-    o.zero = true;
+    o.zero_stage = 1;
     o.zero_size = rt.zero.size();
     o.zero_rank = rt.zero.rank;
     o.zero_replicas = rt.zero_cross.ranks;

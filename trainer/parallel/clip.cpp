@@ -8,7 +8,7 @@
 namespace nnstrain::parallel {
 
 at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
-  const bool zero = state.options().zero;
+  const bool zero = state.options().zero();
   at::Tensor sq;
   if (!zero && !state.norm_weighted()) {
     sq = torch::linalg_vector_norm(state.flat_grad(), 2, {}, false, torch::kFloat32).pow(2).reshape({1});

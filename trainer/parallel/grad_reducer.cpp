@@ -7,13 +7,14 @@
 
 namespace nnstrain::parallel {
 
-GradientReducer::GradientReducer(TrainingState& state, dist::Runtime* rt)
-    : state_(state), rt_(rt), zero_(state.options().zero) {
+GradientReducer::GradientReducer(TrainingState& state, dist::Runtime* rt, int blocks, int prefetch)
+    : state_(state), rt_(rt), stage_(state.options().zero_stage) {
   if (rt_) dp_ = rt_->dp.size();
   progress_.resize(state_.layout().buckets.size());
-  // After a parameter's gradient is accumulated: into its fp32 slot (mixed),
-  // and its bucket may be ready for reduction.
-  if (dp_ > 1 || state_.grads_via_hook()) {
+  if (stage_ == 3) units_ = std::make_shared<ParameterUnits>(state_, rt_, blocks, prefetch);
+  // After a parameter's gradient is accumulated: into its slot (fp32 under
+  // mixed, the bucket buffer under stages 2 and 3), and its bucket may be ready.
+  if (dp_live() || state_.grads_via_hook()) {
     const auto& params = state_.params();
     for (size_t k = 0; k < params.size(); ++k) {
       auto acc = torch::autograd::impl::grad_accumulator(params[k].tensor);
@@ -30,16 +31,22 @@ GradientReducer::GradientReducer(TrainingState& state, dist::Runtime* rt)
 
 GradientReducer::~GradientReducer() = default;
 
-void GradientReducer::begin_micro_step(bool sync) {
-  sync_ = sync && dp_ > 1;
-  if (!sync_) return;
+void GradientReducer::begin_micro_step(bool last) {
+  if (stage_ >= 2) {
+    drain();  // the previous micro-step's buckets (a no-op on the first)
+    reducing_ = true;
+  } else {
+    reducing_ = last && dp_live();
+  }
   const auto& buckets = state_.layout().buckets;
-  for (size_t i = 0; i < buckets.size(); ++i) progress_[i] = {static_cast<int>(buckets[i].params.size()), false, {}};
+  for (size_t i = 0; i < buckets.size(); ++i)
+    progress_[i] = {static_cast<int>(buckets[i].params.size()), false, false, {}, {}};
   next_launch_ = 0;
+  if (units_) units_->begin_forward();
 }
 
 void GradientReducer::on_grad_ready(size_t k) {
-  if (!sync_) return;
+  if (!reducing_) return;
   auto& p = progress_[state_.layout().bucket_of[k]];
   if (--p.pending == 0) {
     p.ready = true;
@@ -55,19 +62,65 @@ void GradientReducer::launch_ready_in_order() {
 void GradientReducer::launch(size_t i) {
   const auto& L = state_.layout();
   const auto& b = L.buckets[i];
-  auto in = state_.flat_grad().narrow(0, b.begin, b.end - b.begin);
-  if (zero_) {
-    auto out = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
-    progress_[i].work = rt_->reduce_scatter_async(rt_->zero, out, in, "gradient reduce-scatter");
-  } else {
-    progress_[i].work = rt_->all_reduce_async(rt_->dp, in, "gradient all-reduce");
+  auto& p = progress_[i];
+  p.launched = true;
+  if (stage_ <= 1) {
+    auto in = state_.flat_grad().narrow(0, b.begin, b.end - b.begin);
+    sent_bytes_ += in.numel() * in.element_size();
+    if (stage_ == 1) {
+      auto out = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
+      p.work = rt_->reduce_scatter_async(rt_->zero, out, in, "gradient reduce-scatter");
+    } else {
+      p.work = rt_->all_reduce_async(rt_->dp, in, "gradient all-reduce");
+    }
+    return;
   }
+  // Stages 2 and 3: out of the bucket's own buffer, into a chunk added into the shard when done.
+  auto& in = state_.bucket_grad(i);
+  if (zero_live()) {
+    sent_bytes_ += in.numel() * in.element_size();
+    p.chunk = torch::empty({L.chunk_size(b)}, in.options());
+    p.work = rt_->reduce_scatter_async(rt_->zero, p.chunk, in, "gradient reduce-scatter");
+  } else {
+    p.chunk = in.narrow(0, L.chunk_begin(b) - b.begin, L.chunk_size(b));  // one rank: its chunk is all
+  }
+  if (units_) units_->reduced(i);
+  in_flight_.push_back(i);
+  while (in_flight_.size() > kBucketsInFlight) {
+    complete(in_flight_.front());
+    in_flight_.erase(in_flight_.begin());
+  }
+}
+
+void GradientReducer::complete(size_t i) {
+  const auto& L = state_.layout();
+  auto& p = progress_[i];
+  if (p.work) rt_->wait(p.work, rt_->zero, "gradient reduce-scatter");
+  p.work.reset();
+  state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i])).add_(p.chunk);
+  p.chunk = at::Tensor();
+  state_.release_bucket_grad(i);
+}
+
+void GradientReducer::drain() {
+  if (!reducing_) return;
+  torch::NoGradGuard no_grad;
+  // Buckets whose parameters got no gradient (unused) still take part.
+  for (auto& p : progress_) p.ready = true;
+  launch_ready_in_order();
+  if (stage_ >= 2) {
+    for (auto i : in_flight_) complete(i);
+    in_flight_.clear();
+  } else {
+    for (auto& p : progress_) rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp, "gradient reduction");
+  }
+  reducing_ = false;
 }
 
 void GradientReducer::finish_gradients() {
   const auto& L = state_.layout();
-  if (!sync_) {
-    if (zero_ && dp_ == 1) {
+  if (stage_ <= 1 && !reducing_) {
+    if (stage_ == 1 && dp_ == 1) {
       // One rank: its chunk is everything.
       for (size_t i = 0; i < L.buckets.size(); ++i)
         state_.shard_grad()
@@ -76,34 +129,47 @@ void GradientReducer::finish_gradients() {
     }
     return;
   }
-  // Buckets whose parameters got no gradient (unused) still take part.
-  for (auto& p : progress_) p.ready = true;
-  launch_ready_in_order();
-  for (auto& p : progress_) rt_->wait(p.work, zero_ ? rt_->zero : rt_->dp, "gradient reduction");
-  if (zero_ && rt_->zero_cross.size() > 1)
+  drain();
+  if (units_) units_->release_all();
+  if (stage_ >= 1 && cross_live()) {
+    sent_bytes_ += state_.shard_grad().numel() * state_.shard_grad().element_size();
     rt_->all_reduce(rt_->zero_cross, state_.shard_grad(), "gradient all-reduce across ZeRO groups");
-  state_.reduced_grads().mul_(1.0 / dp_);
-  sync_ = false;
+  }
+  if (dp_ > 1) state_.reduced_grads().mul_(1.0 / dp_);
 }
 
 void GradientReducer::gather_params() {
-  if (!zero_ || !rt_ || rt_->zero.size() < 2) return;
+  if (stage_ == 0 || stage_ == 3 || !zero_live()) return;
   const auto& L = state_.layout();
   auto& flat = state_.flat_param();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> inputs;  // kept alive until the gathers finish
   for (const auto& b : L.buckets) {
     inputs.push_back(flat.narrow(0, L.chunk_begin(b), L.chunk_size(b)).clone());
+    sent_bytes_ += (b.end - b.begin) * flat.element_size();
     works.push_back(rt_->all_gather_async(rt_->zero, flat.narrow(0, b.begin, b.end - b.begin), inputs.back(),
                                           "parameter all-gather"));
   }
   for (auto& w : works) rt_->wait(w, rt_->zero, "parameter all-gather");
 }
 
+void GradientReducer::begin_forward() {
+  if (units_) units_->begin_forward();
+}
+
+void GradientReducer::release_params() {
+  if (units_) units_->release_all();
+}
+
 int64_t GradientReducer::reduced_bytes_per_step() const {
-  if (dp_ < 2) return 0;
-  auto& g = state_.flat_grad();
-  return g.numel() * g.element_size();
+  if (!(stage_ == 0 ? dp_live() : zero_live())) return 0;
+  int64_t n = 0;
+  for (const auto& b : state_.layout().buckets) n += b.end - b.begin;
+  return n * static_cast<int64_t>(c10::elementSize(state_.options().grad_dtype));
+}
+
+int64_t GradientReducer::communicated_bytes() const {
+  return sent_bytes_ + (units_ && zero_live() ? units_->gathered_bytes() : 0);
 }
 
 }  // namespace nnstrain::parallel

@@ -1,13 +1,24 @@
 // Gradient reduction over the data-parallel group, for a TrainingState. Each
 // bucket's reduction is launched from an autograd hook the moment its last
-// gradient is accumulated, so communication overlaps the rest of backward, and
-// only on the final micro-step of gradient accumulation (the others accumulate
-// locally: nothing is sent).
+// gradient is accumulated, so communication overlaps the rest of backward.
 //
-// Two strategies, by the state's layout: without ZeRO a bucket is all-reduced in
-// place; with ZeRO-1 it is reduce-scattered over the ZeRO group into this rank's
-// chunk (then all-reduced across ZeRO groups when zero_ngroups > 1), and after
-// the optimizer step the updated chunks are all-gathered back (gather_params).
+// By ZeRO stage (training_state.h):
+//   0  each bucket all-reduced in place;
+//   1  each bucket reduce-scattered over the ZeRO group into this rank's chunk;
+//      after the optimizer step the updated chunks are all-gathered back
+//      (gather_params);
+//   2  as 1, but out of a bucket buffer that lives only until its
+//      reduce-scatter is done (at most kBucketsInFlight at once), the chunk
+//      added into the rank's gradient shard;
+//   3  as 2, each unit's bucket as soon as its backward ends, after which the
+//      unit's gathered parameters are freed; parameters are gathered by unit
+//      (ParameterUnits) rather than after the step.
+// With zero_ngroups > 1 the shard is then all-reduced across ZeRO groups (HSDP).
+//
+// Gradient accumulation: stages 0 and 1 accumulate whole gradients locally and
+// communicate only on the final micro-step; stages 2 and 3 keep no whole
+// gradient between micro-steps, so they reduce-scatter on every micro-step
+// (the cross-group all-reduce and the 1/dp scaling still happen once).
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -16,6 +27,7 @@
 #include <vector>
 
 #include "trainer/dist/process_groups.h"
+#include "trainer/parallel/param_units.h"
 #include "trainer/parallel/training_state.h"
 
 namespace torch::autograd {
@@ -26,40 +38,62 @@ namespace nnstrain::parallel {
 
 class GradientReducer {
  public:
-  // Installs the gradient hooks on the state's parameters. rt may be null (one process).
-  GradientReducer(TrainingState& state, dist::Runtime* rt);
+  static constexpr size_t kBucketsInFlight = 2;
+
+  // Installs the gradient hooks on the state's parameters. rt may be null (one
+  // process). ZeRO-3: blocks (the model's count) and the gather prefetch depth.
+  GradientReducer(TrainingState& state, dist::Runtime* rt, int blocks = 0, int prefetch = 1);
   ~GradientReducer();
 
-  // Before each micro-step's backward: reduce gradients this time or not.
-  void begin_micro_step(bool sync);
+  // Before each micro-step's forward: whether it is the last of the step.
+  void begin_micro_step(bool last);
   // After the last backward: waits for every bucket; the reduced gradients are
   // then averaged over dp (ZeRO: this rank's chunk of them).
   void finish_gradients();
-  // After the optimizer step (or a checkpoint load): under ZeRO every rank's
-  // updated chunks all-gathered into the compute copy; otherwise nothing.
+  // After the optimizer step (or a checkpoint load), stages 1 and 2: every
+  // rank's updated chunks all-gathered into the parameters.
   void gather_params();
 
+  // ZeRO-3: what the model calls around its blocks (null below stage 3), and
+  // the forward-only path (evaluation): gather before, release after.
+  std::shared_ptr<models::common::BlockHooks> block_hooks() const { return units_; }
+  void begin_forward();
+  void release_params();
+
   int64_t bucket_count() const { return static_cast<int64_t>(state_.layout().buckets.size()); }
-  // Bytes each step sends into reductions (buffer bytes per collective).
+  // Bytes each reduction round sends into its collectives (buffer bytes).
   int64_t reduced_bytes_per_step() const;
+  // Bytes this rank has put into (reductions) or received from (gathers)
+  // collectives so far, for the per-step communication figure.
+  int64_t communicated_bytes() const;
 
  private:
-  struct Progress {  // per bucket, during one synchronising backward
+  struct Progress {  // per bucket, during one reducing backward
     int pending = 0;
-    bool ready = false;
+    bool ready = false, launched = false;
     c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor chunk;  // stages 2, 3: the reduce-scatter's output, added into the shard when done
   };
   void on_grad_ready(size_t param_index);
   void launch_ready_in_order();
   void launch(size_t bucket);
+  void complete(size_t bucket);  // stages 2, 3
+  void drain();                  // every bucket launched and completed
+  // Whether the dp, ZeRO and cross-ZeRO groups have anyone to talk to.
+  bool dp_live() const { return rt_ && rt_->dp.backend; }
+  bool zero_live() const { return rt_ && rt_->zero.backend; }
+  bool cross_live() const { return rt_ && rt_->zero_cross.backend; }
 
   TrainingState& state_;
   dist::Runtime* rt_;
   int dp_ = 1;
-  bool zero_ = false;
-  bool sync_ = false;
+  int stage_ = 0;
+  bool reducing_ = false;  // this micro-step's backward reduces
   std::vector<Progress> progress_;
   size_t next_launch_ = 0;
+  std::vector<size_t> in_flight_;  // stages 2, 3: launched, not completed, in order
+  std::shared_ptr<ParameterUnits> units_;
+  int64_t sent_bytes_ = 0;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
 };
 

@@ -9,6 +9,16 @@ namespace nnstrain::parallel {
 
 namespace {
 std::string st_dtype(c10::ScalarType t) { return checkpoint::dtype_name(checkpoint::to_dtype(t)); }
+
+// A ZeRO-3 unit's storage comes and goes under the tensors that view it (the
+// parameters, and what autograd saved of them), so they see it again when it
+// is gathered again.
+void set_storage_bytes(const at::Tensor& t, size_t nbytes) {
+  const auto& s = t.storage();
+  if (s.nbytes() == nbytes) return;
+  s.set_data_ptr_noswap(nbytes ? s.allocator()->allocate(nbytes) : at::DataPtr(nullptr, t.device()));
+  s.set_nbytes(nbytes);
+}
 }  // namespace
 
 StateBytes state_bytes(c10::ScalarType param_dtype, c10::ScalarType grad_dtype, bool master_weights) {
@@ -21,7 +31,8 @@ StateBytes state_bytes(c10::ScalarType param_dtype, c10::ScalarType grad_dtype, 
   return b;
 }
 
-FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank) {
+FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank,
+                            const std::vector<int>& units) {
   FlatLayout l;
   l.zsize = zsize;
   l.zrank = zrank;
@@ -39,7 +50,9 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
     cur.begin = pos;
   };
   for (size_t k = numels.size(); k-- > 0;) {
-    if (!cur.params.empty() && pos - cur.begin + numels[k] > cap) close();
+    if (!cur.params.empty() &&
+        (units.empty() ? pos - cur.begin + numels[k] > cap : units[k] != units[cur.params.back()]))
+      close();
     l.offset[k] = pos;
     l.bucket_of[k] = l.buckets.size();
     cur.params.push_back(k);
@@ -57,17 +70,31 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
 TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingStateOptions& opts)
     : params_(std::move(params)), opts_(opts) {
   TORCH_CHECK(!params_.empty(), "TrainingState: no parameters");
+  TORCH_CHECK(opts_.zero_stage >= 0 && opts_.zero_stage <= 3, "TrainingState: ZeRO stage ", opts_.zero_stage);
   const auto init_dtype = params_.front().tensor.scalar_type();
   for (const auto& p : params_)
     TORCH_CHECK(p.tensor.scalar_type() == init_dtype, "TrainingState: parameters of mixed dtypes (", p.name, ")");
-  grads_via_hook_ = opts_.grad_dtype != opts_.param_dtype;
+  const int stage = opts_.zero_stage;
+  // Stages 2 and 3 have no whole gradient buffer for autograd to accumulate into.
+  grads_via_hook_ = opts_.grad_dtype != opts_.param_dtype || stage >= 2;
 
   std::vector<int64_t> numels;
   for (const auto& p : params_) numels.push_back(p.tensor.numel());
   const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
                                                static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
-  layout_ = FlatLayout::make(numels, cap, opts_.zero ? opts_.zero_size : 1, opts_.zero ? opts_.zero_rank : 0);
+  const std::vector<int> no_units;
+  const auto& units = stage == 3 ? opts_.units : no_units;
+  TORCH_CHECK(stage < 3 || units.size() == params_.size(), "TrainingState: ZeRO-3 needs every parameter's unit");
+  layout_ = FlatLayout::make(numels, cap, opts_.zero() ? opts_.zero_size : 1, opts_.zero() ? opts_.zero_rank : 0, units);
   const auto& L = layout_;
+  if (stage == 3) {
+    for (size_t b = 0; b < L.buckets.size(); ++b) {
+      const int u = units[L.buckets[b].params.front()];
+      if (u >= static_cast<int>(unit_bucket_.size())) unit_bucket_.resize(u + 1, -1);
+      TORCH_CHECK(unit_bucket_[u] < 0, "TrainingState: the parameters of ZeRO-3 unit ", u, " are not consecutive");
+      unit_bucket_[u] = static_cast<int64_t>(b);
+    }
+  }
 
   // The initial values, as built (fp32), in the flat layout: the masters start
   // from them exactly, the compute copy is their cast.
@@ -76,28 +103,42 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   auto init = torch::zeros({L.size}, opt);
   for (size_t k = 0; k < params_.size(); ++k)
     init.narrow(0, L.offset[k], numels[k]).copy_(params_[k].tensor.reshape({-1}));
-  if (opts_.zero) shard_grad_ = torch::zeros({L.shard_size}, opt.dtype(opts_.grad_dtype));
+  // This rank's chunks of the flat layout, bucket after bucket (ZeRO).
+  auto chunks_of = [&](const at::Tensor& flat, c10::ScalarType dtype) {
+    auto out = torch::empty({L.shard_size}, opt.dtype(dtype));
+    for (size_t i = 0; i < L.buckets.size(); ++i)
+      out.narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i]))
+          .copy_(flat.narrow(0, L.chunk_begin(L.buckets[i]), L.chunk_size(L.buckets[i])));
+    return out;
+  };
+  if (opts_.zero()) shard_grad_ = torch::zeros({L.shard_size}, opt.dtype(opts_.grad_dtype));
   if (opts_.master_weights) {
     TORCH_CHECK(init_dtype == torch::kFloat32, "TrainingState: master weights need fp32 initial parameters");
-    if (opts_.zero) {
-      flat_master_ = torch::empty({L.shard_size}, opt.dtype(torch::kFloat32));
-      for (size_t i = 0; i < L.buckets.size(); ++i)
-        flat_master_.narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i]))
-            .copy_(init.narrow(0, L.chunk_begin(L.buckets[i]), L.chunk_size(L.buckets[i])));
-    } else {
-      flat_master_ = init.to(torch::kFloat32);
-    }
+    flat_master_ = opts_.zero() ? chunks_of(init, torch::kFloat32) : init.to(torch::kFloat32);
   }
-  flat_param_ = init.to(opts_.param_dtype);
-  flat_grad_ = torch::zeros({L.size}, opt.dtype(opts_.grad_dtype));
-  // Parameters become views of the flat buffer; their gradients too where the dtypes agree.
+  if (stage == 3) {
+    shard_param_ = chunks_of(init, opts_.param_dtype);
+    for (const auto& b : L.buckets) unit_param_.push_back(torch::empty({b.end - b.begin}, opt.dtype(opts_.param_dtype)));
+  } else {
+    flat_param_ = init.to(opts_.param_dtype);
+  }
+  if (stage < 2) flat_grad_ = torch::zeros({L.size}, opt.dtype(opts_.grad_dtype));
+  bucket_grad_.resize(L.buckets.size());
+  init = at::Tensor();
+  // Parameters become views of the flat buffer (stage 3: of their unit's); their
+  // gradients too where the dtypes agree and a whole gradient buffer exists.
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& t = params_[k].tensor;
-    t.set_data(flat_param_.narrow(0, L.offset[k], t.numel()).view(t.sizes()));
-    grad_views_.push_back(flat_grad_.narrow(0, L.offset[k], t.numel()).view(t.sizes()));
-    if (!grads_via_hook_) t.mutable_grad() = grad_views_.back();
+    const auto b = L.bucket_of[k];
+    t.set_data(stage == 3 ? unit_param_[b].narrow(0, L.offset[k] - L.buckets[b].begin, t.numel()).view(t.sizes())
+                          : flat_param_.narrow(0, L.offset[k], t.numel()).view(t.sizes()));
+    if (stage < 2) {
+      grad_views_.push_back(flat_grad_.narrow(0, L.offset[k], t.numel()).view(t.sizes()));
+      if (!grads_via_hook_) t.mutable_grad() = grad_views_.back();
+    }
     params_[k].spec.dtype = st_dtype(opts_.param_dtype);
   }
+  for (size_t b = 0; b < unit_param_.size(); ++b) free_unit(b);  // gathered when a forward needs them
 
   segments_ = make_segments();
   std::vector<double> w;
@@ -113,25 +154,55 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
 void TrainingState::accumulate_into_slot(size_t k) {
   auto& g = params_[k].tensor.mutable_grad();
   if (!g.defined()) return;
-  grad_views_[k].add_(g);
+  if (opts_.zero_stage >= 2) {
+    const auto b = layout_.bucket_of[k];
+    bucket_grad(b).narrow(0, layout_.offset[k] - layout_.buckets[b].begin, g.numel()).add_(g.reshape({-1}));
+  } else {
+    grad_views_[k].add_(g);
+  }
   g.reset();
 }
 
+at::Tensor& TrainingState::bucket_grad(size_t b) {
+  auto& g = bucket_grad_[b];
+  if (!g.defined()) {
+    const auto& bk = layout_.buckets[b];
+    g = torch::zeros({bk.end - bk.begin}, shard_grad_.options());
+  }
+  return g;
+}
+
+void TrainingState::release_bucket_grad(size_t b) { bucket_grad_[b] = at::Tensor(); }
+
+void TrainingState::allocate_unit(size_t b) {
+  const auto& t = unit_param_[b];
+  set_storage_bytes(t, t.numel() * t.element_size());
+}
+
+void TrainingState::free_unit(size_t b) { set_storage_bytes(unit_param_[b], 0); }
+
+bool TrainingState::unit_allocated(size_t b) const { return unit_param_[b].storage().nbytes() > 0; }
+
+at::Tensor TrainingState::shard_chunk(size_t b) const {
+  return shard_param_.narrow(0, layout_.shard_offset[b], layout_.chunk_size(layout_.buckets[b]));
+}
+
 void TrainingState::zero_grad() {
-  flat_grad_.zero_();
+  if (flat_grad_.defined()) flat_grad_.zero_();
+  if (shard_grad_.defined()) shard_grad_.zero_();
   if (grads_via_hook_)
     for (auto& p : params_) p.tensor.mutable_grad().reset();
 }
 
 void TrainingState::scale_gradients(const at::Tensor& coef) {
-  reduced_grads().mul_(coef.to(flat_grad_.scalar_type()));
+  reduced_grads().mul_(coef.to(reduced_grads().scalar_type()));
 }
 
 std::vector<optim::Segment> TrainingState::make_segments() const {
   std::vector<optim::Segment> segs;
   const auto& L = layout_;
   auto wd = [&](size_t k) { return optim::weight_decay_for(params_[k].tensor, opts_.weight_decay); };
-  if (!opts_.zero) {
+  if (!opts_.zero()) {
     for (size_t k = 0; k < params_.size(); ++k) {
       const auto& t = params_[k].tensor;
       auto param = opts_.master_weights ? flat_master_.narrow(0, L.offset[k], t.numel()).view(t.sizes()) : t;
@@ -147,7 +218,9 @@ std::vector<optim::Segment> TrainingState::make_segments() const {
       const int64_t lo = std::max(c0, p0), hi = std::min(c1, p1);
       if (lo >= hi) continue;
       const int64_t in_shard = L.shard_offset[bi] + (lo - c0);
-      auto param = opts_.master_weights ? flat_master_.narrow(0, in_shard, hi - lo) : flat_param_.narrow(0, lo, hi - lo);
+      auto param = opts_.master_weights   ? flat_master_.narrow(0, in_shard, hi - lo)
+                   : opts_.zero_stage == 3 ? shard_param_.narrow(0, in_shard, hi - lo)
+                                           : flat_param_.narrow(0, lo, hi - lo);
       segs.push_back({params_[k].name, param, shard_grad_.narrow(0, in_shard, hi - lo), wd(k), lo - p0});
     }
   }
@@ -161,7 +234,7 @@ std::vector<sharding::ShardSpec> TrainingState::segment_specs(const std::string&
     auto spec = p.spec;
     spec.name = prefix + s.name;
     spec.dtype = st_dtype(s.param.scalar_type());
-    if (opts_.zero) {
+    if (opts_.zero()) {
       spec.flat_begin = s.offset;
       spec.flat_end = s.offset + s.param.numel();
       spec.replica_ranks = opts_.zero_replicas;
@@ -174,7 +247,7 @@ std::vector<sharding::ShardSpec> TrainingState::segment_specs(const std::string&
 
 std::vector<sharding::StateTensor> TrainingState::weight_state() const {
   std::vector<sharding::StateTensor> out;
-  if (!opts_.master_weights) {
+  if (!opts_.master_weights && opts_.zero_stage < 3) {
     for (const auto& p : params_) {
       auto spec = p.spec;
       spec.name = "model/" + p.name;
@@ -189,8 +262,12 @@ std::vector<sharding::StateTensor> TrainingState::weight_state() const {
 
 void TrainingState::refresh_compute_copy() {
   if (!opts_.master_weights) return;
-  if (!opts_.zero) {
+  if (!opts_.zero()) {
     flat_param_.copy_(flat_master_);
+    return;
+  }
+  if (opts_.zero_stage == 3) {  // the rest is gathered when a forward needs it
+    shard_param_.copy_(flat_master_);
     return;
   }
   const auto& L = layout_;
@@ -200,8 +277,12 @@ void TrainingState::refresh_compute_copy() {
 }
 
 StateBytes TrainingState::held_bytes() const {
-  auto bytes = [](const at::Tensor& t) { return t.defined() ? double(t.nbytes()) : 0.0; };
-  return {bytes(flat_param_), bytes(flat_grad_) + bytes(shard_grad_), bytes(flat_master_), 0.0};
+  // Storage bytes: a freed ZeRO-3 unit counts nothing.
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? double(t.storage().nbytes()) : 0.0; };
+  StateBytes b{bytes(flat_param_) + bytes(shard_param_), bytes(flat_grad_) + bytes(shard_grad_), bytes(flat_master_), 0.0};
+  for (const auto& u : unit_param_) b.param += bytes(u);
+  for (const auto& g : bucket_grad_) b.grad += bytes(g);
+  return b;
 }
 
 }  // namespace nnstrain::parallel

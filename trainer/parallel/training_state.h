@@ -4,9 +4,18 @@
 // gradient norm and clipping are functions over this state (clip.h).
 //
 // Layout: parameters lie in reverse registration order (the order backward
-// produces gradients), cut into buckets of reducer_bucket_cap_mb; under ZeRO
-// each bucket is padded to a multiple of the ZeRO group size and every rank
-// owns one chunk of every bucket.
+// produces gradients), cut into buckets of reducer_bucket_cap_mb (under ZeRO-3:
+// one bucket per unit, see below); under ZeRO each bucket is padded to a
+// multiple of the ZeRO group size and every rank owns one chunk of every bucket.
+//
+// ZeRO stages (docs/parallelism.md): 1 keeps whole parameters and a whole
+// gradient buffer and shards the optimizer (masters, moments); 2 also drops the
+// whole gradient buffer: gradients go, bucket by bucket, into buffers that live
+// only until their reduce-scatter is done, and each rank keeps only its reduced
+// chunk; 3 also shards the parameters: each unit (the parameters before the
+// blocks, each block, those after) is a flat buffer whose storage exists only
+// while the unit is gathered (ParameterUnits, param_units.h), and what persists
+// is this rank's chunk of it.
 //
 // Precision lives here, not in the model (DESIGN.md idea 7). The parameters the
 // model computes with are views of flat_param in the compute dtype. Under
@@ -65,20 +74,27 @@ struct FlatLayout {
   int64_t shard_size = 0;
 
   // numels: per parameter, in registration order. cap: elements per bucket.
-  static FlatLayout make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank);
+  // units (optional, per parameter): a bucket per unit instead, whatever the cap.
+  static FlatLayout make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank,
+                         const std::vector<int>& units = {});
   int64_t chunk_size(const Bucket& b) const { return (b.end - b.begin) / zsize; }
   int64_t chunk_begin(const Bucket& b) const { return b.begin + zrank * chunk_size(b); }
 };
 
 struct TrainingStateOptions {
   double bucket_cap_mb = 25.0;
-  bool zero = false;
-  int zero_size = 1, zero_rank = 0;    // the ZeRO group (zero: true)
+  int zero_stage = 0;                  // 0: none; 1, 2, 3 (above)
+  int zero_size = 1, zero_rank = 0;    // the ZeRO group (zero_stage > 0)
   std::vector<int> zero_replicas{0};   // ranks holding the same ZeRO chunks (checkpoint replicas)
   double weight_decay = 0.0;           // for tensors of two or more dims
   c10::ScalarType param_dtype = c10::ScalarType::Float;  // what the model computes with
   c10::ScalarType grad_dtype = c10::ScalarType::Float;   // gradient buffer and reduction dtype
   bool master_weights = false;                           // fp32 masters in the optimizer (*-mixed)
+  // ZeRO-3: each parameter's unit, in registration order: 0 for those before
+  // the blocks, 1 + i for block i's, blocks + 1 for those after. A unit's
+  // parameters must be consecutive.
+  std::vector<int> units;
+  bool zero() const { return zero_stage > 0; }
 };
 
 class TrainingState {
@@ -91,13 +107,27 @@ class TrainingState {
   const FlatLayout& layout() const { return layout_; }
   const TrainingStateOptions& options() const { return opts_; }
 
-  // Gradients. flat_grad: every parameter's slot; shard_grad (ZeRO): this
-  // rank's reduced chunks, bucket after bucket. reduced_grads: what the
-  // optimizer and the norm read, whichever of the two that is.
+  // Gradients. flat_grad (stages 0, 1): every parameter's slot; shard_grad
+  // (ZeRO): this rank's reduced chunks, bucket after bucket. reduced_grads:
+  // what the optimizer and the norm read, whichever of the two that is.
   at::Tensor& flat_param() { return flat_param_; }
   at::Tensor& flat_grad() { return flat_grad_; }
   at::Tensor& shard_grad() { return shard_grad_; }
-  at::Tensor& reduced_grads() { return opts_.zero ? shard_grad_ : flat_grad_; }
+  at::Tensor& reduced_grads() { return opts_.zero() ? shard_grad_ : flat_grad_; }
+  // Stages 2, 3: bucket b's gradient buffer for this backward (zeros when
+  // first asked for), and its release once reduced.
+  at::Tensor& bucket_grad(size_t b);
+  void release_bucket_grad(size_t b);
+  // Stage 3: unit (bucket) b's whole parameters, the flat buffer its
+  // parameters view; allocate_unit gives it storage (to gather into),
+  // free_unit takes it away. shard_param: this rank's chunks of every unit.
+  at::Tensor& unit_param(size_t b) { return unit_param_[b]; }
+  void allocate_unit(size_t b);
+  void free_unit(size_t b);
+  bool unit_allocated(size_t b) const;
+  at::Tensor shard_chunk(size_t b) const;
+  // Stage 3: the bucket holding unit u's parameters (-1: the unit has none).
+  int64_t unit_bucket(int u) const { return u < static_cast<int>(unit_bucket_.size()) ? unit_bucket_[u] : -1; }
   bool grads_via_hook() const { return grads_via_hook_; }
   // After autograd accumulated parameter k's gradient (grads_via_hook): into its slot, then dropped.
   void accumulate_into_slot(size_t k);
@@ -128,6 +158,10 @@ class TrainingState {
   FlatLayout layout_;
   bool grads_via_hook_ = false;
   at::Tensor flat_param_, flat_grad_, shard_grad_;
+  at::Tensor shard_param_;                // stage 3: this rank's chunks, compute dtype
+  std::vector<at::Tensor> unit_param_;    // stage 3: per bucket, storage only while gathered
+  std::vector<at::Tensor> bucket_grad_;   // stages 2, 3: per bucket, only during backward
+  std::vector<int64_t> unit_bucket_;
   at::Tensor flat_master_;              // *-mixed: fp32 masters (whole, or this rank's ZeRO chunks)
   std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
   std::vector<optim::Segment> segments_;

@@ -29,6 +29,36 @@ sharding::StateTensor replicated(const std::string& name, const at::Tensor& t, i
   return {spec, t};
 }
 
+// ZeRO-3's units (training_state.h), by name: "<blocks>.<i>." is block i's;
+// the rest falls before or after the blocks.
+std::vector<int> param_units(const std::vector<parallel::ParamShard>& params, const models::CausalLM& model) {
+  const auto prefix = model.blocks_name() + ".";
+  const int blocks = static_cast<int>(model.num_layers());
+  std::vector<int> units;
+  bool after_blocks = false;
+  for (const auto& p : params) {
+    if (p.name.rfind(prefix, 0) == 0) {
+      units.push_back(1 + std::stoi(p.name.substr(prefix.size())));
+      after_blocks = true;
+    } else {
+      units.push_back(after_blocks ? blocks + 1 : 0);
+    }
+  }
+  return units;
+}
+
+// The start-up line naming ZeRO-3's units: which parameters sit outside the blocks.
+std::string describe_units(const std::vector<parallel::ParamShard>& params, const std::vector<int>& units, int blocks) {
+  std::string outer[2];  // before, after the blocks
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (units[k] != 0 && units[k] != blocks + 1) continue;
+    auto& s = outer[units[k] == 0 ? 0 : 1];
+    s += (s.empty() ? "" : ", ") + params[k].name;
+  }
+  return "ZeRO-3 units: before the blocks (" + outer[0] + "), " + std::to_string(blocks) +
+         " blocks (one unit each), after the blocks (" + outer[1] + ")";
+}
+
 }  // namespace
 
 std::vector<sharding::StateTensor> Trainable::state_tensors() {
@@ -150,7 +180,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
   parallel::TrainingStateOptions so;
   so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
-  so.zero = plan.zero_stage > 0;
+  so.zero_stage = plan.zero_stage;
   if (plan.zero_stage && rt) {
     so.zero_size = rt->zero.size();
     so.zero_rank = rt->zero.rank;
@@ -163,8 +193,16 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   Trainable tr;
   tr.world = env.world_size;
   tr.tp_rng = local.tp_rng;
-  tr.state = std::make_unique<parallel::TrainingState>(parallel::tensor_parallel_shards(model, rt, env.world_size), so);
-  tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt);
+  auto shards = parallel::tensor_parallel_shards(model, rt, env.world_size);
+  const int blocks = static_cast<int>(model.num_layers());
+  if (plan.zero_stage == 3) {
+    so.units = param_units(shards, model);
+    if (env.rank == 0) log::info(describe_units(shards, so.units, blocks));
+  }
+  tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
+  tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
+  ro.block_hooks = tr.reducer->block_hooks();
+  model.set_runtime_options(ro);
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
   return tr;

@@ -201,6 +201,9 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
     // capture, and recompute's RNG save/restore. Refused, never ignored.
     if (!device.is_cuda()) throw config::ConfigError("compute_config.cuda_graphs needs a CUDA device");
     if (world_ > 1) throw config::ConfigError("compute_config.cuda_graphs: several ranks are not supported yet (one GPU only)");
+    if (plan_.zero_stage >= 2)
+      throw config::ConfigError("compute_config.cuda_graphs: ZeRO stage " + std::to_string(plan_.zero_stage) +
+                                " (compute_config.use_zero) is not supported with CUDA graphs yet");
     if (std::count(plan_.recompute.begin(), plan_.recompute.end(), true) > 0)
       throw config::ConfigError("compute_config.cuda_graphs: activation recompute is not supported with CUDA graphs yet");
     if (tr_.optimizer->impl() != "fused")
@@ -349,8 +352,10 @@ void Trainer::evaluate() {
   auto sum = torch::zeros({}, fopts_);
   for (int64_t k = 0; k < args_.max_val_steps; ++k) {
     auto b = data_.val->val_batch(k, dp_rank_ * micro_, micro_);
+    tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
     sum += model_->loss(b.x.to(device_), b.y.to(device_)).detach().to(torch::kFloat32);
   }
+  tr_.reducer->release_params();
   model_->train();
   if (rt_) {
     rt_->all_reduce(rt_->dp, sum, "validation loss all-reduce");

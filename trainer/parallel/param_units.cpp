@@ -1,0 +1,114 @@
+#include "trainer/parallel/param_units.h"
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace nnstrain::parallel {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct UnitsRef : torch::CustomClassHolder {
+  explicit UnitsRef(ParameterUnits* u) : units(u) {}
+  ParameterUnits* units;  // the trainer's, alive for the whole run
+};
+
+// Identity on block i's output whose backward runs before the block's: there
+// the block's parameters are gathered again.
+struct BeforeBlockBackward : torch::autograd::Function<BeforeBlockBackward> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, int64_t block,
+                            const c10::intrusive_ptr<UnitsRef>& units) {
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["units"] = c10::IValue::make_capsule(units);
+    return y.view_as(y);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto* ref = dynamic_cast<UnitsRef*>(ctx->saved_data["units"].toCapsule().get());
+    ref->units->pre_backward(static_cast<size_t>(ctx->saved_data["block"].toInt()));
+    return {g[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+ParameterUnits::ParameterUnits(TrainingState& state, dist::Runtime* rt, int blocks, int prefetch)
+    : state_(state), rt_(rt), blocks_(blocks), prefetch_(prefetch) {
+  slots_.resize(state_.layout().buckets.size());
+}
+
+bool ParameterUnits::communicates() const { return rt_ && rt_->zero.backend; }
+
+void ParameterUnits::gather(int unit, bool wait) {
+  const auto b = state_.unit_bucket(unit);
+  if (b < 0) return;
+  auto& slot = slots_[b];
+  torch::NoGradGuard no_grad;
+  if (!slot.ready && !slot.work) {
+    state_.allocate_unit(b);
+    auto& full = state_.unit_param(b);
+    gathered_bytes_ += full.numel() * full.element_size();
+    if (communicates()) {
+      slot.work = rt_->all_gather_async(rt_->zero, full, state_.shard_chunk(b), "parameter all-gather (ZeRO-3)");
+    } else {
+      full.copy_(state_.shard_chunk(b));  // one rank's chunk is the whole unit
+      slot.ready = true;
+    }
+  }
+  if (wait && slot.work) {
+    rt_->wait(slot.work, rt_->zero, "parameter all-gather (ZeRO-3)");
+    slot.work.reset();
+    slot.ready = true;
+  }
+}
+
+void ParameterUnits::free(size_t b) {
+  auto& slot = slots_[b];
+  if (slot.work) rt_->wait(slot.work, rt_->zero, "parameter all-gather (ZeRO-3)");  // never free under a gather
+  slot = Slot{};
+  state_.free_unit(b);
+}
+
+void ParameterUnits::begin_forward() {
+  backward_ = false;
+  gather(0, false);
+  gather(blocks_ + 1, false);
+  gather(0, true);
+  gather(blocks_ + 1, true);
+}
+
+torch::Tensor ParameterUnits::before(size_t block, const torch::Tensor& x) {
+  const int i = static_cast<int>(block);
+  gather(i + 1, true);
+  if (!backward_)  // a recomputation in backward runs after pre_backward gathered it
+    for (int d = 1; d <= prefetch_ && i + d < blocks_; ++d) gather(i + 1 + d, false);
+  return x;
+}
+
+torch::Tensor ParameterUnits::after(size_t block, const torch::Tensor& y) {
+  const int i = static_cast<int>(block);
+  if (!backward_) {
+    const auto b = state_.unit_bucket(i + 1);
+    if (b >= 0) free(static_cast<size_t>(b));
+  }
+  if (!torch::GradMode::is_enabled() || !y.requires_grad()) return y;
+  return BeforeBlockBackward::apply(y, static_cast<int64_t>(block), c10::make_intrusive<UnitsRef>(this));
+}
+
+void ParameterUnits::pre_backward(size_t block) {
+  backward_ = true;
+  const int i = static_cast<int>(block);
+  gather(i + 1, true);
+  for (int d = 1; d <= prefetch_ && i - d >= 0; ++d) gather(i + 1 - d, false);
+}
+
+void ParameterUnits::reduced(size_t b) { free(b); }
+
+void ParameterUnits::release_all() {
+  for (size_t b = 0; b < slots_.size(); ++b)
+    if (slots_[b].ready || slots_[b].work || state_.unit_allocated(b)) free(b);
+  backward_ = false;
+}
+
+}  // namespace nnstrain::parallel
