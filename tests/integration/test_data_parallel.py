@@ -1,7 +1,8 @@
 """Data parallelism is exact: for the same seed and global batch, every split of
 the batch over ranks, micro-batches and accumulation steps gives the losses of one
-process, and ZeRO-1 gives the losses of plain data parallelism (DESIGN.md, "Parity
-is the correctness test of a parallel trainer").
+process, and every ZeRO stage (1, 2, 3, hybrid sharding, ZeRO-3 with tensor and
+sequence parallelism, with recompute, with accumulation) gives the losses of one
+process (DESIGN.md, "Parity is the correctness test of a parallel trainer").
 
 Runs: a tiny GPT (configs/tiny_dp.yaml: 2 layers, n_embd 32, 32-token samples, a
 0.01 MB bucket cap so there are several buckets, clip_gnorm below the gradient
@@ -17,6 +18,7 @@ Also: rank 0 logs the loss averaged over ranks and tokens/s of the whole job.
 """
 import json
 import os
+import re
 import pathlib
 import subprocess
 
@@ -44,6 +46,18 @@ RUNS = {
     "dp4_b4_zero_ng2": (4, MICRO, 1, ("--compute_config.use_zero", "true", "--compute_config.zero_ngroups", "2")),
     "dp2_b4_acc2": (2, MICRO, 2, ()),
     "dp2_b4_acc2_zero": (2, MICRO, 2, ("--compute_config.use_zero", "true")),
+    "dp2_b4_zero2": (2, MICRO, 1, ("--compute_config.use_zero", "2")),
+    "dp2_b4_acc2_zero2": (2, MICRO, 2, ("--compute_config.use_zero", "2")),
+    "dp2_b4_zero3": (2, MICRO, 1, ("--compute_config.use_zero", "3")),
+    "dp4_b4_zero3": (4, MICRO, 1, ("--compute_config.use_zero", "3")),
+    "dp4_b4_zero1": (4, MICRO, 1, ("--compute_config.use_zero", "1")),
+    "dp4_b4_zero3_ng2": (4, MICRO, 1, ("--compute_config.use_zero", "3", "--compute_config.zero_ngroups", "2")),
+    "dp2_b4_acc2_zero3": (2, MICRO, 2, ("--compute_config.use_zero", "3")),
+    "dp2_b4_zero3_recompute": (2, MICRO, 1, ("--compute_config.use_zero", "3", "--model.activation_checkpointing", "true",
+                                             "--compute_config.zero_prefetch", "2")),
+    # 4 ranks = tp 2 x dp 2, sequence parallelism on (the default at tp > 1): global batch 8.
+    "tp2_dp2_b4_zero3": (4, MICRO, 1, ("--compute_config.use_zero", "3", "--pas_policy", "hybrid",
+                                       "--compute_config.plan_ngpus", "2")),
 }
 
 # (run, reference): same global batch, so the same samples at every step.
@@ -59,6 +73,14 @@ COMPARISONS = [
     ("dp2_b4_acc2", "dp1_b16"),
     ("dp2_b4_acc2", "dp4_b4"),
     ("dp2_b4_acc2_zero", "dp2_b4_acc2"),
+    ("dp2_b4_zero2", "dp1_b8"),
+    ("dp2_b4_acc2_zero2", "dp1_b16"),
+    ("dp2_b4_zero3", "dp1_b8"),
+    ("dp4_b4_zero3", "dp1_b16"),
+    ("dp4_b4_zero3_ng2", "dp1_b16"),
+    ("dp2_b4_acc2_zero3", "dp1_b16"),
+    ("dp2_b4_zero3_recompute", "dp1_b8"),
+    ("tp2_dp2_b4_zero3", "dp1_b8"),
 ]
 
 
@@ -71,11 +93,11 @@ def metrics(run_dir):
 
 
 class Job:
-    def __init__(self, name, nproc, micro, accum, proc, records):
+    def __init__(self, name, nproc, micro, accum, proc, records, tp=1):
         self.name, self.nproc, self.micro, self.accum = name, nproc, micro, accum
         self.output = proc.stdout + proc.stderr
         self.records = records
-        self.global_batch = nproc * micro * accum
+        self.global_batch = nproc // tp * micro * accum  # tensor-parallel ranks share their samples
 
     def by_step(self, key):
         out = {}
@@ -105,9 +127,11 @@ def job(tiny_tokens, tmp_path_factory):
             p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=150)
             if p.returncode != 0:
                 pytest.fail(f"{name}: exited with {p.returncode}: {' '.join(args)}\n{p.stdout}{p.stderr}")
-            j = Job(name, nproc, micro, accum, p, metrics(run_dir))
+            tp = int(extra[extra.index("--compute_config.plan_ngpus") + 1]) if "--compute_config.plan_ngpus" in extra else 1
+            j = Job(name, nproc, micro, accum, p, metrics(run_dir), tp)
+            j.run_dir = pathlib.Path(run_dir)
             assert sorted(j.by_step("loss")) == list(range(1, STEPS + 1)), f"{name}: {j.output}"
-            if nproc > 1:
+            if nproc > 1 and "--pas_policy" not in extra:
                 assert f"world {nproc} (dp {nproc})" in j.output, j.output
             cache[name] = j
         return cache[name]
@@ -194,3 +218,30 @@ def test_several_buckets(job, name):
     assert line is not None, out
     count = int(line[:line.index(marker)].rsplit(" ", 1)[-1])
     assert count >= 3, line
+
+
+def held_between_steps(j):
+    """Per rank (from its log): bytes of parameters, gradients, masters and moments it keeps between steps."""
+    found = {}
+    for rank in range(j.nproc):
+        log = (j.run_dir / "logs" / f"rank{rank}.log").read_text()
+        m = re.search(r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), "
+                      r"optimizer moments (\d+) bytes", log)
+        assert m, log
+        found[rank] = sum(int(x) for x in m.groups())
+    return found
+
+
+def test_zero3_holds_one_nth_of_the_state(job):
+    # fp32 AdamW: 16 bytes per parameter element (weight, gradient, two moments).
+    # ZeRO-3 over 4 ranks keeps a quarter of each, read from the tensors' storage
+    # after training, plus the padding of each unit to a multiple of 4 elements.
+    z3, z1 = job("dp4_b4_zero3"), job("dp4_b4_zero1")
+    n = int(re.search(r"model gpt: (\d+) parameters", z3.output).group(1))
+    units = 2 + 2  # before the blocks, 2 blocks, after the blocks
+    lo, hi = 16 * n / 4, 16 * (n + units * 3) / 4
+    for rank, held in held_between_steps(z3).items():
+        assert lo <= held <= hi, f"rank {rank} holds {held} bytes, want 1/4 of {16 * n} (+ padding): [{lo}, {hi}]"
+    # The figure tells stages apart: ZeRO-1 keeps whole weights and gradients.
+    for rank, held in held_between_steps(z1).items():
+        assert held >= (4 + 4) * n, (rank, held)

@@ -80,12 +80,17 @@ void Trainable::after_optimizer_step() {
   reducer->gather_params();
 }
 
-parallel::StateBytes Trainable::held_bytes_per_param() {
-  int64_t n = 0;
-  for (const auto& p : state->params()) n += p.tensor.numel();
+parallel::StateBytes Trainable::held_bytes() {
   auto b = state->held_bytes();
   for (size_t i = 0; i < optimizer->segments().size(); ++i)
     b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
+  return b;
+}
+
+parallel::StateBytes Trainable::held_bytes_per_param() {
+  int64_t n = 0;
+  for (const auto& p : state->params()) n += p.tensor.numel();
+  const auto b = held_bytes();
   const double per = 1.0 / double(std::max<int64_t>(1, n));
   return {b.param * per, b.grad * per, b.master * per, b.moments * per};
 }

@@ -45,7 +45,9 @@ struct Trainable {
   // The compute copy from what the optimizer updated (or a checkpoint loaded):
   // masters cast, ZeRO chunks gathered.
   void after_optimizer_step();
-  // Bytes per parameter element this rank holds, by part, measured from its tensors.
+  // Bytes this rank holds, by part, measured from its tensors' storage (a
+  // ZeRO-3 unit counts only while gathered), in all and per parameter element.
+  parallel::StateBytes held_bytes();
   parallel::StateBytes held_bytes_per_param();
   // Every random generator's state (the default ones and tp_rng), for checkpoints.
   std::vector<sharding::StateTensor> rng_state_tensors(int rank, const torch::Device& device);

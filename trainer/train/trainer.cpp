@@ -432,6 +432,11 @@ int Trainer::run() {
     if (stop) break;
   }
   saver_->wait();  // the last save is published before the run ends
+  // What this rank keeps between steps (the ZeRO stages' 1/N is checked against it).
+  const auto held = tr_.held_bytes();
+  log::info("held between steps: parameters " + std::to_string(int64_t(held.param)) + ", gradients " +
+            std::to_string(int64_t(held.grad)) + ", masters " + std::to_string(int64_t(held.master)) +
+            ", optimizer moments " + std::to_string(int64_t(held.moments)) + " bytes");
   if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   return 0;
 }
