@@ -3,8 +3,10 @@
 - sharded vs deduped file sizes of a dp=2 run, and deduped == merged bytes;
 - same plan: 40 straight == 20 + resume + 20, bitwise, for dp=2 and ZeRO-1 dp=2
   (dp=1 is test_train_resume.py's);
-- another plan: ZeRO-1 dp=2 -> dp=1 and -> dp=4, dp=4 -> ZeRO-1 dp=2; losses after
-  the resume match the uninterrupted run within 1e-5 relative (same global batch);
+- another plan: ZeRO-1 dp=2 -> dp=1 and -> dp=4, dp=4 -> ZeRO-1 dp=2, and across
+  ZeRO stages: ZeRO-3 dp=4 -> dp=1 and -> ZeRO-1 dp=2, ZeRO-3 x tp=2 -> one
+  process, dp=2 -> ZeRO-3 dp=4, ZeRO-2 dp=2 -> ZeRO-3 dp=2; losses after the
+  resume match the uninterrupted run within 1e-5 relative (same global batch);
 - atomicity: SIGKILL at 20 random moments while saving every step (asynchronous
   saves, the default, and synchronous ones); each time
   `latest` names a complete checkpoint, --resume starts there, and the chain of
@@ -44,6 +46,11 @@ PLANS = {
     "dp2": (2, []),
     "dp2_zero": (2, ["--compute_config.use_zero", "true"]),
     "dp4": (4, ["--micro_batch_size", 2]),
+    "dp2_zero2": (2, ["--compute_config.use_zero", 2]),
+    "dp2_zero3": (2, ["--compute_config.use_zero", 3]),
+    "dp4_zero3": (4, ["--micro_batch_size", 2, "--compute_config.use_zero", 3]),
+    # tp 2 x dp 2, sequence parallelism on: 2 x 4 sequences.
+    "tp2_dp2_zero3": (4, ["--pas_policy", "hybrid", "--compute_config.plan_ngpus", 2, "--compute_config.use_zero", 3]),
 }
 
 
@@ -96,7 +103,7 @@ def runs(tiny_tokens, tmp_path_factory):
 # ------------------------------------------------------------------ same plan
 
 
-@pytest.mark.parametrize("plan,save_type", [("dp2", "deduped"), ("dp2_zero", "sharded")])
+@pytest.mark.parametrize("plan,save_type", [("dp2", "deduped"), ("dp2_zero", "sharded"), ("dp2_zero3", "deduped")])
 def test_resume_same_plan_is_bitwise(runs, tiny_tokens, tmp_path, plan, save_type):
     want, _ = runs(plan)
     d = tmp_path / "split"
@@ -116,7 +123,9 @@ def test_resume_same_plan_is_bitwise(runs, tiny_tokens, tmp_path, plan, save_typ
 # ------------------------------------------------------------------ another plan
 
 
-@pytest.mark.parametrize("source,target", [("dp2_zero", "dp1"), ("dp2_zero", "dp4"), ("dp4", "dp2_zero")])
+@pytest.mark.parametrize("source,target", [("dp2_zero", "dp1"), ("dp2_zero", "dp4"), ("dp4", "dp2_zero"),
+                                           ("dp4_zero3", "dp1"), ("dp4_zero3", "dp2_zero"), ("tp2_dp2_zero3", "dp1"),
+                                           ("dp2", "dp4_zero3"), ("dp2_zero2", "dp2_zero3")])
 def test_resume_under_another_plan(runs, tiny_tokens, tmp_path, source, target):
     want, src_dir = runs(source)
     ckpt = src_dir / "ckpt" / "step-00000020"

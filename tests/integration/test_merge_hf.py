@@ -30,6 +30,7 @@ PLANS = {
     "dp1": (1, ["--micro_batch_size", 8]),
     "dp2": (2, []),
     "dp2_zero": (2, ["--compute_config.use_zero", "true"]),
+    "dp4_zero3": (4, ["--micro_batch_size", 2, "--compute_config.use_zero", 3]),
 }
 
 
@@ -136,7 +137,7 @@ def test_sharded_and_deduped_merge_to_the_same_bytes(runs, merged):
     assert set(tensors(a / "state.safetensors")) == {"rng/cpu/rank0", "rng/cpu/rank1"}
 
 
-@pytest.mark.parametrize("plan", ["dp1", "dp2_zero"])
+@pytest.mark.parametrize("plan", ["dp1", "dp2_zero", "dp4_zero3"])
 def test_merged_weights_agree_across_plans(merged, plan):
     ref = merged("dp2", "sharded")
     got = merged(plan)

@@ -94,6 +94,8 @@ def runs(train):
                 "bf16_dp1_b8": (1, "bf16-mixed", 8, ()),
                 "bf16_dp2_b4": (2, "bf16-mixed", 4, ()),
                 "bf16_dp2_b4_zero": (2, "bf16-mixed", 4, ("--compute_config.use_zero", "true")),
+                "bf16_dp2_b4_zero2": (2, "bf16-mixed", 4, ("--compute_config.use_zero", "2")),
+                "bf16_dp2_b4_zero3": (2, "bf16-mixed", 4, ("--compute_config.use_zero", "3")),
                 "fp16_dp1_b8": (1, "16-mixed", 8, ()),
                 "bf16true_dp1_b8": (1, "bf16-true", 8, ()),
             }[name]
@@ -106,7 +108,7 @@ def runs(train):
     return get
 
 
-@pytest.mark.parametrize("name", ["bf16_dp2_b4", "bf16_dp2_b4_zero"])
+@pytest.mark.parametrize("name", ["bf16_dp2_b4", "bf16_dp2_b4_zero", "bf16_dp2_b4_zero2", "bf16_dp2_b4_zero3"])
 def test_bf16_mixed_data_parallel_equals_one_process(runs, name):
     _, got = runs(name)
     _, want = runs("bf16_dp1_b8")
