@@ -2,6 +2,7 @@
 
 #include <ATen/DeviceAccelerator.h>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -69,6 +70,8 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   if (world_ > 1) {
     if (!store_) store_ = rendezvous(env, opts.timeout);
     store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
+  } else if (opts.one_rank_backend) {
+    store_ = c10::make_intrusive<c10d::HashStore>();  // nobody to meet: the backend's setup stays in process
   }
   // Groups, created in one global order (each rank joins only its own) so that
   // overlapping rendezvous can never deadlock. Rank = dp_index * tp + tp_index.
@@ -128,7 +131,7 @@ Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool 
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   const bool member = it != ranks.end();
   g.rank = member ? static_cast<int>(it - ranks.begin()) : -1;
-  if (!member || ranks.size() < 2) return g;
+  if (!member || (ranks.size() < 2 && !(opts_.one_rank_backend && world_ == 1))) return g;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, store_);
   const bool nccl = backend_name_ == "nccl" && !cpu_only;
   try {
@@ -163,6 +166,7 @@ void Runtime::heartbeat_loop() {
   c10::intrusive_ptr<c10d::Store> hb;
   try {
     auto* tcp = dynamic_cast<c10d::TCPStore*>(store_.get());
+    if (!tcp) throw std::runtime_error("no rendezvous server (one process)");
     DistEnv e;
     e.master_addr = tcp->getHost();
     e.master_port = tcp->getPort();
@@ -194,6 +198,7 @@ std::string Runtime::diagnose(const Group& g, const char* what, const std::strin
   // that never reached this collective.
   try {
     auto* tcp = dynamic_cast<c10d::TCPStore*>(store_.get());
+    if (!tcp) throw std::runtime_error("no rendezvous server (one process)");
     DistEnv e;
     e.master_addr = tcp->getHost();
     e.master_port = tcp->getPort();

@@ -51,6 +51,9 @@ struct RuntimeOptions {
   std::string backend = "auto";              // auto | nccl | gloo
   bool cuda = false;                         // tensors live on CUDA
   std::chrono::milliseconds timeout{600000};
+  // One process with real (one-rank) backends, so that its collectives run the
+  // code of many ranks (ZeRO-2/3 at one rank: NCCL's streams on one GPU).
+  bool one_rank_backend = false;
 };
 
 // Connects this rank to the job's rendezvous store (rank 0 serves it), waiting

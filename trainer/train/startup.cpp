@@ -159,8 +159,11 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
 
 std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,
                                        const torch::Device& device, std::chrono::milliseconds timeout) {
-  if (env.world_size == 1) return nullptr;
+  // ZeRO-2/3 at one rank still runs its collectives (one-rank groups), so that
+  // one GPU checks the code many ranks run; anything else at one rank has none.
+  if (env.world_size == 1 && a.plan.zero_stage < 2) return nullptr;
   dist::RuntimeOptions o;
+  o.one_rank_backend = env.world_size == 1;
   o.tp = a.plan.tp;
   o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
   o.backend = args.compute_config.backend;

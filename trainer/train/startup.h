@@ -78,7 +78,7 @@ struct Data {
 };
 Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp);
 
-// Process groups for the plan (null for one process).
+// Process groups for the plan (null for one process, except under ZeRO-2/3).
 std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,
                                        const torch::Device& device, std::chrono::milliseconds timeout);
 

@@ -112,6 +112,7 @@ class Trainer {
   int64_t activation_bytes_ = -1;  // held by the logged step's last forward (-1: not measured)
   std::chrono::steady_clock::time_point interval_start_;
   int64_t interval_steps_ = 0;
+  int64_t interval_comm_bytes_ = 0;  // the reducer's count at the interval's start
 };
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
@@ -312,6 +313,11 @@ void Trainer::log_progress() {
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
   if (activation_bytes_ >= 0) rec["activation_mb"] = activation_bytes_ / 1048576.0;
+  if (rt_) {
+    const int64_t comm = tr_.reducer->communicated_bytes();
+    rec["dp_comm_mb_per_step"] = double(comm - interval_comm_bytes_) / interval_steps_ / 1048576.0;
+    interval_comm_bytes_ = comm;
+  }
   activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
