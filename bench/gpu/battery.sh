@@ -14,6 +14,8 @@
 #   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile
 #   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile
 #   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
+#   zero              ZeRO stages 0-3 at one rank (NCCL): GPT-2 124M losses vs stage 0,
+#                     allocator peak vs the planner's estimate, ms/step
 # A benchmark phase builds only the nnstrain binary if there is none (or uses
 # NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
 #
@@ -215,7 +217,8 @@ for p in "${phases[@]}"; do
     gpt2)             run_phase gpt2 330 bash -c 'phase_bench gpt2' ;;
     llama)            run_phase llama 420 bash -c 'phase_bench llama' ;;
     shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
-    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full)" ;;
+    zero)             run_phase zero 300 bash -c 'phase_bench zero' ;;
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.

@@ -384,7 +384,7 @@ def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout):
     return res
 
 
-def run_plan(ctx, name, overrides):
+def run_plan(ctx, name, overrides, saved_as="plan.json", folder=None):
     """`nnstrain plan --json` for the same overrides: estimate and recompute."""
     cfg = CONFIGS / BENCH[name]["config"]
     # Run-only keys the plan command takes as config overrides too; the run dir does not matter.
@@ -394,7 +394,9 @@ def run_plan(ctx, name, overrides):
         p = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as e:
         return {"error": f"nnstrain plan: {e}"}
-    (ctx.out / name / "plan.json").write_text(p.stdout or p.stderr)
+    d = ctx.out / (folder or name)
+    d.mkdir(exist_ok=True)
+    (d / saved_as).write_text(p.stdout or p.stderr)
     if p.returncode != 0:
         return {"error": p.stderr.strip()[-400:]}
     plan = json.loads(p.stdout)["plan"]
@@ -587,6 +589,40 @@ def bench_full(ctx):
 
 # ---------------------------------------------------------------- summary
 
+def bench_zero(ctx):
+    """ZeRO stages 0-3 at one rank (NCCL on one-rank groups for stages 2 and 3):
+    GPT-2 124M, the same seed and data: losses against stage 0 (correctness of
+    ZeRO-3's gather/free/reduce on CUDA streams), allocator peak and the
+    planner's estimate for each stage, ms/step."""
+    name = "gpt2"
+    ensure_synthetic(ctx, name)
+    steps, micro = (6, 4) if ctx.smoke else (30, 16)
+    out = ctx.results["benchmarks"].setdefault("zero", {"micro_batch_size": micro, "steps": steps, "runs": {}})
+    base = base_overrides(ctx, name) + ["--micro_batch_size", micro, "--max_train_steps", steps,
+                                        "--log_progress_every_n_train_steps", 1]
+    losses = {}
+    for stage in (0, 1, 2, 3):
+        o = base + ["--compute_config.use_zero", stage]
+        res = run_nnstrain(ctx, "zero", f"stage{stage}", BENCH[name]["config"], o, drop=5, timeout=ctx.left(150))
+        metrics = ctx.out / "zero" / f"metrics_stage{stage}.jsonl"
+        if metrics.exists():
+            recs = [json.loads(l) for l in metrics.read_text().splitlines() if '"loss"' in l]
+            losses[stage] = {r["step"]: r["loss"] for r in recs}
+        plan = run_plan(ctx, name, o, f"plan_stage{stage}.json", "zero")
+        res["plan"] = plan
+        if res.get("peak_mem_mb") and plan.get("estimate_total_mb"):
+            res["estimate_error"] = plan["estimate_total_mb"] / res["peak_mem_mb"] - 1
+        if stage in losses and 0 in losses:
+            common = sorted(set(losses[stage]) & set(losses[0]))
+            res["max_rel_loss_diff_vs_stage0"] = max(
+                (abs(losses[stage][s] - losses[0][s]) / abs(losses[0][s]) for s in common), default=None)
+        out["runs"][f"stage{stage}"] = res
+        ctx.save()
+        log(f"zero stage {stage}: rc {res['rc']}, {res.get('ms_per_step', 0):.1f} ms/step, peak "
+            f"{res.get('peak_mem_mb', 0):.0f} MiB, estimate {plan.get('estimate_total_mb', 0):.0f} MiB, "
+            f"vs stage 0 {res.get('max_rel_loss_diff_vs_stage0')}")
+
+
 def fmt(v, spec=".1f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -686,7 +722,7 @@ def write_summary(r, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
-                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "summary"])
+                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "zero", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
@@ -709,6 +745,8 @@ def main():
                 bench_timed(ctx, phase)
             elif phase == "shakespeare_full":
                 bench_full(ctx)
+            elif phase == "zero":
+                bench_zero(ctx)
         except Exception as e:  # one phase's failure must not lose the others
             log(f"phase {phase} failed: {e!r}")
             ctx.results["benchmarks"].setdefault(phase, {})["error"] = f"driver: {e!r}"
