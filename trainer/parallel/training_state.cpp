@@ -145,7 +145,6 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   for (const auto& s : segments_) {
     const auto& p = *std::find_if(params_.begin(), params_.end(), [&](const ParamShard& x) { return x.name == s.name; });
     w.push_back(p.norm_weight);
-    norm_weighted_ |= p.norm_weight != 1.0;
   }
   // Built once: no host-to-device copy inside a step.
   norm_weights_ = torch::tensor(w, torch::kFloat64).to(opt.dtype(torch::kFloat32));

@@ -138,7 +138,6 @@ class TrainingState {
   const std::vector<optim::Segment>& optimizer_segments() const { return segments_; }
   // Per segment, on the device: its share in the global norm (ParamShard::norm_weight).
   const at::Tensor& norm_weights() const { return norm_weights_; }
-  bool norm_weighted() const { return norm_weighted_; }
   // The ShardSpec of each optimizer segment (state named prefix + param name).
   std::vector<sharding::ShardSpec> segment_specs(const std::string& prefix) const;
   // The weights checkpoints store: fp32 masters under *-mixed (this rank's ZeRO
@@ -166,7 +165,6 @@ class TrainingState {
   std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
   std::vector<optim::Segment> segments_;
   at::Tensor norm_weights_;
-  bool norm_weighted_ = false;
 };
 
 }  // namespace nnstrain::parallel
