@@ -60,17 +60,18 @@ void fill_fresh(const ParamLayout& layout, at::Tensor& local, uint64_t seed) {
   }
 }
 
-void materialise(CausalLM& model, const c10::Device& device, const Filler& fill) {
+void materialise(CausalLM& model, const c10::Device& device, const Filler& fill, const Filler& after) {
   torch::NoGradGuard no_grad;
   for (const auto& l : model.param_layouts()) {
     auto t = torch::zeros(l.local_shape, torch::TensorOptions().dtype(torch::kFloat32).device(device));
     fill(l, t);
+    if (after) after(l, t);
     l.owner->replace_parameter(l.name.substr(l.name.rfind('.') + 1), t);
   }
 }
 
-void materialise_fresh(CausalLM& model, const c10::Device& device, uint64_t seed) {
-  materialise(model, device, [seed](const ParamLayout& l, at::Tensor& t) { fill_fresh(l, t, seed); });
+void materialise_fresh(CausalLM& model, const c10::Device& device, uint64_t seed, const Filler& after) {
+  materialise(model, device, [seed](const ParamLayout& l, at::Tensor& t) { fill_fresh(l, t, seed); }, after);
 }
 
 }  // namespace nnstrain::models::common

@@ -27,8 +27,11 @@ struct ParamLayout;
 // Writes this rank's piece of `layout` into `local` (its blocks' rows first).
 using Filler = std::function<void(const ParamLayout& layout, at::Tensor& local)>;
 
-void materialise(CausalLM& model, const c10::Device& device, const Filler& fill);
-void materialise_fresh(CausalLM& model, const c10::Device& device, uint64_t seed);
+// `after`, if given, sees each parameter once filled, before the next is
+// allocated (ZeRO-3 takes its chunks out of it and frees it, so a rank never
+// holds the whole model).
+void materialise(CausalLM& model, const c10::Device& device, const Filler& fill, const Filler& after = {});
+void materialise_fresh(CausalLM& model, const c10::Device& device, uint64_t seed, const Filler& after = {});
 
 // The fresh initialisation of one parameter's piece (InitRule of its layout).
 void fill_fresh(const ParamLayout& layout, at::Tensor& local, uint64_t seed);

@@ -340,6 +340,10 @@ def test_init_from_a_transformers_save_pretrained(tiny_tokens, tmp_path, layout)
                 "--val_every_n_train_steps", 0, "--model.init_from", hf_dir)
     assert f"initialised weights from {hf_dir}" in run.output
     assert run.losses()[1] == pytest.approx(want, rel=1e-5), f"nnstrain {run.losses()[1]} vs transformers {want}"
+    # ZeRO-3 over 2 ranks reads each parameter into its chunks one at a time: the same batch, the same loss.
+    run = train("dp2", tiny_tokens, tmp_path / "run_zero3", "--micro_batch_size", 2, "--max_train_steps", 1,
+                "--val_every_n_train_steps", 0, "--model.init_from", hf_dir, "--compute_config.use_zero", 3)
+    assert run.losses()[1] == pytest.approx(want, rel=1e-5), f"ZeRO-3: nnstrain {run.losses()[1]} vs transformers {want}"
     # A model that does not fit the folder: an error naming the file and the tensor.
     args = [nnstrain_bin_path(), "--config", str(CONFIG), "--run_dir", str(tmp_path / "bad"),
             "--vars.data", str(tiny_tokens), "--model.init_from", str(hf_dir), "--model.args.n_embd", "48"]

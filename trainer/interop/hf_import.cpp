@@ -120,7 +120,8 @@ std::shared_ptr<const config::ModelConfig> hf_model_config(const models::ModelEn
   }
 }
 
-HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str, std::optional<c10::Device> device) {
+HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str, std::optional<c10::Device> device,
+                             const models::common::Filler& after) {
   const fs::path dir(dir_str);
   const auto config_path = dir / "config.json";
   if (fs::exists(config_path)) {
@@ -194,7 +195,7 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
       (b.shape.empty() ? local : local.narrow(0, row, rows)).copy_(t);  // converts dtype and device
       row += rows;
     }
-  });
+  }, after);
   std::map<std::string, bool> known;
   for (const auto& p : model.named_parameters()) known[p.key()] = true;
   for (const auto& h : mapping)

@@ -7,6 +7,8 @@
 
 #include <c10/core/Device.h>
 
+#include "models/common/init.h"
+
 #include <cstdint>
 
 #include <memory>
@@ -39,7 +41,9 @@ struct HfLoadReport {
   uint64_t bytes_read = 0;    // bytes of the slices this rank copied out of the files
   uint64_t bytes_needed = 0;  // bytes of the whole tensors the model maps (what tp 1 reads)
 };
+// `after`: as models::common::materialise's.
 HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir,
-                             std::optional<c10::Device> device = std::nullopt);
+                             std::optional<c10::Device> device = std::nullopt,
+                             const models::common::Filler& after = {});
 
 }  // namespace nnstrain::interop

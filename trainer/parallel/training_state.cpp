@@ -80,12 +80,9 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
 
   std::vector<int64_t> numels;
   for (const auto& p : params_) numels.push_back(p.tensor.numel());
-  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
-                                               static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
-  const std::vector<int> no_units;
-  const auto& units = stage == 3 ? opts_.units : no_units;
+  const auto& units = opts_.units;
   TORCH_CHECK(stage < 3 || units.size() == params_.size(), "TrainingState: ZeRO-3 needs every parameter's unit");
-  layout_ = FlatLayout::make(numels, cap, opts_.zero() ? opts_.zero_size : 1, opts_.zero() ? opts_.zero_rank : 0, units);
+  layout_ = layout_for(numels, opts_);
   const auto& L = layout_;
   if (stage == 3) {
     for (size_t b = 0; b < L.buckets.size(); ++b) {
@@ -97,12 +94,19 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   }
 
   // The initial values, as built (fp32), in the flat layout: the masters start
-  // from them exactly, the compute copy is their cast.
+  // from them exactly, the compute copy is their cast. Streamed (ZeRO-3): only
+  // this rank's chunks of them exist.
   const auto opt = params_.front().tensor.options();
   torch::NoGradGuard no_grad;
-  auto init = torch::zeros({L.size}, opt);
-  for (size_t k = 0; k < params_.size(); ++k)
-    init.narrow(0, L.offset[k], numels[k]).copy_(params_[k].tensor.reshape({-1}));
+  const bool streamed = stage == 3 && opts_.initial_chunks.defined();
+  at::Tensor init;
+  if (!streamed) {
+    init = torch::zeros({L.size}, opt);
+    for (size_t k = 0; k < params_.size(); ++k)
+      init.narrow(0, L.offset[k], numels[k]).copy_(params_[k].tensor.reshape({-1}));
+  } else {
+    TORCH_CHECK(opts_.initial_chunks.numel() == L.shard_size, "TrainingState: streamed chunks of the wrong size");
+  }
   // This rank's chunks of the flat layout, bucket after bucket (ZeRO).
   auto chunks_of = [&](const at::Tensor& flat, c10::ScalarType dtype) {
     auto out = torch::empty({L.shard_size}, opt.dtype(dtype));
@@ -114,10 +118,12 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   if (opts_.zero()) shard_grad_ = torch::zeros({L.shard_size}, opt.dtype(opts_.grad_dtype));
   if (opts_.master_weights) {
     TORCH_CHECK(init_dtype == torch::kFloat32, "TrainingState: master weights need fp32 initial parameters");
-    flat_master_ = opts_.zero() ? chunks_of(init, torch::kFloat32) : init.to(torch::kFloat32);
+    flat_master_ = streamed      ? opts_.initial_chunks
+                   : opts_.zero() ? chunks_of(init, torch::kFloat32)
+                                  : init.to(torch::kFloat32);
   }
   if (stage == 3) {
-    shard_param_ = chunks_of(init, opts_.param_dtype);
+    shard_param_ = streamed ? opts_.initial_chunks.to(opts_.param_dtype) : chunks_of(init, opts_.param_dtype);
     for (const auto& b : L.buckets) unit_param_.push_back(torch::empty({b.end - b.begin}, opt.dtype(opts_.param_dtype)));
   } else {
     flat_param_ = init.to(opts_.param_dtype);
@@ -160,6 +166,26 @@ void TrainingState::accumulate_into_slot(size_t k) {
     grad_views_[k].add_(g);
   }
   g.reset();
+}
+
+FlatLayout TrainingState::layout_for(const std::vector<int64_t>& numels, const TrainingStateOptions& opts) {
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts.bucket_cap_mb * 1048576.0) /
+                                               static_cast<int64_t>(c10::elementSize(opts.grad_dtype)));
+  const std::vector<int> no_units;
+  return FlatLayout::make(numels, cap, opts.zero() ? opts.zero_size : 1, opts.zero() ? opts.zero_rank : 0,
+                          opts.zero_stage == 3 ? opts.units : no_units);
+}
+
+void TrainingState::move_into_chunks(const FlatLayout& L, size_t k, at::Tensor& value, at::Tensor& chunks) {
+  torch::NoGradGuard no_grad;
+  const auto b = L.bucket_of[k];
+  const auto& bk = L.buckets[b];
+  const int64_t c0 = L.chunk_begin(bk), c1 = c0 + L.chunk_size(bk);
+  const int64_t p0 = L.offset[k], p1 = p0 + value.numel();
+  const int64_t lo = std::max(c0, p0), hi = std::min(c1, p1);
+  if (lo < hi)
+    chunks.narrow(0, L.shard_offset[b] + (lo - c0), hi - lo).copy_(value.reshape({-1}).narrow(0, lo - p0, hi - lo));
+  set_storage_bytes(value, 0);
 }
 
 at::Tensor& TrainingState::bucket_grad(size_t b) {

@@ -94,6 +94,10 @@ struct TrainingStateOptions {
   // the blocks, 1 + i for block i's, blocks + 1 for those after. A unit's
   // parameters must be consecutive.
   std::vector<int> units;
+  // ZeRO-3: this rank's chunks of the initial (fp32) values, taken from each
+  // parameter as it was materialised (move_into_chunks); the parameters' own
+  // storage is then never read. Undefined: the state reads the parameters.
+  at::Tensor initial_chunks;
   bool zero() const { return zero_stage > 0; }
 };
 
@@ -102,6 +106,13 @@ class TrainingState {
   // Parameters become views of the flat buffer; their values as built (fp32
   // under *-mixed) start the masters exactly.
   TrainingState(std::vector<ParamShard> params, const TrainingStateOptions& opts);
+
+  // The layout a state with `opts` gives parameters of these sizes (registration order).
+  static FlatLayout layout_for(const std::vector<int64_t>& numels, const TrainingStateOptions& opts);
+  // ZeRO-3's streamed start: the parts of parameter k's value (its local
+  // shape) that fall in this rank's chunks, into `chunks` (fp32, shard_size);
+  // then the value's storage is freed.
+  static void move_into_chunks(const FlatLayout& layout, size_t k, at::Tensor& value, at::Tensor& chunks);
 
   const std::vector<ParamShard>& params() const { return params_; }
   const FlatLayout& layout() const { return layout_; }

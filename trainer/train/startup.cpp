@@ -31,20 +31,40 @@ sharding::StateTensor replicated(const std::string& name, const at::Tensor& t, i
 
 // ZeRO-3's units (training_state.h), by name: "<blocks>.<i>." is block i's;
 // the rest falls before or after the blocks.
-std::vector<int> param_units(const std::vector<parallel::ParamShard>& params, const models::CausalLM& model) {
+std::vector<int> param_units(const models::CausalLM& model) {
   const auto prefix = model.blocks_name() + ".";
   const int blocks = static_cast<int>(model.num_layers());
   std::vector<int> units;
   bool after_blocks = false;
-  for (const auto& p : params) {
-    if (p.name.rfind(prefix, 0) == 0) {
-      units.push_back(1 + std::stoi(p.name.substr(prefix.size())));
+  for (const auto& l : model.param_layouts()) {
+    if (l.name.rfind(prefix, 0) == 0) {
+      units.push_back(1 + std::stoi(l.name.substr(prefix.size())));
       after_blocks = true;
     } else {
       units.push_back(after_blocks ? blocks + 1 : 0);
     }
   }
   return units;
+}
+
+// The training state's options for the plan (units from the model's names under ZeRO-3).
+parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, const parallel::Plan& plan,
+                                             dist::Runtime* rt, const models::CausalLM& model) {
+  const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
+  parallel::TrainingStateOptions so;
+  so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
+  so.zero_stage = plan.zero_stage;
+  if (plan.zero_stage && rt) {
+    so.zero_size = rt->zero.size();
+    so.zero_rank = rt->zero.rank;
+    so.zero_replicas = rt->zero_cross.ranks;
+  }
+  so.weight_decay = args.optimizer.weight_decay;
+  so.param_dtype = prec.param;
+  so.grad_dtype = prec.grad;
+  so.master_weights = prec.master_weights;
+  if (plan.zero_stage == 3) so.units = param_units(model);
+  return so;
 }
 
 // The start-up line naming ZeRO-3's units: which parameters sit outside the blocks.
@@ -123,8 +143,8 @@ std::shared_ptr<models::CausalLM> describe_model(const config::TrainerArgs& args
   return models::find_model(args.model.type)->build_sharded(*args.model.args, parallel::sharding_context(nullptr));
 }
 
-LocalModel materialise_model(const config::TrainerArgs& args, dist::Runtime* rt, const torch::Device& device,
-                             int64_t vocab) {
+LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Plan& plan, dist::Runtime* rt,
+                             const torch::Device& device, int64_t vocab) {
   const auto ctx = parallel::sharding_context(rt, args.model.make_vocab_size_divisible_by, args.seed,
                                               args.compute_config.sequence_parallel);
   const int64_t padded = ctx.padded_vocab(vocab);
@@ -132,13 +152,32 @@ LocalModel materialise_model(const config::TrainerArgs& args, dist::Runtime* rt,
     throw config::ConfigError("model.make_vocab_size_divisible_by " + std::to_string(args.model.make_vocab_size_divisible_by) +
                               ": padding the vocabulary of " + std::to_string(vocab) + " to " + std::to_string(padded) +
                               " leaves tensor-parallel rank " + std::to_string(ctx.tp - 1) + " no rows; lower it");
-  LocalModel local{models::find_model(args.model.type)->build_sharded(*args.model.args, ctx), ctx.rng};
+  LocalModel local{models::find_model(args.model.type)->build_sharded(*args.model.args, ctx), ctx.rng, {}};
+  // ZeRO-3: each parameter, once filled, gives up this rank's chunks and its
+  // storage before the next is allocated, so no rank ever holds the whole model.
+  models::common::Filler after;
+  std::shared_ptr<parallel::FlatLayout> layout;
+  size_t next = 0;
+  if (plan.zero_stage == 3) {
+    std::vector<int64_t> numels;
+    for (const auto& l : local.model->param_layouts()) {
+      int64_t n = 1;
+      for (auto d : l.local_shape) n *= d;
+      numels.push_back(n);
+    }
+    layout = std::make_shared<parallel::FlatLayout>(
+        parallel::TrainingState::layout_for(numels, state_options(args, plan, rt, *local.model)));
+    local.initial_chunks = torch::zeros({layout->shard_size}, torch::TensorOptions().device(device));
+    after = [&](const models::common::ParamLayout&, at::Tensor& t) {
+      parallel::TrainingState::move_into_chunks(*layout, next++, t, local.initial_chunks);
+    };
+  }
   if (!args.model.init_from.empty()) {
-    const auto r = interop::load_hf_weights(*local.model, args.model.init_from, device);
+    const auto r = interop::load_hf_weights(*local.model, args.model.init_from, device, after);
     log::info("initialised weights from " + args.model.init_from + " (this rank read " +
               std::to_string(r.bytes_read >> 20) + " of " + std::to_string(r.bytes_needed >> 20) + " MiB)");
   } else {
-    models::common::materialise_fresh(*local.model, device, args.seed);
+    models::common::materialise_fresh(*local.model, device, args.seed, after);
   }
   return local;
 }
@@ -186,27 +225,14 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   torch::manual_seed(args.seed + 1000003ULL * static_cast<uint64_t>(env.rank / plan.tp));
 
   const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
-  parallel::TrainingStateOptions so;
-  so.bucket_cap_mb = args.compute_config.reducer_bucket_cap_mb;
-  so.zero_stage = plan.zero_stage;
-  if (plan.zero_stage && rt) {
-    so.zero_size = rt->zero.size();
-    so.zero_rank = rt->zero.rank;
-    so.zero_replicas = rt->zero_cross.ranks;
-  }
-  so.weight_decay = args.optimizer.weight_decay;
-  so.param_dtype = prec.param;
-  so.grad_dtype = prec.grad;
-  so.master_weights = prec.master_weights;
+  auto so = state_options(args, plan, rt, model);
+  so.initial_chunks = local.initial_chunks;
   Trainable tr;
   tr.world = env.world_size;
   tr.tp_rng = local.tp_rng;
   auto shards = parallel::tensor_parallel_shards(model, rt, env.world_size);
   const int blocks = static_cast<int>(model.num_layers());
-  if (plan.zero_stage == 3) {
-    so.units = param_units(shards, model);
-    if (env.rank == 0) log::info(describe_units(shards, so.units, blocks));
-  }
+  if (plan.zero_stage == 3 && env.rank == 0) log::info(describe_units(shards, so.units, blocks));
   tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
   ro.block_hooks = tr.reducer->block_hooks();

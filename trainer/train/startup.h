@@ -87,12 +87,15 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
 // initialisation, slice for slice that of one process with the same seed.
 // Under tp > 1 the vocabulary (`vocab`, the whole model's) is padded as
 // model.make_vocab_size_divisible_by says, and sharded regions get their own RNG.
+// Under ZeRO-3 the parameters are materialised one at a time, each leaving only
+// this rank's chunks (initial_chunks) and no storage of its own.
 struct LocalModel {
   std::shared_ptr<models::CausalLM> model;
   std::shared_ptr<models::common::ParallelRng> tp_rng;  // null at tp 1
+  at::Tensor initial_chunks;                            // ZeRO-3 only
 };
-LocalModel materialise_model(const config::TrainerArgs& args, dist::Runtime* rt, const torch::Device& device,
-                             int64_t vocab);
+LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Plan& plan, dist::Runtime* rt,
+                             const torch::Device& device, int64_t vocab);
 
 // The model set up for training (the plan's recompute, the loss), and the
 // training state over this rank's pieces in the precision's dtypes.

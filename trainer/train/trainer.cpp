@@ -455,7 +455,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
   auto data = open_data(args, *whole, agreed.plan.tp);
   auto rt = connect(args, env, agreed, device, timeout);
-  auto local = materialise_model(args, rt.get(), device, whole->vocab_size());
+  auto local = materialise_model(args, agreed.plan, rt.get(), device, whole->vocab_size());
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
   int64_t start_step = 0;
   const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);
