@@ -52,10 +52,11 @@ seed: 1
 """
 
 
-def run(cfg, stage, steps, tmp, tag):
+def run(cfg, stage, prefetch, steps, tmp, tag):
     run_dir = tmp / tag
     cmd = [str(BIN), "launch", "--nproc-per-node", "2", "--", "--config", str(cfg), "--run_dir", str(run_dir),
-           "--max_train_steps", str(steps), "--compute_config.use_zero", str(stage)]
+           "--max_train_steps", str(steps), "--compute_config.use_zero", str(stage),
+           "--compute_config.zero_prefetch", str(prefetch)]
     p = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"{tag} failed: {p.stdout}{p.stderr}")
@@ -78,26 +79,28 @@ def main():
     a = ap.parse_args()
     if not DATA.exists():
         sys.exit(f"{DATA} missing: run `{BIN} prepare shakespeare_char` first")
-    stages = [0, 1, 2, 3]
-    tok = {s: [] for s in stages}
+    # (label, stage, zero_prefetch): ZeRO-3 also without prefetch (each block gathered only when it runs).
+    stages = [("0", 0, 1), ("1", 1, 1), ("2", 2, 1), ("3", 3, 1), ("3, no prefetch", 3, 0)]
+    tok = {label: [] for label, _, _ in stages}
     comm, nparams = {}, 0
     with tempfile.TemporaryDirectory() as t:
         tmp = pathlib.Path(t)
         cfg = tmp / "gpt.yaml"
         cfg.write_text(CONFIG)
         for r in range(a.rounds):
-            for s in stages:
-                recs, nparams = run(cfg, s, a.steps, tmp, f"z{s}_r{r}")
-                tok[s].append(statistics.median(x["tokens_per_s"] for x in recs[1:]))
-                comm[s] = statistics.median(x["dp_comm_mb_per_step"] for x in recs[1:]) * 1048576
-                print(f"round {r} stage {s}: {tok[s][-1]:.0f} tok/s, {comm[s] / 1048576:.2f} MiB/step", flush=True)
-    base = statistics.median(tok[0])
+            for label, s, pf in stages:
+                recs, nparams = run(cfg, s, pf, a.steps, tmp, f"z{s}_p{pf}_r{r}")
+                tok[label].append(statistics.median(x["tokens_per_s"] for x in recs[1:]))
+                comm[label] = statistics.median(x["dp_comm_mb_per_step"] for x in recs[1:]) * 1048576
+                print(f"round {r} stage {label}: {tok[label][-1]:.0f} tok/s, {comm[label] / 1048576:.2f} MiB/step",
+                      flush=True)
+    base = statistics.median(tok["0"])
     rows = []
-    for s in stages:
+    for label, s, _ in stages:
         th = theory_bytes(s, nparams, LAYERS, EMBD)
-        rows.append({"stage": s, "tokens_per_s": statistics.median(tok[s]), "runs": tok[s],
-                     "vs_plain": statistics.median(tok[s]) / base, "comm_bytes_per_step": comm[s],
-                     "theory_bytes_per_step": th, "comm_vs_theory": comm[s] / th})
+        rows.append({"stage": label, "tokens_per_s": statistics.median(tok[label]), "runs": tok[label],
+                     "vs_plain": statistics.median(tok[label]) / base, "comm_bytes_per_step": comm[label],
+                     "theory_bytes_per_step": th, "comm_vs_theory": comm[label] / th})
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": cpu_model(),
             "libtorch": libtorch_version(BIN), "commit": git_commit(), "load_average": os.getloadavg(),
             "model": f"GPT {LAYERS} layers, n_embd {EMBD}, {nparams} parameters, fp32, 2 ranks x 8 x 128 tokens",
