@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -9,6 +10,7 @@
 #include <malloc.h>
 
 #include "trainer/checkpoint/checkpoint.h"
+#include "trainer/train/cpu_memory.h"
 #include "base/log.h"
 
 #ifdef NNSTRAIN_CUDA
@@ -17,14 +19,46 @@
 
 namespace nnstrain::train {
 
+namespace {
+// CUDA: the allocator's peaks read just before each reset_step_peak, per
+// device, so the whole run's peak survives the resets.
+std::map<int, int64_t>& cuda_peak_before_reset() {
+  static std::map<int, int64_t> m;
+  return m;
+}
+}  // namespace
+
 int64_t peak_memory_bytes(const c10::Device& device) {
 #ifdef NNSTRAIN_CUDA
   if (device.is_cuda()) {
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    return stats.allocated_bytes[0].peak;  // aggregate pool
+    return std::max(stats.allocated_bytes[0].peak, cuda_peak_before_reset()[device.index()]);  // aggregate pool
   }
 #endif
+  if (cpu_tensor_counter_installed()) return cpu_tensor_bytes().peak;
   return peak_host_rss_bytes();
+}
+
+void reset_step_peak(const c10::Device& device) {
+#ifdef NNSTRAIN_CUDA
+  if (device.is_cuda()) {
+    auto& before = cuda_peak_before_reset()[device.index()];
+    before = std::max(before, c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    return;
+  }
+#endif
+  (void)device;
+  reset_cpu_window_peak();
+}
+
+int64_t step_peak_bytes(const c10::Device& device) {
+#ifdef NNSTRAIN_CUDA
+  if (device.is_cuda())
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak;
+#endif
+  (void)device;
+  return cpu_tensor_counter_installed() ? cpu_tensor_bytes().window_peak : -1;
 }
 
 int64_t memory_in_use_bytes(const c10::Device& device) {
@@ -34,6 +68,7 @@ int64_t memory_in_use_bytes(const c10::Device& device) {
     return stats.allocated_bytes[0].current;
   }
 #endif
+  if (cpu_tensor_counter_installed()) return cpu_tensor_bytes().in_use;
   const auto m = ::mallinfo2();
   return static_cast<int64_t>(m.uordblks + m.hblkhd);
 }

@@ -12,14 +12,21 @@
 
 namespace nnstrain::train {
 
-// Peak memory of this process on `device` in bytes: the CUDA allocator's peak,
-// or the peak resident set size (VmHWM) on CPU.
+// Peak tensor memory of this process on `device` in bytes since it started:
+// the CUDA allocator's allocated-bytes peak, or on CPU the counting allocator's
+// (cpu_memory.h; the peak resident set size if it is not installed).
 int64_t peak_memory_bytes(const c10::Device& device);
+// The peak over a window, for one step: reset_step_peak starts it (the peak
+// starts at what is allocated now), step_peak_bytes reads the most allocated at
+// once since. CUDA: the caching allocator's peak, reset (peak_memory_bytes
+// still reports the whole run's); CPU: the counting allocator's window.
+void reset_step_peak(const c10::Device& device);
+int64_t step_peak_bytes(const c10::Device& device);
 // This process's peak resident set size (VmHWM) in bytes: host memory, whatever the device.
 int64_t peak_host_rss_bytes();
 // Bytes allocated now on `device`: the CUDA allocator's current bytes, or on CPU
-// what malloc has handed out (mallinfo2: arena plus mmapped chunks), which is
-// where LibTorch's CPU tensors live. Differences of it measure what a phase holds.
+// the counting allocator's tensor bytes in use (what malloc has handed out,
+// mallinfo2, if it is not installed). Differences of it measure what a phase holds.
 int64_t memory_in_use_bytes(const c10::Device& device);
 
 // One JSON object per line, flushed every write (a crash loses nothing logged).

@@ -16,6 +16,7 @@
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/parallel/clip.h"
 #include "base/log.h"
+#include "trainer/train/cpu_memory.h"
 #include "trainer/train/memory_snapshot.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/profiler.h"
@@ -182,7 +183,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   if (args.memory_snapshot) {
     if (!device.is_cuda())
       throw config::ConfigError("memory_snapshot: true needs a CUDA device, but this run uses " + device.str() +
-                                " (on CPU the progress line shows peak RSS)");
+                                " (on CPU metrics.jsonl records peak_tensor_mb, the step's peak tensor bytes)");
     oom.snapshots = std::make_unique<MemorySnapshots>((fs::path(args.run_dir) / "memory").string(), rank_,
                                                       args.memory_snapshot_step > 0 ? args.memory_snapshot_step
                                                                                     : start_step + 1);
@@ -297,6 +298,10 @@ void Trainer::check_finite() {
 }
 
 void Trainer::log_progress() {
+  // The logged step's peak tensor bytes, the most any rank held (read before the
+  // logging itself allocates).
+  std::vector<int64_t> step_peak{step_peak_bytes(device_)};
+  if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
   if (rt_) {
     rt_->all_reduce(rt_->dp, loss_sum_, "loss all-reduce");
     loss_sum_.div_(dp_);
@@ -312,6 +317,7 @@ void Trainer::log_progress() {
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
+  if (step_peak[0] >= 0) rec["peak_tensor_mb"] = step_peak[0] / 1048576.0;
   if (activation_bytes_ >= 0) rec["activation_mb"] = activation_bytes_ / 1048576.0;
   if (rt_) {
     const int64_t comm = tr_.reducer->communicated_bytes();
@@ -407,6 +413,7 @@ int Trainer::run() {
     profiler_.before_step(step_ + 1);
     const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
     logs_ = logs;
+    if (logs) reset_step_peak(device_);  // peak_tensor_mb: what this step holds at most
     timer_.begin_step(step_ + 1, !graph_ && logs);
     std::vector<data::Batch> batches;
     for (int64_t a = 0; a < accum_; ++a) batches.push_back(loader_->next());
@@ -473,6 +480,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
 }  // namespace
 
 int run(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts) {
+  install_cpu_tensor_counter();  // before any tensor: CPU peaks count every storage
   OomContext oom;
   try {
     return train_loop(args, env, opts, oom);
