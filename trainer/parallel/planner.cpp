@@ -27,6 +27,8 @@ namespace nnstrain::parallel {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// Block units ZeRO-3 gathers ahead of the one computing (compute_config.zero_prefetch's default).
+constexpr double kZeroPrefetch = 1;
 
 std::string fixed(double v, int digits) {
   char buf[64];
@@ -100,6 +102,7 @@ struct ParamFact {
   std::vector<int64_t> shape;
   int64_t numel = 0;
   models::ParamSplit split;  // style Replicate when not declared
+  int unit = -1;             // the block (ModuleList index in its name) it belongs to; -1 outside blocks
 };
 
 struct ModelFacts {
@@ -107,7 +110,21 @@ struct ModelFacts {
   int64_t layers = 0;
   std::vector<ParamFact> params;
   bool vocab_parallel_head = false;  // some Vocab split is declared
+  bool gated_mlp = false;            // Llama-style blocks (RMSNorm, SwiGLU: a gate_proj), else GPT-style
 };
+
+// The block a parameter belongs to: its name's first all-digit part ("h.3.attn..." -> 3).
+int block_index(const std::string& name) {
+  size_t pos = 0;
+  while (pos <= name.size()) {
+    const size_t end = std::min(name.find('.', pos), name.size());
+    const auto part = name.substr(pos, end - pos);
+    if (!part.empty() && std::all_of(part.begin(), part.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); }))
+      return std::stoi(part);
+    pos = end + 1;
+  }
+  return -1;
+}
 
 ModelFacts model_facts(const models::CausalLM& model) {
   ModelFacts f;
@@ -130,6 +147,8 @@ ModelFacts model_facts(const models::CausalLM& model) {
     auto it = declared.find(pf.name);
     if (it != declared.end()) pf.split = it->second;
     else pf.split.param = pf.name;
+    pf.unit = block_index(pf.name);
+    if (pf.name.find("gate_proj") != std::string::npos) f.gated_mlp = true;
     f.params.push_back(std::move(pf));
   }
   return f;
@@ -163,13 +182,65 @@ std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
 // two moments), activations. The first three are what TrainingState allocates
 // (parallel::state_bytes, the same function the trainer's start-up line checks).
 struct PrecisionBytes {
-  double param, grad, optim, act;
+  double param, grad, master, moments, act;
 };
 
 PrecisionBytes precision_bytes(const config::TrainerArgs& a) {
   const auto p = optim::precision_setup(a.precision, a.compute_config.reduce_dtype);
   const auto b = state_bytes(p.param, p.grad, p.master_weights);
-  return {b.param, b.grad, b.master + b.moments, b.param};
+  return {b.param, b.grad, b.master, b.moments, b.param};
+}
+
+// The flat buffers of one rank, element counts, as TrainingState lays them out
+// (FlatLayout: buckets in reverse registration order, each padded to a multiple
+// of the ZeRO group) or, under ZeRO-3, as units (each block one unit, the
+// parameters before the first block one, those after it one), each padded.
+struct StateLayout {
+  double elements = 0;  // this rank's parameter elements (after tp; the first tp rank, which holds most)
+  double padded = 0;    // in the flat buffers, padding included
+  int z = 1;            // ZeRO group size (1: no ZeRO)
+  int64_t buckets = 0;
+  double largest_bucket = 0, largest_param = 0;
+  double embed_unit = 0, head_unit = 0, largest_block = 0;  // ZeRO-3, padded
+};
+
+StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, const Candidate& c,
+                         const PrecisionBytes& pb) {
+  StateLayout st;
+  st.z = c.zero_stage ? std::max(1, c.dp / std::max(1, a.compute_config.zero_ngroups)) : 1;
+  std::vector<int64_t> numels;
+  for (const auto& p : f.params) {
+    int64_t n = 1;
+    for (auto dim : local_shape(p, c.tp)) n *= dim;
+    numels.push_back(n);
+    st.elements += double(n);
+    st.largest_param = std::max(st.largest_param, double(n));
+  }
+  const int64_t cap = std::max<int64_t>(
+      1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
+  const auto layout = FlatLayout::make(numels, cap, st.z, 0);
+  st.buckets = static_cast<int64_t>(layout.buckets.size());
+  for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
+  st.padded = double(layout.size);
+  if (c.zero_stage == 3) {
+    const auto pad = [&](double n) { return std::ceil(n / st.z) * st.z; };
+    std::map<int, double> blocks;
+    double before = 0, after = 0;
+    for (size_t i = 0; i < f.params.size(); ++i) {
+      const int u = f.params[i].unit;
+      if (u >= 0) blocks[u] += double(numels[i]);
+      else if (blocks.empty()) before += double(numels[i]);
+      else after += double(numels[i]);
+    }
+    st.embed_unit = before > 0 ? pad(before) : 0;
+    st.head_unit = after > 0 ? pad(after) : 0;
+    st.padded = st.embed_unit + st.head_unit;
+    for (const auto& [u, n] : blocks) {
+      st.padded += pad(n);
+      st.largest_block = std::max(st.largest_block, pad(n));
+    }
+  }
+  return st;
 }
 
 int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
@@ -194,49 +265,113 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
 
   PlanEstimate e;
   // ---- memory --------------------------------------------------------------
-  double p_local = 0;
-  for (const auto& p : f.params) {
-    double n = 1;
-    for (auto dim : local_shape(p, c.tp)) n *= double(dim);
-    p_local += n;
+  // Every figure is what one rank's tensors hold at the step's peak (the
+  // trainer's peak_tensor_mb): the state, then activations, then what lives
+  // only around the peak. docs/parallelism.md derives each term.
+  const auto st = state_layout(a, f, c, pb);
+  const double S = st.padded, Sz = st.padded / st.z;  // flat elements (padding included), this rank's shard
+  switch (c.zero_stage) {
+    case 0:
+      e.param_bytes = S * pb.param;
+      e.grad_bytes = S * pb.grad;
+      e.optim_bytes = S * (pb.master + pb.moments);
+      break;
+    case 1:  // the full gradient buffer stays, plus the reduced chunk
+      e.param_bytes = S * pb.param;
+      e.grad_bytes = S * pb.grad + Sz * pb.grad;
+      e.optim_bytes = Sz * (pb.master + pb.moments);
+      break;
+    case 2:  // no full gradient buffer outlives backward
+      e.param_bytes = S * pb.param;
+      e.grad_bytes = Sz * pb.grad;
+      e.optim_bytes = Sz * (pb.master + pb.moments);
+      break;
+    default:  // 3: parameters sharded too, units gathered around their use
+      e.param_bytes = Sz * pb.param;
+      e.grad_bytes = Sz * pb.grad;
+      e.optim_bytes = Sz * (pb.master + pb.moments);
   }
-  const double cap = a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
-  const double zgroups = std::max(1, a.compute_config.zero_ngroups);
-  const double z = c.zero_stage ? std::max(1.0, d / zgroups) : 1.0;  // ZeRO shard group size
-  const double buckets = std::ceil(p_local * pb.grad / cap);
-  const double padded = p_local + (c.zero_stage ? buckets * (z - 1) : 0.0);  // each bucket padded to a multiple of z
-  e.param_bytes = p_local * pb.param;
-  // Full gradient buffer (ZeRO-1 keeps it), plus ZeRO's reduced chunk.
-  e.grad_bytes = p_local * pb.grad + (c.zero_stage ? padded / z * pb.grad : 0.0);
-  e.optim_bytes = (c.zero_stage ? padded / z : p_local) * pb.optim;
 
-  // Activations of one micro-batch (Korthikanti et al. 2022, bytes at 16 bit):
-  // per layer s*b*(10h + (attention 4h(1 + kv/a) + MLP 4 ffn)/t + 5 a s/t),
-  // which is s*b*h*(10 + 24/t + 5as/(ht)) for a GPT; the 5as/t score term is
-  // not stored by fused attention.
-  const double scale = pb.act / 2.0;
-  const double layer_full =
-      s * b * (10 * h + (4 * h * (1 + kv / heads) + 4 * ffn) / t + (req.fused_attention ? 0.0 : 5 * heads * s / t)) *
-      scale;
-  const double layer_input = s * b * h * pb.act;
-  // Recomputing the first k layers keeps only their inputs; backward reaches
-  // them after the other layers' activations are freed, and rebuilds one layer
-  // at a time: peak k inputs + max(L - k, 1) full layers (k > 0).
-  double acts = k * layer_input + (k > 0 ? std::max(L - k, 1.0) : L) * layer_full;
-  // Embedding output, final norm input and head input, then fp32 logits and
-  // their softmax gradient (vocab-split under tensor parallelism, per chunk
-  // with the chunked loss).
-  const double v_local = (f.vocab_parallel_head && c.tp > 1) ? V / t : V;
-  const double logit_rows = a.model.loss == "chunked" ? std::min(double(a.model.loss_chunk_size), b * s) : b * s;
-  acts += 3 * s * b * h * pb.act + logit_rows * v_local * 4 * 2;
+  // Activations of one micro-batch (micro-batches run one after another), in
+  // the compute dtype, counted as our models keep them for backward
+  // (models/gpt, models/llama; fused attention keeps q, k, v, its output and a
+  // per-row logsumexp, never the scores). Elements per token:
+  const bool sp = c.tp > 1 && a.compute_config.sequence_parallel;
+  const double rep = sp ? 1 / t : 1;  // what tensor parallelism leaves whole is 1/tp of the sequence under SP
+  const double ea = pb.act, tokens = b * s;
+  const double hkv = h * kv / heads;
+  const bool fp32_compute = ea >= 4;
+  double layer_rep, layer_split, norm_head, wide_grads;
+  if (f.gated_mlp) {
+    // Llama: RMSNorm keeps its normalised input and its output (and an fp32
+    // copy of its input when computing in 16 bit), twice per layer, plus the
+    // residual's two sums; attention keeps rotated q, k, v (key/value heads
+    // repeated except under CUDA's native GQA) and the output; SwiGLU keeps
+    // gate, silu(gate), up and their product.
+    const bool native_gqa = !fp32_compute && req.device.name != "cpu";
+    layer_rep = 6 * h + (fp32_compute ? 0 : 2 * h * 4 / ea);
+    layer_split = (native_gqa ? 2 * h + 2 * hkv : 4 * h) + 4 * ffn;
+    norm_head = 2 * h + (fp32_compute ? 0 : h * 4 / ea);  // the final norm's normalised input and output
+    wide_grads = 2 * ffn;  // backward of gate * up: both gradients and the incoming one (the product freed)
+  } else {
+    // GPT: the block input (kept by ln_1), ln_1's output, the residual sum
+    // and ln_2's output; q, k, v, attention output; the MLP's c_fc output and
+    // its GELU.
+    layer_rep = 4 * h;
+    layer_split = 2 * h + 2 * hkv + 2 * ffn;
+    norm_head = h;  // ln_f's output
+    wide_grads = ffn;  // the GELU output's gradient while the output is still kept
+  }
+  const double layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
+  const double layer_input = tokens * h * rep * ea;
+  // Unfused attention also keeps the scores and softmax, fp32 or compute dtype, per head.
+  const double scores = req.fused_attention ? 0.0 : tokens * 2 * (heads / t) * s * ea;
+  const double saved_layers = (L - k) * (layer_full + scores) + k * layer_input;
+
+  // The head: the last block's output (the final norm's input) and what the
+  // norm keeps; under SP the head gathers the norm's output whole and keeps that.
+  const double head_saved = tokens * (h * rep + (sp ? h + (norm_head - h) * rep : norm_head * rep)) * ea;
+  // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
+  // backward, and at backward's start its gradient and the incoming one, three
+  // [tokens, V] fp32 tensors (plus the compute-dtype logits in 16 bit). Chunked:
+  // per-token logsumexp kept; backward holds the hidden gradient, an fp32 weight
+  // gradient and a chunk's logits twice.
+  const double v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(V / t) : V;
+  double loss_peak;
+  if (a.model.loss == "chunked") {
+    const double chunk = std::min(double(std::max(1, a.model.loss_chunk_size)), tokens);
+    loss_peak = tokens * 4 + tokens * h * ea + v_local * h * (4 + (fp32_compute ? 0 : ea)) +
+                chunk * v_local * (2 * 4 + (fp32_compute ? 0 : ea));
+  } else {
+    loss_peak = tokens * v_local * (3 * 4 + (fp32_compute ? 0 : ea));
+  }
+  // One block's backward on top of the kept activations: the gradient coming
+  // in, the widest gradients (the MLP's), and under SP the gathered gradient
+  // of the row-parallel output.
+  const double block_grads = tokens * (h * rep + (sp ? h : 0) + wide_grads / t) * ea;
+  double acts = saved_layers + head_saved + loss_peak;                       // backward starts at the loss
+  if (L - k >= 1) acts = std::max(acts, saved_layers + block_grads);        // the last block's backward
+  if (k >= 1 && k >= L)                                                     // every block recomputes: the
+    acts = std::max(acts, k * layer_input + layer_full - layer_input +      // last one rebuilt whole, its
+                              tokens * h * rep * ea + block_grads + scores); // output held, then its backward
   e.activation_bytes = acts;
 
-  // Transient: two gradient buckets in flight, ZeRO's gathered-parameter bucket.
-  double transient = 0;
-  if (c.dp > 1) transient += 2 * std::min(cap, p_local * pb.grad);
-  if (c.zero_stage && c.dp > 1) transient += std::min(cap, p_local * pb.param);
+  // Transient around the peak: autograd's gradient of the largest parameter
+  // before it is added into its slot (its bucket under ZeRO-2, its unit under
+  // ZeRO-3); ZeRO-2's two buckets in flight; ZeRO-3's gathered units (embedding
+  // and head for the whole forward and backward, the current block and
+  // zero_prefetch more) and two unit gradient buffers.
+  double transient = st.largest_param * pb.param;
+  if (c.zero_stage == 2 && st.z > 1) transient += 2 * st.largest_bucket * pb.grad;
+  if (c.zero_stage == 3 && st.z > 1)
+    transient += (st.embed_unit + st.head_unit + (1 + kZeroPrefetch) * st.largest_block) * pb.param +
+                 2 * st.largest_block * pb.grad;
   e.transient_bytes = transient;
   e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
+  const double p_local = st.elements;
+  const double cap = a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
+  const double z = st.z;
+  const double buckets = double(st.buckets);
 
   // ---- time ----------------------------------------------------------------
   const double peak = peak_flops_for(req.device, a.precision, a.compute_config.allow_tf32) * kAssumedEfficiency;
@@ -259,22 +394,39 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     const double bw = c.tp * c.dp <= per_node ? req.device.intra_node_bw : req.device.inter_node_bw;
     const double grad_bytes = p_local * pb.grad;
     const double alpha = req.device.collective_latency_s;
-    double overlappable;  // launched bucket by bucket during the last micro-batch's backward
-    double after = 0;     // after the optimizer step
-    if (c.zero_stage) {
-      // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
-      // all-gather of the updated parameters.
-      const double groups = d / z;
-      overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw +
-                     2 * (groups - 1) / groups * grad_bytes / z / bw;
-      after = buckets * alpha + (z - 1) / z * p_local * pb.param / bw;
-    } else {
-      overlappable = buckets * alpha + 2 * (d - 1) / d * grad_bytes / bw;
-    }
-    const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
     const double backward = e.compute_s / micro_steps * (2 * flops_token / 3 + recompute_flops) /
                             (flops_token + recompute_flops);
-    e.dp_comm_s = last_bucket + std::max(0.0, overlappable - last_bucket - backward) + after;
+    const double forward = e.compute_s / micro_steps - backward;
+    const double groups = d / z;
+    // The reduced chunk's all-reduce across ZeRO groups (hybrid sharding).
+    const double cross = groups > 1 ? 2 * (groups - 1) / groups * grad_bytes / z / bw : 0.0;
+    if (c.zero_stage == 3 && z > 1) {
+      // Per micro-batch: every unit gathered for forward and again for
+      // backward, its gradient reduce-scattered as its backward ends; each
+      // overlaps the compute it feeds except the first unit's gather and the
+      // last unit's reduce-scatter.
+      const double units = L + 2;
+      const double gather = units * alpha + (z - 1) / z * p_local * pb.param / bw;
+      const double scatter = units * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
+      const double per_micro = gather / units + std::max(0.0, gather - forward) +
+                               std::max(0.0, gather + scatter - backward) + scatter / units;
+      e.dp_comm_s = micro_steps * per_micro;
+    } else {
+      double overlappable;  // launched bucket by bucket during the last micro-batch's backward
+      double after = 0;     // after the optimizer step
+      if (c.zero_stage) {
+        // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
+        // all-gather of the updated parameters.
+        overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
+        after = buckets * alpha + (z - 1) / z * p_local * pb.param / bw;
+      } else {
+        overlappable = buckets * alpha + 2 * (d - 1) / d * grad_bytes / bw;
+      }
+      const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
+      // ZeRO-2 has no buffer to accumulate whole gradients in: it reduce-scatters every micro-batch.
+      const double rounds = c.zero_stage == 2 ? micro_steps : 1;
+      e.dp_comm_s = rounds * (last_bucket + std::max(0.0, overlappable - last_bucket - backward)) + after;
+    }
   }
   e.comm_s = e.tp_comm_s + e.dp_comm_s;
   e.step_s = e.compute_s + e.comm_s;
