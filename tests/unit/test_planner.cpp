@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "models/gpt/gpt.h"
@@ -73,8 +74,8 @@ std::vector<Candidate> all_candidates(int world, int plan_ngpus, int layers) {
   for (int t = 1; t <= plan_ngpus; ++t) {
     if (plan_ngpus % t || world % t) continue;
     const int dp = world / t;
-    for (int z = 0; z <= (dp > 1 ? 1 : 0); ++z)
-      for (int k = 0; k <= layers; ++k) out.push_back({t, dp, z == 1, k});
+    for (int z = 0; z <= (dp > 1 ? 3 : 0); ++z)
+      for (int k = 0; k <= layers; ++k) out.push_back({t, dp, z, k});
   }
   return out;
 }
@@ -114,11 +115,17 @@ TEST_CASE("planner: an ample budget gives pure data parallelism", "[planner]") {
   CHECK(plan.recompute == std::vector<bool>(4, false));
   CHECK(plan.grad_accumulation_steps == 1);
   CHECK(plan.estimate.total_bytes <= 1e12);
-  // Everything else fits as well, so each was refused for time alone.
+  // Everything else fits as well: the other ZeRO stages shard more than
+  // needed, every other tp or recompute is not needed.
   CHECK(rejected.size() == all_candidates(4, 4, 4).size() - 1);
   for (const auto& r : rejected) {
-    CHECK(r.kind == "slower");
-    CHECK(r.step_s >= plan.estimate.step_s);
+    INFO(r.candidate << ": " << r.reason);
+    if (r.cand.zero_stage > 0) {
+      CHECK(r.kind == "sharding");
+      CHECK_THAT(r.reason, Catch::Contains("zero=0 fits"));
+    } else {
+      CHECK(r.kind == "order");
+    }
   }
   for (const auto& p : plan.params) CHECK(p.local_shape == p.global_shape);
 }
@@ -130,30 +137,68 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   PlanRequest req{&args, model.get(), 2, test_device(), 1e12};
   // Parameters: wte V*C, wpe T*C, per layer 12C^2 + 13C (with biases), ln_f 2C.
   const double total = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;
-  const auto e1 = parallel::estimate(req, {1, 2, false, 0});
+  const auto e1 = parallel::estimate(req, {1, 2, 0, 0});
   CHECK(e1.param_bytes == 4 * total);
   CHECK(e1.grad_bytes == 4 * total);
   CHECK(e1.optim_bytes == 8 * total);
   // tp=2: wte (vocab) and the column/row weights and column biases halve.
   const double local = V * C / 2 + T * C + L * (6 * C * C + 4 * C + 1.5 * C + C + 2 * C + C) + 2 * C;
-  const auto e2 = parallel::estimate(req, {2, 1, false, 0});
+  const auto e2 = parallel::estimate(req, {2, 1, 0, 0});
   CHECK(e2.param_bytes == 4 * local);
   // ZeRO over dp=2 halves the optimizer states (plus at most one pad element per bucket).
-  const auto ez = parallel::estimate(req, {1, 2, true, 0});
+  const auto ez = parallel::estimate(req, {1, 2, 1, 0});
   CHECK(ez.optim_bytes >= 4 * total);
   CHECK(ez.optim_bytes <= 4 * total + 8);
-  // Activations: per layer s*b*h*(10 + 24/t) bytes at 16 bit, x2 for fp32 (fused
-  // attention: no score term), plus 3 s*b*h tensors and the fp32 logits x2.
-  const double s = T, b = 2, h = C;
-  const double layer = s * b * h * 34 * 2;
-  CHECK(e1.activation_bytes == Approx(L * layer + 3 * s * b * h * 4 + b * s * V * 8));
+  // Activations (fp32, fused attention): a GPT block keeps 16 s*b*h elements
+  // (input, ln_1 out, q k v, attention out, residual, ln_2 out, c_fc out and
+  // GELU at 4h each); the peak is the larger of backward's start (every block,
+  // the last block's output and ln_f's, three fp32 [tokens, V] logits tensors)
+  // and the last block's backward (every block, the incoming gradient h and
+  // GELU's gradient 4h).
+  const double s = T, b = 2, h = C, tok = s * b;
+  const double layer = tok * 16 * h * 4;
+  const double saved = L * layer;
+  CHECK(e1.activation_bytes == Approx(std::max(saved + tok * 2 * h * 4 + tok * V * 12, saved + tok * 5 * h * 4)));
   PlanRequest unfused = req;
   unfused.fused_attention = false;
-  CHECK(parallel::estimate(unfused, {1, 2, false, 0}).activation_bytes ==
-        Approx(e1.activation_bytes + L * s * b * h * (5.0 * 4 * s / h) * 2));
-  // Recomputing every layer keeps L inputs and rebuilds one layer at a time.
-  const auto er = parallel::estimate(req, {1, 2, false, static_cast<int>(L)});
-  CHECK(er.activation_bytes == Approx(L * s * b * h * 4 + layer + 3 * s * b * h * 4 + b * s * V * 8));
+  CHECK(parallel::estimate(unfused, {1, 2, 0, 0}).activation_bytes ==
+        Approx(e1.activation_bytes + L * tok * 2 * 4 * s * 4));  // scores and softmax, 4 heads
+  // Recomputing every layer keeps L inputs; the last block rebuilt whole (its
+  // output held) then its backward.
+  const auto er = parallel::estimate(req, {1, 2, 0, static_cast<int>(L)});
+  const double inputs = L * tok * h * 4;
+  CHECK(er.activation_bytes == Approx(std::max(inputs + tok * 2 * h * 4 + tok * V * 12,
+                                               inputs + layer - tok * h * 4 + tok * h * 4 + tok * 5 * h * 4)));
+  // The chunked loss keeps no [tokens, V] logits.
+  auto chunked_args = args;
+  chunked_args.model.loss = "chunked";
+  chunked_args.model.loss_chunk_size = 16;
+  PlanRequest chunked{&chunked_args, model.get(), 2, test_device(), 1e12};
+  CHECK(parallel::estimate(chunked, {1, 2, 0, 0}).activation_bytes < e1.activation_bytes);
+  // Sequence parallelism (on by default) splits what tp leaves whole.
+  auto no_sp_args = args;
+  no_sp_args.compute_config.sequence_parallel = false;
+  PlanRequest no_sp{&no_sp_args, model.get(), 2, test_device(), 1e12};
+  const auto e_sp = parallel::estimate(req, {2, 1, 0, 0}), e_nosp = parallel::estimate(no_sp, {2, 1, 0, 0});
+  CHECK(e_sp.activation_bytes < e_nosp.activation_bytes);
+  CHECK(e_nosp.activation_bytes < e1.activation_bytes);
+  // Per ZeRO stage over dp 2: 1 shards the optimizer state (the full gradient
+  // stays, plus the reduced half), 2 the gradients too, 3 the parameters too.
+  const auto z1 = parallel::estimate(req, {1, 2, 1, 0}), z2 = parallel::estimate(req, {1, 2, 2, 0}),
+             z3 = parallel::estimate(req, {1, 2, 3, 0});
+  CHECK(z1.param_bytes == e1.param_bytes);
+  CHECK(z1.grad_bytes == Approx(1.5 * e1.grad_bytes).epsilon(1e-3));
+  CHECK(z2.grad_bytes == Approx(0.5 * e1.grad_bytes).epsilon(1e-3));
+  CHECK(z2.optim_bytes == z1.optim_bytes);
+  CHECK(z3.param_bytes == Approx(0.5 * e1.param_bytes).epsilon(1e-3));
+  CHECK(z3.optim_bytes == Approx(0.5 * e1.optim_bytes).epsilon(1e-3));
+  CHECK(z3.grad_bytes == Approx(z2.grad_bytes).epsilon(1e-3));
+  // What lives only around the peak grows with the stage: ZeRO-2's buckets, ZeRO-3's gathered units.
+  CHECK(z1.transient_bytes == e1.transient_bytes);
+  CHECK(z2.transient_bytes > z1.transient_bytes);
+  CHECK(z3.transient_bytes > z2.transient_bytes);
+  CHECK(z1.total_bytes < e1.total_bytes);
+  CHECK(z3.param_bytes + z3.grad_bytes + z3.optim_bytes < z2.param_bytes + z2.grad_bytes + z2.optim_bytes);
   CHECK(er.compute_s > e1.compute_s);
   // Per-rank compute is the same for every split of the same world.
   CHECK(e2.compute_s == Approx(e1.compute_s));
@@ -163,26 +208,41 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   CHECK(e1.step_s == Approx(e1.compute_s + e1.tp_comm_s + e1.dp_comm_s));
 }
 
-TEST_CASE("planner: shrinking the budget moves to ZeRO, then recompute, then tensor parallel", "[planner]") {
-  const int L = 4, world = 4;
+// The selection rule by brute force over the same estimates: per (tp, k) the
+// least ZeRO stage that fits; (smallest tp, k = 0) if it has one, else the
+// fastest of them, ties to the smaller tp then the smaller k.
+const Candidate* oracle(const std::vector<Candidate>& cands, const PlanRequest& req) {
+  std::map<std::pair<int, int>, const Candidate*> least;
+  for (const auto& c : cands) {
+    if (parallel::estimate(req, c).total_bytes > parallel::memory_budget(req)) continue;
+    auto& slot = least[{c.tp, c.recompute_layers}];
+    if (!slot || c.zero_stage < slot->zero_stage) slot = &c;
+  }
+  if (least.empty()) return nullptr;
+  if (least.begin()->first == std::make_pair(cands.front().tp, 0)) return least.begin()->second;
+  const Candidate* best = nullptr;
+  for (const auto& [key, c] : least)
+    if (!best || parallel::estimate(req, *c).step_s < parallel::estimate(req, *best).step_s) best = c;
+  return best;
+}
+
+TEST_CASE("planner: shrinking the budget escalates ZeRO 0 -> 1 -> 2 -> 3 before recompute or tensor parallel",
+          "[planner]") {
+  // Deep enough that ZeRO-3's gathered units (embedding, head, two blocks and
+  // two blocks' gradients) cost less than the 3/4 of the parameters it shards.
+  const int L = 12, world = 4;
   auto model = gpt(L, 4, 128, 256, 64);
   auto args = args_for(world, 4, 4, 16, 64);
+  args.compute_config.reducer_bucket_cap_mb = 0.25;  // ZeRO-2 keeps two buckets, not the whole gradient
   PlanRequest req{&args, model.get(), world, test_device(), 0};
   auto est = [&](Candidate c) { return parallel::estimate(req, c); };
-  const double pure_dp = est({1, 4, false, 0}).total_bytes;
-
-  // The order the cost model implies for this model: ZeRO saves memory for
-  // less time (its all-gather) than recomputing a layer; recomputing a layer
-  // costs less than tp=2's communication; tp=4 needs least memory and most time.
-  REQUIRE(est({1, 4, true, 0}).total_bytes < pure_dp);
-  REQUIRE(est({1, 4, true, 0}).step_s < est({1, 4, false, 1}).step_s);
-  REQUIRE(est({1, 4, false, 1}).total_bytes < est({1, 4, true, 0}).total_bytes);
-  REQUIRE(est({1, 4, true, 1}).step_s < est({2, 2, false, 0}).step_s);
-  REQUIRE(est({2, 2, false, 0}).total_bytes < est({1, 4, true, L}).total_bytes);
-  REQUIRE(est({2, 2, false, 1}).step_s < est({4, 1, false, 0}).step_s);
+  const double pure_dp = est({1, 4, 0, 0}).total_bytes;
+  // Each stage needs less memory than the one before it.
+  for (int z = 1; z <= 3; ++z) REQUIRE(est({1, 4, z, 0}).total_bytes < est({1, 4, z - 1, 0}).total_bytes);
+  // tp 2 without ZeRO needs less than ZeRO-2 at tp 1, yet ZeRO-2 and ZeRO-3 come first.
+  REQUIRE(est({2, 2, 0, 0}).total_bytes < est({1, 4, 2, 0}).total_bytes);
 
   std::vector<std::string> sequence;
-  double last_step = 0;
   double budget = pure_dp;
   bool threw = false;
   for (int i = 0; i < 400 && !threw; ++i, budget *= 0.98) {
@@ -198,44 +258,69 @@ TEST_CASE("planner: shrinking the budget moves to ZeRO, then recompute, then ten
     }
     INFO("budget " << budget << " chose " << key(plan));
     CHECK(plan.estimate.total_bytes <= budget);
-    // A smaller budget never buys a faster step.
-    CHECK(plan.estimate.step_s >= last_step);
-    last_step = plan.estimate.step_s;
-    // Every faster candidate was refused for memory.
-    for (const auto& r : rejected)
-      if (r.step_s < plan.estimate.step_s) CHECK(r.kind == "memory");
-    // The oracle: the fastest fitting candidate, first in search order on ties.
-    const Candidate* best = nullptr;
-    double best_step = std::numeric_limits<double>::infinity();
     const auto cands = all_candidates(world, 4, L);
-    for (const auto& c : cands) {
-      const auto e = est(c);
-      if (e.total_bytes <= budget && e.step_s < best_step) {
-        best_step = e.step_s;
-        best = &c;
-      }
-    }
+    const Candidate* best = oracle(cands, req);
     REQUIRE(best != nullptr);
     CHECK(plan.tp == best->tp);
     CHECK(plan.zero_stage == best->zero_stage);
     int k = 0;
     for (bool r : plan.recompute) k += r;
     CHECK(k == best->recompute_layers);
+    // Every lower stage at the plan's tp and recompute is over the budget, and says by how much.
+    for (const auto& r : rejected)
+      if (r.cand.tp == plan.tp && r.cand.recompute_layers == k && r.cand.zero_stage < plan.zero_stage) {
+        CHECK(r.kind == "memory");
+        CHECK_THAT(r.reason, Catch::Contains("over the budget"));
+      }
     if (sequence.empty() || sequence.back() != key(plan)) sequence.push_back(key(plan));
   }
   CHECK(threw);
-  REQUIRE(sequence.size() >= 4);
-  CHECK(sequence.front() == "tp=1 zero=0 k=0");
+  REQUIRE(sequence.size() >= 5);
+  CHECK(sequence[0] == "tp=1 zero=0 k=0");
   CHECK(sequence[1] == "tp=1 zero=1 k=0");
-  auto first = [&](const std::string& needle) {
-    for (size_t i = 0; i < sequence.size(); ++i)
-      if (sequence[i].find(needle) != std::string::npos) return i;
-    return sequence.size();
-  };
-  CHECK(first("zero=1") < first("k=1"));
-  CHECK(first("k=1") < first("tp=2"));
-  CHECK(first("tp=2") < first("tp=4"));
-  CHECK(first("tp=4") < sequence.size());
+  CHECK(sequence[2] == "tp=1 zero=2 k=0");
+  CHECK(sequence[3] == "tp=1 zero=3 k=0");
+  // Then recompute or tensor parallelism, each at its least stage that fits.
+  CHECK((sequence[4].find("k=0") == std::string::npos || sequence[4].find("tp=1") == std::string::npos));
+}
+
+TEST_CASE("planner: a GPT whose one-process training does not fit the budget is planned as ZeRO-3 at dp 4",
+          "[planner]") {
+  auto model = gpt(12, 4, 256, 512, 64);
+  auto one = args_for(1, 1, 2, 2, 64);
+  PlanRequest req1{&one, model.get(), 1, test_device(), 0};
+  const double dp1 = parallel::estimate(req1, {1, 1, 0, 0}).total_bytes;
+  auto four = args_for(4, 4, 2, 8, 64);  // plan_ngpus 4: tp 2 and 4 are candidates too
+  four.compute_config.reducer_bucket_cap_mb = 1;
+  PlanRequest req4{&four, model.get(), 4, test_device(), 0};
+  const double z2 = parallel::estimate(req4, {1, 4, 2, 0}).total_bytes;
+  const double z3 = parallel::estimate(req4, {1, 4, 3, 0}).total_bytes;
+  REQUIRE(z3 < z2);
+  const double budget = (z2 + z3) / 2;  // ZeRO-3 fits, ZeRO-2 does not
+  REQUIRE(dp1 > budget);
+  req1.memory_budget_bytes = req4.memory_budget_bytes = budget;
+  CHECK_THROWS_AS(parallel::make_plan(req1), parallel::PlanError);  // one process: only recompute, still too much
+  std::vector<parallel::Rejected> rejected;
+  const auto plan = parallel::make_plan(req4, &rejected);
+  CHECK(plan.tp == 1);
+  CHECK(plan.dp == 4);
+  CHECK(plan.zero_stage == 3);
+  CHECK(std::count(plan.recompute.begin(), plan.recompute.end(), true) == 0);
+  CHECK(plan.estimate.total_bytes <= budget);
+  // tp 2 fits at a lower stage, but ZeRO is escalated first; the explanation says so.
+  bool tp2_explained = false;
+  for (const auto& r : rejected)
+    if (r.cand.tp == 2 && r.kind == "order") {
+      CHECK_THAT(r.reason, Catch::Contains("needs no tensor parallelism"));
+      tp2_explained = true;
+    }
+  CHECK(tp2_explained);
+  // ZeRO-3 needs a ZeRO group of two or more.
+  auto fixed = args_for(1, 1, 2, 2, 64);
+  fixed.compute_config.use_zero = 3;
+  std::vector<parallel::Rejected> none;
+  CHECK_THROWS_WITH(parallel::make_plan({&fixed, model.get(), 1, test_device(), 0}, &none),
+                    Catch::Contains("ZeRO-3 shards the parameters over dp / zero_ngroups = 1 rank(s)"));
 }
 
 TEST_CASE("planner: an impossible budget is an error stating the minimum", "[planner]") {

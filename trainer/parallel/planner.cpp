@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -362,7 +363,7 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   // and head for the whole forward and backward, the current block and
   // zero_prefetch more) and two unit gradient buffers.
   double transient = st.largest_param * pb.param;
-  if (c.zero_stage == 2 && st.z > 1) transient += 2 * st.largest_bucket * pb.grad;
+  if (c.zero_stage == 2 && st.z > 1) transient += std::min<double>(2, st.buckets) * st.largest_bucket * pb.grad;
   if (c.zero_stage == 3 && st.z > 1)
     transient += (st.embed_unit + st.head_unit + (1 + kZeroPrefetch) * st.largest_block) * pb.param +
                  2 * st.largest_block * pb.grad;
@@ -555,14 +556,16 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
     throw PlanError("unknown pas_policy '" + policy + "' (dp, tp, hybrid, autodist)");
   }
 
-  // Every candidate in search order (tp up, ZeRO off first, recompute up):
-  // infeasible ones with their reason, the rest with their estimate.
+  // Every candidate, listed tp up, ZeRO stage up, recompute up: infeasible
+  // ones with their reason, the rest with their estimate.
   struct Entry {
     Candidate c;
     std::string infeasible;  // empty: evaluated
     PlanEstimate e;
   };
   std::vector<Entry> entries;
+  const bool free_zero = policy == "autodist" && cc.use_zero == 0;  // the config leaves the stage to us
+  const int k_min = a.model.activation_checkpointing ? L : 0;
   for (int t : tps) {
     const int dp = world / t;
     const auto fails = tp_failures(f, t);
@@ -571,38 +574,66 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
       continue;
     }
     if (a.global_batch_size % (a.micro_batch_size * dp) != 0) {
-      entries.push_back({{t, dp, false, 0},
+      entries.push_back({{t, dp, 0, 0},
                          "global batch " + std::to_string(a.global_batch_size) +
                              " is not a multiple of micro_batch_size " + std::to_string(a.micro_batch_size) +
                              " x dp " + std::to_string(dp),
                          {}});
       continue;
     }
+    // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to shard.
+    const int zsize = dp % cc.zero_ngroups == 0 ? dp / cc.zero_ngroups : 0;
     std::vector<int> zeros;
-    if (policy != "autodist" || cc.use_zero) zeros = {cc.use_zero};
-    else zeros = dp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0};
+    if (!free_zero) zeros = {cc.use_zero};
+    else if (zsize > 1) zeros = {0, 1, 2, 3};
+    else zeros = {0};
     for (int zero : zeros) {
-      if (zero && dp % cc.zero_ngroups != 0) {
+      if (zero && zsize == 0) {
         entries.push_back({{t, dp, zero, 0},
                            "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
                                " does not divide dp " + std::to_string(dp),
                            {}});
         continue;
       }
-      for (int k = a.model.activation_checkpointing ? L : 0; k <= L; ++k) {
+      if (zero == 3 && zsize < 2) {
+        entries.push_back({{t, dp, zero, 0},
+                           "ZeRO-3 shards the parameters over dp / zero_ngroups = " + std::to_string(zsize) +
+                               " rank(s); it needs at least 2",
+                           {}});
+        continue;
+      }
+      for (int k = k_min; k <= L; ++k) {
         Candidate c{t, dp, zero, k};
         entries.push_back({c, "", estimate_facts(req, f, c)});
       }
     }
   }
 
-  // The fastest that fits; strict < keeps the first in search order on ties.
-  const Entry* best = nullptr;
+  // The choice (docs/parallelism.md, "What autodist searches"): per (tp, k),
+  // the least ZeRO stage that fits; at the smallest feasible tp without
+  // recompute that is the plan, whatever the others' speed (sharding the state
+  // further costs less than splitting layers or recomputing them). Otherwise
+  // the fastest of those least stages; ties keep the smaller tp, then the
+  // smaller k.
+  using Key = std::pair<int, int>;  // (tp, k)
+  std::map<Key, const Entry*> least_stage;
+  std::optional<Key> first_tier;
   const Entry* least_memory = nullptr;
   for (const auto& en : entries) {
     if (!en.infeasible.empty()) continue;
+    const Key key{en.c.tp, en.c.recompute_layers};
+    if (!first_tier || key < *first_tier) first_tier = key;
     if (!least_memory || en.e.total_bytes < least_memory->e.total_bytes) least_memory = &en;
-    if (en.e.total_bytes <= budget && (!best || en.e.step_s < best->e.step_s)) best = &en;
+    auto& slot = least_stage[key];
+    if (en.e.total_bytes <= budget && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
+  }
+  const Entry* best = nullptr;
+  const bool from_first_tier = first_tier && least_stage.count(*first_tier) && least_stage[*first_tier];
+  if (from_first_tier) {
+    best = least_stage[*first_tier];
+  } else {
+    for (const auto& [key, en] : least_stage)  // tp up, then k up: strict < keeps the first on ties
+      if (en && (!best || en->e.step_s < best->e.step_s)) best = en;
   }
   if (!best) {
     if (!least_memory) {
@@ -622,9 +653,12 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
 
   if (rejected) {
     rejected->clear();
+    const std::string chosen = "zero=" + std::to_string(best->c.zero_stage);
     for (const auto& en : entries) {
       if (&en == best) continue;
       Rejected r{candidate_text(en.c, L), "", "", en.c, en.e.total_bytes, en.e.step_s};
+      const Entry* least = nullptr;
+      if (auto it = least_stage.find({en.c.tp, en.c.recompute_layers}); it != least_stage.end()) least = it->second;
       if (!en.infeasible.empty()) {
         r.kind = "infeasible";
         r.reason = en.infeasible;
@@ -633,6 +667,15 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
         r.kind = "memory";
         r.reason = "needs " + format_bytes(en.e.total_bytes) + ", over the budget " + format_bytes(budget) +
                    " by " + format_bytes(en.e.total_bytes - budget);
+      } else if (least != &en) {
+        r.kind = "sharding";
+        r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but shards more than needed: zero=" +
+                   std::to_string(least->c.zero_stage) + " fits at this tp and recompute";
+      } else if (from_first_tier) {
+        r.kind = "order";
+        r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but needs no " +
+                   (en.c.tp > best->c.tp ? std::string("tensor parallelism") : std::string("recompute")) + ": " +
+                   candidate_text(best->c, L) + " fits (ZeRO stages are tried first)";
       } else {
         r.kind = "slower";
         r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but slower: " + fixed(en.e.step_s, 4) +
@@ -690,10 +733,13 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
       o << "  " << head << " recompute=" << r.cand.recompute_layers << ".." << last.cand.recompute_layers << "/"
         << layers << ": ";
       // The run's least-memory / fastest end says the most.
-      if (r.kind == "memory")
+      if (r.kind == "memory") {
         o << "over budget: at recompute=" << last.cand.recompute_layers << " still " << last.reason;
-      else
-        {
+      } else if (r.kind != "slower") {
+        // sharding / order: each fits; the reason after "but" is the run's.
+        const auto but = last.reason.find(") but ");
+        o << "fit but " << (but == std::string::npos ? last.reason : last.reason.substr(but + 6));
+      } else {
         const auto vs = r.reason.rfind(" vs ");
         o << "fit but slower: " << fixed(r.step_s, 4) << " s .. " << fixed(last.step_s, 4) << " s"
           << (vs == std::string::npos ? "" : r.reason.substr(vs));

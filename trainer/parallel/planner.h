@@ -1,9 +1,11 @@
 // The built-in planner: a pure function from (config, model declaration, world
 // size, device) to a Plan. It enumerates candidates (tensor-parallel degree,
-// ZeRO on/off, activation recompute of the first k layers), estimates each
-// one's per-rank memory and step time with the cost model documented in
-// docs/parallelism.md, and returns the fastest candidate that fits the memory
-// budget. Deterministic: ties go to the smaller tp, ZeRO off, less recompute.
+// ZeRO stage 0-3, activation recompute of the first k layers) and estimates
+// each one's per-rank memory and step time with the cost model documented in
+// docs/parallelism.md. For each (tp, recompute) it takes the least ZeRO stage
+// that fits the memory budget; at the smallest tp without recompute that is
+// the plan, else the fastest of them. Deterministic: ties go to the smaller
+// tp, then less recompute.
 #pragma once
 
 #include <stdexcept>
@@ -77,7 +79,10 @@ struct Candidate {
 struct Rejected {
   std::string candidate;  // e.g. "tp=2 dp=4 zero=0 recompute=3/12"
   std::string reason;     // with the numbers
-  // Structured for tests and --json: kind is infeasible | memory | slower.
+  // Structured for tests and --json: kind is infeasible | memory (over the
+  // budget) | sharding (fits, but a lower ZeRO stage fits at the same tp and
+  // recompute) | order (fits, but the plan needed neither more tp nor more
+  // recompute) | slower (fits, but the plan is faster).
   std::string kind;
   Candidate cand;
   double memory_bytes = 0, step_s = 0;  // its estimate (0 when infeasible)
