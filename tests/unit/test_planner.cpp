@@ -153,12 +153,12 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   // (input, ln_1 out, q k v, attention out, residual, ln_2 out, c_fc out and
   // GELU at 4h each); the peak is the larger of backward's start (every block,
   // the last block's output and ln_f's, three fp32 [tokens, V] logits tensors)
-  // and the last block's backward (every block, the incoming gradient h and
-  // GELU's gradient 4h).
+  // and the last block's backward (every block, the incoming gradient h,
+  // GELU's gradient 4h and autograd's gradient of c_fc's weight, 4h x h).
   const double s = T, b = 2, h = C, tok = s * b;
   const double layer = tok * 16 * h * 4;
-  const double saved = L * layer;
-  CHECK(e1.activation_bytes == Approx(std::max(saved + tok * 2 * h * 4 + tok * V * 12, saved + tok * 5 * h * 4)));
+  const double saved = L * layer, block_bwd = tok * 5 * h * 4 + 4 * h * h * 4;
+  CHECK(e1.activation_bytes == Approx(std::max(saved + tok * 2 * h * 4 + tok * V * 12, saved + block_bwd)));
   PlanRequest unfused = req;
   unfused.fused_attention = false;
   CHECK(parallel::estimate(unfused, {1, 2, 0, 0}).activation_bytes ==
@@ -168,13 +168,17 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   const auto er = parallel::estimate(req, {1, 2, 0, static_cast<int>(L)});
   const double inputs = L * tok * h * 4;
   CHECK(er.activation_bytes == Approx(std::max(inputs + tok * 2 * h * 4 + tok * V * 12,
-                                               inputs + layer - tok * h * 4 + tok * h * 4 + tok * 5 * h * 4)));
-  // The chunked loss keeps no [tokens, V] logits.
+                                               inputs + layer - tok * h * 4 + tok * h * 4 + block_bwd)));
+  // With a vocabulary whose logits dominate, the chunked loss keeps no [tokens, V] logits.
+  auto big_vocab = gpt(L, 4, C, 8192, T);
+  PlanRequest plain_big{&args, big_vocab.get(), 2, test_device(), 1e12};
+  const auto e_plain = parallel::estimate(plain_big, {1, 2, 0, 0});
+  CHECK(e_plain.activation_bytes == Approx(saved + tok * 2 * h * 4 + tok * 8192 * 12));
   auto chunked_args = args;
   chunked_args.model.loss = "chunked";
   chunked_args.model.loss_chunk_size = 16;
-  PlanRequest chunked{&chunked_args, model.get(), 2, test_device(), 1e12};
-  CHECK(parallel::estimate(chunked, {1, 2, 0, 0}).activation_bytes < e1.activation_bytes);
+  PlanRequest chunked{&chunked_args, big_vocab.get(), 2, test_device(), 1e12};
+  CHECK(parallel::estimate(chunked, {1, 2, 0, 0}).activation_bytes < e_plain.activation_bytes);
   // Sequence parallelism (on by default) splits what tp leaves whole.
   auto no_sp_args = args;
   no_sp_args.compute_config.sequence_parallel = false;

@@ -212,7 +212,13 @@ std::string describe(const Plan& p, bool explain) {
       << "  tensor parallel: 4 all-reduces of b x s x h per layer per micro-batch (2 more per recomputed\n"
       << "    layer, 2 for the vocab-parallel embedding and head), 2(t-1)/t x bytes / bandwidth, not overlapped\n"
       << "  data parallel: 2(d-1)/d x gradient bytes / bandwidth on the last micro-batch, overlapped with its\n"
-      << "    backward except the last bucket; ZeRO adds the parameter all-gather after the optimizer step\n";
+      << "    backward except the last bucket; ZeRO-1/2 add the parameter all-gather after the optimizer step\n"
+      << "    (ZeRO-2 reduce-scatters every micro-batch); ZeRO-3 gathers every unit for forward and again for\n"
+      << "    backward, overlapped except the first gather and the last reduce-scatter\n"
+      << "  memory: state by ZeRO stage + activations at the step's peak (backward's start or the last block's\n"
+      << "    backward) + what lives only around it (a parameter's gradient, ZeRO-2 buckets, ZeRO-3 units)\n"
+      << "  choice: per tp and recompute the least ZeRO stage that fits; the smallest tp without recompute if\n"
+      << "    any stage fits there, else the fastest\n";
   }
   return o.str();
 }

@@ -201,7 +201,7 @@ struct StateLayout {
   double padded = 0;    // in the flat buffers, padding included
   int z = 1;            // ZeRO group size (1: no ZeRO)
   int64_t buckets = 0;
-  double largest_bucket = 0, largest_param = 0;
+  double largest_bucket = 0, largest_block_param = 0;  // a block's largest parameter (any, without blocks)
   double embed_unit = 0, head_unit = 0, largest_block = 0;  // ZeRO-3, padded
 };
 
@@ -215,8 +215,11 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
     for (auto dim : local_shape(p, c.tp)) n *= dim;
     numels.push_back(n);
     st.elements += double(n);
-    st.largest_param = std::max(st.largest_param, double(n));
   }
+  bool blocks = false;
+  for (const auto& p : f.params) blocks = blocks || p.unit >= 0;
+  for (size_t i = 0; i < numels.size(); ++i)
+    if (!blocks || f.params[i].unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
   const auto layout = FlatLayout::make(numels, cap, st.z, 0);
@@ -334,7 +337,7 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   const double head_saved = tokens * (h * rep + (sp ? h + (norm_head - h) * rep : norm_head * rep)) * ea;
   // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
   // backward, and at backward's start its gradient and the incoming one, three
-  // [tokens, V] fp32 tensors (plus the compute-dtype logits in 16 bit). Chunked:
+  // [tokens, V] fp32 tensors. Chunked:
   // per-token logsumexp kept; backward holds the hidden gradient, an fp32 weight
   // gradient and a chunk's logits twice.
   const double v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(V / t) : V;
@@ -344,12 +347,19 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     loss_peak = tokens * 4 + tokens * h * ea + v_local * h * (4 + (fp32_compute ? 0 : ea)) +
                 chunk * v_local * (2 * 4 + (fp32_compute ? 0 : ea));
   } else {
-    loss_peak = tokens * v_local * (3 * 4 + (fp32_compute ? 0 : ea));
+    // Then the head's backward: the logits' gradient, the hidden states' and the weight's.
+    // (The vocab-parallel forward holds the compute-dtype logits beside its
+    // three fp32 tensors; the one-rank loss has freed them by then.)
+    const bool vocab_split = f.vocab_parallel_head && c.tp > 1;
+    loss_peak = std::max(tokens * v_local * (3 * 4 + (fp32_compute || !vocab_split ? 0 : ea)),
+                         tokens * v_local * 4 + tokens * h * ea + v_local * h * ea);
   }
   // One block's backward on top of the kept activations: the gradient coming
   // in, the widest gradients (the MLP's), and under SP the gathered gradient
   // of the row-parallel output.
-  const double block_grads = tokens * (h * rep + (sp ? h : 0) + wide_grads / t) * ea;
+  // And autograd's gradient of the block's largest parameter before it is
+  // added into its slot (its bucket under ZeRO-2, its unit under ZeRO-3).
+  const double block_grads = tokens * (h * rep + (sp ? h : 0) + wide_grads / t) * ea + st.largest_block_param * pb.param;
   double acts = saved_layers + head_saved + loss_peak;                       // backward starts at the loss
   if (L - k >= 1) acts = std::max(acts, saved_layers + block_grads);        // the last block's backward
   if (k >= 1 && k >= L)                                                     // every block recomputes: the
@@ -357,12 +367,10 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
                               tokens * h * rep * ea + block_grads + scores); // output held, then its backward
   e.activation_bytes = acts;
 
-  // Transient around the peak: autograd's gradient of the largest parameter
-  // before it is added into its slot (its bucket under ZeRO-2, its unit under
-  // ZeRO-3); ZeRO-2's two buckets in flight; ZeRO-3's gathered units (embedding
-  // and head for the whole forward and backward, the current block and
-  // zero_prefetch more) and two unit gradient buffers.
-  double transient = st.largest_param * pb.param;
+  // Transient around the peak: ZeRO-2's two buckets in flight; ZeRO-3's
+  // gathered units (embedding and head for the whole forward and backward, the
+  // current block and zero_prefetch more) and two unit gradient buffers.
+  double transient = 0;
   if (c.zero_stage == 2 && st.z > 1) transient += std::min<double>(2, st.buckets) * st.largest_bucket * pb.grad;
   if (c.zero_stage == 3 && st.z > 1)
     transient += (st.embed_unit + st.head_unit + (1 + kZeroPrefetch) * st.largest_block) * pb.param +
@@ -718,7 +726,10 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
   for (size_t i = 0; i < rejected.size();) {
     const auto& r = rejected[i];
     size_t j = i;
+    // sharding / order runs fold only while their reason (which stage or plan fits) is the same.
     while (j + 1 < rejected.size() && rejected[j + 1].kind == r.kind && r.kind != "infeasible" &&
+           (r.kind == "memory" || r.kind == "slower" || rejected[j + 1].reason.substr(rejected[j + 1].reason.find(") but ")) ==
+                                                             r.reason.substr(r.reason.find(") but "))) &&
            rejected[j + 1].cand.tp == r.cand.tp && rejected[j + 1].cand.zero_stage == r.cand.zero_stage &&
            rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1)
       ++j;
