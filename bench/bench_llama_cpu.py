@@ -186,8 +186,8 @@ def run_nnstrain(binary, steps, warmup, threads, data_dir):
     return {"tokens_per_s": len(kept) * BATCH * SEQ_LEN / secs, "ms_per_step": 1000 * secs / len(kept),
             "mean_of_record_tokens_per_s": sum(r["tokens_per_s"] for r in kept) / len(kept),
             "steps_timed": len(kept), "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
-            "startup_rss_mb": startup_mb, "peak_rss_mb": recs[-1]["peak_mem_mb"],
-            "peak_rss_mb_wait4": peak_mb}
+            "startup_rss_mb": startup_mb, "peak_rss_mb": peak_mb,  # wait4's (peak_mem_mb counts tensors only)
+            "peak_tensor_mb": max(r.get("peak_tensor_mb", 0) for r in recs)}
 
 
 def check_config(binary):

@@ -6,16 +6,19 @@ A GPT whose activations dwarf its weights (2 layers x 512, 8 heads, vocabulary
 keeps no [T x T] scores) is
 trained for 2 steps at tp 1, 2, 4, with compute_config.sequence_parallel true
 and false (one process per rank, Gloo, OMP_NUM_THREADS=1). Per run:
-- start-up: rank 0's host RSS peak once the model and training state are built
-  (its log's `start-up peak host RSS`);
-- after step 1: rank 0's peak RSS (metrics.jsonl `peak_mem_mb`, VmHWM), i.e.
-  start-up plus what the first forward/backward held at its peak;
+- start-up: rank 0's tensor bytes in use once the model and training state
+  are built (its log's `start-up ... tensors in use`);
+- after step 1: the step's peak tensor bytes (metrics.jsonl `peak_tensor_mb`,
+  the largest over the ranks; docs/observability.md), i.e. start-up plus what
+  the first forward/backward held at its peak;
 - activations = the difference: bytes kept for backward (the norms' and
   residuals' inputs and outputs that sequence parallelism splits, and the
   rest) plus backward's transients;
-- held by forward: metrics.jsonl `activation_mb` of step 1, rank 0's bytes in
-  use (malloc) right after the forward minus right before it: what forward
+- held by forward: metrics.jsonl `activation_mb` of step 1, rank 0's tensor
+  bytes in use right after the forward minus right before it: what forward
   keeps for backward, without backward's transients.
+
+(Results before the counting CPU allocator used peak RSS and malloc's bytes.)
 
 Writes bench/results/sp_activations_<UTC time>.json and .md.
 
@@ -39,7 +42,7 @@ from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
-RSS = re.compile(r"rank 0: start-up peak host RSS ([0-9.]+) MiB")
+RSS = re.compile(r"rank 0: start-up peak host RSS [0-9.]+ MiB, tensors in use ([0-9.]+) MiB")
 SEQ, BATCH, EMBD, LAYERS = 1024, 8, 512, 2
 
 
@@ -63,8 +66,8 @@ def run(binary, tp, sp, data, work):
         if m:
             startup = float(m.group(1))
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    step1 = next(r for r in recs if r.get("step") == 1 and "peak_mem_mb" in r)
-    peak = step1["peak_mem_mb"]  # MiB (bytes / 2^20)
+    step1 = next(r for r in recs if r.get("step") == 1 and "peak_tensor_mb" in r)
+    peak = step1["peak_tensor_mb"]  # MiB (bytes / 2^20); the largest over the ranks
     return {"tp": tp, "sp": sp, "startup_mib": startup, "peak_step1_mib": peak, "activations_mib": peak - startup,
             "held_by_forward_mib": step1["activation_mb"]}
 
@@ -97,11 +100,12 @@ def main():
              f"{', '.join(f'{x:.1f}' for x in out['load'])}",
              f"- model: {out['model']}; Gloo, OMP_NUM_THREADS=1 per rank; one [b, s, h] fp32 tensor = "
              f"{per_layer_tensor:.0f} MiB",
-             "- activations = rank 0's peak RSS over step 1 minus its start-up peak (model and training state "
-             "built): what forward kept for backward plus backward's transients",
-             "- held by forward = rank 0's bytes in use (malloc) after step 1's forward minus before it "
+             "- activations = step 1's peak tensor bytes (`peak_tensor_mb`) minus rank 0's tensor bytes in use "
+             "after start-up (model and training state built): what forward kept for backward plus backward's "
+             "transients",
+             "- held by forward = rank 0's tensor bytes in use after step 1's forward minus before it "
              "(metrics `activation_mb`): what forward keeps for backward", "",
-             "| tp | sequence parallel | start-up RSS | peak after step 1 | activations (peak) | vs tp=1 | "
+             "| tp | sequence parallel | start-up tensors | peak over step 1 | activations (peak) | vs tp=1 | "
              "held by forward | vs tp=1 |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

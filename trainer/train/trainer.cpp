@@ -468,7 +468,8 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);
   // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
   log::info("rank " + std::to_string(env.rank) + ": start-up peak host RSS " +
-            fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB");
+            fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB, tensors in use " +
+            fmt(memory_in_use_bytes(device) / 1048576.0, 1) + " MiB");
   if (env.rank == 0)
     write_run_files(args, agreed.plan,
                     {env.world_size, device.str(), resumed_from, start_step, args.global_batch_size * data.seq_len});
