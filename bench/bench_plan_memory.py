@@ -11,7 +11,8 @@ optimizer + activations + transient, per rank). Neither counts what is not a
 tensor (libraries, threads, Gloo's buffers, malloc's overhead).
 
 For each plan a GPT (4 layers x 512, 8 heads, vocabulary 8192, micro-batch 8 x
-256 tokens, fp32 unless the row says otherwise, no dropout) trains a few steps,
+256 tokens, fp32 unless the row says otherwise, no dropout), or for the Llama
+rows a Llama of the same size (SwiGLU 1536, 4 key/value heads), trains a few steps,
 one process per rank (OMP_NUM_THREADS=1). A plan the trainer refuses, or runs
 without the sharding its ZeRO stage names (rank 0's start-up line of state
 bytes per parameter shows whole gradients under ZeRO-2 or whole parameters
@@ -47,6 +48,10 @@ max_train_steps: 3
 log_progress_every_n_train_steps: 1
 seed: 1
 """
+# A Llama of the same size: SwiGLU, RMSNorm, grouped key/value heads, untied head.
+LLAMA = ["--model.type", "llama", "--model.args", "{vocab_size: 8192, hidden_size: 512, intermediate_size: 1536, "
+         "num_hidden_layers: 4, num_attention_heads: 8, num_key_value_heads: 4, max_position_embeddings: 256, "
+         "tie_word_embeddings: false}"]
 DP, TP = ["--pas_policy", "dp"], ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"]
 PLANS = [  # name, ranks, overrides
     ("dp1", 1, []),
@@ -58,6 +63,9 @@ PLANS = [  # name, ranks, overrides
     ("dp1 recompute", 1, ["--model.activation_checkpointing", "true"]),
     ("dp1 chunked loss", 1, ["--model.loss", "chunked", "--model.loss_chunk_size", "512"]),
     ("dp1 bf16-mixed", 1, ["--precision", "bf16-mixed"]),
+    ("Llama dp1", 1, LLAMA),
+    ("Llama dp1 bf16-mixed", 1, LLAMA + ["--precision", "bf16-mixed"]),
+    ("Llama tp2 SP", 2, LLAMA + TP),
 ]
 
 
@@ -149,7 +157,7 @@ def main():
     md = ["# Planner memory estimate vs measured (CPU)", "",
           f"{meta['date']}, {meta['device']}, LibTorch {meta['libtorch']}, commit {meta['commit']}, "
           f"load average {meta['load_average']}.", "",
-          f"GPT {MODEL}, micro-batch 8 x 256 tokens, fp32 unless named, {a.steps} steps, one process per rank. "
+          f"GPT {MODEL} (Llama rows: {' '.join(LLAMA[3:])}), micro-batch 8 x 256 tokens, fp32 unless named, {a.steps} steps, one process per rank. "
           "Measured: the largest `peak_tensor_mb` of the logged steps (the most tensor bytes any rank held at once, "
           "from the counting CPU allocator). Estimated: `nnstrain plan --json` total per rank. "
           "Error = estimated / measured - 1.", "",

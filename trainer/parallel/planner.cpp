@@ -305,17 +305,19 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   const double ea = pb.act, tokens = b * s;
   const double hkv = h * kv / heads;
   const bool fp32_compute = ea >= 4;
-  double layer_rep, layer_split, norm_head, wide_grads;
+  double layer_rep, layer_split, head_in, norm_extra, wide_grads;
   if (f.gated_mlp) {
-    // Llama: RMSNorm keeps its normalised input and its output (and an fp32
-    // copy of its input when computing in 16 bit), twice per layer, plus the
-    // residual's two sums; attention keeps rotated q, k, v (key/value heads
-    // repeated except under CUDA's native GQA) and the output; SwiGLU keeps
-    // gate, silu(gate), up and their product.
+    // Llama: each RMSNorm keeps its input in fp32 (the input itself at fp32,
+    // else an fp32 copy, and then not the input), its normalised input and
+    // (through the next linear) its output, twice per layer; attention keeps
+    // rotated q, k, v (key/value heads repeated except under CUDA's native
+    // GQA) and the output; SwiGLU keeps gate, silu(gate), up and their product.
     const bool native_gqa = !fp32_compute && req.device.name != "cpu";
-    layer_rep = 6 * h + (fp32_compute ? 0 : 2 * h * 4 / ea);
+    const double norm_in = fp32_compute ? h : h * 4 / ea;
+    layer_rep = 2 * (norm_in + 2 * h);
     layer_split = (native_gqa ? 2 * h + 2 * hkv : 4 * h) + 4 * ffn;
-    norm_head = 2 * h + (fp32_compute ? 0 : h * 4 / ea);  // the final norm's normalised input and output
+    head_in = norm_in;
+    norm_extra = h;        // the final norm's normalised input
     wide_grads = 2 * ffn;  // backward of gate * up: both gradients and the incoming one (the product freed)
   } else {
     // GPT: the block input (kept by ln_1), ln_1's output, the residual sum
@@ -323,7 +325,8 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     // its GELU.
     layer_rep = 4 * h;
     layer_split = 2 * h + 2 * hkv + 2 * ffn;
-    norm_head = h;  // ln_f's output
+    head_in = h;
+    norm_extra = 0;
     wide_grads = ffn;  // the GELU output's gradient while the output is still kept
   }
   const double layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
@@ -332,9 +335,10 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   const double scores = req.fused_attention ? 0.0 : tokens * 2 * (heads / t) * s * ea;
   const double saved_layers = (L - k) * (layer_full + scores) + k * layer_input;
 
-  // The head: the last block's output (the final norm's input) and what the
-  // norm keeps; under SP the head gathers the norm's output whole and keeps that.
-  const double head_saved = tokens * (h * rep + (sp ? h + (norm_head - h) * rep : norm_head * rep)) * ea;
+  // The head: the last block's output (what the final norm keeps of its input)
+  // and of the norm, and its output; under SP the head gathers that output
+  // whole and keeps it.
+  const double head_saved = tokens * ((head_in + norm_extra) * rep + (sp ? h : h * rep)) * ea;
   // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
   // backward, and at backward's start its gradient and the incoming one, three
   // [tokens, V] fp32 tensors. Chunked:
