@@ -53,6 +53,7 @@ LLAMA = ["--model.type", "llama", "--model.args", "{vocab_size: 8192, hidden_siz
          "num_hidden_layers: 4, num_attention_heads: 8, num_key_value_heads: 4, max_position_embeddings: 256, "
          "tie_word_embeddings: false}"]
 DP, TP = ["--pas_policy", "dp"], ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"]
+CHUNKED = ["--model.loss", "chunked", "--model.loss_chunk_size", "512"]
 PLANS = [  # name, ranks, overrides
     ("dp1", 1, []),
     ("dp2 ZeRO-1", 2, DP + ["--compute_config.use_zero", "1"]),
@@ -61,8 +62,12 @@ PLANS = [  # name, ranks, overrides
     ("tp2 SP off", 2, TP + ["--compute_config.sequence_parallel", "false"]),
     ("tp2 SP", 2, TP),
     ("dp1 recompute", 1, ["--model.activation_checkpointing", "true"]),
-    ("dp1 chunked loss", 1, ["--model.loss", "chunked", "--model.loss_chunk_size", "512"]),
+    ("dp1 chunked loss", 1, CHUNKED),
     ("dp1 bf16-mixed", 1, ["--precision", "bf16-mixed"]),
+    # The chunked loss leaves the blocks' backward as the peak, where ZeRO-2's
+    # buckets and ZeRO-3's gathered units live.
+    ("dp2 ZeRO-2 chunked loss", 2, DP + CHUNKED + ["--compute_config.use_zero", "2"]),
+    ("dp4 ZeRO-3 chunked loss", 4, DP + CHUNKED + ["--compute_config.use_zero", "3"]),
     ("Llama dp1", 1, LLAMA),
     ("Llama dp1 bf16-mixed", 1, LLAMA + ["--precision", "bf16-mixed"]),
     ("Llama tp2 SP", 2, LLAMA + TP),
@@ -144,9 +149,9 @@ def main():
                    "not_run": error, "held_bytes_per_param": None if isinstance(held, str) else held}
             rows.append(row)
             if measured is None:
-                print(f"{name:18s} not run: {error}", flush=True)
+                print(f"{name:24s} not run: {error}", flush=True)
             else:
-                print(f"{name:18s} measured {measured / 2**20:8.1f} MiB  estimated {est['total_bytes'] / 2**20:8.1f} MiB"
+                print(f"{name:24s} measured {measured / 2**20:8.1f} MiB  estimated {est['total_bytes'] / 2**20:8.1f} MiB"
                       f"  error {100 * row['error']:+.1f}%", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": git_commit(), "libtorch": libtorch_version(binary), "device": cpu_model(),

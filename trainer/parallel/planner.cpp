@@ -28,8 +28,6 @@ namespace nnstrain::parallel {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-// Block units ZeRO-3 gathers ahead of the one computing (compute_config.zero_prefetch's default).
-constexpr double kZeroPrefetch = 1;
 
 std::string fixed(double v, int digits) {
   char buf[64];
@@ -222,26 +220,29 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
     if (!blocks || f.params[i].unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
-  const auto layout = FlatLayout::make(numels, cap, st.z, 0);
+  // ZeRO-3: a bucket per unit (0 before the blocks, 1 + i block i, then after), as TrainingState's.
+  std::vector<int> units;
+  int last_block = -1;
+  for (const auto& p : f.params) last_block = std::max(last_block, p.unit);
+  const int head_id = last_block + 2;
+  if (c.zero_stage == 3) {
+    bool seen_block = false;
+    for (const auto& p : f.params) {
+      seen_block = seen_block || p.unit >= 0;
+      units.push_back(p.unit >= 0 ? 1 + p.unit : seen_block ? head_id : 0);
+    }
+  }
+  const auto layout = FlatLayout::make(numels, cap, st.z, 0, units);
   st.buckets = static_cast<int64_t>(layout.buckets.size());
   for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
   st.padded = double(layout.size);
   if (c.zero_stage == 3) {
-    const auto pad = [&](double n) { return std::ceil(n / st.z) * st.z; };
-    std::map<int, double> blocks;
-    double before = 0, after = 0;
-    for (size_t i = 0; i < f.params.size(); ++i) {
-      const int u = f.params[i].unit;
-      if (u >= 0) blocks[u] += double(numels[i]);
-      else if (blocks.empty()) before += double(numels[i]);
-      else after += double(numels[i]);
-    }
-    st.embed_unit = before > 0 ? pad(before) : 0;
-    st.head_unit = after > 0 ? pad(after) : 0;
-    st.padded = st.embed_unit + st.head_unit;
-    for (const auto& [u, n] : blocks) {
-      st.padded += pad(n);
-      st.largest_block = std::max(st.largest_block, pad(n));
+    for (const auto& bk : layout.buckets) {
+      const int u = units[bk.params.front()];
+      const double n = double(bk.end - bk.begin);
+      if (u == 0) st.embed_unit = n;
+      else if (u == head_id) st.head_unit = n;
+      else st.largest_block = std::max(st.largest_block, n);
     }
   }
   return st;
@@ -364,22 +365,32 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   // And autograd's gradient of the block's largest parameter before it is
   // added into its slot (its bucket under ZeRO-2, its unit under ZeRO-3).
   const double block_grads = tokens * (h * rep + (sp ? h : 0) + wide_grads / t) * ea + st.largest_block_param * pb.param;
-  double acts = saved_layers + head_saved + loss_peak;                       // backward starts at the loss
-  if (L - k >= 1) acts = std::max(acts, saved_layers + block_grads);        // the last block's backward
-  if (k >= 1 && k >= L)                                                     // every block recomputes: the
-    acts = std::max(acts, k * layer_input + layer_full - layer_input +      // last one rebuilt whole, its
-                              tokens * h * rep * ea + block_grads + scores); // output held, then its backward
-  e.activation_bytes = acts;
+  // Transient, what the sharding holds only for a while: ZeRO-2's two bucket
+  // gradient buffers in flight during the blocks' backward; ZeRO-3's outer units
+  // (embedding, head) gathered for the whole forward and backward, and during a
+  // block's backward that block's unit and zero_prefetch more, plus two units'
+  // gradient buffers (one filling, one being reduce-scattered).
+  const bool z2 = c.zero_stage == 2 && st.z > 1, z3 = c.zero_stage == 3 && st.z > 1;
+  const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
+  double block_transient = outer_units;
+  if (z2) block_transient += std::min<double>(2, double(st.buckets)) * st.largest_bucket * pb.grad;
+  if (z3)
+    block_transient += (1 + a.compute_config.zero_prefetch) * st.largest_block * pb.param + 2 * st.largest_block * pb.grad;
 
-  // Transient around the peak: ZeRO-2's two buckets in flight; ZeRO-3's
-  // gathered units (embedding and head for the whole forward and backward, the
-  // current block and zero_prefetch more) and two unit gradient buffers.
-  double transient = 0;
-  if (c.zero_stage == 2 && st.z > 1) transient += std::min<double>(2, st.buckets) * st.largest_bucket * pb.grad;
-  if (c.zero_stage == 3 && st.z > 1)
-    transient += (st.embed_unit + st.head_unit + (1 + kZeroPrefetch) * st.largest_block) * pb.param +
-                 2 * st.largest_block * pb.grad;
-  e.transient_bytes = transient;
+  // The peak is the largest of these moments (activations, transient):
+  struct Phase {
+    double acts, transient;
+  };
+  std::vector<Phase> phases{{saved_layers + head_saved + loss_peak, outer_units}};  // backward starts at the loss
+  if (L - k >= 1) phases.push_back({saved_layers + block_grads, block_transient});   // the last block's backward
+  if (k >= 1 && k >= L)  // every block recomputes: the last one rebuilt whole, its output held, then its backward
+    phases.push_back(
+        {k * layer_input + layer_full - layer_input + tokens * h * rep * ea + block_grads + scores, block_transient});
+  const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& x, const Phase& y) {
+    return x.acts + x.transient < y.acts + y.transient;
+  });
+  e.activation_bytes = peak_phase.acts;
+  e.transient_bytes = peak_phase.transient;
   e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
   const double p_local = st.elements;
   const double cap = a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
