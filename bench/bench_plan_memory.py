@@ -71,6 +71,12 @@ PLANS = [  # name, ranks, overrides
     ("Llama dp1", 1, LLAMA),
     ("Llama dp1 bf16-mixed", 1, LLAMA + ["--precision", "bf16-mixed"]),
     ("Llama tp2 SP", 2, LLAMA + TP),
+    # Combinations: 2D (tp inside, ZeRO-3 across dp) with recompute in bf16; hybrid sharding.
+    ("tp2 x dp2 ZeRO-3 recompute bf16-mixed", 4, ["--pas_policy", "hybrid", "--compute_config.plan_ngpus", "2",
+                                                  "--compute_config.use_zero", "3", "--model.activation_checkpointing",
+                                                  "true", "--precision", "bf16-mixed"]),
+    ("dp4 ZeRO-3 zero_ngroups 2 chunked loss", 4, DP + CHUNKED + ["--compute_config.use_zero", "3",
+                                                                  "--compute_config.zero_ngroups", "2"]),
 ]
 
 
@@ -149,9 +155,9 @@ def main():
                    "not_run": error, "held_bytes_per_param": None if isinstance(held, str) else held}
             rows.append(row)
             if measured is None:
-                print(f"{name:24s} not run: {error}", flush=True)
+                print(f"{name:40s} not run: {error}", flush=True)
             else:
-                print(f"{name:24s} measured {measured / 2**20:8.1f} MiB  estimated {est['total_bytes'] / 2**20:8.1f} MiB"
+                print(f"{name:40s} measured {measured / 2**20:8.1f} MiB  estimated {est['total_bytes'] / 2**20:8.1f} MiB"
                       f"  error {100 * row['error']:+.1f}%", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": git_commit(), "libtorch": libtorch_version(binary), "device": cpu_model(),
