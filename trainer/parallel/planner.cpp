@@ -370,7 +370,7 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   // (embedding, head) gathered for the whole forward and backward, and during a
   // block's backward that block's unit and zero_prefetch more, plus two units'
   // gradient buffers (one filling, one being reduce-scattered).
-  const bool z2 = c.zero_stage == 2 && st.z > 1, z3 = c.zero_stage == 3 && st.z > 1;
+  const bool z2 = c.zero_stage == 2, z3 = c.zero_stage == 3;  // at one rank too: the same buffers
   const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
   double block_transient = outer_units;
   if (z2) block_transient += std::min<double>(2, double(st.buckets)) * st.largest_bucket * pb.grad;
@@ -604,7 +604,9 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
                          {}});
       continue;
     }
-    // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to shard.
+    // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to
+    // shard, so autodist tries no stage (a stage the config names still runs,
+    // on one-rank groups).
     const int zsize = dp % cc.zero_ngroups == 0 ? dp / cc.zero_ngroups : 0;
     std::vector<int> zeros;
     if (!free_zero) zeros = {cc.use_zero};
@@ -615,13 +617,6 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
         entries.push_back({{t, dp, zero, 0},
                            "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
                                " does not divide dp " + std::to_string(dp),
-                           {}});
-        continue;
-      }
-      if (zero == 3 && zsize < 2) {
-        entries.push_back({{t, dp, zero, 0},
-                           "ZeRO-3 shards the parameters over dp / zero_ngroups = " + std::to_string(zsize) +
-                               " rank(s); it needs at least 2",
                            {}});
         continue;
       }
