@@ -54,6 +54,7 @@ LLAMA = ["--model.type", "llama", "--model.args", "{vocab_size: 8192, hidden_siz
          "tie_word_embeddings: false}"]
 DP, TP = ["--pas_policy", "dp"], ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"]
 CHUNKED = ["--model.loss", "chunked", "--model.loss_chunk_size", "512"]
+DEEP = ["--model.args.n_layer", "12", "--micro_batch_size", "2"]
 PLANS = [  # name, ranks, overrides
     ("dp1", 1, []),
     ("dp2 ZeRO-1", 2, DP + ["--compute_config.use_zero", "1"]),
@@ -68,6 +69,9 @@ PLANS = [  # name, ranks, overrides
     # buckets and ZeRO-3's gathered units live.
     ("dp2 ZeRO-2 chunked loss", 2, DP + CHUNKED + ["--compute_config.use_zero", "2"]),
     ("dp4 ZeRO-3 chunked loss", 4, DP + CHUNKED + ["--compute_config.use_zero", "3"]),
+    # 12 layers, micro-batch 2: the state outweighs the activations, as where ZeRO-3 is chosen.
+    ("12 layers b2 dp4 ZeRO-2 chunked loss", 4, DEEP + DP + CHUNKED + ["--compute_config.use_zero", "2"]),
+    ("12 layers b2 dp4 ZeRO-3 chunked loss", 4, DEEP + DP + CHUNKED + ["--compute_config.use_zero", "3"]),
     ("Llama dp1", 1, LLAMA),
     ("Llama dp1 bf16-mixed", 1, LLAMA + ["--precision", "bf16-mixed"]),
     ("Llama tp2 SP", 2, LLAMA + TP),

@@ -154,10 +154,12 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   // GELU at 4h each); the peak is the larger of backward's start (every block,
   // the last block's output and ln_f's, three fp32 [tokens, V] logits tensors)
   // and the last block's backward (every block, the incoming gradient h,
-  // GELU's gradient 4h and autograd's gradient of c_fc's weight, 4h x h).
+  // GELU's gradient 4h, autograd's gradient of c_fc's weight, 4h x h, and the
+  // tied embedding's gradient from the head, V x h, waiting for the
+  // embedding's part).
   const double s = T, b = 2, h = C, tok = s * b;
   const double layer = tok * 16 * h * 4;
-  const double saved = L * layer, block_bwd = tok * 5 * h * 4 + 4 * h * h * 4;
+  const double saved = L * layer, block_bwd = tok * 5 * h * 4 + 4 * h * h * 4 + V * h * 4;
   CHECK(e1.activation_bytes == Approx(std::max(saved + tok * 2 * h * 4 + tok * V * 12, saved + block_bwd)));
   PlanRequest unfused = req;
   unfused.fused_attention = false;

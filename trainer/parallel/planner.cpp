@@ -200,6 +200,7 @@ struct StateLayout {
   int z = 1;            // ZeRO group size (1: no ZeRO)
   int64_t buckets = 0;
   double largest_bucket = 0, largest_block_param = 0;  // a block's largest parameter (any, without blocks)
+  double block_elements = 0;                            // the largest block's parameters
   double embed_unit = 0, head_unit = 0, largest_block = 0;  // ZeRO-3, padded
 };
 
@@ -218,6 +219,10 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   for (const auto& p : f.params) blocks = blocks || p.unit >= 0;
   for (size_t i = 0; i < numels.size(); ++i)
     if (!blocks || f.params[i].unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
+  std::map<int, double> per_block;
+  for (size_t i = 0; i < numels.size(); ++i)
+    if (f.params[i].unit >= 0) per_block[f.params[i].unit] += double(numels[i]);
+  for (const auto& [u, n] : per_block) st.block_elements = std::max(st.block_elements, n);
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
   // ZeRO-3: a bucket per unit (0 before the blocks, 1 + i block i, then after), as TrainingState's.
@@ -362,30 +367,53 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   // One block's backward on top of the kept activations: the gradient coming
   // in, the widest gradients (the MLP's), and under SP the gathered gradient
   // of the row-parallel output.
+  // A tied embedding's gradient from the head waits in autograd until the
+  // embedding's own part is added at the end of backward.
+  const double tied_head_grad = f.dims.tied_embeddings ? v_local * h * pb.param : 0.0;
   // And autograd's gradient of the block's largest parameter before it is
   // added into its slot (its bucket under ZeRO-2, its unit under ZeRO-3).
   const double block_grads = tokens * (h * rep + (sp ? h : 0) + wide_grads / t) * ea + st.largest_block_param * pb.param;
-  // Transient, what the sharding holds only for a while: ZeRO-2's two bucket
-  // gradient buffers in flight during the blocks' backward; ZeRO-3's outer units
-  // (embedding, head) gathered for the whole forward and backward, and during a
-  // block's backward that block's unit and zero_prefetch more, plus two units'
-  // gradient buffers (one filling, one being reduce-scattered).
+  // Transient, what the sharding holds only for a while. ZeRO-3's outer units
+  // (embedding, head) are gathered for the whole forward and backward. During
+  // the blocks' backward ZeRO-2/3 fill gradient buckets (ZeRO-3: one per
+  // unit) in layout order and launch each one's reduce-scatter when it is
+  // full, at most kBucketsInFlight = 2 at once (grad_reducer.h), each with its
+  // output chunk (bucket / N) and, over Gloo (CPU), the copy of its input
+  // Gloo reduces; one more bucket fills meanwhile; ZeRO-3 also holds the
+  // current block's unit and zero_prefetch more. By the time j buckets are
+  // launched, about j x (bucket / block) blocks have finished their backward
+  // and freed their activations, so each j is a moment of its own.
   const bool z2 = c.zero_stage == 2, z3 = c.zero_stage == 3;  // at one rank too: the same buffers
   const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
-  double block_transient = outer_units;
-  if (z2) block_transient += std::min<double>(2, double(st.buckets)) * st.largest_bucket * pb.grad;
-  if (z3)
-    block_transient += (1 + a.compute_config.zero_prefetch) * st.largest_block * pb.param + 2 * st.largest_block * pb.grad;
-
-  // The peak is the largest of these moments (activations, transient):
   struct Phase {
     double acts, transient;
   };
   std::vector<Phase> phases{{saved_layers + head_saved + loss_peak, outer_units}};  // backward starts at the loss
-  if (L - k >= 1) phases.push_back({saved_layers + block_grads, block_transient});   // the last block's backward
+  double worst_block_transient = outer_units;
+  if (z2 || z3) {
+    constexpr int kBucketsInFlight = 2;
+    const double bucket = z3 ? st.largest_block : st.largest_bucket;  // elements, padded
+    const double gloo_copy = req.device.name == "cpu" ? 1.0 : 0.0;
+    const double per_flight = bucket * pb.grad * (1 + gloo_copy) + bucket / st.z * pb.grad;
+    // Gathered: the block computing, zero_prefetch ahead, and (measured) one
+    // more: the unit just done is freed only when its bucket launches.
+    const double gathered = z3 ? outer_units + (2 + a.compute_config.zero_prefetch) * st.largest_block * pb.param : 0.0;
+    const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);
+    const int flights = static_cast<int>(std::min<double>(kBucketsInFlight, std::max<double>(0, double(st.buckets) - 1)));
+    for (int j = 0; j <= flights && L - k >= 1; ++j) {
+      const double done = std::min(L - k, std::floor(j * blocks_per_bucket));
+      const double trans = gathered + bucket * pb.grad + j * per_flight;
+      phases.push_back({saved_layers - done * (layer_full + scores) + block_grads + tied_head_grad, trans});
+      worst_block_transient = std::max(worst_block_transient, trans);
+    }
+    if (L - k < 1) worst_block_transient = gathered + bucket * pb.grad + flights * per_flight;
+  } else if (L - k >= 1) {
+    phases.push_back({saved_layers + block_grads + tied_head_grad, 0.0});  // the last block's backward
+  }
   if (k >= 1 && k >= L)  // every block recomputes: the last one rebuilt whole, its output held, then its backward
-    phases.push_back(
-        {k * layer_input + layer_full - layer_input + tokens * h * rep * ea + block_grads + scores, block_transient});
+    phases.push_back({k * layer_input + layer_full - layer_input + tokens * h * rep * ea + block_grads + scores +
+                          tied_head_grad,
+                      worst_block_transient});
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& x, const Phase& y) {
     return x.acts + x.transient < y.acts + y.transient;
   });
