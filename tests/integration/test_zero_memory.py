@@ -1,0 +1,67 @@
+"""A model whose one-process training does not fit a memory budget trains
+under ZeRO-3 over 4 ranks within it (issue: models larger than one device).
+
+The budget is set between what the planner says ZeRO-3 at dp 4 needs per rank
+and the least any one-process plan needs (recomputing every layer). Then:
+one process is refused (no plan fits, exit 1, naming the budget) and ZeRO-3
+dp 4 trains, every rank's measured peak tensor memory (`peak_tensor_mb`: the
+counting allocator's peak of the logged step, the largest over the ranks)
+within the budget. The planner's numbers are checked against the
+measurement too, so a budget that means nothing cannot pass.
+"""
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env
+
+CONFIG = CONFIGS / "tiny_gpt.yaml"
+# Wider than tiny_gpt so the state, not the fixed buffers, dominates: ~0.8M parameters.
+MODEL = ["--model.args.n_embd", "128", "--model.args.n_layer", "4", "--model.args.n_head", "4"]
+GIB = 2 ** 30
+
+
+def plan(tokens, ranks, *extra):
+    p = subprocess.run([nnstrain_bin_path(), "plan", "--config", str(CONFIG), "--vars.data", str(tokens),
+                        "--runtime-ngpus", str(ranks), "--json", *MODEL, *map(str, extra)],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    return p
+
+
+def test_zero3_dp4_trains_within_a_budget_one_process_cannot_meet(tiny_tokens, tmp_path):
+    # Global batch 8 sequences in both: micro 8 on one rank, 2 on each of 4.
+    one = plan(tiny_tokens, 1, "--micro_batch_size", 8, "--model.activation_checkpointing", "true",
+               "--memory-budget-gb", 1000)
+    assert one.returncode == 0, one.stdout + one.stderr
+    one_least = json.loads(one.stdout)["plan"]["estimate"]["total_bytes"]
+    z3 = plan(tiny_tokens, 4, "--micro_batch_size", 2, "--compute_config.use_zero", 3, "--memory-budget-gb", 1000)
+    assert z3.returncode == 0, z3.stdout + z3.stderr
+    z3_need = json.loads(z3.stdout)["plan"]["estimate"]["total_bytes"]
+    assert z3_need < 0.8 * one_least, (z3_need, one_least)
+    budget = (z3_need + one_least) / 2 / GIB
+
+    refused = subprocess.run([nnstrain_bin_path(), "--config", str(CONFIG), "--vars.data", str(tiny_tokens),
+                              "--run_dir", str(tmp_path / "one"), "--micro_batch_size", "8", *MODEL,
+                              "--compute_config.memory_budget_gb", str(budget), *device_args(1)],
+                             cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "no plan fits the memory budget" in refused.stderr, refused.stderr
+
+    run_dir = tmp_path / "zero3"
+    args = [nnstrain_bin_path(), "launch", "--nproc-per-node", "4", "--", "--config", str(CONFIG),
+            "--vars.data", str(tiny_tokens), "--run_dir", str(run_dir), "--micro_batch_size", "2",
+            "--max_train_steps", "5", "--compute_config.use_zero", "3", *MODEL,
+            "--compute_config.memory_budget_gb", str(budget), *device_args(4)]
+    p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    train, _ = read_metrics(run_dir / "metrics.jsonl")
+    peaks = [r["peak_tensor_mb"] * 2 ** 20 for r in train]
+    assert len(peaks) == 5
+    print(f"\nbudget {budget * 1024:.2f} MiB: one process needs at least {one_least / 2**20:.2f} MiB (estimated); "
+          f"ZeRO-3 dp4 estimated {z3_need / 2**20:.2f} MiB, measured peak {max(peaks) / 2**20:.2f} MiB")
+    # Measured within the budget, and near the planner's estimate (so the budget test is not vacuous).
+    assert max(peaks) <= budget * GIB, (max(peaks), budget * GIB)
+    assert abs(max(peaks) / z3_need - 1) < 0.10, (max(peaks), z3_need)
