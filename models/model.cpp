@@ -1,9 +1,20 @@
 #include "models/model.h"
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 
 namespace nnstrain::models {
+
+int CausalLM::block_of(const std::string& name) const {
+  const auto prefix = blocks_name() + ".";
+  if (name.rfind(prefix, 0) != 0) return -1;
+  const auto rest = name.substr(prefix.size());
+  const auto dot = rest.find('.');
+  const auto index = rest.substr(0, dot);
+  if (index.empty() || !std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; })) return -1;
+  return std::stoi(index);
+}
 
 std::vector<common::ParamLayout> CausalLM::param_layouts() const {
   auto& self = const_cast<CausalLM&>(*this);  // named_modules() is not const in LibTorch

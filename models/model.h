@@ -67,6 +67,8 @@ class CausalLM : public torch::nn::Module {
   // The name of the module list holding the transformer blocks ("h.3.attn..."
   // is block 3's): ZeRO-3 makes each block one unit of parameters.
   virtual std::string blocks_name() const = 0;
+  // The block a parameter belongs to ("h.3.attn.c_attn.weight" -> 3), -1 outside the blocks.
+  int block_of(const std::string& param_name) const;
 
  protected:
   // Block i of the model's stack, as the runtime options say (recompute, hooks).

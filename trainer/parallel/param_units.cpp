@@ -33,6 +33,18 @@ struct BeforeBlockBackward : torch::autograd::Function<BeforeBlockBackward> {
 
 }  // namespace
 
+std::vector<int> parameter_units(const models::CausalLM& model) {
+  const int blocks = static_cast<int>(model.num_layers());
+  std::vector<int> units;
+  bool after_blocks = false;
+  for (const auto& l : model.param_layouts()) {
+    const int b = model.block_of(l.name);
+    after_blocks = after_blocks || b >= 0;
+    units.push_back(b >= 0 ? 1 + b : after_blocks ? blocks + 1 : 0);
+  }
+  return units;
+}
+
 ParameterUnits::ParameterUnits(TrainingState& state, dist::Runtime* rt, int blocks, int prefetch)
     : state_(state), rt_(rt), blocks_(blocks), prefetch_(prefetch) {
   slots_.resize(state_.layout().buckets.size());

@@ -19,10 +19,15 @@
 #include <vector>
 
 #include "models/common/block_runner.h"
+#include "models/model.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/training_state.h"
 
 namespace nnstrain::parallel {
+
+// Each parameter's unit (TrainingStateOptions::units), in registration order:
+// 0 before the blocks, 1 + i for block i's (CausalLM::block_of), blocks + 1 after.
+std::vector<int> parameter_units(const models::CausalLM& model);
 
 class ParameterUnits : public models::common::BlockHooks {
  public:

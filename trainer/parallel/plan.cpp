@@ -22,6 +22,8 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"zero", p.zero_stage},
        {"zero_ngroups", p.zero_ngroups},
        {"recompute", p.recompute},
+       {"units_before_blocks", p.units_before_blocks},
+       {"units_after_blocks", p.units_after_blocks},
        {"params", params},
        {"estimate",
         {{"param_bytes", e.param_bytes},
@@ -54,6 +56,8 @@ void from_json(const nlohmann::json& j, Plan& p) {
     p.zero_stage = z.is_boolean() ? (z.get<bool>() ? 1 : 0) : z.get<int>();
     p.zero_ngroups = j.value("zero_ngroups", 1);
     p.recompute = j.at("recompute").get<std::vector<bool>>();
+    p.units_before_blocks = j.value("units_before_blocks", std::vector<std::string>{});
+    p.units_after_blocks = j.value("units_after_blocks", std::vector<std::string>{});
     for (const auto& pj : j.at("params")) {
       ParamPlan pp;
       pp.param = pj.at("param").get<std::string>();
@@ -148,6 +152,15 @@ std::string describe(const Plan& p, bool explain) {
     << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
+  if (p.zero_stage == 3) {
+    auto names = [](const std::vector<std::string>& v) {
+      std::string s;
+      for (const auto& n : v) s += (s.empty() ? "" : ", ") + n;
+      return s.empty() ? std::string("none") : s;
+    };
+    o << "  ZeRO-3 units: each block one; outside the blocks, before them: " << names(p.units_before_blocks)
+      << "; after them: " << names(p.units_after_blocks) << "\n";
+  }
   if (p.seq_len > 0)
     o << "  batch per rank: " << p.grad_accumulation_steps << " micro-batch"
       << (p.grad_accumulation_steps == 1 ? "" : "es") << " of " << p.micro_batch_size << " x " << p.seq_len

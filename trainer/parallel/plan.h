@@ -32,6 +32,9 @@ struct Plan {
   int zero_stage = 0;            // ZeRO: 0 off, 1 optimizer, 2 + gradients, 3 + parameters
   int zero_ngroups = 1;
   std::vector<bool> recompute;   // per model layer
+  // ZeRO-3: the parameters outside the blocks, in the units before and after them
+  // (each block is a unit of its own).
+  std::vector<std::string> units_before_blocks, units_after_blocks;
   std::vector<ParamPlan> params;
   PlanEstimate estimate;
   double memory_budget_bytes = 0;

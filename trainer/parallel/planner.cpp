@@ -101,7 +101,7 @@ struct ParamFact {
   std::vector<int64_t> shape;
   int64_t numel = 0;
   models::ParamSplit split;  // style Replicate when not declared
-  int unit = -1;             // the block (ModuleList index in its name) it belongs to; -1 outside blocks
+  int unit = -1;             // the block it belongs to (CausalLM::block_of); -1 outside blocks
 };
 
 struct ModelFacts {
@@ -111,19 +111,6 @@ struct ModelFacts {
   bool vocab_parallel_head = false;  // some Vocab split is declared
   bool gated_mlp = false;            // Llama-style blocks (RMSNorm, SwiGLU: a gate_proj), else GPT-style
 };
-
-// The block a parameter belongs to: its name's first all-digit part ("h.3.attn..." -> 3).
-int block_index(const std::string& name) {
-  size_t pos = 0;
-  while (pos <= name.size()) {
-    const size_t end = std::min(name.find('.', pos), name.size());
-    const auto part = name.substr(pos, end - pos);
-    if (!part.empty() && std::all_of(part.begin(), part.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); }))
-      return std::stoi(part);
-    pos = end + 1;
-  }
-  return -1;
-}
 
 ModelFacts model_facts(const models::CausalLM& model) {
   ModelFacts f;
@@ -146,7 +133,7 @@ ModelFacts model_facts(const models::CausalLM& model) {
     auto it = declared.find(pf.name);
     if (it != declared.end()) pf.split = it->second;
     else pf.split.param = pf.name;
-    pf.unit = block_index(pf.name);
+    pf.unit = model.block_of(pf.name);
     if (pf.name.find("gate_proj") != std::string::npos) f.gated_mlp = true;
     f.params.push_back(std::move(pf));
   }
@@ -741,6 +728,13 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   p.zero_ngroups = cc.zero_ngroups;
   p.recompute.assign(L, false);
   for (int i = 0; i < best->c.recompute_layers && i < L; ++i) p.recompute[i] = true;
+  if (p.zero_stage == 3) {
+    bool after = false;
+    for (const auto& pf : f.params) {
+      after = after || pf.unit >= 0;
+      if (pf.unit < 0) (after ? p.units_after_blocks : p.units_before_blocks).push_back(pf.name);
+    }
+  }
   for (const auto& pf : f.params) {
     ParamPlan pp;
     pp.param = pf.name;

@@ -29,24 +29,6 @@ sharding::StateTensor replicated(const std::string& name, const at::Tensor& t, i
   return {spec, t};
 }
 
-// ZeRO-3's units (training_state.h), by name: "<blocks>.<i>." is block i's;
-// the rest falls before or after the blocks.
-std::vector<int> param_units(const models::CausalLM& model) {
-  const auto prefix = model.blocks_name() + ".";
-  const int blocks = static_cast<int>(model.num_layers());
-  std::vector<int> units;
-  bool after_blocks = false;
-  for (const auto& l : model.param_layouts()) {
-    if (l.name.rfind(prefix, 0) == 0) {
-      units.push_back(1 + std::stoi(l.name.substr(prefix.size())));
-      after_blocks = true;
-    } else {
-      units.push_back(after_blocks ? blocks + 1 : 0);
-    }
-  }
-  return units;
-}
-
 // The training state's options for the plan (units from the model's names under ZeRO-3).
 parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, const parallel::Plan& plan,
                                              dist::Runtime* rt, const models::CausalLM& model) {
@@ -63,7 +45,7 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
   so.param_dtype = prec.param;
   so.grad_dtype = prec.grad;
   so.master_weights = prec.master_weights;
-  if (plan.zero_stage == 3) so.units = param_units(model);
+  if (plan.zero_stage == 3) so.units = parallel::parameter_units(model);
   return so;
 }
 
