@@ -9,13 +9,16 @@
 
 namespace nnstrain::models::common {
 
-int64_t ShardingContext::local(int64_t n, const std::string& what, int64_t unit) const {
+ShardingContext::Span ShardingContext::span(int64_t n, const std::string& what, int64_t unit) const {
   if (tp < 1 || rank < 0 || rank >= tp)
     throw std::invalid_argument("sharding context: rank " + std::to_string(rank) + " of tp " + std::to_string(tp));
-  if (n % (tp * unit) != 0)
+  unit = std::max<int64_t>(1, unit);
+  if (n % unit != 0 || n / unit < tp)
     throw std::invalid_argument("cannot split " + what + " of " + std::to_string(n) + " over " + std::to_string(tp) +
-                                " tensor-parallel ranks in whole units of " + std::to_string(unit));
-  return n / tp;
+                                " tensor-parallel ranks in whole units of " + std::to_string(unit) +
+                                (n % unit ? "" : ": fewer units than ranks"));
+  const int64_t units = n / unit, base = units / tp, extra = units % tp;
+  return {(rank * base + std::min<int64_t>(rank, extra)) * unit, (base + (rank < extra ? 1 : 0)) * unit};
 }
 
 int64_t ShardingContext::padded_vocab(int64_t vocab) const {
@@ -45,13 +48,13 @@ ParamLayout column_layout(const std::string& name, const ShardingContext& ctx, s
   l.blocks.clear();
   int64_t start = 0, rows = 0;
   for (auto part : parts) {
-    const int64_t n = ctx.local(part, "'" + name + "' (column-parallel, size " + std::to_string(part) + ")", unit);
+    const auto s = ctx.span(part, "'" + name + "' (column-parallel, size " + std::to_string(part) + ")", unit);
     Block b{std::vector<int64_t>(shape.size(), 0), shape};
-    b.offsets[0] = start + ctx.rank * n;
-    b.shape[0] = n;
+    b.offsets[0] = start + s.offset;
+    b.shape[0] = s.size;
     l.blocks.push_back(b);
     start += part;
-    rows += n;
+    rows += s.size;
   }
   l.local_shape[0] = rows;
   return l;
@@ -61,10 +64,10 @@ ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std:
                        InitRule init) {
   ParamLayout l = replicated_layout(name, shape, init);
   l.split = {name, SplitStyle::Row, unit, {}};
-  const int64_t n = ctx.local(shape.at(1), "'" + name + "' (row-parallel)", unit);
-  l.blocks[0].offsets[1] = ctx.rank * n;
-  l.blocks[0].shape[1] = n;
-  l.local_shape[1] = n;
+  const auto s = ctx.span(shape.at(1), "'" + name + "' (row-parallel)", unit);
+  l.blocks[0].offsets[1] = s.offset;
+  l.blocks[0].shape[1] = s.size;
+  l.local_shape[1] = s.size;
   return l;
 }
 

@@ -180,6 +180,57 @@ TEST_CASE("fresh init: Llama (GQA, untied and tied) shards at tp 2 and 4 equal t
   }
 }
 
+TEST_CASE("fresh init: heads tp does not divide split unevenly (6 over 4: 2, 2, 1, 1) and equal tp 1 bitwise",
+          "[tp_layers]") {
+  // shakespeare_char's shape, smaller: 6 heads, an MLP tp divides, a vocabulary it does not.
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.vocab_size = 65;
+  cfg.block_size = 16;
+  cfg.n_layer = 2;
+  cfg.n_head = 6;
+  cfg.n_embd = 48;
+  cfg.bias = false;
+  Build build = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx); };
+  check_shards_equal_one_process(build, {4, 5});
+  const std::vector<int64_t> want_heads{2, 2, 1, 1};
+  for (int r = 0; r < 4; ++r) {
+    auto m = std::dynamic_pointer_cast<nnstrain::models::gpt::Gpt>(build(meta_context(4, r)));
+    auto attn = m->h->ptr<nnstrain::models::gpt::BlockImpl>(0)->attn;
+    INFO("rank " << r);
+    CHECK(attn->heads == want_heads[r]);
+    const auto p = m->named_parameters();
+    CHECK(p["h.0.attn.c_attn.weight"].size(0) == 3 * want_heads[r] * 8);  // this rank's heads of Q, K and V
+    CHECK(p["h.0.attn.c_proj.weight"].size(1) == want_heads[r] * 8);      // and their output columns
+    CHECK(p["h.0.mlp.c_fc.weight"].size(0) == 48);                        // 192 / 4
+  }
+  // Llama with GQA: key/value heads split unevenly, each carrying its query group (kv 2, 1, 1; q 4, 2, 2).
+  nnstrain::models::llama::LlamaConfig lc;
+  lc.vocab_size = 96;
+  lc.hidden_size = 64;
+  lc.intermediate_size = 96;
+  lc.num_hidden_layers = 1;
+  lc.num_attention_heads = 8;
+  lc.num_key_value_heads = 4;
+  lc.max_position_embeddings = 32;
+  Build build_llama = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::llama::Llama>(lc, ctx); };
+  check_shards_equal_one_process(build_llama, {3});
+  const std::vector<int64_t> kv{2, 1, 1};
+  int64_t q_offset = 0;
+  for (int r = 0; r < 3; ++r) {
+    auto m = std::dynamic_pointer_cast<nnstrain::models::llama::Llama>(build_llama(meta_context(3, r)));
+    auto attn = m->layers->ptr<nnstrain::models::llama::DecoderLayerImpl>(0)->self_attn;
+    INFO("rank " << r);
+    CHECK(attn->kv_heads == kv[r]);
+    CHECK(attn->heads == 2 * kv[r]);
+    for (const auto& l : m->param_layouts())
+      if (l.name == "layers.0.self_attn.q_proj.weight") {
+        CHECK(l.blocks[0].offsets[0] == q_offset);  // query heads 4r.. with key/value heads 2r..
+        q_offset += l.blocks[0].shape[0];
+      }
+  }
+  CHECK(q_offset == 64);
+}
+
 TEST_CASE("fresh init: pieces spanning several generated row blocks, column and row split", "[tp_layers]") {
   // 3000 rows of 1200: blocks of 873 rows, so pieces straddle block edges.
   const std::vector<int64_t> shape{3000, 1200};
