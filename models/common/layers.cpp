@@ -116,25 +116,6 @@ void ShardedModule::replace_parameter(const std::string& name, at::Tensor t) {
   t.set_requires_grad(true);
   *slot = t;
   rebind();
-  hook_sequence_grad(name);
-}
-
-void ShardedModule::sum_grads_over_sequence(const ShardingContext& ctx, std::vector<std::string> names) {
-  if (!ctx.sp()) return;
-  sp_comm_ = ctx.comm;
-  sp_params_ = std::move(names);
-  for (const auto& n : sp_params_) hook_sequence_grad(n);
-}
-
-void ShardedModule::hook_sequence_grad(const std::string& name) {
-  if (!sp_comm_ || std::find(sp_params_.begin(), sp_params_.end(), name) == sp_params_.end()) return;
-  auto* p = parameters_.find(name);
-  if (!p || p->is_meta()) return;  // hooked once materialised
-  p->register_hook([comm = sp_comm_](const at::Tensor& g) {
-    auto sum = g.contiguous().clone();
-    comm->all_reduce(sum);
-    return sum;
-  });
 }
 
 torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x) {
@@ -191,7 +172,7 @@ LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const c10
 
 LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const ShardingContext& ctx)
     : LayerNormImpl(dim, with_bias, eps_, ctx.options) {
-  sum_grads_over_sequence(ctx, {"weight", "bias"});
+  if (ctx.sp()) sp_comm_ = ctx.comm;
 }
 
 void LayerNormImpl::rebind() {
@@ -200,7 +181,10 @@ void LayerNormImpl::rebind() {
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
-  return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  if (!sp_comm_) return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  // On a sequence shard: weight and bias gradients summed over the group, together.
+  const auto [w, b] = sum_grads_over_tp(weight, bias, sp_comm_);
+  return torch::layer_norm(x, {weight.size(0)}, w, b, eps);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opts) : eps(eps_) {
@@ -211,7 +195,7 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opt
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx) : RMSNormImpl(dim, eps_, ctx.options) {
-  sum_grads_over_sequence(ctx, {"weight"});
+  if (ctx.sp()) sp_comm_ = ctx.comm;
 }
 
 void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
@@ -220,7 +204,8 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // Normalise in fp32 as Hugging Face's LlamaRMSNorm does, then cast back.
   auto xf = x.to(torch::kFloat32);
   auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  const auto w = sp_comm_ ? sum_grads_over_tp(weight, {}, sp_comm_).first : weight;  // as LayerNorm's
+  return w * normed.to(x.scalar_type());
 }
 
 // ---- tensor-parallel layers ----------------------------------------------------------
@@ -255,7 +240,6 @@ RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t
   if (with_bias) layouts_.push_back(replicated_layout("bias", {out}, InitRule::zeros()));
   for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
   rebind();
-  sum_grads_over_sequence(ctx, {"bias"});  // added after the reduce-scatter
 }
 
 void RowParallelLinearImpl::rebind() {
@@ -266,7 +250,9 @@ void RowParallelLinearImpl::rebind() {
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
   const auto partial = torch::nn::functional::linear(x, weight);
-  auto y = ctx_.sp() ? reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm) : reduce_from_tp(partial, ctx_.comm);
+  // Under sequence parallelism the bias is added to the shard, its gradient whole from the gathered one.
+  if (ctx_.sp()) return reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm, bias);
+  auto y = reduce_from_tp(partial, ctx_.comm);
   return bias.defined() ? y + bias : y;
 }
 

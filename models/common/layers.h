@@ -57,19 +57,10 @@ class ShardedModule : public torch::nn::Module {
   void replace_parameter(const std::string& name, at::Tensor t);
 
  protected:
-  // Parameters used on a sequence shard (norms, biases after a reduce-scatter)
-  // get only this rank's tokens' share of their gradient: a hook all-reduces it
-  // over the group as autograd produces it, before any data-parallel reduction.
-  void sum_grads_over_sequence(const ShardingContext& ctx, std::vector<std::string> names);
   // Registers a parameter of `layout.local_shape` on `opts`: empty on meta,
   // else filled by the init rule from the global generator (standalone use).
   at::Tensor add_param(const ParamLayout& layout, const c10::TensorOptions& opts);
   virtual void rebind() = 0;  // refresh member handles after replace_parameter
-
- private:
-  void hook_sequence_grad(const std::string& name);
-  c10::intrusive_ptr<TpComm> sp_comm_;
-  std::vector<std::string> sp_params_;
 };
 
 // Sequence parallelism's entry into the sequence-sharded region for a
@@ -182,6 +173,8 @@ class LayerNormImpl : public ShardedModule {
  private:
   void rebind() override;
   std::vector<ParamLayout> layouts_;
+  // Under sequence parallelism: the group its weight and bias gradients are summed over.
+  c10::intrusive_ptr<TpComm> sp_comm_;
 };
 TORCH_MODULE(LayerNorm);
 
@@ -197,6 +190,7 @@ class RMSNormImpl : public ShardedModule {
  private:
   void rebind() override;
   std::vector<ParamLayout> layouts_;
+  c10::intrusive_ptr<TpComm> sp_comm_;  // as LayerNorm's
 };
 TORCH_MODULE(RMSNorm);
 

@@ -10,6 +10,7 @@
 #include <c10/core/TensorOptions.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,18 @@ class TpComm : public torch::CustomClassHolder {
   virtual at::Tensor all_gather(const at::Tensor& t) = 0;
   // t [tp, *rest] -> [*rest]: the sum over ranks of their t[my rank].
   virtual at::Tensor reduce_scatter(const at::Tensor& t) = 0;
+  // The same two started now and finished by calling the result (its tensor
+  // is the collective's result), so a backward can compute while they run.
+  // By default they run at once.
+  using Pending = std::function<at::Tensor()>;
+  virtual Pending all_gather_start(const at::Tensor& t) {
+    auto r = all_gather(t);
+    return [r] { return r; };
+  }
+  virtual Pending reduce_scatter_start(const at::Tensor& t) {
+    auto r = reduce_scatter(t);
+    return [r] { return r; };
+  }
 };
 
 struct ShardingContext {
