@@ -118,8 +118,8 @@ void ShardedModule::replace_parameter(const std::string& name, at::Tensor t) {
   rebind();
 }
 
-torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x) {
-  return ctx.sp() ? scatter_to_seq(x, ctx.tp, ctx.rank, ctx.comm) : x;
+torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x, int64_t batch) {
+  return ctx.sp() ? scatter_to_seq(x, ctx.tp, ctx.rank, ctx.comm, batch) : x;
 }
 
 torch::Tensor region_dropout(const ShardingContext& ctx, const torch::Tensor& x, double p, bool training) {

@@ -64,8 +64,9 @@ class ShardedModule : public torch::nn::Module {
 };
 
 // Sequence parallelism's entry into the sequence-sharded region for a
-// replicated [.., T, ..] tensor (dim 1): this rank's tokens (identity without it).
-torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x);
+// replicated [1 or batch, T, ..] tensor: this rank's tokens of it broadcast to
+// `batch` (identity without it).
+torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x, int64_t batch);
 // Dropout in the sequence-sharded region: under sequence parallelism each rank's
 // tokens draw their own masks (the model-parallel RNG), else plain dropout.
 torch::Tensor region_dropout(const ShardingContext& ctx, const torch::Tensor& x, double p, bool training);

@@ -55,25 +55,33 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
   static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
 };
 
-// [tp, B, T/tp, ...] as gathered -> [B, T, ...].
+// Sequence parallelism splits the micro-batch's B x T tokens, in [B, T] order,
+// into tp contiguous runs: rank r holds tokens [r BT/tp, (r+1) BT/tp), shaped
+// [B, T/tp, ...] (the shape only says how many: everything in the region is
+// per token). So gathering and scattering are views of contiguous memory, with
+// no transposing copy: what Megatron's [T, B, C] layout buys, without changing
+// the models' layout.
+
+// [tp, B, T/tp, ...] as gathered -> [B, T, ...], a view.
 at::Tensor seq_from_gathered(const at::Tensor& all) {
   auto sizes = all.sizes().vec();
+  const int64_t tp = sizes[0];
   sizes.erase(sizes.begin());
-  sizes[1] = -1;
-  return all.movedim(0, 1).reshape(sizes);  // [B, tp, T/tp, ...] -> [B, T, ...]
+  sizes[1] *= tp;
+  return all.view(sizes);
 }
 
 // [B, T/tp, ...] of every rank -> [B, T, ...].
 at::Tensor seq_all_gather(TpComm& comm, const at::Tensor& x) { return seq_from_gathered(comm.all_gather(x)); }
 
-// [B, T, ...] -> [tp, B, T/tp, ...], rank r's tokens at [r], as reduce_scatter takes them.
+// [B, T, ...] -> [tp, B, T/tp, ...], rank r's tokens at [r], as reduce_scatter takes them (a view when contiguous).
 at::Tensor seq_rank_major(const at::Tensor& x, int64_t tp) {
   auto sizes = x.sizes().vec();
   TORCH_CHECK(sizes.size() >= 2 && sizes[1] % tp == 0, "sequence parallelism: sequence of ", sizes[1],
               " tokens is not divisible by tp ", tp);
   sizes[1] /= tp;
-  sizes.insert(sizes.begin() + 1, tp);  // [B, tp, T/tp, ...]
-  return x.reshape(sizes).movedim(1, 0).contiguous();
+  sizes.insert(sizes.begin(), tp);
+  return x.contiguous().view(sizes);
 }
 
 // [B, T, ...] partial sums -> this rank's [B, T/tp, ...] of their sum.
@@ -136,17 +144,20 @@ struct SumGradsOverTp : torch::autograd::Function<SumGradsOverTp> {
   }
 };
 
+// x [1 or B, T, ...], replicated -> this rank's tokens of it broadcast to B.
 struct ScatterToSeq : torch::autograd::Function<ScatterToSeq> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const c10::intrusive_ptr<TpComm>& comm,
-                            int64_t tp, int64_t rank) {
+                            int64_t tp, int64_t rank, int64_t batch) {
     ctx->saved_data["comm"] = comm_capsule(comm);
-    TORCH_CHECK(x.size(1) % tp == 0, "sequence parallelism: sequence of ", x.size(1), " tokens is not divisible by tp ",
-                tp);
-    const int64_t n = x.size(1) / tp;
-    return x.narrow(1, rank * n, n).clone();
+    ctx->saved_data["broadcast"] = x.size(0) != batch;
+    auto sizes = x.sizes().vec();
+    sizes[0] = batch;
+    return seq_rank_major(x.expand(sizes), tp)[rank].clone();
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {seq_all_gather(comm_from(ctx->saved_data["comm"]), g[0]), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto full = seq_all_gather(comm_from(ctx->saved_data["comm"]), g[0]);
+    if (ctx->saved_data["broadcast"].toBool()) full = full.sum(0, /*keepdim=*/true);
+    return {full, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -198,8 +209,9 @@ std::pair<at::Tensor, at::Tensor> sum_grads_over_tp(const at::Tensor& a, const a
   return {out[0], b.defined() ? out[1] : b};
 }
 
-at::Tensor scatter_to_seq(const at::Tensor& x, int tp, int rank, const c10::intrusive_ptr<TpComm>& comm) {
-  return ScatterToSeq::apply(x, comm, static_cast<int64_t>(tp), static_cast<int64_t>(rank));
+at::Tensor scatter_to_seq(const at::Tensor& x, int tp, int rank, const c10::intrusive_ptr<TpComm>& comm,
+                          int64_t batch) {
+  return ScatterToSeq::apply(x, comm, static_cast<int64_t>(tp), static_cast<int64_t>(rank), batch);
 }
 
 at::Tensor copy_to_tp(const at::Tensor& x, const c10::intrusive_ptr<TpComm>& comm) {

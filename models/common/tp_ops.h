@@ -17,7 +17,8 @@ at::Tensor copy_to_tp(const at::Tensor& x, const c10::intrusive_ptr<TpComm>& com
 // g: all-reduce forward, identity backward.
 at::Tensor reduce_from_tp(const at::Tensor& x, const c10::intrusive_ptr<TpComm>& comm);
 
-// Sequence parallelism, along dim 1 of [B, T, ...] (T split in rank order):
+// Sequence parallelism: rank r holds the r-th contiguous 1/tp of the B x T
+// tokens in [B, T] order, shaped [B, T/tp, ...] (tp_ops.cpp says why).
 // all-gather forward, reduce-scatter of the gradient backward (before a
 // column-parallel linear, the LM head);
 at::Tensor gather_from_seq(const at::Tensor& x, int tp, const c10::intrusive_ptr<TpComm>& comm);
@@ -25,8 +26,10 @@ at::Tensor gather_from_seq(const at::Tensor& x, int tp, const c10::intrusive_ptr
 // then + bias if defined (its gradient summed from the gathered one: no collective);
 at::Tensor reduce_scatter_to_seq(const at::Tensor& x, int tp, const c10::intrusive_ptr<TpComm>& comm,
                                  const at::Tensor& bias = {});
-// this rank's part forward, all-gather backward (a replicated input entering the region).
-at::Tensor scatter_to_seq(const at::Tensor& x, int tp, int rank, const c10::intrusive_ptr<TpComm>& comm);
+// this rank's part forward, all-gather backward (a replicated input entering the
+// region; x [1, T, ...] is broadcast to `batch` first).
+at::Tensor scatter_to_seq(const at::Tensor& x, int tp, int rank, const c10::intrusive_ptr<TpComm>& comm,
+                          int64_t batch);
 
 // A column-parallel linear on a sequence shard, as Megatron's: forward
 // all-gathers x and applies the linear; only the shard is kept for backward,
