@@ -529,3 +529,75 @@ TEST_CASE("model-parallel RNG: a recomputed block replays its sharded-region mas
   REQUIRE(plain.size() == replayed.size());
   for (size_t i = 0; i < plain.size(); ++i) CHECK(torch::allclose(plain[i], replayed[i], 1e-5, 1e-6));
 }
+
+TEST_CASE("sequence parallelism over threads: GPT with 6 heads and biases at tp 2 and 4 equals tp 1, loss and "
+          "every gradient, a recomputed block included", "[tp_layers]") {
+  // T = 16 and B = 3: at tp 2 a rank's 24 tokens cross a sequence boundary, at tp 4 (heads 2, 2, 1, 1) its 12 do not fill one.
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.vocab_size = 65;
+  cfg.block_size = 16;
+  cfg.n_layer = 2;
+  cfg.n_head = 6;
+  cfg.n_embd = 48;
+  cfg.bias = true;
+  const uint64_t seed = 5;
+  torch::manual_seed(3);
+  const auto idx = torch::randint(0, 65, {3, 16}, torch::kLong), targets = torch::randint(0, 65, {3, 16}, torch::kLong);
+  nnstrain::models::RuntimeOptions recompute_first;
+  recompute_first.recompute_layers = {true, false};
+
+  auto ref_model = std::make_shared<nnstrain::models::gpt::Gpt>(cfg, meta_context(1, 0));
+  common::materialise_fresh(*ref_model, c10::Device(c10::kCPU), seed);
+  const auto ref_loss = ref_model->loss(idx, targets);
+  ref_loss.backward();
+  const auto ref_params = ref_model->named_parameters();
+
+  for (int tp : {2, 4}) {
+    ThreadGroup group(tp);
+    std::vector<std::shared_ptr<nnstrain::models::gpt::Gpt>> models(tp);
+    std::vector<double> loss(tp);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < tp; ++r)
+      threads.emplace_back([&, r] {
+        auto ctx = meta_context(tp, r);
+        ctx.comm = c10::make_intrusive<ThreadComm>(group, r);
+        ctx.sequence_parallel = true;
+        models[r] = std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx);
+        common::materialise_fresh(*models[r], c10::Device(c10::kCPU), seed);
+        models[r]->set_runtime_options(recompute_first);
+        auto l = models[r]->loss(idx, targets);
+        l.backward();
+        loss[r] = l.item<double>();
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < tp; ++r) CHECK(loss[r] == Approx(ref_loss.item<double>()).epsilon(1e-6));
+    std::vector<std::vector<ParamLayout>> layouts;
+    for (const auto& m : models) layouts.push_back(m->param_layouts());
+    for (size_t i = 0; i < layouts[0].size(); ++i) {
+      const auto& l = layouts[0][i];
+      INFO("tp " << tp << ": " << l.name);
+      const auto want = ref_params[l.name].grad();
+      REQUIRE(want.defined());
+      const double scale = want.abs().max().item<double>();
+      if (!l.split_here()) {
+        // Replicated: whole on every rank (norms and biases summed over the group), and equal on all of them.
+        const auto g0 = models[0]->named_parameters()[l.name].grad();
+        CHECK(torch::allclose(g0, want, 1e-4, 1e-6 * scale));
+        for (int r = 1; r < tp; ++r) CHECK(torch::equal(models[r]->named_parameters()[l.name].grad(), g0));
+        continue;
+      }
+      auto whole = torch::zeros_like(want);
+      for (int r = 0; r < tp; ++r) {
+        const auto local = models[r]->named_parameters()[l.name].grad();
+        int64_t row = 0;
+        for (const auto& b : layouts[r][i].blocks) {
+          auto dst = whole;
+          for (size_t d = 0; d < b.shape.size(); ++d) dst = dst.narrow(int64_t(d), b.offsets[d], b.shape[d]);
+          dst.copy_(local.narrow(0, row, b.shape[0]));
+          row += b.shape[0];
+        }
+      }
+      CHECK(torch::allclose(whole, want, 1e-4, 1e-6 * scale));
+    }
+  }
+}
