@@ -9,13 +9,16 @@
 
 namespace nnstrain::models::common {
 
-int64_t ShardingContext::local(int64_t n, const std::string& what, int64_t unit) const {
+ShardingContext::Span ShardingContext::span(int64_t n, const std::string& what, int64_t unit) const {
   if (tp < 1 || rank < 0 || rank >= tp)
     throw std::invalid_argument("sharding context: rank " + std::to_string(rank) + " of tp " + std::to_string(tp));
-  if (n % (tp * unit) != 0)
+  unit = std::max<int64_t>(1, unit);
+  if (n % unit != 0 || n / unit < tp)
     throw std::invalid_argument("cannot split " + what + " of " + std::to_string(n) + " over " + std::to_string(tp) +
-                                " tensor-parallel ranks in whole units of " + std::to_string(unit));
-  return n / tp;
+                                " tensor-parallel ranks in whole units of " + std::to_string(unit) +
+                                (n % unit ? "" : ": fewer units than ranks"));
+  const int64_t units = n / unit, base = units / tp, extra = units % tp;
+  return {(rank * base + std::min<int64_t>(rank, extra)) * unit, (base + (rank < extra ? 1 : 0)) * unit};
 }
 
 int64_t ShardingContext::padded_vocab(int64_t vocab) const {
@@ -45,13 +48,13 @@ ParamLayout column_layout(const std::string& name, const ShardingContext& ctx, s
   l.blocks.clear();
   int64_t start = 0, rows = 0;
   for (auto part : parts) {
-    const int64_t n = ctx.local(part, "'" + name + "' (column-parallel, size " + std::to_string(part) + ")", unit);
+    const auto s = ctx.span(part, "'" + name + "' (column-parallel, size " + std::to_string(part) + ")", unit);
     Block b{std::vector<int64_t>(shape.size(), 0), shape};
-    b.offsets[0] = start + ctx.rank * n;
-    b.shape[0] = n;
+    b.offsets[0] = start + s.offset;
+    b.shape[0] = s.size;
     l.blocks.push_back(b);
     start += part;
-    rows += n;
+    rows += s.size;
   }
   l.local_shape[0] = rows;
   return l;
@@ -61,10 +64,10 @@ ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std:
                        InitRule init) {
   ParamLayout l = replicated_layout(name, shape, init);
   l.split = {name, SplitStyle::Row, unit, {}};
-  const int64_t n = ctx.local(shape.at(1), "'" + name + "' (row-parallel)", unit);
-  l.blocks[0].offsets[1] = ctx.rank * n;
-  l.blocks[0].shape[1] = n;
-  l.local_shape[1] = n;
+  const auto s = ctx.span(shape.at(1), "'" + name + "' (row-parallel)", unit);
+  l.blocks[0].offsets[1] = s.offset;
+  l.blocks[0].shape[1] = s.size;
+  l.local_shape[1] = s.size;
   return l;
 }
 
@@ -113,29 +116,10 @@ void ShardedModule::replace_parameter(const std::string& name, at::Tensor t) {
   t.set_requires_grad(true);
   *slot = t;
   rebind();
-  hook_sequence_grad(name);
 }
 
-void ShardedModule::sum_grads_over_sequence(const ShardingContext& ctx, std::vector<std::string> names) {
-  if (!ctx.sp()) return;
-  sp_comm_ = ctx.comm;
-  sp_params_ = std::move(names);
-  for (const auto& n : sp_params_) hook_sequence_grad(n);
-}
-
-void ShardedModule::hook_sequence_grad(const std::string& name) {
-  if (!sp_comm_ || std::find(sp_params_.begin(), sp_params_.end(), name) == sp_params_.end()) return;
-  auto* p = parameters_.find(name);
-  if (!p || p->is_meta()) return;  // hooked once materialised
-  p->register_hook([comm = sp_comm_](const at::Tensor& g) {
-    auto sum = g.contiguous().clone();
-    comm->all_reduce(sum);
-    return sum;
-  });
-}
-
-torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x) {
-  return ctx.sp() ? scatter_to_seq(x, ctx.tp, ctx.rank, ctx.comm) : x;
+torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x, int64_t batch) {
+  return ctx.sp() ? scatter_to_seq(x, ctx.tp, ctx.rank, ctx.comm, batch) : x;
 }
 
 torch::Tensor region_dropout(const ShardingContext& ctx, const torch::Tensor& x, double p, bool training) {
@@ -188,7 +172,7 @@ LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const c10
 
 LayerNormImpl::LayerNormImpl(int64_t dim, bool with_bias, double eps_, const ShardingContext& ctx)
     : LayerNormImpl(dim, with_bias, eps_, ctx.options) {
-  sum_grads_over_sequence(ctx, {"weight", "bias"});
+  if (ctx.sp()) sp_comm_ = ctx.comm;
 }
 
 void LayerNormImpl::rebind() {
@@ -197,7 +181,10 @@ void LayerNormImpl::rebind() {
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
-  return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  if (!sp_comm_) return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  // On a sequence shard: weight and bias gradients summed over the group, together.
+  const auto [w, b] = sum_grads_over_tp(weight, bias, sp_comm_);
+  return torch::layer_norm(x, {weight.size(0)}, w, b, eps);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opts) : eps(eps_) {
@@ -208,7 +195,7 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opt
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx) : RMSNormImpl(dim, eps_, ctx.options) {
-  sum_grads_over_sequence(ctx, {"weight"});
+  if (ctx.sp()) sp_comm_ = ctx.comm;
 }
 
 void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
@@ -217,7 +204,8 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // Normalise in fp32 as Hugging Face's LlamaRMSNorm does, then cast back.
   auto xf = x.to(torch::kFloat32);
   auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  const auto w = sp_comm_ ? sum_grads_over_tp(weight, {}, sp_comm_).first : weight;  // as LayerNorm's
+  return w * normed.to(x.scalar_type());
 }
 
 // ---- tensor-parallel layers ----------------------------------------------------------
@@ -252,7 +240,6 @@ RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t
   if (with_bias) layouts_.push_back(replicated_layout("bias", {out}, InitRule::zeros()));
   for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
   rebind();
-  sum_grads_over_sequence(ctx, {"bias"});  // added after the reduce-scatter
 }
 
 void RowParallelLinearImpl::rebind() {
@@ -263,7 +250,9 @@ void RowParallelLinearImpl::rebind() {
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
   const auto partial = torch::nn::functional::linear(x, weight);
-  auto y = ctx_.sp() ? reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm) : reduce_from_tp(partial, ctx_.comm);
+  // Under sequence parallelism the bias is added to the shard, its gradient whole from the gathered one.
+  if (ctx_.sp()) return reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm, bias);
+  auto y = reduce_from_tp(partial, ctx_.comm);
   return bias.defined() ? y + bias : y;
 }
 

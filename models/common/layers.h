@@ -57,24 +57,16 @@ class ShardedModule : public torch::nn::Module {
   void replace_parameter(const std::string& name, at::Tensor t);
 
  protected:
-  // Parameters used on a sequence shard (norms, biases after a reduce-scatter)
-  // get only this rank's tokens' share of their gradient: a hook all-reduces it
-  // over the group as autograd produces it, before any data-parallel reduction.
-  void sum_grads_over_sequence(const ShardingContext& ctx, std::vector<std::string> names);
   // Registers a parameter of `layout.local_shape` on `opts`: empty on meta,
   // else filled by the init rule from the global generator (standalone use).
   at::Tensor add_param(const ParamLayout& layout, const c10::TensorOptions& opts);
   virtual void rebind() = 0;  // refresh member handles after replace_parameter
-
- private:
-  void hook_sequence_grad(const std::string& name);
-  c10::intrusive_ptr<TpComm> sp_comm_;
-  std::vector<std::string> sp_params_;
 };
 
 // Sequence parallelism's entry into the sequence-sharded region for a
-// replicated [.., T, ..] tensor (dim 1): this rank's tokens (identity without it).
-torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x);
+// replicated [1 or batch, T, ..] tensor: this rank's tokens of it broadcast to
+// `batch` (identity without it).
+torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x, int64_t batch);
 // Dropout in the sequence-sharded region: under sequence parallelism each rank's
 // tokens draw their own masks (the model-parallel RNG), else plain dropout.
 torch::Tensor region_dropout(const ShardingContext& ctx, const torch::Tensor& x, double p, bool training);
@@ -182,6 +174,8 @@ class LayerNormImpl : public ShardedModule {
  private:
   void rebind() override;
   std::vector<ParamLayout> layouts_;
+  // Under sequence parallelism: the group its weight and bias gradients are summed over.
+  c10::intrusive_ptr<TpComm> sp_comm_;
 };
 TORCH_MODULE(LayerNorm);
 
@@ -197,6 +191,7 @@ class RMSNormImpl : public ShardedModule {
  private:
   void rebind() override;
   std::vector<ParamLayout> layouts_;
+  c10::intrusive_ptr<TpComm> sp_comm_;  // as LayerNorm's
 };
 TORCH_MODULE(RMSNorm);
 

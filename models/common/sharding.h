@@ -10,6 +10,7 @@
 #include <c10/core/TensorOptions.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,18 @@ class TpComm : public torch::CustomClassHolder {
   virtual at::Tensor all_gather(const at::Tensor& t) = 0;
   // t [tp, *rest] -> [*rest]: the sum over ranks of their t[my rank].
   virtual at::Tensor reduce_scatter(const at::Tensor& t) = 0;
+  // The same two started now and finished by calling the result (its tensor
+  // is the collective's result), so a backward can compute while they run.
+  // By default they run at once.
+  using Pending = std::function<at::Tensor()>;
+  virtual Pending all_gather_start(const at::Tensor& t) {
+    auto r = all_gather(t);
+    return [r] { return r; };
+  }
+  virtual Pending reduce_scatter_start(const at::Tensor& t) {
+    auto r = reduce_scatter(t);
+    return [r] { return r; };
+  }
 };
 
 struct ShardingContext {
@@ -72,8 +85,17 @@ struct ShardingContext {
 
   bool parallel() const { return tp > 1; }
   bool sp() const { return tp > 1 && sequence_parallel; }
-  // n split over the group; throws naming `what` unless n is a multiple of tp x unit.
-  int64_t local(int64_t n, const std::string& what, int64_t unit = 1) const;
+  // This rank's part of n split over the group in whole `unit`s: n / unit units
+  // dealt out as evenly as they go, the first ranks one more when tp does not
+  // divide them (6 heads over 4 ranks: 2, 2, 1, 1). Every layer splits through
+  // this, so parts of the same unit count (Q, K, V, the heads of the output
+  // projection) land on the same rank. Throws naming `what` unless n is whole
+  // units and every rank gets at least one.
+  struct Span {
+    int64_t offset = 0, size = 0;
+  };
+  Span span(int64_t n, const std::string& what, int64_t unit = 1) const;
+  int64_t local(int64_t n, const std::string& what, int64_t unit = 1) const { return span(n, what, unit).size; }
   // The vocabulary as the split layers hold it: unpadded at tp == 1.
   int64_t padded_vocab(int64_t vocab) const;
 };

@@ -76,8 +76,8 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
   auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
   // Under sequence parallelism wte gives this rank's tokens; so does the position
   // embedding's entry into the region (its gradient all-gathered back whole).
-  auto x = common::region_dropout(ctx_, wte(idx) + common::to_sequence_shard(ctx_, wpe(pos).unsqueeze(0)), cfg_.dropout,
-                                  is_training());
+  const auto positions = common::to_sequence_shard(ctx_, wpe(pos).unsqueeze(0), idx.size(0));
+  auto x = common::region_dropout(ctx_, wte(idx) + positions, cfg_.dropout, is_training());
   for (size_t i = 0; i < h->size(); ++i) {
     auto block = h->ptr<BlockImpl>(i);
     x = run_block(i, [block](const torch::Tensor& t) { return block->forward(t); }, x, ctx_.rng.get());

@@ -59,15 +59,19 @@ torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const
 
 AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx)
     : head_dim(cfg.head_dim),
-      heads(ctx.local(cfg.num_attention_heads, "num_attention_heads")),
       kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")) {
+  // The query heads of one key/value head stay together: Q and the output
+  // projection split in units of a whole group, on the same ranks as K and V.
+  const int64_t group = cfg.num_attention_heads / cfg.num_key_value_heads;
+  heads = kv_heads * group;
   const int64_t C = cfg.hidden_size, q = cfg.num_attention_heads * head_dim, kv = cfg.num_key_value_heads * head_dim;
   const auto init = common::InitRule::normal(cfg.initializer_range);
   const bool b = cfg.attention_bias;
-  q_proj = register_module("q_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{q}, head_dim, b, init));
+  q_proj = register_module("q_proj",
+                           common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{q}, group * head_dim, b, init));
   k_proj = register_module("k_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
   v_proj = register_module("v_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
-  o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, head_dim, b, init));
+  o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, group * head_dim, b, init));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {

@@ -154,7 +154,9 @@ TEST_CASE("llama split declaration covers every matrix with Hugging Face's TP pl
   CHECK(decl["layers.0.self_attn.k_proj.weight"].unit == 8);
   CHECK(decl["layers.0.self_attn.k_proj.bias"].style == SplitStyle::Column);
   CHECK(decl["layers.0.self_attn.o_proj.weight"].style == SplitStyle::Row);
-  CHECK(decl["layers.0.self_attn.o_proj.weight"].unit == 8);
+  // Query heads split with their key/value head: in groups of 4 / 2 heads of 8.
+  CHECK(decl["layers.0.self_attn.q_proj.weight"].unit == 16);
+  CHECK(decl["layers.0.self_attn.o_proj.weight"].unit == 16);
   CHECK(decl.count("layers.0.self_attn.o_proj.bias") == 0);  // row bias: replicated
   CHECK(decl["layers.0.mlp.up_proj.weight"].style == SplitStyle::Column);
   CHECK(decl["layers.0.mlp.down_proj.weight"].style == SplitStyle::Row);

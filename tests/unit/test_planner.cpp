@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "models/gpt/gpt.h"
+#include "models/llama/llama.h"
 #include "trainer/cli/plan_command.h"
 #include "base/config/arg_map.h"
 #include "trainer/parallel/plan.h"
@@ -354,11 +355,28 @@ TEST_CASE("planner: an impossible budget is an error stating the minimum", "[pla
 }
 
 TEST_CASE("planner: infeasible tensor-parallel sizes are refused with the numbers", "[planner]") {
+  // Heads tp does not divide split unevenly (6 over 4: 2, 2, 1, 1); fewer heads than ranks cannot split.
   auto six_heads = gpt(2, 6, 96, 192, 32);
-  CHECK_NOTHROW(parallel::check_tp_feasible(*six_heads, 2));
-  CHECK_NOTHROW(parallel::check_tp_feasible(*six_heads, 3));
-  CHECK_THROWS_WITH(parallel::check_tp_feasible(*six_heads, 4),
-                    Catch::Contains("attention heads 6 is not divisible by tp 4"));
+  for (int tp : {2, 3, 4, 5, 6}) CHECK_NOTHROW(parallel::check_tp_feasible(*six_heads, tp));
+  CHECK_THROWS_WITH(parallel::check_tp_feasible(*six_heads, 8),
+                    Catch::Contains("attention heads 6 are fewer than tp 8"));
+  auto two_heads = gpt(2, 2, 32, 192, 32);
+  CHECK_THROWS_WITH(parallel::check_tp_feasible(*two_heads, 4),
+                    Catch::Contains("attention heads 2 are fewer than tp 4"));
+  // GQA: key/value heads carry their query groups, so they must number at least tp.
+  nnstrain::models::llama::LlamaConfig lc;
+  lc.vocab_size = 64;
+  lc.hidden_size = 64;
+  lc.intermediate_size = 96;
+  lc.num_hidden_layers = 1;
+  lc.num_attention_heads = 8;
+  lc.num_key_value_heads = 2;
+  lc.max_position_embeddings = 32;
+  auto gqa = std::make_shared<nnstrain::models::llama::Llama>(lc);
+  CHECK_NOTHROW(parallel::check_tp_feasible(*gqa, 2));
+  CHECK_THROWS_WITH(parallel::check_tp_feasible(*gqa, 4), Catch::Contains("key/value heads 2 are fewer than tp 4"));
+  lc.num_key_value_heads = 4;
+  CHECK_NOTHROW(parallel::check_tp_feasible(nnstrain::models::llama::Llama(lc), 3));  // kv 2, 1, 1; q 4, 2, 2
   // A vocabulary tp does not divide is padded, not refused.
   auto odd_vocab = gpt(2, 4, 64, 65, 32);
   CHECK_NOTHROW(parallel::check_tp_feasible(*odd_vocab, 2));
@@ -366,7 +384,7 @@ TEST_CASE("planner: infeasible tensor-parallel sizes are refused with the number
 
   // autodist skips tp=4 (and says why) but still plans.
   auto args = args_for(4, 4, 1, 4, 32);
-  PlanRequest req{&args, six_heads.get(), 4, test_device(), 0};
+  PlanRequest req{&args, two_heads.get(), 4, test_device(), 0};
   std::vector<parallel::Rejected> rejected;
   const auto plan = parallel::make_plan(req, &rejected);
   CHECK(plan.tp != 4);
@@ -374,20 +392,22 @@ TEST_CASE("planner: infeasible tensor-parallel sizes are refused with the number
   for (const auto& r : rejected)
     if (r.cand.tp == 4) {
       CHECK(r.kind == "infeasible");
-      CHECK_THAT(r.reason, Catch::Contains("attention heads 6 is not divisible by tp 4"));
+      CHECK_THAT(r.reason, Catch::Contains("attention heads 2 are fewer than tp 4"));
       refused = true;
     }
   CHECK(refused);
   // The tp policy has no fallback: the split itself is the error.
   auto tp_args = args_for(4, 4, 1, 4, 32, "tp");
-  PlanRequest tp_req{&tp_args, six_heads.get(), 4, test_device(), 0};
+  PlanRequest tp_req{&tp_args, two_heads.get(), 4, test_device(), 0};
   CHECK_THROWS_AS(parallel::make_plan(tp_req), parallel::PlanError);
-  CHECK_THROWS_WITH(parallel::make_plan(tp_req), Catch::Contains("attention heads 6"));
+  CHECK_THROWS_WITH(parallel::make_plan(tp_req), Catch::Contains("attention heads 2"));
+  PlanRequest six_req{&tp_args, six_heads.get(), 4, test_device(), 0};
+  CHECK(parallel::make_plan(six_req).tp == 4);
   // A global batch that dp cannot divide rules the candidate out.
   auto odd_batch = args_for(4, 4, 1, 2, 32);
-  PlanRequest ob{&odd_batch, six_heads.get(), 4, test_device(), 0};
+  PlanRequest ob{&odd_batch, two_heads.get(), 4, test_device(), 0};
   const auto p2 = parallel::make_plan(ob);
-  CHECK(p2.tp == 2);  // dp 4 cannot split a batch of 2, tp 4 cannot split 6 heads
+  CHECK(p2.tp == 2);  // dp 4 cannot split a batch of 2, tp 4 cannot split 2 heads
   CHECK(p2.dp == 2);
 }
 

@@ -180,6 +180,57 @@ TEST_CASE("fresh init: Llama (GQA, untied and tied) shards at tp 2 and 4 equal t
   }
 }
 
+TEST_CASE("fresh init: heads tp does not divide split unevenly (6 over 4: 2, 2, 1, 1) and equal tp 1 bitwise",
+          "[tp_layers]") {
+  // shakespeare_char's shape, smaller: 6 heads, an MLP tp divides, a vocabulary it does not.
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.vocab_size = 65;
+  cfg.block_size = 16;
+  cfg.n_layer = 2;
+  cfg.n_head = 6;
+  cfg.n_embd = 48;
+  cfg.bias = false;
+  Build build = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx); };
+  check_shards_equal_one_process(build, {4, 5});
+  const std::vector<int64_t> want_heads{2, 2, 1, 1};
+  for (int r = 0; r < 4; ++r) {
+    auto m = std::dynamic_pointer_cast<nnstrain::models::gpt::Gpt>(build(meta_context(4, r)));
+    auto attn = m->h->ptr<nnstrain::models::gpt::BlockImpl>(0)->attn;
+    INFO("rank " << r);
+    CHECK(attn->heads == want_heads[r]);
+    const auto p = m->named_parameters();
+    CHECK(p["h.0.attn.c_attn.weight"].size(0) == 3 * want_heads[r] * 8);  // this rank's heads of Q, K and V
+    CHECK(p["h.0.attn.c_proj.weight"].size(1) == want_heads[r] * 8);      // and their output columns
+    CHECK(p["h.0.mlp.c_fc.weight"].size(0) == 48);                        // 192 / 4
+  }
+  // Llama with GQA: key/value heads split unevenly, each carrying its query group (kv 2, 1, 1; q 4, 2, 2).
+  nnstrain::models::llama::LlamaConfig lc;
+  lc.vocab_size = 96;
+  lc.hidden_size = 64;
+  lc.intermediate_size = 96;
+  lc.num_hidden_layers = 1;
+  lc.num_attention_heads = 8;
+  lc.num_key_value_heads = 4;
+  lc.max_position_embeddings = 32;
+  Build build_llama = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::llama::Llama>(lc, ctx); };
+  check_shards_equal_one_process(build_llama, {3});
+  const std::vector<int64_t> kv{2, 1, 1};
+  int64_t q_offset = 0;
+  for (int r = 0; r < 3; ++r) {
+    auto m = std::dynamic_pointer_cast<nnstrain::models::llama::Llama>(build_llama(meta_context(3, r)));
+    auto attn = m->layers->ptr<nnstrain::models::llama::DecoderLayerImpl>(0)->self_attn;
+    INFO("rank " << r);
+    CHECK(attn->kv_heads == kv[r]);
+    CHECK(attn->heads == 2 * kv[r]);
+    for (const auto& l : m->param_layouts())
+      if (l.name == "layers.0.self_attn.q_proj.weight") {
+        CHECK(l.blocks[0].offsets[0] == q_offset);  // query heads 4r.. with key/value heads 2r..
+        q_offset += l.blocks[0].shape[0];
+      }
+  }
+  CHECK(q_offset == 64);
+}
+
 TEST_CASE("fresh init: pieces spanning several generated row blocks, column and row split", "[tp_layers]") {
   // 3000 rows of 1200: blocks of 873 rows, so pieces straddle block edges.
   const std::vector<int64_t> shape{3000, 1200};
@@ -477,4 +528,76 @@ TEST_CASE("model-parallel RNG: a recomputed block replays its sharded-region mas
   const auto plain = grads(false), replayed = grads(true);
   REQUIRE(plain.size() == replayed.size());
   for (size_t i = 0; i < plain.size(); ++i) CHECK(torch::allclose(plain[i], replayed[i], 1e-5, 1e-6));
+}
+
+TEST_CASE("sequence parallelism over threads: GPT with 6 heads and biases at tp 2 and 4 equals tp 1, loss and "
+          "every gradient, a recomputed block included", "[tp_layers]") {
+  // T = 16 and B = 3: at tp 2 a rank's 24 tokens cross a sequence boundary, at tp 4 (heads 2, 2, 1, 1) its 12 do not fill one.
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.vocab_size = 65;
+  cfg.block_size = 16;
+  cfg.n_layer = 2;
+  cfg.n_head = 6;
+  cfg.n_embd = 48;
+  cfg.bias = true;
+  const uint64_t seed = 5;
+  torch::manual_seed(3);
+  const auto idx = torch::randint(0, 65, {3, 16}, torch::kLong), targets = torch::randint(0, 65, {3, 16}, torch::kLong);
+  nnstrain::models::RuntimeOptions recompute_first;
+  recompute_first.recompute_layers = {true, false};
+
+  auto ref_model = std::make_shared<nnstrain::models::gpt::Gpt>(cfg, meta_context(1, 0));
+  common::materialise_fresh(*ref_model, c10::Device(c10::kCPU), seed);
+  const auto ref_loss = ref_model->loss(idx, targets);
+  ref_loss.backward();
+  const auto ref_params = ref_model->named_parameters();
+
+  for (int tp : {2, 4}) {
+    ThreadGroup group(tp);
+    std::vector<std::shared_ptr<nnstrain::models::gpt::Gpt>> models(tp);
+    std::vector<double> loss(tp);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < tp; ++r)
+      threads.emplace_back([&, r] {
+        auto ctx = meta_context(tp, r);
+        ctx.comm = c10::make_intrusive<ThreadComm>(group, r);
+        ctx.sequence_parallel = true;
+        models[r] = std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx);
+        common::materialise_fresh(*models[r], c10::Device(c10::kCPU), seed);
+        models[r]->set_runtime_options(recompute_first);
+        auto l = models[r]->loss(idx, targets);
+        l.backward();
+        loss[r] = l.item<double>();
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < tp; ++r) CHECK(loss[r] == Approx(ref_loss.item<double>()).epsilon(1e-6));
+    std::vector<std::vector<ParamLayout>> layouts;
+    for (const auto& m : models) layouts.push_back(m->param_layouts());
+    for (size_t i = 0; i < layouts[0].size(); ++i) {
+      const auto& l = layouts[0][i];
+      INFO("tp " << tp << ": " << l.name);
+      const auto want = ref_params[l.name].grad();
+      REQUIRE(want.defined());
+      const double scale = want.abs().max().item<double>();
+      if (!l.split_here()) {
+        // Replicated: whole on every rank (norms and biases summed over the group), and equal on all of them.
+        const auto g0 = models[0]->named_parameters()[l.name].grad();
+        CHECK(torch::allclose(g0, want, 1e-4, 1e-6 * scale));
+        for (int r = 1; r < tp; ++r) CHECK(torch::equal(models[r]->named_parameters()[l.name].grad(), g0));
+        continue;
+      }
+      auto whole = torch::zeros_like(want);
+      for (int r = 0; r < tp; ++r) {
+        const auto local = models[r]->named_parameters()[l.name].grad();
+        int64_t row = 0;
+        for (const auto& b : layouts[r][i].blocks) {
+          auto dst = whole;
+          for (size_t d = 0; d < b.shape.size(); ++d) dst = dst.narrow(int64_t(d), b.offsets[d], b.shape[d]);
+          dst.copy_(local.narrow(0, row, b.shape[0]));
+          row += b.shape[0];
+        }
+      }
+      CHECK(torch::allclose(whole, want, 1e-4, 1e-6 * scale));
+    }
+  }
 }

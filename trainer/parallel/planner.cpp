@@ -473,22 +473,29 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
 }
 
 // Why tp cannot split this model, one message per failure (empty: it can).
+// Splits need not be even (6 heads over 4 ranks: 2, 2, 1, 1; models/common/sharding.h),
+// so only what leaves a rank nothing is refused: fewer heads (or key/value heads,
+// whose query groups travel with them) or ffn columns than ranks.
 std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
   std::vector<std::string> out;
   if (tp < 1) return {"tp must be >= 1, got " + std::to_string(tp)};
   if (tp == 1) return out;
   const auto& d = f.dims;
   const std::string t = std::to_string(tp);
-  auto check = [&](const char* what, int64_t n, const std::string& extra = "") {
-    if (n % tp != 0) out.push_back(std::string(what) + " " + std::to_string(n) + " is not divisible by tp " + t + extra);
+  auto check = [&](const char* what, int64_t n) {
+    if (n < tp) out.push_back(std::string(what) + " " + std::to_string(n) + " are fewer than tp " + t);
   };
   check("attention heads", d.heads);
-  if (d.kv_heads != d.heads) check("key/value heads", d.kv_heads);
+  if (d.kv_heads != d.heads) {
+    check("key/value heads", d.kv_heads);
+    if (d.heads % d.kv_heads != 0)
+      out.push_back("attention heads " + std::to_string(d.heads) + " do not group over key/value heads " +
+                    std::to_string(d.kv_heads));
+  }
   check("ffn width", d.ffn);
-  check("hidden size", d.hidden);
   // A vocabulary tp does not divide is padded (model.make_vocab_size_divisible_by).
   if (!out.empty()) return out;
-  // The declaration itself: every split dimension (or fused part) in whole units per rank.
+  // The declaration itself: every split dimension (or fused part) in whole units, at least one per rank.
   for (const auto& p : f.params) {
     if (p.split.style == models::SplitStyle::Replicate || p.split.style == models::SplitStyle::Vocab ||
         p.shape.empty())
@@ -498,10 +505,12 @@ std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
     std::vector<int64_t> parts = p.split.fused_parts;
     if (p.split.style != models::SplitStyle::Column || parts.empty()) parts = {p.shape[dim]};
     for (auto part : parts)
-      if (part % (tp * unit) != 0) {
+      if (part % unit != 0 || part / unit < tp) {
         out.push_back(p.name + " (" + style_name(p.split.style) + " split of dim " + std::to_string(dim) +
-                      (parts.size() > 1 ? ", fused part of " : ", size ") + std::to_string(part) +
-                      ") is not a multiple of tp " + t + " x unit " + std::to_string(unit));
+                      (parts.size() > 1 ? ", fused part of " : ", size ") + std::to_string(part) + ") " +
+                      (part % unit ? "is not a whole number of units of " + std::to_string(unit)
+                                   : "has " + std::to_string(part / unit) + " units of " + std::to_string(unit) +
+                                         ", fewer than tp " + t));
         break;
       }
   }

@@ -17,22 +17,30 @@ class RuntimeTpComm : public models::common::TpComm {
   explicit RuntimeTpComm(dist::Runtime& rt) : rt_(rt) {}
   void all_reduce(at::Tensor& t) override { rt_.all_reduce(rt_.tp, t, "tensor-parallel all-reduce"); }
   void all_reduce_max(at::Tensor& t) override { rt_.all_reduce_max(rt_.tp, t, "tensor-parallel max all-reduce"); }
-  at::Tensor all_gather(const at::Tensor& t) override {
+  at::Tensor all_gather(const at::Tensor& t) override { return all_gather_start(t)(); }
+  at::Tensor reduce_scatter(const at::Tensor& t) override { return reduce_scatter_start(t)(); }
+  Pending all_gather_start(const at::Tensor& t) override {
     static const char* what = "tensor-parallel all-gather";
     const auto in = t.contiguous();
-    auto out = torch::empty({rt_.tp.size() * in.numel()}, in.options());
-    rt_.wait(rt_.all_gather_async(rt_.tp, out, in.reshape({-1}), what), rt_.tp, what);
     auto shape = in.sizes().vec();
     shape.insert(shape.begin(), rt_.tp.size());
-    return out.view(shape);
+    auto out = torch::empty(shape, in.options());
+    auto work = rt_.all_gather_async(rt_.tp, out.view({-1}), in.reshape({-1}), what);
+    return [this, work, out, in] {  // `in` lives until the collective is done
+      rt_.wait(work, rt_.tp, what);
+      return out;
+    };
   }
-  at::Tensor reduce_scatter(const at::Tensor& t) override {
+  Pending reduce_scatter_start(const at::Tensor& t) override {
     static const char* what = "tensor-parallel reduce-scatter";
     TORCH_CHECK(t.dim() >= 1 && t.size(0) == rt_.tp.size(), "reduce_scatter: expected [tp, ...], got ", t.sizes());
     const auto in = t.contiguous();
     auto out = torch::empty(in.sizes().slice(1), in.options());
-    rt_.wait(rt_.reduce_scatter_async(rt_.tp, out.view({-1}), in.view({-1}), what), rt_.tp, what);
-    return out;
+    auto work = rt_.reduce_scatter_async(rt_.tp, out.view({-1}), in.view({-1}), what);
+    return [this, work, out, in] {
+      rt_.wait(work, rt_.tp, what);
+      return out;
+    };
   }
 
  private:
