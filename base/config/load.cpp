@@ -572,6 +572,10 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (c.runtime_ngpus % c.plan_ngpus != 0)
     cc.fail("runtime_ngpus", std::to_string(c.runtime_ngpus) + " is not a multiple of plan_ngpus " +
                                  std::to_string(c.plan_ngpus));
+  if (t.pas_policy == "dp" && c.plan_ngpus > 1)
+    top.fail("pas_policy", "dp keeps a whole model on every rank, but compute_config.plan_ngpus " +
+                               std::to_string(c.plan_ngpus) + " asks to split one over " + std::to_string(c.plan_ngpus) +
+                               " ranks; use pas_policy hybrid (tp = plan_ngpus), tp or autodist");
   const int64_t dp = c.runtime_ngpus / c.plan_ngpus;
   if (dp % c.zero_ngroups != 0)
     cc.fail("zero_ngroups", std::to_string(c.zero_ngroups) + " does not divide the data-parallel size " +

@@ -413,6 +413,9 @@ TEST_CASE("config: out-of-range values", "[config]") {
              Catch::Contains("compute_config.runtime_ngpus (line 13): 3 is not a multiple of plan_ngpus 2"));
   CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, zero_ngroups: 4}\n", multi),
              Catch::Contains("compute_config.zero_ngroups (line 13): 4 does not divide the data-parallel size 6"));
+  CHECK_THAT(load_error(tmp, base + "pas_policy: dp\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 2}\n", multi),
+             Catch::Contains("pas_policy (line 13): dp keeps a whole model on every rank, but "
+                             "compute_config.plan_ngpus 2 asks to split one over 2 ranks"));
   CHECK_THAT(load_error(tmp, base + "precision: fp64\n"),
              Catch::Contains("precision (line 13): 'fp64' is not one of: 32-true, 16-true, bf16-true, 16-mixed, "
                              "bf16-mixed, fp32, fp16, bf16"));

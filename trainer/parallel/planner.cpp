@@ -157,9 +157,15 @@ int split_dim(const ParamFact& p) {
 
 std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
   auto s = p.shape;
-  // Rounded up: a padded vocabulary's first ranks hold ceil(V / tp) rows.
-  if (tp > 1 && p.split.style != models::SplitStyle::Replicate && !s.empty())
-    s[split_dim(p)] = (s[split_dim(p)] + tp - 1) / tp;
+  if (tp < 2 || p.split.style == models::SplitStyle::Replicate || s.empty()) return s;
+  // The largest piece, rank 0's: each fused part is dealt out in whole units,
+  // the first ranks one more (6 heads over 4: 2, 2, 1, 1); a padded vocabulary's
+  // first ranks hold ceil(V / tp) rows (unit 1).
+  auto& d = s[split_dim(p)];
+  const int64_t unit = std::max<int64_t>(1, p.split.unit);
+  const auto parts = p.split.fused_parts.empty() ? std::vector<int64_t>{d} : p.split.fused_parts;
+  d = 0;
+  for (auto part : parts) d += (part / unit + tp - 1) / tp * unit;
   return s;
 }
 
