@@ -205,12 +205,13 @@ def test_shakespeare_char_config_runs_at_tp2_and_tp4_as_one_process(tmp_path):
     def train(tp, name, *extra):
         args = [*common, "--run_dir", str(tmp_path / name), "--checkpoint.save_dir", str(tmp_path / f"ckpt_{name}"),
                 *extra]
-        if tp > 1:
-            args += ["--compute_config.plan_ngpus", str(tp), "--pas_policy", "tp"]
+        if tp > 1:  # nnScaler's command: the config's own pas_policy, only plan_ngpus given
+            args += ["--compute_config.plan_ngpus", str(tp)]
         cmd = [nnstrain_bin_path(), *args] if tp == 1 else \
             [nnstrain_bin_path(), "launch", "--nproc-per-node", str(tp), "--", *args]
         p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"{name}:\n{p.stdout}{p.stderr}"
+        assert f"plan tp {tp} x dp 1" in p.stdout + p.stderr, p.stdout + p.stderr
         metrics, _ = read_metrics(tmp_path / name / "metrics.jsonl")
         return {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics}
 
