@@ -120,16 +120,22 @@ void check_shards_equal_one_process(const Build& build, std::vector<int> tps) {
   CHECK(some_split);
 }
 
+// A 2-layer GPT over 16 tokens.
+nnstrain::models::gpt::GptConfig small_gpt(int64_t vocab, int64_t heads, int64_t embd, bool bias) {
+  nnstrain::models::gpt::GptConfig cfg;
+  cfg.vocab_size = vocab;
+  cfg.block_size = 16;
+  cfg.n_layer = 2;
+  cfg.n_head = heads;
+  cfg.n_embd = embd;
+  cfg.bias = bias;
+  return cfg;
+}
+
 }  // namespace
 
 TEST_CASE("fresh init: GPT shards at tp 2 and 4 put together equal tp 1 bitwise", "[tp_layers]") {
-  nnstrain::models::gpt::GptConfig cfg;
-  cfg.vocab_size = 64;
-  cfg.block_size = 16;
-  cfg.n_layer = 2;
-  cfg.n_head = 4;
-  cfg.n_embd = 32;
-  cfg.bias = true;
+  auto cfg = small_gpt(64, 4, 32, true);
   Build build = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx); };
   check_shards_equal_one_process(build, {2, 4});
   // A vocabulary tp does not divide: 65 rows as 33 + 32 at tp 2, 17 + 17 + 17 + 14 at tp 4.
@@ -183,13 +189,7 @@ TEST_CASE("fresh init: Llama (GQA, untied and tied) shards at tp 2 and 4 equal t
 TEST_CASE("fresh init: heads tp does not divide split unevenly (6 over 4: 2, 2, 1, 1) and equal tp 1 bitwise",
           "[tp_layers]") {
   // shakespeare_char's shape, smaller: 6 heads, an MLP tp divides, a vocabulary it does not.
-  nnstrain::models::gpt::GptConfig cfg;
-  cfg.vocab_size = 65;
-  cfg.block_size = 16;
-  cfg.n_layer = 2;
-  cfg.n_head = 6;
-  cfg.n_embd = 48;
-  cfg.bias = false;
+  auto cfg = small_gpt(65, 6, 48, false);
   Build build = [&](const ShardingContext& ctx) { return std::make_shared<nnstrain::models::gpt::Gpt>(cfg, ctx); };
   check_shards_equal_one_process(build, {4, 5});
   const std::vector<int64_t> want_heads{2, 2, 1, 1};
@@ -533,13 +533,7 @@ TEST_CASE("model-parallel RNG: a recomputed block replays its sharded-region mas
 TEST_CASE("sequence parallelism over threads: GPT with 6 heads and biases at tp 2 and 4 equals tp 1, loss and "
           "every gradient, a recomputed block included", "[tp_layers]") {
   // T = 16 and B = 3: at tp 2 a rank's 24 tokens cross a sequence boundary, at tp 4 (heads 2, 2, 1, 1) its 12 do not fill one.
-  nnstrain::models::gpt::GptConfig cfg;
-  cfg.vocab_size = 65;
-  cfg.block_size = 16;
-  cfg.n_layer = 2;
-  cfg.n_head = 6;
-  cfg.n_embd = 48;
-  cfg.bias = true;
+  auto cfg = small_gpt(65, 6, 48, true);
   const uint64_t seed = 5;
   torch::manual_seed(3);
   const auto idx = torch::randint(0, 65, {3, 16}, torch::kLong), targets = torch::randint(0, 65, {3, 16}, torch::kLong);
