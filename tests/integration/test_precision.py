@@ -96,6 +96,11 @@ def runs(train):
                 "bf16_dp2_b4_zero": (2, "bf16-mixed", 4, ("--compute_config.use_zero", "true")),
                 "bf16_dp2_b4_zero2": (2, "bf16-mixed", 4, ("--compute_config.use_zero", "2")),
                 "bf16_dp2_b4_zero3": (2, "bf16-mixed", 4, ("--compute_config.use_zero", "3")),
+                "bf16_dp4_b2_zero3": (4, "bf16-mixed", 2, ("--compute_config.use_zero", "3")),
+                "bf16_dp4_b2_zero3_ng2": (4, "bf16-mixed", 2, ("--compute_config.use_zero", "3",
+                                                                "--compute_config.zero_ngroups", "2")),
+                "bf16_tp2_dp2_b4_zero3": (4, "bf16-mixed", 4, ("--compute_config.use_zero", "3", "--pas_policy",
+                                                                "hybrid", "--compute_config.plan_ngpus", "2")),
                 "fp16_dp1_b8": (1, "16-mixed", 8, ()),
                 "bf16true_dp1_b8": (1, "bf16-true", 8, ()),
             }[name]
@@ -108,7 +113,8 @@ def runs(train):
     return get
 
 
-@pytest.mark.parametrize("name", ["bf16_dp2_b4", "bf16_dp2_b4_zero", "bf16_dp2_b4_zero2", "bf16_dp2_b4_zero3"])
+@pytest.mark.parametrize("name", ["bf16_dp2_b4", "bf16_dp2_b4_zero", "bf16_dp2_b4_zero2", "bf16_dp2_b4_zero3",
+                                  "bf16_dp4_b2_zero3", "bf16_dp4_b2_zero3_ng2", "bf16_tp2_dp2_b4_zero3"])
 def test_bf16_mixed_data_parallel_equals_one_process(runs, name):
     _, got = runs(name)
     _, want = runs("bf16_dp1_b8")
