@@ -12,7 +12,8 @@
   `latest` names a complete checkpoint, --resume starts there, and the chain of
   resumed runs logs exactly the uninterrupted run's losses;
 - SIGTERM to one rank under the launcher: every rank saves at the next step
-  boundary, exit 0, and --resume continues from that step;
+  boundary, exit 0, and --resume continues from that step; SIGTERM during a
+  million-batch validation ends it within seconds (one process and two ranks);
 - load faults (missing shard, shape, dtype, model type, corrupt safetensors ...):
   an error naming the file and the fault, exit status 1, never a crash.
 
@@ -374,6 +375,36 @@ def test_sigterm_to_one_rank_saves_and_stops(tiny_tokens, tmp_path):
                   "--val_every_n_train_steps", 0, run_dir=d, resume=True)
     assert f"at step {last}" in again.output, again.output
     assert [r["step"] for r in again.train][-2:] == [last + 1, last + 2]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_during_a_long_validation_stops_it(tiny_tokens, tmp_path, nproc):
+    # A validation of a million batches at the last step: SIGTERM (to every rank,
+    # as a scheduler sends it) ends it within seconds, all ranks together, and the
+    # run saves and exits 0 without recording a val loss from part of the batches.
+    d = tmp_path / "preempted_eval"
+    args = command(nproc, "--vars.data", tiny_tokens, "--checkpoint.save_dir", d / "ckpt", "--max_train_steps", 2,
+                   "--val_every_n_train_steps", 2, "--max_val_steps", 1000000, run_dir=d)
+    proc = subprocess.Popen(args, cwd=SOURCE, env=single_process_env(1), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = Lines(proc)
+    try:
+        assert out.wait_for(r"step 2/2"), "".join(out.lines)
+        time.sleep(1.0)  # well into the validation (it needs minutes)
+        t0 = time.monotonic()
+        for pid in (list(children(proc.pid)) if nproc > 1 else [proc.pid]):
+            os.kill(pid, signal.SIGTERM)
+        text = out.rest()
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, text
+    assert took < 30, f"SIGTERM took {took:.1f} s to end the validation"
+    assert "validation cut short by a stop request" in text and "stopped early on request" in text, text
+    assert not [r for r in read_metrics(d / "metrics.jsonl")[1]], "a val loss from part of the batches was recorded"
+    assert check_save_dir(d / "ckpt") == 2
 
 
 # ------------------------------------------------------------------ load faults

@@ -362,13 +362,27 @@ void Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   model_->eval();
   auto sum = torch::zeros({}, fopts_);
-  for (int64_t k = 0; k < args_.max_val_steps; ++k) {
-    auto b = data_.val->val_batch(k, dp_rank_ * micro_, micro_);
+  // A stop request (preemption) cuts a long evaluation short: the ranks agree
+  // about once a second, as between training steps, and all leave together.
+  StopDecision stop(rt_.get());
+  int64_t done = 0;
+  for (; done < args_.max_val_steps; ++done) {
+    auto b = data_.val->val_batch(done, dp_rank_ * micro_, micro_);
     tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
     sum += model_->loss(b.x.to(device_), b.y.to(device_)).detach().to(torch::kFloat32);
+    if (done + 1 < args_.max_val_steps && stop.after_step(done + 1, g_stop_signal.load() != 0, false)) {
+      ++done;
+      break;
+    }
   }
   tr_.reducer->release_params();
   model_->train();
+  if (done < args_.max_val_steps) {
+    if (rank_ == 0)
+      log::warn("step " + std::to_string(step_) + ": validation cut short by a stop request after " +
+                std::to_string(done) + " of " + std::to_string(args_.max_val_steps) + " batches; no val loss recorded");
+    return;
+  }
   if (rt_) {
     rt_->all_reduce(rt_->dp, sum, "validation loss all-reduce");
     sum.div_(dp_);
