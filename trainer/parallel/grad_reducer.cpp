@@ -75,12 +75,14 @@ void GradientReducer::launch(size_t i) {
     }
     return;
   }
-  // Stages 2 and 3: out of the bucket's own buffer, into a chunk added into the shard when done.
+  // Stages 2 and 3: out of the bucket's own buffer, straight into the shard on
+  // a step's first micro-step (the shard is zero), else into a chunk added into it when done.
   auto& in = state_.bucket_grad(i);
   if (zero_live()) {
     sent_bytes_ += in.numel() * in.element_size();
-    p.chunk = torch::empty({L.chunk_size(b)}, in.options());
-    p.work = rt_->reduce_scatter_async(rt_->zero, p.chunk, in, "gradient reduce-scatter");
+    auto shard = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
+    if (accumulated_) p.chunk = torch::empty({L.chunk_size(b)}, in.options());
+    p.work = rt_->reduce_scatter_async(rt_->zero, accumulated_ ? p.chunk : shard, in, "gradient reduce-scatter");
   } else {
     p.chunk = in.narrow(0, L.chunk_begin(b) - b.begin, L.chunk_size(b));  // one rank: its chunk is all
   }
@@ -97,9 +99,9 @@ void GradientReducer::complete(size_t i) {
   auto& p = progress_[i];
   if (p.work) rt_->wait(p.work, rt_->zero, "gradient reduce-scatter");
   p.work.reset();
-  state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i])).add_(p.chunk);
+  if (p.chunk.defined()) state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i])).add_(p.chunk);
   p.chunk = at::Tensor();
-  state_.release_bucket_grad(i);
+  state_.release_bucket_grad(i);  // reusable now: the current stream is past its collective
 }
 
 void GradientReducer::drain() {
@@ -111,6 +113,7 @@ void GradientReducer::drain() {
   if (stage_ >= 2) {
     for (auto i : in_flight_) complete(i);
     in_flight_.clear();
+    accumulated_ = true;
   } else {
     for (auto& p : progress_) rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp, "gradient reduction");
   }
@@ -130,6 +133,8 @@ void GradientReducer::finish_gradients() {
     return;
   }
   drain();
+  accumulated_ = false;
+  state_.drop_bucket_buffers();
   if (units_) units_->release_all();
   if (stage_ >= 1 && cross_live()) {
     sent_bytes_ += state_.shard_grad().numel() * state_.shard_grad().element_size();

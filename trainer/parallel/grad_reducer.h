@@ -92,6 +92,7 @@ class GradientReducer {
   std::vector<Progress> progress_;
   size_t next_launch_ = 0;
   std::vector<size_t> in_flight_;  // stages 2, 3: launched, not completed, in order
+  bool accumulated_ = false;       // stages 2, 3: a micro-step of this step already reduced into the shard
   std::shared_ptr<ParameterUnits> units_;
   int64_t sent_bytes_ = 0;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive

@@ -188,16 +188,39 @@ void TrainingState::move_into_chunks(const FlatLayout& L, size_t k, at::Tensor& 
   set_storage_bytes(value, 0);
 }
 
+int64_t TrainingState::bucket_class(size_t b) const {
+  const auto& bk = layout_.buckets[b];
+  const int64_t n = bk.end - bk.begin;
+  if (opts_.zero_stage == 3) return n;  // units: identical blocks share a size
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
+                                               static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
+  const int64_t z = layout_.zsize;
+  return std::max(n, (cap + z - 1) / z * z);  // every bucket within the cap fits the cap's class
+}
+
 at::Tensor& TrainingState::bucket_grad(size_t b) {
   auto& g = bucket_grad_[b];
   if (!g.defined()) {
+    if (bucket_base_.size() != bucket_grad_.size()) bucket_base_.resize(bucket_grad_.size());
     const auto& bk = layout_.buckets[b];
-    g = torch::zeros({bk.end - bk.begin}, shard_grad_.options());
+    const int64_t cls = bucket_class(b);
+    auto& free = free_buffers_[cls];
+    if (free.empty()) {
+      bucket_base_[b] = torch::empty({cls}, shard_grad_.options());
+    } else {
+      bucket_base_[b] = std::move(free.back());
+      free.pop_back();
+    }
+    g = bucket_base_[b].narrow(0, 0, bk.end - bk.begin).zero_();
   }
   return g;
 }
 
-void TrainingState::release_bucket_grad(size_t b) { bucket_grad_[b] = at::Tensor(); }
+void TrainingState::release_bucket_grad(size_t b) {
+  if (!bucket_grad_[b].defined()) return;
+  bucket_grad_[b] = at::Tensor();
+  free_buffers_[bucket_class(b)].push_back(std::move(bucket_base_[b]));
+}
 
 void TrainingState::allocate_unit(size_t b) {
   const auto& t = unit_param_[b];
@@ -307,6 +330,8 @@ StateBytes TrainingState::held_bytes() const {
   StateBytes b{bytes(flat_param_) + bytes(shard_param_), bytes(flat_grad_) + bytes(shard_grad_), bytes(flat_master_), 0.0};
   for (const auto& u : unit_param_) b.param += bytes(u);
   for (const auto& g : bucket_grad_) b.grad += bytes(g);
+  for (const auto& [cls, v] : free_buffers_)
+    for (const auto& t : v) b.grad += bytes(t);
   return b;
 }
 

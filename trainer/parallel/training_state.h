@@ -30,6 +30,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -126,9 +127,16 @@ class TrainingState {
   at::Tensor& shard_grad() { return shard_grad_; }
   at::Tensor& reduced_grads() { return opts_.zero() ? shard_grad_ : flat_grad_; }
   // Stages 2, 3: bucket b's gradient buffer for this backward (zeros when
-  // first asked for), and its release once reduced.
+  // first asked for), and its release once reduced. Released buffers are
+  // reused by later buckets of the same size class (the reducer's bucket cap
+  // under ZeRO-2, the exact size of a ZeRO-3 unit), so a backward cycles
+  // through a few buffers rather than allocating one per bucket: on CUDA a
+  // freed buffer stays counted until the GPU has passed its collective, which
+  // the host may be a whole backward ahead of. drop_bucket_buffers frees them
+  // all (after backward).
   at::Tensor& bucket_grad(size_t b);
   void release_bucket_grad(size_t b);
+  void drop_bucket_buffers() { free_buffers_.clear(); }
   // Stage 3: unit (bucket) b's whole parameters, the flat buffer its
   // parameters view; allocate_unit gives it storage (to gather into),
   // free_unit takes it away. shard_param: this rank's chunks of every unit.
@@ -171,6 +179,9 @@ class TrainingState {
   at::Tensor shard_param_;                // stage 3: this rank's chunks, compute dtype
   std::vector<at::Tensor> unit_param_;    // stage 3: per bucket, storage only while gathered
   std::vector<at::Tensor> bucket_grad_;   // stages 2, 3: per bucket, only during backward
+  std::vector<at::Tensor> bucket_base_;   // the pooled buffer each bucket_grad_ is a view of
+  std::map<int64_t, std::vector<at::Tensor>> free_buffers_;  // by size class
+  int64_t bucket_class(size_t b) const;
   std::vector<int64_t> unit_bucket_;
   at::Tensor flat_master_;              // *-mixed: fp32 masters (whole, or this rank's ZeRO chunks)
   std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
