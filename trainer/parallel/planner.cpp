@@ -1,4 +1,5 @@
 #include "trainer/parallel/planner.h"
+#include "trainer/parallel/param_units.h"
 
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/training_state.h"
@@ -110,6 +111,8 @@ struct ModelFacts {
   std::vector<ParamFact> params;
   bool vocab_parallel_head = false;  // some Vocab split is declared
   bool gated_mlp = false;            // Llama-style blocks (RMSNorm, SwiGLU: a gate_proj), else GPT-style
+  std::vector<int> zero3_units;      // per parameter, as the training state's (parameter_units)
+  int zero3_head_unit = 0;           // the unit after the blocks
 };
 
 ModelFacts model_facts(const models::CausalLM& model) {
@@ -137,6 +140,8 @@ ModelFacts model_facts(const models::CausalLM& model) {
     if (pf.name.find("gate_proj") != std::string::npos) f.gated_mlp = true;
     f.params.push_back(std::move(pf));
   }
+  f.zero3_units = parameter_units(model);
+  f.zero3_head_unit = static_cast<int>(model.num_layers()) + 1;
   return f;
 }
 
@@ -218,18 +223,9 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   for (const auto& [u, n] : per_block) st.block_elements = std::max(st.block_elements, n);
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
-  // ZeRO-3: a bucket per unit (0 before the blocks, 1 + i block i, then after), as TrainingState's.
-  std::vector<int> units;
-  int last_block = -1;
-  for (const auto& p : f.params) last_block = std::max(last_block, p.unit);
-  const int head_id = last_block + 2;
-  if (c.zero_stage == 3) {
-    bool seen_block = false;
-    for (const auto& p : f.params) {
-      seen_block = seen_block || p.unit >= 0;
-      units.push_back(p.unit >= 0 ? 1 + p.unit : seen_block ? head_id : 0);
-    }
-  }
+  // ZeRO-3: a bucket per unit, as the training state's.
+  const std::vector<int> no_units;
+  const auto& units = c.zero_stage == 3 ? f.zero3_units : no_units;
   const auto layout = FlatLayout::make(numels, cap, st.z, 0, units);
   st.buckets = static_cast<int64_t>(layout.buckets.size());
   for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
@@ -239,7 +235,7 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
       const int u = units[bk.params.front()];
       const double n = double(bk.end - bk.begin);
       if (u == 0) st.embed_unit = n;
-      else if (u == head_id) st.head_unit = n;
+      else if (u == f.zero3_head_unit) st.head_unit = n;
       else st.largest_block = std::max(st.largest_block, n);
     }
   }

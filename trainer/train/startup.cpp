@@ -49,18 +49,6 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
   return so;
 }
 
-// The start-up line naming ZeRO-3's units: which parameters sit outside the blocks.
-std::string describe_units(const std::vector<parallel::ParamShard>& params, const std::vector<int>& units, int blocks) {
-  std::string outer[2];  // before, after the blocks
-  for (size_t k = 0; k < params.size(); ++k) {
-    if (units[k] != 0 && units[k] != blocks + 1) continue;
-    auto& s = outer[units[k] == 0 ? 0 : 1];
-    s += (s.empty() ? "" : ", ") + params[k].name;
-  }
-  return "ZeRO-3 units: before the blocks (" + outer[0] + "), " + std::to_string(blocks) +
-         " blocks (one unit each), after the blocks (" + outer[1] + ")";
-}
-
 }  // namespace
 
 std::vector<sharding::StateTensor> Trainable::state_tensors() {
@@ -214,7 +202,6 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   tr.tp_rng = local.tp_rng;
   auto shards = parallel::tensor_parallel_shards(model, rt, env.world_size);
   const int blocks = static_cast<int>(model.num_layers());
-  if (plan.zero_stage == 3 && env.rank == 0) log::info(describe_units(shards, so.units, blocks));
   tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
   ro.block_hooks = tr.reducer->block_hooks();
