@@ -165,7 +165,7 @@ TEST_CASE("launch: every worker gets torchrun's variables", "[launch]") {
   }
 }
 
-TEST_CASE("launch: OMP_NUM_THREADS already set is kept; underscores spell flags too", "[launch]") {
+TEST_CASE("launch: OMP_NUM_THREADS already set is kept and underscores spell flags too", "[launch]") {
   TempDir dir;
   EnvVar omp("OMP_NUM_THREADS", std::string("6"));
   Result r = launch(dir, {"--nproc_per_node=1", "--exec", "--", "/bin/sh", "-c",

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <torch/torch.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -56,15 +57,18 @@ StateTensor piece(const std::string& name, const torch::Tensor& t, const std::st
   return {s, t};
 }
 
-// Tensors of several dtypes, one of them a non-contiguous view.
+// Tensors of several dtypes, one of them a non-contiguous view. A generator of
+// its own per call: the two-rank test calls this from two threads at once, and
+// LibTorch's one default generator would interleave their draws.
 std::vector<StateTensor> state(int rank) {
-  torch::manual_seed(rank + 1);
-  auto base = torch::randn({8, 6});
-  return {piece("w" + std::to_string(rank), torch::randn({5, 7}), "F32", {rank}),
-          piece("h" + std::to_string(rank), torch::randn({9}).to(torch::kBFloat16), "BF16", {rank}),
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(rank + 1));
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  auto base = torch::randn({8, 6}, gen, f32);
+  return {piece("w" + std::to_string(rank), torch::randn({5, 7}, gen, f32), "F32", {rank}),
+          piece("h" + std::to_string(rank), torch::randn({9}, gen, f32).to(torch::kBFloat16), "BF16", {rank}),
           piece("t" + std::to_string(rank), base.t(), "F32", {rank}),
-          piece("rng" + std::to_string(rank), torch::randint(0, 255, {33}, torch::kUInt8), "U8", {rank}),
-          piece("n" + std::to_string(rank), torch::randint(0, 1000, {4}, torch::kInt64), "I64", {rank})};
+          piece("rng" + std::to_string(rank), torch::randint(0, 255, {33}, gen, torch::kUInt8), "U8", {rank}),
+          piece("n" + std::to_string(rank), torch::randint(0, 1000, {4}, gen, torch::kInt64), "I64", {rank})};
 }
 
 void check_loads(const Checkpoint& ck, const std::vector<StateTensor>& want) {
@@ -103,7 +107,7 @@ TEST_CASE("async save: the checkpoint holds the state at save(), whatever happen
   CHECK(latest(dir) == dir + "/step-00000004");
 }
 
-TEST_CASE("async save over two ranks agrees through the store; a failed rank publishes nothing",
+TEST_CASE("async save over two ranks agrees through the store and a failed rank publishes nothing",
           "[checkpoint][async]") {
   TempDir tmp;
   const auto dir = tmp / "ckpt";

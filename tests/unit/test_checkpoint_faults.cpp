@@ -223,7 +223,7 @@ TEST_CASE("a failed rank publishes nothing and `latest` stays", "[checkpoint]") 
   check_all(Checkpoint(latest(save_dir)), other);
 }
 
-TEST_CASE("deduped stores each replicated tensor once; both load under another world size", "[checkpoint]") {
+TEST_CASE("deduped stores each replicated tensor once and both types load under another world size", "[checkpoint]") {
   TempDir tmp;
   Globals g;
   const auto sharded = save_run(g, tmp / "sharded", "sharded", 2, 3);

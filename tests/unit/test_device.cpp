@@ -73,7 +73,7 @@ TEST_CASE("the stop agreement is spaced by about one second of steps", "[device]
   CHECK(alone.after_step(2, true, false));
 }
 
-TEST_CASE("RNG state round-trips through a checkpoint; a CPU-only one still restores", "[device]") {
+TEST_CASE("RNG state round-trips through a checkpoint and a CPU-only one still restores", "[device]") {
   testing::TempDir dir("rng");
   const auto cpu = c10::Device(c10::kCPU);
   torch::manual_seed(1234);

@@ -1,0 +1,76 @@
+"""Every Catch2 test case is a CTest test that runs it, and nothing else.
+
+CTest splits a test name at ';' and Catch2 reads ',' '[' ']' '*' '~' in a filter,
+so a test case whose name holds one of them can be registered under a filter that
+matches nothing: Catch2 prints "No tests ran" and, without `--warn NoTests`,
+exits 0, and CTest reports a pass for a test that never ran. This file checks
+the registry CTest actually holds (`ctest --show-only=json-v1`) against the
+test cases each Catch2 executable lists, and that a filter matching nothing
+fails.
+"""
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+BUILD = pathlib.Path(os.environ.get("NNSTRAIN_BUILD_DIR", ""))
+CTEST = os.environ.get("NNSTRAIN_CTEST", "ctest")
+CATCH_EXES = ("nnstrain_tests", "nnstrain_base_tests")
+
+
+def unescape(spec):
+    # catch_discover_tests escapes what Catch2 would read as filter syntax.
+    for c in ",[]":
+        spec = spec.replace("\\" + c, c)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def registry():
+    if not (BUILD / "CTestTestfile.cmake").exists():
+        pytest.fail(f"NNSTRAIN_BUILD_DIR={str(BUILD)!r} is not a configured build folder")
+    p = subprocess.run([CTEST, "--show-only=json-v1"], cwd=BUILD, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    entries = {}
+    for t in json.loads(p.stdout)["tests"]:
+        cmd = t.get("command") or []
+        if cmd and pathlib.Path(cmd[0]).name in CATCH_EXES:
+            entries.setdefault(cmd[0], []).append((t["name"], cmd[1:]))
+    assert sorted(pathlib.Path(e).name for e in entries) == sorted(CATCH_EXES), sorted(entries)
+    return entries
+
+
+def listed(exe):
+    p = subprocess.run([exe, "--list-test-names-only"], capture_output=True, text=True, timeout=120)
+    names = [line for line in p.stdout.splitlines() if line.strip()]
+    assert names, p.stdout + p.stderr
+    return names
+
+
+def test_ctest_runs_exactly_the_catch2_test_cases(registry):
+    for exe, tests in registry.items():
+        cases = listed(exe)
+        assert len(cases) == len(set(cases)), f"{exe}: duplicate test case names"
+        registered = [name for name, _ in tests]
+        missing = sorted(set(cases) - set(registered))
+        extra = sorted(set(registered) - set(cases))
+        assert not missing and not extra, (
+            f"{exe}: Catch2 test cases with no CTest entry of their own: {missing}; "
+            f"CTest entries that are no Catch2 test case (a name CTest split?): {extra}")
+        for name, args in tests:
+            # The filter CTest passes is the name itself (escaped), and a filter that
+            # matches nothing fails instead of passing with "No tests ran".
+            assert unescape(args[0]) == name, (name, args)
+            assert "--warn" in args and args[args.index("--warn") + 1] == "NoTests", (name, args)
+            for bad in (";", "*", "\""):
+                assert bad not in name, f"{exe}: test case name {name!r} holds {bad!r}, which a filter cannot match"
+            assert not name.startswith(("~", "#", " ")) and name == name.strip(), name
+
+
+def test_a_filter_that_matches_nothing_fails(registry):
+    for exe, tests in registry.items():
+        args = [a for a in tests[0][1][1:] if a]
+        p = subprocess.run([exe, "no test case has this name", *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "No tests ran" in p.stdout + p.stderr, (exe, p.returncode, p.stdout)
