@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 
 import numpy as np
@@ -168,3 +169,118 @@ def nnstrain():
             pytest.fail(f"nnstrain exited with {p.returncode}: {' '.join(args)}\n{result.output}")
         return result
     return run
+
+
+# --- The feature under test was on ------------------------------------------
+# A parity test compares a parallel run with one process; it means something
+# only if the parallel side really ran what it was asked to (a use_zero: 2 run
+# silently as stage 1 would match one process just as well). assert_active()
+# checks that from the direct evidence each feature leaves: the bytes each rank
+# holds between steps (ZeRO stages), the collectives counted on the
+# tensor-parallel group (TP, and SP by its reduce-scatters), plan.json
+# (recompute), and the element sizes of the state (precision).
+
+# Bytes per parameter element before any sharding: (param, grad, master, moments),
+# compute_config.reduce_dtype left at auto. docs/precision.md.
+STATE_ELEMENT_BYTES = {
+    "32-true": (4, 4, 0, 8),
+    "bf16-mixed": (2, 4, 4, 8), "16-mixed": (2, 4, 4, 8),
+    "bf16-true": (2, 2, 0, 4), "16-true": (2, 2, 0, 4),
+}
+_PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def held_between_steps(run_dir, nproc):
+    """{rank: {"param", "grad", "master", "moments", "elements"}}: the bytes each rank keeps between
+    steps, and its parameter elements before ZeRO (after tensor parallelism), from its log."""
+    found = {}
+    for rank in range(nproc):
+        log = (pathlib.Path(run_dir) / "logs" / f"rank{rank}.log").read_text()
+        m = re.search(r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), "
+                      r"optimizer moments (\d+) bytes, for (\d+) parameter elements", log)
+        assert m, f"rank {rank}: no 'held between steps' line in its log:\n{log}"
+        found[rank] = dict(zip(("param", "grad", "master", "moments", "elements"), map(int, m.groups())))
+    return found
+
+
+def _override(overrides, key, default=None):
+    overrides = [str(o) for o in overrides]
+    for i, o in enumerate(overrides):
+        if o == key and i + 1 < len(overrides):
+            return overrides[i + 1]
+        if o.startswith(key + "="):
+            return o.split("=", 1)[1]
+    return default
+
+
+def expected_plan(nproc, overrides):
+    """What the command line asks for: tp, dp, ZeRO stage, ZeRO shard group size, SP, recompute, precision."""
+    tp = int(_override(overrides, "--compute_config.plan_ngpus", 1))
+    if _override(overrides, "--pas_policy") == "dp":
+        tp = 1
+    zero = _override(overrides, "--compute_config.use_zero", "0")
+    zero = {"true": 1, "false": 0}.get(zero, zero)
+    dp = nproc // tp
+    ngroups = int(_override(overrides, "--compute_config.zero_ngroups", 1))
+    precision = _override(overrides, "--precision", "32-true")
+    return {"tp": tp, "dp": dp, "zero": int(zero), "zero_group": dp // ngroups,
+            "sp": tp > 1 and _override(overrides, "--compute_config.sequence_parallel", "true") == "true",
+            "recompute": _override(overrides, "--model.activation_checkpointing", "false") == "true",
+            "precision": _PRECISION_ALIASES.get(precision, precision)}
+
+
+def assert_active(run_dir, output, nproc, overrides):
+    """Asserts that the run in `run_dir` (its log text `output`, `nproc` processes)
+    ran the parallelism and precision its `overrides` asked for, from direct evidence."""
+    want = expected_plan(nproc, overrides)
+    run_dir = pathlib.Path(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    got = {k: plan[k] for k in ("tp", "dp", "zero")}
+    assert got == {k: want[k] for k in got}, f"plan.json says {got}, the command line asked for {want}"
+    if want["recompute"]:
+        assert plan["recompute"] and all(plan["recompute"]), f"recompute asked, plan.json: {plan['recompute']}"
+    else:
+        assert not any(plan["recompute"]), f"recompute not asked, plan.json: {plan['recompute']}"
+
+    # Bytes held: what each stage shards over its group of z ranks (padding: a few elements per unit).
+    eb = dict(zip(("param", "grad", "master", "moments"), STATE_ELEMENT_BYTES[want["precision"]]))
+    stage, z = want["zero"], want["zero_group"]
+    for rank, held in held_between_steps(run_dir, nproc).items():
+        full = {k: held["elements"] * b for k, b in eb.items()}
+        def sharded(part, on):
+            if not on or z == 1:  # whole, in the precision's dtype: exactly n elements of it
+                assert held[part] == full[part], f"rank {rank}: {part} {held[part]} bytes, whole is {full[part]} ({held})"
+            else:
+                slack = 64 * z * eb[part]
+                assert held[part] <= full[part] / z + slack, \
+                    f"rank {rank}: ZeRO-{stage} over {z} ranks, {part} {held[part]} bytes, want 1/{z} of {full[part]}"
+        sharded("param", stage >= 3)
+        sharded("master", stage >= 1)
+        sharded("moments", stage >= 1)
+        if stage >= 2 and z > 1:  # a reduced shard, plus at most a few pooled bucket buffers: below the whole
+            assert held["grad"] < full["grad"], f"rank {rank}: ZeRO-{stage} holds whole gradients ({held})"
+        else:  # whole (ZeRO-1 adds the reduce-scatter's shard)
+            assert held["grad"] >= full["grad"], f"rank {rank}: gradients {held['grad']}, whole is {full['grad']}"
+
+    train, _ = read_metrics(run_dir / "metrics.jsonl")
+    assert train, f"no training records in {run_dir / 'metrics.jsonl'}"
+    last = train[-1]
+    if want["dp"] > 1:
+        assert last.get("dp_comm_mb_per_step", 0) > 0, f"dp {want['dp']}: no gradient traffic: {last}"
+    if want["tp"] > 1:
+        ops = last.get("tp_collectives_per_step")
+        assert ops and last["tp_comm_mb_per_step"] > 0, f"tp {want['tp']}: no tensor-parallel traffic: {last}"
+        # Sequence parallelism reduce-scatters after every row-parallel linear; plain TP all-reduces.
+        if want["sp"]:
+            assert ops["reduce_scatter"] > 0, f"sequence parallelism asked, no reduce-scatter: {ops}"
+        else:
+            assert ops["reduce_scatter"] == 0 and ops["all_reduce"] > 0, f"sequence parallelism off: {ops}"
+    assert_precision(output, want["precision"])
+    return want
+
+
+def assert_precision(output, precision):
+    """The run says it trained in `precision` (the bytes it held tell the dtypes: assert_active)."""
+    m = re.search(r"precision (\S+): state bytes/param", output)
+    assert m, f"no precision line in the output:\n{output}"
+    assert m.group(1) == precision, f"ran {m.group(1)}, asked {precision}"

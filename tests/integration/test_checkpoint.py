@@ -345,7 +345,9 @@ def rank_of(pid):
     return None
 
 
-def test_sigterm_to_one_rank_saves_and_stops(tiny_tokens, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_sigterm_to_one_rank_saves_and_stops(tiny_tokens, tmp_path, sig):
+    # SLURM sends SIGTERM at preemption, or SIGUSR1 ahead of the time limit (--signal): the same stop.
     d = tmp_path / "preempted"
     args = command(2, "--vars.data", tiny_tokens, "--checkpoint.save_dir", d / "ckpt", "--max_train_steps", 100000,
                    "--val_every_n_train_steps", 0, run_dir=d)
@@ -356,7 +358,7 @@ def test_sigterm_to_one_rank_saves_and_stops(tiny_tokens, tmp_path):
         assert out.wait_for(r"step 3/100000"), "".join(out.lines)
         workers = {rank_of(p): p for p in children(proc.pid)}
         assert 1 in workers, f"no rank 1 among the launcher's children {workers}"
-        os.kill(workers[1], signal.SIGTERM)
+        os.kill(workers[1], sig)
         text = out.rest()
     finally:
         if proc.poll() is None:

@@ -24,7 +24,7 @@ import subprocess
 
 import pytest
 
-from conftest import device_args, single_process_env
+from conftest import assert_active, device_args, held_between_steps, single_process_env
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "tiny_dp.yaml"
@@ -133,6 +133,8 @@ def job(tiny_tokens, tmp_path_factory):
             assert sorted(j.by_step("loss")) == list(range(1, STEPS + 1)), f"{name}: {j.output}"
             if nproc > 1 and "--pas_policy" not in extra:
                 assert f"world {nproc} (dp {nproc})" in j.output, j.output
+            # Every comparison below means something only if this run did what it was asked.
+            assert_active(run_dir, j.output, nproc, extra)
             cache[name] = j
         return cache[name]
     return get
@@ -232,16 +234,10 @@ def test_several_buckets(job, name):
     assert count >= 3, line
 
 
-def held_between_steps(j):
-    """Per rank (from its log): bytes of parameters, gradients, masters and moments it keeps between steps."""
-    found = {}
-    for rank in range(j.nproc):
-        log = (j.run_dir / "logs" / f"rank{rank}.log").read_text()
-        m = re.search(r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), "
-                      r"optimizer moments (\d+) bytes", log)
-        assert m, log
-        found[rank] = sum(int(x) for x in m.groups())
-    return found
+def held_total(j):
+    """Per rank: bytes of parameters, gradients, masters and moments it keeps between steps."""
+    return {rank: sum(v for k, v in parts.items() if k != "elements")
+            for rank, parts in held_between_steps(j.run_dir, j.nproc).items()}
 
 
 def test_zero3_holds_one_nth_of_the_state(job):
@@ -252,8 +248,17 @@ def test_zero3_holds_one_nth_of_the_state(job):
     n = int(re.search(r"model gpt: (\d+) parameters", z3.output).group(1))
     units = 2 + 2  # before the blocks, 2 blocks, after the blocks
     lo, hi = 16 * n / 4, 16 * (n + units * 3) / 4
-    for rank, held in held_between_steps(z3).items():
+    for rank, held in held_total(z3).items():
         assert lo <= held <= hi, f"rank {rank} holds {held} bytes, want 1/4 of {16 * n} (+ padding): [{lo}, {hi}]"
     # The figure tells stages apart: ZeRO-1 keeps whole weights and gradients.
-    for rank, held in held_between_steps(z1).items():
+    for rank, held in held_total(z1).items():
         assert held >= (4 + 4) * n, (rank, held)
+
+
+def test_recompute_holds_fewer_activations(job):
+    # What the parity run with recompute compares means something only if its
+    # blocks were recomputed: the activations its forward keeps for backward are
+    # fewer than the same run's without recompute (measured at the allocator).
+    on, off = job("dp2_b4_zero3_recompute"), job("dp2_b4_zero3")
+    a_on, a_off = on.by_step("activation_mb"), off.by_step("activation_mb")
+    assert all(a_on[s] < 0.8 * a_off[s] for s in a_on), (a_on, a_off)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import TEST_DEVICE, device_args
+from conftest import STATE_ELEMENT_BYTES, TEST_DEVICE, assert_active, device_args
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "tiny_dp.yaml"
@@ -105,9 +105,12 @@ def runs(train):
                 "bf16true_dp1_b8": (1, "bf16-true", 8, ()),
             }[name]
             nproc, precision, micro, extra = spec
-            p, d = train(name, nproc, "--precision", precision, "--micro_batch_size", micro, *extra)
+            overrides = ("--precision", precision, "--micro_batch_size", micro, *extra)
+            p, d = train(name, nproc, *overrides)
             recs = records(d)
             assert sorted(by_step(recs, "loss")) == list(range(1, STEPS + 1)), p.stdout + p.stderr
+            # The run held its state in the mode's dtypes and ran the plan asked for.
+            assert_active(d, p.stdout + p.stderr, nproc, overrides)
             cache[name] = (p, recs)
         return cache[name]
     return get
@@ -145,6 +148,9 @@ def test_low_precision_follows_fp32(runs, name):
     print(f"\n{name} vs fp32: max rel loss diff {worst:.3g}")
     assert worst < 0.01, {s: (gl[s], fl[s]) for s in gl}
     assert gl[STEPS] < gl[1] - 0.05
+    # ... and it is not fp32: 16-bit rounding moves the curve by more than fp32's
+    # own rounding (the fp32 parity tolerance), as an ignored --precision would not.
+    assert worst > 1e-5, f"{name} equals fp32 to {worst:.2e}: was the precision applied?"
 
 
 def state_bytes_line(output):
@@ -276,3 +282,45 @@ def test_merge_writes_the_chosen_dtype(train, tmp_path):
     bad = subprocess.run([os.environ["NNSTRAIN_BIN"], "merge", str(ck / "step-00000003"), "--out",
                           str(tmp_path / "x"), "--dtype", "int8"], capture_output=True, text=True, env=job_env())
     assert bad.returncode == 2 and "--dtype must be fp32, bf16 or fp16" in bad.stderr
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"])
+def test_checkpoint_holds_the_modes_dtypes(train, tmp_path, precision):
+    # Mixed modes store their fp32 masters, the -true modes the 16-bit weights they train.
+    ck = tmp_path / "ckpt"
+    train("dtypes", 1, "--precision", precision, "--micro_batch_size", 4, "--checkpoint.save_dir", ck,
+          "--max_train_steps", 2)
+    want = {"32-true": "F32", "bf16-mixed": "F32", "16-mixed": "F32", "bf16-true": "BF16", "16-true": "F16"}[precision]
+    manifest = json.loads((ck / "step-00000002" / "manifest.json").read_text())
+    dtypes = {e["dtype"] for entries in manifest["files"].values() for e in entries if e["name"].startswith("model/")}
+    assert dtypes == {want}, (precision, dtypes)
+    moments = {e["dtype"] for entries in manifest["files"].values() for e in entries
+               if e["name"].startswith("optim/exp_avg")}
+    assert moments == {"F32" if STATE_ELEMENT_BYTES[precision][3] == 8 else want}, (precision, moments)
+
+
+# Every precision x compute_config.reduce_dtype: accepted ones train, the others are refused at load.
+REDUCE = [(p, r) for p in ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+          for r in ("auto", "fp32", "bf16", "fp16")]
+
+
+def _accepted(precision, reduce_dtype):
+    low = "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") else "fp32"
+    return reduce_dtype in ("auto", "fp32", low)
+
+
+@pytest.mark.parametrize("precision,reduce_dtype", REDUCE, ids=[f"{p}-{r}" for p, r in REDUCE])
+def test_every_precision_and_reduce_dtype_trains_or_is_refused(train, precision, reduce_dtype):
+    # Two ranks under ZeRO-1, so the reduced gradient meets the partitioned masters
+    # (bf16-mixed with reduce_dtype bf16 once crashed there at step 1).
+    p, d = train(f"reduce_{precision}_{reduce_dtype}", 2, "--precision", precision, "--compute_config.reduce_dtype",
+                 reduce_dtype, "--micro_batch_size", 4, "--compute_config.use_zero", "true", "--max_train_steps", 2,
+                 check=False)
+    out = p.stdout + p.stderr
+    if not _accepted(precision, reduce_dtype):
+        assert p.returncode == 2 and "compute_config.reduce_dtype" in out, out
+        assert "Exception raised from" not in out, out
+        return
+    assert p.returncode == 0, out
+    losses = by_step(records(d), "loss")
+    assert sorted(losses) == [1, 2] and all(np.isfinite(v) for v in losses.values()), out

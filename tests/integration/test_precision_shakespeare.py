@@ -25,7 +25,7 @@ import subprocess
 
 import pytest
 
-from conftest import SOURCE, nnstrain_bin_path, single_process_env
+from conftest import SOURCE, assert_active, nnstrain_bin_path, single_process_env
 
 CONFIG = SOURCE / "configs" / "shakespeare_char_cpu.yaml"
 VAL_ATOL = 0.03
@@ -51,6 +51,7 @@ def curves(data, tmp_path_factory):
                             "--checkpoint.every_n_train_steps", "0", "--max_train_steps", str(steps)],
                            cwd=SOURCE, capture_output=True, text=True, env=single_process_env(), timeout=1200)
         assert p.returncode == 0, p.stdout + p.stderr
+        assert_active(run_dir, p.stdout + p.stderr, 1, ["--precision", mode])  # trained in the mode's dtypes
         recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
         out[mode] = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
         out[mode + "/train"] = {r["step"]: r["loss"] for r in recs if "loss" in r}
@@ -65,6 +66,8 @@ def test_bf16_mixed_val_curve_follows_fp32(curves):
     print("\nbf16-mixed - 32-true: " + ", ".join(f"{s}: {d:+.4f}" for s, d in sorted(diffs.items())))
     assert all(abs(d) <= VAL_ATOL for d in diffs.values()), diffs
     assert ref[2000] < ref[250] - 0.3  # the comparison is over a real learning curve
+    # A different trajectory, not fp32's own (an ignored --precision would give it exactly).
+    assert max(abs(d) for d in diffs.values()) > 1e-4, diffs
 
 
 def test_fp16_mixed_train_curve_follows_fp32(curves):
@@ -73,6 +76,7 @@ def test_fp16_mixed_train_curve_follows_fp32(curves):
     rel = {s: abs(got[s] - ref[s]) / ref[s] for s in got}
     print(f"\n16-mixed vs 32-true train loss: {got} vs {[ref[s] for s in got]}, rel {rel}")
     assert all(r <= 0.01 for r in rel.values()), rel
+    assert max(rel.values()) > 1e-6, f"16-mixed equals 32-true: {rel}"
     assert ref[100] < ref[50] - 0.1  # still falling fast there: a frozen model would be far off
 
 

@@ -92,7 +92,26 @@ def test_llama3_8b_plan_fits_80gb_gpus_in_bf16_mixed(ngpus):
     p = nnstrain("plan", "--config", config, "--runtime-ngpus", ngpus, "--device", "H100", "--json", timeout=120)
     assert p.returncode == 0, f"no plan for {ngpus} x H100:\n{p.stdout}{p.stderr}"
     plan = json.loads(p.stdout)["plan"]
-    budget, total = plan["memory_budget_bytes"], plan["estimate"]["total_bytes"]
+    budget, est = plan["memory_budget_bytes"], plan["estimate"]
     assert 0 < budget <= 80e9, plan["memory_budget_bytes"]
-    assert 0 < total <= budget, f"{ngpus} ranks: the plan needs {total / 2**30:.1f} GiB of {budget / 2**30:.1f}"
-    assert plan["tp"] * plan["dp"] == ngpus
+    assert 0 < est["total_bytes"] <= budget, f"{ngpus} ranks: the plan needs {est['total_bytes'] / 2**30:.1f} GiB"
+    tp, dp, zero = plan["tp"], plan["dp"], plan["zero"]
+    assert tp * dp == ngpus
+    # The planner's state bytes against a count written here: Llama 3 8B's
+    # parameters from its dimensions, bf16-mixed's 2 + 4 + 4 + 8 bytes each
+    # (weights, fp32 gradients, masters, moments), split as the chosen plan splits them.
+    a = yaml.safe_load(config.read_text())["model"]["args"]
+    h, kv = a["hidden_size"], a["num_key_value_heads"] * a["hidden_size"] // a["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * a["intermediate_size"] + 2 * h
+    n = 2 * a["vocab_size"] * h + a["num_hidden_layers"] * layer + h
+    assert n == 8_030_261_248  # Meta's published count for Llama 3 8B
+    local = n / tp  # the norms are replicated: under 0.01% of n
+    shards = lambda stage: dp if zero >= stage else 1
+    want = {"param_bytes": 2 * local / shards(3), "optim_bytes": 12 * local / shards(1),
+            "grad_bytes": 4 * local / shards(2)}
+    for key, value in want.items():
+        assert est[key] == pytest.approx(value, rel=0.01) or (key == "grad_bytes" and est[key] >= value), (key, est)
+    # What the plan must fit besides: at least every recomputed layer's input (bf16) for one micro-batch.
+    seq = yaml.safe_load(config.read_text())["vars"]["seq_len"]
+    floor = sum(want.values()) + a["num_hidden_layers"] * plan["micro_batch_size"] * seq * h * 2 / tp
+    assert floor <= est["total_bytes"] <= budget, (floor, est)

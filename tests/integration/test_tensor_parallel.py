@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import (CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env,
-                      write_token_file)
+from conftest import (CONFIGS, SOURCE, assert_active, device_args, nnstrain_bin_path, read_metrics,
+                      single_process_env, write_token_file)
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
 TOL = 1e-5
@@ -32,6 +32,7 @@ def run(ranks, run_dir, data, *overrides, resume=None, save_dir=None):
     cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
     p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}"
+    assert_active(run_dir, p.stdout + p.stderr, ranks, overrides)  # the plan compared really ran
     train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}
 
@@ -48,6 +49,12 @@ PLANS = {  # name: (ranks, overrides)
 
 def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def activation_mb(run_dir):
+    """{step: MiB} the forward kept for backward (measured at the allocator)."""
+    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    return {r["step"]: r["activation_mb"] for r in train}
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +140,11 @@ def test_chunked_loss_parity_with_one_process(straight, tmp_path, tiny_tokens, p
     assert worst_loss < TOL and worst_norm < TOL
     assert any(ref[s][1] > 0.95 for s in ref)  # clipping was active
     # The chunked loss is the plain one (to fp32 rounding), so this compares a real loss.
-    plain, _ = straight["tp1"]
+    plain, plain_ckpt = straight["tp1"]
     assert max(rel(ref[s][0], plain[s][0]) for s in ref) < 1e-4
+    # ... and it was the chunked one: it keeps no whole logits for backward.
+    chunked_act, plain_act = activation_mb(tmp_path / "tp1"), activation_mb(plain_ckpt.parent / "run")
+    assert all(chunked_act[s] < plain_act[s] for s in chunked_act), (chunked_act, plain_act)
 
 
 # A vocabulary tp does not divide (65): padded to 66 (tp 2) or 68 (tp 4), the
@@ -212,6 +222,7 @@ def test_shakespeare_char_config_runs_at_tp2_and_tp4_as_one_process(tmp_path):
         p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"{name}:\n{p.stdout}{p.stderr}"
         assert f"plan tp {tp} x dp 1" in p.stdout + p.stderr, p.stdout + p.stderr
+        assert_active(tmp_path / name, p.stdout + p.stderr, tp, args)
         metrics, _ = read_metrics(tmp_path / name / "metrics.jsonl")
         return {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics}
 

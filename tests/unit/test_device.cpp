@@ -23,26 +23,47 @@ dist::DistEnv rank_env(int rank, int local_rank) {
 }  // namespace
 
 TEST_CASE("each rank binds cuda:LOCAL_RANK, checked against the visible devices", "[device]") {
-  CHECK(dist::choose_device("cpu", rank_env(0, 0), 8, false) == c10::Device(c10::kCPU));
-  CHECK(dist::choose_device("auto", rank_env(0, 0), 0, false) == c10::Device(c10::kCPU));
-  CHECK(dist::choose_device("auto", rank_env(5, 1), 2, false) == c10::Device(c10::kCUDA, 1));
-  CHECK(dist::choose_device("cuda", rank_env(11, 3), 8, false) == c10::Device(c10::kCUDA, 3));
+  CHECK(dist::choose_device("cpu", rank_env(0, 0), 8, false, true) == c10::Device(c10::kCPU));
+  CHECK(dist::choose_device("auto", rank_env(0, 0), 0, false, true) == c10::Device(c10::kCPU));
+  CHECK(dist::choose_device("auto", rank_env(5, 1), 2, false, true) == c10::Device(c10::kCUDA, 1));
+  CHECK(dist::choose_device("cuda", rank_env(11, 3), 8, false, true) == c10::Device(c10::kCUDA, 3));
   // More local ranks than GPUs: an error naming the rank, never a shared GPU 0.
   try {
-    dist::choose_device("auto", rank_env(6, 2), 2, false);
+    dist::choose_device("auto", rank_env(6, 2), 2, false, true);
     FAIL("no error");
   } catch (const dist::DistEnvError& e) {
     CHECK_THAT(e.what(), Catch::StartsWith("rank 6: LOCAL_RANK 2 needs cuda:2 but only 2 CUDA device(s) are visible"));
   }
   try {
-    dist::choose_device("cuda", rank_env(1, 1), 0, false);
+    dist::choose_device("cuda", rank_env(1, 1), 0, false, true);
     FAIL("no error");
   } catch (const dist::DistEnvError& e) {
     CHECK(std::string(e.what()) == "rank 1: compute_config.device is cuda but no CUDA device is visible");
   }
   // NNSTRAIN_SHARE_DEVICES=1: round-robin (several Gloo ranks on one GPU).
-  CHECK(dist::choose_device("cuda", rank_env(2, 2), 1, true) == c10::Device(c10::kCUDA, 0));
-  CHECK(dist::choose_device("cuda", rank_env(3, 3), 2, true) == c10::Device(c10::kCUDA, 1));
+  CHECK(dist::choose_device("cuda", rank_env(2, 2), 1, true, true) == c10::Device(c10::kCUDA, 0));
+  CHECK(dist::choose_device("cuda", rank_env(3, 3), 2, true, true) == c10::Device(c10::kCUDA, 1));
+}
+
+TEST_CASE("a binary built without nnstrain's CUDA code never trains on a GPU", "[device]") {
+  // It links a CUDA LibTorch all the same, with the CUDA paths of the asynchronous
+  // save and the memory figures compiled out: auto takes the CPU, cuda is refused.
+  CHECK(dist::choose_device("auto", rank_env(0, 0), 8, false, false) == c10::Device(c10::kCPU));
+  CHECK(dist::choose_device("auto", rank_env(1, 1), 2, true, false) == c10::Device(c10::kCPU));
+  try {
+    dist::choose_device("cuda", rank_env(3, 1), 2, false, false);
+    FAIL("no error");
+  } catch (const dist::DistEnvError& e) {
+    CHECK_THAT(e.what(), Catch::StartsWith("rank 3: compute_config.device is cuda but this nnstrain was built without "
+                                           "its CUDA code") &&
+                             Catch::Contains("NNSTRAIN_WITH_CUDA"));
+  }
+  // This build's answer is the compile-time one.
+#ifdef NNSTRAIN_CUDA
+  CHECK(dist::built_with_cuda());
+#else
+  CHECK_FALSE(dist::built_with_cuda());
+#endif
 }
 
 TEST_CASE("allow_tf32 switches cuBLAS and cuDNN TF32 in LibTorch's context", "[device]") {

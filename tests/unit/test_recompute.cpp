@@ -10,6 +10,7 @@
 #include "models/common/recompute.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
+#include "trainer/train/cpu_memory.h"
 
 using nnstrain::models::CausalLM;
 using nnstrain::models::RuntimeOptions;
@@ -24,20 +25,27 @@ double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
 
 struct Step {
   torch::Tensor loss, next_random;
+  int64_t kept_bytes;  // tensor bytes the forward left alive for backward
 };
 
 // One forward + backward from a fixed seed; also the next draw of the CPU generator.
 Step step(CausalLM& m, const torch::Tensor& idx, const torch::Tensor& targets, uint64_t seed) {
+  nnstrain::train::install_cpu_tensor_counter();  // counts from here; idempotent
   m.zero_grad();
   torch::manual_seed(seed);
+  const int64_t before = nnstrain::train::cpu_tensor_bytes().in_use;
   auto loss = m.loss(idx, targets);
+  const int64_t kept = nnstrain::train::cpu_tensor_bytes().in_use - before;
   loss.backward();
-  return {loss.detach(), torch::rand({4})};
+  return {loss.detach(), torch::rand({4}), kept};
 }
 
 // Same loss, same gradients, and the replayed RNG leaves the stream where it was.
 void check_same(CausalLM& off, CausalLM& on, const torch::Tensor& idx, const torch::Tensor& targets) {
   const auto a = step(off, idx, targets, 7), b = step(on, idx, targets, 7);
+  // The comparison is with recompute really on: its forward keeps fewer activations.
+  INFO("bytes kept for backward: recompute off " << a.kept_bytes << ", on " << b.kept_bytes);
+  CHECK(b.kept_bytes < a.kept_bytes);
   CHECK(rel_err(b.loss, a.loss) < 1e-6);
   CHECK(torch::equal(a.next_random, b.next_random));
   const auto pa = off.named_parameters(), pb = on.named_parameters();

@@ -4,12 +4,14 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <iostream>
 #include <mutex>
 #include <thread>
 
 #ifdef NNSTRAIN_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -20,6 +22,18 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A test-only switch: NNSTRAIN_TEST_COPY_DELAY_CYCLES=N puts a GPU busy-wait of N
+// clock cycles on the copy stream ahead of the device-to-host copies, so a writer
+// that did not wait for them would write buffers not yet filled (the device tests
+// compare such checkpoints with synchronous ones, bitwise).
+int64_t test_copy_delay_cycles() {
+  static const int64_t cycles = [] {
+    const char* e = std::getenv("NNSTRAIN_TEST_COPY_DELAY_CYCLES");
+    return e ? std::stoll(e) : int64_t{0};
+  }();
+  return cycles;
 }
 
 }  // namespace
@@ -68,6 +82,7 @@ struct Saver::Impl {
       ready.record(training);
       ready.block(side);
       on_side.emplace(side);
+      if (test_copy_delay_cycles() > 0) at::cuda::sleep(test_copy_delay_cycles());
     }
 #endif
     for (size_t i = 0; i < tensors.size(); ++i) {

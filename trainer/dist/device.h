@@ -16,7 +16,13 @@ namespace nnstrain::dist {
 // naming the rank when LOCAL_RANK has no device of its own. `share` (the
 // NNSTRAIN_SHARE_DEVICES=1 escape hatch, for Gloo runs of several ranks on one
 // GPU) maps local ranks onto the visible devices round-robin instead.
-c10::Device choose_device(const std::string& want, const DistEnv& env, int visible, bool share);
+// `cuda_built`: this binary has nnstrain's CUDA code (NNSTRAIN_CUDA). One
+// without it links a CUDA LibTorch all the same, but its CUDA paths (the
+// asynchronous save's copy synchronisation, CUDA memory figures, NCCL) are
+// compiled out: it refuses `cuda` and takes the CPU under `auto`.
+c10::Device choose_device(const std::string& want, const DistEnv& env, int visible, bool share, bool cuda_built);
+// Whether this binary was built with nnstrain's CUDA code.
+bool built_with_cuda();
 
 // choose_device() on this machine, then makes the chosen CUDA device current
 // for this thread (later CUDA work, NCCL communicators and the caching

@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef NNSTRAIN_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -118,10 +120,38 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   }
 }
 
-Runtime::~Runtime() {
+void Runtime::stop_threads() {
   stop_ = true;
   if (heartbeat_.joinable()) heartbeat_.join();
   if (monitor_.joinable()) monitor_.join();
+}
+
+void Runtime::shutdown() {
+  if (shut_down_) return;
+  stop_threads();
+  shut_down_ = true;
+  for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
+    try {
+      (*it)->shutdown();
+    } catch (const std::exception& e) {
+      log::warn(std::string("process group shutdown failed (aborting the rest): ") + e.what());
+      for (; it != backends_.rend(); ++it) (*it)->abort();
+      break;
+    }
+  }
+  backends_.clear();
+}
+
+Runtime::~Runtime() {
+  stop_threads();
+  if (shut_down_) return;
+  // An error is leaving the run: abort, which never waits for peers.
+  for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
+    try {
+      (*it)->abort();
+    } catch (...) {
+    }
+  }
 }
 
 Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool cpu_only) {
@@ -152,6 +182,7 @@ Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool 
         o->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       g.backend = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, g.rank, g.size(), o);
     }
+    backends_.push_back(g.backend);
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {
@@ -241,8 +272,15 @@ void Runtime::monitor_loop() {
         std::exception_ptr error;
         bool done = false;
         try {
-          done = it->work && it->work->isCompleted();
-          if (done) error = it->work->exception();
+          if (it->work) {
+            done = it->work->isCompleted();
+            if (done) error = it->work->exception();
+          }
+#ifdef NNSTRAIN_CUDA
+          else if (it->done_event) {
+            done = std::static_pointer_cast<at::cuda::CUDAEvent>(it->done_event)->query();
+          }
+#endif
         } catch (...) {
           done = true;
           error = std::current_exception();
@@ -282,10 +320,23 @@ void Runtime::monitor_loop() {
 
 void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what) {
   try {
-    if (g.nccl)
+    if (g.nccl) {
       w->wait();  // the current stream waits for the collective; the host goes on
-    else
+#ifdef NNSTRAIN_CUDA
+      // From here the monitor watches an event behind the wait, not the work:
+      // the work holds the collective's tensors, which the caller may now free.
+      auto done = std::make_shared<at::cuda::CUDAEvent>();
+      done->record(c10::cuda::getCurrentCUDAStream());
+      std::lock_guard<std::mutex> lock(inflight_mu_);
+      for (auto& f : inflight_)
+        if (f.work.get() == w.get()) {
+          f.work.reset();
+          f.done_event = done;
+        }
+#endif
+    } else {
       w->wait(opts_.timeout);
+    }
   } catch (const CollectiveError&) {
     throw;
   } catch (const c10::Error& e) {
@@ -326,15 +377,21 @@ c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, F&& ca
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t, const char* what) {
+  ++g.traffic.all_reduce;
+  g.traffic.bytes += static_cast<int64_t>(t.nbytes());
   std::vector<at::Tensor> v{std::move(t)};
   return issue(g, what, [&] { return g.backend->allreduce(v); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
+  ++g.traffic.reduce_scatter;
+  g.traffic.bytes += static_cast<int64_t>(in.nbytes());
   return issue(g, what, [&] { return g.backend->_reduce_scatter_base(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
+  ++g.traffic.all_gather;
+  g.traffic.bytes += static_cast<int64_t>(in.nbytes());
   return issue(g, what, [&] { return g.backend->_allgather_base(out, in); });
 }
 
@@ -345,6 +402,8 @@ void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {
 
 void Runtime::all_reduce_max(Group& g, at::Tensor t, const char* what) {
   if (g.size() < 2) return;
+  ++g.traffic.all_reduce;
+  g.traffic.bytes += static_cast<int64_t>(t.nbytes());
   std::vector<at::Tensor> v{std::move(t)};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;

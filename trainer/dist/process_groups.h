@@ -36,12 +36,28 @@ struct CollectiveError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Collectives issued on a group since the start, by kind, and the bytes they
+// carried (each rank's input): the direct evidence that a layer of parallelism
+// actually communicated (metrics.jsonl's tp_* fields, the parity tests).
+struct Traffic {
+  int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;
+  int64_t bytes = 0;
+  Traffic operator-(const Traffic& o) const {
+    return {all_reduce - o.all_reduce, all_gather - o.all_gather, reduce_scatter - o.reduce_scatter, bytes - o.bytes};
+  }
+  Traffic& operator+=(const Traffic& o) {
+    all_reduce += o.all_reduce, all_gather += o.all_gather, reduce_scatter += o.reduce_scatter, bytes += o.bytes;
+    return *this;
+  }
+};
+
 struct Group {
   std::string name;                          // "world", "dp0", "tp1", ...
   std::vector<int> ranks;                    // global ranks, in group order
   int rank = 0;                              // this process's index in `ranks`
   c10::intrusive_ptr<c10d::Backend> backend; // null when size() == 1
   bool nccl = false;                         // backend is NCCL: waits go on the stream
+  Traffic traffic;
   int size() const { return static_cast<int>(ranks.size()); }
 };
 
@@ -65,7 +81,13 @@ class Runtime {
   // `store`: the job's rendezvous (rendezvous() above), made before the plan so
   // that the ranks can agree on it; null connects here. Unused for one process.
   Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_ptr<c10d::Store> store = nullptr);
+  // Without shutdown() first (an error left the run) the backends are aborted:
+  // a clean NCCL shutdown would wait for peers that may never come.
   ~Runtime();
+  // The clean exit, after the last collective: the monitor and heartbeat stop,
+  // then every backend shuts down in the reverse of its creation order (NCCL
+  // communicators finalised and destroyed, as destroy_process_group() does).
+  void shutdown();
 
   int rank() const { return rank_; }
   int world_size() const { return world_; }
@@ -106,13 +128,19 @@ class Runtime {
   void heartbeat_loop();
   void monitor_loop();
 
-  struct InFlight {                  // an NCCL collective the monitor watches
+  // An NCCL collective the monitor watches. It holds the work (and so the
+  // collective's tensors) only until the caller waits on it; from then on an
+  // event recorded behind the wait on the caller's stream stands in for it, so
+  // the monitor never keeps a temporary alive longer than the step does.
+  struct InFlight {
     int64_t seq;
     const Group* group;
     const char* what;
     std::chrono::steady_clock::time_point deadline;
-    c10::intrusive_ptr<c10d::Work> work;  // null while the backend call itself runs
+    c10::intrusive_ptr<c10d::Work> work;  // null while the backend call itself runs, and after wait()
+    std::shared_ptr<void> done_event;     // at::cuda::CUDAEvent, set by wait()
   };
+  void stop_threads();
 
   int rank_, world_;
   std::string backend_name_;
@@ -124,6 +152,8 @@ class Runtime {
   std::mutex inflight_mu_;
   std::vector<InFlight> inflight_;
   std::thread monitor_;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> backends_;  // every group's, in creation order
+  bool shut_down_ = false;
 };
 
 }  // namespace nnstrain::dist

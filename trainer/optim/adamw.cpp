@@ -11,6 +11,15 @@ double weight_decay_for(const at::Tensor& param, double weight_decay) {
   return param.dim() >= 2 ? weight_decay : 0.0;
 }
 
+namespace {
+// The gradient in the parameter's dtype: with compute_config.reduce_dtype bf16
+// under a mixed precision, fp32 masters meet bf16 gradients, which no AdamW
+// kernel takes. The upcast is a transient of the gradient's size.
+at::Tensor grad_as_param(const Segment& s) {
+  return s.grad.scalar_type() == s.param.scalar_type() ? s.grad : s.grad.to(s.param.scalar_type());
+}
+}  // namespace
+
 AdamW::AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args)
     : segments_(std::move(segments)), args_(args) {
   for (auto& s : segments_) {
@@ -56,7 +65,7 @@ void AdamW::step_loop(double lr) {
   const double bc1 = 1 - std::pow(b1, step_), bc2 = 1 - std::pow(b2, step_);
   for (size_t i = 0; i < segments_.size(); ++i) {
     auto& p = segments_[i].param;
-    const auto& g = segments_[i].grad;
+    const auto g = grad_as_param(segments_[i]);
     state_steps_[i].add_(1);
     p.mul_(1 - lr * segments_[i].weight_decay);
     exp_avg_[i].lerp_(g, 1 - b1);
@@ -85,7 +94,7 @@ void AdamW::for_each_group(Fn fn) {
     GroupTensors t;
     for (auto i : idx) {
       t.p.push_back(segments_[i].param);
-      t.g.push_back(segments_[i].grad);
+      t.g.push_back(grad_as_param(segments_[i]));
       t.m.push_back(exp_avg_[i]);
       t.v.push_back(exp_avg_sq_[i]);
       t.steps.push_back(state_steps_[i]);

@@ -35,14 +35,12 @@ struct MemorySnapshots::State {
   }
 };
 
-MemorySnapshots::MemorySnapshots(const std::string& dir, int rank, int64_t at_step)
-    : state_(std::make_shared<State>()) {
+MemorySnapshots::MemorySnapshots(const std::string& dir, int rank) : state_(std::make_shared<State>()) {
 #ifndef NNSTRAIN_CUDA
   throw config::ConfigError("memory_snapshot: true needs nnstrain built with CUDA (NNSTRAIN_WITH_CUDA=ON)");
 #else
   state_->dir = dir;
   state_->rank = rank;
-  state_->at_step = at_step;
   std::filesystem::create_directories(dir);
   // Allocations and frees with their C++ stacks, the last 100k kept (as PyTorch's docs suggest).
   // (Typed arguments: a bare "all" would pick the older overload that takes a bool.)
@@ -74,6 +72,8 @@ MemorySnapshots::~MemorySnapshots() {
   }
 #endif
 }
+
+void MemorySnapshots::set_step(int64_t at_step) { state_->at_step = at_step; }
 
 void MemorySnapshots::after_step(int64_t step) {
   if (step != state_->at_step) return;

@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "trainer/train/metrics.h"
+
 #ifdef NNSTRAIN_CUDA
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -18,6 +20,7 @@ struct StepGraph::Impl {
   int warmup = 3;
   int calls = 0;
   std::vector<data::Batch> inputs;  // what the graph reads
+  int64_t capture_peak = -1, pool = -1;
 #ifdef NNSTRAIN_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
@@ -40,6 +43,9 @@ StepGraph::StepGraph(Body body, int warmup) : impl_(std::make_unique<Impl>()) {
 }
 
 StepGraph::~StepGraph() = default;
+
+int64_t StepGraph::capture_peak_bytes() const { return impl_->capture_peak; }
+int64_t StepGraph::pool_bytes() const { return impl_->pool; }
 
 bool StepGraph::captured() const {
 #ifdef NNSTRAIN_CUDA
@@ -67,11 +73,16 @@ void StepGraph::run(const std::vector<data::Batch>& batches) {
     // The warm-up's cached blocks go back to the device, so the graph's private
     // pool can take that memory instead of doubling the footprint.
     c10::cuda::CUDACachingAllocator::emptyCache();
+    const auto device = batches.front().x.device();
+    reset_step_peak(device);
+    const int64_t reserved = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).reserved_bytes[0].current;
     m.graph = std::make_unique<at::cuda::CUDAGraph>();
     // Thread-local capture: the prefetch thread keeps pinning host memory meanwhile.
     m.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     m.body(m.inputs);
     m.graph->capture_end();
+    m.capture_peak = step_peak_bytes(device);
+    m.pool = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).reserved_bytes[0].current - reserved;
     m.graph->replay();  // capturing recorded the step without running it
   }
   ++m.calls;

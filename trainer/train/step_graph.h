@@ -34,6 +34,12 @@ class StepGraph {
   // One step on these batches (device tensors of the same shapes every step).
   void run(const std::vector<data::Batch>& batches);
   bool captured() const;
+  // Memory of a replayed step, which never calls the caching allocator (its
+  // tensors live in the graph's private pool): the most tensor bytes allocated
+  // at once while the step was captured (a replay reuses those very blocks),
+  // and the bytes the pool reserves. -1 before capture.
+  int64_t capture_peak_bytes() const;
+  int64_t pool_bytes() const;
 
  private:
   struct Impl;

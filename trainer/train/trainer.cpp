@@ -44,17 +44,26 @@ std::string fmt(double v, int prec = 4) {
   return o.str();
 }
 
-// A test-only switch: NNSTRAIN_TEST_NONFINITE_AT=STEP[:RANK] makes the loss (and
-// so every gradient) of that step non-finite on that rank (all ranks without RANK).
-bool inject_nonfinite(int64_t step, int rank) {
-  static const std::string at = [] {
-    const char* e = std::getenv("NNSTRAIN_TEST_NONFINITE_AT");
-    return std::string(e ? e : "");
-  }();
+// Test-only switches, VARIABLE=STEP[:RANK] (all ranks without RANK):
+// NNSTRAIN_TEST_NONFINITE_AT makes the loss (and so every gradient) of that step
+// non-finite; NNSTRAIN_TEST_TORCH_ERROR_AT raises a LibTorch error in it.
+bool test_switch_hits(const std::string& at, int64_t step, int rank) {
   if (at.empty()) return false;
   const auto colon = at.find(':');
   if (std::stoll(at.substr(0, colon)) != step) return false;
   return colon == std::string::npos || std::stoi(at.substr(colon + 1)) == rank;
+}
+std::string test_switch(const char* name) {
+  const char* e = std::getenv(name);
+  return e ? e : "";
+}
+bool inject_nonfinite(int64_t step, int rank) {
+  static const std::string at = test_switch("NNSTRAIN_TEST_NONFINITE_AT");
+  return test_switch_hits(at, step, rank);
+}
+bool inject_torch_error(int64_t step, int rank) {
+  static const std::string at = test_switch("NNSTRAIN_TEST_TORCH_ERROR_AT");
+  return test_switch_hits(at, step, rank);
 }
 
 // What an out-of-memory message needs, kept outside the loop's scope.
@@ -111,9 +120,11 @@ class Trainer {
   bool poison_ = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
   bool logs_ = false;    // this step logs progress
   int64_t activation_bytes_ = -1;  // held by the logged step's last forward (-1: not measured)
+  int64_t graph_activation_bytes_ = -1;  // the same, measured when the CUDA graph was captured
   std::chrono::steady_clock::time_point interval_start_;
   int64_t interval_steps_ = 0;
   int64_t interval_comm_bytes_ = 0;  // the reducer's count at the interval's start
+  dist::Traffic interval_tp_;        // the tensor-parallel group's at the interval's start (training only)
 };
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
@@ -180,13 +191,8 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       },
       start_step * accum_, args.dataloader.prefetch, device, args.dataloader.pin_memory);
 
-  if (args.memory_snapshot) {
-    if (!device.is_cuda())
-      throw config::ConfigError("memory_snapshot: true needs a CUDA device, but this run uses " + device.str() +
-                                " (on CPU metrics.jsonl records peak_tensor_mb, the step's peak tensor bytes)");
-    oom.snapshots = std::make_unique<MemorySnapshots>((fs::path(args.run_dir) / "memory").string(), rank_,
-                                                      args.memory_snapshot_step > 0 ? args.memory_snapshot_step
-                                                                                    : start_step + 1);
+  if (oom.snapshots) {  // recording since start-up (train_loop); the step to snapshot is known now
+    oom.snapshots->set_step(args.memory_snapshot_step > 0 ? args.memory_snapshot_step : start_step + 1);
     snapshots_ = oom.snapshots.get();
   }
   stop_decision_ = std::make_unique<StopDecision>(rt_.get());
@@ -300,7 +306,9 @@ void Trainer::check_finite() {
 void Trainer::log_progress() {
   // The logged step's peak tensor bytes, the most any rank held (read before the
   // logging itself allocates).
-  std::vector<int64_t> step_peak{step_peak_bytes(device_)};
+  // A replayed CUDA graph allocates nothing: its step holds what its capture held.
+  const bool replayed = graph_ && graph_->captured();
+  std::vector<int64_t> step_peak{replayed ? graph_->capture_peak_bytes() : step_peak_bytes(device_)};
   if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
   if (rt_) {
     rt_->all_reduce(rt_->dp, loss_sum_, "loss all-reduce");
@@ -318,11 +326,26 @@ void Trainer::log_progress() {
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
   if (step_peak[0] >= 0) rec["peak_tensor_mb"] = step_peak[0] / 1048576.0;
+  if (replayed) {
+    activation_bytes_ = graph_activation_bytes_;
+    rec["graph_pool_mb"] = graph_->pool_bytes() / 1048576.0;
+  }
   if (activation_bytes_ >= 0) rec["activation_mb"] = activation_bytes_ / 1048576.0;
   if (rt_) {
     const int64_t comm = tr_.reducer->communicated_bytes();
     rec["dp_comm_mb_per_step"] = double(comm - interval_comm_bytes_) / interval_steps_ / 1048576.0;
     interval_comm_bytes_ = comm;
+  }
+  if (rt_ && plan_.tp > 1) {
+    // What tensor (and sequence) parallelism sent per training step: counted at
+    // the collectives, so a plan that silently ran without it shows zeros.
+    const auto t = rt_->tp.traffic - interval_tp_;
+    const double n = double(interval_steps_);
+    rec["tp_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
+    rec["tp_collectives_per_step"] = {{"all_reduce", double(t.all_reduce) / n},
+                                      {"all_gather", double(t.all_gather) / n},
+                                      {"reduce_scatter", double(t.reduce_scatter) / n}};
+    interval_tp_ = rt_->tp.traffic;
   }
   activation_bytes_ = -1;
   check_finite();
@@ -434,9 +457,13 @@ int Trainer::run() {
     if (graph_) {
       lr_dev_.fill_(lr_);
       saver_->state_may_change();  // host side: a replayed step does not run step()'s call
+      const bool capturing = !graph_->captured();
+      logs_ = true;  // eager and captured steps measure their activations (reading counters only)
       graph_->run(batches);
+      if (capturing && graph_->captured()) graph_activation_bytes_ = activation_bytes_;
     } else {
       poison_ = inject_nonfinite(step_ + 1, rank_);
+      TORCH_CHECK(!inject_torch_error(step_ + 1, rank_), "injected error (NNSTRAIN_TEST_TORCH_ERROR_AT)");
       step(batches);
     }
     timer_.end_step();
@@ -447,7 +474,11 @@ int Trainer::run() {
 
     const bool last = step_ == max_steps;
     if (logs) log_progress();
-    if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) evaluate();
+    if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) {
+      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{};
+      evaluate();
+      if (rt_) interval_tp_ += rt_->tp.traffic - before;  // the per-step tp figures count training only
+    }
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
     const bool stop = stop_decision_->after_step(step_, g_stop_signal.load() != 0, periodic || last);
@@ -461,16 +492,28 @@ int Trainer::run() {
   saver_->wait();  // the last save is published before the run ends
   // What this rank keeps between steps (the ZeRO stages' 1/N is checked against it).
   const auto held = tr_.held_bytes();
+  int64_t elements = 0;  // this rank's parameter elements before ZeRO (after tensor parallelism)
+  for (auto& p : tr_.state->params()) elements += p.tensor.numel();
   log::info("held between steps: parameters " + std::to_string(int64_t(held.param)) + ", gradients " +
             std::to_string(int64_t(held.grad)) + ", masters " + std::to_string(int64_t(held.master)) +
-            ", optimizer moments " + std::to_string(int64_t(held.moments)) + " bytes");
+            ", optimizer moments " + std::to_string(int64_t(held.moments)) + " bytes, for " +
+            std::to_string(elements) + " parameter elements");
   if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
+  if (rt_) rt_->shutdown();  // a clean exit: NCCL communicators finalised, not aborted
   return 0;
 }
 
 int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts, OomContext& oom) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.compute_config.collective_timeout_s * 1000));
   const torch::Device device = start_rank(args, env);
+  if (args.memory_snapshot) {
+    // Recording starts before the first device allocation, so an out-of-memory
+    // at start-up (state that does not fit, the most common one) is recorded too.
+    if (!device.is_cuda())
+      throw config::ConfigError("memory_snapshot: true needs a CUDA device, but this run uses " + device.str() +
+                                " (on CPU metrics.jsonl records peak_tensor_mb, the step's peak tensor bytes)");
+    oom.snapshots = std::make_unique<MemorySnapshots>((fs::path(args.run_dir) / "memory").string(), env.rank);
+  }
   const auto whole = describe_model(args);
   auto agreed = decide_plan(args, env, *whole, device, timeout);
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
