@@ -15,7 +15,10 @@
 #   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile
 #   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
 #   zero              ZeRO stages 0-3 at one rank (NCCL): GPT-2 124M losses vs stage 0,
-#                     allocator peak vs the planner's estimate, ms/step
+#                     allocator peak vs the planner's estimate, ms/step; stages 2 and 3
+#                     with gradient accumulation 4 (peak within 5% of accumulation 1)
+#   startup_oom       memory_snapshot: true on a model whose state cannot fit: exit 1,
+#                     the message names the snapshot, the snapshot exists
 # A benchmark phase builds only the nnstrain binary if there is none (or uses
 # NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
 #
@@ -196,6 +199,22 @@ PY
   return $rc
 }
 
+phase_startup_oom() {
+  # shakespeare_char widened to ~80 B parameters: its state (18 bytes each under
+  # bf16-mixed) cannot fit one GPU, so the first big allocation fails at start-up.
+  local bin d=$res/startup_oom
+  bin=$(nnstrain_bin) || return 1
+  mkdir -p "$d"
+  "$bin" --config "$root/bench/gpu/configs/shakespeare_char.yaml" --vars.data_dir "$root/data/shakespeare_char" \
+    --run_dir "$d/run" --model.args.n_embd 4096 --model.args.n_head 32 --model.args.n_layer 400 \
+    --compute_config.memory_budget_gb 100000 --memory_snapshot true --max_train_steps 1 > "$d/nnstrain.log" 2>&1
+  local rc=$? snap=$d/run/memory/rank0_oom.pickle
+  tail -n 3 "$d/nnstrain.log"
+  say "startup_oom: rc $rc (want 1); snapshot $(ls -l "$snap" 2>/dev/null | awk '{print $5 " bytes"}' || echo MISSING)"
+  [ "$rc" = 1 ] && grep -q "out of memory" "$d/nnstrain.log" && grep -q "memory snapshot $snap" "$d/nnstrain.log" \
+    && [ -s "$snap" ]
+}
+
 phase_bench() {  # driver phases...
   local bin
   bin=$(nnstrain_bin) || { say "no nnstrain binary (the build failed): PyTorch references only"; bin=$build/nnstrain; }
@@ -205,7 +224,7 @@ phase_bench() {  # driver phases...
   [ -n "${NNSTRAIN_BATTERY_SKIP_COMPILE:-}" ] && args+=(--skip-compile)
   "$py" "$root/bench/gpu/driver.py" "$@" "${args[@]}"
 }
-export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench
+export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench phase_startup_oom
 export root build prefix py smoke res out t_start budget
 
 for p in "${phases[@]}"; do
@@ -218,7 +237,8 @@ for p in "${phases[@]}"; do
     llama)            run_phase llama 420 bash -c 'phase_bench llama' ;;
     shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
     zero)             run_phase zero 300 bash -c 'phase_bench zero' ;;
-    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero)" ;;
+    startup_oom)      run_phase startup_oom 120 bash -c phase_startup_oom ;;
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero startup_oom)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.
