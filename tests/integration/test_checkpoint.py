@@ -36,7 +36,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, Run, device_args, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, SOURCE, Run, assert_active, device_args, nnstrain_bin_path, read_metrics, single_process_env
 
 CONFIG = CONFIGS / "tiny_gpt.yaml"
 STEPS, CUT = 40, 20
@@ -80,8 +80,11 @@ def train(nproc, *overrides, run_dir, resume=None, check=True, timeout=240):
 
 def plan_run(plan, tokens, d, *more, resume=None, check=True):
     nproc, extra = PLANS[plan]
-    return train(nproc, "--vars.data", tokens, "--checkpoint.save_dir", d / "ckpt", *extra, *more,
-                 run_dir=d, resume=resume, check=check)
+    run = train(nproc, "--vars.data", tokens, "--checkpoint.save_dir", d / "ckpt", *extra, *more,
+                run_dir=d, resume=resume, check=check)
+    if run.returncode == 0 and (d / "plan.json").exists():
+        assert_active(d, run.output, nproc, extra)  # resumes compare plans that really ran as named
+    return run
 
 
 def by_step(run):

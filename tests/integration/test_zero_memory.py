@@ -65,3 +65,26 @@ def test_zero3_dp4_trains_within_a_budget_one_process_cannot_meet(tiny_tokens, t
     # Measured within the budget, and near the planner's estimate (so the budget test is not vacuous).
     assert max(peaks) <= budget * GIB, (max(peaks), budget * GIB)
     assert abs(max(peaks) / z3_need - 1) < 0.10, (max(peaks), z3_need)
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_zero_small_model_at_the_default_bucket_cap_peaks_as_planned(tiny_tokens, tmp_path, stage):
+    # The default reducer_bucket_cap_mb (25) is far above this model's whole
+    # gradient (~3 MiB): ZeRO-2's pooled bucket buffers must be sized to the
+    # buckets, not to the cap (they once peaked at 26 MiB per rank where ZeRO-1
+    # held about 1.5), and the planner's estimate must agree with what is measured.
+    cap = ["--compute_config.reducer_bucket_cap_mb", 25]
+    p = plan(tiny_tokens, 2, "--micro_batch_size", 4, "--compute_config.use_zero", stage, *cap)
+    assert p.returncode == 0, p.stdout + p.stderr
+    estimate = json.loads(p.stdout)["plan"]["estimate"]["total_bytes"]
+    run_dir = tmp_path / f"zero{stage}"
+    args = [nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", "--config", str(CONFIG),
+            "--vars.data", str(tiny_tokens), "--run_dir", str(run_dir), "--micro_batch_size", "4",
+            "--max_train_steps", "3", "--compute_config.use_zero", str(stage), *map(str, cap), *MODEL, *device_args(2)]
+    run = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    train, _ = read_metrics(run_dir / "metrics.jsonl")
+    peak = max(r["peak_tensor_mb"] for r in train) * 2 ** 20
+    print(f"\nZeRO-{stage} dp2 at a 25 MiB bucket cap: peak {peak / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB")
+    assert peak < 25 * 2 ** 20, peak  # no cap-sized buffer (one alone would be 25 MiB)
+    assert abs(peak / estimate - 1) < 0.10, (peak, estimate)

@@ -195,7 +195,13 @@ int64_t TrainingState::bucket_class(size_t b) const {
   const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
                                                static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
   const int64_t z = layout_.zsize;
-  return std::max(n, (cap + z - 1) / z * z);  // every bucket within the cap fits the cap's class
+  // Every bucket within the cap fits one class: the largest such bucket, not the
+  // cap itself (a model whose gradients are smaller than one cap would otherwise
+  // pool whole cap-sized buffers: 25 MiB each by default, for a 1 MiB model).
+  int64_t largest = 0;
+  for (const auto& other : layout_.buckets)
+    if (other.end - other.begin <= cap) largest = std::max(largest, other.end - other.begin);
+  return std::max(n, (std::min(cap, largest) + z - 1) / z * z);
 }
 
 at::Tensor& TrainingState::bucket_grad(size_t b) {
