@@ -1,0 +1,505 @@
+#include "trainer/parallel/pipeline_schedule.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <tuple>
+
+namespace nnstrain::parallel::pipeline {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::string fail_text(const Schedule& s, const std::string& why, const std::vector<int>& waiting = {}) {
+  return "pipeline schedule " + s.name + ": " + why + "\n" + grid(s, waiting);
+}
+
+std::string token(const Action& a) {
+  const std::string at = std::to_string(a.stage) + "." + std::to_string(a.micro);
+  switch (a.op) {
+    case Op::F: return "F" + at;
+    case Op::B: return "B" + at;
+    case Op::I: return "I" + at;
+    case Op::W: return "W" + at;
+    case Op::Send: return std::string(a.grad ? "sg" : "sa") + at + ">" + std::to_string(a.peer);
+    case Op::Recv: return std::string(a.grad ? "rg" : "ra") + at + "<" + std::to_string(a.peer);
+  }
+  return "?";
+}
+
+Schedule empty(const std::string& name, int ranks, int stages, int micros) {
+  Schedule s;
+  s.name = name;
+  s.ranks = ranks;
+  s.stages = stages;
+  s.micros = micros;
+  s.actions.assign(ranks, {});
+  return s;
+}
+
+void place_looped(Schedule& s) {
+  s.stage_rank.resize(s.stages);
+  for (int st = 0; st < s.stages; ++st) s.stage_rank[st] = st % s.ranks;
+}
+
+void place_v(Schedule& s) {
+  s.stage_rank.resize(s.stages);
+  for (int st = 0; st < s.stages; ++st) s.stage_rank[st] = st < s.ranks ? st : 2 * s.ranks - 1 - st;
+}
+
+Schedule gpipe(int p, int m) {
+  auto s = empty("gpipe", p, p, m);
+  place_looped(s);
+  for (int r = 0; r < p; ++r) {
+    for (int j = 0; j < m; ++j) s.actions[r].push_back({Op::F, r, j});
+    for (int j = 0; j < m; ++j) s.actions[r].push_back({Op::B, r, j});
+  }
+  return s;
+}
+
+Schedule one_f_one_b(int p, int m) {
+  auto s = empty("1f1b", p, p, m);
+  place_looped(s);
+  for (int r = 0; r < p; ++r) {
+    const int warm = std::min(p - 1 - r, m);
+    auto& a = s.actions[r];
+    for (int j = 0; j < warm; ++j) a.push_back({Op::F, r, j});
+    for (int j = 0; j < m; ++j) {
+      if (warm + j < m) a.push_back({Op::F, r, warm + j});
+      a.push_back({Op::B, r, j});
+    }
+  }
+  return s;
+}
+
+// Megatron-LM's interleaved 1F1B: the k-th forward of a rank runs chunk
+// (k / p) % v on micro-batch (k / (p v)) p + k % p; backwards the chunks in reverse.
+Schedule interleaved(int p, int v, int m) {
+  auto s = empty("1f1b_interleaved", p, p * v, m);
+  place_looped(s);
+  const int total = m * v;
+  auto action = [&](int r, int k, bool forward) {
+    int chunk = (k % (p * v)) / p;
+    if (!forward) chunk = v - 1 - chunk;
+    const int micro = (k / (p * v)) * p + k % p;
+    return Action{forward ? Op::F : Op::B, chunk * p + r, micro};
+  };
+  for (int r = 0; r < p; ++r) {
+    const int warm = std::min(total, (p - r - 1) * 2 + (v - 1) * p);
+    auto& a = s.actions[r];
+    for (int k = 0; k < warm; ++k) a.push_back(action(r, k, true));
+    for (int i = 0; i < total - warm; ++i) {
+      a.push_back(action(r, warm + i, true));
+      a.push_back(action(r, i, false));
+    }
+    for (int k = total - warm; k < total; ++k) a.push_back(action(r, k, false));
+  }
+  return s;
+}
+
+// Zero-bubble schedules by list scheduling at unit costs (F = I = W): a free
+// rank takes a ready I first (it unblocks the stage before), then a ready F
+// while its live activations are under `limit[r]` stage-activations, then a
+// pending W (deferrable: it fills what would be a bubble). The order each rank
+// ran its actions in is the schedule.
+Schedule zero_bubble(Schedule s, const std::vector<int>& limit) {
+  const int S = s.stages, m = s.micros;
+  std::vector<std::vector<double>> f_done(S, std::vector<double>(m, kInf)), i_done = f_done;
+  std::vector<int> next_f(S, 0), next_i(S, 0);
+  std::vector<std::vector<std::pair<int, int>>> pending_w(s.ranks);  // (stage, micro) with I done
+  std::vector<double> free_at(s.ranks, 0.0);
+  std::vector<int> live(s.ranks, 0);
+  int left = 3 * S * m;
+  double t = 0;
+  while (left > 0) {
+    for (int r = 0; r < s.ranks; ++r) {
+      if (free_at[r] > t) continue;
+      // Candidates on this rank's stages, the lowest micro-batch first, then the later stage.
+      std::optional<Action> pick;
+      auto better = [](const Action& a, const std::optional<Action>& b) {
+        return !b || std::make_tuple(a.micro, -a.stage) < std::make_tuple(b->micro, -b->stage);
+      };
+      for (int st = 0; st < S; ++st) {
+        if (s.stage_rank[st] != r || next_i[st] >= m) continue;
+        const int j = next_i[st];
+        const bool ready = f_done[st][j] <= t && (st == S - 1 || i_done[st + 1][j] <= t);
+        if (ready && better({Op::I, st, j}, pick)) pick = Action{Op::I, st, j};
+      }
+      if (!pick && live[r] < limit[r]) {
+        for (int st = 0; st < S; ++st) {
+          if (s.stage_rank[st] != r || next_f[st] >= m) continue;
+          const int j = next_f[st];
+          if ((st == 0 || f_done[st - 1][j] <= t) && better({Op::F, st, j}, pick)) pick = Action{Op::F, st, j};
+        }
+      }
+      if (!pick && !pending_w[r].empty()) {
+        const auto [st, j] = pending_w[r].front();
+        pending_w[r].erase(pending_w[r].begin());
+        pick = Action{Op::W, st, j};
+      }
+      if (!pick) continue;
+      s.actions[r].push_back(*pick);
+      free_at[r] = t + 1;
+      --left;
+      const auto& a = *pick;
+      if (a.op == Op::F) {
+        f_done[a.stage][a.micro] = t + 1;
+        ++next_f[a.stage];
+        ++live[r];
+      } else if (a.op == Op::I) {
+        i_done[a.stage][a.micro] = t + 1;
+        ++next_i[a.stage];
+        --live[r];
+        pending_w[r].push_back({a.stage, a.micro});
+      }
+    }
+    t += 1;  // unit costs: every event falls on a whole time step
+    if (t > 10.0 * (3 * S * m + S)) throw ScheduleError("pipeline schedule " + s.name + ": the generator stalled");
+  }
+  return s;
+}
+
+bool has_transfers(const Schedule& s) {
+  for (const auto& row : s.actions)
+    for (const auto& a : row)
+      if (a.op == Op::Send || a.op == Op::Recv) return true;
+  return false;
+}
+
+}  // namespace
+
+const std::vector<std::string>& scheduler_names() {
+  static const std::vector<std::string> names{"gpipe", "1f1b", "1f1b_interleaved", "zb1p", "zbv"};
+  return names;
+}
+
+Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int micros) {
+  const std::string what = "pipeline_scheduler " + scheduler + " with pp_size " + std::to_string(ranks) +
+                           ", pipeline_nstages " + std::to_string(stages) + ", pipeline_nmicros " +
+                           std::to_string(micros) + ": ";
+  if (ranks < 1 || stages < 1 || micros < 1) throw ScheduleError(what + "every count must be at least 1");
+  if (scheduler == "gpipe" || scheduler == "1f1b" || scheduler == "zb1p") {
+    if (stages != ranks) throw ScheduleError(what + "needs one stage per rank (pipeline_nstages == pp_size)");
+    if (scheduler == "gpipe") return gpipe(ranks, micros);
+    if (scheduler == "1f1b") return one_f_one_b(ranks, micros);
+    auto s = empty("zb1p", ranks, stages, micros);
+    place_looped(s);
+    std::vector<int> limit(ranks);
+    for (int r = 0; r < ranks; ++r) limit[r] = ranks - r;  // 1F1B's activations: rank r holds p - r
+    return zero_bubble(std::move(s), limit);
+  }
+  if (scheduler == "1f1b_interleaved") {
+    if (stages % ranks != 0 || stages / ranks < 2)
+      throw ScheduleError(what + "needs pipeline_nstages a multiple (2 or more) of pp_size");
+    if (micros % ranks != 0) throw ScheduleError(what + "needs pipeline_nmicros a multiple of pp_size");
+    return interleaved(ranks, stages / ranks, micros);
+  }
+  if (scheduler == "zbv") {
+    if (stages != 2 * ranks) throw ScheduleError(what + "needs two stages per rank (pipeline_nstages == 2 x pp_size)");
+    auto s = empty("zbv", ranks, stages, micros);
+    place_v(s);
+    // The same activation memory as 1F1B's rank 0 (p whole stages), in half-size stages.
+    return zero_bubble(std::move(s), std::vector<int>(ranks, 2 * ranks));
+  }
+  std::string known;
+  for (const auto& n : scheduler_names()) known += (known.empty() ? "" : ", ") + n;
+  throw ScheduleError("pipeline_scheduler " + scheduler + " is not one of " + known);
+}
+
+void validate(const Schedule& s) {
+  if (s.ranks < 1 || s.stages < 1 || s.micros < 1 || static_cast<int>(s.actions.size()) != s.ranks)
+    throw ScheduleError(fail_text(s, "ranks, stages and micros must be at least 1, one action list per rank"));
+  if (static_cast<int>(s.stage_rank.size()) != s.stages)
+    throw ScheduleError(fail_text(s, "the placement names " + std::to_string(s.stage_rank.size()) + " stages, not " +
+                                         std::to_string(s.stages)));
+  std::vector<bool> used(s.ranks, false);
+  for (int st = 0; st < s.stages; ++st) {
+    if (s.stage_rank[st] < 0 || s.stage_rank[st] >= s.ranks)
+      throw ScheduleError(fail_text(s, "stage " + std::to_string(st) + " is placed on rank " +
+                                           std::to_string(s.stage_rank[st]) + ", outside 0.." +
+                                           std::to_string(s.ranks - 1)));
+    used[s.stage_rank[st]] = true;
+  }
+  for (int r = 0; r < s.ranks; ++r)
+    if (!used[r]) throw ScheduleError(fail_text(s, "rank " + std::to_string(r) + " holds no stage"));
+  // Position of each compute action in its rank's list; counts.
+  std::map<std::tuple<int, int, int>, int> pos;  // (op, stage, micro) -> index
+  for (int r = 0; r < s.ranks; ++r) {
+    for (int k = 0; k < static_cast<int>(s.actions[r].size()); ++k) {
+      const auto& a = s.actions[r][k];
+      if (a.op == Op::Send || a.op == Op::Recv) continue;
+      const std::string what = token(a) + " on rank " + std::to_string(r);
+      if (a.stage < 0 || a.stage >= s.stages || a.micro < 0 || a.micro >= s.micros)
+        throw ScheduleError(fail_text(s, what + ": no such stage or micro-batch"));
+      if (s.stage_rank[a.stage] != r)
+        throw ScheduleError(fail_text(s, what + ": stage " + std::to_string(a.stage) + " lives on rank " +
+                                             std::to_string(s.stage_rank[a.stage])));
+      if (!pos.emplace(std::make_tuple(int(a.op), a.stage, a.micro), k).second)
+        throw ScheduleError(fail_text(s, what + " appears twice"));
+    }
+  }
+  auto at = [&](Op op, int st, int j) {
+    auto it = pos.find({int(op), st, j});
+    return it == pos.end() ? -1 : it->second;
+  };
+  for (int st = 0; st < s.stages; ++st) {
+    for (int j = 0; j < s.micros; ++j) {
+      const std::string who = "stage " + std::to_string(st) + " micro-batch " + std::to_string(j);
+      const int f = at(Op::F, st, j), b = at(Op::B, st, j), i = at(Op::I, st, j), w = at(Op::W, st, j);
+      if (f < 0) throw ScheduleError(fail_text(s, who + " has no forward (F)"));
+      if (b >= 0 && (i >= 0 || w >= 0))
+        throw ScheduleError(fail_text(s, who + " has both a whole backward (B) and a split one (I, W)"));
+      if (b < 0 && (i < 0 || w < 0)) throw ScheduleError(fail_text(s, who + " has no backward (B, or I and W)"));
+      if ((b >= 0 ? b : i) < f) throw ScheduleError(fail_text(s, who + ": its backward comes before its forward"));
+      if (i >= 0 && w < i) throw ScheduleError(fail_text(s, who + ": W comes before I"));
+    }
+  }
+}
+
+Schedule lower(const Schedule& s) {
+  validate(s);
+  Schedule out = s;
+  for (int r = 0; r < s.ranks; ++r) {
+    auto& row = out.actions[r];
+    row.clear();
+    for (const auto& a : s.actions[r]) {
+      const bool fwd = a.op == Op::F, bwd = a.op == Op::B || a.op == Op::I;
+      if (fwd && a.stage > 0 && s.stage_rank[a.stage - 1] != r)
+        row.push_back({Op::Recv, a.stage, a.micro, s.stage_rank[a.stage - 1], false});
+      if (bwd && a.stage + 1 < s.stages && s.stage_rank[a.stage + 1] != r)
+        row.push_back({Op::Recv, a.stage, a.micro, s.stage_rank[a.stage + 1], true});
+      row.push_back(a);
+      if (fwd && a.stage + 1 < s.stages && s.stage_rank[a.stage + 1] != r)
+        row.push_back({Op::Send, a.stage + 1, a.micro, s.stage_rank[a.stage + 1], false});
+      if (bwd && a.stage > 0 && s.stage_rank[a.stage - 1] != r)
+        row.push_back({Op::Send, a.stage - 1, a.micro, s.stage_rank[a.stage - 1], true});
+    }
+  }
+  return out;
+}
+
+double Simulation::mean_bubble() const {
+  if (busy.empty()) return 0;
+  double sum = 0;
+  for (size_t r = 0; r < busy.size(); ++r) sum += bubble(static_cast<int>(r));
+  return sum / double(busy.size());
+}
+
+Simulation simulate(const Schedule& s, const Costs& c) {
+  const bool lowered = has_transfers(s);
+  const int S = s.stages, m = s.micros;
+  // Finish times: compute actions by (op, stage, micro); sends by (grad, consumer stage, micro).
+  std::vector<std::vector<double>> f_done(S, std::vector<double>(m, kInf)), back_done = f_done, w_done = f_done;
+  std::map<std::tuple<bool, int, int>, double> sent, received;
+  std::vector<size_t> next(s.ranks, 0);
+  std::vector<double> free_at(s.ranks, 0.0);
+  Simulation sim;
+  sim.busy.assign(s.ranks, 0.0);
+  sim.peak_live.assign(s.ranks, 0);
+  std::vector<int> live(s.ranks, 0);
+  size_t left = 0;
+  for (const auto& row : s.actions) left += row.size();
+
+  // When rank r's next action could start (kInf: what it needs is not done yet).
+  auto ready_at = [&](int r, const Action& a) -> double {
+    auto cross = [&](int producer_stage, double done) {  // a dependency, maybe on another rank
+      if (s.stage_rank[producer_stage] == s.stage_rank[a.stage] || done == kInf) return done;
+      if (!lowered) return done + c.comm;
+      const bool grad = producer_stage > a.stage;
+      auto it = received.find({grad, a.stage, a.micro});
+      return it == received.end() ? kInf : it->second;
+    };
+    double dep = 0;
+    switch (a.op) {
+      case Op::F:
+        if (a.stage > 0) dep = cross(a.stage - 1, f_done[a.stage - 1][a.micro]);
+        break;
+      case Op::B:
+      case Op::I:
+        dep = f_done[a.stage][a.micro];
+        if (a.stage + 1 < S) dep = std::max(dep, cross(a.stage + 1, back_done[a.stage + 1][a.micro]));
+        break;
+      case Op::W:
+        dep = back_done[a.stage][a.micro];
+        break;
+      case Op::Send: {
+        // What is sent was produced by this rank: the forward of the stage before
+        // the consumer, or the backward of the stage after it.
+        const int producer = a.grad ? a.stage + 1 : a.stage - 1;
+        dep = a.grad ? back_done[producer][a.micro] : f_done[producer][a.micro];
+        break;
+      }
+      case Op::Recv: {
+        auto it = sent.find({a.grad, a.stage, a.micro});
+        dep = it == sent.end() ? kInf : it->second + c.comm;
+        break;
+      }
+    }
+    return std::max(dep, free_at[r]);
+  };
+
+  while (left > 0) {
+    int best = -1;
+    double best_t = kInf;
+    for (int r = 0; r < s.ranks; ++r) {
+      if (next[r] >= s.actions[r].size()) continue;
+      const double t = ready_at(r, s.actions[r][next[r]]);
+      if (t < best_t) best_t = t, best = r;
+    }
+    if (best < 0) {
+      std::vector<int> waiting(s.ranks, -1);
+      std::string who;
+      for (int r = 0; r < s.ranks; ++r)
+        if (next[r] < s.actions[r].size()) {
+          waiting[r] = static_cast<int>(next[r]);
+          who += (who.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " on " +
+                 token(s.actions[r][next[r]]);
+        }
+      throw ScheduleError(fail_text(s, "deadlock: no rank can go on (" + who + ")", waiting));
+    }
+    const auto& a = s.actions[best][next[best]++];
+    --left;
+    double dur = 0;
+    switch (a.op) {
+      case Op::F: dur = c.f; break;
+      case Op::B: dur = c.i + c.w; break;
+      case Op::I: dur = c.i; break;
+      case Op::W: dur = c.w; break;
+      default: break;  // transfers cost the receiver c.comm of waiting, no compute
+    }
+    const double end = best_t + dur;
+    free_at[best] = end;
+    sim.busy[best] += dur;
+    sim.makespan = std::max(sim.makespan, end);
+    switch (a.op) {
+      case Op::F:
+        f_done[a.stage][a.micro] = end;
+        sim.peak_live[best] = std::max(sim.peak_live[best], ++live[best]);
+        break;
+      case Op::B:
+        back_done[a.stage][a.micro] = w_done[a.stage][a.micro] = end;
+        --live[best];
+        break;
+      case Op::I:
+        back_done[a.stage][a.micro] = end;
+        --live[best];
+        break;
+      case Op::W: w_done[a.stage][a.micro] = end; break;
+      case Op::Send: sent[{a.grad, a.stage, a.micro}] = end; break;
+      case Op::Recv: received[{a.grad, a.stage, a.micro}] = end; break;
+    }
+  }
+  return sim;
+}
+
+std::string grid(const Schedule& s, const std::vector<int>& waiting) {
+  std::ostringstream o;
+  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r) {
+    o << "  rank " << r << " |";
+    for (int k = 0; k < static_cast<int>(s.actions[r].size()); ++k) {
+      const bool mark = r < static_cast<int>(waiting.size()) && waiting[r] == k;
+      o << ' ' << (mark ? "[" : "") << token(s.actions[r][k]) << (mark ? "]" : "");
+    }
+    o << '\n';
+  }
+  return o.str();
+}
+
+std::string to_text(const Schedule& s) {
+  std::ostringstream o;
+  o << "schedule " << s.name << " ranks " << s.ranks << " stages " << s.stages << " micros " << s.micros << "\n";
+  o << "placement";
+  for (int r : s.stage_rank) o << ' ' << r;
+  o << "\n";
+  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r) {
+    o << "rank " << r << ":";
+    for (const auto& a : s.actions[r]) o << ' ' << token(a);
+    o << "\n";
+  }
+  return o.str();
+}
+
+Schedule from_text(const std::string& text, const std::string& what) {
+  std::istringstream in(text);
+  std::string line;
+  int line_no = 0;
+  Schedule s;
+  auto bad = [&](const std::string& why) {
+    return ScheduleError(what + " line " + std::to_string(line_no) + ": " + why);
+  };
+  auto parse_int = [&](const std::string& t) {
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(t, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != t.size() || t.empty()) throw bad("'" + t + "' is not a whole number");
+    return v;
+  };
+  bool header = false, placement = false;
+  while (std::getline(in, line)) {
+    ++line_no;
+    std::istringstream words(line);
+    std::string key;
+    if (!(words >> key) || key[0] == '#') continue;
+    if (key == "schedule") {
+      std::string k1, v1, k2, v2, k3, v3;
+      if (!(words >> s.name >> k1 >> v1 >> k2 >> v2 >> k3 >> v3) || k1 != "ranks" || k2 != "stages" || k3 != "micros")
+        throw bad("expected 'schedule NAME ranks R stages S micros M'");
+      s.ranks = parse_int(v1), s.stages = parse_int(v2), s.micros = parse_int(v3);
+      if (s.ranks < 1 || s.ranks > 4096 || s.stages < 1 || s.stages > 65536 || s.micros < 1 || s.micros > 1 << 20)
+        throw bad("ranks, stages and micros out of range");
+      s.actions.assign(s.ranks, {});
+      header = true;
+    } else if (key == "placement") {
+      if (!header) throw bad("placement before the schedule line");
+      std::string t;
+      while (words >> t) s.stage_rank.push_back(parse_int(t));
+      placement = true;
+    } else if (key == "rank") {
+      if (!placement) throw bad("a rank's actions before the placement line");
+      std::string r_text;
+      words >> r_text;
+      if (r_text.empty() || r_text.back() != ':') throw bad("expected 'rank R: ACTION ...'");
+      const int r = parse_int(r_text.substr(0, r_text.size() - 1));
+      if (r < 0 || r >= s.ranks) throw bad("rank " + std::to_string(r) + " outside 0.." + std::to_string(s.ranks - 1));
+      std::string t;
+      while (words >> t) {
+        Action a;
+        const char c = t[0];
+        if (c == 'F') a.op = Op::F;
+        else if (c == 'B') a.op = Op::B;
+        else if (c == 'I') a.op = Op::I;
+        else if (c == 'W') a.op = Op::W;
+        else throw bad("'" + t + "' is not an action (F, B, I or W followed by STAGE.MICRO)");
+        const auto dot = t.find('.');
+        if (dot == std::string::npos) throw bad("'" + t + "': expected STAGE.MICRO after the letter");
+        a.stage = parse_int(t.substr(1, dot - 1));
+        a.micro = parse_int(t.substr(dot + 1));
+        s.actions[r].push_back(a);
+      }
+    } else {
+      throw bad("unknown line '" + key + "' (schedule, placement or rank)");
+    }
+  }
+  if (!header || !placement) throw ScheduleError(what + ": no 'schedule' and 'placement' lines");
+  validate(s);
+  return s;
+}
+
+uint64_t hash(const Schedule& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char ch : to_text(s)) {
+    h ^= ch;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+}  // namespace nnstrain::parallel::pipeline

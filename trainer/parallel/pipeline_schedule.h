@@ -1,0 +1,101 @@
+// Pipeline schedules as data (DESIGN.md: "A schedule is data, checked before it
+// runs"). A schedule is, per pipeline rank, the ordered list of what that rank
+// does: forward (F), backward (B), or backward split into its input-gradient
+// (I) and weight-gradient (W) halves, each for one stage and one micro-batch.
+// It is generated, validated, lowered (sends and receives inserted between
+// ranks, a local hand-off where adjacent stages share a rank), dry-run for
+// deadlock and simulated in time, and hashed, identically on every rank; the
+// planner's simulator and the runtime run the same lists, so a predicted bubble
+// can be compared with a measured one and a hang can name the action it waited on.
+// No LibTorch: plain data, in nnstrain_base.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nnstrain::parallel::pipeline {
+
+enum class Op { F, B, I, W, Send, Recv };
+
+struct Action {
+  Op op = Op::F;
+  int stage = 0;
+  int micro = 0;
+  int peer = -1;      // Send / Recv: the other rank
+  bool grad = false;  // Send / Recv: a gradient going back rather than an activation going forward
+  bool operator==(const Action& o) const {
+    return op == o.op && stage == o.stage && micro == o.micro && peer == o.peer && grad == o.grad;
+  }
+};
+
+// A schedule that cannot run; what() holds the reason and the action grid.
+struct ScheduleError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Schedule {
+  std::string name;
+  int ranks = 1, stages = 1, micros = 1;
+  std::vector<int> stage_rank;               // stage -> the pipeline rank holding it
+  std::vector<std::vector<Action>> actions;  // per rank, in the order it runs them
+};
+
+// The schedulers pipeline_scheduler names:
+//   gpipe             every forward, then every backward (stages == ranks)
+//   1f1b              one forward one backward after a warm-up (stages == ranks)
+//   1f1b_interleaved  Megatron's: stages = v x ranks looped over the ranks
+//                     (stage s on rank s % ranks), micros a multiple of ranks
+//   zb1p              1F1B's memory, backward split into I and W, W filling bubbles
+//   zbv               zero-bubble V: stages = 2 x ranks, rank r holding stages r
+//                     and 2 x ranks - 1 - r, backward split, W filling bubbles
+// Throws ScheduleError naming the constraint a combination breaks.
+Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int micros);
+const std::vector<std::string>& scheduler_names();
+
+// Every micro-batch's F, then its B (or I then W) for every stage, each on the
+// rank holding the stage, F before B/I and I before W where they share a rank.
+void validate(const Schedule& s);
+
+// Inserts the transfers: after a forward whose next stage lives on another rank a
+// Send of the activation, before the consuming forward a Recv; the same for the
+// gradient going back. Adjacent stages on one rank hand off locally (nothing inserted).
+Schedule lower(const Schedule& s);
+
+// Durations of one action of one stage; B = I + W.
+struct Costs {
+  double f = 1, i = 1, w = 1;
+  double comm = 0;  // a transfer between ranks
+};
+
+struct Simulation {
+  double makespan = 0;
+  std::vector<double> busy;      // per rank: time spent computing
+  std::vector<int> peak_live;    // per rank: most micro-batch activations held at once (F done, B/I not yet)
+  double bubble(int rank) const { return makespan > 0 ? 1 - busy[rank] / makespan : 0; }
+  double mean_bubble() const;
+};
+
+// Runs the schedule (compute lists, or lowered ones with sends and receives) in
+// time: each rank in its order, an action starting once its rank is free and
+// what it consumes is done. Throws ScheduleError if no rank can go on (a
+// deadlock), the grid marking each rank's action that waits.
+Simulation simulate(const Schedule& s, const Costs& c = {});
+
+// One row per rank: "rank 0 | F0.0 F0.1 B0.0 ..." (stage.micro); `waiting[r]`,
+// when given, is the index of rank r's action to mark as [waited on] (-1: none).
+std::string grid(const Schedule& s, const std::vector<int>& waiting = {});
+
+// The text form (a schedule can be loaded from a file and is validated the same way):
+//   schedule NAME ranks R stages S micros M
+//   placement RANK_OF_STAGE_0 RANK_OF_STAGE_1 ...
+//   rank 0: F0.0 F0.1 I0.0 W0.0 ...
+std::string to_text(const Schedule& s);
+// Throws ScheduleError naming `what` (a file name) and the line at fault.
+Schedule from_text(const std::string& text, const std::string& what = "schedule");
+
+// FNV-1a of the text form: what the ranks agree on.
+uint64_t hash(const Schedule& s);
+
+}  // namespace nnstrain::parallel::pipeline
