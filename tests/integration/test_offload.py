@@ -27,11 +27,16 @@ import subprocess
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, SOURCE, TEST_DEVICE, device_args, nnstrain_bin_path, read_metrics, single_process_env
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
 STEPS, MICRO = 20, 4
 BF16_RTOL = 2e-2  # bf16-mixed: the host and device casts agree, but the order of bf16 sums may not
+# On CPU the host step is the very kernel the device step runs: bitwise. On a
+# GPU (NNSTRAIN_TEST_DEVICE=cuda, `ctest -L device`) the CPU's fused AdamW
+# rounds differently from CUDA's, and CUDA's backward is not bitwise
+# repeatable: float tolerance there.
+EXACT = 0 if TEST_DEVICE == "cpu" else 1e-4
 
 OFFLOAD = ("--compute_config.offload.optimizer", "true")
 # name: (processes, overrides)
@@ -148,8 +153,9 @@ def compare(ref, off, rtol):
 def test_offload_is_bitwise_equal_in_fp32(runs, setup):
     ref, off = runs(setup, "32-true", False), runs(setup, "32-true", True)
     assert_offload_active(ref, off, params=setup == "zero3_dp2", master=False)
-    compare(ref, off, 0)
-    print(f"\n{setup} 32-true: offloaded == not offloaded, bitwise, {STEPS} steps")
+    compare(ref, off, EXACT)
+    print(f"\n{setup} 32-true: offloaded == not offloaded" + (", bitwise" if EXACT == 0 else f" within {EXACT}") +
+          f", {STEPS} steps")
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
@@ -173,7 +179,7 @@ def test_partial_offload_is_bitwise_equal(runs):
     dev_off, host = off[2][0]
     assert 0 < dev_off["moments"] < dev_ref["moments"], (dev_ref, dev_off)
     assert dev_ref["moments"] - dev_off["moments"] == host["moments"], (dev_ref, dev_off, host)
-    compare(ref, off, 0)
+    compare(ref, off, EXACT)
 
 
 def test_fp16_skip_happens_on_every_rank_with_the_host_step(runs):
@@ -283,6 +289,8 @@ def test_plan_prints_device_and_host_memory_and_the_host_step(tiny_tokens):
     assert off["offload"] == {"optimizer": True, "params": False, "ratio": 1.0}
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's counting allocator against the CPU estimate "
+                                                  "(on a GPU: bench/gpu, phase offload)")
 def test_autodist_picks_offload_when_nothing_else_fits_and_the_run_fits(tiny_tokens, tmp_path):
     least = plan(tiny_tokens, "--pas_policy", "autodist", "--model.activation_checkpointing", "true",
                  "--memory-budget-gb", 1000)
@@ -331,8 +339,9 @@ def test_delayed_update_lags_one_step_and_still_trains(runs, tmp_path):
     dpu = runs("one_rank", "32-true", True, more=DPU)
     assert "delayed update" in dpu[0], dpu[0]
     e, d = exact[1], dpu[1]
-    assert d[1]["loss"] == e[1]["loss"] and d[1]["grad_norm"] == e[1]["grad_norm"]
-    assert d[2]["loss"] != e[2]["loss"], "the update of step 1 was not delayed"
+    assert abs(d[1]["loss"] - e[1]["loss"]) <= EXACT * e[1]["loss"], (d[1], e[1])
+    assert abs(d[2]["loss"] - e[2]["loss"]) > 10 * EXACT * e[2]["loss"] and d[2]["loss"] != e[2]["loss"], \
+        "the update of step 1 was not delayed"
     assert d[STEPS]["loss"] < d[1]["loss"] - 0.05, [d[s]["loss"] for s in sorted(d)]
     worst = max(abs(d[s]["loss"] - e[s]["loss"]) / e[s]["loss"] for s in d)
     print(f"\ndelayed update: losses within {worst:.3g} relative of the exact run's over {STEPS} steps; "
@@ -344,4 +353,4 @@ def test_delayed_update_lags_one_step_and_still_trains(runs, tmp_path):
                                                              "--checkpoint.every_n_train_steps", "1"),
                    key="dpu-flushed")
     assert "delayed update" in flushed[0]
-    compare(exact, flushed, 0)
+    compare(exact, flushed, EXACT)
