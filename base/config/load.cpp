@@ -393,6 +393,21 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.allow_tf32 = cc.get_bool("allow_tf32", false);
   c.cuda_graphs = cc.get_bool("cuda_graphs", false);
   c.reduce_dtype = cc.get_string("reduce_dtype", "auto", {"auto", "fp32", "bf16", "fp16"});
+  std::optional<ArgMap> offload;
+  if (cc.has("offload")) {
+    offload.emplace(cc.child("offload"));
+    c.offload.optimizer = offload->get_bool("optimizer", false);
+    c.offload.params = offload->get_bool("params", false);
+    const bool ratio_given = offload->has("ratio");
+    c.offload.ratio = offload->get_float("ratio", 1.0, 0.0, 1.0);
+    if (c.offload.ratio <= 0) offload->fail("ratio", "must be > 0 (leave offload.optimizer false to offload nothing)");
+    if (ratio_given && !c.offload.optimizer)
+      offload->fail("ratio", "is the share of the optimizer state offloaded; it needs compute_config.offload.optimizer: true");
+    c.offload.delayed_update = offload->get_bool("delayed_update", false);
+    if (c.offload.delayed_update && (!c.offload.optimizer || c.offload.ratio < 1.0))
+      offload->fail("delayed_update", "delays the host step, so it needs the whole optimizer on the host: "
+                                      "compute_config.offload.optimizer: true and offload.ratio 1");
+  }
 
   t.pas_policy = top.get_string("pas_policy", "autodist", {"dp", "tp", "hybrid", "autodist"});
 
@@ -583,6 +598,19 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                                 " / plan_ngpus " + std::to_string(c.plan_ngpus) + ")");
   if (c.backend == "nccl" && c.device == "cpu")
     cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
+  if (c.offload.params && c.use_zero != 3)
+    offload->fail("params", "true keeps ZeRO-3's parameter units on the host, so it needs compute_config.use_zero: 3 (got " +
+                                std::to_string(c.use_zero) + ")");
+  // As FSDP's CPUOffload(offload_params=True): the parameters' chunks on the
+  // host are what the optimizer updates there, so the whole step runs on the host.
+  if (c.offload.params && (!c.offload.optimizer || c.offload.ratio < 1.0))
+    offload->fail("params", std::string("true needs the whole optimizer on the host: compute_config.offload.optimizer: true") +
+                                (c.offload.optimizer ? " and offload.ratio 1 (got " + format_double(c.offload.ratio) + ")"
+                                                     : " (got false)"));
+  if ((c.offload.optimizer || c.offload.params) && c.cuda_graphs)
+    offload->fail(c.offload.optimizer ? "optimizer" : "params",
+                  "offload cannot be captured in a CUDA graph (the host step reads the gradient norm on the host); "
+                  "set compute_config.cuda_graphs: false");
 
   // global = micro x dp x accumulation. Given a global batch and no accumulation,
   // derive the accumulation (as nnScaler does), so one file fits any dp.

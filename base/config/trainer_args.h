@@ -17,6 +17,18 @@ struct ModelConfig {
   virtual ~ModelConfig() = default;
 };
 
+// Offload to host memory (DeepSpeed's offload_optimizer / offload_param):
+// docs/config.md, docs/parallelism.md "Offload".
+struct OffloadArgs {
+  bool optimizer = false;  // fp32 masters (or the weights), moments and gradients of this rank's shard on the host; the step on the CPU
+  bool params = false;     // ZeRO-3: each unit's chunk on the host between uses, copied to the device to be gathered
+  double ratio = 1.0;      // share of the optimizer state offloaded (whole buckets, in backward's order); the rest steps on the device
+  // DeepSpeed's delayed parameter update (DPU): the host step of step t runs
+  // during step t + 1's forward and backward, whose gradients are then taken
+  // at weights one update behind.
+  bool delayed_update = false;
+};
+
 struct ComputeConfig {
   int plan_ngpus = 1;           // ranks one model replica spans (tensor parallel degree)
   int runtime_ngpus = 0;        // total ranks; 0 = take WORLD_SIZE from the launcher
@@ -35,6 +47,7 @@ struct ComputeConfig {
   // Gradient buffer and reduction dtype: auto = fp32 under *-mixed, the
   // parameters' dtype under *-true. fp32 | bf16 | fp16 otherwise.
   std::string reduce_dtype = "auto";
+  OffloadArgs offload;
 };
 
 struct ModelArgs {

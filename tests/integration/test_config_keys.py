@@ -8,6 +8,8 @@ silently does nothing).
 - An undocumented key is refused (status 2, naming it) in every mapping the
   docs describe, so nothing the docs do not list can be set and ignored.
 - `compute_config.cuda_graphs: true` is refused where it cannot work (here: on CPU).
+- `compute_config.offload`'s impossible combinations are refused (status 2),
+  naming the keys.
 
 `model.args` (each model's own, see docs/models.md) and `vars` (the user's) are
 outside these tables and not walked here.
@@ -26,6 +28,8 @@ DOC = SOURCE / "docs" / "config.md"
 SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "model.", "optimizer": "optimizer.",
             "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
             "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile."}
+# "### <heading>" tables inside a section: their own key prefix.
+SUBSECTIONS = {"offload": "compute_config.offload."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
 
 
@@ -36,11 +40,14 @@ def doc_tables():
         if line.startswith("## "):
             section = line[3:].strip()
             continue
+        if line.startswith("### ") and line[4:].strip() in SUBSECTIONS:
+            section = line[4:].strip()
+            continue
         m = re.match(r"\| `([^`]+)` \|", line)
         if not m:
             continue
-        if section in SECTIONS:
-            path = SECTIONS[section] + m.group(1)
+        if section in SECTIONS or section in SUBSECTIONS:
+            path = {**SECTIONS, **SUBSECTIONS}[section] + m.group(1)
             parts = path.split(".")
             keys |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # "a.b.c": a, a.b too
         elif section == "log":
@@ -66,7 +73,7 @@ def full_config(tmp_path):
     return {
         "vars": {"data": str(tokens)},
         "run_dir": str(tmp_path / "run"),
-        "compute_config": {"device": "cpu"},
+        "compute_config": {"device": "cpu", "offload": {}},
         "model": {"type": "gpt", "args": {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2,
                                           "n_embd": 16}},
         "optimizer": {"type": "adamw", "args": {"lr": 1e-3}},
@@ -122,7 +129,7 @@ def test_every_key_the_loader_reads_is_documented(resolved):
     assert {s["type"] for s in resolved["log"]} == sinks
 
 
-MAPPINGS = ["", "compute_config", "model", "optimizer", "optimizer.args", "lr_scheduler", "lr_scheduler.args",
+MAPPINGS = ["", "compute_config", "compute_config.offload", "model", "optimizer", "optimizer.args", "lr_scheduler", "lr_scheduler.args",
             "dataset", "dataset.train_args", "dataset.val_args", "dataloader", "checkpoint", "profile"]
 
 
@@ -148,3 +155,35 @@ def test_cuda_graphs_is_refused_on_cpu(tmp_path, tiny_tokens):
                        env=single_process_env(), timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "compute_config.cuda_graphs needs a CUDA device" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("offload,extra,named", [
+    ({"params": True, "optimizer": True}, {"use_zero": 2}, ["compute_config.offload.params", "compute_config.use_zero: 3"]),
+    ({"params": True}, {"use_zero": 3}, ["compute_config.offload.params", "compute_config.offload.optimizer: true"]),
+    ({"params": True, "optimizer": True, "ratio": 0.5}, {"use_zero": 3}, ["compute_config.offload.params", "offload.ratio 1"]),
+    ({"ratio": 0.5}, {}, ["compute_config.offload.ratio", "compute_config.offload.optimizer: true"]),
+    ({"optimizer": True, "ratio": 0}, {}, ["compute_config.offload.ratio", "must be > 0"]),
+    ({"optimizer": True, "ratio": 1.5}, {}, ["compute_config.offload.ratio"]),
+    ({"optimizer": True}, {"cuda_graphs": True}, ["compute_config.offload.optimizer", "cuda_graphs"]),
+    ({"delayed_update": True}, {}, ["compute_config.offload.delayed_update", "compute_config.offload.optimizer: true"]),
+    ({"optimizer": True, "ratio": 0.5, "delayed_update": True}, {}, ["compute_config.offload.delayed_update", "ratio 1"]),
+], ids=["params-without-zero3", "params-without-optimizer", "params-with-partial-ratio", "ratio-without-optimizer",
+        "ratio-zero", "ratio-above-one", "with-cuda-graphs", "delayed-without-optimizer", "delayed-with-partial-ratio"])
+def test_impossible_offload_combinations_are_refused(tmp_path, offload, extra, named):
+    cfg = full_config(tmp_path)
+    cfg["compute_config"].update(extra)
+    cfg["compute_config"]["offload"] = offload
+    p = load(cfg, tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    for n in named:
+        assert n in p.stderr, (n, p.stderr)
+
+
+def test_a_possible_offload_loads(tmp_path):
+    cfg = full_config(tmp_path)
+    cfg["compute_config"].update({"use_zero": 3, "offload": {"optimizer": True, "params": True}})
+    p = load(cfg, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert yaml.safe_load(p.stdout)["compute_config"]["offload"] == {"optimizer": True, "params": True, "ratio": 1.0,
+                                                                      "delayed_update": False}

@@ -23,8 +23,9 @@ at::Tensor grad_as_param(const Segment& s) {
 AdamW::AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args)
     : segments_(std::move(segments)), args_(args) {
   for (auto& s : segments_) {
-    exp_avg_.push_back(torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
-    exp_avg_sq_.push_back(torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
+    exp_avg_.push_back(s.exp_avg.defined() ? s.exp_avg : torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
+    exp_avg_sq_.push_back(s.exp_avg_sq.defined() ? s.exp_avg_sq
+                                                 : torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
     state_steps_.push_back(torch::zeros({}, s.param.options().dtype(torch::kFloat32)));
   }
   impl_ = args.impl;
@@ -43,27 +44,34 @@ int64_t AdamW::step_count() const {
   return state_steps_.empty() ? step_ : static_cast<int64_t>(state_steps_.front().item<double>());
 }
 
-void AdamW::step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
-  if (segments_.empty()) return;
+void AdamW::step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device,
+                 const std::vector<size_t>& subset) {
+  std::vector<size_t> all;
+  if (subset.empty()) {
+    for (size_t i = 0; i < segments_.size(); ++i) all.push_back(i);
+  }
+  const auto& idx = subset.empty() ? all : subset;
+  if (idx.empty()) return;
   torch::NoGradGuard no_grad;
   if (impl_ == "fused") {
     ++step_;
-    step_fused(lr, found_inf, lr_device);
+    step_fused(lr, found_inf, lr_device, idx);
     return;
   }
   TORCH_CHECK(!lr_device.defined(), "AdamW: a device learning rate needs the fused implementation");
   // The reference implementations skip on the host, as torch.optim does without a fused kernel.
   if (found_inf.defined() && found_inf.item<double>() != 0) return;
-  step_ = step_count() + 1;
-  if (impl_ == "foreach") step_foreach(lr);
-  else step_loop(lr);
+  // The count of these segments (a subset stepped before the rest may be ahead of segment 0).
+  step_ = static_cast<int64_t>(state_steps_[idx.front()].item<double>()) + 1;
+  if (impl_ == "foreach") step_foreach(lr, idx);
+  else step_loop(lr, idx);
 }
 
 // The reference: torch.optim.AdamW's single-tensor algorithm, spelled out.
-void AdamW::step_loop(double lr) {
+void AdamW::step_loop(double lr, const std::vector<size_t>& idx) {
   const double b1 = args_.beta1, b2 = args_.beta2;
   const double bc1 = 1 - std::pow(b1, step_), bc2 = 1 - std::pow(b2, step_);
-  for (size_t i = 0; i < segments_.size(); ++i) {
+  for (size_t i : idx) {
     auto& p = segments_[i].param;
     const auto g = grad_as_param(segments_[i]);
     state_steps_[i].add_(1);
@@ -84,9 +92,9 @@ struct GroupTensors {
 // Calls fn(weight_decay, tensors) per group of segments with the same weight
 // decay, device and dtype (what one multi-tensor kernel call can take).
 template <typename Fn>
-void AdamW::for_each_group(Fn fn) {
+void AdamW::for_each_group(const std::vector<size_t>& segs, Fn fn) {
   std::map<std::pair<double, std::string>, std::vector<size_t>> groups;
-  for (size_t i = 0; i < segments_.size(); ++i)
+  for (size_t i : segs)
     groups[{segments_[i].weight_decay,
             segments_[i].param.device().str() + c10::toString(segments_[i].param.scalar_type())}]
         .push_back(i);
@@ -103,11 +111,16 @@ void AdamW::for_each_group(Fn fn) {
   }
 }
 
-void AdamW::step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
-  for_each_group([&](double wd, GroupTensors& t) {
+void AdamW::step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device,
+                       const std::vector<size_t>& idx) {
+  for_each_group(idx, [&](double wd, GroupTensors& t) {
     auto& [p, g, m, v, steps] = t;
     at::_foreach_add_(steps, 1);
-    const auto inf = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
+    // Offloaded segments step on the host: the flag is read there (the host step
+    // needs the gradient norm on the host anyway).
+    const auto dev = p.front().device();
+    const auto flag = !found_inf.defined() || found_inf.device() == dev ? found_inf : found_inf.to(dev);
+    const auto inf = flag.defined() ? std::optional<at::Tensor>(flag) : std::nullopt;
     if (lr_device.defined())
       at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr_device, args_.beta1, args_.beta2, wd,
                         args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
@@ -115,14 +128,14 @@ void AdamW::step_fused(double lr, const at::Tensor& found_inf, const at::Tensor&
       at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, args_.beta1, args_.beta2, wd,
                         args_.eps, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
     // A skipped update does not count (torch.optim.adam's fused path does the same).
-    if (found_inf.defined()) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), found_inf.reshape({})));
+    if (flag.defined()) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), flag.reshape({})));
   });
 }
 
-void AdamW::step_foreach(double lr) {
+void AdamW::step_foreach(double lr, const std::vector<size_t>& idx) {
   const double b1 = args_.beta1, b2 = args_.beta2;
   const double bc1 = 1 - std::pow(b1, step_), bc2 = 1 - std::pow(b2, step_);
-  for_each_group([&](double wd, GroupTensors& t) {
+  for_each_group(idx, [&](double wd, GroupTensors& t) {
     auto& [p, g, m, v, steps] = t;
     at::_foreach_add_(steps, 1);
     if (wd != 0) at::_foreach_mul_(p, 1 - lr * wd);

@@ -18,6 +18,9 @@ struct Segment {
   at::Tensor grad;         // read
   double weight_decay = 0; // per group: 0 for biases and norms
   int64_t offset = 0;      // flat offset of this segment within the parameter's local piece
+  // Optional zeroed buffers for the moments (shaped as param), e.g. in host
+  // memory under offload; by default AdamW allocates them beside param.
+  at::Tensor exp_avg, exp_avg_sq;
 };
 
 class AdamW {
@@ -31,7 +34,12 @@ class AdamW {
   // the foreach and loop implementations read it on the host.
   // lr_device (optional, fused only): the learning rate read from a device
   // scalar instead, so a captured CUDA graph follows the schedule.
-  void step(double lr, const at::Tensor& found_inf = {}, const at::Tensor& lr_device = {});
+  // subset (optional): only these segments (indices), e.g. one offloaded
+  // bucket at a time; each segment keeps its own step count. Segments may lie
+  // on different devices (offload): each group's kernel runs where its
+  // segments are, reading found_inf there.
+  void step(double lr, const at::Tensor& found_inf = {}, const at::Tensor& lr_device = {},
+            const std::vector<size_t>& subset = {});
 
   std::vector<Segment>& segments() { return segments_; }
   // Updates applied (skipped ones not counted); reads the device (checkpoints, logs).
@@ -43,11 +51,11 @@ class AdamW {
   const std::string& impl() const { return impl_; }
 
  private:
-  void step_loop(double lr);
-  void step_foreach(double lr);
-  void step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device);
+  void step_loop(double lr, const std::vector<size_t>& idx);
+  void step_foreach(double lr, const std::vector<size_t>& idx);
+  void step_fused(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device, const std::vector<size_t>& idx);
   template <typename Fn>
-  void for_each_group(Fn fn);  // per group of segments one multi-tensor kernel call can take
+  void for_each_group(const std::vector<size_t>& idx, Fn fn);  // per group of segments one multi-tensor kernel call can take
 
   std::vector<Segment> segments_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, state_steps_;

@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <map>
+#include <string>
+
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/training_state.h"
 
@@ -15,8 +18,25 @@ at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
   // enough in fp32.
   std::vector<at::Tensor> grads;
   for (const auto& s : state.optimizer_segments()) grads.push_back(s.grad);
-  const auto acc = grads.front().is_cuda() ? torch::kFloat32 : torch::kFloat64;
-  auto norms = torch::stack(at::_foreach_norm(grads, 2, acc));
+  const auto dev = state.norm_weights().device();
+  const auto acc = dev.is_cuda() ? torch::kFloat32 : torch::kFloat64;
+  // Under offload some segments' gradients are on the host: each device's
+  // segments are normed where they are, in segment order, then brought together.
+  std::vector<at::Tensor> per_segment;
+  std::map<std::string, std::vector<size_t>> by_device;
+  for (size_t i = 0; i < grads.size(); ++i) by_device[grads[i].device().str()].push_back(i);
+  if (by_device.size() == 1) {
+    per_segment = at::_foreach_norm(grads, 2, grads.front().is_cuda() ? torch::kFloat32 : torch::kFloat64);
+  } else {
+    per_segment.resize(grads.size());
+    for (const auto& [name, idx] : by_device) {
+      std::vector<at::Tensor> g;
+      for (auto i : idx) g.push_back(grads[i]);
+      auto n = at::_foreach_norm(g, 2, g.front().is_cuda() ? torch::kFloat32 : torch::kFloat64);
+      for (size_t j = 0; j < idx.size(); ++j) per_segment[idx[j]] = n[j].to(dev, acc);
+    }
+  }
+  auto norms = torch::stack(per_segment);
   auto sq = (norms.pow(2) * state.norm_weights().to(acc)).sum().reshape({1}).to(torch::kFloat32);
   // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
   if (rt && state.options().zero() && rt->zero.size() > 1) rt->all_reduce(rt->zero, sq, "gradient norm all-reduce (ZeRO)");

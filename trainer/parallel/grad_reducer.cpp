@@ -32,6 +32,7 @@ GradientReducer::GradientReducer(TrainingState& state, dist::Runtime* rt, int bl
 GradientReducer::~GradientReducer() = default;
 
 void GradientReducer::begin_micro_step(bool last) {
+  last_ = last;
   if (stage_ >= 2) {
     drain();  // the previous micro-step's buckets (a no-op on the first)
     reducing_ = true;
@@ -102,6 +103,8 @@ void GradientReducer::complete(size_t i) {
   if (p.chunk.defined()) state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i])).add_(p.chunk);
   p.chunk = at::Tensor();
   state_.release_bucket_grad(i);  // reusable now: the current stream is past its collective
+  // Final now, unless the shard is still to be all-reduced across ZeRO groups.
+  if (last_ && !cross_live()) state_.gradient_final(i, dp_ > 1 ? 1.0 / dp_ : 1.0);
 }
 
 void GradientReducer::drain() {
@@ -130,6 +133,7 @@ void GradientReducer::finish_gradients() {
             .narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i]))
             .copy_(state_.flat_grad().narrow(0, L.buckets[i].begin, L.chunk_size(L.buckets[i])));
     }
+    hand_over_offloaded();
     return;
   }
   drain();
@@ -140,7 +144,15 @@ void GradientReducer::finish_gradients() {
     sent_bytes_ += state_.shard_grad().numel() * state_.shard_grad().element_size();
     rt_->all_reduce(rt_->zero_cross, state_.shard_grad(), "gradient all-reduce across ZeRO groups");
   }
-  if (dp_ > 1) state_.reduced_grads().mul_(1.0 / dp_);
+  if (dp_ > 1) state_.device_reduced_grads().mul_(1.0 / dp_);
+  hand_over_offloaded();
+}
+
+void GradientReducer::hand_over_offloaded() {
+  // Offloaded buckets not yet on their way leave now; their 1/dp is applied on the host.
+  for (size_t b = 0; b < state_.host_buckets(); ++b)
+    if (!state_.gradient_sent(b)) state_.gradient_final(b, dp_ > 1 ? 1.0 / dp_ : 1.0);
+  if (state_.host_buckets() > 0) state_.wait_host_grads();
 }
 
 void GradientReducer::gather_params() {

@@ -15,6 +15,13 @@
 //      (ParameterUnits) rather than after the step.
 // With zero_ngroups > 1 the shard is then all-reduced across ZeRO groups (HSDP).
 //
+// Offload (training_state.h): on a step's last micro-step, stages 2 and 3 hand
+// each offloaded bucket's reduced chunk to the host as soon as its
+// reduce-scatter completes, while backward goes on (TrainingState::
+// gradient_final); stages 0 and 1, and HSDP (whose cross-group all-reduce
+// comes after backward), hand them over in finish_gradients. The 1/dp average
+// of an offloaded bucket is applied on the host.
+//
 // Gradient accumulation: stages 0 and 1 accumulate whole gradients locally and
 // communicate only on the final micro-step; stages 2 and 3 keep no whole
 // gradient between micro-steps, so they reduce-scatter on every micro-step
@@ -79,6 +86,7 @@ class GradientReducer {
   void launch(size_t bucket);
   void complete(size_t bucket);  // stages 2, 3
   void drain();                  // every bucket launched and completed
+  void hand_over_offloaded();    // offloaded buckets' gradients sent to the host, and waited for
   // Whether the dp, ZeRO and cross-ZeRO groups have anyone to talk to.
   bool dp_live() const { return rt_ && rt_->dp.backend; }
   bool zero_live() const { return rt_ && rt_->zero.backend; }
@@ -89,6 +97,7 @@ class GradientReducer {
   int dp_ = 1;
   int stage_ = 0;
   bool reducing_ = false;  // this micro-step's backward reduces
+  bool last_ = false;      // this micro-step is the step's last
   std::vector<Progress> progress_;
   size_t next_launch_ = 0;
   std::vector<size_t> in_flight_;  // stages 2, 3: launched, not completed, in order

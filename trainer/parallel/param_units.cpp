@@ -61,16 +61,20 @@ void ParameterUnits::gather(int unit, bool wait) {
     state_.allocate_unit(b);
     auto& full = state_.unit_param(b);
     gathered_bytes_ += full.numel() * full.element_size();
+    // The chunk on the device (copied from the host under parameter offload), alive until the gather is done.
+    slot.input = state_.gather_input(b);
     if (communicates()) {
-      slot.work = rt_->all_gather_async(rt_->zero, full, state_.shard_chunk(b), "parameter all-gather (ZeRO-3)");
+      slot.work = rt_->all_gather_async(rt_->zero, full, slot.input, "parameter all-gather (ZeRO-3)");
     } else {
-      full.copy_(state_.shard_chunk(b));  // one rank's chunk is the whole unit
+      full.copy_(slot.input);  // one rank's chunk is the whole unit
+      slot.input = at::Tensor();
       slot.ready = true;
     }
   }
   if (wait && slot.work) {
     rt_->wait(slot.work, rt_->zero, "parameter all-gather (ZeRO-3)");
     slot.work.reset();
+    slot.input = at::Tensor();
     slot.ready = true;
   }
 }

@@ -12,6 +12,8 @@
 //             gradients are all in, the reducer reduce-scatters them and the
 //             unit is freed (reduced()).
 // Evaluation runs the same forward with no backward; release_all frees what is left.
+// Under parameter offload a unit's chunk lives on the host and is copied to the
+// device as its gather is issued (so `prefetch` units ahead of the block).
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -52,6 +54,7 @@ class ParameterUnits : public models::common::BlockHooks {
 
   struct Slot {
     c10::intrusive_ptr<c10d::Work> work;  // a gather in flight
+    at::Tensor input;                     // what it reads (parameter offload: a device copy of the host chunk)
     bool ready = false;                   // gathered and waited for
   };
   TrainingState& state_;

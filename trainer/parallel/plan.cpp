@@ -21,6 +21,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"dp", p.dp},
        {"zero", p.zero_stage},
        {"zero_ngroups", p.zero_ngroups},
+       {"offload", {{"optimizer", p.offload_ratio > 0}, {"ratio", p.offload_ratio}, {"params", p.offload_params}}},
        {"recompute", p.recompute},
        {"units_before_blocks", p.units_before_blocks},
        {"units_after_blocks", p.units_after_blocks},
@@ -36,6 +37,10 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"comm_s", e.comm_s},
          {"tp_comm_s", e.tp_comm_s},
          {"dp_comm_s", e.dp_comm_s},
+         {"host_bytes", e.host_bytes},
+         {"host_step_s", e.host_step_s},
+         {"copy_s", e.copy_s},
+         {"offload_s", e.offload_s},
          {"step_s", e.step_s}}},
        {"memory_budget_bytes", p.memory_budget_bytes},
        {"device", p.device},
@@ -55,6 +60,11 @@ void from_json(const nlohmann::json& j, Plan& p) {
     const auto& z = j.at("zero");
     p.zero_stage = z.is_boolean() ? (z.get<bool>() ? 1 : 0) : z.get<int>();
     p.zero_ngroups = j.value("zero_ngroups", 1);
+    if (j.contains("offload")) {  // plans before offload have none
+      const auto& o = j.at("offload");
+      p.offload_ratio = o.value("optimizer", false) ? o.value("ratio", 1.0) : 0.0;
+      p.offload_params = o.value("params", false);
+    }
     p.recompute = j.at("recompute").get<std::vector<bool>>();
     p.units_before_blocks = j.value("units_before_blocks", std::vector<std::string>{});
     p.units_after_blocks = j.value("units_after_blocks", std::vector<std::string>{});
@@ -80,6 +90,10 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.comm_s = ej.value("comm_s", 0.0);
       e.tp_comm_s = ej.value("tp_comm_s", 0.0);
       e.dp_comm_s = ej.value("dp_comm_s", 0.0);
+      e.host_bytes = ej.value("host_bytes", 0.0);
+      e.host_step_s = ej.value("host_step_s", 0.0);
+      e.copy_s = ej.value("copy_s", 0.0);
+      e.offload_s = ej.value("offload_s", 0.0);
       e.step_s = ej.value("step_s", 0.0);
     }
     p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
@@ -151,6 +165,9 @@ std::string describe(const Plan& p, bool explain) {
   o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp << " x dp " << p.dp
     << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
+  if (p.offload_ratio > 0 || p.offload_params)
+    o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
+      << (p.offload_params ? ", params" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
   if (p.zero_stage == 3) {
     auto names = [](const std::vector<std::string>& v) {
@@ -194,7 +211,7 @@ std::string describe(const Plan& p, bool explain) {
   }
 
   const auto& e = p.estimate;
-  o << "\nmemory per rank (estimated):\n";
+  o << "\nmemory per rank (estimated), device:\n";
   auto row = [&](const char* what, double bytes) { o << "  " << pad(what, 12) << format_bytes(bytes) << "\n"; };
   row("params", e.param_bytes);
   row("grads", e.grad_bytes);
@@ -205,12 +222,16 @@ std::string describe(const Plan& p, bool explain) {
   if (p.memory_budget_bytes > 0)
     o << " of budget " << format_bytes(p.memory_budget_bytes) << " ("
       << fixed(100.0 * e.total_bytes / p.memory_budget_bytes, 1) << "%)";
-  o << "\n";
+  o << "\n  " << pad("host", 12) << format_bytes(e.host_bytes)
+    << (e.host_bytes > 0 ? " (offloaded weights, moments, gradient copy, staging)" : " (no offload)") << "\n";
 
   o << "\nstep time (estimated):\n";
   o << "  " << pad("compute", 12) << fixed(e.compute_s, 4) << " s\n";
   o << "  " << pad("comm", 12) << fixed(e.comm_s, 4) << " s (tensor parallel " << fixed(e.tp_comm_s, 4)
     << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s)\n";
+  if (p.offload_ratio > 0 || p.offload_params)
+    o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
+      << " s, copies " << fixed(e.copy_s, 4) << " s)\n";
   o << "  " << pad("total", 12) << fixed(e.step_s, 4) << " s";
   if (e.step_s > 0 && p.seq_len > 0) {
     const double tokens = double(p.micro_batch_size) * p.seq_len * p.grad_accumulation_steps * p.dp;
@@ -230,8 +251,11 @@ std::string describe(const Plan& p, bool explain) {
       << "    backward, overlapped except the first gather and the last reduce-scatter\n"
       << "  memory: state by ZeRO stage + activations at the step's peak (backward's start or the last block's\n"
       << "    backward) + what lives only around it (a parameter's gradient, ZeRO-2 buckets, ZeRO-3 units)\n"
+      << "  offload: host step = optimizer bytes / host AdamW rate, exposed in full; gradients to the host\n"
+      << "    overlap backward, weights back overlap the host step but its last bucket; parameter offload\n"
+      << "    copies each unit's chunk to the device with its gather\n"
       << "  choice: per tp and recompute the least ZeRO stage that fits; the smallest tp without recompute if\n"
-      << "    any stage fits there, else the fastest\n";
+      << "    any stage fits there, else the fastest; offload only when no plan without it fits\n";
   }
   return o.str();
 }

@@ -24,6 +24,10 @@ struct PlanEstimate {
   double total_bytes = 0;
   double compute_s = 0, comm_s = 0, step_s = 0;
   double tp_comm_s = 0, dp_comm_s = 0;  // comm_s = tp_comm_s + dp_comm_s (exposed part of DP/ZeRO)
+  // Offload: host memory per rank (not in total_bytes, which is the device's),
+  // the CPU step and the copies per step, and what of them is exposed (in step_s).
+  double host_bytes = 0;
+  double host_step_s = 0, copy_s = 0, offload_s = 0;
 };
 
 struct Plan {
@@ -31,6 +35,10 @@ struct Plan {
   int world = 1, tp = 1, dp = 1;
   int zero_stage = 0;            // ZeRO: 0 off, 1 optimizer, 2 + gradients, 3 + parameters
   int zero_ngroups = 1;
+  // Offload to host memory (compute_config.offload, or chosen by autodist):
+  // the optimizer's share on the host (0: none) and ZeRO-3's parameter chunks.
+  double offload_ratio = 0;
+  bool offload_params = false;
   std::vector<bool> recompute;   // per model layer
   // ZeRO-3: the parameters outside the blocks, in the units before and after them
   // (each block is a unit of its own).

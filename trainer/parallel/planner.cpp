@@ -46,13 +46,16 @@ std::string lower(std::string s) {
 // one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU between nodes.
 const std::vector<DeviceSpec>& table() {
   static const std::vector<DeviceSpec> t = {
-      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6},
-      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6},
-      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6},
-      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6},
+      // Host link: PCIe Gen5 x16 (H100/H200) or Gen4 (A100) as achieved by
+      // pinned copies, about half the nominal; host AdamW: a server socket's
+      // memory bandwidth shared by 8 ranks, a rough figure.
+      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
+      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
+      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
+      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
       // A CPU rank: memory is filled in from the machine; the rates are a
       // rough server-socket figure, for relative choices only.
-      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6},
+      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6, 10e9, 10e9},
   };
   return t;
 }
@@ -200,6 +203,9 @@ struct StateLayout {
   double largest_bucket = 0, largest_block_param = 0;  // a block's largest parameter (any, without blocks)
   double block_elements = 0;                            // the largest block's parameters
   double embed_unit = 0, head_unit = 0, largest_block = 0;  // ZeRO-3, padded
+  // Offload: the optimizer elements on the host (whole buckets, as the
+  // training state takes them) and the last of those buckets.
+  double host_elements = 0, last_host_bucket = 0;
 };
 
 StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, const Candidate& c,
@@ -230,6 +236,14 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   st.buckets = static_cast<int64_t>(layout.buckets.size());
   for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
   st.padded = double(layout.size);
+  if (c.offload_ratio > 0) {  // TrainingState's rule: whole buckets in layout order until the ratio's share
+    const double total = double(c.zero_stage ? layout.shard_size : layout.size);
+    for (const auto& bk : layout.buckets) {
+      if (st.host_elements >= c.offload_ratio * total) break;
+      st.last_host_bucket = double(c.zero_stage ? layout.chunk_size(bk) : bk.end - bk.begin);
+      st.host_elements += st.last_host_bucket;
+    }
+  }
   if (c.zero_stage == 3) {
     for (const auto& bk : layout.buckets) {
       const int u = units[bk.params.front()];
@@ -247,9 +261,17 @@ int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
   return s > 0 ? s : f.dims.max_seq;
 }
 
+std::string offload_text(const Candidate& c) {
+  if (c.offload_ratio <= 0 && !c.offload_params) return "";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", c.offload_ratio);
+  return std::string(" offload=optimizer") + (c.offload_ratio < 1 ? ":" + std::string(buf) : "") +
+         (c.offload_params ? "+params" : "");
+}
+
 std::string candidate_text(const Candidate& c, int64_t layers) {
   return "tp=" + std::to_string(c.tp) + " dp=" + std::to_string(c.dp) + " zero=" + std::to_string(c.zero_stage) +
-         " recompute=" + std::to_string(c.recompute_layers) + "/" + std::to_string(layers);
+         offload_text(c) + " recompute=" + std::to_string(c.recompute_layers) + "/" + std::to_string(layers);
 }
 
 PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
@@ -289,6 +311,18 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
       e.param_bytes = Sz * pb.param;
       e.grad_bytes = Sz * pb.grad;
       e.optim_bytes = Sz * (pb.master + pb.moments);
+  }
+  // Offload: the host's share of the optimizer state (st.host_elements, whole
+  // buckets) leaves the device; the host keeps its weights (fp32 masters, or
+  // a copy of the parameters), moments, a copy of its reduced gradient and a
+  // compute-dtype staging copy. Parameter offload moves ZeRO-3's chunks there too.
+  const double H = st.host_elements;
+  const double wbytes = pb.master > 0 ? pb.master : pb.param;  // what the optimizer updates, per element
+  e.optim_bytes -= H * (pb.master + pb.moments);
+  e.host_bytes = H * (wbytes + pb.moments + pb.grad + pb.param);
+  if (c.offload_params) {
+    e.host_bytes += e.param_bytes;
+    e.param_bytes = 0;
   }
 
   // Activations of one micro-batch (micro-batches run one after another), in
@@ -386,7 +420,10 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     const double per_flight = bucket * pb.grad * (1 + gloo_copy) + bucket / st.z * pb.grad;
     // Gathered: the block computing, zero_prefetch ahead, and (measured) one
     // more: the unit just done is freed only when its bucket launches.
-    const double gathered = z3 ? outer_units + (2 + a.compute_config.zero_prefetch) * st.largest_block * pb.param : 0.0;
+    // Under parameter offload each gather in flight also reads a device copy of its host chunk.
+    const double gathered = z3 ? outer_units + (2 + a.compute_config.zero_prefetch) * st.largest_block * pb.param *
+                                                   (c.offload_params ? 1 + 1 / double(st.z) : 1)
+                               : 0.0;
     const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);
     const int flights = static_cast<int>(std::min<double>(kBucketsInFlight, std::max<double>(0, double(st.buckets) - 1)));
     for (int j = 0; j <= flights && L - k >= 1; ++j) {
@@ -470,7 +507,29 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     }
   }
   e.comm_s = e.tp_comm_s + e.dp_comm_s;
-  e.step_s = e.compute_s + e.comm_s;
+  if (H > 0 || c.offload_params) {
+    // The host step reads and writes weights and moments and reads the
+    // gradient; it waits for the global norm, so it is exposed in full.
+    const double link = req.device.host_link_bw;
+    e.host_step_s = H * (6 * wbytes + pb.grad) / req.device.host_adam_bytes_per_s;
+    const double d2h = H * pb.grad / link, h2d = H * pb.param / link;
+    // ZeRO-3 parameter offload: every unit's chunk to the device per gather,
+    // issued ahead with the gathers (hidden behind compute where it can be).
+    const double unit_copies = c.offload_params ? micro_steps * 2 * Sz * pb.param / link : 0.0;
+    e.copy_s = d2h + h2d + unit_copies;
+    // Gradients leave bucket by bucket as stages 2 and 3 reduce them during
+    // the last micro-batch's backward (stages 0 and 1 hand them over after
+    // it); weights return while the next bucket steps, all but the last.
+    const double backward = 2.0 / 3.0 * e.compute_s / micro_steps;
+    const double last = H > 0 ? st.last_host_bucket / H : 0.0;
+    const double d2h_exposed = c.zero_stage >= 2 ? std::max(d2h * last, d2h - backward) : d2h;
+    e.offload_s = e.host_step_s + d2h_exposed + h2d * last + std::max(0.0, unit_copies - e.compute_s);
+    // Delayed update: the host step and the weights' return run during the next step's forward and backward.
+    if (a.compute_config.offload.delayed_update && c.offload_ratio >= 1.0)
+      e.offload_s = std::max(0.0, e.host_step_s + h2d - e.compute_s - e.comm_s) + d2h_exposed +
+                    std::max(0.0, unit_copies - e.compute_s);
+  }
+  e.step_s = e.compute_s + e.comm_s + e.offload_s;
   return e;
 }
 
@@ -614,70 +673,102 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   };
   std::vector<Entry> entries;
   const bool free_zero = policy == "autodist" && cc.use_zero == 0;  // the config leaves the stage to us
+  // Offload tiers: 0 none, 1 the optimizer, 2 also the parameters (ZeRO-3).
+  // The config's offload holds for every candidate; otherwise autodist adds
+  // a tier only when no candidate of the tiers before fits.
+  const bool free_offload = policy == "autodist" && !cc.offload.optimizer && !cc.offload.params;
   const int k_min = a.model.activation_checkpointing ? L : 0;
-  for (int t : tps) {
-    const int dp = world / t;
-    const auto fails = tp_failures(f, t);
-    if (!fails.empty()) {
-      entries.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
-      continue;
-    }
-    if (a.global_batch_size % (a.micro_batch_size * dp) != 0) {
-      entries.push_back({{t, dp, 0, 0},
-                         "global batch " + std::to_string(a.global_batch_size) +
-                             " is not a multiple of micro_batch_size " + std::to_string(a.micro_batch_size) +
-                             " x dp " + std::to_string(dp),
-                         {}});
-      continue;
-    }
-    // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to
-    // shard, so autodist tries no stage (a stage the config names still runs,
-    // on one-rank groups).
-    const int zsize = dp % cc.zero_ngroups == 0 ? dp / cc.zero_ngroups : 0;
-    std::vector<int> zeros;
-    if (!free_zero) zeros = {cc.use_zero};
-    else if (zsize > 1) zeros = {0, 1, 2, 3};
-    else zeros = {0};
-    for (int zero : zeros) {
-      if (zero && zsize == 0) {
-        entries.push_back({{t, dp, zero, 0},
-                           "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
-                               " does not divide dp " + std::to_string(dp),
-                           {}});
+  auto add_candidates = [&](int tier) {
+    for (int t : tps) {
+      const int dp = world / t;
+      const auto fails = tp_failures(f, t);
+      if (!fails.empty()) {
+        if (tier == 0) entries.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
         continue;
       }
-      for (int k = k_min; k <= L; ++k) {
-        Candidate c{t, dp, zero, k};
-        entries.push_back({c, "", estimate_facts(req, f, c)});
+      if (a.global_batch_size % (a.micro_batch_size * dp) != 0) {
+        if (tier == 0)
+          entries.push_back({{t, dp, 0, 0},
+                             "global batch " + std::to_string(a.global_batch_size) +
+                                 " is not a multiple of micro_batch_size " + std::to_string(a.micro_batch_size) +
+                                 " x dp " + std::to_string(dp),
+                             {}});
+        continue;
+      }
+      // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to
+      // shard, so autodist tries no stage (a stage the config names still runs,
+      // on one-rank groups). Parameter offload is ZeRO-3's, whatever the group.
+      const int zsize = dp % cc.zero_ngroups == 0 ? dp / cc.zero_ngroups : 0;
+      std::vector<int> zeros;
+      if (!free_zero) zeros = {cc.use_zero};
+      else if (tier == 2) zeros = {3};
+      else if (zsize > 1) zeros = {0, 1, 2, 3};
+      else zeros = {0};
+      for (int zero : zeros) {
+        if (zero && zsize == 0) {
+          if (tier == 0)
+            entries.push_back({{t, dp, zero, 0},
+                               "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
+                                   " does not divide dp " + std::to_string(dp),
+                               {}});
+          continue;
+        }
+        if (tier == 2 && zero != 3) continue;
+        for (int k = k_min; k <= L; ++k) {
+          Candidate c{t, dp, zero, k};
+          if (!free_offload) {
+            c.offload_ratio = cc.offload.optimizer ? cc.offload.ratio : 0.0;
+            c.offload_params = cc.offload.params;
+          } else {
+            c.offload_ratio = tier >= 1 ? 1.0 : 0.0;
+            c.offload_params = tier == 2;
+          }
+          entries.push_back({c, "", estimate_facts(req, f, c)});
+        }
       }
     }
-  }
+  };
 
   // The choice (docs/parallelism.md, "What autodist searches"): per (tp, k),
   // the least ZeRO stage that fits; at the smallest feasible tp without
   // recompute that is the plan, whatever the others' speed (sharding the state
   // further costs less than splitting layers or recomputing them). Otherwise
   // the fastest of those least stages; ties keep the smaller tp, then the
-  // smaller k.
+  // smaller k. A tier's candidates are added only when nothing before fits,
+  // so within the entries that fit there is one tier.
   using Key = std::pair<int, int>;  // (tp, k)
   std::map<Key, const Entry*> least_stage;
   std::optional<Key> first_tier;
   const Entry* least_memory = nullptr;
-  for (const auto& en : entries) {
-    if (!en.infeasible.empty()) continue;
-    const Key key{en.c.tp, en.c.recompute_layers};
-    if (!first_tier || key < *first_tier) first_tier = key;
-    if (!least_memory || en.e.total_bytes < least_memory->e.total_bytes) least_memory = &en;
-    auto& slot = least_stage[key];
-    if (en.e.total_bytes <= budget && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
-  }
   const Entry* best = nullptr;
-  const bool from_first_tier = first_tier && least_stage.count(*first_tier) && least_stage[*first_tier];
-  if (from_first_tier) {
-    best = least_stage[*first_tier];
-  } else {
-    for (const auto& [key, en] : least_stage)  // tp up, then k up: strict < keeps the first on ties
-      if (en && (!best || en->e.step_s < best->e.step_s)) best = en;
+  bool from_first_tier = false;
+  auto choose = [&] {
+    least_stage.clear();
+    first_tier.reset();
+    least_memory = nullptr;
+    best = nullptr;
+    for (const auto& en : entries) {
+      if (!en.infeasible.empty()) continue;
+      const Key key{en.c.tp, en.c.recompute_layers};
+      if (!first_tier || key < *first_tier) first_tier = key;
+      if (!least_memory || en.e.total_bytes < least_memory->e.total_bytes) least_memory = &en;
+      auto& slot = least_stage[key];
+      if (en.e.total_bytes <= budget && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
+    }
+    from_first_tier = first_tier && least_stage.count(*first_tier) && least_stage[*first_tier];
+    if (from_first_tier) {
+      best = least_stage[*first_tier];
+    } else {
+      for (const auto& [key, en] : least_stage)  // tp up, then k up: strict < keeps the first on ties
+        if (en && (!best || en->e.step_s < best->e.step_s)) best = en;
+    }
+  };
+  int tier = 0;
+  add_candidates(tier);
+  choose();
+  while (!best && free_offload && tier < 2) {
+    add_candidates(++tier);
+    choose();
   }
   if (!best) {
     if (!least_memory) {
@@ -737,6 +828,8 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   p.dp = best->c.dp;
   p.zero_stage = best->c.zero_stage;
   p.zero_ngroups = cc.zero_ngroups;
+  p.offload_ratio = best->c.offload_ratio;
+  p.offload_params = best->c.offload_params;
   p.recompute.assign(L, false);
   for (int i = 0; i < best->c.recompute_layers && i < L; ++i) p.recompute[i] = true;
   if (p.zero_stage == 3) {
@@ -774,11 +867,13 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
            (r.kind == "memory" || r.kind == "slower" || rejected[j + 1].reason.substr(rejected[j + 1].reason.find(") but ")) ==
                                                              r.reason.substr(r.reason.find(") but "))) &&
            rejected[j + 1].cand.tp == r.cand.tp && rejected[j + 1].cand.zero_stage == r.cand.zero_stage &&
+           rejected[j + 1].cand.offload_ratio == r.cand.offload_ratio &&
+           rejected[j + 1].cand.offload_params == r.cand.offload_params &&
            rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1)
       ++j;
     const auto& last = rejected[j];
     std::string head = "tp=" + std::to_string(r.cand.tp) + " dp=" + std::to_string(r.cand.dp) +
-                       " zero=" + std::to_string(r.cand.zero_stage);
+                       " zero=" + std::to_string(r.cand.zero_stage) + offload_text(r.cand);
     if (r.kind == "infeasible") {
       o << "  " << head << ": infeasible: " << r.reason << "\n";
     } else if (i == j) {

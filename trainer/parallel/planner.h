@@ -5,7 +5,9 @@
 // docs/parallelism.md. For each (tp, recompute) it takes the least ZeRO stage
 // that fits the memory budget; at the smallest tp without recompute that is
 // the plan, else the fastest of them. Deterministic: ties go to the smaller
-// tp, then less recompute.
+// tp, then less recompute. Offload (optimizer, then also parameters) adds
+// terms to the same cost model; autodist considers it only when no candidate
+// without it fits.
 #pragma once
 
 #include <stdexcept>
@@ -43,6 +45,11 @@ struct DeviceSpec {
   double inter_node_bw = 0;
   int ranks_per_node = 8;
   double collective_latency_s = 20e-6;  // fixed cost of one collective (the alpha of alpha-beta)
+  // Offload: bytes/s each way between a rank's device and host memory (PCIe;
+  // on cpu a memory copy), and what the host's fused AdamW gets through per
+  // rank (bytes of weights, moments and gradient read and written per second).
+  double host_link_bw = 25e9;
+  double host_adam_bytes_per_s = 10e9;
 };
 
 // H100, H200, A100-80G, A100-40G, cpu (case-insensitive), or auto / cuda: CUDA
@@ -73,6 +80,8 @@ struct Candidate {
   int tp = 1, dp = 1;
   int zero_stage = 0;
   int recompute_layers = 0;  // the first k layers recompute their activations
+  double offload_ratio = 0;  // the optimizer's share on the host (compute_config.offload, docs/parallelism.md)
+  bool offload_params = false;
 };
 
 // A candidate the planner did not take, and why.

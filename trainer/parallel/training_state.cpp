@@ -4,6 +4,7 @@
 
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
+#include "trainer/parallel/offload.h"
 
 namespace nnstrain::parallel {
 
@@ -116,14 +117,46 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
     return out;
   };
   if (opts_.zero()) shard_grad_ = torch::zeros({L.shard_size}, opt.dtype(opts_.grad_dtype));
+  // Offload: the first buckets in layout order (those backward finishes
+  // first, so their copies have the longest to overlap), whole, until the
+  // ratio's share of the optimizer's elements is reached.
+  TORCH_CHECK(!opts_.offload_params || (stage == 3 && opts_.offload_ratio >= 1.0),
+              "TrainingState: parameter offload needs ZeRO-3 and the whole optimizer offloaded");
+  const int64_t opt_total = optimizer_elements();
+  if (opts_.offload_ratio > 0) {
+    while (host_buckets_ < L.buckets.size() && double(host_size_) < opts_.offload_ratio * double(opt_total))
+      host_size_ += opt_len(host_buckets_++);
+  }
+  const bool pinned = params_.front().tensor.is_cuda();
+  // The initial values in the optimizer's coordinates, fp32.
+  at::Tensor opt_init;
+  if (opts_.master_weights || host_size_ > 0)
+    opt_init = streamed ? opts_.initial_chunks : opts_.zero() ? chunks_of(init, torch::kFloat32) : init.to(torch::kFloat32);
+  if (host_size_ > 0) {
+    const auto wdtype = opts_.master_weights ? torch::kFloat32 : opts_.param_dtype;
+    host_weights_ = host_zeros(host_size_, wdtype, pinned);
+    host_weights_.copy_(opt_init.narrow(0, 0, host_size_));
+    host_grad_ = host_zeros(host_size_, opts_.grad_dtype, pinned);
+    host_moments_ = host_zeros(2 * host_size_, wdtype, pinned);
+    host_stage_ = host_zeros(host_size_, opts_.param_dtype, pinned);  // what leaves for the device, compute dtype
+    host_landing_ = opts_.offload_delayed ? host_zeros(host_size_, opts_.grad_dtype, pinned) : host_grad_;
+    copier_ = std::make_unique<HostCopier>(params_.front().tensor.device(), host_buckets_);
+    pending_scale_.assign(host_buckets_, 1.0);
+    sent_.assign(host_buckets_, false);
+  }
   if (opts_.master_weights) {
     TORCH_CHECK(init_dtype == torch::kFloat32, "TrainingState: master weights need fp32 initial parameters");
-    flat_master_ = streamed      ? opts_.initial_chunks
-                   : opts_.zero() ? chunks_of(init, torch::kFloat32)
-                                  : init.to(torch::kFloat32);
+    // Offloaded: only what steps on the device stays there.
+    flat_master_ = host_size_ == 0 ? opt_init : opt_init.narrow(0, host_size_, opt_total - host_size_).clone();
   }
+  opt_init = at::Tensor();
   if (stage == 3) {
     shard_param_ = streamed ? opts_.initial_chunks.to(opts_.param_dtype) : chunks_of(init, opts_.param_dtype);
+    if (opts_.offload_params) {
+      auto host = host_zeros(L.shard_size, opts_.param_dtype, pinned);
+      host.copy_(shard_param_);
+      shard_param_ = host;
+    }
     for (const auto& b : L.buckets) unit_param_.push_back(torch::empty({b.end - b.begin}, opt.dtype(opts_.param_dtype)));
   } else {
     flat_param_ = init.to(opts_.param_dtype);
@@ -146,7 +179,9 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   }
   for (size_t b = 0; b < unit_param_.size(); ++b) free_unit(b);  // gathered when a forward needs them
 
-  segments_ = make_segments();
+  segments_ = make_segments(&segment_bucket_);
+  bucket_segments_.assign(L.buckets.size(), {});
+  for (size_t i = 0; i < segments_.size(); ++i) bucket_segments_[segment_bucket_[i]].push_back(i);
   std::vector<double> w;
   for (const auto& s : segments_) {
     const auto& p = *std::find_if(params_.begin(), params_.end(), [&](const ParamShard& x) { return x.name == s.name; });
@@ -154,6 +189,7 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   }
   // Built once: no host-to-device copy inside a step.
   norm_weights_ = torch::tensor(w, torch::kFloat64).to(opt.dtype(torch::kFloat32));
+  opts_.initial_chunks = at::Tensor();  // what still needs them holds them (offloaded: nothing on the device)
 }
 
 void TrainingState::accumulate_into_slot(size_t k) {
@@ -249,18 +285,31 @@ void TrainingState::zero_grad() {
 }
 
 void TrainingState::scale_gradients(const at::Tensor& coef) {
-  reduced_grads().mul_(coef.to(reduced_grads().scalar_type()));
+  device_reduced_grads().mul_(coef.to(reduced_grads().scalar_type()));
+  if (host_size_ > 0) host_grad_.mul_(coef.to(host_grad_.device(), host_grad_.scalar_type()));
 }
 
-std::vector<optim::Segment> TrainingState::make_segments() const {
+std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bucket_of_segment) const {
   std::vector<optim::Segment> segs;
   const auto& L = layout_;
   auto wd = [&](size_t k) { return optim::weight_decay_for(params_[k].tensor, opts_.weight_decay); };
+  // An offloaded segment (at pos < host_size_ in the optimizer's coordinates)
+  // updates host weights from a host gradient, its moments on the host too.
+  auto host_segment = [&](optim::Segment& sg, int64_t pos, int64_t n, at::IntArrayRef shape) {
+    sg.param = host_weights_.narrow(0, pos, n).view(shape);
+    sg.grad = host_grad_.narrow(0, pos, n).view(shape);
+    sg.exp_avg = host_moments_.narrow(0, pos, n).view(shape);
+    sg.exp_avg_sq = host_moments_.narrow(0, host_size_ + pos, n).view(shape);
+  };
   if (!opts_.zero()) {
     for (size_t k = 0; k < params_.size(); ++k) {
       const auto& t = params_[k].tensor;
-      auto param = opts_.master_weights ? flat_master_.narrow(0, L.offset[k], t.numel()).view(t.sizes()) : t;
-      segs.push_back({params_[k].name, param, grad_views_[k], wd(k), 0});
+      const int64_t pos = L.offset[k];
+      optim::Segment sg{params_[k].name, at::Tensor(), grad_views_[k], wd(k), 0};
+      if (pos < host_size_) host_segment(sg, pos, t.numel(), t.sizes());
+      else sg.param = opts_.master_weights ? flat_master_.narrow(0, pos - host_size_, t.numel()).view(t.sizes()) : t;
+      segs.push_back(sg);
+      bucket_of_segment->push_back(L.bucket_of[k]);
     }
     return segs;
   }
@@ -272,10 +321,16 @@ std::vector<optim::Segment> TrainingState::make_segments() const {
       const int64_t lo = std::max(c0, p0), hi = std::min(c1, p1);
       if (lo >= hi) continue;
       const int64_t in_shard = L.shard_offset[bi] + (lo - c0);
-      auto param = opts_.master_weights   ? flat_master_.narrow(0, in_shard, hi - lo)
+      optim::Segment sg{params_[k].name, at::Tensor(), shard_grad_.narrow(0, in_shard, hi - lo), wd(k), lo - p0};
+      if (in_shard < host_size_) {
+        host_segment(sg, in_shard, hi - lo, {hi - lo});
+      } else {
+        sg.param = opts_.master_weights    ? flat_master_.narrow(0, in_shard - host_size_, hi - lo)
                    : opts_.zero_stage == 3 ? shard_param_.narrow(0, in_shard, hi - lo)
                                            : flat_param_.narrow(0, lo, hi - lo);
-      segs.push_back({params_[k].name, param, shard_grad_.narrow(0, in_shard, hi - lo), wd(k), lo - p0});
+      }
+      segs.push_back(sg);
+      bucket_of_segment->push_back(bi);
     }
   }
   return segs;
@@ -315,6 +370,11 @@ std::vector<sharding::StateTensor> TrainingState::weight_state() const {
 }
 
 void TrainingState::refresh_compute_copy() {
+  if (offloaded()) {
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) refresh_bucket(b);
+    finish_refresh();
+    return;
+  }
   if (!opts_.master_weights) return;
   if (!opts_.zero()) {
     flat_param_.copy_(flat_master_);
@@ -330,15 +390,116 @@ void TrainingState::refresh_compute_copy() {
         .copy_(flat_master_.narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i])));
 }
 
+int64_t TrainingState::opt_begin(size_t b) const {
+  return opts_.zero() ? layout_.shard_offset[b] : layout_.buckets[b].begin;
+}
+
+int64_t TrainingState::opt_len(size_t b) const {
+  const auto& bk = layout_.buckets[b];
+  return opts_.zero() ? layout_.chunk_size(bk) : bk.end - bk.begin;
+}
+
+std::vector<size_t> TrainingState::device_segments() const {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < segments_.size(); ++i)
+    if (!segment_on_host(i)) out.push_back(i);
+  return out;
+}
+
+bool TrainingState::segment_on_host(size_t i) const { return segment_bucket_[i] < host_buckets_; }
+
+void TrainingState::gradient_final(size_t b, double scale) {
+  if (b >= host_buckets_) return;
+  const int64_t o = opt_begin(b), n = opt_len(b);
+  copier_->to_host(b, host_landing_.narrow(0, o, n), reduced_grads().narrow(0, o, n));
+  pending_scale_[b] = scale;
+  sent_[b] = true;
+}
+
+void TrainingState::wait_host_grads() {
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < host_buckets_; ++b) {
+    TORCH_CHECK(sent_[b], "TrainingState: offloaded bucket ", b, "'s gradient never left for the host");
+    copier_->wait_to_host(b);
+    // The same multiplication the device applies to its share (1/dp), here on the host.
+    if (pending_scale_[b] != 1.0) host_landing_.narrow(0, opt_begin(b), opt_len(b)).mul_(pending_scale_[b]);
+    sent_[b] = false;
+  }
+}
+
+void TrainingState::promote_host_grads() {
+  if (host_landing_.defined() && !host_landing_.is_same(host_grad_)) host_grad_.copy_(host_landing_);
+}
+
+at::Tensor TrainingState::device_reduced_grads() {
+  auto& g = reduced_grads();
+  return host_size_ == 0 ? g : g.narrow(0, host_size_, g.numel() - host_size_);
+}
+
+void TrainingState::refresh_bucket(size_t b) {
+  torch::NoGradGuard no_grad;
+  const auto& L = layout_;
+  const auto& bk = L.buckets[b];
+  const int64_t o = opt_begin(b), n = opt_len(b);
+  const auto target = opts_.zero_stage == 3 ? shard_param_.narrow(0, L.shard_offset[b], n)
+                      : opts_.zero()        ? flat_param_.narrow(0, L.chunk_begin(bk), n)
+                                            : flat_param_.narrow(0, bk.begin, n);
+  if (b < host_buckets_) {
+    // Cast on the host, so what crosses to the device is the compute dtype.
+    auto stage = host_stage_.narrow(0, o, n);
+    stage.copy_(host_weights_.narrow(0, o, n));
+    if (opts_.offload_params) target.copy_(stage);  // ZeRO-3's chunks live on the host too
+    else copier_->to_device(target, stage);
+  } else if (opts_.master_weights) {
+    target.copy_(flat_master_.narrow(0, o - host_size_, n));
+  }
+}
+
+void TrainingState::finish_refresh() {
+  if (copier_) copier_->device_wait();
+}
+
+void TrainingState::pull_host_weights() {
+  if (host_size_ == 0 || opts_.master_weights || opts_.zero_stage == 3) return;
+  torch::NoGradGuard no_grad;
+  const auto& L = layout_;
+  for (size_t b = 0; b < host_buckets_; ++b) {
+    const auto& bk = L.buckets[b];
+    const int64_t o = opt_begin(b), n = opt_len(b);
+    host_weights_.narrow(0, o, n).copy_(opts_.zero() ? flat_param_.narrow(0, L.chunk_begin(bk), n)
+                                                     : flat_param_.narrow(0, bk.begin, n));
+  }
+}
+
+at::Tensor TrainingState::gather_input(size_t b) const {
+  const auto chunk = shard_chunk(b);
+  if (!opts_.offload_params) return chunk;
+  // A device copy of the host chunk, for the collective (and counted as the device's while it lives).
+  auto dev = torch::empty({chunk.numel()}, unit_param_[b].options());
+  copier_->to_device(dev, chunk);
+  copier_->device_wait();
+  return dev;
+}
+
 StateBytes TrainingState::held_bytes() const {
-  // Storage bytes: a freed ZeRO-3 unit counts nothing.
+  // Storage bytes: a freed ZeRO-3 unit counts nothing; host buffers are host_held_bytes'.
   auto bytes = [](const at::Tensor& t) { return t.defined() ? double(t.storage().nbytes()) : 0.0; };
-  StateBytes b{bytes(flat_param_) + bytes(shard_param_), bytes(flat_grad_) + bytes(shard_grad_), bytes(flat_master_), 0.0};
+  const double shard = opts_.offload_params ? 0.0 : bytes(shard_param_);
+  StateBytes b{bytes(flat_param_) + shard, bytes(flat_grad_) + bytes(shard_grad_), bytes(flat_master_), 0.0};
   for (const auto& u : unit_param_) b.param += bytes(u);
   for (const auto& g : bucket_grad_) b.grad += bytes(g);
   for (const auto& [cls, v] : free_buffers_)
     for (const auto& t : v) b.grad += bytes(t);
   return b;
 }
+
+StateBytes TrainingState::host_held_bytes() const {
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? double(t.storage().nbytes()) : 0.0; };
+  const double landing = opts_.offload_delayed ? bytes(host_landing_) : 0.0;
+  return {bytes(host_stage_) + (opts_.offload_params ? bytes(shard_param_) : 0.0), bytes(host_grad_) + landing,
+          bytes(host_weights_), bytes(host_moments_)};
+}
+
+TrainingState::~TrainingState() = default;
 
 }  // namespace nnstrain::parallel

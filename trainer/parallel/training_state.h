@@ -26,11 +26,25 @@
 // bf16/fp16 compute) each parameter's gradient is added into its fp32 slot as
 // soon as autograd has accumulated it (accumulate_into_slot) and then dropped,
 // so accumulation over micro-steps is in fp32 too (Megatron's main_grad).
+//
+// Offload (compute_config.offload, docs/parallelism.md "Offload"): the
+// optimizer's coordinates (this rank's ZeRO chunks bucket after bucket, or the
+// flat layout without ZeRO) start with the buckets backward finishes first; a
+// prefix of whole buckets (offload_ratio of the elements) keeps its weights
+// (fp32 masters, or under *-true a copy of the parameters), AdamW's moments and
+// a copy of its reduced gradient in host memory (offload.h). Their optimizer
+// segments point there, so the norm, clipping and AdamW (on the CPU) read and
+// update host tensors; each bucket's gradient leaves for the host as soon as
+// it is reduced (gradient_final), and the compute copy is refreshed from the
+// host bucket by bucket (refresh_bucket). offload_params (ZeRO-3) keeps the
+// compute-dtype chunks on the host too; a unit's chunk is copied to the device
+// to be gathered (gather_input).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,6 +53,8 @@
 #include "trainer/optim/adamw.h"
 
 namespace nnstrain::parallel {
+
+class HostCopier;
 
 // A parameter as this rank holds it: the local tensor and which piece of the
 // global parameter it is (replica_ranks: the ranks holding the same piece).
@@ -99,6 +115,13 @@ struct TrainingStateOptions {
   // parameter as it was materialised (move_into_chunks); the parameters' own
   // storage is then never read. Undefined: the state reads the parameters.
   at::Tensor initial_chunks;
+  // Offload: the share of the optimizer's elements on the host (0: none; whole
+  // buckets, so at least this share), and (ZeRO-3, with offload_ratio 1) the parameter chunks.
+  double offload_ratio = 0;
+  bool offload_params = false;
+  // Delayed update (DPU): gradients land in a buffer of their own, so the next
+  // step's can arrive while the host still steps with this one's.
+  bool offload_delayed = false;
   bool zero() const { return zero_stage > 0; }
 };
 
@@ -107,6 +130,7 @@ class TrainingState {
   // Parameters become views of the flat buffer; their values as built (fp32
   // under *-mixed) start the masters exactly.
   TrainingState(std::vector<ParamShard> params, const TrainingStateOptions& opts);
+  ~TrainingState();
 
   // The layout a state with `opts` gives parameters of these sizes (registration order).
   static FlatLayout layout_for(const std::vector<int64_t>& numels, const TrainingStateOptions& opts);
@@ -165,11 +189,48 @@ class TrainingState {
   // After the optimizer (or a checkpoint load) changed the masters: the compute
   // copy of what this rank updates (its chunks under ZeRO: the reducer gathers the rest).
   void refresh_compute_copy();
-  // Bytes of parameters, gradients and masters this rank holds (moments: 0, the optimizer holds them).
+  // Bytes of parameters, gradients and masters this rank holds on its device
+  // (moments: 0, the optimizer holds them); host_held_bytes: in host memory
+  // under offload (weights under master, the gradient copy under grad, the
+  // moments' buffers under moments, the compute-dtype staging and ZeRO-3 chunks under param).
   StateBytes held_bytes() const;
+  StateBytes host_held_bytes() const;
+
+  // Offload. The buckets 0 .. host_buckets() - 1 (layout order) are offloaded.
+  size_t host_buckets() const { return host_buckets_; }
+  int64_t host_elements() const { return host_size_; }
+  int64_t optimizer_elements() const { return opts_.zero() ? layout_.shard_size : layout_.size; }
+  bool offloaded() const { return host_buckets_ > 0 || opts_.offload_params; }
+  // The optimizer segments of bucket b (indices into optimizer_segments()), and those stepping on the device.
+  const std::vector<size_t>& bucket_segments(size_t b) const { return bucket_segments_[b]; }
+  std::vector<size_t> device_segments() const;
+  bool segment_on_host(size_t i) const;
+  // Bucket b's reduced gradient is final on the device: an offloaded bucket's
+  // copy leaves for the host now (scale, e.g. 1/dp: still to be applied there).
+  // The reducer calls it as each bucket completes, or after backward.
+  void gradient_final(size_t b, double scale);
+  bool gradient_sent(size_t b) const { return b < sent_.size() && sent_[b]; }
+  // Every offloaded bucket's gradient on the host and scaled (the host waits for the copies).
+  void wait_host_grads();
+  // Delayed update: the landed gradients become what the optimizer segments
+  // read (once the previous host step is done with those).
+  void promote_host_grads();
+  // What reduced_grads() holds outside the offloaded prefix (the device's share).
+  at::Tensor device_reduced_grads();
+  // Bucket b's compute copy from the weights the optimizer updated (from the
+  // host for an offloaded bucket, on the copy stream); finish_refresh makes the
+  // current stream wait for those copies.
+  void refresh_bucket(size_t b);
+  void finish_refresh();
+  // After a checkpoint loaded the parameters themselves (*-true below ZeRO-3):
+  // the host weights from them.
+  void pull_host_weights();
+  // ZeRO-3: unit b's chunk as its all-gather reads it: on the device (copied
+  // there under offload_params, kept alive by the caller until the gather is done).
+  at::Tensor gather_input(size_t b) const;
 
  private:
-  std::vector<optim::Segment> make_segments() const;
+  std::vector<optim::Segment> make_segments(std::vector<size_t>* bucket_of_segment) const;
 
   std::vector<ParamShard> params_;
   TrainingStateOptions opts_;
@@ -187,6 +248,18 @@ class TrainingState {
   std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
   std::vector<optim::Segment> segments_;
   at::Tensor norm_weights_;
+  // Offload (see the top): the prefix of the optimizer's coordinates on the host.
+  int64_t opt_begin(size_t b) const;
+  int64_t opt_len(size_t b) const;
+  size_t host_buckets_ = 0;
+  int64_t host_size_ = 0;
+  at::Tensor host_weights_, host_grad_, host_moments_, host_stage_;
+  at::Tensor host_landing_;  // delayed update: where gradients arrive (else host_grad_ itself)
+  std::unique_ptr<HostCopier> copier_;
+  std::vector<double> pending_scale_;  // per offloaded bucket: still to multiply its host gradient by
+  std::vector<bool> sent_;
+  std::vector<std::vector<size_t>> bucket_segments_;
+  std::vector<size_t> segment_bucket_;
 };
 
 }  // namespace nnstrain::parallel

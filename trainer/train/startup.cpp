@@ -46,6 +46,9 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
   so.grad_dtype = prec.grad;
   so.master_weights = prec.master_weights;
   if (plan.zero_stage == 3) so.units = parallel::parameter_units(model);
+  so.offload_ratio = plan.offload_ratio;  // the plan's: autodist may have chosen it
+  so.offload_params = plan.offload_params;
+  so.offload_delayed = plan.offload_ratio > 0 && args.compute_config.offload.delayed_update;
   return so;
 }
 
@@ -70,10 +73,58 @@ void Trainable::after_optimizer_step() {
   reducer->gather_params();
 }
 
+void Trainable::optimizer_step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
+  if (state->host_buckets() == 0) {
+    optimizer->step(lr, found_inf, lr_device);
+    after_optimizer_step();
+    return;
+  }
+  if (delayed_update) {
+    // The host reads the flag (on a GPU: the one wait for the device the host
+    // step needs anyway), then steps in the background; flush puts the result on the device.
+    const auto inf = found_inf.defined() ? found_inf.to(torch::kCPU) : at::Tensor();
+    pending_update = std::async(std::launch::async, [this, lr, inf] {
+      for (size_t b = 0; b < state->host_buckets(); ++b) optimizer->step(lr, inf, {}, state->bucket_segments(b));
+    });
+    return;
+  }
+  // Offload: the host step bucket by bucket, each bucket's weights leaving for
+  // the device (copy stream) while the next is stepped; then the device's share.
+  for (size_t b = 0; b < state->host_buckets(); ++b) {
+    optimizer->step(lr, found_inf, {}, state->bucket_segments(b));
+    state->refresh_bucket(b);
+  }
+  const auto on_device = state->device_segments();
+  if (!on_device.empty()) optimizer->step(lr, found_inf, lr_device, on_device);
+  for (size_t b = state->host_buckets(); b < state->layout().buckets.size(); ++b) state->refresh_bucket(b);
+  state->finish_refresh();
+  reducer->gather_params();
+}
+
+void Trainable::before_norm() {
+  if (!delayed_update) return;
+  flush();
+  state->promote_host_grads();
+}
+
+void Trainable::flush() {
+  if (!pending_update.valid()) return;
+  pending_update.get();  // rethrows what the host step threw
+  for (size_t b = 0; b < state->host_buckets(); ++b) state->refresh_bucket(b);
+  state->finish_refresh();
+  reducer->gather_params();
+}
+
+void Trainable::after_load() {
+  state->pull_host_weights();
+  after_optimizer_step();
+}
+
 parallel::StateBytes Trainable::held_bytes() {
   auto b = state->held_bytes();
   for (size_t i = 0; i < optimizer->segments().size(); ++i)
-    b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
+    if (!state->segment_on_host(i))
+      b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
   return b;
 }
 
@@ -207,6 +258,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   ro.block_hooks = tr.reducer->block_hooks();
   model.set_runtime_options(ro);
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
+  tr.delayed_update = so.offload_delayed;
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
   return tr;
 }
@@ -255,7 +307,7 @@ std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trai
     if (t.spec.name.rfind("amp/", 0) == 0 && !ck.has(t.spec.name)) continue;
     ck.load_into(t);
   }
-  tr.after_optimizer_step();  // the compute copy from the loaded (master) weights
+  tr.after_load();  // the compute copy from the loaded (master) weights
   *step = st.at("step").get<int64_t>();
   tr.optimizer->set_step_count(st.at("optimizer").at("step_count").get<int64_t>());
   tr.restore_rng_state(ck, rank, device);

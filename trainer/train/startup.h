@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,12 +40,28 @@ struct Trainable {
   std::optional<optim::LossScaler> scaler;
   std::shared_ptr<models::common::ParallelRng> tp_rng;  // sharded-region dropout (tp > 1)
   int world = 1;
+  // Delayed update (compute_config.offload.delayed_update): the host step
+  // runs in the background until the next step's backward is done.
+  bool delayed_update = false;
+  std::future<void> pending_update;
 
   // Everything a checkpoint holds of it, as ShardSpec'd pieces.
   std::vector<sharding::StateTensor> state_tensors();
   // The compute copy from what the optimizer updated (or a checkpoint loaded):
   // masters cast, ZeRO chunks gathered.
   void after_optimizer_step();
+  // One AdamW step and after_optimizer_step; under offload the host's buckets
+  // one at a time, each copied back while the next steps.
+  void optimizer_step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device);
+  // After a checkpoint load: the offloaded host weights and the compute copy agree with what was loaded.
+  void after_load();
+  // After backward, before the gradient norm (delayed update): the previous
+  // step's host update finished and on the device, this step's gradients
+  // where the optimizer reads them. A no-op otherwise.
+  void before_norm();
+  // Delayed update: the pending host step finished and on the device (before
+  // a save, an evaluation, the end); a no-op when nothing is pending.
+  void flush();
   // Bytes this rank holds, by part, measured from its tensors' storage (a
   // ZeRO-3 unit counts only while gathered), in all and per parameter element.
   parallel::StateBytes held_bytes();

@@ -241,6 +241,17 @@ void Trainer::announce(int64_t start_step) {
   log::info("precision " + args_.precision + ": state bytes/param " + fmt(held.total(), 2) + " (param " +
             fmt(held.param, 2) + ", grad " + fmt(held.grad, 2) + ", master " + fmt(held.master, 2) + ", moments " +
             fmt(held.moments, 2) + ")" + (tr_.scaler ? ", dynamic loss scaling" : ""));
+  const auto& st = *tr_.state;
+  if (st.offloaded()) {
+    const auto host = st.host_held_bytes();
+    log::info("offload: optimizer state of " + std::to_string(st.host_buckets()) + " of " +
+              std::to_string(st.layout().buckets.size()) + " buckets (" + std::to_string(st.host_elements()) + " of " +
+              std::to_string(st.optimizer_elements()) + " elements) on the host, stepping on the CPU" +
+              (st.options().offload_params ? "; ZeRO-3 parameter chunks on the host" : "") +
+              (tr_.delayed_update ? "; delayed update (each step's gradients at weights one update behind)" : "") +
+              "; host bytes " +
+              std::to_string(int64_t(host.total())) + (device_.is_cuda() ? " pinned" : " (host buffers, not device tensors)"));
+  }
 }
 
 // One optimizer step on this step's micro-batches, all on the device with no
@@ -269,6 +280,7 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   timer_.enter(StepTimer::kComm);
   tr_.reducer->finish_gradients();
   timer_.enter(StepTimer::kOptimizer);
+  tr_.before_norm();  // delayed update: the previous host step lands on the device now
   grad_norm_ = parallel::global_grad_norm(*tr_.state, rt_.get());  // identical on every rank
   auto found_inf = torch::isfinite(grad_norm_).logical_not().to(torch::kFloat32).reshape({1});
   at::Tensor coef;
@@ -282,10 +294,8 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     coef = coef.defined() ? coef * clip : clip;
   }
   if (coef.defined()) tr_.state->scale_gradients(coef);
-  tr_.optimizer->step(lr_, found_inf, graph_ ? lr_dev_ : at::Tensor());  // skipped whole where found_inf
-  timer_.enter(StepTimer::kComm);
-  tr_.after_optimizer_step();
-  timer_.enter(StepTimer::kOptimizer);
+  // Skipped whole where found_inf; ZeRO-1/2's gather of the updated chunks is inside.
+  tr_.optimizer_step(lr_, found_inf, graph_ ? lr_dev_ : at::Tensor());
   if (tr_.scaler) tr_.scaler->update(found_inf);
   step_dev_.add_(1);
   first_bad_.copy_(torch::where(found_inf.gt(0) & first_bad_.lt(0), step_dev_, first_bad_));
@@ -382,6 +392,7 @@ void Trainer::log_progress() {
 
 void Trainer::evaluate() {
   if (!data_.val || args_.max_val_steps <= 0) return;
+  tr_.flush();  // delayed update: evaluate the weights of every step so far
   torch::NoGradGuard no_grad;
   model_->eval();
   auto sum = torch::zeros({}, fopts_);
@@ -420,6 +431,7 @@ void Trainer::evaluate() {
 
 void Trainer::save() {
   if (args_.checkpoint.save_dir.empty()) return;
+  tr_.flush();  // delayed update: a checkpoint holds every update up to its step
   check_finite();
   auto tensors = tr_.state_tensors();
   for (auto& t : tr_.rng_state_tensors(rank_, device_)) tensors.push_back(std::move(t));
@@ -489,6 +501,7 @@ int Trainer::run() {
     if (periodic || (last && args_.checkpoint.save_on_end) || stop) save();
     if (stop) break;
   }
+  tr_.flush();
   saver_->wait();  // the last save is published before the run ends
   // What this rank keeps between steps (the ZeRO stages' 1/N is checked against it).
   const auto held = tr_.held_bytes();
@@ -498,6 +511,13 @@ int Trainer::run() {
             std::to_string(int64_t(held.grad)) + ", masters " + std::to_string(int64_t(held.master)) +
             ", optimizer moments " + std::to_string(int64_t(held.moments)) + " bytes, for " +
             std::to_string(elements) + " parameter elements");
+  if (tr_.state->offloaded()) {
+    const auto host = tr_.state->host_held_bytes();
+    log::info("held on the host between steps (offload): weights " + std::to_string(int64_t(host.master)) +
+              ", gradients " + std::to_string(int64_t(host.grad)) + ", optimizer moments " +
+              std::to_string(int64_t(host.moments)) + ", parameters and staging " + std::to_string(int64_t(host.param)) +
+              " bytes");
+  }
   if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   if (rt_) rt_->shutdown();  // a clean exit: NCCL communicators finalised, not aborted
   return 0;
@@ -521,6 +541,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   auto rt = connect(args, env, agreed, device, timeout);
   auto local = materialise_model(args, agreed.plan, rt.get(), device, whole->vocab_size());
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
+  local.initial_chunks = at::Tensor();  // the state holds what it needs of them (offload: on the host)
   int64_t start_step = 0;
   const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);
   // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
