@@ -114,11 +114,16 @@ int tokenize_main(const std::vector<std::string>& argv) {
       }
       for (const auto& d : docs_storage) docs.push_back(d);
     }
+    uint64_t total = text.size();  // JSON lines: the documents' bytes, not the escaped file's
+    if (jsonl) {
+      total = 0;
+      for (const auto& d : docs) total += d.size();
+    }
     EncodeProgress progress;
     std::vector<std::vector<int32_t>> ids;
     const auto t0 = std::chrono::steady_clock::now();
     {
-      ProgressLine line("tokenize", progress, text.size());
+      ProgressLine line("tokenize", progress, total);
       if (jsonl) ids = t.encode_batch(docs, policy, add_special, threads, &progress);
       else if (add_special) ids.push_back(t.encode(text, policy, true));
       else ids.push_back(t.encode_large(text, policy, threads, &progress));
@@ -145,11 +150,14 @@ int tokenize_main(const std::vector<std::string>& argv) {
         std::fwrite(buf.data(), 1, buf.size(), stdout);
       }
     }
-    std::fprintf(stderr, "tokenize: %zu documents, %zu bytes, %zu ids, %.3f s\n", docs.size(), text.size(), n_ids, secs);
+    std::fprintf(stderr, "tokenize: %zu documents, %llu bytes, %zu ids, %.3f s\n", docs.size(),
+                 static_cast<unsigned long long>(total), n_ids, secs);
     if (roundtrip) {
       size_t bad = 0, first_bad = 0;
       for (size_t i = 0; i < ids.size(); ++i) {
-        if (t.decode(ids[i]) != docs[i]) {
+        std::string expect(docs[i]);
+        if (add_special) expect = t.decode(t.template_prefix()) + expect + t.decode(t.template_suffix());
+        if (t.decode(ids[i]) != expect) {
           if (!bad) first_bad = i;
           ++bad;
         }

@@ -326,6 +326,8 @@ std::optional<int32_t> Tokenizer::eos_id() const {
   return std::nullopt;
 }
 
+const std::vector<int32_t>& Tokenizer::template_prefix() const { return impl_->prefix; }
+const std::vector<int32_t>& Tokenizer::template_suffix() const { return impl_->suffix; }
 const std::vector<AddedToken>& Tokenizer::added_tokens() const { return impl_->added; }
 Pattern Tokenizer::pattern() const { return impl_->pattern; }
 const std::string& Tokenizer::kind() const { return impl_->kind; }

@@ -101,6 +101,9 @@ class Tokenizer {
   int32_t vocab_size() const;                       // largest id + 1
   std::optional<int32_t> token_id(std::string_view text) const;  // a vocabulary or added token
   std::optional<int32_t> bos_id() const;            // the post-processor's first special token
+  // What add_special puts before and after a text (the post-processor's template).
+  const std::vector<int32_t>& template_prefix() const;
+  const std::vector<int32_t>& template_suffix() const;
   std::optional<int32_t> eos_id() const;            // <|endoftext|>, <|end_of_text|> or </s>
   const std::vector<AddedToken>& added_tokens() const;
   Pattern pattern() const;
