@@ -1,6 +1,7 @@
 #include "data/tokenizer/tokenize_command.h"
 
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -122,6 +123,7 @@ int tokenize_main(const std::vector<std::string>& argv) {
     EncodeProgress progress;
     std::vector<std::vector<int32_t>> ids;
     const auto t0 = std::chrono::steady_clock::now();
+    const std::clock_t c0 = std::clock();
     {
       ProgressLine line("tokenize", progress, total);
       if (jsonl) ids = t.encode_batch(docs, policy, add_special, threads, &progress);
@@ -129,6 +131,7 @@ int tokenize_main(const std::vector<std::string>& argv) {
       else ids.push_back(t.encode_large(text, policy, threads, &progress));
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
     if (!jsonl) docs.push_back(text);
     size_t n_ids = 0;
     for (const auto& v : ids) n_ids += v.size();
@@ -150,8 +153,9 @@ int tokenize_main(const std::vector<std::string>& argv) {
         std::fwrite(buf.data(), 1, buf.size(), stdout);
       }
     }
-    std::fprintf(stderr, "tokenize: %zu documents, %llu bytes, %zu ids, %.3f s\n", docs.size(),
-                 static_cast<unsigned long long>(total), n_ids, secs);
+    // Encoding only (not loading, reading or writing); cpu: all threads' CPU time.
+    std::fprintf(stderr, "tokenize: %zu documents, %llu bytes, %zu ids, %.3f s, cpu %.3f s\n", docs.size(),
+                 static_cast<unsigned long long>(total), n_ids, secs, cpu);
     if (roundtrip) {
       size_t bad = 0, first_bad = 0;
       for (size_t i = 0; i < ids.size(); ++i) {

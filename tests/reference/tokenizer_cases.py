@@ -110,6 +110,18 @@ def corpus(nbytes, seed=1):
     return "".join(parts)
 
 
+def documents(text, size=65536):
+    """`text` cut after a newline about every `size` characters (the documents a batch
+    encodes)."""
+    docs, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        docs.append(text[start:end])
+        start = end
+    return docs
+
+
 # ------------------------------------------------------------------ reference tokenizers
 
 def package_dir(name):
