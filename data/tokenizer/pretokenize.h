@@ -1,0 +1,35 @@
+// Pre-tokenization: cutting text into the pieces BPE encodes one at a time, exactly
+// as Hugging Face `tokenizers` cuts with the GPT-2 and Llama 3 patterns (leftmost
+// alternative first, as its regex engine tries them). Hand-written scanners instead of
+// a regex engine: the same pieces, many times faster.
+//
+//   gpt2:   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+//   llama3: (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+//           ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace nnstrain::tok {
+
+enum class Pattern { none, gpt2, llama3 };
+
+// The pattern a regex string from a tokenizer.json names; false when it is neither.
+bool pattern_from_regex(const std::string& regex, Pattern& out);
+const char* pattern_name(Pattern p);
+// The regex source text of a pattern (as tokenizer.json spells it).
+const char* pattern_regex(Pattern p);
+
+// Appends to `ends` the end offset of every piece of `text` (valid UTF-8), in order;
+// the pieces cover the text. Pattern::none: the whole text is one piece.
+void pretokenize(Pattern p, std::string_view text, std::vector<uint32_t>& ends);
+
+// Offsets at which `text` may be cut into parts encoded independently with the
+// same result as the whole: before an ASCII letter that follows '\n' (no piece of
+// either pattern spans such a point). At most one per `min_gap` bytes.
+std::vector<size_t> safe_cuts(std::string_view text, size_t min_gap);
+
+}  // namespace nnstrain::tok
