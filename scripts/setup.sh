@@ -4,6 +4,7 @@
 #
 #   scripts/setup.sh            # deps + build (Release)
 #   NNSTRAIN_BUILD_TYPE=Debug scripts/setup.sh
+#   NNSTRAIN_BUILD_TARGET=nnstrain scripts/setup.sh   # only the binary (scripts/train.sh), not the tests
 #
 # The Python environment (torch wheel with its CUDA libraries, several GB) lives
 # outside the checkout, in $NNSTRAIN_VENV, so a fresh clone reuses it.
@@ -70,5 +71,6 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
 fi
 # Whether this build compiles the CUDA code, and why (third_party/dependencies.cmake).
 grep -h '^-- nnstrain: CUDA' "$build/configure.log" 2>/dev/null | sed 's/^-- /[setup] /' >&2 || true
-say "building"
-cmake --build "$build" -j "$(nproc)"
+target=${NNSTRAIN_BUILD_TARGET:-all}
+say "building $target"
+cmake --build "$build" -j "$(nproc)" --target "$target"
