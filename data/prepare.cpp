@@ -40,7 +40,9 @@ struct Failure : std::runtime_error {
 
 constexpr const char* kUsage =
     "usage: nnstrain prepare shakespeare_char [--input PATH] [--out DIR]\n"
-    "       nnstrain prepare text --input FILE --out DIR [--level char|byte] [--val-fraction 0.1]\n";
+    "       nnstrain prepare text --input FILE --out DIR [--level char|byte] [--val-fraction 0.1]\n"
+    "       nnstrain prepare corpus --tokenizer PATH --input PATH [--input PATH ...] --out PREFIX [...]\n"
+    "                (nnstrain prepare corpus --help: Megatron .bin/.idx from JSONL, text or alpaca records)\n";
 constexpr const char* kShakespeareShared = "shared/data/tinyshakespeare/input.txt";
 constexpr int kFormatVersion = 1;
 
@@ -108,8 +110,11 @@ std::string read_whole_file(const std::string& path) {
   return ss.str();
 }
 
+}  // namespace
+
 // Temp file in the same folder, fsync, rename: readers see the old file or the whole new one.
-void write_atomic(const fs::path& path, const std::string& bytes) {
+void write_file_atomic(const std::string& path_s, const std::string& bytes) {
+  const fs::path path(path_s);
   const std::string tmp = path.string() + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw Failure("cannot create '" + tmp + "': " + std::strerror(errno));
@@ -135,6 +140,10 @@ void write_atomic(const fs::path& path, const std::string& bytes) {
     throw Failure("cannot rename '" + tmp + "' to '" + path.string() + "': " + std::strerror(e));
   }
 }
+
+namespace {
+
+void write_atomic(const fs::path& path, const std::string& bytes) { write_file_atomic(path.string(), bytes); }
 
 // Strict UTF-8 -> code points (what Python's str, and so nanoGPT, calls characters).
 std::vector<uint32_t> decode_utf8(const std::string& s, const std::string& path) {
@@ -420,6 +429,7 @@ int prepare_text(const Options& o, std::ostream& out) {
 }  // namespace
 
 int prepare_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  if (!args.empty() && args[0] == "corpus") return prepare_corpus_main({args.begin() + 1, args.end()}, out, err);
   try {
     const Options o = parse_args(args);
     if (o.help) {
@@ -429,7 +439,7 @@ int prepare_main(const std::vector<std::string>& args, std::ostream& out, std::o
     if (o.dataset.empty()) throw UsageError("which dataset? (shakespeare_char or text)");
     if (o.dataset == "shakespeare_char") return prepare_shakespeare(o, out);
     if (o.dataset == "text") return prepare_text(o, out);
-    throw UsageError("unknown dataset '" + o.dataset + "' (known: shakespeare_char, text)");
+    throw UsageError("unknown dataset '" + o.dataset + "' (known: shakespeare_char, text, corpus)");
   } catch (const UsageError& e) {
     err << "nnstrain prepare: error: " << e.what() << "\n" << kUsage;
     return 2;

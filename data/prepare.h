@@ -25,4 +25,11 @@ int prepare_main(const std::vector<std::string>& args);
 // The same, with the report and the errors written to the given streams (for tests).
 int prepare_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
+// `nnstrain prepare corpus ...` (prepare_corpus.cpp): tokenized Megatron .bin/.idx files.
+int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+
+// Writes `bytes` to a temporary file beside `path`, fsyncs it and renames it over
+// `path`: readers see the old file or the whole new one. Throws std::runtime_error.
+void write_file_atomic(const std::string& path, const std::string& bytes);
+
 }  // namespace nnstrain::data

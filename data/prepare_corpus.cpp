@@ -1,0 +1,461 @@
+// `nnstrain prepare corpus`: text corpora -> tokenized Megatron .bin/.idx plus a
+// manifest binding them to the tokenizer, the inputs and the settings. Torch-free.
+// See docs/data.md ("Corpora").
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#ifdef NNSTRAIN_ZSTD
+#include <zstd.h>
+#endif
+
+#include "data/indexed/indexed_file.h"
+#include "data/prepare.h"
+#include "data/sha256.h"
+#include "data/tokenizer/progress.h"
+#include "data/tokenizer/tokenizer.h"
+
+namespace nnstrain::data {
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int kFormatVersion = 1;
+constexpr size_t kBatchBytes = 32 << 20;  // text tokenized per batch (bounded memory)
+
+constexpr const char* kUsage = R"(usage: nnstrain prepare corpus --tokenizer PATH --input PATH [--input PATH ...] --out PREFIX [options]
+
+Tokenizes documents into Megatron-compatible PREFIX.bin / PREFIX.idx and writes
+PREFIX.manifest.json (tokenizer hash, input hashes, settings) last.
+
+  --format F           auto (default: by extension), jsonl, text, alpaca
+                         jsonl:  one JSON object per line, the document in --text-key (.zst too)
+                         text:   each file one document, or split on --separator
+                         alpaca: records {instruction, input, output} (a JSON array, or JSON lines);
+                                 each document is two sequences, prompt then response
+  --text-key K         the JSONL field holding the text (default: text)
+  --separator S        text: split each file on S ("\n\n" etc. as written; default: one document per file)
+  --special-tokens P   special-token text in documents: text (default), special, error
+  --on-error P         a malformed record: stop (default) or skip (counted in the manifest)
+  --threads N          tokenizer threads (default: all cores)
+  --pattern P          for a tiktoken file: gpt2 or llama3
+A folder given to --input means every file in it (sorted, recursively).
+)";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::string tokenizer, out, format = "auto", text_key = "text", separator, special = "text", on_error = "stop";
+  std::string pattern;
+  bool has_separator = false;
+  std::vector<std::string> inputs;
+  int threads = 0;
+};
+
+std::string unescape(const std::string& s) {  // \n \t \\ in --separator
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 1 < s.size()) {
+      const char c = s[++i];
+      out += c == 'n' ? '\n' : c == 't' ? '\t' : c == 'r' ? '\r' : c;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+Options parse(const std::vector<std::string>& args, bool& help) {
+  Options o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string a = args[i], v;
+    if (a == "-h" || a == "--help") {
+      help = true;
+      return o;
+    }
+    const size_t eq = a.find('=');
+    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    } else {
+      if (a.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + a + "'");
+      if (i + 1 >= args.size()) throw UsageError("option " + a + " needs a value");
+      v = args[++i];
+    }
+    if (a == "--tokenizer") o.tokenizer = v;
+    else if (a == "--input") o.inputs.push_back(v);
+    else if (a == "--out") o.out = v;
+    else if (a == "--format") o.format = v;
+    else if (a == "--text-key") o.text_key = v;
+    else if (a == "--separator") o.separator = unescape(v), o.has_separator = true;
+    else if (a == "--special-tokens") o.special = v;
+    else if (a == "--on-error") o.on_error = v;
+    else if (a == "--pattern") o.pattern = v;
+    else if (a == "--threads") {
+      try {
+        o.threads = std::stoi(v);
+      } catch (const std::exception&) {
+        o.threads = -1;
+      }
+      if (o.threads < 1 || o.threads > 1024) throw UsageError("--threads: expected 1..1024, got '" + v + "'");
+    } else {
+      throw UsageError("unknown option '" + a + "'");
+    }
+  }
+  if (o.tokenizer.empty()) throw UsageError("--tokenizer PATH is required");
+  if (o.inputs.empty()) throw UsageError("--input PATH is required");
+  if (o.out.empty()) throw UsageError("--out PREFIX is required");
+  if (o.format != "auto" && o.format != "jsonl" && o.format != "text" && o.format != "alpaca")
+    throw UsageError("--format: '" + o.format + "' (expected auto, jsonl, text or alpaca)");
+  if (o.on_error != "stop" && o.on_error != "skip") throw UsageError("--on-error: expected stop or skip");
+  if (o.has_separator && o.separator.empty()) throw UsageError("--separator must not be empty");
+  if (o.threads == 0) o.threads = std::max(1u, std::thread::hardware_concurrency());
+  return o;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string format_of(const std::string& path, const std::string& requested) {
+  if (ends_with(path, ".parquet"))
+    throw UsageError("'" + path + "': Parquet is not supported; convert it to JSON lines first, e.g. "
+                     "python -c \"import pandas as pd; pd.read_parquet('in.parquet').to_json('out.jsonl', "
+                     "orient='records', lines=True)\"");
+  if (requested != "auto") return requested;
+  if (ends_with(path, ".jsonl") || ends_with(path, ".jsonl.zst") || ends_with(path, ".zst")) return "jsonl";
+  if (ends_with(path, ".json")) return "alpaca";
+  return "text";
+}
+
+std::vector<std::string> expand_inputs(const std::vector<std::string>& inputs) {
+  std::vector<std::string> files;
+  for (const auto& in : inputs) {
+    std::error_code ec;
+    if (fs::is_directory(in, ec)) {
+      std::vector<std::string> found;
+      for (auto it = fs::recursive_directory_iterator(in, ec); it != fs::recursive_directory_iterator(); ++it)
+        if (it->is_regular_file() && it->path().filename().string()[0] != '.') found.push_back(it->path().string());
+      std::sort(found.begin(), found.end());
+      if (found.empty()) throw UsageError("--input '" + in + "': the folder holds no files");
+      files.insert(files.end(), found.begin(), found.end());
+    } else if (fs::is_regular_file(in, ec)) {
+      files.push_back(in);
+    } else {
+      throw UsageError("--input '" + in + "': no such file or folder");
+    }
+  }
+  return files;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read '" + path + "': " + std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) throw std::runtime_error("read error in '" + path + "'");
+  return ss.str();
+}
+
+// The file's bytes, decompressed when it ends in .zst.
+std::string read_input(const std::string& path) {
+  std::string raw = read_file(path);
+  if (!ends_with(path, ".zst")) return raw;
+#ifdef NNSTRAIN_ZSTD
+  std::string out;
+  ZSTD_DStream* ds = ZSTD_createDStream();
+  ZSTD_initDStream(ds);
+  ZSTD_inBuffer in{raw.data(), raw.size(), 0};
+  std::vector<char> buf(ZSTD_DStreamOutSize());
+  size_t rc = 1;
+  while (in.pos < in.size) {
+    ZSTD_outBuffer o{buf.data(), buf.size(), 0};
+    rc = ZSTD_decompressStream(ds, &o, &in);
+    if (ZSTD_isError(rc)) {
+      ZSTD_freeDStream(ds);
+      throw std::runtime_error("'" + path + "': zstd: " + ZSTD_getErrorName(rc));
+    }
+    out.append(buf.data(), o.pos);
+  }
+  ZSTD_freeDStream(ds);
+  if (rc != 0) throw std::runtime_error("'" + path + "': zstd stream is truncated");
+  return out;
+#else
+  throw UsageError("'" + path + "': this build has no zstd (install libzstd-dev and rebuild)");
+#endif
+}
+
+// One document (or an instruction record's prompt and response) and where it came from.
+struct Record {
+  std::string text, response;
+  std::string where;  // file:line
+};
+
+// The Stanford Alpaca prompt (the template its training used), with and without input.
+std::string alpaca_prompt(const std::string& instruction, const std::string& input) {
+  if (input.empty())
+    return "Below is an instruction that describes a task. Write a response that appropriately completes the "
+           "request.\n\n### Instruction:\n" + instruction + "\n\n### Response:\n";
+  return "Below is an instruction that describes a task, paired with an input that provides further context. "
+         "Write a response that appropriately completes the request.\n\n### Instruction:\n" + instruction +
+         "\n\n### Input:\n" + input + "\n\n### Response:\n";
+}
+
+void alpaca_record(const json& j, const std::string& where, std::vector<Record>& out) {
+  if (!j.is_object()) throw std::runtime_error(where + ": an alpaca record must be a JSON object");
+  auto field = [&](const char* k, bool required) -> std::string {
+    if (!j.contains(k) || j[k].is_null()) {
+      if (required) throw std::runtime_error(where + ": no '" + k + "' field");
+      return "";
+    }
+    if (!j[k].is_string()) throw std::runtime_error(where + ": '" + k + "' is not a string");
+    return j[k].get<std::string>();
+  };
+  out.push_back({alpaca_prompt(field("instruction", true), field("input", false)), field("output", true), where});
+}
+
+}  // namespace
+
+int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  Options o;
+  try {
+    bool help = false;
+    o = parse(args, help);
+    if (help) {
+      out << kUsage;
+      return 0;
+    }
+    const std::vector<std::string> files = expand_inputs(o.inputs);
+    std::vector<std::string> formats;
+    for (const auto& f : files) formats.push_back(format_of(f, o.format));
+    const bool instruction = std::count(formats.begin(), formats.end(), "alpaca") > 0;
+    if (instruction && std::count(formats.begin(), formats.end(), "alpaca") != static_cast<long>(formats.size()))
+      throw UsageError("alpaca inputs cannot be mixed with plain documents in one dataset");
+    tok::SpecialPolicy policy;
+    try {
+      policy = tok::parse_special_policy(o.special);
+    } catch (const tok::TokenizerError& e) {
+      throw UsageError(std::string("--special-tokens: ") + e.what());
+    }
+    tok::LoadOptions lo;
+    lo.pattern = o.pattern;
+    const tok::Tokenizer tokenizer = tok::Tokenizer::load(o.tokenizer, lo);
+
+    // What this output is a function of; a manifest recording the same needs no rerun.
+    json inputs = json::array();
+    uint64_t total_bytes = 0;
+    for (size_t i = 0; i < files.size(); ++i) {
+      inputs.push_back({{"path", files[i]}, {"sha256", sha256_file_hex(files[i])},
+                        {"bytes", fs::file_size(files[i])}, {"format", formats[i]}});
+      total_bytes += fs::file_size(files[i]);
+    }
+    json settings = {{"special_tokens", o.special}, {"on_error", o.on_error}};
+    if (!instruction) settings["text_key"] = o.text_key;
+    if (o.has_separator) settings["separator"] = o.separator;
+    if (instruction) settings["template"] = "alpaca";
+    const json tok_info = {{"path", o.tokenizer}, {"kind", tokenizer.kind()}, {"sha256", tokenizer.sha256()},
+                           {"vocab_size", tokenizer.vocab_size()},
+                           {"eos_id", tokenizer.eos_id() ? json(*tokenizer.eos_id()) : json()},
+                           {"bos_id", tokenizer.bos_id() ? json(*tokenizer.bos_id()) : json()}};
+    const fs::path prefix(o.out);
+    const std::string name = prefix.filename().string();
+    const std::string manifest_path = o.out + ".manifest.json";
+    if (fs::exists(manifest_path)) {
+      try {
+        const json m = json::parse(read_file(manifest_path));
+        if (m.value("format_version", 0) == kFormatVersion && m["tokenizer"]["sha256"] == tok_info["sha256"] &&
+            m["inputs"] == inputs && m["settings"] == settings &&
+            fs::exists(o.out + ".bin") && fs::file_size(o.out + ".bin") == m["bin_bytes"].get<uint64_t>() &&
+            fs::exists(o.out + ".idx") && fs::file_size(o.out + ".idx") == m["idx_bytes"].get<uint64_t>()) {
+          out << "prepare corpus: " << o.out << ".{bin,idx} are up to date (" << m["documents"] << " documents, "
+              << m["tokens"] << " tokens); nothing written\n";
+          return 0;
+        }
+      } catch (const std::exception&) {
+        // unreadable: rebuild
+      }
+      fs::remove(manifest_path);  // the old outputs are being replaced: never leave it naming them
+    }
+    if (!prefix.parent_path().empty()) fs::create_directories(prefix.parent_path());
+
+    const indexed::DType dtype = indexed::dtype_for_vocab(tokenizer.vocab_size());
+    indexed::Writer writer(o.out, dtype);
+    tok::EncodeProgress progress;
+    int64_t skipped = 0;
+    std::vector<std::string> skipped_where;
+    {
+      tok::ProgressLine line("prepare corpus", progress, total_bytes);
+      std::vector<Record> batch;
+      size_t batch_bytes = 0;
+      auto flush = [&] {
+        std::vector<std::string_view> texts;
+        for (const auto& r : batch) {
+          texts.push_back(r.text);
+          if (instruction) texts.push_back(r.response);
+        }
+        std::vector<std::vector<int32_t>> ids;
+        try {
+          ids = tokenizer.encode_batch(texts, policy, false, o.threads);
+        } catch (const tok::TokenizerError&) {
+          // Find the record at fault, to name it (and skip it under --on-error skip).
+          ids.clear();
+          tok::EncodeCache cache;
+          for (const auto& r : batch) {
+            std::vector<int32_t> a, b;
+            try {
+              tokenizer.encode(r.text, policy, false, cache, a);
+              if (instruction) tokenizer.encode(r.response, policy, false, cache, b);
+            } catch (const tok::TokenizerError& e) {
+              if (o.on_error == "stop") throw std::runtime_error(r.where + ": " + e.what());
+              ++skipped;
+              if (skipped_where.size() < 10) skipped_where.push_back(r.where + ": " + e.what());
+              continue;
+            }
+            ids.push_back(std::move(a));
+            if (instruction) ids.push_back(std::move(b));
+          }
+        }
+        if (instruction) {
+          for (size_t i = 0; i + 1 < ids.size(); i += 2) writer.add_document(std::vector<const std::vector<int32_t>*>{&ids[i], &ids[i + 1]});
+        } else {
+          for (const auto& d : ids) writer.add_document(d);
+        }
+        batch.clear();
+        batch_bytes = 0;
+      };
+      auto bad_record = [&](const std::string& what) {
+        if (o.on_error == "stop") throw std::runtime_error(what);
+        ++skipped;
+        if (skipped_where.size() < 10) skipped_where.push_back(what);
+      };
+      auto add = [&](Record r) {
+        batch_bytes += r.text.size() + r.response.size();
+        progress.bytes += r.text.size() + r.response.size();
+        progress.docs += 1;
+        batch.push_back(std::move(r));
+        if (batch_bytes >= kBatchBytes) flush();
+      };
+      for (size_t fi = 0; fi < files.size(); ++fi) {
+        const std::string& file = files[fi];
+        const std::string data = read_input(file);
+        if (formats[fi] == "text") {
+          if (!o.has_separator) {
+            add({data, "", file});
+            continue;
+          }
+          size_t start = 0, lineno = 1;
+          while (start <= data.size()) {
+            size_t end = data.find(o.separator, start);
+            if (end == std::string::npos) end = data.size();
+            std::string doc = data.substr(start, end - start);
+            if (!doc.empty()) add({std::move(doc), "", file + ":" + std::to_string(lineno)});
+            lineno += std::count(data.begin() + start, data.begin() + std::min(data.size(), end + o.separator.size()), '\n');
+            start = end + o.separator.size();
+          }
+          continue;
+        }
+        const bool array = formats[fi] == "alpaca" && data.find_first_not_of(" \t\r\n") != std::string::npos &&
+                           data[data.find_first_not_of(" \t\r\n")] == '[';
+        if (array) {  // alpaca_data.json: one JSON array
+          json arr;
+          try {
+            arr = json::parse(data);
+          } catch (const json::parse_error& e) {
+            throw std::runtime_error(file + ": not valid JSON (" + e.what() + ")");
+          }
+          for (size_t k = 0; k < arr.size(); ++k) {
+            std::vector<Record> rec;
+            try {
+              alpaca_record(arr[k], file + ": record " + std::to_string(k + 1), rec);
+            } catch (const std::runtime_error& e) {
+              bad_record(e.what());
+              continue;
+            }
+            add(std::move(rec[0]));
+          }
+          continue;
+        }
+        size_t start = 0, lineno = 0;
+        while (start < data.size()) {
+          size_t end = data.find('\n', start);
+          if (end == std::string::npos) end = data.size();
+          ++lineno;
+          const std::string_view line_text(data.data() + start, end - start);
+          start = end + 1;
+          if (line_text.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+          const std::string where = file + ":" + std::to_string(lineno);
+          json j;
+          try {
+            j = json::parse(line_text);
+          } catch (const json::parse_error&) {
+            bad_record(where + ": not a JSON object");
+            continue;
+          }
+          if (formats[fi] == "alpaca") {
+            std::vector<Record> rec;
+            try {
+              alpaca_record(j, where, rec);
+            } catch (const std::runtime_error& e) {
+              bad_record(e.what());
+              continue;
+            }
+            add(std::move(rec[0]));
+            continue;
+          }
+          if (!j.is_object() || !j.contains(o.text_key) || !j[o.text_key].is_string()) {
+            bad_record(where + ": no string field '" + o.text_key + "'");
+            continue;
+          }
+          add({j[o.text_key].get<std::string>(), "", where});
+        }
+      }
+      flush();
+    }
+    if (writer.documents() == 0) throw std::runtime_error("no documents in the input (nothing written)");
+    writer.commit();
+    const json manifest = {
+        {"format", "nnstrain indexed dataset (Megatron .bin/.idx)"},
+        {"format_version", kFormatVersion},
+        {"bin", name + ".bin"},
+        {"idx", name + ".idx"},
+        {"bin_bytes", fs::file_size(o.out + ".bin")},
+        {"idx_bytes", fs::file_size(o.out + ".idx")},
+        {"dtype", indexed::dtype_name(dtype)},
+        {"documents", writer.documents()},
+        {"tokens", writer.tokens()},
+        {"sequences_per_document", instruction ? 2 : 1},
+        {"kind", instruction ? "instruction (prompt, response)" : "documents"},
+        {"skipped_records", skipped},
+        {"tokenizer", tok_info},
+        {"inputs", inputs},
+        {"settings", settings},
+    };
+    write_file_atomic(manifest_path, manifest.dump(1) + "\n");
+    for (const auto& w : skipped_where) err << "prepare corpus: skipped " << w << "\n";
+    out << "prepare corpus: " << writer.documents() << " documents, " << writer.tokens() << " tokens ("
+        << indexed::dtype_name(dtype) << ") -> " << o.out << ".{bin,idx}";
+    if (skipped) out << "; skipped " << skipped << " malformed records";
+    out << "\n";
+    return 0;
+  } catch (const UsageError& e) {
+    err << "nnstrain prepare corpus: error: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const std::exception& e) {
+    err << "nnstrain prepare corpus: error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace nnstrain::data
