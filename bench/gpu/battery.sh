@@ -16,6 +16,9 @@
 #   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
 #   zero              ZeRO stages 0-3 at one rank (NCCL): GPT-2 124M losses vs stage 0,
 #                     allocator peak vs the planner's estimate, ms/step
+#   offload           optimizer / parameter offload on one GPU (issue 23): GPT-2 124M with
+#                     a ~1 s step, with and without offload: tokens/s ratio, step split,
+#                     device bytes held between steps vs the planner, host bytes, losses
 # A benchmark phase builds only the nnstrain binary if there is none (or uses
 # NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
 #
@@ -218,7 +221,8 @@ for p in "${phases[@]}"; do
     llama)            run_phase llama 420 bash -c 'phase_bench llama' ;;
     shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
     zero)             run_phase zero 300 bash -c 'phase_bench zero' ;;
-    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero)" ;;
+    offload)          run_phase offload 420 bash -c 'phase_bench offload' ;;
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero offload)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.
