@@ -19,6 +19,9 @@
 #                     with gradient accumulation 4 (peak within 5% of accumulation 1)
 #   startup_oom       memory_snapshot: true on a model whose state cannot fit: exit 1,
 #                     the message names the snapshot, the snapshot exists
+#   offload           optimizer / parameter offload on one GPU (issue 23): GPT-2 124M with
+#                     a ~1 s step, with and without offload: tokens/s ratio, step split,
+#                     device bytes held between steps vs the planner, host bytes, losses
 # A benchmark phase builds only the nnstrain binary if there is none (or uses
 # NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
 #
@@ -238,7 +241,8 @@ for p in "${phases[@]}"; do
     shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
     zero)             run_phase zero 300 bash -c 'phase_bench zero' ;;
     startup_oom)      run_phase startup_oom 120 bash -c phase_startup_oom ;;
-    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero startup_oom)" ;;
+    offload)          run_phase offload 420 bash -c 'phase_bench offload' ;;
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero startup_oom offload)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.

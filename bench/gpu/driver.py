@@ -631,6 +631,76 @@ def bench_zero(ctx):
             f"vs stage 0 {res.get('max_rel_loss_diff_vs_stage0')}")
 
 
+def held_from_log(path):
+    """(device bytes, host bytes) rank 0 held between steps, from its log (offload prints the host's)."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError:
+        return None, None
+    m = re.search(r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), optimizer moments (\d+)", text)
+    h = re.search(r"held on the host between steps \(offload\): weights (\d+), gradients (\d+), optimizer moments "
+                  r"(\d+), parameters and staging (\d+)", text)
+    return (sum(map(int, m.groups())) if m else None), (sum(map(int, h.groups())) if h else 0)
+
+
+def bench_offload(ctx):
+    """Optimizer and parameter offload on one GPU (issue 23): GPT-2 124M in the
+    config's precision at a batch whose step takes about a second or more
+    (gradient accumulation 8), with and without offload: ms/step and tokens/s
+    (goal: optimizer offload keeps >= 80% of the tokens/s), the step-time split
+    (the host wait and CPU step fall in the optimizer part), the bytes held on
+    the device between steps against the planner's estimate (goal: the fall
+    equals the offloaded share within 5%), host bytes, losses against the run
+    without offload. Not here: the largest model that fits (a sweep of
+    Llama shapes, each a run near the memory limit)."""
+    name = "gpt2"
+    ensure_synthetic(ctx, name)
+    steps, micro, accum = (6, 4, 2) if ctx.smoke else (12, 16, 8)
+    out = ctx.results["benchmarks"].setdefault("offload", {"micro_batch_size": micro, "accumulation": accum,
+                                                           "steps": steps, "runs": {}})
+    base = base_overrides(ctx, name) + ["--micro_batch_size", micro, "--grad_accumulation_steps", accum,
+                                        "--max_train_steps", steps, "--log_progress_every_n_train_steps", 1]
+    off = ["--compute_config.offload.optimizer", "true"]
+    variants = [("plain", []), ("optimizer", off), ("optimizer_ratio_0.5", off + ["--compute_config.offload.ratio", 0.5]),
+                ("zero2", ["--compute_config.use_zero", 2]), ("zero2_optimizer", ["--compute_config.use_zero", 2] + off),
+                ("zero3", ["--compute_config.use_zero", 3]),
+                ("zero3_optimizer_params", ["--compute_config.use_zero", 3] + off + ["--compute_config.offload.params", "true"])]
+    losses = {}
+    for tag, extra in variants:
+        o = base + extra
+        res = run_nnstrain(ctx, "offload", tag, BENCH[name]["config"], o, drop=2, timeout=ctx.left(150))
+        run_dir = ROOT / "runs" / "battery" / "offload" / tag
+        res["held_device_bytes"], res["held_host_bytes"] = held_from_log(run_dir / "logs" / "rank0.log")
+        metrics = ctx.out / "offload" / f"metrics_{tag}.jsonl"
+        if metrics.exists():
+            recs = [json.loads(l) for l in metrics.read_text().splitlines() if '"loss"' in l]
+            losses[tag] = {r["step"]: r["loss"] for r in recs}
+            res["split_ms"] = {k: statistics.median(r.get(k, 0) for r in recs[2:] or recs)
+                               for k in ("time_forward_ms", "time_backward_ms", "time_comm_ms", "time_optimizer_ms")}
+        plan = run_plan(ctx, name, o, f"plan_{tag}.json", "offload")
+        res["plan"] = plan
+        ref = {"optimizer": "plain", "optimizer_ratio_0.5": "plain", "zero2_optimizer": "zero2",
+               "zero3_optimizer_params": "zero3"}.get(tag)
+        if ref in out["runs"] and ref in losses and tag in losses:
+            r0 = out["runs"][ref]
+            common = sorted(set(losses[tag]) & set(losses[ref]))
+            res["max_rel_loss_diff"] = max((abs(losses[tag][s] - losses[ref][s]) / abs(losses[ref][s]) for s in common),
+                                           default=None)
+            if r0.get("tokens_per_s") and res.get("tokens_per_s"):
+                res["tokens_per_s_vs_no_offload"] = res["tokens_per_s"] / r0["tokens_per_s"]
+            if r0.get("held_device_bytes") and res.get("held_device_bytes") is not None:
+                measured = r0["held_device_bytes"] - res["held_device_bytes"]
+                est = (r0["plan"].get("estimate", {}).get("optim_bytes", 0) + r0["plan"].get("estimate", {}).get("param_bytes", 0)
+                       - plan.get("estimate", {}).get("optim_bytes", 0) - plan.get("estimate", {}).get("param_bytes", 0))
+                res["device_fall_bytes"], res["device_fall_estimate_bytes"] = measured, est
+                res["device_fall_error"] = measured / est - 1 if est else None
+        out["runs"][tag] = res
+        ctx.save()
+        log(f"offload {tag}: rc {res['rc']}, {res.get('ms_per_step', 0):.1f} ms/step, held device "
+            f"{(res.get('held_device_bytes') or 0) / 2**20:.0f} MiB host {(res.get('held_host_bytes') or 0) / 2**20:.0f} MiB, "
+            f"vs no offload {res.get('tokens_per_s_vs_no_offload')}, loss diff {res.get('max_rel_loss_diff')}")
+
+
 def fmt(v, spec=".1f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -730,7 +800,7 @@ def write_summary(r, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
-                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "zero", "summary"])
+                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "zero", "offload", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
@@ -755,6 +825,8 @@ def main():
                 bench_full(ctx)
             elif phase == "zero":
                 bench_zero(ctx)
+            elif phase == "offload":
+                bench_offload(ctx)
         except Exception as e:  # one phase's failure must not lose the others
             log(f"phase {phase} failed: {e!r}")
             ctx.results["benchmarks"].setdefault(phase, {})["error"] = f"driver: {e!r}"

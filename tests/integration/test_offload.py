@@ -6,7 +6,8 @@ same seed and global batch, an offloaded run and the same run without offload
 give the same losses and gradient norms at each of 20 steps, bitwise in
 `32-true` (the host step is the same fused AdamW over the same segments) and
 within the bf16 tolerance in `bf16-mixed`, at one rank, ZeRO-2 dp2, ZeRO-3 dp2
-with `params: true`, and tp2 x dp2; also a partial offload (`ratio: 0.5`), and
+with `params: true`, and tp2 x dp2, hybrid sharding (dp4 in 2 ZeRO groups) and
+ZeRO-2 with 2 accumulation steps; also a partial offload (`ratio: 0.5`), and
 the fp16 loss scaler's skip of a step whose gradients are non-finite on only
 one rank (the skip must happen on every rank, host step included).
 
@@ -45,6 +46,10 @@ SETUPS = {
     "zero2_dp2": (2, ("--compute_config.use_zero", "2")),
     "zero3_dp2": (2, ("--compute_config.use_zero", "3")),
     "tp2_dp2": (4, ("--pas_policy", "hybrid", "--compute_config.plan_ngpus", "2", "--compute_config.use_zero", "1")),
+    # Also: hybrid sharding (the gradients reach the host only after the cross-group
+    # all-reduce) and accumulation (ZeRO-2 reduces every micro-step; only the last one's leave).
+    "hsdp_dp4": (4, ("--compute_config.use_zero", "2", "--compute_config.zero_ngroups", "2")),
+    "zero2_dp2_acc2": (2, ("--compute_config.use_zero", "2", "--grad_accumulation_steps", "2")),
 }
 # What the offloaded side adds to each setup.
 OFFLOAD_OF = {
@@ -52,6 +57,8 @@ OFFLOAD_OF = {
     "zero2_dp2": OFFLOAD,
     "zero3_dp2": OFFLOAD + ("--compute_config.offload.params", "true"),
     "tp2_dp2": OFFLOAD,
+    "hsdp_dp4": OFFLOAD,
+    "zero2_dp2_acc2": OFFLOAD,
 }
 
 

@@ -5,6 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
+#include "trainer/parallel/offload.h"
 #include "trainer/train/cpu_memory.h"
 #include "trainer/train/metrics.h"
 
@@ -51,4 +52,34 @@ TEST_CASE("cpu memory: the counting allocator counts tensor storages", "[metrics
   CHECK(train::cpu_tensor_bytes().in_use == after.in_use + 128);
   alloc->raw_deallocate(raw);
   CHECK(train::cpu_tensor_bytes().in_use == after.in_use);
+}
+
+TEST_CASE("cpu memory: offload's host buffers are the host's, not the device tensors' of a CPU run", "[metrics]") {
+  train::install_cpu_tensor_counter();
+  const auto dev_before = train::cpu_tensor_bytes().in_use;
+  const auto host_before = parallel::host_buffer_bytes().in_use;
+  {
+    auto h = parallel::host_zeros(1000, torch::kFloat32, /*pinned=*/false);
+    CHECK(h.numel() == 1000);
+    CHECK(h.sum().item<float>() == 0.0f);  // zeros, usable as any tensor
+    h.fill_(1.5f);
+    CHECK(h.sum().item<float>() == 1500.0f);
+    CHECK(reinterpret_cast<uintptr_t>(h.data_ptr()) % 64 == 0);
+    CHECK(parallel::host_buffer_bytes().in_use - host_before == 4000);
+    CHECK(parallel::host_buffer_bytes().peak >= host_before + 4000);
+    CHECK(train::cpu_tensor_bytes().in_use == dev_before);  // not counted on the "device"
+  }
+  CHECK(parallel::host_buffer_bytes().in_use == host_before);  // freed with its tensor
+  // A copy through HostCopier on the CPU path is immediate.
+  parallel::HostCopier copier(c10::Device(c10::kCPU), 1);
+  CHECK_FALSE(copier.on_device());
+  auto src = torch::arange(8, torch::kFloat32);
+  auto dst = parallel::host_zeros(8, torch::kFloat32, false);
+  copier.to_host(0, dst, src);
+  copier.wait_to_host(0);
+  CHECK(torch::equal(dst, src));
+  auto back = torch::zeros({8});
+  copier.to_device(back, dst);
+  copier.device_wait();
+  CHECK(torch::equal(back, src));
 }

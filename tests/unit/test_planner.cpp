@@ -264,6 +264,14 @@ TEST_CASE("planner: shrinking the budget escalates ZeRO 0 -> 1 -> 2 -> 3 before 
       break;
     }
     INFO("budget " << budget << " chose " << key(plan));
+    if (plan.offload_ratio > 0) {
+      // Offload last: only once no candidate without it fits (the oracle's, which knows none with it).
+      CHECK(oracle(all_candidates(world, 4, L), req) == nullptr);
+      CHECK(plan.estimate.total_bytes <= budget);
+      CHECK(plan.estimate.host_bytes > 0);
+      if (sequence.empty() || sequence.back() != "offload") sequence.push_back("offload");
+      continue;
+    }
     CHECK(plan.estimate.total_bytes <= budget);
     const auto cands = all_candidates(world, 4, L);
     const Candidate* best = oracle(cands, req);
@@ -282,7 +290,8 @@ TEST_CASE("planner: shrinking the budget escalates ZeRO 0 -> 1 -> 2 -> 3 before 
     if (sequence.empty() || sequence.back() != key(plan)) sequence.push_back(key(plan));
   }
   CHECK(threw);
-  REQUIRE(sequence.size() >= 5);
+  REQUIRE(sequence.size() >= 6);
+  CHECK(sequence.back() == "offload");  // then optimizer (and parameter) offload, before nothing fits
   CHECK(sequence[0] == "tp=1 zero=0 k=0");
   CHECK(sequence[1] == "tp=1 zero=1 k=0");
   CHECK(sequence[2] == "tp=1 zero=2 k=0");
@@ -306,7 +315,16 @@ TEST_CASE("planner: a GPT whose one-process training does not fit the budget is 
   const double budget = (z2 + z3) / 2;  // ZeRO-3 fits, ZeRO-2 does not
   REQUIRE(dp1 > budget);
   req1.memory_budget_bytes = req4.memory_budget_bytes = budget;
-  CHECK_THROWS_AS(parallel::make_plan(req1), parallel::PlanError);  // one process: only recompute, still too much
+  // One process: nothing without offload fits (only recompute, still too much).
+  try {
+    const auto p1 = parallel::make_plan(req1);
+    CHECK((p1.offload_ratio > 0 || p1.offload_params));
+  } catch (const parallel::PlanError&) {
+  }
+  auto no_offload = one;
+  no_offload.pas_policy = "dp";  // a fixed policy never offloads by itself
+  PlanRequest req1_dp{&no_offload, model.get(), 1, test_device(), budget};
+  CHECK_THROWS_AS(parallel::make_plan(req1_dp), parallel::PlanError);
   std::vector<parallel::Rejected> rejected;
   const auto plan = parallel::make_plan(req4, &rejected);
   CHECK(plan.tp == 1);
@@ -340,8 +358,17 @@ TEST_CASE("planner: an impossible budget is an error stating the minimum", "[pla
   auto model = gpt(2, 4, 64, 128, 32);
   auto args = args_for(2, 2, 2, 4, 32);
   PlanRequest req{&args, model.get(), 2, test_device(), 64 * 1024};
+  // Every candidate autodist tries when nothing fits: each also with the
+  // optimizer offloaded, and at ZeRO-3 with the parameters too.
   double least = std::numeric_limits<double>::infinity();
-  for (const auto& c : all_candidates(2, 2, 2)) least = std::min(least, parallel::estimate(req, c).total_bytes);
+  for (auto c : all_candidates(2, 2, 2)) {
+    least = std::min(least, parallel::estimate(req, c).total_bytes);
+    c.offload_ratio = 1.0;
+    least = std::min(least, parallel::estimate(req, c).total_bytes);
+    c.zero_stage = 3;
+    c.offload_params = true;
+    least = std::min(least, parallel::estimate(req, c).total_bytes);
+  }
   try {
     parallel::make_plan(req);
     FAIL("expected PlanError");

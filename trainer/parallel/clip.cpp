@@ -22,21 +22,21 @@ at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
   const auto acc = dev.is_cuda() ? torch::kFloat32 : torch::kFloat64;
   // Under offload some segments' gradients are on the host: each device's
   // segments are normed where they are, in segment order, then brought together.
-  std::vector<at::Tensor> per_segment;
-  std::map<std::string, std::vector<size_t>> by_device;
-  for (size_t i = 0; i < grads.size(); ++i) by_device[grads[i].device().str()].push_back(i);
+  std::map<std::string, std::vector<int64_t>> by_device;
+  for (size_t i = 0; i < grads.size(); ++i) by_device[grads[i].device().str()].push_back(static_cast<int64_t>(i));
+  at::Tensor norms;
   if (by_device.size() == 1) {
-    per_segment = at::_foreach_norm(grads, 2, grads.front().is_cuda() ? torch::kFloat32 : torch::kFloat64);
+    norms = torch::stack(at::_foreach_norm(grads, 2, grads.front().is_cuda() ? torch::kFloat32 : torch::kFloat64));
   } else {
-    per_segment.resize(grads.size());
+    // One copy per device group, not one per segment.
+    norms = torch::empty({static_cast<int64_t>(grads.size())}, torch::TensorOptions().device(dev).dtype(acc));
     for (const auto& [name, idx] : by_device) {
       std::vector<at::Tensor> g;
       for (auto i : idx) g.push_back(grads[i]);
-      auto n = at::_foreach_norm(g, 2, g.front().is_cuda() ? torch::kFloat32 : torch::kFloat64);
-      for (size_t j = 0; j < idx.size(); ++j) per_segment[idx[j]] = n[j].to(dev, acc);
+      auto n = torch::stack(at::_foreach_norm(g, 2, g.front().is_cuda() ? torch::kFloat32 : torch::kFloat64));
+      norms.index_copy_(0, torch::tensor(idx).to(dev), n.to(dev, acc));
     }
   }
-  auto norms = torch::stack(per_segment);
   auto sq = (norms.pow(2) * state.norm_weights().to(acc)).sum().reshape({1}).to(torch::kFloat32);
   // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
   if (rt && state.options().zero() && rt->zero.size() > 1) rt->all_reduce(rt->zero, sq, "gradient norm all-reduce (ZeRO)");

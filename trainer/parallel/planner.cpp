@@ -420,9 +420,10 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     const double per_flight = bucket * pb.grad * (1 + gloo_copy) + bucket / st.z * pb.grad;
     // Gathered: the block computing, zero_prefetch ahead, and (measured) one
     // more: the unit just done is freed only when its bucket launches.
-    // Under parameter offload each gather in flight also reads a device copy of its host chunk.
-    const double gathered = z3 ? outer_units + (2 + a.compute_config.zero_prefetch) * st.largest_block * pb.param *
-                                                   (c.offload_params ? 1 + 1 / double(st.z) : 1)
+    // Under parameter offload the gather in flight also reads a device copy of
+    // its host chunk, freed once the gather is waited for.
+    const double gathered = z3 ? outer_units + (2 + a.compute_config.zero_prefetch) * st.largest_block * pb.param +
+                                     (c.offload_params ? st.largest_block / st.z * pb.param : 0.0)
                                : 0.0;
     const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);
     const int flights = static_cast<int>(std::min<double>(kBucketsInFlight, std::max<double>(0, double(st.buckets) - 1)));
