@@ -86,6 +86,10 @@ def held(run_dir, nproc):
         h = re.search(r"held on the host between steps \(offload\): weights (\d+), gradients (\d+), "
                       r"optimizer moments (\d+), parameters and staging (\d+) bytes", log)
         host = dict(zip(("weights", "grad", "moments", "param"), map(int, h.groups()))) if h else None
+        early = re.search(r"in the last step (\d+) of (\d+) offloaded buckets' gradients left during backward", log)
+        if host is not None:
+            assert early, log
+            host["left_in_backward"], host["buckets"] = int(early.group(1)), int(early.group(2))
         out[rank] = (dev, host)
     return out
 
@@ -160,6 +164,16 @@ def compare(ref, off, rtol):
 def test_offload_is_bitwise_equal_in_fp32(runs, setup):
     ref, off = runs(setup, "32-true", False), runs(setup, "32-true", True)
     assert_offload_active(ref, off, params=setup == "zero3_dp2", master=False)
+    # Overlapped, not serial: under ZeRO-2/3 the buckets backward finishes first
+    # leave for the host while it goes on (all but the last few in flight); at one
+    # rank without ZeRO-2/3 (no reduction) and under HSDP (a cross-group
+    # all-reduce after backward) they can only leave after it.
+    for rank, (_, host) in off[2].items():
+        early = host["left_in_backward"]
+        if "zero2" in setup or "zero3" in setup:
+            assert 1 <= early <= host["buckets"], (rank, host)
+        elif setup in ("one_rank", "hsdp_dp4"):
+            assert early == 0, (rank, host)
     compare(ref, off, EXACT)
     print(f"\n{setup} 32-true: offloaded == not offloaded" + (", bitwise" if EXACT == 0 else f" within {EXACT}") +
           f", {STEPS} steps")

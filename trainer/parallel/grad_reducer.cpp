@@ -1,6 +1,8 @@
 #include "trainer/parallel/grad_reducer.h"
 
 #include <torch/torch.h>
+
+#include <algorithm>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -33,6 +35,8 @@ GradientReducer::~GradientReducer() = default;
 
 void GradientReducer::begin_micro_step(bool last) {
   last_ = last;
+  if (last) offloaded_in_backward_ = 0;
+  in_backward_ = true;
   if (stage_ >= 2) {
     drain();  // the previous micro-step's buckets (a no-op on the first)
     reducing_ = true;
@@ -74,6 +78,7 @@ void GradientReducer::launch(size_t i) {
     } else {
       p.work = rt_->all_reduce_async(rt_->dp, in, "gradient all-reduce");
     }
+    poll_offloaded();
     return;
   }
   // Stages 2 and 3: out of the bucket's own buffer, straight into the shard on
@@ -104,7 +109,13 @@ void GradientReducer::complete(size_t i) {
   p.chunk = at::Tensor();
   state_.release_bucket_grad(i);  // reusable now: the current stream is past its collective
   // Final now, unless the shard is still to be all-reduced across ZeRO groups.
-  if (last_ && !cross_live()) state_.gradient_final(i, dp_ > 1 ? 1.0 / dp_ : 1.0);
+  if (last_ && !cross_live()) send_offloaded(i);
+}
+
+void GradientReducer::send_offloaded(size_t b) {
+  if (b >= state_.host_buckets()) return;
+  state_.gradient_final(b, dp_ > 1 ? 1.0 / dp_ : 1.0);
+  if (in_backward_) ++offloaded_in_backward_;
 }
 
 void GradientReducer::drain() {
@@ -124,6 +135,7 @@ void GradientReducer::drain() {
 }
 
 void GradientReducer::finish_gradients() {
+  in_backward_ = false;
   const auto& L = state_.layout();
   if (stage_ <= 1 && !reducing_) {
     if (stage_ == 1 && dp_ == 1) {
@@ -148,10 +160,24 @@ void GradientReducer::finish_gradients() {
   hand_over_offloaded();
 }
 
+// Stages 0 and 1: an offloaded bucket whose reduction has completed leaves for
+// the host now, while backward goes on (a completed work's wait only orders
+// the current stream after it). Not under HSDP: its cross-group all-reduce comes later.
+void GradientReducer::poll_offloaded() {
+  if (cross_live()) return;
+  const size_t n = std::min(next_launch_, state_.host_buckets());
+  for (size_t j = 0; j < n; ++j) {
+    auto& p = progress_[j];
+    if (state_.gradient_sent(j) || !p.work || !p.work->isCompleted()) continue;
+    rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp, "gradient reduction");
+    send_offloaded(j);
+  }
+}
+
 void GradientReducer::hand_over_offloaded() {
   // Offloaded buckets not yet on their way leave now; their 1/dp is applied on the host.
   for (size_t b = 0; b < state_.host_buckets(); ++b)
-    if (!state_.gradient_sent(b)) state_.gradient_final(b, dp_ > 1 ? 1.0 / dp_ : 1.0);
+    if (!state_.gradient_sent(b)) send_offloaded(b);
   if (state_.host_buckets() > 0) state_.wait_host_grads();
 }
 

@@ -15,12 +15,13 @@
 //      (ParameterUnits) rather than after the step.
 // With zero_ngroups > 1 the shard is then all-reduced across ZeRO groups (HSDP).
 //
-// Offload (training_state.h): on a step's last micro-step, stages 2 and 3 hand
-// each offloaded bucket's reduced chunk to the host as soon as its
-// reduce-scatter completes, while backward goes on (TrainingState::
-// gradient_final); stages 0 and 1, and HSDP (whose cross-group all-reduce
-// comes after backward), hand them over in finish_gradients. The 1/dp average
-// of an offloaded bucket is applied on the host.
+// Offload (training_state.h): on a step's last micro-step each offloaded
+// bucket's reduced gradient is handed to the host while backward goes on
+// (TrainingState::gradient_final): stages 2 and 3 as its reduce-scatter
+// completes, stages 0 and 1 when a later bucket's launch finds its reduction
+// done; what is left, and everything under HSDP (whose cross-group all-reduce
+// comes after backward), in finish_gradients. The 1/dp average of an
+// offloaded bucket is applied on the host.
 //
 // Gradient accumulation: stages 0 and 1 accumulate whole gradients locally and
 // communicate only on the final micro-step; stages 2 and 3 keep no whole
@@ -73,6 +74,9 @@ class GradientReducer {
   // Bytes this rank has put into (reductions) or received from (gathers)
   // collectives so far, for the per-step communication figure.
   int64_t communicated_bytes() const;
+  // Offload: how many offloaded buckets' gradients left for the host while the
+  // last step's backward was still running (the rest left after it).
+  int64_t offloaded_in_backward() const { return offloaded_in_backward_; }
 
  private:
   struct Progress {  // per bucket, during one reducing backward
@@ -87,6 +91,8 @@ class GradientReducer {
   void complete(size_t bucket);  // stages 2, 3
   void drain();                  // every bucket launched and completed
   void hand_over_offloaded();    // offloaded buckets' gradients sent to the host, and waited for
+  void poll_offloaded();         // stages 0, 1: those whose reduction completed sent now
+  void send_offloaded(size_t b); // bucket b's reduced gradient to the host (if offloaded)
   // Whether the dp, ZeRO and cross-ZeRO groups have anyone to talk to.
   bool dp_live() const { return rt_ && rt_->dp.backend; }
   bool zero_live() const { return rt_ && rt_->zero.backend; }
@@ -98,6 +104,8 @@ class GradientReducer {
   int stage_ = 0;
   bool reducing_ = false;  // this micro-step's backward reduces
   bool last_ = false;      // this micro-step is the step's last
+  bool in_backward_ = false;
+  int64_t offloaded_in_backward_ = 0;
   std::vector<Progress> progress_;
   size_t next_launch_ = 0;
   std::vector<size_t> in_flight_;  // stages 2, 3: launched, not completed, in order

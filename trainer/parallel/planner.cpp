@@ -518,12 +518,14 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
     // issued ahead with the gathers (hidden behind compute where it can be).
     const double unit_copies = c.offload_params ? micro_steps * 2 * Sz * pb.param / link : 0.0;
     e.copy_s = d2h + h2d + unit_copies;
-    // Gradients leave bucket by bucket as stages 2 and 3 reduce them during
-    // the last micro-batch's backward (stages 0 and 1 hand them over after
-    // it); weights return while the next bucket steps, all but the last.
+    // Gradients leave bucket by bucket as they are reduced during the last
+    // micro-batch's backward (with dp; at one rank without ZeRO-2/3 and under
+    // HSDP after it); weights return while the next bucket steps, all but the last.
     const double backward = 2.0 / 3.0 * e.compute_s / micro_steps;
     const double last = H > 0 ? st.last_host_bucket / H : 0.0;
-    const double d2h_exposed = c.zero_stage >= 2 ? std::max(d2h * last, d2h - backward) : d2h;
+    const bool hsdp = c.zero_stage > 0 && d / st.z > 1;
+    const bool during_backward = (c.zero_stage >= 2 || c.dp > 1) && !hsdp;
+    const double d2h_exposed = during_backward ? std::max(d2h * last, d2h - backward) : d2h;
     e.offload_s = e.host_step_s + d2h_exposed + h2d * last + std::max(0.0, unit_copies - e.compute_s);
     // Delayed update: the host step and the weights' return run during the next step's forward and backward.
     if (a.compute_config.offload.delayed_update && c.offload_ratio >= 1.0)

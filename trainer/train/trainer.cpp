@@ -516,7 +516,8 @@ int Trainer::run() {
     log::info("held on the host between steps (offload): weights " + std::to_string(int64_t(host.master)) +
               ", gradients " + std::to_string(int64_t(host.grad)) + ", optimizer moments " +
               std::to_string(int64_t(host.moments)) + ", parameters and staging " + std::to_string(int64_t(host.param)) +
-              " bytes");
+              " bytes; in the last step " + std::to_string(tr_.reducer->offloaded_in_backward()) + " of " +
+              std::to_string(tr_.state->host_buckets()) + " offloaded buckets' gradients left during backward");
   }
   if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   if (rt_) rt_->shutdown();  // a clean exit: NCCL communicators finalised, not aborted
