@@ -239,10 +239,14 @@ void load_hf_json(const std::string& path, Tokenizer::Impl& t) {
     }
     t.added.push_back(tok);
   }
-  for (const auto& [text, id] : not_byte_level) {
-    const bool covered = std::any_of(t.added.begin(), t.added.end(),
-                                     [&](const AddedToken& a) { return a.id == id && a.content == text; });
-    if (!covered) refuse(path, "vocab entry '" + text + "' is not byte-level (only byte-level BPE is supported)");
+  for (const auto& entry : not_byte_level) {
+    // (No structured binding: C++17 lambdas cannot capture one; clang refuses it.)
+    const auto& vocab_text = entry.first;
+    const auto vocab_id = entry.second;
+    const bool covered = std::any_of(t.added.begin(), t.added.end(), [&](const AddedToken& a) {
+      return a.id == vocab_id && a.content == vocab_text;
+    });
+    if (!covered) refuse(path, "vocab entry '" + vocab_text + "' is not byte-level (only byte-level BPE is supported)");
   }
   parse_post_processor(path, j.value("post_processor", json()), t);
   t.kind = "tokenizer.json";
