@@ -28,7 +28,8 @@ import subprocess
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, TEST_DEVICE, device_args, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import (CONFIGS, SOURCE, TEST_DEVICE, device_args, held_between_steps, nnstrain_bin_path, read_metrics,
+                      single_process_env)
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
 STEPS, MICRO = 20, 4
@@ -77,12 +78,10 @@ def train(tokens, run_dir, nproc, extra, env_extra=None):
 def held(run_dir, nproc):
     """Per rank: (device bytes by part, host bytes by part or None) held between steps, from its log."""
     out = {}
+    device = held_between_steps(run_dir, nproc)
     for rank in range(nproc):
         log = (pathlib.Path(run_dir) / "logs" / f"rank{rank}.log").read_text()
-        m = re.search(r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), "
-                      r"optimizer moments (\d+) bytes", log)
-        assert m, log
-        dev = dict(zip(("param", "grad", "master", "moments"), map(int, m.groups())))
+        dev = {k: v for k, v in device[rank].items() if k != "elements"}
         h = re.search(r"held on the host between steps \(offload\): weights (\d+), gradients (\d+), "
                       r"optimizer moments (\d+), parameters and staging (\d+) bytes", log)
         host = dict(zip(("weights", "grad", "moments", "param"), map(int, h.groups()))) if h else None

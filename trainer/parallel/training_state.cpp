@@ -85,6 +85,17 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   TORCH_CHECK(stage < 3 || units.size() == params_.size(), "TrainingState: ZeRO-3 needs every parameter's unit");
   layout_ = layout_for(numels, opts_);
   const auto& L = layout_;
+  {
+    // ZeRO-2's pooled bucket buffers: every bucket within the cap fits one class,
+    // the largest such bucket (not the cap itself: a model whose gradients are
+    // smaller than one cap would pool 25 MiB buffers by default for a 1 MiB model).
+    const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
+                                                 static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
+    int64_t largest = 0;
+    for (const auto& bk : L.buckets)
+      if (bk.end - bk.begin <= cap) largest = std::max(largest, bk.end - bk.begin);
+    pooled_class_ = (std::min(cap, largest) + L.zsize - 1) / L.zsize * L.zsize;
+  }
   if (stage == 3) {
     for (size_t b = 0; b < L.buckets.size(); ++b) {
       const int u = units[L.buckets[b].params.front()];
@@ -228,16 +239,7 @@ int64_t TrainingState::bucket_class(size_t b) const {
   const auto& bk = layout_.buckets[b];
   const int64_t n = bk.end - bk.begin;
   if (opts_.zero_stage == 3) return n;  // units: identical blocks share a size
-  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts_.bucket_cap_mb * 1048576.0) /
-                                               static_cast<int64_t>(c10::elementSize(opts_.grad_dtype)));
-  const int64_t z = layout_.zsize;
-  // Every bucket within the cap fits one class: the largest such bucket, not the
-  // cap itself (a model whose gradients are smaller than one cap would otherwise
-  // pool whole cap-sized buffers: 25 MiB each by default, for a 1 MiB model).
-  int64_t largest = 0;
-  for (const auto& other : layout_.buckets)
-    if (other.end - other.begin <= cap) largest = std::max(largest, other.end - other.begin);
-  return std::max(n, (std::min(cap, largest) + z - 1) / z * z);
+  return std::max(n, pooled_class_);
 }
 
 at::Tensor& TrainingState::bucket_grad(size_t b) {

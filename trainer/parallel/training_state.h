@@ -243,6 +243,7 @@ class TrainingState {
   std::vector<at::Tensor> bucket_base_;   // the pooled buffer each bucket_grad_ is a view of
   std::map<int64_t, std::vector<at::Tensor>> free_buffers_;  // by size class
   int64_t bucket_class(size_t b) const;
+  int64_t pooled_class_ = 0;  // stage 2: the size every bucket within the cap is pooled at
   std::vector<int64_t> unit_bucket_;
   at::Tensor flat_master_;              // *-mixed: fp32 masters (whole, or this rank's ZeRO chunks)
   std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
