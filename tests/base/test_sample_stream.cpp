@@ -42,7 +42,7 @@ std::string write_docs(const fs::path& dir, const std::string& name, const std::
   for (size_t d = 0; d < lengths.size(); ++d) {
     std::vector<int32_t> a, b;
     for (int i = 0; i < lengths[d]; ++i) (i < prompt ? a : b).push_back(int32_t(1000 * (d + 1) + i));
-    if (prompt) w.add_document({&a, &b});
+    if (prompt) w.add_document(std::vector<const std::vector<int32_t>*>{&a, &b});
     else w.add_document(b);
   }
   w.commit();
