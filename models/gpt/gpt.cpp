@@ -11,6 +11,10 @@ namespace {
 // nanoGPT: residual projections get std 0.02 / sqrt(2 * n_layer) (GPT-2 paper), other matrices 0.02.
 common::InitRule proj_init(const GptConfig& cfg) { return common::InitRule::normal(0.02 / std::sqrt(2.0 * cfg.n_layer)); }
 const common::InitRule kInit = common::InitRule::normal(0.02);
+// scaled_dot_product_attention's optional mask: none for an undefined tensor.
+std::optional<torch::Tensor> attn_mask(const torch::Tensor& mask) {
+  return mask.defined() ? std::optional<torch::Tensor>(mask) : std::nullopt;
+}
 }  // namespace
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx)
@@ -32,7 +36,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
     // Attention-probability dropout on this rank's heads: a sharded region, so
     // under tp > 1 its masks come from this rank's own generator state.
     auto fork = p > 0 && ctx.rng ? ctx.rng->fork(x.device()) : common::ParallelRng::Fork();
-    y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), mask, p,
+    y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), attn_mask(mask), p,
                                          /*is_causal=*/!mask.defined());
   }
   y = y.transpose(1, 2).contiguous().view({B, T, width});

@@ -42,6 +42,11 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
 
 namespace {
 
+// scaled_dot_product_attention's optional mask: none for an undefined tensor.
+std::optional<torch::Tensor> attn_mask(const torch::Tensor& mask) {
+  return mask.defined() ? std::optional<torch::Tensor>(mask) : std::nullopt;
+}
+
 // Hugging Face's rotate_half: the two halves of head_dim are the pairs.
 torch::Tensor rotate_half(const torch::Tensor& t) {
   const int64_t half = t.size(-1) / 2;
@@ -92,7 +97,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
   }
-  auto y = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0,
+  auto y = at::scaled_dot_product_attention(q, k, v, attn_mask(mask), /*dropout_p=*/0.0,
                                             /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt, native_gqa);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
