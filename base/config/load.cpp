@@ -534,8 +534,12 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   auto train_impl = ds_impl->child("train_args", true);
   ArgMap train_args(train_impl);
   std::vector<ArgMap> train_sources, val_sources;
-  if (indexed) t.dataset.indexed_train = read_indexed(train_impl, nullptr, &train_sources);
-  else t.dataset.train_args = read_token_bin(train_args, nullptr);
+  if (indexed) {
+    t.dataset.indexed_train = read_indexed(train_impl, nullptr, &train_sources);
+    t.dataset.train_args.seq_len = t.dataset.indexed_train.seq_len;  // the planner reads it for either type
+  } else {
+    t.dataset.train_args = read_token_bin(train_args, nullptr);
+  }
   std::optional<ArgMap> val_args;
   if (ds.has("val_args")) {
     auto val_impl = ds_impl->child("val_args", false);

@@ -257,7 +257,7 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
 }
 
 int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
-  const int64_t s = a.dataset.seq_len();
+  const int64_t s = a.dataset.train_args.seq_len;
   return s > 0 ? s : f.dims.max_seq;
 }
 
