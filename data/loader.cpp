@@ -7,6 +7,13 @@
 
 namespace nnstrain::data {
 
+namespace {
+Batch pinned(const Batch& b) {
+  auto pin = [](const at::Tensor& t) { return t.defined() ? t.pin_memory() : t; };
+  return {pin(b.x), pin(b.y), pin(b.positions), pin(b.segments)};
+}
+}  // namespace
+
 PrefetchLoader::PrefetchLoader(Producer producer, int64_t first_index, int depth, c10::Device device,
                                bool pin_memory)
     : producer_(std::move(producer)),
@@ -42,7 +49,7 @@ void PrefetchLoader::run(int64_t index) {
     try {
       item.batch = producer_(index);
       // Pinning here, off the training thread, makes next()'s host-to-device copies asynchronous.
-      if (pin_) item.batch = {item.batch.x.pin_memory(), item.batch.y.pin_memory()};
+      if (pin_) item.batch = pinned(item.batch);
     } catch (...) {
       item.error = std::current_exception();
     }
@@ -61,8 +68,9 @@ Batch PrefetchLoader::to_device(Batch b) const {
   if (device_.is_cpu()) return b;
   // Asynchronous copies from pinned memory; the caching host allocator keeps a
   // pinned block alive until the copy that reads it has run.
-  if (pin_ && !b.x.is_pinned()) b = {b.x.pin_memory(), b.y.pin_memory()};
-  return {b.x.to(device_, /*non_blocking=*/pin_), b.y.to(device_, /*non_blocking=*/pin_)};
+  if (pin_ && !b.x.is_pinned()) b = pinned(b);
+  auto to = [&](const at::Tensor& t) { return t.defined() ? t.to(device_, /*non_blocking=*/pin_) : t; };
+  return {to(b.x), to(b.y), to(b.positions), to(b.segments)};
 }
 
 Batch PrefetchLoader::next() {

@@ -111,13 +111,6 @@ void check_token_ids(const TokenFile& file, int64_t vocab_size, const std::strin
                               std::to_string(vocab_size - 1) + "); model.args' vocab_size or the data is wrong");
 }
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 TokenBinDataset::TokenBinDataset(const config::TokenBinArgs& args, uint64_t seed)
     : file_(args.path, args.dtype), seq_len_(args.seq_len), seed_(seed) {
   if (seq_len_ <= 0)

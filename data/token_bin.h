@@ -13,6 +13,8 @@
 #include <ATen/core/Tensor.h>
 
 #include "base/config/trainer_args.h"
+#include "data/dataset.h"
+#include "data/splitmix.h"
 
 namespace nnstrain::data {
 
@@ -38,25 +40,18 @@ class TokenFile {
 // config::ConfigError (exit 2) naming `key`, the file, the largest id and the vocabulary.
 void check_token_ids(const TokenFile& file, int64_t vocab_size, const std::string& key);
 
-struct Batch {
-  at::Tensor x, y;  // [B, T] int64; y[b, t] = token after x[b, t]
-};
-
-// splitmix64's finaliser; the counter-based hash behind window_start().
-uint64_t splitmix64(uint64_t x);
-
-class TokenBinDataset {
+class TokenBinDataset : public Dataset {
  public:
   // Opens args.path; throws (naming the file) if it holds fewer than seq_len + 1 tokens.
   TokenBinDataset(const config::TokenBinArgs& args, uint64_t seed);
 
   const TokenFile& file() const { return file_; }
-  int64_t seq_len() const { return seq_len_; }
+  int64_t seq_len() const override { return seq_len_; }
   int64_t num_tokens() const { return file_.size(); }
   uint64_t seed() const { return seed_; }
   // floor((num_tokens - 1) / seq_len): one epoch = that many samples (each sample
   // predicts seq_len tokens, so an epoch covers the file's targets once on average).
-  int64_t samples_per_epoch() const;
+  int64_t samples_per_epoch() const override;
 
   // Start token of training sample (step, pos):
   //   splitmix64(splitmix64(splitmix64(seed) ^ step) ^ pos) mod (num_tokens - seq_len)
@@ -64,7 +59,7 @@ class TokenBinDataset {
   int64_t window_start(int64_t step, int64_t pos) const;
 
   // Global-batch positions [first, first + count) of training step `step`: [count, seq_len].
-  Batch train_batch(int64_t step, int64_t first, int64_t count) const;
+  Batch train_batch(int64_t step, int64_t first, int64_t count) const override;
 
   // Validation windows: the file cut into samples_per_epoch() non-overlapping windows
   // (window w starts at w * seq_len). Batch k starts at window
@@ -73,7 +68,7 @@ class TokenBinDataset {
   // and spread over the file (for k < 2^m the batch starts are evenly spaced). Windows
   // of different batches do not overlap while (batches x global batch) stays within
   // about half the windows.
-  Batch val_batch(int64_t k, int64_t first, int64_t count) const;
+  Batch val_batch(int64_t k, int64_t first, int64_t count) const override;
   int64_t val_window(int64_t k, int64_t pos) const;  // the window index behind val_batch
 
  private:

@@ -33,10 +33,32 @@ struct RuntimeOptions {
   std::shared_ptr<common::BlockHooks> block_hooks;  // the trainer's, around every block (ZeRO-3)
 };
 
+// Packed documents (dataset document_mask): per token, [B, T] int64, its position
+// within its document and its document's number within the sample. Undefined:
+// one document per sample, positions 0..T-1.
+struct Documents {
+  torch::Tensor positions, segments;
+  bool defined() const { return segments.defined(); }
+  // For scaled_dot_product_attention: [B, 1, T, T] bool, true where query i may
+  // attend key j (j <= i, same document): block-diagonal causal.
+  torch::Tensor attention_mask() const {
+    const auto T = segments.size(1);
+    auto causal = torch::ones({T, T}, segments.options().dtype(torch::kBool)).tril();
+    return (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+  }
+};
+
 class CausalLM : public torch::nn::Module {
  public:
-  // Mean next-token cross-entropy over every position. idx, targets: [B, T] int64.
+  // Mean next-token cross-entropy over every position whose target is not -100.
+  // idx, targets: [B, T] int64.
   virtual torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) = 0;
+  // The same with attention kept within documents and positions restarting at
+  // each (a model without it refuses defined `docs`).
+  virtual torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
+    TORCH_CHECK(!docs.defined(), "this model does not support document masking (dataset document_mask)");
+    return loss(idx, targets);
+  }
   // Full logits [B, T, vocab] (evaluation, export checks).
   virtual torch::Tensor logits(const torch::Tensor& idx) = 0;
 

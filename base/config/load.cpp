@@ -10,6 +10,7 @@
 
 #include "base/config/arg_map_impl.h"
 #include "base/text.h"
+#include "data/indexed/sample_stream.h"
 
 namespace nnstrain::config {
 
@@ -302,6 +303,71 @@ void check_token_file(const ArgMap& m, const TokenBinArgs& t) {
                        std::to_string(t.seq_len) + " needs at least " + std::to_string(t.seq_len + 1));
 }
 
+// dataset.type indexed: {datasets: [{path, weight}], seq_len, join, document_mask,
+// mask_prompt}; val_args takes what it does not set from train_args.
+IndexedArgs read_indexed(const std::shared_ptr<Impl>& impl, const IndexedArgs* defaults, std::vector<ArgMap>* sources) {
+  ArgMap m(impl);
+  IndexedArgs a;
+  for (auto& item_impl : impl->child_list("datasets")) {
+    ArgMap item(item_impl);
+    IndexedSource src;
+    src.path = item.get_string("path");
+    if (src.path.empty()) item.fail("path", "must not be empty");
+    src.weight = item.get_float("weight", 1.0);
+    if (!(src.weight > 0) || !std::isfinite(src.weight))
+      item.fail("weight", "must be a positive number, got " + format_double(src.weight));
+    item.finish();
+    a.datasets.push_back(src);
+    sources->push_back(item);
+  }
+  if (a.datasets.empty())
+    m.fail("datasets", "required: a list of {path: PREFIX (or PREFIX.manifest.json), weight: W}");
+  a.seq_len = defaults ? m.get_int("seq_len", defaults->seq_len, 1) : m.get_int("seq_len", std::nullopt, 1);
+  a.join = m.get_string("join", defaults ? defaults->join : std::string("eos"), {"eos", "bos", "none"});
+  a.document_mask = m.get_bool("document_mask", defaults ? defaults->document_mask : false);
+  a.mask_prompt = m.get_bool("mask_prompt", defaults ? defaults->mask_prompt : false);
+  return a;
+}
+
+// Each dataset's manifest and files; one tokenizer for all (train and val); the
+// join token exists; mask_prompt has instruction data to act on.
+void check_indexed(const ArgMap& train, const std::vector<ArgMap>& train_sources, const IndexedArgs& tr,
+                   const ArgMap* val, const std::vector<ArgMap>& val_sources, const IndexedArgs* va) {
+  std::string sha, sha_from;
+  auto check = [&](const ArgMap& m, const std::vector<ArgMap>& items, const IndexedArgs& a) {
+    bool prompts = false;
+    for (size_t i = 0; i < a.datasets.size(); ++i) {
+      indexed::Manifest man;
+      try {
+        man = indexed::read_manifest(a.datasets[i].path);
+        for (const char* ext : {".bin", ".idx"})
+          if (!fs::is_regular_file(man.prefix + ext))
+            throw std::runtime_error("'" + man.prefix + ext + "' (named by " + man.path + ") not found");
+      } catch (const std::exception& e) {
+        items[i].fail("path", e.what());
+      }
+      if (sha.empty()) sha = man.tokenizer_sha256, sha_from = man.path;
+      else if (man.tokenizer_sha256 != sha)
+        items[i].fail("path", man.path + " was tokenised by tokenizer " + man.tokenizer_sha256.substr(0, 16) +
+                                  "..., but " + sha_from + " by " + sha.substr(0, 16) +
+                                  "...; every dataset of a run needs the same tokenizer");
+      if (a.join != "none") {
+        const auto& id = a.join == "eos" ? man.eos_id : man.bos_id;
+        if (!id)
+          m.fail("join", a.join + ": the tokenizer of " + man.path + " (" + man.tokenizer_path + ") has no " +
+                             (a.join == "eos" ? "EOS" : "BOS") + " token; use " +
+                             (a.join == "eos" ? "bos" : "eos") + " or none");
+      }
+      prompts = prompts || man.sequences_per_document == 2;
+    }
+    if (a.mask_prompt && !prompts)
+      m.fail("mask_prompt", "true, but no dataset holds instruction data (prompt, response) to mask; "
+                            "prepare it with nnstrain prepare corpus --format alpaca, or set false");
+  };
+  check(train, train_sources, tr);
+  if (val) check(*val, val_sources, *va);
+}
+
 // Canonical precision names, then the nnScaler spellings they also accept.
 const std::vector<std::pair<std::string, std::string>> kPrecisionAliases = {
     {"fp32", "32-true"}, {"fp16", "16-true"}, {"bf16", "bf16-true"}};
@@ -461,14 +527,25 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   s.min_lr = sargs.get_float("min_lr", 0.0, 0.0);
   s.interval = sched.get_string("interval", "step", {"step", "epoch"});
 
-  ArgMap ds = top.child("dataset", true);
-  t.dataset.type = ds.get_string("type", "token_bin", {"token_bin"});
-  ArgMap train_args = ds.child("train_args", true);
-  t.dataset.train_args = read_token_bin(train_args, nullptr);
+  auto ds_impl = top_impl->child("dataset", true);
+  ArgMap ds(ds_impl);
+  t.dataset.type = ds.get_string("type", "token_bin", {"token_bin", "indexed"});
+  const bool indexed = t.dataset.type == "indexed";
+  auto train_impl = ds_impl->child("train_args", true);
+  ArgMap train_args(train_impl);
+  std::vector<ArgMap> train_sources, val_sources;
+  if (indexed) {
+    t.dataset.indexed_train = read_indexed(train_impl, nullptr, &train_sources);
+    t.dataset.train_args.seq_len = t.dataset.indexed_train.seq_len;  // the planner reads it for either type
+  } else {
+    t.dataset.train_args = read_token_bin(train_args, nullptr);
+  }
   std::optional<ArgMap> val_args;
   if (ds.has("val_args")) {
-    val_args.emplace(ds.child("val_args"));
-    t.dataset.val_args = read_token_bin(*val_args, &t.dataset.train_args);
+    auto val_impl = ds_impl->child("val_args", false);
+    val_args.emplace(val_impl);
+    if (indexed) t.dataset.indexed_val = read_indexed(val_impl, &t.dataset.indexed_train, &val_sources);
+    else t.dataset.val_args = read_token_bin(*val_args, &t.dataset.train_args);
   }
 
   ArgMap dl = top.child("dataloader");
@@ -637,7 +714,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 
   if (t.max_train_steps == 0 && t.max_epochs == 0)
     top.fail("max_train_steps", "one of max_train_steps or max_epochs must be > 0");
-  if (t.val_every_n_train_steps > 0 && !t.dataset.val_args)
+  if (t.val_every_n_train_steps > 0 && !t.dataset.has_val())
     top.fail("val_every_n_train_steps", "validation needs dataset.val_args, which is not set");
   if (s.min_lr > o.lr)
     sargs.fail("min_lr", format_double(s.min_lr) + " is above optimizer.args.lr " + format_double(o.lr));
@@ -649,9 +726,17 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (k.resume_from == "last" && k.save_dir.empty())
     ck.fail("resume_from", "'last' looks in checkpoint.save_dir, which is not set");
 
+  if (t.dataset.document_mask() && c.cuda_graphs)
+    train_args.fail("document_mask", "a captured CUDA graph reads no per-token positions or masks; set "
+                                     "compute_config.cuda_graphs: false or document_mask: false");
   if (opts.check_files) {
-    check_token_file(train_args, t.dataset.train_args);
-    if (val_args) check_token_file(*val_args, *t.dataset.val_args);
+    if (indexed) {
+      check_indexed(train_args, train_sources, t.dataset.indexed_train, val_args ? &*val_args : nullptr,
+                    val_sources, t.dataset.indexed_val ? &*t.dataset.indexed_val : nullptr);
+    } else {
+      check_token_file(train_args, t.dataset.train_args);
+      if (val_args) check_token_file(*val_args, *t.dataset.val_args);
+    }
   }
 
   compact_empty(top_impl->out);

@@ -86,10 +86,28 @@ struct TokenBinArgs {
   int64_t seq_len = 0;            // tokens per sample (targets are shifted by one)
 };
 
+// dataset.type: indexed (Megatron .bin/.idx with nnstrain's manifest; docs/data.md).
+struct IndexedSource {
+  std::string path;               // PREFIX or PREFIX.manifest.json
+  double weight = 1.0;            // blending weight (> 0; normalised over the list)
+};
+struct IndexedArgs {
+  std::vector<IndexedSource> datasets;
+  int64_t seq_len = 0;            // tokens per sample (targets are shifted by one)
+  std::string join = "eos";       // eos (after each document) | bos (before each) | none
+  bool document_mask = false;     // attention within documents only, positions restart per document
+  bool mask_prompt = false;       // instruction data: prompt tokens' targets are -100 (not learned)
+};
+
 struct DatasetArgs {
-  std::string type = "token_bin";
-  TokenBinArgs train_args;
+  std::string type = "token_bin";  // token_bin | indexed
+  TokenBinArgs train_args;         // token_bin
   std::optional<TokenBinArgs> val_args;
+  IndexedArgs indexed_train;       // indexed
+  std::optional<IndexedArgs> indexed_val;
+  int64_t seq_len() const { return type == "indexed" ? indexed_train.seq_len : train_args.seq_len; }
+  bool has_val() const { return type == "indexed" ? indexed_val.has_value() : val_args.has_value(); }
+  bool document_mask() const { return type == "indexed" && indexed_train.document_mask; }
 };
 
 struct DataloaderArgs {

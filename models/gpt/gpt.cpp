@@ -11,6 +11,10 @@ namespace {
 // nanoGPT: residual projections get std 0.02 / sqrt(2 * n_layer) (GPT-2 paper), other matrices 0.02.
 common::InitRule proj_init(const GptConfig& cfg) { return common::InitRule::normal(0.02 / std::sqrt(2.0 * cfg.n_layer)); }
 const common::InitRule kInit = common::InitRule::normal(0.02);
+// scaled_dot_product_attention's optional mask: none for an undefined tensor.
+std::optional<torch::Tensor> attn_mask(const torch::Tensor& mask) {
+  return mask.defined() ? std::optional<torch::Tensor>(mask) : std::nullopt;
+}
 }  // namespace
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx)
@@ -20,7 +24,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& cfg, const com
   c_proj = register_module("c_proj", common::RowParallelLinear(ctx, C, C, head_dim, cfg.bias, proj_init(cfg)));
 }
 
-torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& mask) {
   auto qkv = c_attn(x);  // [B, T, 3 * this rank's width]: all T tokens under sequence parallelism too
   const auto B = qkv.size(0), T = qkv.size(1);
   const int64_t width = heads * head_dim;
@@ -32,8 +36,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
     // Attention-probability dropout on this rank's heads: a sharded region, so
     // under tp > 1 its masks come from this rank's own generator state.
     auto fork = p > 0 && ctx.rng ? ctx.rng->fork(x.device()) : common::ParallelRng::Fork();
-    y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), /*attn_mask=*/{}, p,
-                                         /*is_causal=*/true);
+    y = at::scaled_dot_product_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), attn_mask(mask), p,
+                                         /*is_causal=*/!mask.defined());
   }
   y = y.transpose(1, 2).contiguous().view({B, T, width});
   return common::region_dropout(ctx, c_proj(y), dropout, is_training());
@@ -56,8 +60,8 @@ BlockImpl::BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx) {
   mlp = register_module("mlp", Mlp(cfg, ctx));
 }
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
-  auto y = x + attn(ln_1(x));
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& mask) {
+  auto y = x + attn->forward(ln_1(x), mask);
   return y + mlp(ln_2(y));
 }
 
@@ -70,24 +74,28 @@ Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg), 
   lm_head = common::ParallelLmHead(ctx, cfg.vocab_size, cfg.n_embd, /*own_weight=*/false, kInit);
 }
 
-torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
+torch::Tensor Gpt::hidden(const torch::Tensor& idx, const Documents& docs) {
   const auto T = idx.size(1);
   TORCH_CHECK(T <= cfg_.block_size, "sequence of ", T, " tokens exceeds block_size ", cfg_.block_size);
-  auto pos = torch::arange(T, idx.options().dtype(torch::kLong));
+  // Packed documents: each token's position within its document ([B, T, C] embeddings).
+  auto pos = docs.defined() ? wpe(docs.positions) : wpe(torch::arange(T, idx.options().dtype(torch::kLong))).unsqueeze(0);
   // Under sequence parallelism wte gives this rank's tokens; so does the position
   // embedding's entry into the region (its gradient all-gathered back whole).
-  const auto positions = common::to_sequence_shard(ctx_, wpe(pos).unsqueeze(0), idx.size(0));
+  const auto positions = common::to_sequence_shard(ctx_, pos, idx.size(0));
   auto x = common::region_dropout(ctx_, wte(idx) + positions, cfg_.dropout, is_training());
+  const auto mask = docs.defined() ? docs.attention_mask() : torch::Tensor();
   for (size_t i = 0; i < h->size(); ++i) {
     auto block = h->ptr<BlockImpl>(i);
-    x = run_block(i, [block](const torch::Tensor& t) { return block->forward(t); }, x, ctx_.rng.get());
+    x = run_block(i, [block, mask](const torch::Tensor& t) { return block->forward(t, mask); }, x, ctx_.rng.get());
   }
   return ln_f(x);
 }
 
-torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) { return loss(idx, targets, {}); }
+
+torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
   auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head->loss(hidden(idx), wte->weight, targets, chunk);
+  return lm_head->loss(hidden(idx, docs), wte->weight, targets, chunk);
 }
 
 torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }

@@ -22,7 +22,8 @@ struct GptConfig : config::ModelConfig {
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
-  torch::Tensor forward(const torch::Tensor& x);
+  // mask: Documents::attention_mask() (undefined: causal over the whole sequence).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask = {});
   common::ColumnParallelLinear c_attn{nullptr};  // Q, K, V: this rank's heads of each
   common::RowParallelLinear c_proj{nullptr};
   int64_t head_dim, heads;  // heads: this rank's
@@ -45,7 +46,7 @@ TORCH_MODULE(Mlp);
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask = {});
   common::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   Mlp mlp{nullptr};
@@ -57,6 +58,7 @@ class Gpt : public CausalLM {
   // Parameters on ctx.options (meta: materialise them, models/common/init.h).
   explicit Gpt(const GptConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.block_size; }
@@ -74,7 +76,7 @@ class Gpt : public CausalLM {
   common::ParallelLmHead lm_head{nullptr};  // weight tied to wte (not a module of its own)
 
  private:
-  torch::Tensor hidden(const torch::Tensor& idx);
+  torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});
   GptConfig cfg_;
   common::ShardingContext ctx_;
 };

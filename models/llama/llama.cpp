@@ -42,6 +42,11 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
 
 namespace {
 
+// scaled_dot_product_attention's optional mask: none for an undefined tensor.
+std::optional<torch::Tensor> attn_mask(const torch::Tensor& mask) {
+  return mask.defined() ? std::optional<torch::Tensor>(mask) : std::nullopt;
+}
+
 // Hugging Face's rotate_half: the two halves of head_dim are the pairs.
 torch::Tensor rotate_half(const torch::Tensor& t) {
   const int64_t half = t.size(-1) / 2;
@@ -74,7 +79,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
   o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, group * head_dim, b, init));
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& mask) {
   auto q = q_proj(x), k = k_proj(x), v = v_proj(x);  // all T tokens under sequence parallelism too
   const auto B = q.size(0), T = q.size(1);
   auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
@@ -91,8 +97,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
   }
-  auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                            /*is_causal=*/true, /*scale=*/std::nullopt, native_gqa);
+  auto y = at::scaled_dot_product_attention(q, k, v, attn_mask(mask), /*dropout_p=*/0.0,
+                                            /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt, native_gqa);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
@@ -115,8 +121,9 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::Shardin
       register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx));
 }
 
-torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  auto h = x + self_attn->forward(input_layernorm(x), cos, sin);
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        const torch::Tensor& mask) {
+  auto h = x + self_attn->forward(input_layernorm(x), cos, sin, mask);
   return h + mlp(post_attention_layernorm(h));
 }
 
@@ -153,23 +160,35 @@ std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::De
   return {cos_, sin_};
 }
 
-torch::Tensor Llama::hidden(const torch::Tensor& idx) {
+torch::Tensor Llama::hidden(const torch::Tensor& idx, const Documents& docs) {
   const auto T = idx.size(1);
   TORCH_CHECK(T <= cfg_.max_position_embeddings, "sequence of ", T, " tokens exceeds max_position_embeddings ",
               cfg_.max_position_embeddings);
   auto x = embed_tokens(idx);
-  const auto [cos, sin] = rotary(T, x.device());
+  auto [cos, sin] = rotary(T, x.device());
+  torch::Tensor mask;
+  if (docs.defined()) {
+    // Packed documents: rotary angles of each token's position within its document, [B, 1, T, head_dim].
+    torch::NoGradGuard no_grad;
+    const auto freqs = docs.positions.to(torch::kFloat).unsqueeze(-1) * inv_freq_.to(x.device());
+    const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
+    cos = emb.cos();
+    sin = emb.sin();
+    mask = docs.attention_mask();
+  }
   for (size_t i = 0; i < layers->size(); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);
-    x = run_block(i, [layer, cos = cos, sin = sin](const torch::Tensor& t) { return layer->forward(t, cos, sin); }, x,
-                  nullptr);
+    x = run_block(i, [layer, cos = cos, sin = sin, mask](const torch::Tensor& t) { return layer->forward(t, cos, sin, mask); },
+                  x, nullptr);
   }
   return norm(x);
 }
 
-torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
+torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) { return loss(idx, targets, {}); }
+
+torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
   const auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head->loss(hidden(idx), head_weight(), targets, chunk);
+  return lm_head->loss(hidden(idx, docs), head_weight(), targets, chunk);
 }
 
 torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }

@@ -54,7 +54,10 @@ class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   // cos, sin: [T, head_dim] (Hugging Face's rotate_half layout).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // cos/sin: [T, head_dim] or, per token, [B, 1, T, head_dim]; mask: Documents::attention_mask()
+  // (undefined: causal over the whole sequence).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   common::RowParallelLinear o_proj{nullptr};
   int64_t head_dim, heads, kv_heads;  // this rank's heads
@@ -73,7 +76,10 @@ TORCH_MODULE(Mlp);
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // cos/sin: [T, head_dim] or, per token, [B, 1, T, head_dim]; mask: Documents::attention_mask()
+  // (undefined: causal over the whole sequence).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
@@ -85,6 +91,7 @@ class Llama : public CausalLM {
   // Parameters on ctx.options (meta: materialise them, models/common/init.h).
   explicit Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
+  torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.max_position_embeddings; }
@@ -106,7 +113,7 @@ class Llama : public CausalLM {
   const torch::Tensor& head_weight() const;
 
  private:
-  torch::Tensor hidden(const torch::Tensor& idx);
+  torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});
   std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, const torch::Device& device);
   LlamaConfig cfg_;
   torch::Tensor inv_freq_;  // on the CPU; not a parameter or buffer (transformers: non-persistent)

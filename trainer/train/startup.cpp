@@ -265,8 +265,28 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
 
 Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp) {
   Data d;
-  d.train = std::make_unique<data::TokenBinDataset>(args.dataset.train_args, args.seed);
-  if (args.dataset.val_args) d.val = std::make_unique<data::TokenBinDataset>(*args.dataset.val_args, args.seed);
+  if (args.dataset.type == "indexed") {
+    auto train = std::make_unique<data::IndexedDataset>(args.dataset.indexed_train, args.seed, args.global_batch_size,
+                                                        "dataset.train_args");
+    train->check_vocab(model.vocab_size());
+    d.train = std::move(train);
+    if (args.dataset.indexed_val) {
+      // Validation is independent of the seed: a stream of its own with seed 0.
+      auto val = std::make_unique<data::IndexedDataset>(*args.dataset.indexed_val, 0, args.global_batch_size,
+                                                        "dataset.val_args");
+      val->check_vocab(model.vocab_size());
+      d.val = std::move(val);
+    }
+  } else {
+    auto train = std::make_unique<data::TokenBinDataset>(args.dataset.train_args, args.seed);
+    data::check_token_ids(train->file(), model.vocab_size(), "dataset.train_args.path");
+    d.train = std::move(train);
+    if (args.dataset.val_args) {
+      auto val = std::make_unique<data::TokenBinDataset>(*args.dataset.val_args, args.seed);
+      data::check_token_ids(val->file(), model.vocab_size(), "dataset.val_args.path");
+      d.val = std::move(val);
+    }
+  }
   // Sequence parallelism splits every sequence over the tensor-parallel ranks.
   for (const auto* ds : {d.train.get(), d.val.get()})
     if (ds && tp > 1 && args.compute_config.sequence_parallel && ds->seq_len() % tp != 0)
@@ -274,8 +294,6 @@ Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, i
                                 " tokens (dataset." + (ds == d.train.get() ? "train" : "val") +
                                 "_args.seq_len) is not divisible by tp " + std::to_string(tp) +
                                 "; set it to false or change seq_len");
-  data::check_token_ids(d.train->file(), model.vocab_size(), "dataset.train_args.path");
-  if (d.val) data::check_token_ids(d.val->file(), model.vocab_size(), "dataset.val_args.path");
   d.seq_len = d.train->seq_len();
   if (d.seq_len > model.max_seq_len())
     throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(d.seq_len) +

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "data/indexed_dataset.h"
 #include "data/token_bin.h"
 #include "models/common/parallel_rng.h"
 #include "models/model.h"
@@ -87,10 +88,10 @@ struct Agreed {
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
                    const torch::Device& device, std::chrono::milliseconds timeout);
 
-// The token files, checked against the model (and sequence parallelism's split
-// over tp ranks), and the run's length in steps.
+// The token files or indexed datasets, checked against the model (and sequence
+// parallelism's split over tp ranks), and the run's length in steps.
 struct Data {
-  std::unique_ptr<data::TokenBinDataset> train, val;
+  std::unique_ptr<data::Dataset> train, val;
   int64_t seq_len = 0, steps_per_epoch = 1, max_steps = 0;
 };
 Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp);

@@ -268,7 +268,8 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     // At logging steps: what the last micro-batch's forward holds for backward.
     const bool measure = logs_ && a == accum_ - 1;
     const int64_t before = measure ? memory_in_use_bytes(device_) : 0;
-    auto loss = model_->loss(batches[a].x, batches[a].y) / static_cast<double>(accum_);
+    const auto& b = batches[a];
+    auto loss = model_->loss(b.x, b.y, {b.positions, b.segments}) / static_cast<double>(accum_);
     if (measure) activation_bytes_ = memory_in_use_bytes(device_) - before;
     if (poison_) loss = loss * std::numeric_limits<double>::infinity();
     loss_sum_ += loss.detach().to(torch::kFloat32);
@@ -403,7 +404,9 @@ void Trainer::evaluate() {
   for (; done < args_.max_val_steps; ++done) {
     auto b = data_.val->val_batch(done, dp_rank_ * micro_, micro_);
     tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
-    sum += model_->loss(b.x.to(device_), b.y.to(device_)).detach().to(torch::kFloat32);
+    const auto docs = b.segments.defined() ? models::Documents{b.positions.to(device_), b.segments.to(device_)}
+                                           : models::Documents{};
+    sum += model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
     if (done + 1 < args_.max_val_steps && stop.after_step(done + 1, g_stop_signal.load() != 0, false)) {
       ++done;
       break;

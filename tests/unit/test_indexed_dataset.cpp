@@ -1,0 +1,98 @@
+// dataset.type indexed's batches (data/indexed_dataset.h): prompt targets -100,
+// document positions and numbers, slices of a step's global batch.
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/indexed/indexed_file.h"
+#include "data/indexed_dataset.h"
+
+namespace {
+
+constexpr int64_t kEos = 7;
+
+// Instruction documents: document d holds ids 1000 * (d + 1) + i, its first 3 the prompt.
+std::string write_alpaca(const std::string& dir) {
+  const std::string prefix = dir + "/alpaca";
+  nnstrain::indexed::Writer w(prefix, nnstrain::indexed::DType::int32);
+  for (int d = 0; d < 12; ++d) {
+    std::vector<int32_t> prompt, response;
+    for (int i = 0; i < 3 + d % 4; ++i) (i < 3 ? prompt : response).push_back(1000 * (d + 1) + i);
+    response.push_back(1000 * (d + 1) + 50);
+    w.add_document(std::vector<const std::vector<int32_t>*>{&prompt, &response});
+  }
+  w.commit();
+  nlohmann::json m = {{"bin", "alpaca.bin"}, {"idx", "alpaca.idx"}, {"sequences_per_document", 2},
+                      {"tokenizer", {{"path", "t"}, {"sha256", "x"}, {"vocab_size", 20000}, {"eos_id", kEos}, {"bos_id", nullptr}}}};
+  std::ofstream(prefix + ".manifest.json") << m.dump();
+  return prefix;
+}
+
+bool is_prompt(int64_t id) { return id != kEos && id % 1000 < 3; }
+
+}  // namespace
+
+TEST_CASE("indexed batches: prompt targets -100, documents restart positions", "[indexed_dataset]") {
+  char tmpl[] = "/tmp/nnstrain_indexed_XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  nnstrain::config::IndexedArgs args;
+  args.datasets = {{write_alpaca(dir), 1.0}};
+  args.seq_len = 8;
+  args.mask_prompt = true;
+  args.document_mask = true;
+  const nnstrain::data::IndexedDataset ds(args, 5, 4, "dataset.train_args");
+  int64_t masked_prompt = 0, counted = 0;
+  for (int64_t step = 0; step < 6; ++step) {
+    const auto b = ds.train_batch(step, 0, 4);
+    REQUIRE(b.x.sizes() == std::vector<int64_t>({4, 8}));
+    REQUIRE(b.positions.defined());
+    for (int64_t r = 0; r < 4; ++r)
+      for (int64_t t = 0; t < 8; ++t) {
+        const int64_t x = b.x[r][t].item<int64_t>(), y = b.y[r][t].item<int64_t>();
+        const int64_t pos = b.positions[r][t].item<int64_t>(), seg = b.segments[r][t].item<int64_t>();
+        // After an EOS a new document starts: position 0, the next number, and no target into it.
+        const bool starts = t > 0 && b.x[r][t - 1].item<int64_t>() == kEos;
+        CHECK(pos == (t == 0 || starts ? 0 : b.positions[r][t - 1].item<int64_t>() + 1));
+        CHECK(seg == (t == 0 ? 0 : b.segments[r][t - 1].item<int64_t>() + (starts ? 1 : 0)));
+        if (x == kEos) {
+          CHECK(y == -100);
+        } else if (t + 1 < 8) {
+          const int64_t next = b.x[r][t + 1].item<int64_t>();
+          CHECK(y == (is_prompt(next) ? -100 : next));
+          masked_prompt += is_prompt(next);
+          counted += !is_prompt(next);
+        }
+      }
+    // Any slice of the step's global batch is those rows (the ranks' contract).
+    const auto part = ds.train_batch(step, 1, 2);
+    CHECK(torch::equal(part.x, b.x.narrow(0, 1, 2)));
+    CHECK(torch::equal(part.y, b.y.narrow(0, 1, 2)));
+    CHECK(torch::equal(part.positions, b.positions.narrow(0, 1, 2)));
+  }
+  CHECK(masked_prompt > 10);
+  CHECK(counted > 10);
+
+  // Without the switches: plain shifted targets, no per-token positions.
+  args.mask_prompt = false;
+  args.document_mask = false;
+  const nnstrain::data::IndexedDataset plain(args, 5, 4, "dataset.train_args");
+  const auto a = plain.train_batch(2, 0, 4), m = ds.train_batch(2, 0, 4);
+  CHECK(!a.positions.defined());
+  CHECK(torch::equal(a.x, m.x));  // the same stream
+  CHECK(torch::equal(a.y.narrow(1, 0, 7), a.x.narrow(1, 1, 7)));
+  // Validation batch k: the same at every call, and its slices are its rows.
+  CHECK(torch::equal(plain.val_batch(3, 0, 4).x, plain.val_batch(3, 0, 4).x));
+  CHECK(torch::equal(plain.val_batch(3, 2, 2).x, plain.val_batch(3, 0, 4).x.narrow(0, 2, 2)));
+  // Another seed, another training stream.
+  const nnstrain::data::IndexedDataset other(args, 99, 4, "dataset.train_args");
+  CHECK(!torch::equal(plain.train_batch(0, 0, 4).x, other.train_batch(0, 0, 4).x));
+  std::system(("rm -rf " + dir).c_str());
+}
