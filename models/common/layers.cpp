@@ -310,19 +310,28 @@ void ParallelLmHeadImpl::rebind() { weight = param_or_undefined(parameters_, "we
 
 torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch::Tensor& w,
                                        const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index) const {
+  return loss(hidden, w, targets, chunk_size > 0 ? LossKind::Chunked : LossKind::Plain, chunk_size, ignore_index);
+}
+
+torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch::Tensor& w,
+                                       const torch::Tensor& targets, LossKind kind, int64_t chunk_size,
+                                       int64_t ignore_index) const {
   // Under sequence parallelism the hidden states arrive as this rank's tokens:
   // gathered whole (their gradient reduce-scattered back), as copy_to_tp would.
   auto h = (ctx_.sp() ? gather_from_seq(hidden, ctx_.tp, ctx_.comm) : hidden).reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
   if (!ctx_.parallel()) {
-    if (chunk_size > 0) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     return torch::nn::functional::cross_entropy(
         torch::nn::functional::linear(h, w).to(torch::kFloat32), t,
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
   }
   const int64_t held = w.size(0);
   if (!ctx_.sp()) h = copy_to_tp(h, ctx_.comm);
-  if (chunk_size > 0)
+  if (kind == LossKind::Fused)
+    return fused_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
+  if (kind == LossKind::Chunked)
     return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
   return vocab_parallel_cross_entropy(torch::nn::functional::linear(h, w), t, start_, held, ignore_index, ctx_.comm);
 }

@@ -86,8 +86,7 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx) {
 }
 
 torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head->loss(hidden(idx), wte->weight, targets, chunk);
+  return lm_head->loss(hidden(idx), wte->weight, targets, runtime_.loss, runtime_.loss_chunk_size);
 }
 
 torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }

@@ -168,8 +168,7 @@ torch::Tensor Llama::hidden(const torch::Tensor& idx) {
 }
 
 torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  const auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head->loss(hidden(idx), head_weight(), targets, chunk);
+  return lm_head->loss(hidden(idx), head_weight(), targets, runtime_.loss, runtime_.loss_chunk_size);
 }
 
 torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }

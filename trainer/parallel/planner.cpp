@@ -372,10 +372,20 @@ PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const C
   // backward, and at backward's start its gradient and the incoming one, three
   // [tokens, V] fp32 tensors. Chunked:
   // per-token logsumexp kept; backward holds the hidden gradient, an fp32 weight
-  // gradient and a chunk's logits twice.
+  // gradient and a chunk's logits twice. Fused: from its last chunk into
+  // backward, the fp32 gradients of hidden and weight; during the last chunk
+  // also its fp32 logits (softmax and gradient in place), their compute-dtype
+  // copy, and (16-bit compute) the compute-dtype weight and its chunk's weight
+  // gradient; in backward, the gradients cast to the inputs' 16-bit dtype.
   const double v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(V / t) : V;
+  const auto loss = config::resolved_loss(a.model, int64_t(tokens));
   double loss_peak;
-  if (a.model.loss == "chunked") {
+  if (loss == "fused") {
+    const double chunk = std::min(double(std::max(1, a.model.loss_chunk_size)), tokens);
+    const double half = fp32_compute ? 0 : ea;
+    loss_peak = (tokens + v_local) * h * 4 +
+                std::max(chunk * v_local * (4 + half) + 2 * v_local * h * half, (tokens + v_local) * h * half);
+  } else if (loss == "chunked") {
     const double chunk = std::min(double(std::max(1, a.model.loss_chunk_size)), tokens);
     loss_peak = tokens * 4 + tokens * h * ea + v_local * h * (4 + (fp32_compute ? 0 : ea)) +
                 chunk * v_local * (2 * 4 + (fp32_compute ? 0 : ea));
