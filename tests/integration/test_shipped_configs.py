@@ -3,7 +3,7 @@
 - Each config trains 2 steps on CPU under the precision it names, with its model
   shrunk (one tiny layer, a 512-token vocabulary, 16-token samples) and tiny
   token files this test writes; everything else (optimizer, schedule, ZeRO,
-  recompute, chunked loss, checkpointing) stays as the file sets it.
+  recompute, chunked or fused loss, checkpointing) stays as the file sets it.
 - `nnstrain plan` for configs/llama3_8b.yaml on 8 and 16 GPUs of 80 GB (H100)
   finds a plan that fits its memory budget under the file's bf16-mixed.
 """
@@ -66,7 +66,7 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
         overrides += [f"--dataset.{split}.path", path, f"--dataset.{split}.seq_len", SEQ]
     if ds.get("val_args"):
         overrides += ["--val_every_n_train_steps", 2, "--max_val_steps", 1]
-    if raw.get("model", {}).get("loss") == "chunked":
+    if raw.get("model", {}).get("loss") in ("chunked", "fused"):
         overrides += ["--model.loss_chunk_size", 8]  # several chunks of the 2 x 16 tokens
     if raw.get("lr_scheduler", {}).get("args", {}).get("warmup_steps"):
         overrides += ["--lr_scheduler.args.warmup_steps", 1, "--lr_scheduler.args.decay_steps", 2]

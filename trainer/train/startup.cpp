@@ -241,6 +241,9 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
             : loss == "chunked" ? models::common::LossKind::Chunked
                                 : models::common::LossKind::Plain;
   ro.loss_chunk_size = args.model.loss_chunk_size;
+  log::info("LM head loss: " + loss +
+            (loss == "plain" ? "" : " (chunks of " + std::to_string(args.model.loss_chunk_size) + " tokens)") +
+            (args.model.loss == "auto" ? ", chosen by model.loss: auto" : ""));
   ro.recompute_layers = plan.recompute;
   model.set_runtime_options(ro);
   model.train();
