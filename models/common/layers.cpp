@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "models/common/kernels/kernels.h"
 #include "models/common/lm_loss.h"
 #include "models/common/parallel_rng.h"
 #include "models/common/tp_ops.h"
@@ -181,10 +182,10 @@ void LayerNormImpl::rebind() {
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
-  if (!sp_comm_) return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  if (!sp_comm_) return kernels::layer_norm(x, weight, bias, eps);
   // On a sequence shard: weight and bias gradients summed over the group, together.
   const auto [w, b] = sum_grads_over_tp(weight, bias, sp_comm_);
-  return torch::layer_norm(x, {weight.size(0)}, w, b, eps);
+  return kernels::layer_norm(x, w, b, eps);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opts) : eps(eps_) {
@@ -201,11 +202,9 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx) :
 void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // Normalise in fp32 as Hugging Face's LlamaRMSNorm does, then cast back.
-  auto xf = x.to(torch::kFloat32);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  // Hugging Face's LlamaRMSNorm (normalised in fp32, cast back, times the weight).
   const auto w = sp_comm_ ? sum_grads_over_tp(weight, {}, sp_comm_).first : weight;  // as LayerNorm's
-  return w * normed.to(x.scalar_type());
+  return kernels::rms_norm(x, w, eps);
 }
 
 // ---- tensor-parallel layers ----------------------------------------------------------

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "models/common/kernels/kernels.h"
+
 
 namespace F = torch::nn::functional;
 
@@ -46,7 +48,9 @@ MlpImpl::MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx) : dro
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return common::region_dropout(ctx, c_proj(torch::gelu(c_fc(x))), dropout, is_training());
+  // nanoGPT's exact (erf) GELU, not GPT-2's tanh form.
+  return common::region_dropout(ctx, c_proj(common::kernels::gelu(c_fc(x), /*tanh_approximation=*/false)), dropout,
+                                is_training());
 }
 
 BlockImpl::BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx) {

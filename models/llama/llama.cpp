@@ -3,6 +3,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "models/common/kernels/kernels.h"
+
 
 namespace F = torch::nn::functional;
 
@@ -42,16 +44,12 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
 
 namespace {
 
-// Hugging Face's rotate_half: the two halves of head_dim are the pairs.
-torch::Tensor rotate_half(const torch::Tensor& t) {
-  const int64_t half = t.size(-1) / 2;
-  return torch::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
-}
-
-// In at least fp32 (as Meta's reference does), whatever dtype q/k arrive in.
+// Hugging Face's pairing (the two halves of head_dim), in at least fp32 (as
+// Meta's reference does), whatever dtype q/k arrive in. t is a view of its
+// projection's output, which nothing else keeps: rotated in place where the
+// kernel does so (models/common/kernels).
 torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const auto tf = t.to(at::promote_types(t.scalar_type(), cos.scalar_type()));
-  return (tf * cos + rotate_half(tf) * sin).to(t.scalar_type());
+  return common::kernels::rotary_(t, cos, sin);
 }
 
 
@@ -104,7 +102,9 @@ MlpImpl::MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
   down_proj = register_module("down_proj", common::RowParallelLinear(ctx, I, C, 1, cfg.mlp_bias, init));
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(F::silu(gate_proj(x)) * up_proj(x)); }
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return down_proj(common::kernels::swiglu(gate_proj(x), up_proj(x)));
+}
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
   self_attn = register_module("self_attn", Attention(cfg, ctx));
