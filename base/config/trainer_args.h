@@ -66,9 +66,10 @@ struct ModelArgs {
 // the whole sequence under sequence parallelism). `auto`: fused once the
 // tokens make two chunks or more, plain below that. The fused loss does the
 // plain loss's three head matmuls (the chunked one four) and holds one chunk's
-// logits instead of three [tokens x vocab] fp32 tensors, and was as fast or
-// faster than plain on CPU (bench/results/fused_loss_cpu_*.md); with one chunk
-// it saves nothing, so small runs keep the plain composite.
+// logits instead of three [tokens x vocab] fp32 tensors (measured peaks:
+// bench/results/fused_loss_cpu_*.md; CPU step times there were within the
+// shared machine's noise of plain's); with one chunk it saves nothing, so small
+// runs keep the plain composite.
 inline std::string resolved_loss(const ModelArgs& m, int64_t tokens) {
   if (m.loss != "auto") return m.loss;
   return tokens > m.loss_chunk_size ? "fused" : "plain";
