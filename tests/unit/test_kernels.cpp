@@ -124,7 +124,7 @@ TEST_CASE("kernels: fused forms equal the composites, forward and backward (fp32
   }
 }
 
-TEST_CASE("kernels: rotary_ writes over t under the fused form; bf16 t rounds once, as the composite", "[kernels]") {
+TEST_CASE("kernels: rotary_ writes over t under the fused form, and bf16 t rounds once as the composite does", "[kernels]") {
   torch::manual_seed(2);
   const auto ang = torch::randn({6, 4});
   const auto cos = torch::cat({ang.cos(), ang.cos()}, -1), sin = torch::cat({ang.sin(), ang.sin()}, -1);
