@@ -28,7 +28,9 @@ struct HfTensor {
 // Per-run options the trainer or planner sets on a built model.
 struct RuntimeOptions {
   std::vector<bool> recompute_layers;  // activation checkpointing per block (empty = none)
-  bool chunked_loss = false;           // LM head + loss over token chunks, logits never whole
+  // The LM head's loss (model.loss): plain, or over token chunks of
+  // loss_chunk_size (chunked: logits recomputed in backward; fused: gradients made in forward).
+  common::LossKind loss = common::LossKind::Plain;
   int64_t loss_chunk_size = 4096;
   std::shared_ptr<common::BlockHooks> block_hooks;  // the trainer's, around every block (ZeRO-3)
 };

@@ -495,7 +495,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   }
   t.model.init_from = model.get_string("init_from", "");
   t.model.activation_checkpointing = model.get_bool("activation_checkpointing", false);
-  t.model.loss = model.get_string("loss", "plain", {"plain", "chunked"});
+  t.model.loss = model.get_string("loss", "auto", {"auto", "plain", "chunked", "fused"});
   t.model.loss_chunk_size = static_cast<int>(model.get_int("loss_chunk_size", 4096, 1, 1 << 30));
   t.model.make_vocab_size_divisible_by =
       static_cast<int>(model.get_int("make_vocab_size_divisible_by", 1, 1, 1 << 20));

@@ -55,12 +55,25 @@ struct ModelArgs {
   std::shared_ptr<const ModelConfig> args;    // parsed by the registry for `type`
   std::string init_from;                      // optional Hugging Face directory
   bool activation_checkpointing = false;
-  std::string loss = "plain";                 // plain | chunked
-  int loss_chunk_size = 4096;                 // tokens per chunk for the chunked loss
+  std::string loss = "auto";                  // auto | plain | chunked | fused (resolved_loss)
+  int loss_chunk_size = 4096;                 // tokens per chunk for the chunked and fused losses
   // Under tensor parallelism the vocabulary is padded to a multiple of this x tp
   // (Megatron's make_vocab_size_divisible_by); padding rows are never allocated.
   int make_vocab_size_divisible_by = 1;
 };
+
+// model.loss as it runs for `tokens` per micro-batch (what the LM head sees,
+// the whole sequence under sequence parallelism). `auto`: fused once the
+// tokens make two chunks or more, plain below that. The fused loss does the
+// plain loss's three head matmuls (the chunked one four) and holds one chunk's
+// logits instead of three [tokens x vocab] fp32 tensors (measured peaks:
+// bench/results/fused_loss_cpu_*.md; CPU step times there were within the
+// shared machine's noise of plain's); with one chunk it saves nothing, so small
+// runs keep the plain composite.
+inline std::string resolved_loss(const ModelArgs& m, int64_t tokens) {
+  if (m.loss != "auto") return m.loss;
+  return tokens > m.loss_chunk_size ? "fused" : "plain";
+}
 
 struct OptimizerArgs {
   std::string type = "adamw";

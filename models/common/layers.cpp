@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "models/common/kernels/kernels.h"
 #include "models/common/lm_loss.h"
 #include "models/common/parallel_rng.h"
 #include "models/common/tp_ops.h"
@@ -181,10 +182,10 @@ void LayerNormImpl::rebind() {
 }
 
 torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
-  if (!sp_comm_) return torch::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  if (!sp_comm_) return kernels::layer_norm(x, weight, bias, eps);
   // On a sequence shard: weight and bias gradients summed over the group, together.
   const auto [w, b] = sum_grads_over_tp(weight, bias, sp_comm_);
-  return torch::layer_norm(x, {weight.size(0)}, w, b, eps);
+  return kernels::layer_norm(x, w, b, eps);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const c10::TensorOptions& opts) : eps(eps_) {
@@ -201,11 +202,9 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx) :
 void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // Normalise in fp32 as Hugging Face's LlamaRMSNorm does, then cast back.
-  auto xf = x.to(torch::kFloat32);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  // Hugging Face's LlamaRMSNorm (normalised in fp32, cast back, times the weight).
   const auto w = sp_comm_ ? sum_grads_over_tp(weight, {}, sp_comm_).first : weight;  // as LayerNorm's
-  return w * normed.to(x.scalar_type());
+  return kernels::rms_norm(x, w, eps);
 }
 
 // ---- tensor-parallel layers ----------------------------------------------------------
@@ -310,19 +309,28 @@ void ParallelLmHeadImpl::rebind() { weight = param_or_undefined(parameters_, "we
 
 torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch::Tensor& w,
                                        const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index) const {
+  return loss(hidden, w, targets, chunk_size > 0 ? LossKind::Chunked : LossKind::Plain, chunk_size, ignore_index);
+}
+
+torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch::Tensor& w,
+                                       const torch::Tensor& targets, LossKind kind, int64_t chunk_size,
+                                       int64_t ignore_index) const {
   // Under sequence parallelism the hidden states arrive as this rank's tokens:
   // gathered whole (their gradient reduce-scattered back), as copy_to_tp would.
   auto h = (ctx_.sp() ? gather_from_seq(hidden, ctx_.tp, ctx_.comm) : hidden).reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
   if (!ctx_.parallel()) {
-    if (chunk_size > 0) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     return torch::nn::functional::cross_entropy(
         torch::nn::functional::linear(h, w).to(torch::kFloat32), t,
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
   }
   const int64_t held = w.size(0);
   if (!ctx_.sp()) h = copy_to_tp(h, ctx_.comm);
-  if (chunk_size > 0)
+  if (kind == LossKind::Fused)
+    return fused_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
+  if (kind == LossKind::Chunked)
     return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
   return vocab_parallel_cross_entropy(torch::nn::functional::linear(h, w), t, start_, held, ignore_index, ctx_.comm);
 }

@@ -195,6 +195,11 @@ class RMSNormImpl : public ShardedModule {
 };
 TORCH_MODULE(RMSNorm);
 
+// How the LM head's loss is computed (model.loss): the whole logits, or over
+// token chunks with the logits recomputed in backward, or with the gradients
+// made in forward (models/common/lm_loss.h).
+enum class LossKind { Plain, Chunked, Fused };
+
 // The unsplit LM head and next-token loss on a [vocab, dim] weight.
 struct LmHead {
   // Mean cross-entropy of hidden [B, T, C] against targets [B, T]; chunk_size > 0
@@ -207,13 +212,16 @@ struct LmHead {
 // The LM head over a vocabulary-split weight ([vocab / tp, dim], this rank's
 // rows from vocab_start): its own "weight" when `own_weight` (untied), else
 // the tied embedding's, passed to loss/logits. The loss is the vocab-parallel
-// cross-entropy (chunked over tokens when chunk_size > 0); the full logits are
-// gathered only by logits(), for evaluation. At tp == 1: the plain LmHead.
+// cross-entropy (plain, chunked or fused over token chunks of chunk_size; the
+// int overload: chunked when chunk_size > 0); the full logits are gathered only
+// by logits(), for evaluation. At tp == 1: the plain LmHead.
 class ParallelLmHeadImpl : public ShardedModule {
  public:
   ParallelLmHeadImpl(const ShardingContext& ctx, int64_t vocab, int64_t dim, bool own_weight, InitRule init);
   torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
                      int64_t chunk_size = 0, int64_t ignore_index = -100) const;
+  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                     LossKind kind, int64_t chunk_size, int64_t ignore_index = -100) const;
   torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) const;
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;  // undefined when tied

@@ -147,6 +147,102 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
   }
 };
 
+// The head and cross-entropy over token chunks with the gradients made in
+// forward: per chunk the logits (compute dtype), the statistics above reduced in
+// fp32, then softmax - onehot (in place of the logits) times the chunk's hidden
+// states and the weight. Backward only multiplies the kept gradients by the
+// incoming one: no matmul on the logits there, so the head costs the plain
+// loss's three matmuls instead of the chunked loss's four. The gradients are
+// made only where `need_h` / `need_w` say (a forward under no_grad, e.g. the
+// first pass of a recomputed region, makes none and costs one matmul).
+class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVocabParallelCrossEntropy> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
+                               const torch::Tensor& targets, int64_t vocab_start, int64_t held, int64_t chunk,
+                               int64_t ignore_index, bool need_h, bool need_w, const c10::intrusive_ptr<TpComm>& comm) {
+    auto& c = *comm;
+    const auto mm = matmul_dtype(hidden, weight);
+    const auto acc = mm == torch::kDouble ? torch::kDouble : torch::kFloat;
+    const int64_t N = hidden.size(0);
+    const auto w = weight.narrow(0, 0, held).to(mm);
+    auto total = torch::zeros({}, hidden.options().dtype(acc));
+    // Kept in fp32 (fp64): unscaled until backward, where an fp16 loss scale
+    // arrives, so nothing underflows in a 16-bit buffer meanwhile.
+    torch::Tensor grad_h, grad_w;
+    if (need_h) grad_h = torch::empty({N, hidden.size(1)}, hidden.options().dtype(acc));
+    if (need_w) grad_w = torch::zeros(weight.sizes(), weight.options().dtype(acc));  // padding rows stay 0
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      const auto h = hidden.narrow(0, s, n).to(mm);
+      auto logits = torch::mm(h, w.t()).to(acc);
+      const auto t = targets.narrow(0, s, n);
+      const auto valid = t.ne(ignore_index);
+      const auto in_range = valid & t.ge(vocab_start) & t.lt(vocab_start + held);
+      auto mx = std::get<0>(logits.max(1)).contiguous();
+      c.all_reduce_max(mx);
+      const auto local_t = (t - vocab_start).masked_fill(in_range.logical_not(), 0).unsqueeze(1);
+      auto target_logit = logits.gather(1, local_t).squeeze(1).sub(mx).masked_fill(in_range.logical_not(), 0.0);
+      logits.sub_(mx.unsqueeze(1)).exp_();  // shifted exponentials, in place
+      auto stats = torch::stack({target_logit, logits.sum(1)});
+      c.all_reduce(stats);
+      const auto log_sum = stats[1].log();
+      total += torch::where(valid, log_sum - stats[0], torch::zeros_like(log_sum)).sum();
+      if (!need_h && !need_w) continue;
+      // softmax - onehot(target where it is this rank's), zero on ignored tokens
+      auto& g = logits.div_(stats[1].unsqueeze(1));
+      g.scatter_add_(1, local_t, -in_range.to(acc).unsqueeze(1));
+      g.mul_(valid.to(acc).unsqueeze(1));
+      const auto gm = g.to(mm);
+      // hidden's: this rank's part (the group sums it); written in place when
+      // the dtypes allow, else through a compute-dtype temporary.
+      if (need_h) {
+        auto dst = grad_h.narrow(0, s, n);
+        if (mm == acc) torch::mm_out(dst, gm, w); else dst.copy_(torch::mm(gm, w));
+      }
+      if (need_w) {
+        auto dst = grad_w.narrow(0, 0, held);
+        if (mm == acc) dst.addmm_(gm.t(), h); else dst.add_(torch::mm(gm.t(), h));  // no fp32 copy of the 16-bit one
+      }
+    }
+    auto count = targets.ne(ignore_index).sum().to(acc);  // 0 counted -> NaN, as F::cross_entropy
+    const auto inv = count.reciprocal();
+    // Consumed (moved out) by the one backward; kept out of save_for_backward
+    // so backward may scale them in place without a second buffer.
+    if (need_h) ctx->saved_data["grad_h"] = grad_h.mul_(inv);
+    if (need_w) ctx->saved_data["grad_w"] = grad_w.mul_(inv);
+    ctx->saved_data["h_dtype"] = static_cast<int64_t>(hidden.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return total / count;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    auto take = [&](const char* key, const char* dtype_key) -> torch::Tensor {
+      auto it = ctx->saved_data.find(key);
+      if (it == ctx->saved_data.end()) return {};
+      auto g = it->second.toTensor();
+      ctx->saved_data.erase(it);
+      const auto scale = grad_out[0].to(g.scalar_type()).reshape({});
+      return g.mul_(scale).to(static_cast<at::ScalarType>(ctx->saved_data[dtype_key].toInt()));
+    };
+    TORCH_CHECK(!ctx->saved_data.count("done"),
+                "fused linear cross-entropy: backward ran twice (its gradients, made in forward, are consumed by the "
+                "first); retain_graph is not supported");
+    ctx->saved_data["done"] = true;
+    if (!grad_out[0].defined()) return variable_list(10);
+    auto gh = take("grad_h", "h_dtype"), gw = take("grad_w", "w_dtype");
+    return {gh,
+            gw,
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
@@ -187,6 +283,30 @@ torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, 
               hidden.sizes(), " and ", weight.sizes());
   return ChunkedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
                                                  chunk_size, ignore_index, comm);
+}
+
+torch::Tensor fused_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                                 const torch::Tensor& targets, int64_t vocab_start, int64_t held,
+                                                 int64_t chunk_size, int64_t ignore_index,
+                                                 const c10::intrusive_ptr<TpComm>& comm) {
+  TORCH_CHECK(chunk_size > 0, "fused linear cross-entropy: chunk_size must be positive, got ", chunk_size);
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1) && held >= 1 &&
+                  held <= weight.size(0),
+              "fused linear cross-entropy: expected hidden [N, C] and weight [V, C], got ", hidden.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
+              "fused linear cross-entropy: expected targets [", hidden.size(0), "], got ", targets.sizes());
+  // Gradients only where backward can come: grad mode on and the input requiring them.
+  const bool grad = torch::GradMode::is_enabled();
+  return FusedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
+                                               chunk_size, ignore_index, grad && hidden.requires_grad(),
+                                               grad && weight.requires_grad(), comm ? comm : solo_comm());
+}
+
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                         const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index) {
+  return fused_vocab_parallel_cross_entropy(hidden, weight, targets, 0, weight.size(0), chunk_size, ignore_index,
+                                            solo_comm());
 }
 
 }  // namespace nnstrain::models::common

@@ -1,5 +1,6 @@
-// Memory-lean LM loss: the head and cross-entropy over token chunks, with the
-// chunk's logits recomputed in backward, so [tokens x vocab] never exists whole.
+// Memory-lean LM losses: the head and cross-entropy over token chunks, so
+// [tokens x vocab] never exists whole. Chunked: the chunk's logits recomputed
+// in backward. Fused: the gradients made in forward, chunk by chunk.
 #pragma once
 
 #include <torch/torch.h>
@@ -34,5 +35,24 @@ torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, 
                                                    const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                    int64_t chunk_size, int64_t ignore_index,
                                                    const c10::intrusive_ptr<TpComm>& comm);
+
+// The fused linear + cross-entropy: the same loss (and gradients) as
+// chunked_linear_cross_entropy, dtype rules included, but the gradients of
+// hidden and weight are computed during forward, chunk by chunk, and kept in
+// fp32 (fp64 for fp64 inputs) until backward, which only scales them by the
+// incoming gradient: the head costs three matmuls, not the chunked loss's four.
+// Memory: one chunk's logits plus the two gradients ([N, C] and [V, C] fp32)
+// from forward on. Gradients are made only for inputs that require them while
+// grad mode is on (a no_grad forward, e.g. a recompute's first pass, makes
+// none). One backward per forward (no retain_graph).
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                         const torch::Tensor& targets, int64_t chunk_size,
+                                         int64_t ignore_index = -100);
+// Over a vocabulary split across the tensor-parallel group, as
+// chunked_vocab_parallel_cross_entropy (hidden's gradient is this rank's partial).
+torch::Tensor fused_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                                 const torch::Tensor& targets, int64_t vocab_start, int64_t held,
+                                                 int64_t chunk_size, int64_t ignore_index,
+                                                 const c10::intrusive_ptr<TpComm>& comm);
 
 }  // namespace nnstrain::models::common

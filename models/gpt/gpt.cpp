@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "models/common/kernels/kernels.h"
+
 
 namespace F = torch::nn::functional;
 
@@ -50,7 +52,9 @@ MlpImpl::MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx) : dro
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return common::region_dropout(ctx, c_proj(torch::gelu(c_fc(x))), dropout, is_training());
+  // nanoGPT's exact (erf) GELU, not GPT-2's tanh form.
+  return common::region_dropout(ctx, c_proj(common::kernels::gelu(c_fc(x), /*tanh_approximation=*/false)), dropout,
+                                is_training());
 }
 
 BlockImpl::BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx) {
@@ -94,8 +98,7 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx, const Documents& docs) {
 torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) { return loss(idx, targets, {}); }
 
 torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
-  auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head->loss(hidden(idx, docs), wte->weight, targets, chunk);
+  return lm_head->loss(hidden(idx, docs), wte->weight, targets, runtime_.loss, runtime_.loss_chunk_size);
 }
 
 torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }

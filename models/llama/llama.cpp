@@ -3,6 +3,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "models/common/kernels/kernels.h"
+
 
 namespace F = torch::nn::functional;
 
@@ -47,16 +49,12 @@ std::optional<torch::Tensor> attn_mask(const torch::Tensor& mask) {
   return mask.defined() ? std::optional<torch::Tensor>(mask) : std::nullopt;
 }
 
-// Hugging Face's rotate_half: the two halves of head_dim are the pairs.
-torch::Tensor rotate_half(const torch::Tensor& t) {
-  const int64_t half = t.size(-1) / 2;
-  return torch::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
-}
-
-// In at least fp32 (as Meta's reference does), whatever dtype q/k arrive in.
+// Hugging Face's pairing (the two halves of head_dim), in at least fp32 (as
+// Meta's reference does), whatever dtype q/k arrive in. t is a view of its
+// projection's output, which nothing else keeps: rotated in place where the
+// kernel does so (models/common/kernels).
 torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const auto tf = t.to(at::promote_types(t.scalar_type(), cos.scalar_type()));
-  return (tf * cos + rotate_half(tf) * sin).to(t.scalar_type());
+  return common::kernels::rotary_(t, cos, sin);
 }
 
 
@@ -110,7 +108,9 @@ MlpImpl::MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
   down_proj = register_module("down_proj", common::RowParallelLinear(ctx, I, C, 1, cfg.mlp_bias, init));
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return down_proj(F::silu(gate_proj(x)) * up_proj(x)); }
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return down_proj(common::kernels::swiglu(gate_proj(x), up_proj(x)));
+}
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
   self_attn = register_module("self_attn", Attention(cfg, ctx));
@@ -187,8 +187,7 @@ torch::Tensor Llama::hidden(const torch::Tensor& idx, const Documents& docs) {
 torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) { return loss(idx, targets, {}); }
 
 torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
-  const auto chunk = runtime_.chunked_loss ? runtime_.loss_chunk_size : 0;
-  return lm_head->loss(hidden(idx, docs), head_weight(), targets, chunk);
+  return lm_head->loss(hidden(idx, docs), head_weight(), targets, runtime_.loss, runtime_.loss_chunk_size);
 }
 
 torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }

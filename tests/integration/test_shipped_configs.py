@@ -4,7 +4,7 @@
   shrunk (one tiny layer, a 512-token vocabulary, 16-token samples) and tiny
   token files this test writes (a config of dataset.type indexed: alpaca records
   prepared with GPT-2's tokenizer, whose vocabulary it keeps, 64-token samples); everything else (optimizer, schedule, ZeRO,
-  recompute, chunked loss, checkpointing) stays as the file sets it.
+  recompute, chunked or fused loss, checkpointing) stays as the file sets it.
 - `nnstrain plan` for configs/llama3_8b.yaml on 8 and 16 GPUs of 80 GB (H100)
   finds a plan that fits its memory budget under the file's bf16-mixed.
 """
@@ -96,7 +96,7 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
         overrides += [f"--model.args.{key}", value]
     if ds.get("val_args"):
         overrides += ["--val_every_n_train_steps", 2, "--max_val_steps", 1]
-    if raw.get("model", {}).get("loss") == "chunked":
+    if raw.get("model", {}).get("loss") in ("chunked", "fused"):
         overrides += ["--model.loss_chunk_size", 8]  # several chunks of the 2 x 16 tokens
     if raw.get("lr_scheduler", {}).get("args", {}).get("warmup_steps"):
         overrides += ["--lr_scheduler.args.warmup_steps", 1, "--lr_scheduler.args.decay_steps", 2]

@@ -147,6 +147,24 @@ def test_chunked_loss_parity_with_one_process(straight, tmp_path, tiny_tokens, p
     assert all(chunked_act[s] < plain_act[s] for s in chunked_act), (chunked_act, plain_act)
 
 
+@pytest.mark.parametrize("plan,sp", [("tp2", "true"), ("tp2", "false"), ("tp4", "true")])
+def test_fused_loss_parity_with_one_process(tmp_path, tiny_tokens, plan, sp):
+    """model.loss: fused under tensor parallelism (with and without sequence
+    parallelism) is the fused vocab-parallel cross-entropy (chunks of 48 of the
+    128 tokens per step), equal to the plain loss in one process."""
+    fused = ["--model.loss", "fused", "--model.loss_chunk_size", "48"]
+    plain = run(1, tmp_path / "tp1", tiny_tokens, *PLANS["tp1"][1], "--model.loss", "plain")
+    ranks, ov = PLANS[plan]
+    got = run(ranks, tmp_path / plan, tiny_tokens, *ov, "--compute_config.sequence_parallel", sp, *fused)
+    log = (tmp_path / plan / "logs" / "rank1.log").read_text()
+    assert "LM head loss: fused (chunks of 48 tokens)" in log, log
+    assert sorted(got) == list(range(1, 11))
+    worst_loss = max(rel(got[s][0], plain[s][0]) for s in plain)
+    worst_norm = max(rel(got[s][1], plain[s][1]) for s in plain)
+    print(f"{plan} SP {sp} fused loss vs one process plain: loss {worst_loss:.2e}, grad norm {worst_norm:.2e}")
+    assert worst_loss < TOL and worst_norm < TOL
+
+
 # A vocabulary tp does not divide (65): padded to 66 (tp 2) or 68 (tp 4), the
 # padding rows never allocated; the token file uses all 65 ids.
 ODD = ["--model.args.vocab_size", "65"]

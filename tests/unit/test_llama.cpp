@@ -295,7 +295,7 @@ TEST_CASE("llama logits and loss agree, and the loss honours chunking and recomp
   const auto want = torch::nn::functional::cross_entropy(logits.reshape({-1, 96}), targets.reshape({-1}));
   CHECK(m.loss(idx, targets).item<double>() == Approx(want.item<double>()).epsilon(1e-6));
   nnstrain::models::RuntimeOptions opts;
-  opts.chunked_loss = true;
+  opts.loss = nnstrain::models::common::LossKind::Chunked;
   opts.loss_chunk_size = 5;
   opts.recompute_layers = {true, false};
   m.set_runtime_options(opts);
@@ -369,7 +369,7 @@ void check_parity(const ParityCase& pc) {
   };
   compare("plain");
   nnstrain::models::RuntimeOptions opts;
-  opts.chunked_loss = true;
+  opts.loss = nnstrain::models::common::LossKind::Chunked;
   opts.loss_chunk_size = 7;
   opts.recompute_layers.assign(cfg->num_hidden_layers, true);
   m.set_runtime_options(opts);

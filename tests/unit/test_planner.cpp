@@ -182,6 +182,25 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   chunked_args.model.loss_chunk_size = 16;
   PlanRequest chunked{&chunked_args, big_vocab.get(), 2, test_device(), 1e12};
   CHECK(parallel::estimate(chunked, {1, 2, 0, 0}).activation_bytes < e_plain.activation_bytes);
+  // The fused loss: from its last chunk on, fp32 gradients of hidden [tok, h] and
+  // head weight [V, h] and one chunk's fp32 logits (fp32 compute: no 16-bit copies);
+  // then a block's backward (with the tied head's gradient waiting) may be the peak.
+  auto fused_args = chunked_args;
+  fused_args.model.loss = "fused";
+  PlanRequest fused{&fused_args, big_vocab.get(), 2, test_device(), 1e12};
+  const auto e_fused = parallel::estimate(fused, {1, 2, 0, 0});
+  const double big_block_bwd = tok * 5 * h * 4 + 4 * h * h * 4 + 8192 * h * 4;
+  CHECK(e_fused.activation_bytes ==
+        Approx(std::max(saved + tok * 2 * h * 4 + (tok + 8192) * h * 4 + 16 * 8192 * 4, saved + big_block_bwd)));
+  CHECK(e_fused.activation_bytes < e_plain.activation_bytes);
+  // auto: fused once the tokens (64) exceed the chunk, plain at a chunk of 64 or more.
+  auto auto_args = chunked_args;
+  auto_args.model.loss = "auto";
+  PlanRequest auto_small{&auto_args, big_vocab.get(), 2, test_device(), 1e12};
+  CHECK(parallel::estimate(auto_small, {1, 2, 0, 0}).activation_bytes == Approx(e_fused.activation_bytes));
+  auto_args.model.loss_chunk_size = 64;
+  PlanRequest auto_whole{&auto_args, big_vocab.get(), 2, test_device(), 1e12};
+  CHECK(parallel::estimate(auto_whole, {1, 2, 0, 0}).activation_bytes == Approx(e_plain.activation_bytes));
   // Sequence parallelism (on by default) splits what tp leaves whole.
   auto no_sp_args = args;
   no_sp_args.compute_config.sequence_parallel = false;

@@ -135,11 +135,38 @@ TEST_CASE("recompute gives Llama the same loss and gradients", "[recompute]") {
   nnstrain::models::llama::Llama on(cfg);
   RuntimeOptions opts;
   opts.recompute_layers = {true, true, false};
-  opts.chunked_loss = true;
+  opts.loss = nnstrain::models::common::LossKind::Chunked;
   opts.loss_chunk_size = 10;
   on.set_runtime_options(opts);
   const auto idx = torch::randint(80, {2, 20}), targets = torch::randint(80, {2, 20});
   check_same(off, on, idx, targets);
+}
+
+TEST_CASE("recompute with the fused loss gives Llama (untied and tied heads) the plain loss and gradients",
+          "[recompute][fused_loss]") {
+  for (bool tied : {false, true}) {
+    INFO((tied ? "tied" : "untied"));
+    nnstrain::models::llama::LlamaConfig cfg;
+    cfg.vocab_size = 80;
+    cfg.hidden_size = 32;
+    cfg.intermediate_size = 48;
+    cfg.num_hidden_layers = 3;
+    cfg.num_attention_heads = 4;
+    cfg.num_key_value_heads = 2;
+    cfg.max_position_embeddings = 32;
+    cfg.tie_word_embeddings = tied;
+    torch::manual_seed(0);
+    nnstrain::models::llama::Llama off(cfg);
+    torch::manual_seed(0);
+    nnstrain::models::llama::Llama on(cfg);
+    RuntimeOptions opts;
+    opts.recompute_layers = {true, true, true};
+    opts.loss = nnstrain::models::common::LossKind::Fused;
+    opts.loss_chunk_size = 7;  // 40 tokens: 6 chunks, the last of 5
+    on.set_runtime_options(opts);
+    const auto idx = torch::randint(80, {2, 20}), targets = torch::randint(80, {2, 20});
+    check_same(off, on, idx, targets);
+  }
 }
 
 TEST_CASE("recompute replays the forward's autocast state (CPU bf16 autocast)", "[recompute]") {

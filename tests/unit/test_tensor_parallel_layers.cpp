@@ -307,7 +307,7 @@ struct ThreadComm : TpComm {
 
 }  // namespace
 
-TEST_CASE("vocab-parallel loss (plain and chunked) and logits over 2 ranks equal the unsplit ones, "
+TEST_CASE("vocab-parallel loss (plain, chunked and fused) and logits over 2 ranks equal the unsplit ones, "
           "ignore_index and vocabulary padding included", "[tp_layers]") {
   namespace F = torch::nn::functional;
   torch::manual_seed(3);
@@ -329,8 +329,14 @@ TEST_CASE("vocab-parallel loss (plain and chunked) and logits over 2 ranks equal
     ref.backward();
     const auto full_logits = F::linear(hidden, weight);
 
-    for (int64_t chunk : {int64_t{0}, int64_t{4}}) {
-      INFO("ignore_index " << ignore << ", chunk " << chunk);
+    // (no structured binding: the thread lambdas capture these, which C++17 forbids)
+    for (const auto& kc : {std::pair{common::LossKind::Plain, int64_t{0}},
+                           std::pair{common::LossKind::Chunked, int64_t{4}},
+                           std::pair{common::LossKind::Fused, int64_t{4}},
+                           std::pair{common::LossKind::Fused, int64_t{100}}}) {
+      const auto kind = kc.first;
+      const int64_t chunk = kc.second;
+      INFO("ignore_index " << ignore << ", loss kind " << int(kind) << ", chunk " << chunk);
       ThreadGroup group(tp);
       std::vector<double> loss(tp);
       std::vector<at::Tensor> gh(tp), gw(tp), logits(tp);
@@ -346,7 +352,7 @@ TEST_CASE("vocab-parallel loss (plain and chunked) and logits over 2 ranks equal
           const int64_t rows = 5, start = r * rows, held = std::min<int64_t>(rows, V - start);
           auto w = weight.narrow(0, start, held).clone().requires_grad_(true);  // rank 1: 4 true rows, no padding row
           auto h = hidden.clone().requires_grad_(true);
-          auto l = head->loss(h, w, targets, chunk, ignore);
+          auto l = head->loss(h, w, targets, kind, chunk, ignore);
           l.backward();
           loss[r] = l.item<double>();
           gh[r] = h.grad();
@@ -531,7 +537,7 @@ TEST_CASE("model-parallel RNG: a recomputed block replays its sharded-region mas
 }
 
 TEST_CASE("sequence parallelism over threads: GPT with 6 heads and biases at tp 2 and 4 equals tp 1, loss and "
-          "every gradient, a recomputed block included", "[tp_layers]") {
+          "every gradient, a recomputed block and the fused loss included", "[tp_layers]") {
   // T = 16 and B = 3: at tp 2 a rank's 24 tokens cross a sequence boundary, at tp 4 (heads 2, 2, 1, 1) its 12 do not fill one.
   auto cfg = small_gpt(65, 6, 48, true);
   const uint64_t seed = 5;
@@ -546,7 +552,11 @@ TEST_CASE("sequence parallelism over threads: GPT with 6 heads and biases at tp 
   ref_loss.backward();
   const auto ref_params = ref_model->named_parameters();
 
-  for (int tp : {2, 4}) {
+  // tp 2 with the plain loss and with the fused one (chunks of 10 of the 48 tokens), tp 4 fused.
+  for (int run = 0; run < 3; ++run) {
+    const int tp = run < 2 ? 2 : 4;
+    recompute_first.loss = run == 0 ? common::LossKind::Plain : common::LossKind::Fused;
+    recompute_first.loss_chunk_size = 10;
     ThreadGroup group(tp);
     std::vector<std::shared_ptr<nnstrain::models::gpt::Gpt>> models(tp);
     std::vector<double> loss(tp);
@@ -569,7 +579,7 @@ TEST_CASE("sequence parallelism over threads: GPT with 6 heads and biases at tp 
     for (const auto& m : models) layouts.push_back(m->param_layouts());
     for (size_t i = 0; i < layouts[0].size(); ++i) {
       const auto& l = layouts[0][i];
-      INFO("tp " << tp << ": " << l.name);
+      INFO("tp " << tp << ", loss kind " << int(recompute_first.loss) << ": " << l.name);
       const auto want = ref_params[l.name].grad();
       REQUIRE(want.defined());
       const double scale = want.abs().max().item<double>();

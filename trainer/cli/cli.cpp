@@ -9,6 +9,7 @@
 
 #include "data/prepare.h"
 #include "data/tokenizer/tokenize_command.h"
+#include "models/common/kernels/kernels.h"
 #include "models/registry.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
@@ -87,6 +88,12 @@ int train_main(const std::vector<std::string>& argv) {
     if (print_config) {
       std::cout << args.resolved_yaml;
       return 0;
+    }
+    try {
+      models::common::kernels::impl();  // NNSTRAIN_KERNELS checked before anything starts
+    } catch (const std::invalid_argument& e) {
+      std::cerr << "nnstrain: " << e.what() << "\n";
+      return 2;
     }
     return train::run(args, env, {resume});
   } catch (const config::ConfigError& e) {

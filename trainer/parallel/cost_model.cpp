@@ -278,9 +278,21 @@ struct Activations {
 // backward, and at backward's start its gradient and the incoming one, three
 // [tokens, V] fp32 tensors. Chunked: per-token logsumexp kept; backward holds
 // the hidden gradient, an fp32 weight gradient and a chunk's logits twice.
+// Fused: from its last chunk into backward, the fp32 gradients of hidden and
+// weight; during the last chunk also its fp32 logits (softmax and gradient in
+// place), their compute-dtype copy, and (16-bit compute) the compute-dtype
+// weight and its chunk's weight gradient; in backward, the gradients cast to
+// the inputs' 16-bit dtype.
 double loss_term(const Setting& x, bool fp32_compute) {
   const double ea = x.pb.act, tokens = x.tokens, h = x.h, v_local = x.v_local;
-  if (x.a.model.loss == "chunked") {
+  const auto loss = config::resolved_loss(x.a.model, int64_t(tokens));
+  if (loss == "fused") {
+    const double chunk = std::min(double(std::max(1, x.a.model.loss_chunk_size)), tokens);
+    const double half = fp32_compute ? 0 : ea;
+    return (tokens + v_local) * h * 4 +
+           std::max(chunk * v_local * (4 + half) + 2 * v_local * h * half, (tokens + v_local) * h * half);
+  }
+  if (loss == "chunked") {
     const double chunk = std::min(double(std::max(1, x.a.model.loss_chunk_size)), tokens);
     return tokens * 4 + tokens * h * ea + v_local * h * (4 + (fp32_compute ? 0 : ea)) +
            chunk * v_local * (2 * 4 + (fp32_compute ? 0 : ea));

@@ -236,8 +236,14 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
                          dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device) {
   auto& model = *local.model;
   models::RuntimeOptions ro;
-  ro.chunked_loss = args.model.loss == "chunked";
+  const auto loss = config::resolved_loss(args.model, int64_t(args.micro_batch_size) * plan.seq_len);
+  ro.loss = loss == "fused"     ? models::common::LossKind::Fused
+            : loss == "chunked" ? models::common::LossKind::Chunked
+                                : models::common::LossKind::Plain;
   ro.loss_chunk_size = args.model.loss_chunk_size;
+  log::info("LM head loss: " + loss +
+            (loss == "plain" ? "" : " (chunks of " + std::to_string(args.model.loss_chunk_size) + " tokens)") +
+            (args.model.loss == "auto" ? ", chosen by model.loss: auto" : ""));
   ro.recompute_layers = plan.recompute;
   model.set_runtime_options(ro);
   model.train();
