@@ -55,6 +55,9 @@ class AttentionImpl : public torch::nn::Module {
   AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   // cos, sin: [T, head_dim] (Hugging Face's rotate_half layout).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // Generation: the new tokens (cos, sin at their positions) over the cache's block `layer`.
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                               common::KvCache& cache, size_t layer);
   common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   common::RowParallelLinear o_proj{nullptr};
   int64_t head_dim, heads, kv_heads;  // this rank's heads
@@ -74,6 +77,8 @@ class DecoderLayerImpl : public torch::nn::Module {
  public:
   DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                               common::KvCache& cache, size_t layer);
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
@@ -86,6 +91,7 @@ class Llama : public CausalLM {
   explicit Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
+  torch::Tensor decode_logits(const torch::Tensor& idx, common::KvCache& cache) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.max_position_embeddings; }
   int64_t num_layers() const override { return cfg_.num_hidden_layers; }
