@@ -187,13 +187,15 @@ struct Source {
 Source load_hf(const std::string& dir) {
   const auto j = checkpoint::read_json_bounded((fs::path(dir) / "config.json").string());
   const std::string type = j.is_object() ? j.value("model_type", "") : "";
+  std::string why;  // what each model said, if none takes it
   for (const auto& entry : models::registered_models()) {
     if (!entry.from_hf_config) continue;
     std::shared_ptr<const config::ModelConfig> cfg;
     try {
       cfg = entry.from_hf_config(j);
-    } catch (const std::exception&) {
-      continue;  // not this model's config
+    } catch (const std::exception& e) {
+      why += "; " + entry.name + ": " + std::string(e.what()).substr(0, 200);
+      continue;  // not this model's config, or one it cannot represent
     }
     models::common::ShardingContext meta;
     meta.options = meta.options.device(c10::kMeta);
@@ -205,8 +207,8 @@ Source load_hf(const std::string& dir) {
       if (fs::exists(fs::path(dir) / f)) s.tokenizer = (fs::path(dir) / f).string();
     return s;
   }
-  throw std::runtime_error((fs::path(dir) / "config.json").string() + ": model_type '" + type +
-                           "' is not a registered model's");
+  throw std::runtime_error((fs::path(dir) / "config.json").string() + ": no registered model reads model_type '" +
+                           type + "'" + why);
 }
 
 Source load_source(std::string src) {
