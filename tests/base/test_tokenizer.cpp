@@ -151,7 +151,7 @@ TEST_CASE("tokenizer: decode(encode(x)) == x on ASCII, multi-byte UTF-8 and emoj
   CHECK_THROWS_AS(t.decode(unknown), TokenizerError);
 }
 
-TEST_CASE("tokenizer: special-token text as text, as the special id, or refused; the template's BOS",
+TEST_CASE("tokenizer: special-token text as text, as the special id, or refused, and the template's BOS",
           "[tokenizer]") {
   TempDir d;
   const auto t = Tokenizer::load(write(d, "t.json", tiny_tokenizer(false, true)));
