@@ -15,6 +15,7 @@
 #include "models/common/block_runner.h"
 #include "models/common/kv_cache.h"
 #include "models/common/layers.h"
+#include "models/model_dims.h"
 
 namespace nnstrain::models {
 
@@ -23,12 +24,6 @@ struct HfTensor {
   std::string ours;         // our parameter name
   std::string theirs;       // e.g. "transformer.h.0.attn.c_attn.weight"
   bool transpose = false;   // GPT-2's Conv1D stores [in, out]
-};
-
-// The shape facts the planner's cost model needs (FLOPs, activation memory).
-struct ModelDims {
-  int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, max_seq = 0;
-  bool tied_embeddings = true;
 };
 
 // Per-run options the trainer or planner sets on a built model.

@@ -1,585 +1,14 @@
 #include "trainer/parallel/planner.h"
-#include "trainer/parallel/param_units.h"
-
-#include "trainer/optim/precision.h"
-#include "trainer/parallel/training_state.h"
-
-#include <torch/torch.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
-#include <cstdio>
-#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
-#include <tuple>
-
-#include <unistd.h>
-
-#ifdef NNSTRAIN_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
-#include "models/model.h"
 
 namespace nnstrain::parallel {
 
 namespace {
-
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
-}
-
-std::string lower(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-// The table. Memory as the driver reports it (GiB); dense peaks from the data
-// sheets (SXM parts); bandwidth: NVLink per direction for ranks of one node,
-// one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU between nodes.
-const std::vector<DeviceSpec>& table() {
-  static const std::vector<DeviceSpec> t = {
-      // Host link: PCIe Gen5 x16 (H100/H200) or Gen4 (A100) as achieved by
-      // pinned copies, about half the nominal; host AdamW: a server socket's
-      // memory bandwidth shared by 8 ranks, a rough figure.
-      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
-      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
-      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
-      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
-      // A CPU rank: memory is filled in from the machine; the rates are a
-      // rough server-socket figure, for relative choices only.
-      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6, 10e9, 10e9},
-  };
-  return t;
-}
-
-double physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
-}
-
-DeviceSpec table_entry(const std::string& name) {
-  for (const auto& d : table())
-    if (lower(d.name) == lower(name)) {
-      DeviceSpec s = d;
-      if (s.name == "cpu") s.memory_bytes = physical_memory_bytes();
-      return s;
-    }
-  throw PlanError("unknown device '" + name + "'; known: H100, H200, A100-80G, A100-40G, cpu, auto");
-}
-
-// The current CUDA device (the rank's own once bound) as a table entry: matched
-// by name, memory as reported.
-DeviceSpec cuda_device_spec() {
-#ifdef NNSTRAIN_CUDA
-  cudaDeviceProp prop{};
-  int dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) {
-    const std::string name = prop.name;
-    const double mem = double(prop.totalGlobalMem);
-    DeviceSpec s = table_entry("H100");
-    if (name.find("H200") != std::string::npos) s = table_entry("H200");
-    else if (name.find("A100") != std::string::npos) s = table_entry(mem > 60 * kGiB ? "A100-80G" : "A100-40G");
-    else if (name.find("H100") == std::string::npos) s.name = name + " (H100 rates assumed)";
-    s.memory_bytes = mem;
-    if (s.name.find(name) == std::string::npos) s.name += " (" + name + ")";
-    return s;
-  }
-#endif
-  DeviceSpec s = table_entry("H100");
-  s.name = "cuda (name unknown to this build: H100 assumed)";
-  return s;
-}
-
-// ---- the model as the cost model sees it ------------------------------------
-
-struct ParamFact {
-  std::string name;
-  std::vector<int64_t> shape;
-  int64_t numel = 0;
-  models::ParamSplit split;  // style Replicate when not declared
-  int unit = -1;             // the block it belongs to (CausalLM::block_of); -1 outside blocks
-};
-
-struct ModelFacts {
-  models::ModelDims dims;
-  int64_t layers = 0;
-  std::vector<ParamFact> params;
-  bool vocab_parallel_head = false;  // some Vocab split is declared
-  bool gated_mlp = false;            // Llama-style blocks (RMSNorm, SwiGLU: a gate_proj), else GPT-style
-  std::vector<int> zero3_units;      // per parameter, as the training state's (parameter_units)
-  int zero3_head_unit = 0;           // the unit after the blocks
-};
-
-ModelFacts model_facts(const models::CausalLM& model) {
-  ModelFacts f;
-  f.dims = model.dims();
-  f.layers = f.dims.layers > 0 ? f.dims.layers : model.num_layers();
-  if (f.dims.hidden <= 0 || f.dims.heads <= 0 || f.dims.vocab <= 0)
-    throw PlanError("the model declares no dimensions (CausalLM::dims: hidden, heads, vocab); the planner needs them");
-  if (f.dims.kv_heads <= 0) f.dims.kv_heads = f.dims.heads;
-  if (f.dims.ffn <= 0) f.dims.ffn = 4 * f.dims.hidden;
-  std::map<std::string, models::ParamSplit> declared;
-  for (const auto& s : model.split_declaration()) {
-    declared[s.param] = s;
-    if (s.style == models::SplitStyle::Vocab) f.vocab_parallel_head = true;
-  }
-  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
-    ParamFact pf;
-    pf.name = p.key();
-    pf.shape = p.value().sizes().vec();
-    pf.numel = p.value().numel();
-    auto it = declared.find(pf.name);
-    if (it != declared.end()) pf.split = it->second;
-    else pf.split.param = pf.name;
-    pf.unit = model.block_of(pf.name);
-    if (pf.name.find("gate_proj") != std::string::npos) f.gated_mlp = true;
-    f.params.push_back(std::move(pf));
-  }
-  f.zero3_units = parameter_units(model);
-  f.zero3_head_unit = static_cast<int>(model.num_layers()) + 1;
-  return f;
-}
-
-const char* style_name(models::SplitStyle s) {
-  switch (s) {
-    case models::SplitStyle::Column: return "column";
-    case models::SplitStyle::Row: return "row";
-    case models::SplitStyle::Vocab: return "vocab";
-    default: return "replicate";
-  }
-}
-
-// The split dimension of a declared style (Row on a 1-D tensor: its only dim).
-int split_dim(const ParamFact& p) {
-  if (p.split.style == models::SplitStyle::Row && p.shape.size() >= 2) return 1;
-  return 0;
-}
-
-std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
-  auto s = p.shape;
-  if (tp < 2 || p.split.style == models::SplitStyle::Replicate || s.empty()) return s;
-  // The largest piece, rank 0's: each fused part is dealt out in whole units,
-  // the first ranks one more (6 heads over 4: 2, 2, 1, 1); a padded vocabulary's
-  // first ranks hold ceil(V / tp) rows (unit 1).
-  auto& d = s[split_dim(p)];
-  const int64_t unit = std::max<int64_t>(1, p.split.unit);
-  const auto parts = p.split.fused_parts.empty() ? std::vector<int64_t>{d} : p.split.fused_parts;
-  d = 0;
-  for (auto part : parts) d += (part / unit + tp - 1) / tp * unit;
-  return s;
-}
-
-// Bytes per element: parameters (the copy compute reads), gradients (the
-// reduction buffer), optimizer state (fp32 masters under *-mixed plus AdamW's
-// two moments), activations. The first three are what TrainingState allocates
-// (parallel::state_bytes, the same function the trainer's start-up line checks).
-struct PrecisionBytes {
-  double param, grad, master, moments, act;
-};
-
-PrecisionBytes precision_bytes(const config::TrainerArgs& a) {
-  const auto p = optim::precision_setup(a.precision, a.compute_config.reduce_dtype);
-  const auto b = state_bytes(p.param, p.grad, p.master_weights);
-  return {b.param, b.grad, b.master, b.moments, b.param};
-}
-
-// The flat buffers of one rank, element counts, as TrainingState lays them out
-// (FlatLayout: buckets in reverse registration order, each padded to a multiple
-// of the ZeRO group) or, under ZeRO-3, as units (each block one unit, the
-// parameters before the first block one, those after it one), each padded.
-struct StateLayout {
-  double elements = 0;  // this rank's parameter elements (after tp; the first tp rank, which holds most)
-  double padded = 0;    // in the flat buffers, padding included
-  int z = 1;            // ZeRO group size (1: no ZeRO)
-  int64_t buckets = 0;
-  double largest_bucket = 0, largest_block_param = 0;  // a block's largest parameter (any, without blocks)
-  double block_elements = 0;                            // the largest block's parameters
-  double embed_unit = 0, head_unit = 0, largest_block = 0;  // ZeRO-3, padded
-  // Offload: the optimizer elements on the host (whole buckets, as the
-  // training state takes them) and the last of those buckets.
-  double host_elements = 0, last_host_bucket = 0;
-};
-
-StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, const Candidate& c,
-                         const PrecisionBytes& pb) {
-  StateLayout st;
-  st.z = c.zero_stage ? std::max(1, c.dp / std::max(1, a.compute_config.zero_ngroups)) : 1;
-  std::vector<int64_t> numels;
-  for (const auto& p : f.params) {
-    int64_t n = 1;
-    for (auto dim : local_shape(p, c.tp)) n *= dim;
-    numels.push_back(n);
-    st.elements += double(n);
-  }
-  bool blocks = false;
-  for (const auto& p : f.params) blocks = blocks || p.unit >= 0;
-  for (size_t i = 0; i < numels.size(); ++i)
-    if (!blocks || f.params[i].unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
-  std::map<int, double> per_block;
-  for (size_t i = 0; i < numels.size(); ++i)
-    if (f.params[i].unit >= 0) per_block[f.params[i].unit] += double(numels[i]);
-  for (const auto& [u, n] : per_block) st.block_elements = std::max(st.block_elements, n);
-  const int64_t cap = std::max<int64_t>(
-      1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
-  // ZeRO-3: a bucket per unit, as the training state's.
-  const std::vector<int> no_units;
-  const auto& units = c.zero_stage == 3 ? f.zero3_units : no_units;
-  const auto layout = FlatLayout::make(numels, cap, st.z, 0, units);
-  st.buckets = static_cast<int64_t>(layout.buckets.size());
-  for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
-  st.padded = double(layout.size);
-  if (c.offload_ratio > 0) {  // TrainingState's rule: whole buckets in layout order until the ratio's share
-    const double total = double(c.zero_stage ? layout.shard_size : layout.size);
-    for (const auto& bk : layout.buckets) {
-      if (st.host_elements >= c.offload_ratio * total) break;
-      st.last_host_bucket = double(c.zero_stage ? layout.chunk_size(bk) : bk.end - bk.begin);
-      st.host_elements += st.last_host_bucket;
-    }
-  }
-  if (c.zero_stage == 3) {
-    for (const auto& bk : layout.buckets) {
-      const int u = units[bk.params.front()];
-      const double n = double(bk.end - bk.begin);
-      if (u == 0) st.embed_unit = n;
-      else if (u == f.zero3_head_unit) st.head_unit = n;
-      else st.largest_block = std::max(st.largest_block, n);
-    }
-  }
-  return st;
-}
-
-int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
-  const int64_t s = a.dataset.train_args.seq_len;
-  return s > 0 ? s : f.dims.max_seq;
-}
-
-std::string offload_text(const Candidate& c) {
-  if (c.offload_ratio <= 0 && !c.offload_params) return "";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", c.offload_ratio);
-  return std::string(" offload=optimizer") + (c.offload_ratio < 1 ? ":" + std::string(buf) : "") +
-         (c.offload_params ? "+params" : "");
-}
-
-std::string candidate_text(const Candidate& c, int64_t layers) {
-  return "tp=" + std::to_string(c.tp) + " dp=" + std::to_string(c.dp) + " zero=" + std::to_string(c.zero_stage) +
-         offload_text(c) + " recompute=" + std::to_string(c.recompute_layers) + "/" + std::to_string(layers);
-}
-
-PlanEstimate estimate_facts(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
-  const auto& a = *req.args;
-  const auto pb = precision_bytes(a);
-  const double t = c.tp, d = c.dp;
-  const double b = double(a.micro_batch_size), s = double(seq_len_of(a, f));
-  const double h = double(f.dims.hidden), heads = double(f.dims.heads), kv = double(f.dims.kv_heads);
-  const double ffn = double(f.dims.ffn), V = double(f.dims.vocab), L = double(f.layers);
-  const double k = c.recompute_layers;
-  const double micro_steps = std::max(1.0, std::floor(double(a.global_batch_size) / (b * d)));
-
-  PlanEstimate e;
-  // ---- memory --------------------------------------------------------------
-  // Every figure is what one rank's tensors hold at the step's peak (the
-  // trainer's peak_tensor_mb): the state, then activations, then what lives
-  // only around the peak. docs/parallelism.md derives each term.
-  const auto st = state_layout(a, f, c, pb);
-  const double S = st.padded, Sz = st.padded / st.z;  // flat elements (padding included), this rank's shard
-  switch (c.zero_stage) {
-    case 0:
-      e.param_bytes = S * pb.param;
-      e.grad_bytes = S * pb.grad;
-      e.optim_bytes = S * (pb.master + pb.moments);
-      break;
-    case 1:  // the full gradient buffer stays, plus the reduced chunk
-      e.param_bytes = S * pb.param;
-      e.grad_bytes = S * pb.grad + Sz * pb.grad;
-      e.optim_bytes = Sz * (pb.master + pb.moments);
-      break;
-    case 2:  // no full gradient buffer outlives backward
-      e.param_bytes = S * pb.param;
-      e.grad_bytes = Sz * pb.grad;
-      e.optim_bytes = Sz * (pb.master + pb.moments);
-      break;
-    default:  // 3: parameters sharded too, units gathered around their use
-      e.param_bytes = Sz * pb.param;
-      e.grad_bytes = Sz * pb.grad;
-      e.optim_bytes = Sz * (pb.master + pb.moments);
-  }
-  // Offload: the host's share of the optimizer state (st.host_elements, whole
-  // buckets) leaves the device; the host keeps its weights (fp32 masters, or
-  // a copy of the parameters), moments, a copy of its reduced gradient and a
-  // compute-dtype staging copy. Parameter offload moves ZeRO-3's chunks there too.
-  const double H = st.host_elements;
-  const double wbytes = pb.master > 0 ? pb.master : pb.param;  // what the optimizer updates, per element
-  e.optim_bytes -= H * (pb.master + pb.moments);
-  e.host_bytes = H * (wbytes + pb.moments + pb.grad + pb.param);
-  if (c.offload_params) {
-    e.host_bytes += e.param_bytes;
-    e.param_bytes = 0;
-  }
-
-  // Activations of one micro-batch (micro-batches run one after another), in
-  // the compute dtype, counted as our models keep them for backward
-  // (models/gpt, models/llama; fused attention keeps q, k, v, its output and a
-  // per-row logsumexp, never the scores). Elements per token:
-  const bool sp = c.tp > 1 && a.compute_config.sequence_parallel;
-  const double rep = sp ? 1 / t : 1;  // what tensor parallelism leaves whole is 1/tp of the sequence under SP
-  const double ea = pb.act, tokens = b * s;
-  const double hkv = h * kv / heads;
-  const bool fp32_compute = ea >= 4;
-  double layer_rep, layer_split, head_in, norm_extra, wide_grads;
-  if (f.gated_mlp) {
-    // Llama: each RMSNorm keeps its input in fp32 (the input itself at fp32,
-    // else an fp32 copy, and then not the input), its normalised input and
-    // (through the next linear) its output, twice per layer; attention keeps
-    // rotated q, k, v (key/value heads repeated except under CUDA's native
-    // GQA) and the output; SwiGLU keeps gate, silu(gate), up and their product.
-    const bool native_gqa = !fp32_compute && req.device.name != "cpu";
-    const double norm_in = fp32_compute ? h : h * 4 / ea;
-    layer_rep = 2 * (norm_in + 2 * h);
-    layer_split = (native_gqa ? 2 * h + 2 * hkv : 4 * h) + 4 * ffn;
-    head_in = norm_in;
-    norm_extra = h;        // the final norm's normalised input
-    wide_grads = 2 * ffn;  // backward of gate * up: both gradients and the incoming one (the product freed)
-  } else {
-    // GPT: the block input (kept by ln_1), ln_1's output, the residual sum
-    // and ln_2's output; q, k, v, attention output; the MLP's c_fc output and
-    // its GELU.
-    layer_rep = 4 * h;
-    layer_split = 2 * h + 2 * hkv + 2 * ffn;
-    head_in = h;
-    norm_extra = 0;
-    wide_grads = ffn;  // the GELU output's gradient while the output is still kept
-  }
-  const double layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
-  const double layer_input = tokens * h * rep * ea;
-  // Unfused attention also keeps the scores and softmax, fp32 or compute dtype, per head.
-  const double scores = req.fused_attention ? 0.0 : tokens * 2 * (heads / t) * s * ea;
-  const double saved_layers = (L - k) * (layer_full + scores) + k * layer_input;
-
-  // The head: the last block's output (what the final norm keeps of its input)
-  // and of the norm, and its output; under SP the head gathers that output
-  // whole and keeps it.
-  const double head_saved = tokens * ((head_in + norm_extra) * rep + (sp ? h : h * rep)) * ea;
-  // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
-  // backward, and at backward's start its gradient and the incoming one, three
-  // [tokens, V] fp32 tensors. Chunked:
-  // per-token logsumexp kept; backward holds the hidden gradient, an fp32 weight
-  // gradient and a chunk's logits twice.
-  const double v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(V / t) : V;
-  double loss_peak;
-  if (a.model.loss == "chunked") {
-    const double chunk = std::min(double(std::max(1, a.model.loss_chunk_size)), tokens);
-    loss_peak = tokens * 4 + tokens * h * ea + v_local * h * (4 + (fp32_compute ? 0 : ea)) +
-                chunk * v_local * (2 * 4 + (fp32_compute ? 0 : ea));
-  } else {
-    // Then the head's backward: the logits' gradient, the hidden states' and the weight's.
-    // (The vocab-parallel forward holds the compute-dtype logits beside its
-    // three fp32 tensors; the one-rank loss has freed them by then.)
-    const bool vocab_split = f.vocab_parallel_head && c.tp > 1;
-    loss_peak = std::max(tokens * v_local * (3 * 4 + (fp32_compute || !vocab_split ? 0 : ea)),
-                         tokens * v_local * 4 + tokens * h * ea + v_local * h * ea);
-  }
-  // One block's backward on top of the kept activations: the gradient coming
-  // in, the widest gradients (the MLP's), and under SP the gathered gradient
-  // of the row-parallel output.
-  // A tied embedding's gradient from the head waits in autograd until the
-  // embedding's own part is added at the end of backward.
-  const double tied_head_grad = f.dims.tied_embeddings ? v_local * h * pb.param : 0.0;
-  // And autograd's gradient of the block's largest parameter before it is
-  // added into its slot (its bucket under ZeRO-2, its unit under ZeRO-3).
-  const double block_grads = tokens * (h * rep + (sp ? h : 0) + wide_grads / t) * ea + st.largest_block_param * pb.param;
-  // Transient, what the sharding holds only for a while. ZeRO-3's outer units
-  // (embedding, head) are gathered for the whole forward and backward. During
-  // the blocks' backward ZeRO-2/3 fill gradient buckets (ZeRO-3: one per
-  // unit) in layout order and launch each one's reduce-scatter when it is
-  // full, at most kBucketsInFlight = 2 at once (grad_reducer.h), each with its
-  // output chunk (bucket / N) and, over Gloo (CPU), the copy of its input
-  // Gloo reduces; one more bucket fills meanwhile; ZeRO-3 also holds the
-  // current block's unit and zero_prefetch more. By the time j buckets are
-  // launched, about j x (bucket / block) blocks have finished their backward
-  // and freed their activations, so each j is a moment of its own.
-  const bool z2 = c.zero_stage == 2, z3 = c.zero_stage == 3;  // at one rank too: the same buffers
-  const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
-  struct Phase {
-    double acts, transient;
-  };
-  std::vector<Phase> phases{{saved_layers + head_saved + loss_peak, outer_units}};  // backward starts at the loss
-  double worst_block_transient = outer_units;
-  if (z2 || z3) {
-    constexpr int kBucketsInFlight = 2;
-    const double bucket = z3 ? st.largest_block : st.largest_bucket;  // elements, padded
-    const double gloo_copy = req.device.name == "cpu" ? 1.0 : 0.0;
-    const double per_flight = bucket * pb.grad * (1 + gloo_copy) + bucket / st.z * pb.grad;
-    // Gathered: the block computing, zero_prefetch ahead, and (measured) one
-    // more: the unit just done is freed only when its bucket launches.
-    // Under parameter offload the gather in flight also reads a device copy of
-    // its host chunk, freed once the gather is waited for.
-    const double gathered = z3 ? outer_units + (2 + a.compute_config.zero_prefetch) * st.largest_block * pb.param +
-                                     (c.offload_params ? st.largest_block / st.z * pb.param : 0.0)
-                               : 0.0;
-    const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);
-    const int flights = static_cast<int>(std::min<double>(kBucketsInFlight, std::max<double>(0, double(st.buckets) - 1)));
-    for (int j = 0; j <= flights && L - k >= 1; ++j) {
-      const double done = std::min(L - k, std::floor(j * blocks_per_bucket));
-      const double trans = gathered + bucket * pb.grad + j * per_flight;
-      phases.push_back({saved_layers - done * (layer_full + scores) + block_grads + tied_head_grad, trans});
-      worst_block_transient = std::max(worst_block_transient, trans);
-    }
-    if (L - k < 1) worst_block_transient = gathered + bucket * pb.grad + flights * per_flight;
-  } else if (L - k >= 1) {
-    phases.push_back({saved_layers + block_grads + tied_head_grad, 0.0});  // the last block's backward
-  }
-  if (k >= 1 && k >= L)  // every block recomputes: the last one rebuilt whole, its output held, then its backward
-    phases.push_back({k * layer_input + layer_full - layer_input + tokens * h * rep * ea + block_grads + scores +
-                          tied_head_grad,
-                      worst_block_transient});
-  const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& x, const Phase& y) {
-    return x.acts + x.transient < y.acts + y.transient;
-  });
-  e.activation_bytes = peak_phase.acts;
-  e.transient_bytes = peak_phase.transient;
-  e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
-  const double p_local = st.elements;
-  const double cap = a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
-  const double z = st.z;
-  const double buckets = double(st.buckets);
-
-  // ---- time ----------------------------------------------------------------
-  const double peak = peak_flops_for(req.device, a.precision, a.compute_config.allow_tf32) * kAssumedEfficiency;
-  const double flops_token = req.model->flops_per_token(static_cast<int64_t>(s));
-  const double layer_flops = std::max(0.0, flops_token - 6 * V * h) / std::max(1.0, L);
-  const double recompute_flops = k * layer_flops / 3;  // one more forward (1/3 of fwd+bwd) per recomputed layer
-  const double tokens_rank = micro_steps * b * s;
-  e.compute_s = tokens_rank * (flops_token + recompute_flops) / t / peak;
-
-  const int per_node = std::max(1, req.device.ranks_per_node);
-  if (c.tp > 1) {
-    // Per micro-batch: 4 all-reduces per layer (2 forward, 2 backward), 2 more per
-    // recomputed layer, 2 for the vocab-parallel embedding and head; ring cost.
-    const double bw = c.tp <= per_node ? req.device.intra_node_bw : req.device.inter_node_bw;
-    const double n = 4 * L + 2 * k + (f.vocab_parallel_head ? 2 : 0);
-    e.tp_comm_s = micro_steps * n * (req.device.collective_latency_s + 2 * (t - 1) / t * (b * s * h * pb.act) / bw);
-  }
-  if (c.dp > 1) {
-    // The dp group (ranks r, r+tp, ...) leaves the node once the world does.
-    const double bw = c.tp * c.dp <= per_node ? req.device.intra_node_bw : req.device.inter_node_bw;
-    const double grad_bytes = p_local * pb.grad;
-    const double alpha = req.device.collective_latency_s;
-    const double backward = e.compute_s / micro_steps * (2 * flops_token / 3 + recompute_flops) /
-                            (flops_token + recompute_flops);
-    const double forward = e.compute_s / micro_steps - backward;
-    const double groups = d / z;
-    // The reduced chunk's all-reduce across ZeRO groups (hybrid sharding).
-    const double cross = groups > 1 ? 2 * (groups - 1) / groups * grad_bytes / z / bw : 0.0;
-    if (c.zero_stage == 3 && z > 1) {
-      // Per micro-batch: every unit gathered for forward and again for
-      // backward, its gradient reduce-scattered as its backward ends; each
-      // overlaps the compute it feeds except the first unit's gather and the
-      // last unit's reduce-scatter.
-      const double units = L + 2;
-      const double gather = units * alpha + (z - 1) / z * p_local * pb.param / bw;
-      const double scatter = units * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
-      const double per_micro = gather / units + std::max(0.0, gather - forward) +
-                               std::max(0.0, gather + scatter - backward) + scatter / units;
-      e.dp_comm_s = micro_steps * per_micro;
-    } else {
-      double overlappable;  // launched bucket by bucket during the last micro-batch's backward
-      double after = 0;     // after the optimizer step
-      if (c.zero_stage) {
-        // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
-        // all-gather of the updated parameters.
-        overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
-        after = buckets * alpha + (z - 1) / z * p_local * pb.param / bw;
-      } else {
-        overlappable = buckets * alpha + 2 * (d - 1) / d * grad_bytes / bw;
-      }
-      const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
-      // ZeRO-2 has no buffer to accumulate whole gradients in: it reduce-scatters every micro-batch.
-      const double rounds = c.zero_stage == 2 ? micro_steps : 1;
-      e.dp_comm_s = rounds * (last_bucket + std::max(0.0, overlappable - last_bucket - backward)) + after;
-    }
-  }
-  e.comm_s = e.tp_comm_s + e.dp_comm_s;
-  if (H > 0 || c.offload_params) {
-    // The host step reads and writes weights and moments and reads the
-    // gradient; it waits for the global norm, so it is exposed in full.
-    const double link = req.device.host_link_bw;
-    e.host_step_s = H * (6 * wbytes + pb.grad) / req.device.host_adam_bytes_per_s;
-    const double d2h = H * pb.grad / link, h2d = H * pb.param / link;
-    // ZeRO-3 parameter offload: every unit's chunk to the device per gather,
-    // issued ahead with the gathers (hidden behind compute where it can be).
-    const double unit_copies = c.offload_params ? micro_steps * 2 * Sz * pb.param / link : 0.0;
-    e.copy_s = d2h + h2d + unit_copies;
-    // Gradients leave bucket by bucket as they are reduced during the last
-    // micro-batch's backward (with dp; at one rank without ZeRO-2/3 and under
-    // HSDP after it); weights return while the next bucket steps, all but the last.
-    const double backward = 2.0 / 3.0 * e.compute_s / micro_steps;
-    const double last = H > 0 ? st.last_host_bucket / H : 0.0;
-    const bool hsdp = c.zero_stage > 0 && d / st.z > 1;
-    const bool during_backward = (c.zero_stage >= 2 || c.dp > 1) && !hsdp;
-    const double d2h_exposed = during_backward ? std::max(d2h * last, d2h - backward) : d2h;
-    e.offload_s = e.host_step_s + d2h_exposed + h2d * last + std::max(0.0, unit_copies - e.compute_s);
-    // Delayed update: the host step and the weights' return run during the next step's forward and backward.
-    if (a.compute_config.offload.delayed_update && c.offload_ratio >= 1.0)
-      e.offload_s = std::max(0.0, e.host_step_s + h2d - e.compute_s - e.comm_s) + d2h_exposed +
-                    std::max(0.0, unit_copies - e.compute_s);
-  }
-  e.step_s = e.compute_s + e.comm_s + e.offload_s;
-  return e;
-}
-
-// Why tp cannot split this model, one message per failure (empty: it can).
-// Splits need not be even (6 heads over 4 ranks: 2, 2, 1, 1; models/common/sharding.h),
-// so only what leaves a rank nothing is refused: fewer heads (or key/value heads,
-// whose query groups travel with them) or ffn columns than ranks.
-std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
-  std::vector<std::string> out;
-  if (tp < 1) return {"tp must be >= 1, got " + std::to_string(tp)};
-  if (tp == 1) return out;
-  const auto& d = f.dims;
-  const std::string t = std::to_string(tp);
-  auto check = [&](const char* what, int64_t n) {
-    if (n < tp) out.push_back(std::string(what) + " " + std::to_string(n) + " are fewer than tp " + t);
-  };
-  check("attention heads", d.heads);
-  if (d.kv_heads != d.heads) {
-    check("key/value heads", d.kv_heads);
-    if (d.heads % d.kv_heads != 0)
-      out.push_back("attention heads " + std::to_string(d.heads) + " do not group over key/value heads " +
-                    std::to_string(d.kv_heads));
-  }
-  check("ffn width", d.ffn);
-  // A vocabulary tp does not divide is padded (model.make_vocab_size_divisible_by).
-  if (!out.empty()) return out;
-  // The declaration itself: every split dimension (or fused part) in whole units, at least one per rank.
-  for (const auto& p : f.params) {
-    if (p.split.style == models::SplitStyle::Replicate || p.split.style == models::SplitStyle::Vocab ||
-        p.shape.empty())
-      continue;
-    const int dim = split_dim(p);
-    const int64_t unit = std::max<int64_t>(1, p.split.unit);
-    std::vector<int64_t> parts = p.split.fused_parts;
-    if (p.split.style != models::SplitStyle::Column || parts.empty()) parts = {p.shape[dim]};
-    for (auto part : parts)
-      if (part % unit != 0 || part / unit < tp) {
-        out.push_back(p.name + " (" + style_name(p.split.style) + " split of dim " + std::to_string(dim) +
-                      (parts.size() > 1 ? ", fused part of " : ", size ") + std::to_string(part) + ") " +
-                      (part % unit ? "is not a whole number of units of " + std::to_string(unit)
-                                   : "has " + std::to_string(part / unit) + " units of " + std::to_string(unit) +
-                                         ", fewer than tp " + t));
-        break;
-      }
-  }
-  return out;
-}
 
 std::string join(const std::vector<std::string>& v, const std::string& sep) {
   std::string out;
@@ -587,70 +16,13 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
   return out;
 }
 
-}  // namespace
-
-std::string format_bytes(double bytes) {
-  const double a = std::fabs(bytes);
-  if (a >= kGiB) return fixed(bytes / kGiB, 2) + " GiB";
-  if (a >= 1024.0 * 1024) return fixed(bytes / (1024.0 * 1024), 1) + " MiB";
-  if (a >= 1024.0) return fixed(bytes / 1024.0, 1) + " KiB";
-  return fixed(bytes, 0) + " B";
-}
-
-std::vector<std::string> known_devices() {
-  std::vector<std::string> names;
-  for (const auto& d : table()) names.push_back(d.name);
-  return names;
-}
-
-DeviceSpec device_spec(const std::string& name_or_auto) {
-  const std::string n = lower(name_or_auto);
-  if (n == "auto" || n == "cuda" || n.empty()) {
-    if (torch::cuda::is_available()) return cuda_device_spec();
-    if (n == "cuda") throw PlanError("device cuda requested but no CUDA device is available");
-    return table_entry("cpu");
-  }
-  return table_entry(name_or_auto);
-}
-
-double peak_flops_for(const DeviceSpec& device, const std::string& precision, bool allow_tf32) {
-  if (precision.rfind("32", 0) == 0) return allow_tf32 ? device.peak_flops_tf32 : device.peak_flops_fp32;
-  return device.peak_flops;
-}
-
-double memory_budget(const PlanRequest& req) {
-  if (req.memory_budget_bytes > 0) return req.memory_budget_bytes;
-  if (req.device.memory_bytes > 0) return kDefaultMemoryFraction * req.device.memory_bytes;
-  return std::numeric_limits<double>::infinity();
-}
-
-PlanEstimate estimate(const PlanRequest& req, const Candidate& c) {
-  if (!req.args || !req.model) throw PlanError("plan request without config or model");
-  return estimate_facts(req, model_facts(*req.model), c);
-}
-
-void check_tp_feasible(const models::CausalLM& model, int tp) {
-  const auto f = model_facts(model);
-  const auto fails = tp_failures(f, tp);
-  if (!fails.empty()) throw PlanError("tensor parallel size " + std::to_string(tp) + " cannot split the model: " + join(fails, "; "));
-}
-
-Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
-  if (!req.args || !req.model) throw PlanError("plan request without config or model");
+// Tensor-parallel degrees the policy allows.
+std::vector<int> allowed_tps(const PlanRequest& req) {
   const auto& a = *req.args;
-  const auto& cc = a.compute_config;
-  const int world = req.world_size, plan_ngpus = cc.plan_ngpus;
-  if (world < 1) throw PlanError("world size must be >= 1, got " + std::to_string(world));
-  const auto f = model_facts(*req.model);
-  const int L = static_cast<int>(f.layers);
-  const double budget = memory_budget(req);
+  const int world = req.world_size, plan_ngpus = a.compute_config.plan_ngpus;
   const std::string& policy = a.pas_policy;
-
-  // Tensor-parallel degrees the policy allows.
-  std::vector<int> tps;
-  if (policy == "dp") {
-    tps = {1};
-  } else if (policy == "tp" || policy == "hybrid") {
+  if (policy == "dp") return {1};
+  if (policy == "tp" || policy == "hybrid") {
     if (policy == "tp" && world != plan_ngpus)
       throw PlanError("pas_policy tp puts every rank in one tensor-parallel group, so runtime_ngpus " +
                       std::to_string(world) + " must equal compute_config.plan_ngpus " + std::to_string(plan_ngpus) +
@@ -659,43 +31,80 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
       throw PlanError("runtime_ngpus " + std::to_string(world) + " is not a multiple of compute_config.plan_ngpus " +
                       std::to_string(plan_ngpus));
     check_tp_feasible(*req.model, plan_ngpus);
-    tps = {plan_ngpus};
-  } else if (policy == "autodist") {
+    return {plan_ngpus};
+  }
+  if (policy == "autodist") {
+    std::vector<int> tps;
     for (int t = 1; t <= plan_ngpus; ++t)
       if (plan_ngpus % t == 0 && world % t == 0) tps.push_back(t);
-  } else {
-    throw PlanError("unknown pas_policy '" + policy + "' (dp, tp, hybrid, autodist)");
+    return tps;
   }
+  throw PlanError("unknown pas_policy '" + policy + "' (dp, tp, hybrid, autodist)");
+}
 
-  // Every candidate, listed tp up, ZeRO stage up, recompute up: infeasible
-  // ones with their reason, the rest with their estimate.
-  struct Entry {
-    Candidate c;
-    std::string infeasible;  // empty: evaluated
-    PlanEstimate e;
-  };
-  std::vector<Entry> entries;
-  const bool free_zero = policy == "autodist" && cc.use_zero == 0;  // the config leaves the stage to us
+// One candidate of the search: infeasible with its reason, or evaluated.
+struct Entry {
+  Candidate c;
+  std::string infeasible;  // empty: evaluated
+  PlanEstimate e;
+};
+
+// The search space, listed tp up, ZeRO stage up, recompute up, one offload
+// tier at a time, and the choice among what fits.
+class Search {
+ public:
+  Search(const PlanRequest& req, const ModelFacts& f)
+      : req_(req), a_(*req.args), f_(f), L_(static_cast<int>(f.layers)), budget_(memory_budget(req)),
+        tps_(allowed_tps(req)) {}
+
   // Offload tiers: 0 none, 1 the optimizer, 2 also the parameters (ZeRO-3).
   // The config's offload holds for every candidate; otherwise autodist adds
   // a tier only when no candidate of the tiers before fits.
-  const bool free_offload = policy == "autodist" && !cc.offload.optimizer && !cc.offload.params;
-  const int k_min = a.model.activation_checkpointing ? L : 0;
-  auto add_candidates = [&](int tier) {
-    for (int t : tps) {
-      const int dp = world / t;
-      const auto fails = tp_failures(f, t);
+  const Entry* run() {
+    int tier = 0;
+    add_candidates(tier);
+    choose();
+    while (!best_ && free_offload() && tier < 2) {
+      add_candidates(++tier);
+      choose();
+    }
+    return best_;
+  }
+
+  const std::vector<Entry>& entries() const { return entries_; }
+  const Entry* least_memory() const { return least_memory_; }
+  double budget() const { return budget_; }
+  // The least ZeRO stage that fits at (tp, k), if any.
+  const Entry* least_stage(const Candidate& c) const {
+    auto it = least_stage_.find({c.tp, c.recompute_layers});
+    return it == least_stage_.end() ? nullptr : it->second;
+  }
+  bool from_first_tier() const { return from_first_tier_; }
+
+ private:
+  bool free_zero() const { return a_.pas_policy == "autodist" && a_.compute_config.use_zero == 0; }
+  bool free_offload() const {
+    const auto& o = a_.compute_config.offload;
+    return a_.pas_policy == "autodist" && !o.optimizer && !o.params;
+  }
+
+  void add_candidates(int tier) {
+    const auto& cc = a_.compute_config;
+    const int k_min = a_.model.activation_checkpointing ? L_ : 0;
+    for (int t : tps_) {
+      const int dp = req_.world_size / t;
+      const auto fails = tp_failures(f_, t);
       if (!fails.empty()) {
-        if (tier == 0) entries.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
+        if (tier == 0) entries_.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
         continue;
       }
-      if (a.global_batch_size % (a.micro_batch_size * dp) != 0) {
+      if (a_.global_batch_size % (a_.micro_batch_size * dp) != 0) {
         if (tier == 0)
-          entries.push_back({{t, dp, 0, 0},
-                             "global batch " + std::to_string(a.global_batch_size) +
-                                 " is not a multiple of micro_batch_size " + std::to_string(a.micro_batch_size) +
-                                 " x dp " + std::to_string(dp),
-                             {}});
+          entries_.push_back({{t, dp, 0, 0},
+                              "global batch " + std::to_string(a_.global_batch_size) +
+                                  " is not a multiple of micro_batch_size " + std::to_string(a_.micro_batch_size) +
+                                  " x dp " + std::to_string(dp),
+                              {}});
         continue;
       }
       // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to
@@ -703,34 +112,34 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
       // on one-rank groups). Parameter offload is ZeRO-3's, whatever the group.
       const int zsize = dp % cc.zero_ngroups == 0 ? dp / cc.zero_ngroups : 0;
       std::vector<int> zeros;
-      if (!free_zero) zeros = {cc.use_zero};
+      if (!free_zero()) zeros = {cc.use_zero};
       else if (tier == 2) zeros = {3};
       else if (zsize > 1) zeros = {0, 1, 2, 3};
       else zeros = {0};
       for (int zero : zeros) {
         if (zero && zsize == 0) {
           if (tier == 0)
-            entries.push_back({{t, dp, zero, 0},
-                               "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
-                                   " does not divide dp " + std::to_string(dp),
-                               {}});
+            entries_.push_back({{t, dp, zero, 0},
+                                "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
+                                    " does not divide dp " + std::to_string(dp),
+                                {}});
           continue;
         }
         if (tier == 2 && zero != 3) continue;
-        for (int k = k_min; k <= L; ++k) {
+        for (int k = k_min; k <= L_; ++k) {
           Candidate c{t, dp, zero, k};
-          if (!free_offload) {
+          if (!free_offload()) {
             c.offload_ratio = cc.offload.optimizer ? cc.offload.ratio : 0.0;
             c.offload_params = cc.offload.params;
           } else {
             c.offload_ratio = tier >= 1 ? 1.0 : 0.0;
             c.offload_params = tier == 2;
           }
-          entries.push_back({c, "", estimate_facts(req, f, c)});
+          entries_.push_back({c, "", estimate(req_, f_, c)});
         }
       }
     }
-  };
+  }
 
   // The choice (docs/parallelism.md, "What autodist searches"): per (tp, k),
   // the least ZeRO stage that fits; at the smallest feasible tp without
@@ -739,102 +148,112 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   // the fastest of those least stages; ties keep the smaller tp, then the
   // smaller k. A tier's candidates are added only when nothing before fits,
   // so within the entries that fit there is one tier.
-  using Key = std::pair<int, int>;  // (tp, k)
-  std::map<Key, const Entry*> least_stage;
-  std::optional<Key> first_tier;
-  const Entry* least_memory = nullptr;
-  const Entry* best = nullptr;
-  bool from_first_tier = false;
-  auto choose = [&] {
-    least_stage.clear();
-    first_tier.reset();
-    least_memory = nullptr;
-    best = nullptr;
-    for (const auto& en : entries) {
+  void choose() {
+    least_stage_.clear();
+    std::optional<Key> first_tier;
+    least_memory_ = nullptr;
+    best_ = nullptr;
+    for (const auto& en : entries_) {
       if (!en.infeasible.empty()) continue;
       const Key key{en.c.tp, en.c.recompute_layers};
       if (!first_tier || key < *first_tier) first_tier = key;
-      if (!least_memory || en.e.total_bytes < least_memory->e.total_bytes) least_memory = &en;
-      auto& slot = least_stage[key];
-      if (en.e.total_bytes <= budget && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
+      if (!least_memory_ || en.e.total_bytes < least_memory_->e.total_bytes) least_memory_ = &en;
+      auto& slot = least_stage_[key];
+      if (en.e.total_bytes <= budget_ && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
     }
-    from_first_tier = first_tier && least_stage.count(*first_tier) && least_stage[*first_tier];
-    if (from_first_tier) {
-      best = least_stage[*first_tier];
+    from_first_tier_ = first_tier && least_stage_.count(*first_tier) && least_stage_[*first_tier];
+    if (from_first_tier_) {
+      best_ = least_stage_[*first_tier];
+      return;
+    }
+    for (const auto& [key, en] : least_stage_)  // tp up, then k up: strict < keeps the first on ties
+      if (en && (!best_ || en->e.step_s < best_->e.step_s)) best_ = en;
+  }
+
+  using Key = std::pair<int, int>;  // (tp, k)
+  const PlanRequest& req_;
+  const config::TrainerArgs& a_;
+  const ModelFacts& f_;
+  const int L_;
+  const double budget_;
+  const std::vector<int> tps_;
+  std::vector<Entry> entries_;  // choose() re-points into it after every add_candidates()
+  std::map<Key, const Entry*> least_stage_;
+  const Entry* least_memory_ = nullptr;
+  const Entry* best_ = nullptr;
+  bool from_first_tier_ = false;
+};
+
+// Nothing fits: the infeasible reasons, or the least any candidate needs.
+[[noreturn]] void refuse(const PlanRequest& req, const Search& s, int L) {
+  const auto& a = *req.args;
+  const int world = req.world_size;
+  if (!s.least_memory()) {
+    std::string why;
+    for (const auto& en : s.entries()) why += "\n  " + candidate_text(en.c, L) + ": " + en.infeasible;
+    throw PlanError("no feasible plan for pas_policy " + a.pas_policy + " on " + std::to_string(world) + " ranks:" + why);
+  }
+  const auto& m = *s.least_memory();
+  throw PlanError("no plan fits the memory budget of " + format_bytes(s.budget()) + " per rank (pas_policy " +
+                      a.pas_policy + ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") +
+                      ", plan_ngpus " + std::to_string(a.compute_config.plan_ngpus) +
+                      "): the least any candidate needs is " + format_bytes(m.e.total_bytes) + " (" +
+                      candidate_text(m.c, L) + "); raise compute_config.memory_budget_gb to at least " +
+                      format_fixed(std::ceil(m.e.total_bytes / kGiB * 100) / 100, 2) +
+                      ", use more ranks or a larger plan_ngpus, or shrink micro_batch_size",
+                  m.e.total_bytes);
+}
+
+// Every candidate not taken, with the one reason it lost to `best`.
+std::vector<Rejected> rejections(const Search& s, const Entry& best, int L) {
+  std::vector<Rejected> out;
+  for (const auto& en : s.entries()) {
+    if (&en == &best) continue;
+    Rejected r{candidate_text(en.c, L), "", "", en.c, en.e.total_bytes, en.e.step_s};
+    const Entry* least = s.least_stage(en.c);
+    if (!en.infeasible.empty()) {
+      r.kind = "infeasible";
+      r.reason = en.infeasible;
+      r.memory_bytes = r.step_s = 0;
+    } else if (en.e.total_bytes > s.budget()) {
+      r.kind = "memory";
+      r.reason = "needs " + format_bytes(en.e.total_bytes) + ", over the budget " + format_bytes(s.budget()) +
+                 " by " + format_bytes(en.e.total_bytes - s.budget());
+    } else if (least != &en) {
+      r.kind = "sharding";
+      r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but shards more than needed: zero=" +
+                 std::to_string(least->c.zero_stage) + " fits at this tp and recompute";
+    } else if (s.from_first_tier()) {
+      r.kind = "order";
+      r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but needs no " +
+                 (en.c.tp > best.c.tp ? std::string("tensor parallelism") : std::string("recompute")) + ": " +
+                 candidate_text(best.c, L) + " fits (ZeRO stages are tried first)";
     } else {
-      for (const auto& [key, en] : least_stage)  // tp up, then k up: strict < keeps the first on ties
-        if (en && (!best || en->e.step_s < best->e.step_s)) best = en;
+      r.kind = "slower";
+      r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but slower: " + format_fixed(en.e.step_s, 4) +
+                 " s vs " + format_fixed(best.e.step_s, 4) + " s" +
+                 (en.e.step_s == best.e.step_s ? " (tie: search order)" : "");
     }
-  };
-  int tier = 0;
-  add_candidates(tier);
-  choose();
-  while (!best && free_offload && tier < 2) {
-    add_candidates(++tier);
-    choose();
+    out.push_back(std::move(r));
   }
-  if (!best) {
-    if (!least_memory) {
-      std::string why;
-      for (const auto& en : entries) why += "\n  " + candidate_text(en.c, L) + ": " + en.infeasible;
-      throw PlanError("no feasible plan for pas_policy " + policy + " on " + std::to_string(world) + " ranks:" + why);
-    }
-    const auto& m = *least_memory;
-    throw PlanError("no plan fits the memory budget of " + format_bytes(budget) + " per rank (pas_policy " + policy +
-                        ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") + ", plan_ngpus " + std::to_string(plan_ngpus) +
-                        "): the least any candidate needs is " + format_bytes(m.e.total_bytes) + " (" +
-                        candidate_text(m.c, L) + "); raise compute_config.memory_budget_gb to at least " +
-                        fixed(std::ceil(m.e.total_bytes / kGiB * 100) / 100, 2) +
-                        ", use more ranks or a larger plan_ngpus, or shrink micro_batch_size",
-                    m.e.total_bytes);
-  }
+  return out;
+}
 
-  if (rejected) {
-    rejected->clear();
-    const std::string chosen = "zero=" + std::to_string(best->c.zero_stage);
-    for (const auto& en : entries) {
-      if (&en == best) continue;
-      Rejected r{candidate_text(en.c, L), "", "", en.c, en.e.total_bytes, en.e.step_s};
-      const Entry* least = nullptr;
-      if (auto it = least_stage.find({en.c.tp, en.c.recompute_layers}); it != least_stage.end()) least = it->second;
-      if (!en.infeasible.empty()) {
-        r.kind = "infeasible";
-        r.reason = en.infeasible;
-        r.memory_bytes = r.step_s = 0;
-      } else if (en.e.total_bytes > budget) {
-        r.kind = "memory";
-        r.reason = "needs " + format_bytes(en.e.total_bytes) + ", over the budget " + format_bytes(budget) +
-                   " by " + format_bytes(en.e.total_bytes - budget);
-      } else if (least != &en) {
-        r.kind = "sharding";
-        r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but shards more than needed: zero=" +
-                   std::to_string(least->c.zero_stage) + " fits at this tp and recompute";
-      } else if (from_first_tier) {
-        r.kind = "order";
-        r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but needs no " +
-                   (en.c.tp > best->c.tp ? std::string("tensor parallelism") : std::string("recompute")) + ": " +
-                   candidate_text(best->c, L) + " fits (ZeRO stages are tried first)";
-      } else {
-        r.kind = "slower";
-        r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but slower: " + fixed(en.e.step_s, 4) +
-                   " s vs " + fixed(best->e.step_s, 4) + " s" +
-                   (en.e.step_s == best->e.step_s ? " (tie: search order)" : "");
-      }
-      rejected->push_back(std::move(r));
-    }
-  }
-
+// The chosen candidate as the Plan every rank applies.
+Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, double budget) {
+  const auto& a = *req.args;
+  const int L = static_cast<int>(f.layers);
   Plan p;
-  p.policy = policy;
-  p.world = world;
-  p.tp = best->c.tp;
-  p.dp = best->c.dp;
-  p.zero_stage = best->c.zero_stage;
-  p.zero_ngroups = cc.zero_ngroups;
-  p.offload_ratio = best->c.offload_ratio;
-  p.offload_params = best->c.offload_params;
+  p.policy = a.pas_policy;
+  p.world = req.world_size;
+  p.tp = best.c.tp;
+  p.dp = best.c.dp;
+  p.zero_stage = best.c.zero_stage;
+  p.zero_ngroups = a.compute_config.zero_ngroups;
+  p.offload_ratio = best.c.offload_ratio;
+  p.offload_params = best.c.offload_params;
   p.recompute.assign(L, false);
-  for (int i = 0; i < best->c.recompute_layers && i < L; ++i) p.recompute[i] = true;
+  for (int i = 0; i < best.c.recompute_layers && i < L; ++i) p.recompute[i] = true;
   if (p.zero_stage == 3) {
     bool after = false;
     for (const auto& pf : f.params) {
@@ -845,18 +264,32 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   for (const auto& pf : f.params) {
     ParamPlan pp;
     pp.param = pf.name;
-    pp.split = p.tp > 1 ? style_name(pf.split.style) : "replicate";
+    pp.split = p.tp > 1 ? split_style_name(pf.split.style) : "replicate";
     pp.global_shape = pf.shape;
     pp.local_shape = local_shape(pf, p.tp);
     p.params.push_back(std::move(pp));
   }
-  p.estimate = best->e;
+  p.estimate = best.e;
   p.memory_budget_bytes = std::isfinite(budget) ? budget : 0.0;
   p.device = req.device.name;
   p.micro_batch_size = a.micro_batch_size;
   p.seq_len = seq_len_of(a, f);
   p.grad_accumulation_steps = a.global_batch_size / (a.micro_batch_size * p.dp);
   return p;
+}
+
+}  // namespace
+
+Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
+  if (!req.args || !req.model) throw PlanError("plan request without config or model");
+  if (req.world_size < 1) throw PlanError("world size must be >= 1, got " + std::to_string(req.world_size));
+  const auto f = model_facts(*req.model);
+  const int L = static_cast<int>(f.layers);
+  Search search(req, f);
+  const Entry* best = search.run();
+  if (!best) refuse(req, search, L);
+  if (rejected) *rejected = rejections(search, *best, L);
+  return to_plan(req, f, *best, search.budget());
 }
 
 std::string describe_rejected(const std::vector<Rejected>& rejected, int layers) {
@@ -893,7 +326,7 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
         o << "fit but " << (but == std::string::npos ? last.reason : last.reason.substr(but + 6));
       } else {
         const auto vs = r.reason.rfind(" vs ");
-        o << "fit but slower: " << fixed(r.step_s, 4) << " s .. " << fixed(last.step_s, 4) << " s"
+        o << "fit but slower: " << format_fixed(r.step_s, 4) << " s .. " << format_fixed(last.step_s, 4) << " s"
           << (vs == std::string::npos ? "" : r.reason.substr(vs));
       }
       o << "\n";

@@ -1,0 +1,702 @@
+#include "trainer/parallel/cost_model.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+
+#include <unistd.h>
+
+#ifdef NNSTRAIN_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "models/model.h"
+#include "trainer/optim/precision.h"
+#include "trainer/parallel/param_units.h"
+#include "trainer/parallel/training_state.h"
+
+namespace nnstrain::parallel {
+
+namespace {
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// The table. Memory as the driver reports it (GiB); dense peaks from the data
+// sheets (SXM parts); bandwidth: NVLink per direction for ranks of one node,
+// one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU between nodes.
+const std::vector<DeviceSpec>& table() {
+  static const std::vector<DeviceSpec> t = {
+      // Host link: PCIe Gen5 x16 (H100/H200) or Gen4 (A100) as achieved by
+      // pinned copies, about half the nominal; host AdamW: a server socket's
+      // memory bandwidth shared by 8 ranks, a rough figure.
+      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
+      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
+      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
+      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
+      // A CPU rank: memory is filled in from the machine; the rates are a
+      // rough server-socket figure, for relative choices only.
+      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6, 10e9, 10e9},
+  };
+  return t;
+}
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
+}
+
+DeviceSpec table_entry(const std::string& name) {
+  for (const auto& d : table())
+    if (lower(d.name) == lower(name)) {
+      DeviceSpec s = d;
+      if (s.name == "cpu") s.memory_bytes = physical_memory_bytes();
+      return s;
+    }
+  throw PlanError("unknown device '" + name + "'; known: H100, H200, A100-80G, A100-40G, cpu, auto");
+}
+
+// The current CUDA device (the rank's own once bound) as a table entry: matched
+// by name, memory as reported.
+DeviceSpec cuda_device_spec() {
+#ifdef NNSTRAIN_CUDA
+  cudaDeviceProp prop{};
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) {
+    const std::string name = prop.name;
+    const double mem = double(prop.totalGlobalMem);
+    DeviceSpec s = table_entry("H100");
+    if (name.find("H200") != std::string::npos) s = table_entry("H200");
+    else if (name.find("A100") != std::string::npos) s = table_entry(mem > 60 * kGiB ? "A100-80G" : "A100-40G");
+    else if (name.find("H100") == std::string::npos) s.name = name + " (H100 rates assumed)";
+    s.memory_bytes = mem;
+    if (s.name.find(name) == std::string::npos) s.name += " (" + name + ")";
+    return s;
+  }
+#endif
+  DeviceSpec s = table_entry("H100");
+  s.name = "cuda (name unknown to this build: H100 assumed)";
+  return s;
+}
+
+// The split dimension of a declared style (Row on a 1-D tensor: its only dim).
+int split_dim(const ParamFact& p) {
+  if (p.split.style == models::SplitStyle::Row && p.shape.size() >= 2) return 1;
+  return 0;
+}
+
+// Bytes per element: parameters (the copy compute reads), gradients (the
+// reduction buffer), optimizer state (fp32 masters under *-mixed plus AdamW's
+// two moments), activations. The first three are what TrainingState allocates
+// (parallel::state_bytes, the same function the trainer's start-up line checks).
+struct PrecisionBytes {
+  double param, grad, master, moments, act;
+};
+
+PrecisionBytes precision_bytes(const config::TrainerArgs& a) {
+  const auto p = optim::precision_setup(a.precision, a.compute_config.reduce_dtype);
+  const auto b = state_bytes(p.param, p.grad, p.master_weights);
+  return {b.param, b.grad, b.master, b.moments, b.param};
+}
+
+// The flat buffers of one rank, element counts, as TrainingState lays them out
+// (FlatLayout: buckets in reverse registration order, each padded to a multiple
+// of the ZeRO group) or, under ZeRO-3, as units (each block one unit, the
+// parameters before the first block one, those after it one), each padded.
+struct StateLayout {
+  double elements = 0;  // this rank's parameter elements (after tp; the first tp rank, which holds most)
+  double padded = 0;    // in the flat buffers, padding included
+  int z = 1;            // ZeRO group size (1: no ZeRO)
+  int64_t buckets = 0;
+  double largest_bucket = 0, largest_block_param = 0;  // a block's largest parameter (any, without blocks)
+  double block_elements = 0;                            // the largest block's parameters
+  double embed_unit = 0, head_unit = 0, largest_block = 0;  // ZeRO-3, padded
+  // Offload: the optimizer elements on the host (whole buckets, as the
+  // training state takes them) and the last of those buckets.
+  double host_elements = 0, last_host_bucket = 0;
+};
+
+StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, const Candidate& c,
+                         const PrecisionBytes& pb) {
+  StateLayout st;
+  st.z = c.zero_stage ? std::max(1, c.dp / std::max(1, a.compute_config.zero_ngroups)) : 1;
+  std::vector<int64_t> numels;
+  for (const auto& p : f.params) {
+    int64_t n = 1;
+    for (auto dim : local_shape(p, c.tp)) n *= dim;
+    numels.push_back(n);
+    st.elements += double(n);
+  }
+  bool blocks = false;
+  for (const auto& p : f.params) blocks = blocks || p.unit >= 0;
+  for (size_t i = 0; i < numels.size(); ++i)
+    if (!blocks || f.params[i].unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
+  std::map<int, double> per_block;
+  for (size_t i = 0; i < numels.size(); ++i)
+    if (f.params[i].unit >= 0) per_block[f.params[i].unit] += double(numels[i]);
+  for (const auto& [u, n] : per_block) st.block_elements = std::max(st.block_elements, n);
+  const int64_t cap = std::max<int64_t>(
+      1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
+  // ZeRO-3: a bucket per unit, as the training state's.
+  const std::vector<int> no_units;
+  const auto& units = c.zero_stage == 3 ? f.zero3_units : no_units;
+  const auto layout = FlatLayout::make(numels, cap, st.z, 0, units);
+  st.buckets = static_cast<int64_t>(layout.buckets.size());
+  for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
+  st.padded = double(layout.size);
+  if (c.offload_ratio > 0) {  // TrainingState's rule: whole buckets in layout order until the ratio's share
+    const double total = double(c.zero_stage ? layout.shard_size : layout.size);
+    for (const auto& bk : layout.buckets) {
+      if (st.host_elements >= c.offload_ratio * total) break;
+      st.last_host_bucket = double(c.zero_stage ? layout.chunk_size(bk) : bk.end - bk.begin);
+      st.host_elements += st.last_host_bucket;
+    }
+  }
+  if (c.zero_stage == 3) {
+    for (const auto& bk : layout.buckets) {
+      const int u = units[bk.params.front()];
+      const double n = double(bk.end - bk.begin);
+      if (u == 0) st.embed_unit = n;
+      else if (u == f.zero3_head_unit) st.head_unit = n;
+      else st.largest_block = std::max(st.largest_block, n);
+    }
+  }
+  return st;
+}
+
+// ---- the terms ----------------------------------------------------------------
+// What every term reads: the request, the candidate and what follows from
+// them once (bytes per element, this rank's flat buffers, the batch's shape).
+struct Setting {
+  const PlanRequest& req;
+  const config::TrainerArgs& a;
+  const ModelFacts& f;
+  const Candidate& c;
+  PrecisionBytes pb;
+  StateLayout st;
+  double t, d, b, s, h, heads, kv, ffn, V, L, k;
+  double micro_steps;  // micro-batches per rank per step
+  double tokens;       // of one micro-batch
+  bool sp;             // sequence parallelism
+  double rep;          // what tensor parallelism leaves whole is 1/tp of the sequence under SP
+  double v_local;      // this rank's rows of the LM head
+};
+
+Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
+  const auto& a = *req.args;
+  const auto pb = precision_bytes(a);
+  Setting x{req, a, f, c, pb, state_layout(a, f, c, pb)};
+  x.t = c.tp;
+  x.d = c.dp;
+  x.b = double(a.micro_batch_size);
+  x.s = double(seq_len_of(a, f));
+  x.h = double(f.dims.hidden);
+  x.heads = double(f.dims.heads);
+  x.kv = double(f.dims.kv_heads);
+  x.ffn = double(f.dims.ffn);
+  x.V = double(f.dims.vocab);
+  x.L = double(f.layers);
+  x.k = c.recompute_layers;
+  x.micro_steps = std::max(1.0, std::floor(double(a.global_batch_size) / (x.b * x.d)));
+  x.tokens = x.b * x.s;
+  x.sp = c.tp > 1 && a.compute_config.sequence_parallel;
+  x.rep = x.sp ? 1 / x.t : 1;
+  x.v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(x.V / x.t) : x.V;
+  return x;
+}
+
+// ZeRO: parameters, gradients and optimizer state each rank keeps between
+// steps (flat elements, padding included; Sz this rank's shard).
+void state_term(const Setting& x, PlanEstimate& e) {
+  const auto& pb = x.pb;
+  const double S = x.st.padded, Sz = x.st.padded / x.st.z;
+  switch (x.c.zero_stage) {
+    case 0:
+      e.param_bytes = S * pb.param;
+      e.grad_bytes = S * pb.grad;
+      e.optim_bytes = S * (pb.master + pb.moments);
+      break;
+    case 1:  // the full gradient buffer stays, plus the reduced chunk
+      e.param_bytes = S * pb.param;
+      e.grad_bytes = S * pb.grad + Sz * pb.grad;
+      e.optim_bytes = Sz * (pb.master + pb.moments);
+      break;
+    case 2:  // no full gradient buffer outlives backward
+      e.param_bytes = S * pb.param;
+      e.grad_bytes = Sz * pb.grad;
+      e.optim_bytes = Sz * (pb.master + pb.moments);
+      break;
+    default:  // 3: parameters sharded too, units gathered around their use
+      e.param_bytes = Sz * pb.param;
+      e.grad_bytes = Sz * pb.grad;
+      e.optim_bytes = Sz * (pb.master + pb.moments);
+  }
+}
+
+// What the optimizer updates, bytes per element: fp32 masters, else the parameters.
+double update_bytes(const PrecisionBytes& pb) { return pb.master > 0 ? pb.master : pb.param; }
+
+// Offload: the host's share of the optimizer state (st.host_elements, whole
+// buckets) leaves the device; the host keeps its weights (fp32 masters, or
+// a copy of the parameters), moments, a copy of its reduced gradient and a
+// compute-dtype staging copy. Parameter offload moves ZeRO-3's chunks there too.
+void offload_memory_term(const Setting& x, PlanEstimate& e) {
+  const auto& pb = x.pb;
+  const double H = x.st.host_elements;
+  e.optim_bytes -= H * (pb.master + pb.moments);
+  e.host_bytes = H * (update_bytes(pb) + pb.moments + pb.grad + pb.param);
+  if (x.c.offload_params) {
+    e.host_bytes += e.param_bytes;
+    e.param_bytes = 0;
+  }
+}
+
+// Activations of one micro-batch (micro-batches run one after another), in
+// the compute dtype, counted as our models keep them for backward
+// (models/gpt, models/llama; fused attention keeps q, k, v, its output and a
+// per-row logsumexp, never the scores). Tensor and sequence parallelism
+// divide them, recompute keeps only the first k layers' inputs.
+struct Activations {
+  double layer_full = 0;      // one layer's kept activations
+  double layer_input = 0;     // a recomputed layer's input
+  double scores = 0;          // unfused attention's scores and softmax, per layer
+  double saved_layers = 0;    // every layer's, as recompute leaves them
+  double head_saved = 0;      // around the final norm and the head
+  double loss_peak = 0;       // the loss's own peak (loss_term)
+  double block_grads = 0;     // one block's backward on top of the kept activations
+  double tied_head_grad = 0;  // a tied embedding's head gradient waiting in autograd
+};
+
+// The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
+// backward, and at backward's start its gradient and the incoming one, three
+// [tokens, V] fp32 tensors. Chunked: per-token logsumexp kept; backward holds
+// the hidden gradient, an fp32 weight gradient and a chunk's logits twice.
+double loss_term(const Setting& x, bool fp32_compute) {
+  const double ea = x.pb.act, tokens = x.tokens, h = x.h, v_local = x.v_local;
+  if (x.a.model.loss == "chunked") {
+    const double chunk = std::min(double(std::max(1, x.a.model.loss_chunk_size)), tokens);
+    return tokens * 4 + tokens * h * ea + v_local * h * (4 + (fp32_compute ? 0 : ea)) +
+           chunk * v_local * (2 * 4 + (fp32_compute ? 0 : ea));
+  }
+  // Then the head's backward: the logits' gradient, the hidden states' and the weight's.
+  // (The vocab-parallel forward holds the compute-dtype logits beside its
+  // three fp32 tensors; the one-rank loss has freed them by then.)
+  const bool vocab_split = x.f.vocab_parallel_head && x.c.tp > 1;
+  return std::max(tokens * v_local * (3 * 4 + (fp32_compute || !vocab_split ? 0 : ea)),
+                  tokens * v_local * 4 + tokens * h * ea + v_local * h * ea);
+}
+
+Activations activation_term(const Setting& x) {
+  const double ea = x.pb.act, tokens = x.tokens, h = x.h, t = x.t, rep = x.rep;
+  const double hkv = h * x.kv / x.heads, ffn = x.ffn;
+  const bool fp32_compute = ea >= 4;
+  double layer_rep, layer_split, head_in, norm_extra, wide_grads;
+  if (x.f.gated_mlp) {
+    // Llama: each RMSNorm keeps its input in fp32 (the input itself at fp32,
+    // else an fp32 copy, and then not the input), its normalised input and
+    // (through the next linear) its output, twice per layer; attention keeps
+    // rotated q, k, v (key/value heads repeated except under CUDA's native
+    // GQA) and the output; SwiGLU keeps gate, silu(gate), up and their product.
+    const bool native_gqa = !fp32_compute && x.req.device.name != "cpu";
+    const double norm_in = fp32_compute ? h : h * 4 / ea;
+    layer_rep = 2 * (norm_in + 2 * h);
+    layer_split = (native_gqa ? 2 * h + 2 * hkv : 4 * h) + 4 * ffn;
+    head_in = norm_in;
+    norm_extra = h;        // the final norm's normalised input
+    wide_grads = 2 * ffn;  // backward of gate * up: both gradients and the incoming one (the product freed)
+  } else {
+    // GPT: the block input (kept by ln_1), ln_1's output, the residual sum
+    // and ln_2's output; q, k, v, attention output; the MLP's c_fc output and
+    // its GELU.
+    layer_rep = 4 * h;
+    layer_split = 2 * h + 2 * hkv + 2 * ffn;
+    head_in = h;
+    norm_extra = 0;
+    wide_grads = ffn;  // the GELU output's gradient while the output is still kept
+  }
+  Activations act;
+  act.layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
+  act.layer_input = tokens * h * rep * ea;
+  act.scores = x.req.fused_attention ? 0.0 : tokens * 2 * (x.heads / t) * x.s * ea;
+  act.saved_layers = (x.L - x.k) * (act.layer_full + act.scores) + x.k * act.layer_input;
+  // The last block's output (what the final norm keeps of its input) and of
+  // the norm, and its output; under SP the head gathers that output whole and keeps it.
+  act.head_saved = tokens * ((head_in + norm_extra) * rep + (x.sp ? h : h * rep)) * ea;
+  act.loss_peak = loss_term(x, fp32_compute);
+  // One block's backward: the gradient coming in, the widest gradients (the
+  // MLP's), under SP the gathered gradient of the row-parallel output, and
+  // autograd's gradient of the block's largest parameter before it is added
+  // into its slot (its bucket under ZeRO-2, its unit under ZeRO-3).
+  act.block_grads = tokens * (h * rep + (x.sp ? h : 0) + wide_grads / t) * ea + x.st.largest_block_param * x.pb.param;
+  // A tied embedding's gradient from the head waits in autograd until the
+  // embedding's own part is added at the end of backward.
+  act.tied_head_grad = x.f.dims.tied_embeddings ? x.v_local * h * x.pb.param : 0.0;
+  return act;
+}
+
+// The step's peak: the largest of the moments backward passes through, each
+// the activations still kept plus what the sharding holds only for a while.
+// ZeRO-3's outer units (embedding, head) are gathered for the whole forward
+// and backward. During the blocks' backward ZeRO-2/3 fill gradient buckets
+// (ZeRO-3: one per unit) in layout order and launch each one's reduce-scatter
+// when it is full, at most kBucketsInFlight = 2 at once (grad_reducer.h), each
+// with its output chunk (bucket / N) and, over Gloo (CPU), the copy of its
+// input Gloo reduces; one more bucket fills meanwhile; ZeRO-3 also holds the
+// current block's unit and zero_prefetch more. By the time j buckets are
+// launched, about j x (bucket / block) blocks have finished their backward and
+// freed their activations, so each j is a moment of its own.
+void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
+  const auto& st = x.st;
+  const auto& pb = x.pb;
+  const double L = x.L, k = x.k;
+  const bool z2 = x.c.zero_stage == 2, z3 = x.c.zero_stage == 3;  // at one rank too: the same buffers
+  const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
+  struct Phase {
+    double acts, transient;
+  };
+  std::vector<Phase> phases{{act.saved_layers + act.head_saved + act.loss_peak, outer_units}};  // backward starts at the loss
+  double worst_block_transient = outer_units;
+  const double per_layer = act.layer_full + act.scores;
+  if (z2 || z3) {
+    constexpr int kBucketsInFlight = 2;
+    const double bucket = z3 ? st.largest_block : st.largest_bucket;  // elements, padded
+    const double gloo_copy = x.req.device.name == "cpu" ? 1.0 : 0.0;
+    const double per_flight = bucket * pb.grad * (1 + gloo_copy) + bucket / st.z * pb.grad;
+    // Gathered: the block computing, zero_prefetch ahead, and (measured) one
+    // more: the unit just done is freed only when its bucket launches.
+    // Under parameter offload the gather in flight also reads a device copy of
+    // its host chunk, freed once the gather is waited for.
+    const double gathered = z3 ? outer_units + (2 + x.a.compute_config.zero_prefetch) * st.largest_block * pb.param +
+                                     (x.c.offload_params ? st.largest_block / st.z * pb.param : 0.0)
+                               : 0.0;
+    const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);
+    const int flights = static_cast<int>(std::min<double>(kBucketsInFlight, std::max<double>(0, double(st.buckets) - 1)));
+    for (int j = 0; j <= flights && L - k >= 1; ++j) {
+      const double done = std::min(L - k, std::floor(j * blocks_per_bucket));
+      const double trans = gathered + bucket * pb.grad + j * per_flight;
+      phases.push_back({act.saved_layers - done * per_layer + act.block_grads + act.tied_head_grad, trans});
+      worst_block_transient = std::max(worst_block_transient, trans);
+    }
+    if (L - k < 1) worst_block_transient = gathered + bucket * pb.grad + flights * per_flight;
+  } else if (L - k >= 1) {
+    phases.push_back({act.saved_layers + act.block_grads + act.tied_head_grad, 0.0});  // the last block's backward
+  }
+  if (k >= 1 && k >= L)  // every block recomputes: the last one rebuilt whole, its output held, then its backward
+    phases.push_back({k * act.layer_input + act.layer_full - act.layer_input + x.tokens * x.h * x.rep * x.pb.act +
+                          act.block_grads + act.scores + act.tied_head_grad,
+                      worst_block_transient});
+  const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
+    return p.acts + p.transient < q.acts + q.transient;
+  });
+  e.activation_bytes = peak_phase.acts;
+  e.transient_bytes = peak_phase.transient;
+  e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
+}
+
+// Compute: the model's training FLOPs per token, one more forward per
+// recomputed layer, divided over tp, at kAssumedEfficiency of the peak.
+struct Compute {
+  double flops_token = 0, recompute_flops = 0;
+};
+
+Compute compute_term(const Setting& x, PlanEstimate& e) {
+  const double peak =
+      peak_flops_for(x.req.device, x.a.precision, x.a.compute_config.allow_tf32) * kAssumedEfficiency;
+  Compute cm;
+  cm.flops_token = x.req.model->flops_per_token(static_cast<int64_t>(x.s));
+  const double layer_flops = std::max(0.0, cm.flops_token - 6 * x.V * x.h) / std::max(1.0, x.L);
+  cm.recompute_flops = x.k * layer_flops / 3;  // one more forward (1/3 of fwd+bwd) per recomputed layer
+  const double tokens_rank = x.micro_steps * x.b * x.s;
+  e.compute_s = tokens_rank * (cm.flops_token + cm.recompute_flops) / x.t / peak;
+  return cm;
+}
+
+// Tensor parallelism, per micro-batch: 4 all-reduces per layer (2 forward, 2
+// backward), 2 more per recomputed layer, 2 for the vocab-parallel embedding
+// and head; ring cost.
+void tp_comm_term(const Setting& x, PlanEstimate& e) {
+  if (x.c.tp <= 1) return;
+  const auto& dev = x.req.device;
+  const int per_node = std::max(1, dev.ranks_per_node);
+  const double bw = x.c.tp <= per_node ? dev.intra_node_bw : dev.inter_node_bw;
+  const double n = 4 * x.L + 2 * x.k + (x.f.vocab_parallel_head ? 2 : 0);
+  e.tp_comm_s = x.micro_steps * n *
+                (dev.collective_latency_s + 2 * (x.t - 1) / x.t * (x.b * x.s * x.h * x.pb.act) / bw);
+}
+
+// Data parallelism and ZeRO: what of the gradient reduction (and ZeRO's
+// gathers) the backward does not hide.
+void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
+  if (x.c.dp <= 1) return;
+  const auto& dev = x.req.device;
+  const int per_node = std::max(1, dev.ranks_per_node);
+  // The dp group (ranks r, r+tp, ...) leaves the node once the world does.
+  const double bw = x.c.tp * x.c.dp <= per_node ? dev.intra_node_bw : dev.inter_node_bw;
+  const double p_local = x.st.elements, z = x.st.z, d = x.d, micro_steps = x.micro_steps;
+  const double grad_bytes = p_local * x.pb.grad;
+  const double alpha = dev.collective_latency_s;
+  const double cap = x.a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
+  const double buckets = double(x.st.buckets);
+  const double backward = e.compute_s / micro_steps * (2 * cm.flops_token / 3 + cm.recompute_flops) /
+                          (cm.flops_token + cm.recompute_flops);
+  const double forward = e.compute_s / micro_steps - backward;
+  const double groups = d / z;
+  // The reduced chunk's all-reduce across ZeRO groups (hybrid sharding).
+  const double cross = groups > 1 ? 2 * (groups - 1) / groups * grad_bytes / z / bw : 0.0;
+  if (x.c.zero_stage == 3 && z > 1) {
+    // Per micro-batch: every unit gathered for forward and again for
+    // backward, its gradient reduce-scattered as its backward ends; each
+    // overlaps the compute it feeds except the first unit's gather and the
+    // last unit's reduce-scatter.
+    const double units = x.L + 2;
+    const double gather = units * alpha + (z - 1) / z * p_local * x.pb.param / bw;
+    const double scatter = units * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
+    const double per_micro = gather / units + std::max(0.0, gather - forward) +
+                             std::max(0.0, gather + scatter - backward) + scatter / units;
+    e.dp_comm_s = micro_steps * per_micro;
+    return;
+  }
+  double overlappable;  // launched bucket by bucket during the last micro-batch's backward
+  double after = 0;     // after the optimizer step
+  if (x.c.zero_stage) {
+    // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
+    // all-gather of the updated parameters.
+    overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
+    after = buckets * alpha + (z - 1) / z * p_local * x.pb.param / bw;
+  } else {
+    overlappable = buckets * alpha + 2 * (d - 1) / d * grad_bytes / bw;
+  }
+  const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
+  // ZeRO-2 has no buffer to accumulate whole gradients in: it reduce-scatters every micro-batch.
+  const double rounds = x.c.zero_stage == 2 ? micro_steps : 1;
+  e.dp_comm_s = rounds * (last_bucket + std::max(0.0, overlappable - last_bucket - backward)) + after;
+}
+
+// Offload's time: the host step reads and writes weights and moments and
+// reads the gradient; it waits for the global norm, so it is exposed in full.
+void offload_time_term(const Setting& x, PlanEstimate& e) {
+  const double H = x.st.host_elements;
+  if (H <= 0 && !x.c.offload_params) return;
+  const auto& pb = x.pb;
+  const double link = x.req.device.host_link_bw, micro_steps = x.micro_steps;
+  const double Sz = x.st.padded / x.st.z;
+  e.host_step_s = H * (6 * update_bytes(pb) + pb.grad) / x.req.device.host_adam_bytes_per_s;
+  const double d2h = H * pb.grad / link, h2d = H * pb.param / link;
+  // ZeRO-3 parameter offload: every unit's chunk to the device per gather,
+  // issued ahead with the gathers (hidden behind compute where it can be).
+  const double unit_copies = x.c.offload_params ? micro_steps * 2 * Sz * pb.param / link : 0.0;
+  e.copy_s = d2h + h2d + unit_copies;
+  // Gradients leave bucket by bucket as they are reduced during the last
+  // micro-batch's backward (with dp; at one rank without ZeRO-2/3 and under
+  // HSDP after it); weights return while the next bucket steps, all but the last.
+  const double backward = 2.0 / 3.0 * e.compute_s / micro_steps;
+  const double last = H > 0 ? x.st.last_host_bucket / H : 0.0;
+  const bool hsdp = x.c.zero_stage > 0 && x.d / x.st.z > 1;
+  const bool during_backward = (x.c.zero_stage >= 2 || x.c.dp > 1) && !hsdp;
+  const double d2h_exposed = during_backward ? std::max(d2h * last, d2h - backward) : d2h;
+  e.offload_s = e.host_step_s + d2h_exposed + h2d * last + std::max(0.0, unit_copies - e.compute_s);
+  // Delayed update: the host step and the weights' return run during the next step's forward and backward.
+  if (x.a.compute_config.offload.delayed_update && x.c.offload_ratio >= 1.0)
+    e.offload_s = std::max(0.0, e.host_step_s + h2d - e.compute_s - e.comm_s) + d2h_exposed +
+                  std::max(0.0, unit_copies - e.compute_s);
+}
+
+std::string join(const std::vector<std::string>& v, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
+  return out;
+}
+
+}  // namespace
+
+ModelFacts model_facts(const models::CausalLM& model) {
+  ModelFacts f;
+  f.dims = model.dims();
+  f.layers = f.dims.layers > 0 ? f.dims.layers : model.num_layers();
+  if (f.dims.hidden <= 0 || f.dims.heads <= 0 || f.dims.vocab <= 0)
+    throw PlanError("the model declares no dimensions (CausalLM::dims: hidden, heads, vocab); the planner needs them");
+  if (f.dims.kv_heads <= 0) f.dims.kv_heads = f.dims.heads;
+  if (f.dims.ffn <= 0) f.dims.ffn = 4 * f.dims.hidden;
+  std::map<std::string, models::ParamSplit> declared;
+  for (const auto& s : model.split_declaration()) {
+    declared[s.param] = s;
+    if (s.style == models::SplitStyle::Vocab) f.vocab_parallel_head = true;
+  }
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    ParamFact pf;
+    pf.name = p.key();
+    pf.shape = p.value().sizes().vec();
+    pf.numel = p.value().numel();
+    auto it = declared.find(pf.name);
+    if (it != declared.end()) pf.split = it->second;
+    else pf.split.param = pf.name;
+    pf.unit = model.block_of(pf.name);
+    if (pf.name.find("gate_proj") != std::string::npos) f.gated_mlp = true;
+    f.params.push_back(std::move(pf));
+  }
+  f.zero3_units = parameter_units(model);
+  f.zero3_head_unit = static_cast<int>(model.num_layers()) + 1;
+  return f;
+}
+
+const char* split_style_name(models::SplitStyle s) {
+  switch (s) {
+    case models::SplitStyle::Column: return "column";
+    case models::SplitStyle::Row: return "row";
+    case models::SplitStyle::Vocab: return "vocab";
+    default: return "replicate";
+  }
+}
+
+std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
+  auto s = p.shape;
+  if (tp < 2 || p.split.style == models::SplitStyle::Replicate || s.empty()) return s;
+  // The largest piece, rank 0's: each fused part is dealt out in whole units,
+  // the first ranks one more (6 heads over 4: 2, 2, 1, 1); a padded vocabulary's
+  // first ranks hold ceil(V / tp) rows (unit 1).
+  auto& d = s[split_dim(p)];
+  const int64_t unit = std::max<int64_t>(1, p.split.unit);
+  const auto parts = p.split.fused_parts.empty() ? std::vector<int64_t>{d} : p.split.fused_parts;
+  d = 0;
+  for (auto part : parts) d += (part / unit + tp - 1) / tp * unit;
+  return s;
+}
+
+// Why tp cannot split this model, one message per failure (empty: it can).
+// Splits need not be even (6 heads over 4 ranks: 2, 2, 1, 1; models/common/sharding.h),
+// so only what leaves a rank nothing is refused: fewer heads (or key/value heads,
+// whose query groups travel with them) or ffn columns than ranks.
+std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
+  std::vector<std::string> out;
+  if (tp < 1) return {"tp must be >= 1, got " + std::to_string(tp)};
+  if (tp == 1) return out;
+  const auto& d = f.dims;
+  const std::string t = std::to_string(tp);
+  auto check = [&](const char* what, int64_t n) {
+    if (n < tp) out.push_back(std::string(what) + " " + std::to_string(n) + " are fewer than tp " + t);
+  };
+  check("attention heads", d.heads);
+  if (d.kv_heads != d.heads) {
+    check("key/value heads", d.kv_heads);
+    if (d.heads % d.kv_heads != 0)
+      out.push_back("attention heads " + std::to_string(d.heads) + " do not group over key/value heads " +
+                    std::to_string(d.kv_heads));
+  }
+  check("ffn width", d.ffn);
+  // A vocabulary tp does not divide is padded (model.make_vocab_size_divisible_by).
+  if (!out.empty()) return out;
+  // The declaration itself: every split dimension (or fused part) in whole units, at least one per rank.
+  for (const auto& p : f.params) {
+    if (p.split.style == models::SplitStyle::Replicate || p.split.style == models::SplitStyle::Vocab ||
+        p.shape.empty())
+      continue;
+    const int dim = split_dim(p);
+    const int64_t unit = std::max<int64_t>(1, p.split.unit);
+    std::vector<int64_t> parts = p.split.fused_parts;
+    if (p.split.style != models::SplitStyle::Column || parts.empty()) parts = {p.shape[dim]};
+    for (auto part : parts)
+      if (part % unit != 0 || part / unit < tp) {
+        out.push_back(p.name + " (" + split_style_name(p.split.style) + " split of dim " + std::to_string(dim) +
+                      (parts.size() > 1 ? ", fused part of " : ", size ") + std::to_string(part) + ") " +
+                      (part % unit ? "is not a whole number of units of " + std::to_string(unit)
+                                   : "has " + std::to_string(part / unit) + " units of " + std::to_string(unit) +
+                                         ", fewer than tp " + t));
+        break;
+      }
+  }
+  return out;
+}
+
+int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
+  const int64_t s = a.dataset.train_args.seq_len;
+  return s > 0 ? s : f.dims.max_seq;
+}
+
+std::string offload_text(const Candidate& c) {
+  if (c.offload_ratio <= 0 && !c.offload_params) return "";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", c.offload_ratio);
+  return std::string(" offload=optimizer") + (c.offload_ratio < 1 ? ":" + std::string(buf) : "") +
+         (c.offload_params ? "+params" : "");
+}
+
+std::string candidate_text(const Candidate& c, int64_t layers) {
+  return "tp=" + std::to_string(c.tp) + " dp=" + std::to_string(c.dp) + " zero=" + std::to_string(c.zero_stage) +
+         offload_text(c) + " recompute=" + std::to_string(c.recompute_layers) + "/" + std::to_string(layers);
+}
+
+std::string format_fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string format_bytes(double bytes) {
+  const double a = std::fabs(bytes);
+  if (a >= kGiB) return format_fixed(bytes / kGiB, 2) + " GiB";
+  if (a >= 1024.0 * 1024) return format_fixed(bytes / (1024.0 * 1024), 1) + " MiB";
+  if (a >= 1024.0) return format_fixed(bytes / 1024.0, 1) + " KiB";
+  return format_fixed(bytes, 0) + " B";
+}
+
+std::vector<std::string> known_devices() {
+  std::vector<std::string> names;
+  for (const auto& d : table()) names.push_back(d.name);
+  return names;
+}
+
+DeviceSpec device_spec(const std::string& name_or_auto) {
+  const std::string n = lower(name_or_auto);
+  if (n == "auto" || n == "cuda" || n.empty()) {
+    if (torch::cuda::is_available()) return cuda_device_spec();
+    if (n == "cuda") throw PlanError("device cuda requested but no CUDA device is available");
+    return table_entry("cpu");
+  }
+  return table_entry(name_or_auto);
+}
+
+double peak_flops_for(const DeviceSpec& device, const std::string& precision, bool allow_tf32) {
+  if (precision.rfind("32", 0) == 0) return allow_tf32 ? device.peak_flops_tf32 : device.peak_flops_fp32;
+  return device.peak_flops;
+}
+
+double memory_budget(const PlanRequest& req) {
+  if (req.memory_budget_bytes > 0) return req.memory_budget_bytes;
+  if (req.device.memory_bytes > 0) return kDefaultMemoryFraction * req.device.memory_bytes;
+  return std::numeric_limits<double>::infinity();
+}
+
+PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
+  const auto x = setting(req, f, c);
+  PlanEstimate e;
+  state_term(x, e);
+  offload_memory_term(x, e);
+  peak_term(x, activation_term(x), e);
+  const auto cm = compute_term(x, e);
+  tp_comm_term(x, e);
+  dp_comm_term(x, cm, e);
+  e.comm_s = e.tp_comm_s + e.dp_comm_s;
+  offload_time_term(x, e);
+  e.step_s = e.compute_s + e.comm_s + e.offload_s;
+  return e;
+}
+
+PlanEstimate estimate(const PlanRequest& req, const Candidate& c) {
+  if (!req.args || !req.model) throw PlanError("plan request without config or model");
+  return estimate(req, model_facts(*req.model), c);
+}
+
+void check_tp_feasible(const models::CausalLM& model, int tp) {
+  const auto f = model_facts(model);
+  const auto fails = tp_failures(f, tp);
+  if (!fails.empty()) throw PlanError("tensor parallel size " + std::to_string(tp) + " cannot split the model: " + join(fails, "; "));
+}
+
+}  // namespace nnstrain::parallel

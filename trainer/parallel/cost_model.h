@@ -1,0 +1,144 @@
+// The planner's cost model: what one candidate split costs per rank, in bytes
+// at the step's peak and in seconds per step. It knows the device (a table of
+// accelerators), the model (its declared splits and dimensions) and the
+// config; it chooses nothing (the search, planner.h, does). Each parallel
+// dimension is a term of its own (cost_model.cpp: the state under ZeRO,
+// activations under tensor/sequence parallelism and recompute, the loss, the
+// sharding's transients, compute, tensor-parallel and data-parallel
+// communication, offload), so a new dimension adds a term, not a branch.
+// docs/parallelism.md derives each term.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "base/config/trainer_args.h"
+#include "models/common/sharding.h"
+#include "models/model_dims.h"
+#include "trainer/parallel/plan.h"
+
+namespace nnstrain::models {
+class CausalLM;
+}
+
+namespace nnstrain::parallel {
+
+// A plan that cannot be made: an infeasible split, a policy that does not fit
+// the world, or a budget no candidate fits (min_bytes: the least memory any
+// candidate needs per rank; 0 when memory is not the reason).
+class PlanError : public std::runtime_error {
+ public:
+  explicit PlanError(const std::string& what, double min_bytes = 0)
+      : std::runtime_error(what), min_bytes(min_bytes) {}
+  double min_bytes;
+};
+
+// What the cost model knows about an accelerator. FLOP/s are dense peaks;
+// bandwidths are the bus bandwidth one rank gets in a ring collective, bytes/s.
+struct DeviceSpec {
+  std::string name;
+  double memory_bytes = 0;
+  double peak_flops = 0;        // bf16/fp16 tensor cores
+  double peak_flops_tf32 = 0;   // fp32 matmuls on tensor cores (compute_config.allow_tf32)
+  double peak_flops_fp32 = 0;   // fp32 without tensor cores
+  double intra_node_bw = 0;
+  double inter_node_bw = 0;
+  int ranks_per_node = 8;
+  double collective_latency_s = 20e-6;  // fixed cost of one collective (the alpha of alpha-beta)
+  // Offload: bytes/s each way between a rank's device and host memory (PCIe;
+  // on cpu a memory copy), and what the host's fused AdamW gets through per
+  // rank (bytes of weights, moments and gradient read and written per second).
+  double host_link_bw = 25e9;
+  double host_adam_bytes_per_s = 10e9;
+};
+
+// H100, H200, A100-80G, A100-40G, cpu (case-insensitive), or auto / cuda: CUDA
+// device 0 if present (matched by name, memory as reported), else cpu.
+// Throws PlanError naming the known devices for anything else.
+DeviceSpec device_spec(const std::string& name_or_auto);
+std::vector<std::string> known_devices();
+
+// The FLOP/s the cost model uses for `precision` on `device`.
+double peak_flops_for(const DeviceSpec& device, const std::string& precision, bool allow_tf32);
+
+struct PlanRequest {
+  const config::TrainerArgs* args = nullptr;
+  const models::CausalLM* model = nullptr;  // only its declarations and parameter shapes are read
+  int world_size = 1;
+  DeviceSpec device;
+  double memory_budget_bytes = 0;  // 0: kDefaultMemoryFraction of device memory
+  // Attention via a fused kernel (SDPA: flash / memory-efficient) keeps no
+  // [heads, s, s] scores, so Megatron's 5as/h activation term is dropped.
+  bool fused_attention = true;
+};
+
+constexpr double kDefaultMemoryFraction = 0.9;
+constexpr double kAssumedEfficiency = 0.5;  // achieved / peak FLOP/s
+
+// The budget a request resolves to, bytes per rank.
+double memory_budget(const PlanRequest& req);
+
+// One point of the search space.
+struct Candidate {
+  int tp = 1, dp = 1;
+  int zero_stage = 0;
+  int recompute_layers = 0;  // the first k layers recompute their activations
+  double offload_ratio = 0;  // the optimizer's share on the host (compute_config.offload, docs/parallelism.md)
+  bool offload_params = false;
+};
+
+// "tp=2 dp=4 zero=0 recompute=3/12" (offload named when on).
+std::string candidate_text(const Candidate& c, int64_t layers);
+std::string offload_text(const Candidate& c);  // " offload=optimizer:0.5+params", or empty
+
+// ---- the model as the cost model sees it -----------------------------------
+
+struct ParamFact {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  models::ParamSplit split;  // style Replicate when not declared
+  int unit = -1;             // the block it belongs to (CausalLM::block_of); -1 outside blocks
+};
+
+struct ModelFacts {
+  models::ModelDims dims;
+  int64_t layers = 0;
+  std::vector<ParamFact> params;
+  bool vocab_parallel_head = false;  // some Vocab split is declared
+  bool gated_mlp = false;            // Llama-style blocks (RMSNorm, SwiGLU: a gate_proj), else GPT-style
+  std::vector<int> zero3_units;      // per parameter, as the training state's (parameter_units)
+  int zero3_head_unit = 0;           // the unit after the blocks
+};
+
+// Read once per plan: the model's dimensions, parameters and declared splits.
+ModelFacts model_facts(const models::CausalLM& model);
+
+// This rank's shape of a parameter at tp (rank 0's, the largest piece).
+std::vector<int64_t> local_shape(const ParamFact& p, int tp);
+const char* split_style_name(models::SplitStyle s);  // column | row | vocab | replicate
+
+// Why tp cannot split this model, one message per failure (empty: it can).
+std::vector<std::string> tp_failures(const ModelFacts& f, int tp);
+
+// Refuses, with the numbers, a tp the model's split declaration cannot take:
+// heads, kv heads, ffn, vocabulary or hidden not divisible by tp, and every
+// declared column/row/vocab split whose dimension (or fused part) is not a
+// multiple of tp x unit. Throws PlanError listing every failure.
+void check_tp_feasible(const models::CausalLM& model, int tp);
+
+// The sequence length the cost model assumes: the dataset's, else the model's maximum.
+int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f);
+
+// The cost model for one candidate (no feasibility checks beyond arithmetic).
+PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c);
+PlanEstimate estimate(const PlanRequest& req, const Candidate& c);  // reads the model's facts first
+
+// "12.3 GiB", "512.0 MiB": bytes in binary units for messages.
+std::string format_bytes(double bytes);
+std::string format_fixed(double v, int digits);  // printf's "%.*f"
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+}  // namespace nnstrain::parallel
