@@ -18,6 +18,14 @@ Every run's ids are checked equal to tokenizers' (the reference) for the same in
     python bench/bench_tokenizer.py --nnstrain build/nnstrain [--threads 1 2] [--repeats 3]
 
 Writes bench/results/tokenizer_<UTC time>.json and .md.
+
+--scaling: nnstrain's thread scaling alone. The same documents at every thread count
+(the 1-thread row above encodes one string, so it is no baseline for scaling),
+thread counts interleaved round by round (1, 2, 1, 2, ...) so that load from other
+work on the machine falls on all of them alike; best and median of --repeats rounds,
+the load average around each measurement, and the ids checked equal across thread
+counts and to tokenizers' (its encode_batch on the same documents). Writes
+bench/results/tokenizer_scaling_<UTC time>.json and .md.
 """
 import argparse
 import datetime
@@ -103,12 +111,95 @@ def run_ours(binary, tok, text_path, threads, out):
     return {"wall": wall, "cpu": cpu}
 
 
+def scaling(args, paths):
+    rows = []
+    for tok in ("gpt2", "llama3"):
+        for name, path in paths.items():
+            nbytes = path.stat().st_size
+            out = pathlib.Path(str(path) + ".ref.bin")
+            run_reference("tokenizers", tok, path, max(args.threads), out)
+            ref = np.fromfile(out, dtype=np.int32)
+            runs = {t: [] for t in args.threads}
+            for _ in range(args.repeats):
+                for t in args.threads:
+                    before = os.getloadavg()[0]
+                    out = pathlib.Path(str(path) + f".{t}.bin")
+                    r = run_ours(args.nnstrain, tok, path, t, out) if t > 1 else run_ours_docs(args.nnstrain, tok, path, out)
+                    ids = np.fromfile(out, dtype=np.int32)
+                    if ids.shape != ref.shape or not bool((ids == ref).all()):
+                        sys.exit(f"nnstrain {tok} {name} threads={t}: ids differ from tokenizers' encode_batch")
+                    r["load"] = [round(before, 2), round(os.getloadavg()[0], 2)]
+                    runs[t].append(r)
+            for t in args.threads:
+                walls = sorted(r["wall"] for r in runs[t])
+                best = min(runs[t], key=lambda r: r["wall"])
+                row = {"tokenizer": tok, "text": name, "bytes": nbytes, "threads": t, "ids": int(ref.size),
+                       "best_wall_s": round(best["wall"], 4), "median_wall_s": round(float(np.median(walls)), 4),
+                       "MB_per_s_best": round(nbytes / 1e6 / best["wall"], 2),
+                       "MB_per_s_median": round(nbytes / 1e6 / float(np.median(walls)), 2),
+                       "MB_per_s_cpu_best": round(nbytes / 1e6 / best["cpu"], 2) if best["cpu"] > 0 else None,
+                       "load_avg_around_runs": [r["load"] for r in runs[t]]}
+                base = next((x for x in rows if x["tokenizer"] == tok and x["text"] == name and x["threads"] == 1),
+                            None)
+                row["speedup_vs_1_best"] = round(row["MB_per_s_best"] / base["MB_per_s_best"], 2) if base else 1.0
+                rows.append(row)
+                print(f"{tok:6} {name:20} threads {t} {row['MB_per_s_best']:7.2f} MB/s best "
+                      f"{row['MB_per_s_median']:7.2f} median  x{row['speedup_vs_1_best']}", flush=True)
+    return rows
+
+
+def run_ours_docs(binary, tok, text_path, out):
+    """One thread on the documents (what the N-thread runs encode), not the whole string."""
+    path = tc.gpt2_files()[0] if tok == "gpt2" else tc.llama3_files()[0]
+    jl = pathlib.Path(str(text_path) + ".jsonl")
+    if not jl.exists():
+        with open(jl, "w", encoding="utf-8") as f:
+            for d in tc.documents(open(text_path, encoding="utf-8", newline="").read()):
+                f.write(json.dumps(d) + "\n")
+    p = subprocess.run([str(binary), "tokenize", "--tokenizer", str(path), "--threads", "1", "--out", str(out),
+                        "--input", str(jl), "--jsonl"], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"nnstrain tokenize failed: {p.stderr[-3000:]}")
+    line = [l for l in p.stderr.splitlines() if l.startswith("tokenize:") and " cpu " in l][-1]
+    return {"wall": float(line.split(" ids, ")[1].split(" s,")[0]), "cpu": float(line.split("cpu ")[1].split(" s")[0])}
+
+
+def write_scaling(args, rows, load):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {
+        "benchmark": "tokenizer_scaling", "date": now.isoformat(timespec="seconds"), "commit": git_commit(),
+        "device": f"{cpu_model()}, {os.cpu_count()} cores", "load_avg_1min_before_after": load,
+        "repeats": args.repeats, "results": rows,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"tokenizer_scaling_{now.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = ["# Tokenizer thread scaling: nnstrain tokenize on the same documents at 1 and 2 threads", "",
+             f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}",
+             f"- device: {record['device']}; load average (1 min) before/after the whole run: {load}",
+             "- **the machine was shared**: other sessions were building and testing on the same 2 cores "
+             "during this run, so absolute MB/s and the 2-thread gain are lower bounds of an idle machine's; "
+             "each row's load averages around its runs are in the .json",
+             f"- {args.repeats} rounds, thread counts interleaved in each round; best and median wall time per count",
+             "- ids at every thread count equal to tokenizers' encode_batch on the same documents (checked)",
+             "", "| tokenizer | text | threads | MB/s best | MB/s median | MB/s per core (CPU time, best run) "
+                 "| speed-up vs 1 thread (best) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokenizer']} | {r['text']} | {r['threads']} | {r['MB_per_s_best']} | "
+                     f"{r['MB_per_s_median']} | {r['MB_per_s_cpu_best']} | {r['speedup_vs_1_best']} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=1, help="best of N per measurement")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--scaling", action="store_true", help="nnstrain alone, the same documents at each thread count")
     args = ap.parse_args()
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_tok_"))
@@ -120,6 +211,12 @@ def main():
     for name, text in texts.items():
         paths[name] = tmp / (name.replace(" ", "_") + ".txt")
         paths[name].write_bytes(text.encode())
+    if args.scaling:
+        load = [round(os.getloadavg()[0], 2)]
+        rows = scaling(args, paths)
+        load.append(round(os.getloadavg()[0], 2))
+        write_scaling(args, rows, load)
+        return
 
     rows = []
     load = [round(os.getloadavg()[0], 2)]

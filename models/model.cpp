@@ -6,6 +6,10 @@
 
 namespace nnstrain::models {
 
+torch::Tensor CausalLM::decode_logits(const torch::Tensor&, common::KvCache&) {
+  throw std::runtime_error("this model has no incremental decoding (KV cache)");
+}
+
 int CausalLM::block_of(const std::string& name) const {
   const auto prefix = blocks_name() + ".";
   if (name.rfind(prefix, 0) != 0) return -1;

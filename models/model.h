@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "models/common/block_runner.h"
+#include "models/common/kv_cache.h"
 #include "models/common/layers.h"
 #include "models/model_dims.h"
 
@@ -63,6 +64,13 @@ class CausalLM : public torch::nn::Module {
   }
   // Full logits [B, T, vocab] (evaluation, export checks).
   virtual torch::Tensor logits(const torch::Tensor& idx) = 0;
+
+  // Incremental decoding (generation; no dropout, no tensor parallelism): logits
+  // [B, T, vocab] of new tokens idx [B, T] at positions cache.length().., each
+  // attending to the cached tokens and the new ones before it; appends their
+  // keys and values to the cache. Equal to logits() on the whole sequence at
+  // those positions. Models without it throw.
+  virtual torch::Tensor decode_logits(const torch::Tensor& idx, common::KvCache& cache);
 
   virtual int64_t vocab_size() const = 0;
   virtual int64_t max_seq_len() const = 0;

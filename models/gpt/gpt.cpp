@@ -45,6 +45,18 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
   return common::region_dropout(ctx, c_proj(y), dropout, is_training());
 }
 
+torch::Tensor CausalSelfAttentionImpl::forward_cached(const torch::Tensor& x, common::KvCache& cache, size_t layer) {
+  auto qkv = c_attn(x);
+  const auto B = qkv.size(0), T = qkv.size(1);
+  const int64_t width = heads * head_dim;
+  auto parts = qkv.split(width, -1);
+  auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, head_dim}).transpose(1, 2); };
+  const auto past = cache.length();
+  const auto [k, v] = cache.append(layer, shape(parts[1]), shape(parts[2]));
+  auto y = common::cached_attention(shape(parts[0]), k, v, past);
+  return c_proj(y.transpose(1, 2).contiguous().view({B, T, width}));
+}
+
 MlpImpl::MlpImpl(const GptConfig& cfg, const common::ShardingContext& ctx) : dropout(cfg.dropout), ctx(ctx) {
   const int64_t C = cfg.n_embd;
   c_fc = register_module("c_fc", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{4 * C}, 1, cfg.bias, kInit));
@@ -66,6 +78,11 @@ BlockImpl::BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx) {
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& mask) {
   auto y = x + attn->forward(ln_1(x), mask);
+  return y + mlp(ln_2(y));
+}
+
+torch::Tensor BlockImpl::forward_cached(const torch::Tensor& x, common::KvCache& cache, size_t layer) {
+  auto y = x + attn->forward_cached(ln_1(x), cache, layer);
   return y + mlp(ln_2(y));
 }
 
@@ -102,6 +119,17 @@ torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets, 
 }
 
 torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }
+
+torch::Tensor Gpt::decode_logits(const torch::Tensor& idx, common::KvCache& cache) {
+  TORCH_CHECK(!ctx_.parallel(), "decode_logits: a tensor-parallel model (load it whole to generate)");
+  const auto past = cache.length(), T = idx.size(1);
+  TORCH_CHECK(past + T <= cfg_.block_size, "position ", past + T, " exceeds block_size ", cfg_.block_size);
+  const auto pos = torch::arange(past, past + T, idx.options().dtype(torch::kLong));
+  auto x = wte(idx) + wpe(pos).unsqueeze(0);
+  for (size_t i = 0; i < h->size(); ++i) x = h->ptr<BlockImpl>(i)->forward_cached(x, cache, i);
+  cache.advance(T);
+  return lm_head->logits(ln_f(x), wte->weight);
+}
 
 double Gpt::flops_per_token(int64_t seq_len) const {
   // 6 FLOPs per parameter per token (position embeddings do no matmul), plus attention.

@@ -24,6 +24,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   CausalSelfAttentionImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
   // mask: Documents::attention_mask() (undefined: causal over the whole sequence).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask = {});
+  // Generation: attention of the new tokens over the cache (block `layer`'s entry), no dropout.
+  torch::Tensor forward_cached(const torch::Tensor& x, common::KvCache& cache, size_t layer);
   common::ColumnParallelLinear c_attn{nullptr};  // Q, K, V: this rank's heads of each
   common::RowParallelLinear c_proj{nullptr};
   int64_t head_dim, heads;  // heads: this rank's
@@ -47,6 +49,7 @@ class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const GptConfig& cfg, const common::ShardingContext& ctx);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask = {});
+  torch::Tensor forward_cached(const torch::Tensor& x, common::KvCache& cache, size_t layer);
   common::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CausalSelfAttention attn{nullptr};
   Mlp mlp{nullptr};
@@ -60,6 +63,7 @@ class Gpt : public CausalLM {
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
+  torch::Tensor decode_logits(const torch::Tensor& idx, common::KvCache& cache) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.block_size; }
   int64_t num_layers() const override { return cfg_.n_layer; }

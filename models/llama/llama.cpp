@@ -100,6 +100,23 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
+torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                            common::KvCache& cache, size_t layer) {
+  auto q = q_proj(x), k = k_proj(x), v = v_proj(x);
+  const auto B = q.size(0), T = q.size(1);
+  auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
+  q = apply_rope(split(q, heads), cos, sin);
+  const auto past = cache.length();
+  // The cache keeps the KV heads unrepeated; the query groups share them here.
+  auto [K, V] = cache.append(layer, apply_rope(split(k, kv_heads), cos, sin), split(v, kv_heads));
+  if (heads != kv_heads) {
+    K = K.repeat_interleave(heads / kv_heads, 1);
+    V = V.repeat_interleave(heads / kv_heads, 1);
+  }
+  const auto y = common::cached_attention(q, K, V, past);
+  return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+}
+
 MlpImpl::MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
   const int64_t C = cfg.hidden_size, I = cfg.intermediate_size;
   const auto init = common::InitRule::normal(cfg.initializer_range);
@@ -124,6 +141,12 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::Shardin
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask) {
   auto h = x + self_attn->forward(input_layernorm(x), cos, sin, mask);
+  return h + mlp(post_attention_layernorm(h));
+}
+
+torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& cos,
+                                               const torch::Tensor& sin, common::KvCache& cache, size_t layer) {
+  auto h = x + self_attn->forward_cached(input_layernorm(x), cos, sin, cache, layer);
   return h + mlp(post_attention_layernorm(h));
 }
 
@@ -191,6 +214,19 @@ torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets
 }
 
 torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }
+
+torch::Tensor Llama::decode_logits(const torch::Tensor& idx, common::KvCache& cache) {
+  const auto past = cache.length(), T = idx.size(1);
+  TORCH_CHECK(past + T <= cfg_.max_position_embeddings, "position ", past + T, " exceeds max_position_embeddings ",
+              cfg_.max_position_embeddings);
+  auto x = embed_tokens(idx);
+  // The tables for the cache's whole span (kept by rotary() across steps), at the new positions.
+  const auto [cos_all, sin_all] = rotary(cache.capacity(), x.device());
+  const auto cos = cos_all.narrow(0, past, T), sin = sin_all.narrow(0, past, T);
+  for (size_t i = 0; i < layers->size(); ++i) x = layers->ptr<DecoderLayerImpl>(i)->forward_cached(x, cos, sin, cache, i);
+  cache.advance(T);
+  return lm_head->logits(norm(x), head_weight());
+}
 
 double Llama::flops_per_token(int64_t seq_len) const {
   const auto& c = cfg_;

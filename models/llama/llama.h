@@ -53,11 +53,13 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg);
 class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
-  // cos, sin: [T, head_dim] (Hugging Face's rotate_half layout).
-  // cos/sin: [T, head_dim] or, per token, [B, 1, T, head_dim]; mask: Documents::attention_mask()
+  // cos/sin (Hugging Face's rotate_half layout): [T, head_dim] or, per token, [B, 1, T, head_dim]; mask: Documents::attention_mask()
   // (undefined: causal over the whole sequence).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
+  // Generation: the new tokens (cos, sin at their positions) over the cache's block `layer`.
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                               common::KvCache& cache, size_t layer);
   common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   common::RowParallelLinear o_proj{nullptr};
   int64_t head_dim, heads, kv_heads;  // this rank's heads
@@ -80,6 +82,8 @@ class DecoderLayerImpl : public torch::nn::Module {
   // (undefined: causal over the whole sequence).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
+  torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                               common::KvCache& cache, size_t layer);
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};
@@ -93,6 +97,7 @@ class Llama : public CausalLM {
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets) override;
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
+  torch::Tensor decode_logits(const torch::Tensor& idx, common::KvCache& cache) override;
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.max_position_embeddings; }
   int64_t num_layers() const override { return cfg_.num_hidden_layers; }

@@ -14,16 +14,11 @@ namespace fs = std::filesystem;
 
 namespace nnstrain::interop {
 
-std::shared_ptr<models::CausalLM> build_model(const checkpoint::Checkpoint& ck) {
-  const auto& st = ck.state();
+config::TrainerArgs saved_args(const checkpoint::Checkpoint& ck) {
   const std::string where = (fs::path(ck.dir()) / "manifest.json").string();
-  const std::string type = st.value("model_type", "");
-  const std::string yaml = st.value("config", "");
-  const auto* entry = models::find_model(type);
-  if (!entry) throw checkpoint::CheckpointError(where + ": unknown model type '" + type + "' in the trainer state");
+  const std::string yaml = ck.state().value("config", "");
   if (yaml.empty())
     throw checkpoint::CheckpointError(where + ": the trainer state holds no resolved config to rebuild the model");
-
   config::TrainerArgs args;
   try {
     config::LoadOptions lo;
@@ -34,6 +29,15 @@ std::shared_ptr<models::CausalLM> build_model(const checkpoint::Checkpoint& ck) 
   } catch (const config::ConfigError& e) {
     throw checkpoint::CheckpointError(where + ": the saved config does not load: " + e.what());
   }
+  return args;
+}
+
+std::shared_ptr<models::CausalLM> build_model(const checkpoint::Checkpoint& ck) {
+  const std::string where = (fs::path(ck.dir()) / "manifest.json").string();
+  const std::string type = ck.state().value("model_type", "");
+  const auto* entry = models::find_model(type);
+  if (!entry) throw checkpoint::CheckpointError(where + ": unknown model type '" + type + "' in the trainer state");
+  const auto args = saved_args(ck);
   if (args.model.type != type || !args.model.args)
     throw checkpoint::CheckpointError(where + ": the saved config's model '" + args.model.type + "' is not the state's '" +
                                       type + "'");

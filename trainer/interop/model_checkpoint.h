@@ -10,11 +10,18 @@
 namespace nnstrain::models {
 class CausalLM;
 }
+namespace nnstrain::config {
+struct TrainerArgs;
+}
 namespace nnstrain::checkpoint {
 class Checkpoint;
 }
 
 namespace nnstrain::interop {
+
+// The run's configuration as the checkpoint saved it (state "config"), loaded
+// without touching the run's files. Throws CheckpointError naming manifest.json.
+config::TrainerArgs saved_args(const checkpoint::Checkpoint& ck);
 
 // The registered model a checkpoint was saved from, built from its resolved
 // config (state "model_type" + "config") with fresh weights, not loaded.

@@ -1,0 +1,212 @@
+// The byte-level BPE tokenizer (data/tokenizer) without Python: a tiny
+// tokenizer.json written here, ids worked out by hand from its merge ranks.
+// - merges as "a b" strings and as ["a", "b"] pairs load to the same tokenizer;
+// - encode gives the hand-computed ids (rank order decides: "he ll" only after
+//   "l l"), decode(encode(x)) == x on ASCII, multi-byte UTF-8 and emoji;
+// - the special-token policies: as text (the default: its bytes), as the special
+//   id, or refused with the byte offset; a TemplateProcessing BOS is added on request;
+// - invalid UTF-8 is refused naming the byte offset; unknown ids refuse to decode;
+//   unsupported files are refused with one line naming what is unsupported.
+// The parity with Hugging Face `tokenizers` on real vocabularies is tests/reference/test_tokenizer_parity.py's.
+#include <catch2/catch.hpp>
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/tokenizer/tokenizer.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using nnstrain::tok::SpecialPolicy;
+using nnstrain::tok::Tokenizer;
+using nnstrain::tok::TokenizerError;
+
+namespace {
+
+// GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves,
+// the other 68 bytes take the code points from U+0100 on, in byte order.
+std::string byte_char(int b) {
+  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  uint32_t cp = b;
+  if (!printable) {
+    int n = 0;
+    for (int c = 0; c < b; ++c)
+      if (!((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF))) ++n;
+    cp = 256 + n;
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += char(cp);
+  } else {
+    s += char(0xC0 | (cp >> 6));
+    s += char(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "nnstrain_tok_XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// Ids: bytes 0..255, then he 256, the 257, ll 258, Ġthe 259, hell 260;
+// <|endoftext|> 261 (special), <|bos|> 262 (special).
+const char* const kMerges[][2] = {{"h", "e"}, {"t", "he"}, {"l", "l"}, {"Ġ", "the"}, {"he", "ll"}};
+
+json tiny_tokenizer(bool array_merges, bool with_bos) {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
+  int id = 256;
+  json merges = json::array();
+  for (const auto& m : kMerges) {
+    vocab[std::string(m[0]) + m[1]] = id++;
+    if (array_merges)
+      merges.push_back(json::array({m[0], m[1]}));
+    else
+      merges.push_back(std::string(m[0]) + " " + m[1]);
+  }
+  json added = json::array();
+  added.push_back({{"id", 261}, {"content", "<|endoftext|>"}, {"special", true}, {"single_word", false},
+                   {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  added.push_back({{"id", 262}, {"content", "<|bos|>"}, {"special", true}, {"single_word", false},
+                   {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  json post = nullptr;
+  if (with_bos)
+    post = {{"type", "TemplateProcessing"},
+            {"single", json::array({{{"SpecialToken", {{"id", "<|bos|>"}, {"type_id", 0}}}},
+                                    {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+            {"pair", json::array()},
+            {"special_tokens", {{"<|bos|>", {{"id", "<|bos|>"}, {"ids", {262}}, {"tokens", {"<|bos|>"}}}}}}};
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", added},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
+                             {"use_regex", true}}},
+          {"post_processor", post},
+          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
+                       {"use_regex", true}}},
+          {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                     {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+                     {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+                     {"vocab", vocab}, {"merges", merges}}}};
+}
+
+std::string write(const TempDir& d, const std::string& name, const json& j) {
+  const auto p = (d.path / name).string();
+  std::ofstream(p) << j.dump();
+  return p;
+}
+
+std::vector<int32_t> bytes_of(const std::string& s) {
+  std::vector<int32_t> v;
+  for (unsigned char c : s) v.push_back(c);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer: a tiny byte-level BPE tokenizer.json encodes to the hand-computed ids, both merge forms",
+          "[tokenizer]") {
+  TempDir d;
+  const auto str = Tokenizer::load(write(d, "str.json", tiny_tokenizer(false, false)));
+  const auto arr = Tokenizer::load(write(d, "arr.json", tiny_tokenizer(true, false)));
+  // "the" -> t he -> the; " hello" -> Ġ he l l o -> Ġ he ll o -> Ġ hell o; " the" -> Ġ t he -> Ġ the -> Ġthe.
+  const std::vector<int32_t> want = {257, 32, 260, 'o', 259};
+  CHECK(str.encode("the hello the") == want);
+  CHECK(arr.encode("the hello the") == want);
+  // "hel": no "l l", so "he ll" never applies.
+  CHECK(str.encode("hel") == std::vector<int32_t>{256, 'l'});
+  CHECK(str.vocab_size() == 263);
+  CHECK(str.eos_id() == std::optional<int32_t>(261));
+  CHECK(str.token_id("hell") == std::optional<int32_t>(260));
+}
+
+TEST_CASE("tokenizer: decode(encode(x)) == x on ASCII, multi-byte UTF-8 and emoji", "[tokenizer]") {
+  TempDir d;
+  const auto t = Tokenizer::load(write(d, "t.json", tiny_tokenizer(false, false)));
+  for (const std::string s : {"the hello the", "h\xC3\xA9llo w\xC3\xB6rld \xE2\x98\x83 \xF0\x9F\x98\x80\n\t  x",
+                              "  leading and trailing  ", "a<|endoftext|>b", "\xE4\xB8\xAD\xE6\x96\x87 123 4567"}) {
+    const auto ids = t.encode(s);
+    CHECK(t.decode(ids) == s);
+  }
+  // A 4-byte emoji with no merges is its four byte tokens.
+  CHECK(t.encode("\xF0\x9F\x98\x80") == bytes_of("\xF0\x9F\x98\x80"));
+  const std::vector<int32_t> unknown = {5, 9999};
+  CHECK_THROWS_AS(t.decode(unknown), TokenizerError);
+}
+
+TEST_CASE("tokenizer: special-token text as text, as the special id, or refused, and the template's BOS",
+          "[tokenizer]") {
+  TempDir d;
+  const auto t = Tokenizer::load(write(d, "t.json", tiny_tokenizer(false, true)));
+  const std::string text = "a<|endoftext|>b";
+  CHECK(t.encode(text, SpecialPolicy::text) == bytes_of(text));  // no merge applies inside it
+  CHECK(t.encode(text, SpecialPolicy::special) == std::vector<int32_t>{'a', 261, 'b'});
+  try {
+    t.encode(text, SpecialPolicy::error);
+    FAIL("the special token was not refused");
+  } catch (const TokenizerError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("at byte 1"));
+  }
+  CHECK(t.encode("the", SpecialPolicy::text, /*add_special=*/true) == std::vector<int32_t>{262, 257});
+  CHECK(t.encode("the", SpecialPolicy::text, /*add_special=*/false) == std::vector<int32_t>{257});
+  CHECK(t.bos_id() == std::optional<int32_t>(262));
+  CHECK(nnstrain::tok::parse_special_policy("special") == SpecialPolicy::special);
+  CHECK_THROWS_AS(nnstrain::tok::parse_special_policy("sometimes"), TokenizerError);
+}
+
+TEST_CASE("tokenizer: invalid UTF-8 is refused with its byte offset", "[tokenizer]") {
+  TempDir d;
+  const auto t = Tokenizer::load(write(d, "t.json", tiny_tokenizer(false, false)));
+  for (const auto& [text, offset] : std::vector<std::pair<std::string, int>>{
+           {"ok\xC3(", 2}, {"\xFF", 0}, {"abc\xE2\x82", 3}, {"the \xED\xA0\x80", 4} /* a surrogate */}) {
+    try {
+      t.encode(text);
+      FAIL("invalid UTF-8 was accepted");
+    } catch (const TokenizerError& e) {
+      CHECK_THAT(e.what(), Catch::Contains("not valid UTF-8 at byte " + std::to_string(offset)));
+    }
+  }
+}
+
+TEST_CASE("tokenizer: unsupported tokenizer.json files are refused naming what is unsupported", "[tokenizer]") {
+  TempDir d;
+  auto wordpiece = tiny_tokenizer(false, false);
+  wordpiece["model"]["type"] = "WordPiece";
+  auto normalizer = tiny_tokenizer(false, false);
+  normalizer["normalizer"] = {{"type", "NFC"}};
+  auto bad_merge = tiny_tokenizer(false, false);
+  bad_merge["model"]["merges"].push_back("x nosuchtoken");
+  auto missing_byte = tiny_tokenizer(false, false);
+  missing_byte["model"]["vocab"].erase(byte_char(7));
+  for (const auto& [j, what] : std::vector<std::pair<json, std::string>>{
+           {wordpiece, "model type 'WordPiece' is not supported"},
+           {normalizer, "normalizer 'NFC' is not supported"},
+           {bad_merge, "merge 6 ('x' 'nosuchtoken') names a token not in the vocabulary"},
+           {missing_byte, "no token for byte 7"}}) {
+    try {
+      Tokenizer::load(write(d, "bad.json", j));
+      FAIL("accepted: " + what);
+    } catch (const TokenizerError& e) {
+      const std::string m = e.what();
+      CHECK_THAT(m, Catch::Contains(what));
+      CHECK(m.find('\n') == std::string::npos);
+    }
+  }
+}
