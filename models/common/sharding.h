@@ -64,6 +64,26 @@ class TpComm : public torch::CustomClassHolder {
   }
 };
 
+// Collectives over the context-parallel group (ranks that split one sequence),
+// as context-parallel attention calls them (models/common/context_attention.h).
+// Every rank of the group calls them in the same order.
+class CpComm : public torch::CustomClassHolder {
+ public:
+  ~CpComm() override = default;
+  using Pending = std::function<at::Tensor()>;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // The ring step: sends t to the next rank (rank + 1 mod size) and receives
+  // the previous rank's tensor of the same shape and dtype; started now,
+  // finished by calling the result, so the current block computes meanwhile.
+  // `channel` keeps two shifts in flight at once apart (K/V and their gradients).
+  virtual Pending ring_shift_start(const at::Tensor& t, int channel) = 0;
+  // [size, *t.shape]: every rank's t in rank order.
+  virtual at::Tensor all_gather(const at::Tensor& t) = 0;
+  // t [size, *rest] -> [*rest]: the sum over ranks of their t[my rank].
+  virtual at::Tensor reduce_scatter(const at::Tensor& t) = 0;
+};
+
 struct ShardingContext {
   int tp = 1;    // tensor-parallel degree
   int rank = 0;  // this rank's position in its tensor-parallel group
