@@ -50,7 +50,9 @@ class BackendCpComm : public models::common::CpComm {
     auto shape = in.sizes().vec();
     shape.insert(shape.begin(), size());
     auto out = at::empty(shape, in.options());
-    guard("context-parallel all-gather", [&] { wait(b_->_allgather_base(out, in)); });
+    // Gloo takes flat buffers: [cp x n] out of [n] in.
+    auto flat_out = out.view({-1}), flat_in = in.view({-1});
+    guard("context-parallel all-gather", [&] { wait(b_->_allgather_base(flat_out, flat_in)); });
     return out;
   }
 
@@ -59,7 +61,8 @@ class BackendCpComm : public models::common::CpComm {
     auto in = t.contiguous();
     if (size() == 1) return in[0];
     auto out = at::empty(in.sizes().slice(1), in.options());
-    guard("context-parallel reduce-scatter", [&] { wait(b_->_reduce_scatter_base(out, in)); });
+    auto flat_out = out.view({-1}), flat_in = in.view({-1});
+    guard("context-parallel reduce-scatter", [&] { wait(b_->_reduce_scatter_base(flat_out, flat_in)); });
     return out;
   }
 
