@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "models/common/context_attention.h"
+#include "trainer/dist/process_groups.h"
 #include "trainer/parallel/context_parallel.h"
 
 using namespace nnstrain;
@@ -225,4 +226,51 @@ TEST_CASE("a sequence that 2 x cp does not divide is refused naming the sizes", 
   });
   for (const auto& e : errors) REQUIRE(e.find("sequence length 6 does not split over 2 context-parallel ranks") !=
                                        std::string::npos);
+}
+
+TEST_CASE("ranks are laid out tensor-parallel innermost, then context-parallel, then data-parallel", "[cp][attention]") {
+  // 8 ranks, tp 2 x cp 2 x dp 2, each a dist::Runtime on a thread over one in-memory store.
+  constexpr int kWorld = 8;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::vector<int>> tp(kWorld), cp(kWorld), dp(kWorld);
+  std::vector<float> received(kWorld, -1);
+  std::vector<std::string> errors(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        dist::DistEnv env;
+        env.rank = r;
+        env.world_size = kWorld;
+        dist::RuntimeOptions ro;
+        ro.tp = 2;
+        ro.cp = 2;
+        ro.backend = "gloo";
+        ro.timeout = kTimeout;
+        dist::Runtime rt(env, ro, store);
+        tp[r] = rt.tp.ranks;
+        cp[r] = rt.cp.ranks;
+        dp[r] = rt.dp.ranks;
+        // The ring runs over the context-parallel group: each rank gets its cp predecessor's value.
+        auto comm = parallel::make_cp_comm(rt.cp.backend, kTimeout);
+        received[r] = comm->ring_shift_start(at::full({1}, float(r)), 0)()[0].item<float>();
+        rt.shutdown();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    INFO("rank " << r << ": " << errors[r]);
+    REQUIRE(errors[r].empty());
+    // rank = (dp index x 2 + cp index) x 2 + tp index
+    const int t = r % 2, c = (r / 2) % 2, d = r / 4;
+    CHECK(tp[r] == std::vector<int>{(d * 2 + c) * 2, (d * 2 + c) * 2 + 1});
+    CHECK(cp[r] == std::vector<int>{d * 4 + t, d * 4 + 2 + t});
+    CHECK(dp[r] == std::vector<int>{c * 2 + t, 4 + c * 2 + t});
+    CHECK(received[r] == float(c == 0 ? r + 2 : r - 2));
+  }
+  CHECK(cp[5] == std::vector<int>{5, 7});  // spelled out: rank 5 is dp 1, cp 0, tp 1
+  CHECK(dp[5] == std::vector<int>{1, 5});
+  CHECK(tp[5] == std::vector<int>{4, 5});
 }
