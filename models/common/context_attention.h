@@ -29,9 +29,6 @@
 
 namespace nnstrain::models::common {
 
-enum class CpCommType { P2P, AllGather };
-enum class CpLayout { Contiguous, Zigzag };
-
 CpCommType parse_cp_comm_type(const std::string& s);  // "p2p" | "all_gather"
 CpLayout parse_cp_layout(const std::string& s);       // "zigzag" | "none" (contiguous)
 const char* to_string(CpCommType t);

@@ -13,11 +13,13 @@
 #include <atomic>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "models/common/context_attention.h"
+#include "models/llama/llama.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/context_parallel.h"
 
@@ -273,4 +275,65 @@ TEST_CASE("ranks are laid out tensor-parallel innermost, then context-parallel, 
   CHECK(cp[5] == std::vector<int>{5, 7});  // spelled out: rank 5 is dp 1, cp 0, tp 1
   CHECK(dp[5] == std::vector<int>{1, 5});
   CHECK(tp[5] == std::vector<int>{4, 5});
+}
+
+TEST_CASE("a llama with context-parallel attention equals one rank in loss and every gradient", "[cp][attention]") {
+  // Each rank holds only its tokens of every sequence: attention must reach the
+  // others' keys and rotary embeddings must take global positions, or the loss moves.
+  models::llama::LlamaConfig c;
+  c.vocab_size = 96;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 64;
+  c.initializer_range = 0.15;
+  torch::manual_seed(3);
+  models::llama::Llama ref(c);
+  const auto idx = torch::randint(96, {2, 24}), targets = torch::randint(96, {2, 24});
+  const auto ref_loss = ref.loss(idx, targets);
+  ref_loss.backward();
+  const auto ref_params = ref.named_parameters();
+  struct Setup {
+    int cp;
+    CpCommType comm;
+    CpLayout layout;
+  };
+  for (const auto& s : {Setup{2, CpCommType::P2P, CpLayout::Zigzag}, Setup{3, CpCommType::AllGather, CpLayout::Zigzag},
+                        Setup{4, CpCommType::P2P, CpLayout::Contiguous}}) {
+    INFO("cp " << s.cp << " " << to_string(s.comm) << " " << to_string(s.layout));
+    std::vector<double> losses(s.cp);
+    std::vector<std::map<std::string, at::Tensor>> grads(s.cp);
+    const auto errors = on_ranks(s.cp, [&](int r, c10::intrusive_ptr<models::common::CpComm> comm) {
+      models::common::ShardingContext ctx;
+      ctx.cp_comm = comm;
+      ctx.cp_comm_type = s.comm;
+      ctx.cp_layout = s.layout;
+      models::llama::Llama m(c, ctx);
+      {
+        torch::NoGradGuard ng;
+        for (auto& p : m.named_parameters()) p.value().copy_(ref_params[p.key()]);
+      }
+      auto shard = [&](const at::Tensor& x) { return models::common::cp_shard(x, 1, s.cp, r, s.layout).contiguous(); };
+      auto loss = m.loss(shard(idx), shard(targets)) / s.cp;  // equal token counts: the mean is the ranks' mean
+      loss.backward();
+      losses[r] = loss.item<double>();
+      for (const auto& p : m.named_parameters()) grads[r][p.key()] = p.value().grad().clone();
+    });
+    for (int r = 0; r < s.cp; ++r) {
+      INFO("rank " << r << ": " << errors[r]);
+      REQUIRE(errors[r].empty());
+    }
+    double total = 0;
+    for (double l : losses) total += l;
+    CHECK(std::abs(total - ref_loss.item<double>()) <= 1e-6 * std::abs(ref_loss.item<double>()));
+    for (const auto& p : ref_params) {
+      auto sum = grads[0][p.key()].clone();
+      for (int r = 1; r < s.cp; ++r) sum += grads[r][p.key()];
+      const auto& want = p.value().grad();
+      INFO(p.key());
+      CHECK((sum - want).abs().max().item<double>() <= 1e-5 * want.abs().max().item<double>());
+    }
+  }
 }
