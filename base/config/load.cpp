@@ -459,6 +459,9 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.allow_tf32 = cc.get_bool("allow_tf32", false);
   c.cuda_graphs = cc.get_bool("cuda_graphs", false);
   c.reduce_dtype = cc.get_string("reduce_dtype", "auto", {"auto", "fp32", "bf16", "fp16"});
+  c.context_parallel_size = static_cast<int>(cc.get_int("context_parallel_size", 1, 1, 1 << 20));
+  c.cp_comm_type = cc.get_string("cp_comm_type", "p2p", {"p2p", "all_gather"});
+  c.cp_load_balance = cc.get_string("cp_load_balance", "zigzag", {"zigzag", "none"});
   std::optional<ArgMap> offload;
   if (cc.has("offload")) {
     offload.emplace(cc.child("offload"));
@@ -668,11 +671,29 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     top.fail("pas_policy", "dp keeps a whole model on every rank, but compute_config.plan_ngpus " +
                                std::to_string(c.plan_ngpus) + " asks to split one over " + std::to_string(c.plan_ngpus) +
                                " ranks; use pas_policy hybrid (tp = plan_ngpus), tp or autodist");
-  const int64_t dp = c.runtime_ngpus / c.plan_ngpus;
+  const int cp = c.context_parallel_size;
+  if (cp > 1 && c.runtime_ngpus % (c.plan_ngpus * cp) != 0)
+    cc.fail("context_parallel_size", std::to_string(cp) + " x plan_ngpus " + std::to_string(c.plan_ngpus) +
+                                         " does not divide runtime_ngpus " + std::to_string(c.runtime_ngpus));
+  if (cp > 1) {
+    // Every sequence splits into cp equal parts, 2 cp under zigzag (rank r holds chunks r and 2 cp - 1 - r).
+    const int64_t parts = c.cp_load_balance == "zigzag" ? 2 * cp : cp;
+    const std::string need = c.cp_load_balance == "zigzag" ? "2 x context_parallel_size" : "context_parallel_size";
+    auto check = [&](const ArgMap& m, int64_t seq) {
+      if (seq % parts != 0)
+        m.fail("seq_len", std::to_string(seq) + " does not split over compute_config.context_parallel_size " +
+                              std::to_string(cp) + " with compute_config.cp_load_balance " + c.cp_load_balance +
+                              ": it must be a multiple of " + need + " (" + std::to_string(parts) + ")");
+    };
+    check(train_args, t.dataset.train_args.seq_len);
+    if (val_args) check(*val_args, t.dataset.val_args->seq_len);
+  }
+  const int64_t dp = c.runtime_ngpus / (c.plan_ngpus * cp);
   if (dp % c.zero_ngroups != 0)
     cc.fail("zero_ngroups", std::to_string(c.zero_ngroups) + " does not divide the data-parallel size " +
                                 std::to_string(dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
-                                " / plan_ngpus " + std::to_string(c.plan_ngpus) + ")");
+                                " / plan_ngpus " + std::to_string(c.plan_ngpus) +
+                                (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) + ")");
   if (c.backend == "nccl" && c.device == "cpu")
     cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
   if (c.offload.params && c.use_zero != 3)
@@ -693,7 +714,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   // derive the accumulation (as nnScaler does), so one file fits any dp.
   const std::string dp_text = "dp " + std::to_string(dp) + " (runtime_ngpus " +
                               std::to_string(c.runtime_ngpus) + " / plan_ngpus " +
-                              std::to_string(c.plan_ngpus) + ")";
+                              std::to_string(c.plan_ngpus) +
+                              (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) + ")";
   const int64_t per_step = t.micro_batch_size * dp;
   if (t.global_batch_size > 0 && !accumulation_given) {
     if (t.global_batch_size % per_step != 0)
@@ -752,7 +774,10 @@ void check_implemented(const TrainerArgs& a) {
   auto reject = [&](const std::string& key, const std::string& what) {
     throw ConfigError(a.config_file + ": " + key + ": " + what + " is not implemented yet");
   };
-  (void)reject;
+  // The context-parallel attention op and its communicator exist
+  // (models/common/context_attention.h); the trainer does not split sequences over ranks yet.
+  if (a.compute_config.context_parallel_size > 1)
+    reject("compute_config.context_parallel_size", "training with context parallelism (size > 1)");
 }
 
 }  // namespace nnstrain::config

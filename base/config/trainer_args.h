@@ -48,6 +48,13 @@ struct ComputeConfig {
   // parameters' dtype under *-true. fp32 | bf16 | fp16 otherwise.
   std::string reduce_dtype = "auto";
   OffloadArgs offload;
+  // Context parallelism (issue 22): one sequence split over this many ranks,
+  // attention by a ring of K/V blocks (p2p) or one all-gather, the tokens dealt
+  // in 2 cp chunks, rank r holding chunks r and 2 cp - 1 - r (zigzag) or
+  // contiguously (none). Ranks: TP innermost, then CP, then DP.
+  int context_parallel_size = 1;
+  std::string cp_comm_type = "p2p";     // p2p | all_gather
+  std::string cp_load_balance = "zigzag";  // zigzag | none
 };
 
 struct ModelArgs {

@@ -64,6 +64,32 @@ class TpComm : public torch::CustomClassHolder {
   }
 };
 
+// Context parallelism's two choices (models/common/context_attention.h):
+// K/V round a ring (p2p) or gathered once; tokens dealt in 2 cp chunks, rank r
+// holding r and 2 cp - 1 - r (zigzag), or contiguously.
+enum class CpCommType { P2P, AllGather };
+enum class CpLayout { Contiguous, Zigzag };
+
+// Collectives over the context-parallel group (ranks that split one sequence),
+// as context-parallel attention calls them (models/common/context_attention.h).
+// Every rank of the group calls them in the same order.
+class CpComm : public torch::CustomClassHolder {
+ public:
+  ~CpComm() override = default;
+  using Pending = std::function<at::Tensor()>;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // The ring step: sends t to the next rank (rank + 1 mod size) and receives
+  // the previous rank's tensor of the same shape and dtype; started now,
+  // finished by calling the result, so the current block computes meanwhile.
+  // `channel` keeps two shifts in flight at once apart (K/V and their gradients).
+  virtual Pending ring_shift_start(const at::Tensor& t, int channel) = 0;
+  // [size, *t.shape]: every rank's t in rank order.
+  virtual at::Tensor all_gather(const at::Tensor& t) = 0;
+  // t [size, *rest] -> [*rest]: the sum over ranks of their t[my rank].
+  virtual at::Tensor reduce_scatter(const at::Tensor& t) = 0;
+};
+
 struct ShardingContext {
   int tp = 1;    // tensor-parallel degree
   int rank = 0;  // this rank's position in its tensor-parallel group
@@ -82,6 +108,12 @@ struct ShardingContext {
   // Dropout masks of sharded regions (this rank's heads) come from here; null:
   // the default generator (tp 1, or no dropout to draw). models/common/parallel_rng.h.
   std::shared_ptr<ParallelRng> rng;
+  // Context parallelism: the ranks splitting each sequence (null at cp 1). Each
+  // holds its tokens in cp_layout; attention calls context_parallel_attention
+  // and rotary embeddings take the tokens' global positions.
+  c10::intrusive_ptr<CpComm> cp_comm;
+  CpCommType cp_comm_type = CpCommType::P2P;
+  CpLayout cp_layout = CpLayout::Zigzag;
 
   bool parallel() const { return tp > 1; }
   bool sp() const { return tp > 1 && sequence_parallel; }

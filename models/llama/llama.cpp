@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "models/common/context_attention.h"
 #include "models/common/kernels/kernels.h"
 
 
@@ -62,7 +63,10 @@ torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const
 
 AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx)
     : head_dim(cfg.head_dim),
-      kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")) {
+      kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")),
+      cp_comm(ctx.cp_comm),
+      cp_comm_type(ctx.cp_comm_type),
+      cp_layout(ctx.cp_layout) {
   // The query heads of one key/value head stay together: Q and the output
   // projection split in units of a whole group, on the same ranks as K and V.
   const int64_t group = cfg.num_attention_heads / cfg.num_key_value_heads;
@@ -85,6 +89,14 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   q = apply_rope(split(q, heads), cos, sin);
   k = apply_rope(split(k, kv_heads), cos, sin);
   v = split(v, kv_heads);
+  if (cp_comm) {  // this rank's tokens of a sequence split over cp ranks; GQA taken as it is
+    TORCH_CHECK(!mask.defined(), "document masks under context parallelism are not supported");
+    common::CpAttentionOptions o;
+    o.comm_type = cp_comm_type;
+    o.layout = cp_layout;
+    auto y = common::context_parallel_attention(q, k, v, /*causal=*/true, cp_comm, o);
+    return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+  }
   // GQA: flash attention on CUDA takes the KV heads as they are; elsewhere
   // enable_gqa would fall back to the math kernel, so repeat them (as HF's repeat_kv).
   bool native_gqa = false;
@@ -165,6 +177,11 @@ Llama::Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx) : cfg_(
   lm_head = common::ParallelLmHead(ctx, c.vocab_size, c.hidden_size, !c.tie_word_embeddings, init);
   if (!c.tie_word_embeddings) register_module("lm_head", lm_head);
   inv_freq_ = rope_inv_freq(c);
+  if (ctx.cp_comm) {
+    cp_ = ctx.cp_comm->size();
+    cp_rank_ = ctx.cp_comm->rank();
+    cp_layout_ = ctx.cp_layout;
+  }
 }
 
 const torch::Tensor& Llama::head_weight() const {
@@ -175,7 +192,10 @@ std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::De
   if (!cos_.defined() || cos_.size(0) != T || cos_.device() != device) {
     torch::NoGradGuard no_grad;
     // transformers: freqs = position * inv_freq, emb = cat(freqs, freqs), in fp32.
-    const auto freqs = torch::arange(T, torch::kLong).to(torch::kFloat).unsqueeze(-1) * inv_freq_;
+    // Under context parallelism the tokens' global positions.
+    const auto pos = cp_ > 1 ? torch::tensor(common::cp_position_ids(T * cp_, cp_, cp_rank_, cp_layout_), torch::kLong)
+                             : torch::arange(T, torch::kLong);
+    const auto freqs = pos.to(torch::kFloat).unsqueeze(-1) * inv_freq_;
     const auto emb = torch::cat({freqs, freqs}, -1);
     cos_ = emb.cos().to(device);
     sin_ = emb.sin().to(device);
@@ -185,7 +205,7 @@ std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::De
 
 torch::Tensor Llama::hidden(const torch::Tensor& idx, const Documents& docs) {
   const auto T = idx.size(1);
-  TORCH_CHECK(T <= cfg_.max_position_embeddings, "sequence of ", T, " tokens exceeds max_position_embeddings ",
+  TORCH_CHECK(T * cp_ <= cfg_.max_position_embeddings, "sequence of ", T * cp_, " tokens exceeds max_position_embeddings ",
               cfg_.max_position_embeddings);
   auto x = embed_tokens(idx);
   auto [cos, sin] = rotary(T, x.device());

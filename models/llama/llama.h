@@ -63,6 +63,9 @@ class AttentionImpl : public torch::nn::Module {
   common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   common::RowParallelLinear o_proj{nullptr};
   int64_t head_dim, heads, kv_heads;  // this rank's heads
+  c10::intrusive_ptr<common::CpComm> cp_comm;  // context parallelism (null at cp 1)
+  common::CpCommType cp_comm_type = common::CpCommType::P2P;
+  common::CpLayout cp_layout = common::CpLayout::Zigzag;
 };
 TORCH_MODULE(Attention);
 
@@ -121,6 +124,9 @@ class Llama : public CausalLM {
   torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});
   std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, const torch::Device& device);
   LlamaConfig cfg_;
+  // Context parallelism: this rank's tokens sit at global positions (rotary).
+  int cp_ = 1, cp_rank_ = 0;
+  common::CpLayout cp_layout_ = common::CpLayout::Zigzag;
   torch::Tensor inv_freq_;  // on the CPU; not a parameter or buffer (transformers: non-persistent)
   torch::Tensor cos_, sin_;  // cache for the last (T, device)
 };

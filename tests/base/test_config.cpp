@@ -523,3 +523,44 @@ TEST_CASE("config: ArgMap::where and has, as a model parser sees them", "[config
   CHECK_THAT(load_error(tmp, replace(minimal(tmp.data("t.bin")), "n_embd: 32", "n_embd: 32\n    dropout: 1.5"), opts),
              Catch::Contains("model.args.dropout (line 7): must be between 0.0 and 1.0, got 1.5"));
 }
+
+TEST_CASE("config: context parallelism's keys, and the combinations it cannot split", "[config]") {
+  TempDir tmp;
+  LoadOptions multi = options();
+  multi.world_size = 4;
+  multi.reject_unimplemented = false;
+  const std::string base = minimal(tmp.data("t.bin"));
+  // cp 2 of 4 ranks: dp 2, so a global batch of 16 is 2 accumulation steps of micro 4.
+  const TrainerArgs t = load_trainer_args(
+      tmp.write("cp.yaml", base + "global_batch_size: 16\ncompute_config: {context_parallel_size: 2, cp_comm_type: "
+                                  "all_gather, cp_load_balance: none}\n"),
+      multi);
+  CHECK(t.compute_config.context_parallel_size == 2);
+  CHECK(t.compute_config.cp_comm_type == "all_gather");
+  CHECK(t.compute_config.cp_load_balance == "none");
+  CHECK(t.grad_accumulation_steps == 2);
+  const TrainerArgs d = load_trainer_args(tmp.write("cp1.yaml", base), multi);
+  CHECK(d.compute_config.context_parallel_size == 1);
+  CHECK(d.compute_config.cp_comm_type == "p2p");
+  CHECK(d.compute_config.cp_load_balance == "zigzag");
+
+  LoadOptions six = options();  // runtime_ngpus given: a one-process load (plan) takes it as is
+  six.reject_unimplemented = false;
+  CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, context_parallel_size: 3}\n", six),
+             Catch::Contains("dataset.train_args.seq_len (line 10): 8 does not split over "
+                             "compute_config.context_parallel_size 3 with compute_config.cp_load_balance zigzag: it "
+                             "must be a multiple of 2 x context_parallel_size (6)"));
+  CHECK(load_error(tmp, base + "compute_config: {context_parallel_size: 4, cp_load_balance: none}\n", multi).empty());
+  CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, plan_ngpus: 2, context_parallel_size: 2}\n",
+                        six),
+             Catch::Contains("compute_config.context_parallel_size (line 13): 2 x plan_ngpus 2 does not divide "
+                             "runtime_ngpus 6"));
+  CHECK_THAT(load_error(tmp, base + "compute_config: {cp_comm_type: ring}\n", multi),
+             Catch::Contains("compute_config.cp_comm_type (line 13): 'ring' is not one of: p2p, all_gather"));
+  // The trainer itself refuses cp > 1 until it splits sequences.
+  LoadOptions run = multi;
+  run.reject_unimplemented = true;
+  CHECK_THAT(load_error(tmp, base + "compute_config: {context_parallel_size: 2}\n", run),
+             Catch::Contains("compute_config.context_parallel_size: training with context parallelism (size > 1) "
+                             "is not implemented yet"));
+}

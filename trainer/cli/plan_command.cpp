@@ -138,6 +138,11 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     lo.check_files = false;            // planning reads no data
     lo.reject_unimplemented = false;   // plan setups the trainer cannot run yet
     targs = config::load_trainer_args(config_file, lo);
+    // The cost model has no context-parallel terms yet: a plan would silently ignore cp.
+    if (targs.compute_config.context_parallel_size > 1)
+      throw config::ConfigError(config_file + ": compute_config.context_parallel_size: " +
+                                std::to_string(targs.compute_config.context_parallel_size) +
+                                ": the planner does not model context parallelism yet");
   } catch (const config::ConfigError& e) {
     err << "nnstrain plan: config error: " << e.what() << "\n";
     return 2;

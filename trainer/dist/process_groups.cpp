@@ -65,10 +65,10 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::mill
 Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_ptr<c10d::Store> store)
     : rank_(env.rank), world_(env.world_size), opts_(opts), store_(std::move(store)) {
   backend_name_ = opts.backend == "auto" ? (opts.cuda ? "nccl" : "gloo") : opts.backend;
-  const int tp_size = opts.tp, dp_size = world_ / tp_size;
-  if (world_ % tp_size != 0)
+  const int tp_size = opts.tp, cp_size = opts.cp, dp_size = world_ / (tp_size * cp_size);
+  if (world_ % (tp_size * cp_size) != 0)
     throw std::runtime_error("world size " + std::to_string(world_) + " is not a multiple of plan_ngpus " +
-                             std::to_string(tp_size));
+                             std::to_string(tp_size) + " x context_parallel_size " + std::to_string(cp_size));
   if (world_ > 1) {
     if (!store_) store_ = rendezvous(env, opts.timeout);
     store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
@@ -76,38 +76,57 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
     store_ = c10::make_intrusive<c10d::HashStore>();  // nobody to meet: the backend's setup stays in process
   }
   // Groups, created in one global order (each rank joins only its own) so that
-  // overlapping rendezvous can never deadlock. Rank = dp_index * tp + tp_index.
+  // overlapping rendezvous can never deadlock.
+  // Rank = (dp_index * cp + cp_index) * tp + tp_index; at cp 1 the names are those of before cp.
+  auto rank_of = [&](int d, int c, int t) { return (d * cp_size + c) * tp_size + t; };
+  const int my_t = rank_ % tp_size, my_c = (rank_ / tp_size) % cp_size, my_d = rank_ / (tp_size * cp_size);
+  auto suffix = [&](int c, int t) { return cp_size > 1 ? std::to_string(c) + "_" + std::to_string(t) : std::to_string(t); };
   std::vector<int> all(world_);
   for (int r = 0; r < world_; ++r) all[r] = r;
   world = make_group("world", all, false);
   control = make_group("control", all, true);
-  for (int t = 0; t < tp_size; ++t) {
+  for (int c = 0; c < cp_size; ++c)
+    for (int t = 0; t < tp_size; ++t) {
+      std::vector<int> ranks;
+      for (int d = 0; d < dp_size; ++d) ranks.push_back(rank_of(d, c, t));
+      auto g = make_group("dp" + suffix(c, t), ranks, false);
+      if (my_c == c && my_t == t) dp = g;
+    }
+  for (int i = 0; i < dp_size * cp_size; ++i) {
     std::vector<int> ranks;
-    for (int d = 0; d < dp_size; ++d) ranks.push_back(d * tp_size + t);
-    auto g = make_group("dp" + std::to_string(t), ranks, false);
-    if (rank_ % tp_size == t) dp = g;
+    for (int t = 0; t < tp_size; ++t) ranks.push_back(i * tp_size + t);
+    auto g = make_group("tp" + std::to_string(i), ranks, false);
+    if (rank_ / tp_size == i) tp = g;
   }
-  for (int d = 0; d < dp_size; ++d) {
-    std::vector<int> ranks;
-    for (int t = 0; t < tp_size; ++t) ranks.push_back(d * tp_size + t);
-    auto g = make_group("tp" + std::to_string(d), ranks, false);
-    if (rank_ / tp_size == d) tp = g;
+  if (cp_size > 1) {
+    for (int d = 0; d < dp_size; ++d)
+      for (int t = 0; t < tp_size; ++t) {
+        std::vector<int> ranks;
+        for (int c = 0; c < cp_size; ++c) ranks.push_back(rank_of(d, c, t));
+        auto g = make_group("cp" + std::to_string(d) + "_" + std::to_string(t), ranks, false);
+        if (my_d == d && my_t == t) cp = g;
+      }
+  } else {
+    cp.name = "cp";
+    cp.ranks = {rank_};
+    cp.rank = 0;
   }
   const int zn = opts.zero_ngroups, zsize = dp_size / zn;
-  for (int t = 0; t < tp_size; ++t) {
-    for (int gi = 0; gi < zn; ++gi) {
-      std::vector<int> ranks;
-      for (int z = 0; z < zsize; ++z) ranks.push_back((gi * zsize + z) * tp_size + t);
-      auto g = make_group("zero" + std::to_string(t) + "_" + std::to_string(gi), ranks, false);
-      if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
+  for (int c = 0; c < cp_size; ++c)
+    for (int t = 0; t < tp_size; ++t) {
+      for (int gi = 0; gi < zn; ++gi) {
+        std::vector<int> ranks;
+        for (int z = 0; z < zsize; ++z) ranks.push_back(rank_of(gi * zsize + z, c, t));
+        auto g = make_group("zero" + suffix(c, t) + "_" + std::to_string(gi), ranks, false);
+        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
+      }
+      for (int z = 0; z < zsize; ++z) {
+        std::vector<int> ranks;
+        for (int gi = 0; gi < zn; ++gi) ranks.push_back(rank_of(gi * zsize + z, c, t));
+        auto g = make_group("zerox" + suffix(c, t) + "_" + std::to_string(z), ranks, false);
+        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
+      }
     }
-    for (int z = 0; z < zsize; ++z) {
-      std::vector<int> ranks;
-      for (int gi = 0; gi < zn; ++gi) ranks.push_back((gi * zsize + z) * tp_size + t);
-      auto g = make_group("zerox" + std::to_string(t) + "_" + std::to_string(z), ranks, false);
-      if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
-    }
-  }
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
   if (backend_name_ == "nccl") {
     // The monitor queries CUDA events: on this rank's device, so that it never

@@ -1,6 +1,7 @@
 // The distributed runtime of one training process: rendezvous through c10d's
-// TCPStore, the world / data-parallel / tensor-parallel groups (tensor-parallel
-// ranks innermost, so a TP group stays within a node), collectives that fail
+// TCPStore, the world / data-parallel / tensor-parallel / context-parallel groups
+// (tensor-parallel ranks innermost, so a TP group stays within a node, then
+// context-parallel, then data-parallel), collectives that fail
 // loudly naming the collective and the ranks that stopped answering, and a CPU
 // control group for decisions every rank must agree on (stop, skip).
 //
@@ -63,6 +64,7 @@ struct Group {
 
 struct RuntimeOptions {
   int tp = 1;                                // tensor-parallel degree (plan_ngpus)
+  int cp = 1;                                // context-parallel degree (ranks splitting one sequence)
   int zero_ngroups = 1;                      // ZeRO shards within dp / zero_ngroups ranks
   std::string backend = "auto";              // auto | nccl | gloo
   bool cuda = false;                         // tensors live on CUDA
@@ -95,7 +97,10 @@ class Runtime {
   // The rendezvous store, for agreement off the training stream (asynchronous checkpoints).
   c10::intrusive_ptr<c10d::Store> store() const { return store_; }
 
-  Group world, dp, tp;
+  // Rank = (dp index x cp + cp index) x tp + tp index: tensor-parallel ranks
+  // innermost, then context-parallel, then data-parallel. `cp` holds the ranks
+  // that split one sequence (one rank, no backend, at cp 1).
+  Group world, dp, tp, cp;
   Group zero;        // ZeRO shard group: a slice of dp of size dp / zero_ngroups
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement

@@ -1,0 +1,391 @@
+#include "models/common/context_attention.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace nnstrain::models::common {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+CpCommType parse_cp_comm_type(const std::string& s) {
+  if (s == "p2p") return CpCommType::P2P;
+  if (s == "all_gather") return CpCommType::AllGather;
+  throw std::invalid_argument("cp_comm_type must be p2p or all_gather, got '" + s + "'");
+}
+
+CpLayout parse_cp_layout(const std::string& s) {
+  if (s == "zigzag") return CpLayout::Zigzag;
+  if (s == "none") return CpLayout::Contiguous;
+  throw std::invalid_argument("cp_load_balance must be zigzag or none, got '" + s + "'");
+}
+
+const char* to_string(CpCommType t) { return t == CpCommType::P2P ? "p2p" : "all_gather"; }
+const char* to_string(CpLayout l) { return l == CpLayout::Zigzag ? "zigzag" : "none"; }
+
+namespace {
+
+int64_t chunks_per_rank(CpLayout layout) { return layout == CpLayout::Zigzag ? 2 : 1; }
+
+// The global chunk indices rank r holds, in local (ascending) order.
+std::vector<int64_t> rank_chunks(int cp, int r, CpLayout layout) {
+  if (layout == CpLayout::Zigzag) return {r, 2 * cp - 1 - r};
+  return {r};
+}
+
+}  // namespace
+
+void check_cp_split(int64_t seq_len, int cp, CpLayout layout) {
+  if (cp < 1) throw std::invalid_argument("context-parallel size must be at least 1, got " + std::to_string(cp));
+  const int64_t parts = chunks_per_rank(layout) * cp;
+  if (seq_len <= 0 || seq_len % parts != 0) {
+    const std::string need = layout == CpLayout::Zigzag ? "2 x context_parallel_size" : "context_parallel_size";
+    throw std::invalid_argument("sequence length " + std::to_string(seq_len) + " does not split over " +
+                                std::to_string(cp) + " context-parallel ranks with load balance " +
+                                to_string(layout) + ": it must be a multiple of " + need + " (" +
+                                std::to_string(parts) + ")");
+  }
+}
+
+std::vector<int64_t> cp_position_ids(int64_t seq_len, int cp, int rank, CpLayout layout) {
+  check_cp_split(seq_len, cp, layout);
+  TORCH_CHECK(rank >= 0 && rank < cp, "context-parallel rank ", rank, " out of range for size ", cp);
+  const int64_t clen = seq_len / (chunks_per_rank(layout) * cp);
+  std::vector<int64_t> pos;
+  pos.reserve(seq_len / cp);
+  for (int64_t c : rank_chunks(cp, rank, layout))
+    for (int64_t t = 0; t < clen; ++t) pos.push_back(c * clen + t);
+  return pos;
+}
+
+at::Tensor cp_shard(const at::Tensor& full, int64_t dim, int cp, int rank, CpLayout layout) {
+  if (cp == 1) return full;
+  const auto pos = cp_position_ids(full.size(dim), cp, rank, layout);
+  auto idx = torch::tensor(pos, torch::dtype(torch::kLong)).to(full.device());
+  return full.index_select(dim, idx);
+}
+
+at::Tensor cp_unshard(const at::Tensor& gathered, int64_t dim, CpLayout layout) {
+  const int cp = static_cast<int>(gathered.size(0));
+  // Rank-major concatenation along dim, then every global position picked from its place in it.
+  auto cat = at::cat(gathered.unbind(0), dim);
+  if (cp == 1) return cat;
+  const int64_t seq = cat.size(dim);
+  std::vector<int64_t> where(seq);
+  int64_t at_local = 0;
+  for (int r = 0; r < cp; ++r)
+    for (int64_t p : cp_position_ids(seq, cp, r, layout)) where[p] = at_local++;
+  return cat.index_select(dim, torch::tensor(where, torch::dtype(torch::kLong)).to(cat.device()));
+}
+
+namespace {
+
+// A rectangle of one block that one kernel call computes: queries
+// [q0, q0 + qn) against keys [k0, k0 + kn) (local indices), either every key
+// visible or causal (square, on the diagonal).
+struct Piece {
+  int64_t q0, qn, k0, kn;
+  bool causal;
+};
+
+// The pieces of block (q_rank's queries, k_rank's keys): nothing fully masked
+// is ever handed to a kernel (the CPU flash kernel reports lse 0, not -inf,
+// for a row without keys), and rows outside every piece keep lse -inf.
+std::vector<Piece> block_pieces(int cp, int q_rank, int k_rank, int64_t tl, CpLayout layout, bool causal) {
+  if (!causal) return {{0, tl, 0, tl, false}};
+  if (q_rank == k_rank) return {{0, tl, 0, tl, true}};  // local order is ascending global order
+  const auto qc = rank_chunks(cp, q_rank, layout), kc = rank_chunks(cp, k_rank, layout);
+  const int64_t clen = tl / static_cast<int64_t>(qc.size());
+  std::vector<Piece> out;
+  for (size_t a = 0; a < qc.size(); ++a) {
+    // Different ranks never share a chunk: a key chunk is wholly before or after
+    // a query chunk, and those before are a prefix of the ascending key chunks.
+    int64_t m = 0;
+    while (m < static_cast<int64_t>(kc.size()) && kc[m] < qc[a]) ++m;
+    if (m == 0) continue;
+    const int64_t q0 = static_cast<int64_t>(a) * clen;
+    if (!out.empty() && out.back().q0 + out.back().qn == q0 && out.back().kn == m * clen)
+      out.back().qn += clen;  // same keys as the query chunk before: one call
+    else
+      out.push_back({q0, clen, 0, m * clen, false});
+  }
+  return out;
+}
+
+double scale_of(const CpAttentionOptions& o, const at::Tensor& q) {
+  return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
+// --- One kernel call: out (q's dtype) [B, Hq, L, D], lse fp32 [B, Hq, L] ----
+// CPU: the flash kernel, which takes GQA as it is (a KV head serves its g query
+// heads inside the kernel; dk, dv come back with Hkv heads). CUDA: the
+// memory-efficient kernel (every dtype, returns the lse), which needs equal
+// heads: the g query heads of a KV head are folded into its rows
+// ([B, Hkv, g L, D], a view) when every key is visible, and called group by
+// group on causal pieces. Compiled here but untested: no GPU in this session.
+
+// [B, Hq, L, D] <-> [B, Hkv, g L, D].
+at::Tensor fold_groups(const at::Tensor& q, int64_t hkv) {
+  const auto s = q.sizes();
+  return q.contiguous().view({s[0], hkv, (s[1] / hkv) * s[2], s[3]});
+}
+at::Tensor unfold_groups(const at::Tensor& x, int64_t hq) {
+  const auto s = x.sizes();  // [B, Hkv, gL(, D)]
+  std::vector<int64_t> shape{s[0], hq, s[2] / (hq / s[1])};
+  if (x.dim() == 4) shape.push_back(s[3]);
+  return x.contiguous().view(shape);
+}
+
+int64_t padded32(int64_t n) { return (n + 31) / 32 * 32; }
+
+std::pair<at::Tensor, at::Tensor> cuda_forward_equal_heads(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, bool causal, double scale) {
+  auto r = at::_scaled_dot_product_efficient_attention(q, k, v, {}, /*compute_log_sumexp=*/true, 0.0, causal, scale);
+  auto lse = std::get<1>(r).narrow(2, 0, q.size(2));  // the kernel pads rows to a multiple of 32
+  return {std::get<0>(r), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward_equal_heads(const at::Tensor& dout, const at::Tensor& q,
+                                                                        const at::Tensor& k, const at::Tensor& v,
+                                                                        const at::Tensor& out, const at::Tensor& lse,
+                                                                        bool causal, double scale) {
+  auto lse_p = at::constant_pad_nd(lse, {0, padded32(lse.size(2)) - lse.size(2)}, 0.0).contiguous();
+  auto none = at::zeros({}, at::dtype(at::kLong));  // philox seed/offset: unused without dropout
+  auto r = at::_scaled_dot_product_efficient_attention_backward(dout, q, k, v, at::Tensor(), out, lse_p, none, none,
+                                                                0.0, {true, true, true, false}, causal, scale);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+}
+
+std::pair<at::Tensor, at::Tensor> kernel_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 bool causal, double scale) {
+  if (!q.is_cuda()) {
+    auto r = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {}, scale);
+    return {std::get<0>(r), std::get<1>(r)};
+  }
+  const int64_t hq = q.size(1), hkv = k.size(1), g = hq / hkv;
+  if (g == 1) return cuda_forward_equal_heads(q, k, v, causal, scale);
+  if (!causal) {
+    auto r = cuda_forward_equal_heads(fold_groups(q, hkv), k, v, false, scale);
+    return {unfold_groups(r.first, hq), unfold_groups(r.second, hq)};
+  }
+  auto qg = q.contiguous().view({q.size(0), hkv, g, q.size(2), q.size(3)});
+  std::vector<at::Tensor> outs, lses;
+  for (int64_t j = 0; j < g; ++j) {
+    auto r = cuda_forward_equal_heads(qg.select(2, j).contiguous(), k, v, true, scale);
+    outs.push_back(r.first);
+    lses.push_back(r.second);
+  }
+  return {unfold_groups(at::stack(outs, 2).flatten(2, 3), hq), unfold_groups(at::stack(lses, 2).flatten(2, 3), hq)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                              const at::Tensor& k, const at::Tensor& v,
+                                                              const at::Tensor& out, const at::Tensor& lse,
+                                                              bool causal, double scale) {
+  if (!q.is_cuda())
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, {}, scale);
+  const int64_t hq = q.size(1), hkv = k.size(1), g = hq / hkv;
+  if (g == 1) return cuda_backward_equal_heads(dout, q, k, v, out, lse, causal, scale);
+  if (!causal) {
+    auto [dq, dk, dv] = cuda_backward_equal_heads(fold_groups(dout, hkv), fold_groups(q, hkv), k, v,
+                                                  fold_groups(out, hkv), fold_groups(lse.unsqueeze(-1), hkv).squeeze(-1),
+                                                  false, scale);
+    return {unfold_groups(dq, hq), dk, dv};
+  }
+  auto five = [&](const at::Tensor& x) { return x.contiguous().view({x.size(0), hkv, g, x.size(2), x.size(3)}); };
+  auto qg = five(q), dog = five(dout), og = five(out);
+  auto lg = lse.contiguous().view({lse.size(0), hkv, g, lse.size(2)});
+  std::vector<at::Tensor> dqs;
+  at::Tensor dk, dv;
+  for (int64_t j = 0; j < g; ++j) {
+    auto [dqj, dkj, dvj] = cuda_backward_equal_heads(dog.select(2, j).contiguous(), qg.select(2, j).contiguous(), k, v,
+                                                     og.select(2, j).contiguous(), lg.select(2, j).contiguous(), true,
+                                                     scale);
+    dqs.push_back(dqj);
+    dk = j ? dk + dkj : dkj;
+    dv = j ? dv + dvj : dvj;
+  }
+  return {unfold_groups(at::stack(dqs, 2).flatten(2, 3), hq), dk, dv};
+}
+
+// --- Blocks ------------------------------------------------------------------
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int cp, CpLayout layout) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "context-parallel attention takes q, k, v as [B, H, T, D], got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "context-parallel attention: k ", k.sizes(), " and v ", v.sizes(), " differ");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3),
+              "context-parallel attention: q ", q.sizes(), " and k ", k.sizes(), " disagree in B, T or D");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "context-parallel attention: ", q.size(1),
+              " query heads are not a multiple of ", k.size(1), " KV heads");
+  const int64_t tl = q.size(2);
+  if (tl % chunks_per_rank(layout) != 0) check_cp_split(tl * cp, cp, layout);  // the message names the global length
+}
+
+// q's rows [q0, q0 + n) of every [B, H, T, ...] tensor.
+at::Tensor rows(const at::Tensor& x, int64_t q0, int64_t n) { return x.narrow(2, q0, n); }
+
+// Adds one block (keys of k_rank) into the running fp32 out / lse.
+void forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int cp, int q_rank,
+                   int k_rank, CpLayout layout, double scale, at::Tensor& out, at::Tensor& lse) {
+  for (const auto& p : block_pieces(cp, q_rank, k_rank, q.size(2), layout, causal)) {
+    auto [o, l] = kernel_forward(rows(q, p.q0, p.qn).contiguous(), rows(k, p.k0, p.kn).contiguous(),
+                                 rows(v, p.k0, p.kn).contiguous(), p.causal, scale);
+    auto out_rows = rows(out, p.q0, p.qn), lse_rows = rows(lse, p.q0, p.qn);
+    merge_attention(out_rows, lse_rows, o.to(at::kFloat), l.to(at::kFloat));
+  }
+}
+
+// The gradients of one block, recomputed with the whole rows' out and lse;
+// dq accumulated into dq_acc, dk / dv into dk_acc / dv_acc (fp32).
+void backward_block(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, bool causal, int cp, int q_rank, int k_rank,
+                    CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc, at::Tensor& dv_acc) {
+  for (const auto& p : block_pieces(cp, q_rank, k_rank, q.size(2), layout, causal)) {
+    auto [dq, dk, dv] = kernel_backward(rows(dout, p.q0, p.qn).contiguous(), rows(q, p.q0, p.qn).contiguous(),
+                                        rows(k, p.k0, p.kn).contiguous(), rows(v, p.k0, p.kn).contiguous(),
+                                        rows(out, p.q0, p.qn).contiguous(), rows(lse, p.q0, p.qn).contiguous(),
+                                        p.causal, scale);
+    rows(dq_acc, p.q0, p.qn).add_(dq);
+    rows(dk_acc, p.k0, p.kn).add_(dk);
+    rows(dv_acc, p.k0, p.kn).add_(dv);
+  }
+}
+
+// The forward of the op: fp32 out and lse of this rank's rows.
+std::pair<at::Tensor, at::Tensor> cp_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool causal, CpComm& comm, const CpAttentionOptions& o) {
+  const int cp = comm.size(), me = comm.rank();
+  check_inputs(q, k, v, cp, o.layout);
+  const double scale = scale_of(o, q);
+  auto f32 = q.options().dtype(at::kFloat);
+  auto out = at::zeros(q.sizes(), f32);
+  auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(), f32);
+  auto kv = at::stack({k, v});  // one message per step
+  if (o.comm_type == CpCommType::AllGather) {
+    auto all = comm.all_gather(kv);
+    for (int src = 0; src < cp; ++src)
+      forward_block(q, all[src][0], all[src][1], causal, cp, me, src, o.layout, scale, out, lse);
+    return {out, lse};
+  }
+  for (int step = 0; step < cp; ++step) {
+    const int src = ((me - step) % cp + cp) % cp;
+    CpComm::Pending next;
+    if (step + 1 < cp) next = comm.ring_shift_start(kv, 0);  // the next block travels while this one computes
+    forward_block(q, kv[0], kv[1], causal, cp, me, src, o.layout, scale, out, lse);
+    if (next) kv = next();
+  }
+  return {out, lse};
+}
+
+struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool causal, const c10::intrusive_ptr<CpComm>& comm, int64_t comm_type, int64_t layout,
+                            double scale) {
+    CpAttentionOptions o;
+    o.comm_type = static_cast<CpCommType>(comm_type);
+    o.layout = static_cast<CpLayout>(layout);
+    o.scale = scale;
+    auto [out32, lse] = cp_forward(q, k, v, causal, *comm, o);
+    auto out = out32.to(q.scalar_type());
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["comm"] = c10::IValue::make_capsule(comm);
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["comm_type"] = comm_type;
+    ctx->saved_data["layout"] = layout;
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    auto* comm = dynamic_cast<CpComm*>(ctx->saved_data["comm"].toCapsule().get());
+    TORCH_CHECK(comm, "saved context-parallel communicator has the wrong type");
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const auto type = static_cast<CpCommType>(ctx->saved_data["comm_type"].toInt());
+    const auto layout = static_cast<CpLayout>(ctx->saved_data["layout"].toInt());
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int cp = comm->size(), me = comm->rank();
+    const auto dout = grads[0].contiguous();
+    auto f32 = q.options().dtype(at::kFloat);
+    auto dq = at::zeros(q.sizes(), f32);
+    auto kv = at::stack({k, v});
+    // K and V gradients in fp32, [2, B, Hkv, Tl, D] like kv.
+    at::Tensor dkv_home;
+    if (type == CpCommType::AllGather) {
+      auto all = comm->all_gather(kv);
+      auto dkv_all = at::zeros(all.sizes(), f32);
+      for (int src = 0; src < cp; ++src) {
+        auto dk = dkv_all[src][0], dv = dkv_all[src][1];
+        backward_block(dout, q, all[src][0], all[src][1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv);
+      }
+      dkv_home = comm->reduce_scatter(dkv_all);
+    } else {
+      // The gradient of a block travels with it: at step s this rank receives
+      // the sum over the ranks before it of the gradients of block (me - s),
+      // adds its own and passes it on; after cp steps it is back home.
+      CpComm::Pending dkv_in;
+      for (int step = 0; step < cp; ++step) {
+        const int src = ((me - step) % cp + cp) % cp;
+        CpComm::Pending kv_next;
+        if (step + 1 < cp) kv_next = comm->ring_shift_start(kv, 0);
+        auto dkv = step == 0 ? at::zeros(kv.sizes(), f32) : dkv_in();
+        auto dk = dkv[0], dv = dkv[1];
+        backward_block(dout, q, kv[0], kv[1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv);
+        dkv_in = comm->ring_shift_start(dkv, 1);
+        if (kv_next) kv = kv_next();
+      }
+      dkv_home = dkv_in();
+    }
+    return {dq.to(q.scalar_type()), dkv_home[0].to(k.scalar_type()), dkv_home[1].to(v.scalar_type()),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+void merge_attention(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse) {
+  const float inf = std::numeric_limits<float>::infinity();
+  auto m = at::maximum(lse, block_lse);
+  auto m_safe = at::where(m == -inf, at::zeros_like(m), m);  // -inf on both sides: no NaN from -inf - -inf
+  auto a = at::exp(lse - m_safe), b = at::exp(block_lse - m_safe);
+  auto s = a + b;
+  auto s_safe = at::where(s == 0, at::ones_like(s), s);
+  out.copy_((out * (a / s_safe).unsqueeze(-1)) + (block_out * (b / s_safe).unsqueeze(-1)));
+  lse.copy_(m_safe + at::log(s));  // log 0 = -inf: a row no key reached stays -inf
+}
+
+std::pair<at::Tensor, at::Tensor> cp_attention_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     bool causal, int cp, int q_rank, int k_rank,
+                                                     const CpAttentionOptions& options) {
+  check_inputs(q, k, v, cp, options.layout);
+  auto f32 = q.options().dtype(at::kFloat);
+  auto out = at::zeros(q.sizes(), f32);
+  auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(), f32);
+  forward_block(q, k, v, causal, cp, q_rank, k_rank, options.layout, scale_of(options, q), out, lse);
+  return {out, lse};
+}
+
+std::pair<at::Tensor, at::Tensor> context_parallel_attention_lse(const at::Tensor& q, const at::Tensor& k,
+                                                                 const at::Tensor& v, bool causal,
+                                                                 const c10::intrusive_ptr<CpComm>& comm,
+                                                                 const CpAttentionOptions& options) {
+  TORCH_CHECK(comm, "context-parallel attention without a communicator");
+  at::NoGradGuard no_grad;
+  auto [out, lse] = cp_forward(q, k, v, causal, *comm, options);
+  return {out.to(q.scalar_type()), lse};
+}
+
+at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                                      const c10::intrusive_ptr<CpComm>& comm, const CpAttentionOptions& options) {
+  TORCH_CHECK(comm, "context-parallel attention without a communicator");
+  return CpAttentionFn::apply(q, k, v, causal, comm, static_cast<int64_t>(options.comm_type),
+                              static_cast<int64_t>(options.layout), scale_of(options, q));
+}
+
+}  // namespace nnstrain::models::common

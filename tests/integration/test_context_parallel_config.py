@@ -1,0 +1,46 @@
+"""Context parallelism's configuration (issue 22): what the trainer and `nnstrain
+plan` do with compute_config.context_parallel_size today. The attention op and
+its tests live in tests/unit/test_context_attention.cpp; the trainer does not
+split sequences over ranks yet, so cp > 1 exits 2 with a message naming the key:
+a sequence cp cannot split names seq_len and the degree, one it can split says
+training with cp is not implemented yet, and the planner refuses to plan it
+rather than ignore it."""
+import subprocess
+
+from conftest import CONFIGS, SOURCE, nnstrain_bin_path, single_process_env
+
+CONFIG = CONFIGS / "tiny_dp.yaml"
+
+
+def nnstrain(*args, tmp_path, data):
+    cmd = [nnstrain_bin_path(), *args, "--config", str(CONFIG), "--run_dir", str(tmp_path / "run"),
+           "--vars.data", str(data), "--micro_batch_size", "1", "--max_train_steps", "1"]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_a_sequence_cp_cannot_split_exits_2_naming_the_keys(tmp_path, tiny_tokens):
+    code, out = nnstrain("--compute_config.runtime_ngpus", "4", "--compute_config.context_parallel_size", "4",
+                         "--vars.seq_len", "36", tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 2, out
+    assert ("dataset.train_args.seq_len" in out and "36 does not split over compute_config.context_parallel_size 4"
+            in out and "multiple of 2 x context_parallel_size (8)" in out), out
+    # Contiguous layout: a multiple of cp suffices, so 36 splits over 4 and the run stops at the next check.
+    code, out = nnstrain("--compute_config.runtime_ngpus", "4", "--compute_config.context_parallel_size", "4",
+                         "--compute_config.cp_load_balance", "none", "--vars.seq_len", "36", tmp_path=tmp_path,
+                         data=tiny_tokens)
+    assert code == 2 and "seq_len" not in out, out
+    assert "compute_config.context_parallel_size: training with context parallelism" in out, out
+
+
+def test_cp_that_does_not_divide_the_ranks_exits_2(tmp_path, tiny_tokens):
+    code, out = nnstrain("--compute_config.context_parallel_size", "2", tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 2, out
+    assert "compute_config.context_parallel_size" in out and "does not divide runtime_ngpus 1" in out, out
+
+
+def test_plan_refuses_cp_rather_than_ignoring_it(tmp_path, tiny_tokens):
+    code, out = nnstrain("plan", "--runtime-ngpus", "4", "--compute_config.context_parallel_size", "2",
+                         tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 2, out
+    assert "the planner does not model context parallelism yet" in out, out
