@@ -58,6 +58,20 @@ void check_same(CausalLM& off, CausalLM& on, const torch::Tensor& idx, const tor
   }
 }
 
+// Three layers, GQA: enough for recompute of some layers to differ from none.
+nnstrain::models::llama::LlamaConfig tiny_llama(bool tied = false) {
+  nnstrain::models::llama::LlamaConfig cfg;
+  cfg.vocab_size = 80;
+  cfg.hidden_size = 32;
+  cfg.intermediate_size = 48;
+  cfg.num_hidden_layers = 3;
+  cfg.num_attention_heads = 4;
+  cfg.num_key_value_heads = 2;
+  cfg.max_position_embeddings = 32;
+  cfg.tie_word_embeddings = tied;
+  return cfg;
+}
+
 }  // namespace
 
 TEST_CASE("recompute runs the block without grad, then again with grad in backward", "[recompute]") {
@@ -121,14 +135,7 @@ TEST_CASE("recompute replays dropout masks: GPT with dropout, recompute on and o
 }
 
 TEST_CASE("recompute gives Llama the same loss and gradients", "[recompute]") {
-  nnstrain::models::llama::LlamaConfig cfg;
-  cfg.vocab_size = 80;
-  cfg.hidden_size = 32;
-  cfg.intermediate_size = 48;
-  cfg.num_hidden_layers = 3;
-  cfg.num_attention_heads = 4;
-  cfg.num_key_value_heads = 2;
-  cfg.max_position_embeddings = 32;
+  const auto cfg = tiny_llama();
   torch::manual_seed(0);
   nnstrain::models::llama::Llama off(cfg);
   torch::manual_seed(0);
@@ -146,15 +153,7 @@ TEST_CASE("recompute with the fused loss gives Llama (untied and tied heads) the
           "[recompute][fused_loss]") {
   for (bool tied : {false, true}) {
     INFO((tied ? "tied" : "untied"));
-    nnstrain::models::llama::LlamaConfig cfg;
-    cfg.vocab_size = 80;
-    cfg.hidden_size = 32;
-    cfg.intermediate_size = 48;
-    cfg.num_hidden_layers = 3;
-    cfg.num_attention_heads = 4;
-    cfg.num_key_value_heads = 2;
-    cfg.max_position_embeddings = 32;
-    cfg.tie_word_embeddings = tied;
+    const auto cfg = tiny_llama(tied);
     torch::manual_seed(0);
     nnstrain::models::llama::Llama off(cfg);
     torch::manual_seed(0);
