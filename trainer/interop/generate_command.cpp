@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/config/trainer_args.h"
+#include "data/indexed/sample_stream.h"
 #include "data/tokenizer/tokenizer.h"
 #include "data/tokenizer/unicode.h"
 #include "models/generate.h"
@@ -53,7 +54,8 @@ constexpr const char* kUsage = R"(usage: nnstrain generate SOURCE [options]
   --dtype fp32|bf16|fp16   the weights' dtype while generating (default fp32)
   --tokenizer PATH         a tokenizer.json, GPT-2 encoder.json, .tiktoken file or a folder with one,
                            or a char/byte-level dataset's meta.json (default: for a checkpoint, the
-                           meta.json beside its training data; for a Hugging Face folder, its tokenizer)
+                           meta.json beside its training data, or the tokenizer its indexed dataset's
+                           manifest records; for a Hugging Face folder, its tokenizer)
   --stop-at-eos            end a sample at the tokenizer's end-of-text token
   --no-kv-cache            recompute the whole context for every token (nanoGPT's way; slower)
   --json                   one JSON line per sample: prompt_ids, ids (the new ones), text
@@ -165,18 +167,46 @@ Codec load_codec(const std::string& path) {
   return bpe_codec(path);
 }
 
-// The meta.json beside a checkpoint's training data (`nnstrain prepare` writes it
-// there). A relative data path is tried from here, then from each folder above
-// the checkpoint (the run was started from one of them).
-std::optional<std::string> dataset_meta(const checkpoint::Checkpoint& ck) {
-  const auto args = saved_args(ck);
-  if (args.dataset.train_args.path.empty()) return std::nullopt;
-  const fs::path rel = fs::path(args.dataset.train_args.path).parent_path() / "meta.json";
-  if (rel.is_absolute()) return fs::exists(rel) ? std::optional<std::string>(rel.string()) : std::nullopt;
-  if (fs::exists(rel)) return rel.string();
+// A path the run's config names: as it is when absolute, else tried from here,
+// then from each folder above the checkpoint (the run was started from one of
+// them). `exists` decides what counts as found.
+std::optional<fs::path> find_from_run(const fs::path& p, const checkpoint::Checkpoint& ck,
+                                      const std::function<bool(const fs::path&)>& exists) {
+  if (p.is_absolute() || exists(p)) return exists(p) ? std::optional<fs::path>(p) : std::nullopt;
   for (fs::path dir = fs::absolute(ck.dir()); dir.has_relative_path(); dir = dir.parent_path())
-    if (fs::exists(dir / rel)) return (dir / rel).string();
+    if (exists(dir / p)) return dir / p;
   return std::nullopt;
+}
+
+// The tokenizer of a checkpoint's training data: the meta.json `nnstrain
+// prepare` writes beside token files, or the tokenizer an indexed dataset's
+// manifest records (checked against the manifest's hash, so ids are decoded by
+// the tokenizer that made them).
+std::optional<std::string> dataset_tokenizer(const checkpoint::Checkpoint& ck) {
+  const auto args = saved_args(ck);
+  const auto file = [](const fs::path& p) { return fs::exists(p); };
+  if (args.dataset.type != "indexed") {
+    if (args.dataset.train_args.path.empty()) return std::nullopt;
+    const auto meta = find_from_run(fs::path(args.dataset.train_args.path).parent_path() / "meta.json", ck, file);
+    return meta ? std::optional<std::string>(meta->string()) : std::nullopt;
+  }
+  if (args.dataset.indexed_train.datasets.empty()) return std::nullopt;
+  const auto manifest = find_from_run(args.dataset.indexed_train.datasets.front().path, ck, [](const fs::path& p) {
+    return fs::exists(p.string() + ".manifest.json") || (fs::is_regular_file(p) && fs::exists(p));
+  });
+  if (!manifest) return std::nullopt;
+  const auto m = indexed::read_manifest(manifest->string());
+  if (m.tokenizer_path.empty()) return std::nullopt;
+  auto tok = find_from_run(m.tokenizer_path, ck, file);
+  if (!tok && fs::exists(fs::path(m.path).parent_path() / m.tokenizer_path))
+    tok = fs::path(m.path).parent_path() / m.tokenizer_path;
+  if (!tok) return std::nullopt;
+  const auto sha = tok::Tokenizer::load(tok->string()).sha256();
+  if (sha != m.tokenizer_sha256)
+    throw std::runtime_error("the tokenizer " + tok->string() + " is not the one " + m.path +
+                             " was prepared with (sha256 " + sha.substr(0, 12) + "..., the manifest records " +
+                             m.tokenizer_sha256.substr(0, 12) + "...); give --tokenizer");
+  return tok->string();
 }
 
 struct Source {
@@ -227,7 +257,7 @@ Source load_source(std::string src) {
     load_model_weights(ck, *s.model);  // whole tensors from the pieces of any plan
     s.what = "checkpoint " + src + " (" + ck.state().value("model_type", "") + ", step " +
              std::to_string(ck.state().value("step", int64_t{0})) + ")";
-    s.tokenizer = dataset_meta(ck);
+    s.tokenizer = dataset_tokenizer(ck);
     return s;
   }
   if (fs::exists(fs::path(src) / "config.json")) return load_hf(src);
