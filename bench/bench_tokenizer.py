@@ -178,9 +178,10 @@ def write_scaling(args, rows, load):
     lines = ["# Tokenizer thread scaling: nnstrain tokenize on the same documents at 1 and 2 threads", "",
              f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}",
              f"- device: {record['device']}; load average (1 min) before/after the whole run: {load}",
-             "- **the machine was shared**: other sessions were building and testing on the same 2 cores "
-             "during this run, so absolute MB/s and the 2-thread gain are lower bounds of an idle machine's; "
-             "each row's load averages around its runs are in the .json",
+             ("- **the machine was shared** (load average above 1 before the run): absolute MB/s and the "
+              "2-thread gain are lower bounds of an idle machine's"
+              if load[0] > 1.0 else "- the machine was idle before the run (load average below 1)")
+             + "; each row's load averages around its runs are in the .json",
              f"- {args.repeats} rounds, thread counts interleaved in each round; best and median wall time per count",
              "- ids at every thread count equal to tokenizers' encode_batch on the same documents (checked)",
              "", "| tokenizer | text | threads | MB/s best | MB/s median | MB/s per core (CPU time, best run) "
