@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "base/config/arg_map.h"
+#include "data/splitmix.h"
 
 namespace nnstrain::data {
 
@@ -91,18 +92,10 @@ Batch IndexedDataset::train_batch(int64_t step, int64_t first, int64_t count) co
   return samples(step * global_batch_ + first, count);
 }
 
-namespace {
-uint64_t bit_reverse64(uint64_t v) {
-  uint64_t r = 0;
-  for (int i = 0; i < 64; ++i, v >>= 1) r = (r << 1) | (v & 1);
-  return r;
-}
-}  // namespace
-
 Batch IndexedDataset::val_batch(int64_t k, int64_t first, int64_t count) const {
   if (k < 0 || first < 0 || count < 0) throw std::out_of_range(key_ + ": bad validation batch");
   const uint64_t n = uint64_t(samples_per_epoch());
-  const uint64_t start = uint64_t((unsigned __int128)bit_reverse64(uint64_t(k)) * n >> 64);
+  const uint64_t start = van_der_corput_index(uint64_t(k), n);
   // Positions wrap around one epoch of the stream; gathered one sample at a time.
   std::vector<Batch> parts;
   for (int64_t p = first; p < first + count; ++p) parts.push_back(samples(int64_t((start + uint64_t(p)) % n), 1));

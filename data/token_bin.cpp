@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "base/config/arg_map.h"
+#include "data/splitmix.h"
 
 namespace nnstrain::data {
 
@@ -132,21 +133,12 @@ int64_t TokenBinDataset::window_start(int64_t step, int64_t pos) const {
   return int64_t(h % uint64_t(num_tokens() - seq_len_));
 }
 
-namespace {
-// Van der Corput radical inverse in base 2, as a 64-bit fraction of 1.
-uint64_t bit_reverse64(uint64_t v) {
-  uint64_t r = 0;
-  for (int i = 0; i < 64; ++i, v >>= 1) r = (r << 1) | (v & 1);
-  return r;
-}
-}  // namespace
-
 int64_t TokenBinDataset::val_window(int64_t k, int64_t pos) const {
   if (k < 0 || pos < 0)
     throw std::out_of_range("token_bin '" + file_.path() + "': negative validation batch " + std::to_string(k) +
                             " or position " + std::to_string(pos));
   const uint64_t windows = uint64_t(samples_per_epoch());
-  const uint64_t first = uint64_t((unsigned __int128)bit_reverse64(uint64_t(k)) * windows >> 64);
+  const uint64_t first = van_der_corput_index(uint64_t(k), windows);
   return int64_t((first + uint64_t(pos) % windows) % windows);
 }
 

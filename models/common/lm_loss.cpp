@@ -243,17 +243,25 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
   }
 };
 
+// The head losses' inputs: hidden [N, C], weight [rows, C] of which the first
+// `held` rows are the vocabulary, targets [N], chunks of at least one token.
+void check_head_inputs(const char* what, const torch::Tensor& hidden, const torch::Tensor& weight,
+                       const torch::Tensor& targets, int64_t held, int64_t chunk_size) {
+  TORCH_CHECK(chunk_size > 0, what, ": chunk_size must be positive, got ", chunk_size);
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1) && held >= 1 &&
+                  held <= weight.size(0),
+              what, ": expected hidden [N, C] and weight [V, C] (this rank's rows of V), got ", hidden.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), what, ": expected targets [", hidden.size(0),
+              "], got ", targets.sizes());
+}
+
 }  // namespace
 
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t chunk_size,
                                            int64_t ignore_index) {
-  TORCH_CHECK(chunk_size > 0, "chunked_linear_cross_entropy: chunk_size must be positive, got ", chunk_size);
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
-              "chunked_linear_cross_entropy: expected hidden [N, C] and weight [V, C], got ", hidden.sizes(),
-              " and ", weight.sizes());
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
-              "chunked_linear_cross_entropy: expected targets [", hidden.size(0), "], got ", targets.sizes());
+  check_head_inputs("chunked_linear_cross_entropy", hidden, weight, targets, weight.size(0), chunk_size);
   return ChunkedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), /*vocab_start=*/0,
                                                  /*held=*/weight.size(0), chunk_size, ignore_index, solo_comm());
 }
@@ -276,11 +284,7 @@ torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, 
                                                    const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                    int64_t chunk_size, int64_t ignore_index,
                                                    const c10::intrusive_ptr<TpComm>& comm) {
-  TORCH_CHECK(chunk_size > 0, "chunked_vocab_parallel_cross_entropy: chunk_size must be positive, got ", chunk_size);
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1) && held >= 1 &&
-                  held <= weight.size(0),
-              "chunked_vocab_parallel_cross_entropy: expected hidden [N, C] and weight [rows, C], got ",
-              hidden.sizes(), " and ", weight.sizes());
+  check_head_inputs("chunked_vocab_parallel_cross_entropy", hidden, weight, targets, held, chunk_size);
   return ChunkedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
                                                  chunk_size, ignore_index, comm);
 }
@@ -289,13 +293,7 @@ torch::Tensor fused_vocab_parallel_cross_entropy(const torch::Tensor& hidden, co
                                                  const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                  int64_t chunk_size, int64_t ignore_index,
                                                  const c10::intrusive_ptr<TpComm>& comm) {
-  TORCH_CHECK(chunk_size > 0, "fused linear cross-entropy: chunk_size must be positive, got ", chunk_size);
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1) && held >= 1 &&
-                  held <= weight.size(0),
-              "fused linear cross-entropy: expected hidden [N, C] and weight [V, C], got ", hidden.sizes(), " and ",
-              weight.sizes());
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
-              "fused linear cross-entropy: expected targets [", hidden.size(0), "], got ", targets.sizes());
+  check_head_inputs("fused linear cross-entropy", hidden, weight, targets, held, chunk_size);
   // Gradients only where backward can come: grad mode on and the input requiring them.
   const bool grad = torch::GradMode::is_enabled();
   return FusedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
