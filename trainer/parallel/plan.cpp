@@ -37,6 +37,9 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"comm_s", e.comm_s},
          {"tp_comm_s", e.tp_comm_s},
          {"dp_comm_s", e.dp_comm_s},
+         {"cp_comm_s", e.cp_comm_s},
+         {"pp_comm_s", e.pp_comm_s},
+         {"pp_bubble", e.pp_bubble},
          {"host_bytes", e.host_bytes},
          {"host_step_s", e.host_step_s},
          {"copy_s", e.copy_s},
@@ -47,6 +50,15 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"micro_batch_size", p.micro_batch_size},
        {"seq_len", p.seq_len},
        {"grad_accumulation_steps", p.grad_accumulation_steps}};
+  // Only where used, so plans without them read as before.
+  if (p.context.cp > 1)
+    j["context"] = {{"cp", p.context.cp}, {"comm_type", p.context.comm_type}, {"load_balance", p.context.load_balance}};
+  if (p.pipeline.pp > 1)
+    j["pipeline"] = {{"pp", p.pipeline.pp},
+                     {"stages", p.pipeline.stages},
+                     {"scheduler", p.pipeline.scheduler},
+                     {"nmicros", p.pipeline.nmicros},
+                     {"stage_layers", p.pipeline.stage_layers}};
 }
 
 void from_json(const nlohmann::json& j, Plan& p) {
@@ -90,6 +102,9 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.comm_s = ej.value("comm_s", 0.0);
       e.tp_comm_s = ej.value("tp_comm_s", 0.0);
       e.dp_comm_s = ej.value("dp_comm_s", 0.0);
+      e.cp_comm_s = ej.value("cp_comm_s", 0.0);
+      e.pp_comm_s = ej.value("pp_comm_s", 0.0);
+      e.pp_bubble = ej.value("pp_bubble", 0.0);
       e.host_bytes = ej.value("host_bytes", 0.0);
       e.host_step_s = ej.value("host_step_s", 0.0);
       e.copy_s = ej.value("copy_s", 0.0);
@@ -101,12 +116,28 @@ void from_json(const nlohmann::json& j, Plan& p) {
     p.micro_batch_size = j.value("micro_batch_size", int64_t{1});
     p.seq_len = j.value("seq_len", int64_t{0});
     p.grad_accumulation_steps = j.value("grad_accumulation_steps", int64_t{1});
+    if (j.contains("context")) {
+      const auto& c = j.at("context");
+      p.context.cp = c.at("cp").get<int>();
+      p.context.comm_type = c.at("comm_type").get<std::string>();
+      p.context.load_balance = c.at("load_balance").get<std::string>();
+    }
+    if (j.contains("pipeline")) {
+      const auto& q = j.at("pipeline");
+      p.pipeline.pp = q.at("pp").get<int>();
+      p.pipeline.stages = q.at("stages").get<int>();
+      p.pipeline.scheduler = q.at("scheduler").get<std::string>();
+      p.pipeline.nmicros = q.at("nmicros").get<int64_t>();
+      p.pipeline.stage_layers = q.at("stage_layers").get<std::vector<int>>();
+    }
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(std::string("invalid plan JSON: ") + e.what());
   }
-  if (p.tp < 1 || p.dp < 1 || p.world != p.tp * p.dp)
+  const int cp = p.context.cp, pp = p.pipeline.pp;
+  if (p.tp < 1 || p.dp < 1 || cp < 1 || pp < 1 || p.world != p.tp * cp * pp * p.dp)
     throw std::runtime_error("invalid plan JSON: world " + std::to_string(p.world) + " != tp " +
-                             std::to_string(p.tp) + " x dp " + std::to_string(p.dp));
+                             std::to_string(p.tp) + " x cp " + std::to_string(cp) + " x pp " + std::to_string(pp) +
+                             " x dp " + std::to_string(p.dp));
 }
 
 namespace {

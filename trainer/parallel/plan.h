@@ -24,15 +24,39 @@ struct PlanEstimate {
   double total_bytes = 0;
   double compute_s = 0, comm_s = 0, step_s = 0;
   double tp_comm_s = 0, dp_comm_s = 0;  // comm_s = tp_comm_s + dp_comm_s (exposed part of DP/ZeRO)
+                                        //   + cp_comm_s + pp_comm_s
+  double cp_comm_s = 0;                 // context parallel: the ring's exposed transfers
+  double pp_comm_s = 0;                 // pipeline: activation and gradient transfers between stages
+  double pp_bubble = 0;                 // pipeline: the schedule's idle fraction (simulated)
   // Offload: host memory per rank (not in total_bytes, which is the device's),
   // the CPU step and the copies per step, and what of them is exposed (in step_s).
   double host_bytes = 0;
   double host_step_s = 0, copy_s = 0, offload_s = 0;
 };
 
+// Context parallelism: ranks splitting one sequence (compute_config.context_parallel_size).
+struct ContextPlan {
+  int cp = 1;
+  std::string comm_type = "p2p";      // p2p | all_gather
+  std::string load_balance = "zigzag";  // zigzag | none
+};
+
+// Pipeline parallelism: layers split into stages over pp ranks
+// (compute_config.pas_config.pipeline_*).
+struct PipelinePlan {
+  int pp = 1;                       // pipeline ranks
+  int stages = 1;                   // pipeline stages (> pp: virtual stages per rank)
+  std::string scheduler = "1f1b";   // gpipe | 1f1b | 1f1b_interleaved | zb1p | zbv
+  int64_t nmicros = 1;              // micro-batches in flight per step (one pipeline flush)
+  std::vector<int> stage_layers;    // model layers per stage (sums to the layer count)
+};
+
 struct Plan {
   std::string policy;            // the pas_policy that produced it
+  // world = tp x cp x pp x dp; ranks laid out TP innermost, then CP, PP, DP.
   int world = 1, tp = 1, dp = 1;
+  ContextPlan context;
+  PipelinePlan pipeline;
   int zero_stage = 0;            // ZeRO: 0 off, 1 optimizer, 2 + gradients, 3 + parameters
   int zero_ngroups = 1;
   // Offload to host memory (compute_config.offload, or chosen by autodist):
