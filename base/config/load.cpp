@@ -462,6 +462,34 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.context_parallel_size = static_cast<int>(cc.get_int("context_parallel_size", 1, 1, 1 << 20));
   c.cp_comm_type = cc.get_string("cp_comm_type", "p2p", {"p2p", "all_gather"});
   c.cp_load_balance = cc.get_string("cp_load_balance", "zigzag", {"zigzag", "none"});
+  std::optional<ArgMap> pas;
+  if (cc.has("pas_config")) {
+    pas.emplace(cc.child("pas_config"));
+    auto& q = c.pipeline;
+    q.pp_size = static_cast<int>(pas->get_int("pp_size", 1, 1, 1 << 20));
+    const auto nstages = pas->get_string("pipeline_nstages", "auto");
+    if (nstages != "auto") {
+      try {
+        size_t used = 0;
+        q.nstages = std::stoi(nstages, &used);
+        if (used != nstages.size() || q.nstages < 1) throw std::invalid_argument(nstages);
+      } catch (const std::logic_error&) {
+        pas->fail("pipeline_nstages", "'" + nstages + "' is neither auto nor an integer >= 1");
+      }
+    }
+    q.nmicros = static_cast<int>(pas->get_int("pipeline_nmicros", 0, 0, 1 << 20));
+    q.scheduler = pas->get_string("pipeline_scheduler", "1f1b", {"gpipe", "1f1b", "1f1b_interleaved", "zb1p", "zbv"});
+    if (pas->has("pipeline_layers")) {
+      for (double v : pas->get_float_list("pipeline_layers")) {
+        if (v < 1 || v != static_cast<double>(static_cast<int>(v)))
+          pas->fail("pipeline_layers", "each stage's layer count must be an integer >= 1 (got " + format_double(v) + ")");
+        q.layers.push_back(static_cast<int>(v));
+      }
+      if (q.nstages > 0 && static_cast<int>(q.layers.size()) != q.nstages)
+        pas->fail("pipeline_layers", "lists " + std::to_string(q.layers.size()) + " stages but pipeline_nstages is " +
+                                         std::to_string(q.nstages));
+    }
+  }
   std::optional<ArgMap> offload;
   if (cc.has("offload")) {
     offload.emplace(cc.child("offload"));
@@ -688,12 +716,18 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     check(train_args, t.dataset.train_args.seq_len);
     if (val_args) check(*val_args, t.dataset.val_args->seq_len);
   }
-  const int64_t dp = c.runtime_ngpus / (c.plan_ngpus * cp);
+  const int pp = c.pipeline.pp_size;
+  if (pp > 1 && c.runtime_ngpus % (c.plan_ngpus * cp * pp) != 0)
+    pas->fail("pp_size", std::to_string(pp) + " x plan_ngpus " + std::to_string(c.plan_ngpus) +
+                             (cp > 1 ? " x context_parallel_size " + std::to_string(cp) : std::string()) +
+                             " does not divide runtime_ngpus " + std::to_string(c.runtime_ngpus));
+  const int64_t dp = c.runtime_ngpus / (c.plan_ngpus * cp * pp);
   if (dp % c.zero_ngroups != 0)
     cc.fail("zero_ngroups", std::to_string(c.zero_ngroups) + " does not divide the data-parallel size " +
                                 std::to_string(dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
                                 " / plan_ngpus " + std::to_string(c.plan_ngpus) +
-                                (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) + ")");
+                                (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) +
+                                (pp > 1 ? " / pp_size " + std::to_string(pp) : std::string()) + ")");
   if (c.backend == "nccl" && c.device == "cpu")
     cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
   if (c.offload.params && c.use_zero != 3)
@@ -715,7 +749,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   const std::string dp_text = "dp " + std::to_string(dp) + " (runtime_ngpus " +
                               std::to_string(c.runtime_ngpus) + " / plan_ngpus " +
                               std::to_string(c.plan_ngpus) +
-                              (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) + ")";
+                              (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) +
+                              (pp > 1 ? " / pas_config.pp_size " + std::to_string(pp) : std::string()) + ")";
   const int64_t per_step = t.micro_batch_size * dp;
   if (t.global_batch_size > 0 && !accumulation_given) {
     if (t.global_batch_size % per_step != 0)
@@ -778,6 +813,9 @@ void check_implemented(const TrainerArgs& a) {
   // (models/common/context_attention.h); the trainer does not split sequences over ranks yet.
   if (a.compute_config.context_parallel_size > 1)
     reject("compute_config.context_parallel_size", "training with context parallelism (size > 1)");
+  // The schedules exist as data (trainer/parallel/pipeline_schedule.h); the runtime does not.
+  if (a.compute_config.pipeline.pp_size > 1)
+    reject("compute_config.pas_config.pp_size", "training with pipeline parallelism (size > 1)");
 }
 
 }  // namespace nnstrain::config

@@ -29,6 +29,18 @@ struct OffloadArgs {
   bool delayed_update = false;
 };
 
+// Pipeline parallelism (issue 21), nnScaler's compute_config.pas_config keys:
+// the layers split into `nstages` stages over `pp_size` ranks (more stages than
+// ranks: virtual stages, `nstages / pp_size` per rank), `nmicros` micro-batches
+// per step in one pipeline flush, run in the order `scheduler` gives.
+struct PipelineArgs {
+  int pp_size = 1;
+  int nstages = 0;                 // 0: auto (the planner's choice; pp_size unless the scheduler needs more)
+  int nmicros = 0;                 // 0: the step's micro-batches (grad_accumulation_steps)
+  std::string scheduler = "1f1b";  // gpipe | 1f1b | 1f1b_interleaved | zb1p | zbv
+  std::vector<int> layers;         // model layers per stage, given by the user; empty: balanced by the cost model
+};
+
 struct ComputeConfig {
   int plan_ngpus = 1;           // ranks one model replica spans (tensor parallel degree)
   int runtime_ngpus = 0;        // total ranks; 0 = take WORLD_SIZE from the launcher
@@ -55,6 +67,7 @@ struct ComputeConfig {
   int context_parallel_size = 1;
   std::string cp_comm_type = "p2p";     // p2p | all_gather
   std::string cp_load_balance = "zigzag";  // zigzag | none
+  PipelineArgs pipeline;                   // compute_config.pas_config
 };
 
 struct ModelArgs {
