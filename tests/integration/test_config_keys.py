@@ -29,7 +29,7 @@ SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "mode
             "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
             "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile."}
 # "### <heading>" tables inside a section: their own key prefix.
-SUBSECTIONS = {"offload": "compute_config.offload."}
+SUBSECTIONS = {"offload": "compute_config.offload.", "pas_config": "compute_config.pas_config."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
 
 
@@ -87,7 +87,7 @@ def full_config(tmp_path):
     return {
         "vars": {"data": str(tokens)},
         "run_dir": str(tmp_path / "run"),
-        "compute_config": {"device": "cpu", "offload": {}},
+        "compute_config": {"device": "cpu", "offload": {}, "pas_config": {"pipeline_layers": [1]}},
         "model": {"type": "gpt", "args": {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2,
                                           "n_embd": 16}},
         "optimizer": {"type": "adamw", "args": {"lr": 1e-3}},
