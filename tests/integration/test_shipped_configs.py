@@ -6,7 +6,10 @@
   prepared with GPT-2's tokenizer, whose vocabulary it keeps, 64-token samples); everything else (optimizer, schedule, ZeRO,
   recompute, chunked or fused loss, checkpointing) stays as the file sets it.
 - `nnstrain plan` for configs/llama3_8b.yaml on 8 and 16 GPUs of 80 GB (H100)
-  finds a plan that fits its memory budget under the file's bf16-mixed.
+  finds a plan that fits its memory budget under the file's bf16-mixed;
+  configs/llama3_8b_128k.yaml on 8 (and at 1M tokens on 8 and 32) with context
+  parallelism where a sequence needs it, configs/llama3_70b.yaml on 64 and 128
+  with pipeline stages.
 """
 import json
 import math
@@ -77,6 +80,9 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
                  "--micro_batch_size", 2, "--grad_accumulation_steps", 1, "--global_batch_size", 2,
                  "--max_train_steps", 2, "--log_progress_every_n_train_steps", 1,
                  "--checkpoint.save_dir", tmp_path / "ckpt", "--checkpoint.every_n_train_steps", 0]
+    # One process: a config that spans a node (plan_ngpus 8) plans it over one rank here.
+    if raw.get("compute_config", {}).get("plan_ngpus", 1) > 1:
+        overrides += ["--compute_config.plan_ngpus", 1]
     shrink = dict(SHRINK[model_type])
     if ds.get("type") == "indexed":
         # Megatron indexed data as the config's comment says to make it: alpaca records, GPT-2's
@@ -145,3 +151,32 @@ def test_llama3_8b_plan_fits_80gb_gpus_in_bf16_mixed(ngpus):
     seq = yaml.safe_load(config.read_text())["vars"]["seq_len"]
     floor = sum(want.values()) + a["num_hidden_layers"] * plan["micro_batch_size"] * seq * h * 2 / tp
     assert floor <= est["total_bytes"] <= budget, (floor, est)
+
+
+def plan_json(config, ngpus, *overrides):
+    p = nnstrain("plan", "--config", config, "--runtime-ngpus", ngpus, "--device", "H100", "--json", *overrides,
+                 timeout=120)
+    assert p.returncode == 0, f"no plan for {config.name} on {ngpus} x H100:\n{p.stdout}{p.stderr}"
+    plan = json.loads(p.stdout)["plan"]
+    est, budget = plan["estimate"], plan["memory_budget_bytes"]
+    assert 0 < est["total_bytes"] <= budget <= 80e9, (est["total_bytes"], budget)
+    cp = plan.get("context", {}).get("cp", 1)
+    pipe = plan.get("pipeline", {"pp": 1, "stages": 1, "stage_layers": []})
+    assert plan["tp"] * cp * pipe["pp"] * plan["dp"] == ngpus, plan
+    return plan, cp, pipe
+
+
+@pytest.mark.parametrize("ngpus,seq", [(8, 131072), (8, 1048576), (32, 1048576)])
+def test_llama3_8b_long_context_plans_fit_80gb_gpus(ngpus, seq):
+    plan, cp, _ = plan_json(CONFIG_DIR / "llama3_8b_128k.yaml", ngpus, "--vars.seq_len", seq)
+    assert plan["seq_len"] == seq
+    # A million tokens do not fit one tensor-parallel group of 8: the sequence is split.
+    if seq > 131072:
+        assert cp > 1, plan
+
+
+@pytest.mark.parametrize("ngpus", [64, 128])
+def test_llama3_70b_plan_uses_pipeline_stages(ngpus):
+    _, _, pipe = plan_json(CONFIG_DIR / "llama3_70b.yaml", ngpus)
+    assert pipe["pp"] > 1, pipe
+    assert sum(pipe["stage_layers"]) == 80 and len(pipe["stage_layers"]) == pipe["stages"], pipe
