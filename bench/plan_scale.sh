@@ -30,6 +30,7 @@ plan() {  # name, config, ranks, extra overrides...
 
 plan llama3_8b_128k_8xH100 configs/llama3_8b_128k.yaml 8
 plan llama3_8b_1m_8xH100 configs/llama3_8b_128k.yaml 8 --vars.seq_len 1048576
+plan llama3_8b_1m_8xH100_78GiB configs/llama3_8b_128k.yaml 8 --vars.seq_len 1048576 --memory-budget-gb 78
 plan llama3_8b_1m_32xH100 configs/llama3_8b_128k.yaml 32 --vars.seq_len 1048576
 plan llama3_70b_64xH100 configs/llama3_70b.yaml 64
 plan llama3_70b_128xH100 configs/llama3_70b.yaml 128

@@ -644,7 +644,17 @@ struct ScheduleCache::Impl {
     if (it != shapes.end()) return it->second;
     Shape sh;
     sh.schedule = pipeline::make_schedule(scheduler, ranks, stages, micros);
-    sh.peak_live = pipeline::simulate(sh.schedule).peak_live;  // the order alone decides it
+    // A micro-batch's activations live from its F until its backward is
+    // done: its B, or its W (the weight gradient reads the layers' inputs),
+    // not its I as pipeline::simulate's peak_live counts. The order alone decides it.
+    sh.peak_live.assign(ranks, 0);
+    for (int r = 0; r < ranks; ++r) {
+      int live = 0;
+      for (const auto& act : sh.schedule.actions[r]) {
+        if (act.op == pipeline::Op::F) sh.peak_live[r] = std::max(sh.peak_live[r], ++live);
+        if (act.op == pipeline::Op::B || act.op == pipeline::Op::W) --live;
+      }
+    }
     return shapes.emplace(key, std::move(sh)).first->second;
   }
   const pipeline::Simulation& run(const std::string& scheduler, int ranks, int stages, int micros,
@@ -663,10 +673,13 @@ namespace {
 
 // Micro-batches the pipeline simulator runs: beyond 4 x stages (a multiple of
 // pp, as interleaving needs) the schedule is in its steady state, where every
-// further micro-batch adds one F + B to every rank.
-int simulated_micros(int micros, int pp, int stages) {
+// further micro-batch adds one F + B to every rank. Not the zero-bubble
+// schedules: their generator may defer W to the end, so their live
+// activations grow with the micro-batches.
+int simulated_micros(const std::string& scheduler, int micros, int pp, int stages) {
   const int cap = std::max(4 * stages, 2 * pp);
-  return micros <= cap ? micros : cap - cap % pp;
+  if (scheduler == "zb1p" || scheduler == "zbv" || micros <= cap) return micros;
+  return cap - cap % pp;
 }
 
 // Pipeline parallelism. Memory: each pipeline rank holds its stages'
@@ -686,7 +699,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   const int S = c.stages, P = c.pp;
   const auto layers = c.stage_layers.empty() ? stage_split(req, f, S) : c.stage_layers;
   const int micros = static_cast<int>(std::max<int64_t>(1, a.global_batch_size / (a.micro_batch_size * std::max(1, c.dp))));
-  const int m_sim = simulated_micros(micros, P, S);
+  const int m_sim = simulated_micros(c.scheduler, micros, P, S);
   const auto& shape = im.shape(c.scheduler, P, S, m_sim);
   const auto& stage_rank = shape.schedule.stage_rank;
   std::vector<int> first_layer(S + 1, 0);
@@ -709,7 +722,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
       part.recomputed += std::min(c.recompute_layers, layers[st]);
       for (int l = first_layer[st]; l < first_layer[st + 1]; ++l) in_layer[l] = true;
     }
-    // GPipe holds every micro-batch; the others' peak does not grow with more.
+    // GPipe holds every micro-batch; 1F1B's and interleaving's peak does not grow with more.
     const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[r]);
     part.live = live / std::max(1, held_stages);
     part.held.assign(f.params.size(), false);

@@ -301,8 +301,8 @@ std::string describe(const Plan& p, bool explain) {
 
   if (explain) {
     o << "\ncost model (docs/parallelism.md):\n"
-      << "  compute = FLOPs per token x tokens per rank / tp / (peak FLOP/s x " << fixed(kAssumedEfficiency, 2)
-      << "), +1/3 of a layer's FLOPs per recomputed layer\n"
+      << "  compute = FLOPs per token (less causal attention's masked half) x tokens per rank / tp / (peak\n"
+      << "    FLOP/s x " << fixed(kAssumedEfficiency, 2) << "), +1/3 of a layer's FLOPs per recomputed layer\n"
       << "  tensor parallel: 4 all-reduces of b x s x h per layer per micro-batch (2 more per recomputed\n"
       << "    layer, 2 for the vocab-parallel embedding and head), 2(t-1)/t x bytes / bandwidth, not overlapped\n"
       << "  data parallel: 2(d-1)/d x gradient bytes / bandwidth on the last micro-batch, overlapped with its\n"
