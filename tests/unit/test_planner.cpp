@@ -822,6 +822,10 @@ TEST_CASE("planner: Llama 3 70B on 128 H100 is planned with pipeline stages", "[
   CHECK(recomputed % plan.pipeline.stages == 0);  // the first k layers of every stage
   CHECK(plan.estimate.pp_bubble > 0);
   CHECK(plan.estimate.pp_bubble < 0.5);
+  // The pipeline travels in the plan's JSON (checkpoints, plan agreement).
+  const nlohmann::json j = plan;
+  CHECK(nlohmann::json(j.get<parallel::Plan>()) == j);
+  CHECK(j.at("pipeline").at("stage_layers") == nlohmann::json(plan.pipeline.stage_layers));
   // It is the fastest of what fits: every faster candidate is over the budget.
   for (const auto& r : rejected)
     if (r.kind != "infeasible" && r.step_s < plan.estimate.step_s) CHECK(r.kind == "memory");
