@@ -11,6 +11,7 @@
 #include <map>
 #include <numeric>
 #include <sstream>
+#include <tuple>
 
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
@@ -610,13 +611,8 @@ namespace {
 std::shared_ptr<models::llama::Llama> meta_llama(int64_t layers, int64_t hidden, int64_t ffn, int64_t heads,
                                                  int64_t kv, int64_t vocab, int64_t max_seq) {
   models::llama::LlamaConfig lc;
-  lc.num_hidden_layers = layers;
-  lc.hidden_size = hidden;
-  lc.intermediate_size = ffn;
-  lc.num_attention_heads = heads;
-  lc.num_key_value_heads = kv;
-  lc.vocab_size = vocab;
-  lc.max_position_embeddings = max_seq;
+  std::tie(lc.num_hidden_layers, lc.hidden_size, lc.intermediate_size, lc.num_attention_heads, lc.num_key_value_heads,
+           lc.vocab_size, lc.max_position_embeddings) = std::make_tuple(layers, hidden, ffn, heads, kv, vocab, max_seq);
   models::common::ShardingContext meta;
   meta.options = meta.options.device(c10::kMeta);
   return std::make_shared<models::llama::Llama>(lc, meta);
