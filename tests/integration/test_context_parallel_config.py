@@ -3,8 +3,9 @@ plan` do with compute_config.context_parallel_size today. The attention op and
 its tests live in tests/unit/test_context_attention.cpp; the trainer does not
 split sequences over ranks yet, so cp > 1 exits 2 with a message naming the key:
 a sequence cp cannot split names seq_len and the degree, one it can split says
-training with cp is not implemented yet, and the planner refuses to plan it
-rather than ignore it."""
+training with cp is not implemented yet; `nnstrain plan` plans it (the cost
+model's context-parallel terms)."""
+import json
 import subprocess
 
 from conftest import CONFIGS, SOURCE, nnstrain_bin_path, single_process_env
@@ -39,8 +40,19 @@ def test_cp_that_does_not_divide_the_ranks_exits_2(tmp_path, tiny_tokens):
     assert "compute_config.context_parallel_size" in out and "does not divide runtime_ngpus 1" in out, out
 
 
-def test_plan_refuses_cp_rather_than_ignoring_it(tmp_path, tiny_tokens):
+def test_plan_plans_the_configured_cp(tmp_path, tiny_tokens):
+    code, out = nnstrain("plan", "--runtime-ngpus", "4", "--compute_config.context_parallel_size", "2", "--json",
+                         tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 0, out
+    with_cp = json.loads(out)["plan"]
+    assert with_cp["context"] == {"cp": 2, "comm_type": "p2p", "load_balance": "zigzag"}, with_cp
+    assert with_cp["tp"] * 2 * with_cp["dp"] == 4, with_cp
+    code, out = nnstrain("plan", "--runtime-ngpus", "4", "--json", tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 0, out
+    without = json.loads(out)["plan"]
+    assert "context" not in without, without
+    # Each rank holds half of every sequence's activations.
+    assert with_cp["estimate"]["activation_bytes"] < without["estimate"]["activation_bytes"], (with_cp, without)
     code, out = nnstrain("plan", "--runtime-ngpus", "4", "--compute_config.context_parallel_size", "2",
                          tmp_path=tmp_path, data=tiny_tokens)
-    assert code == 2, out
-    assert "the planner does not model context parallelism yet" in out, out
+    assert code == 0 and "context parallel: each sequence over 2 ranks (p2p ring, zigzag chunks)" in out, out

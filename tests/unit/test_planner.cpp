@@ -9,12 +9,15 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <sstream>
+#include <tuple>
 
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
 #include "trainer/cli/plan_command.h"
 #include "base/config/arg_map.h"
+#include "models/common/sharding.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/planner.h"
 
@@ -598,4 +601,234 @@ max_train_steps: 10
   CHECK(cli::plan_main({"--config", cfg}, rout, rerr) == 2);
   CHECK_THAT(rerr.str(), Catch::Contains("not a multiple of plan_ngpus 2"));
   CHECK_THAT(derr.str(), Catch::Contains("unknown device 'TPU'"));
+}
+
+// ---- context and pipeline parallelism ------------------------------------------
+
+namespace {
+
+// A Llama on the meta device (shapes only): 70B-sized models plan without memory.
+std::shared_ptr<models::llama::Llama> meta_llama(int64_t layers, int64_t hidden, int64_t ffn, int64_t heads,
+                                                 int64_t kv, int64_t vocab, int64_t max_seq) {
+  models::llama::LlamaConfig lc;
+  std::tie(lc.num_hidden_layers, lc.hidden_size, lc.intermediate_size, lc.num_attention_heads, lc.num_key_value_heads,
+           lc.vocab_size, lc.max_position_embeddings) = std::make_tuple(layers, hidden, ffn, heads, kv, vocab, max_seq);
+  models::common::ShardingContext meta;
+  meta.options = meta.options.device(c10::kMeta);
+  return std::make_shared<models::llama::Llama>(lc, meta);
+}
+
+parallel::DeviceSpec h100() { return parallel::device_spec("H100"); }
+
+}  // namespace
+
+TEST_CASE("planner: context parallelism divides activations by cp and adds the ring's exposed time",
+          "[planner][cp]") {
+  auto model = meta_llama(4, 1024, 3584, 8, 2, 4096, 65536);
+  auto args = args_for(8, 8, 1, 1, 65536);
+  args.precision = "bf16-mixed";
+  PlanRequest req{&args, model.get(), 8, h100(), 0};
+  std::map<int, parallel::PlanEstimate> by_cp;
+  for (int cp : {1, 2, 4, 8}) {
+    Candidate c{1, 1, 0, 0};
+    c.cp = cp;
+    by_cp[cp] = parallel::estimate(req, c);
+  }
+  // Activations per rank: 1/cp of the tokens, plus the K/V the ring holds (a
+  // small share with 2 of 8 heads as K/V), so within 10% of 1/cp.
+  for (int cp : {2, 4, 8}) {
+    INFO("cp " << cp);
+    const double ratio = by_cp[cp].activation_bytes / by_cp[1].activation_bytes;
+    CHECK(ratio == Approx(1.0 / cp).epsilon(0.10));
+    CHECK(ratio > 1.0 / cp);  // the ring's K/V in flight come on top
+    // Compute divides by cp exactly (each rank's queries against the whole sequence).
+    CHECK(by_cp[cp].compute_s == Approx(by_cp[1].compute_s / cp).epsilon(1e-9));
+    // Parameters are replicated over cp.
+    CHECK(by_cp[cp].param_bytes == by_cp[1].param_bytes);
+  }
+  CHECK(by_cp[1].cp_comm_s == 0);
+  // p2p hides transfers behind each block's attention: at 65536 tokens a block
+  // computes far longer than its K/V take to move within a node.
+  CHECK(by_cp[2].cp_comm_s == 0);
+  // all_gather exposes its gathers and the gradients' reduce-scatter in full.
+  Candidate g{1, 1, 0, 0};
+  g.cp = 4;
+  g.cp_comm = "all_gather";
+  const auto ag = parallel::estimate(req, g);
+  CHECK(ag.cp_comm_s > 0);
+  CHECK(ag.step_s > by_cp[4].step_s);
+  // A short sequence cannot hide the ring: p2p is exposed too.
+  auto short_args = args_for(8, 8, 1, 1, 1024);
+  short_args.precision = "bf16-mixed";
+  PlanRequest short_req{&short_args, model.get(), 8, h100(), 0};
+  Candidate s{1, 1, 0, 0};
+  s.cp = 8;
+  CHECK(parallel::estimate(short_req, s).cp_comm_s > 0);
+}
+
+TEST_CASE("planner: the search takes cp only when a sequence does not fit without it", "[planner][cp]") {
+  auto model = meta_llama(4, 1024, 3584, 8, 2, 4096, 65536);
+  auto args = args_for(8, 2, 1, 4, 65536);  // 4 sequences: without cp, tp 2 x dp 4 is the only split
+  args.precision = "bf16-mixed";
+  args.model.loss = "fused";
+  PlanRequest req{&args, model.get(), 8, h100(), 0};
+  req.search_context = true;
+  double least_without = 1e300, with_cp = 1e300;
+  for (int z = 0; z <= 3; ++z) {
+    least_without = std::min(least_without, parallel::estimate(req, {2, 4, z, 4}).total_bytes);  // all recomputed
+    Candidate c{2, 1, z, 4};
+    c.cp = 4;
+    with_cp = std::min(with_cp, parallel::estimate(req, c).total_bytes);
+  }
+  REQUIRE(with_cp < least_without);
+  // Ample memory: no cp. A budget below anything without cp: cp, and --explain
+  // gives every candidate without it a reason.
+  req.memory_budget_bytes = 1e12;
+  CHECK(parallel::make_plan(req).context.cp == 1);
+  req.memory_budget_bytes = (with_cp + least_without) / 2;
+  std::vector<parallel::Rejected> rejected;
+  const auto plan = parallel::make_plan(req, &rejected);
+  CHECK(plan.context.cp > 1);
+  CHECK(plan.world == plan.tp * plan.context.cp * plan.dp);
+  CHECK(plan.estimate.total_bytes <= req.memory_budget_bytes);
+  int without_cp = 0;
+  for (const auto& r : rejected) {
+    INFO(r.candidate << ": " << r.reason);
+    CHECK_FALSE(r.reason.empty());
+    if (r.cand.cp == 1) {
+      ++without_cp;
+      CHECK((r.kind == "memory" || r.kind == "infeasible"));
+    }
+  }
+  CHECK(without_cp > 0);
+  // The trainer's request (no search_context) never splits sequences: it
+  // offloads, or refuses.
+  req.search_context = false;
+  try {
+    const auto p = parallel::make_plan(req);
+    CHECK(p.context.cp == 1);
+    CHECK((p.offload_ratio > 0 || p.offload_params));
+  } catch (const parallel::PlanError&) {
+  }
+}
+
+TEST_CASE("planner: stage splits keep every layer once and balance the head", "[planner][pp]") {
+  CHECK(parallel::balanced_stage_split(7, 3, 0, 0) == std::vector<int>{3, 2, 2});
+  CHECK(parallel::balanced_stage_split(8, 4, 0, 0) == std::vector<int>{2, 2, 2, 2});
+  for (int layers : {1, 3, 7, 13, 80})
+    for (int stages = 1; stages <= std::min(layers, 16); ++stages)
+      for (double head : {0.0, 0.4, 2.5}) {
+        const auto n = parallel::balanced_stage_split(layers, stages, 0.0, head);
+        INFO(layers << " layers, " << stages << " stages, head " << head);
+        REQUIRE(static_cast<int>(n.size()) == stages);
+        CHECK(std::accumulate(n.begin(), n.end(), 0) == layers);
+        CHECK(*std::min_element(n.begin(), n.end()) >= 1);
+        // No move of one layer lowers the most expensive stage.
+        auto cost = [&](const std::vector<int>& v) {
+          double worst = 0;
+          for (int s = 0; s < stages; ++s) worst = std::max(worst, v[s] + (s == stages - 1 ? head : 0.0));
+          return worst;
+        };
+        for (int from = 0; from < stages; ++from)
+          for (int to = 0; to < stages; ++to) {
+            if (from == to || n[from] <= 1) continue;
+            auto m = n;
+            --m[from];
+            ++m[to];
+            CHECK(cost(m) >= cost(n) - 1e-12);
+          }
+      }
+  // A heavy head (2.5 layers) leaves the last stage the fewest layers.
+  const auto h = parallel::balanced_stage_split(12, 4, 0.0, 2.5);
+  CHECK(h.back() < h.front());
+  CHECK_THROWS_AS(parallel::balanced_stage_split(3, 4, 0, 0), parallel::PlanError);
+}
+
+TEST_CASE("planner: a pipeline's bubble and memory come from the schedule simulator", "[planner][pp]") {
+  // Equal stages (no head cost to speak of: a tiny vocabulary), no transfers
+  // to speak of: 1F1B's bubble is (p - 1) / (m + p - 1).
+  auto model = meta_llama(8, 1024, 3584, 8, 8, 32, 2048);
+  for (int m : {4, 8, 32, 100}) {
+    auto args = args_for(4, 1, 1, m, 2048);
+    args.precision = "bf16-mixed";
+    PlanRequest req{&args, model.get(), 4, h100(), 0};
+    Candidate c{1, 1, 0, 0};
+    c.pp = c.stages = 4;
+    c.scheduler = "1f1b";
+    c.stage_layers = {2, 2, 2, 2};
+    const auto e = parallel::estimate(req, c);
+    INFO("m " << m);
+    const double p = 4;
+    CHECK(e.pp_bubble == Approx((p - 1) / (m + p - 1)).epsilon(0.02));
+    CHECK(e.pp_comm_s > 0);
+    CHECK(e.step_s > e.compute_s);
+    // GPipe holds every micro-batch, 1F1B's stage 0 holds p of them: its
+    // activations grow with m, 1F1B's do not past p.
+    Candidate g = c;
+    g.scheduler = "gpipe";
+    const auto eg = parallel::estimate(req, g);
+    if (m > 4) CHECK(eg.activation_bytes > e.activation_bytes);
+  }
+  // Stage 0 under 1F1B at p 4 holds 4 micro-batches of its 2 layers; one
+  // process (the same 8 layers, nothing in flight but one micro-batch) holds
+  // 1 x 8: the same layer activations.
+  auto args = args_for(4, 1, 1, 16, 2048);
+  args.precision = "bf16-mixed";
+  PlanRequest req{&args, model.get(), 4, h100(), 0};
+  Candidate c{1, 1, 0, 0};
+  c.pp = c.stages = 4;
+  c.stage_layers = {2, 2, 2, 2};
+  auto one_args = args_for(1, 1, 1, 16, 2048);
+  one_args.precision = "bf16-mixed";
+  PlanRequest one_req{&one_args, model.get(), 1, h100(), 0};
+  const auto pipe = parallel::estimate(req, c), whole = parallel::estimate(one_req, Candidate{1, 1, 0, 0});
+  CHECK(pipe.param_bytes < whole.param_bytes / 2);  // a quarter of the layers, and the embedding
+  CHECK(pipe.activation_bytes == Approx(whole.activation_bytes).epsilon(0.10));
+  // Interleaving (2 stages per rank) and zero bubble shrink the bubble.
+  Candidate v = c;
+  v.scheduler = "1f1b_interleaved";
+  v.stages = 8;
+  v.stage_layers = {1, 1, 1, 1, 1, 1, 1, 1};
+  Candidate z = c;
+  z.scheduler = "zb1p";
+  const auto ev = parallel::estimate(req, v), ez = parallel::estimate(req, z);
+  CHECK(ev.pp_bubble < pipe.pp_bubble);
+  CHECK(ez.pp_bubble < pipe.pp_bubble);
+}
+
+TEST_CASE("planner: Llama 3 70B on 128 H100 is planned with pipeline stages", "[planner][pp]") {
+  auto model = meta_llama(80, 8192, 28672, 64, 8, 128256, 8192);
+  auto args = args_for(128, 8, 1, 256, 8192);
+  args.precision = "bf16-mixed";
+  args.model.loss = "fused";
+  args.compute_config.reducer_bucket_cap_mb = 100;
+  PlanRequest req{&args, model.get(), 128, h100(), 0};
+  req.search_pipeline = true;
+  std::vector<parallel::Rejected> rejected;
+  const auto plan = parallel::make_plan(req, &rejected);
+  INFO(parallel::describe(plan));
+  CHECK(plan.pipeline.pp > 1);
+  CHECK(plan.world == plan.tp * plan.pipeline.pp * plan.dp);
+  CHECK(plan.estimate.total_bytes <= plan.memory_budget_bytes);
+  CHECK(std::accumulate(plan.pipeline.stage_layers.begin(), plan.pipeline.stage_layers.end(), 0) == 80);
+  CHECK(static_cast<int>(plan.pipeline.stage_layers.size()) == plan.pipeline.stages);
+  CHECK(plan.pipeline.nmicros == 256 / plan.dp);
+  int recomputed = 0;
+  for (bool r : plan.recompute) recomputed += r;
+  CHECK(recomputed % plan.pipeline.stages == 0);  // the first k layers of every stage
+  CHECK(plan.estimate.pp_bubble > 0);
+  CHECK(plan.estimate.pp_bubble < 0.5);
+  // The pipeline travels in the plan's JSON (checkpoints, plan agreement).
+  const nlohmann::json j = plan;
+  CHECK(nlohmann::json(j.get<parallel::Plan>()) == j);
+  CHECK(j.at("pipeline").at("stage_layers") == nlohmann::json(plan.pipeline.stage_layers));
+  // It is the fastest of what fits: every faster candidate is over the budget.
+  for (const auto& r : rejected)
+    if (r.kind != "infeasible" && r.step_s < plan.estimate.step_s) CHECK(r.kind == "memory");
+  // Without pipeline parallelism on the table (the trainer's request) it is
+  // not used, and what is chosen then is slower.
+  req.search_pipeline = false;
+  const auto flat = parallel::make_plan(req);
+  CHECK(flat.pipeline.pp == 1);
+  CHECK(flat.estimate.step_s > plan.estimate.step_s);
 }

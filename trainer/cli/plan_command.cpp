@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <sstream>
 
 #include "models/model.h"
 #include "models/common/sharding.h"
@@ -16,6 +17,7 @@
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
 #include "trainer/parallel/plan.h"
+#include "trainer/parallel/pipeline_schedule.h"
 #include "trainer/parallel/planner.h"
 
 namespace nnstrain::cli {
@@ -26,9 +28,11 @@ constexpr const char* kPlanUsage =
     R"(nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X]
               [--explain] [--json] [--key.path value ...]
 
-Prints the plan the trainer would use: tensor- and data-parallel sizes, ZeRO,
-activation recompute per layer, each parameter's split, per-rank memory and the
-estimated step time. Nothing is trained and no weights are allocated.
+Prints the plan for the config: tensor-, context-, pipeline- and data-parallel
+sizes, ZeRO, activation recompute per layer, the pipeline's stages, schedule
+and bubble, each parameter's split, per-rank memory and the estimated step
+time. Under autodist it may choose context and pipeline parallelism, which the
+trainer does not run yet. Nothing is trained and no weights are allocated.
 
   --runtime-ngpus N       total ranks (default: compute_config.runtime_ngpus, else 1)
   --device NAME           H100 | H200 | A100-80G | A100-40G | cpu | auto
@@ -53,6 +57,20 @@ std::string count_text(double n) {
   if (n >= 1e6) return fixed(n / 1e6, 2) + "M";
   if (n >= 1e3) return fixed(n / 1e3, 1) + "K";
   return fixed(n, 0);
+}
+
+// The schedule's action grid (stage.micro per rank), each row cut at a
+// terminal's width once the micro-batches repeat the steady state.
+std::string pipeline_grid(const parallel::PipelinePlan& q) {
+  const auto s = parallel::pipeline::make_schedule(q.scheduler, q.pp, q.stages, static_cast<int>(q.nmicros));
+  std::string out = "\nschedule " + q.scheduler + ": " + std::to_string(q.pp) + " ranks, " + std::to_string(q.stages) +
+                    " stages, " + std::to_string(q.nmicros) + " micro-batches (F forward, B backward, I/W its " +
+                    "input/weight halves; STAGE.MICRO):\n";
+  constexpr size_t kWidth = 160;
+  std::istringstream rows(parallel::pipeline::grid(s));
+  for (std::string row; std::getline(rows, row);)
+    out += (row.size() > kWidth ? row.substr(0, row.rfind(' ', kWidth)) + " ..." : row) + "\n";
+  return out;
 }
 
 }  // namespace
@@ -138,11 +156,6 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     lo.check_files = false;            // planning reads no data
     lo.reject_unimplemented = false;   // plan setups the trainer cannot run yet
     targs = config::load_trainer_args(config_file, lo);
-    // The cost model has no context-parallel terms yet: a plan would silently ignore cp.
-    if (targs.compute_config.context_parallel_size > 1)
-      throw config::ConfigError(config_file + ": compute_config.context_parallel_size: " +
-                                std::to_string(targs.compute_config.context_parallel_size) +
-                                ": the planner does not model context parallelism yet");
   } catch (const config::ConfigError& e) {
     err << "nnstrain plan: config error: " << e.what() << "\n";
     return 2;
@@ -156,6 +169,9 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     req.device = parallel::device_spec(device_name.empty() ? cc.device : device_name);
     const double gb = budget_gb > 0 ? budget_gb : cc.memory_budget_gb;
     req.memory_budget_bytes = gb * kGiB;
+    // On paper autodist may choose every dimension (the trainer's request
+    // leaves out the ones it cannot run yet).
+    req.search_pipeline = req.search_context = true;
     const auto model = build_model_for_planning(targs);
     req.model = model.get();
 
@@ -178,6 +194,11 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
                         {"dp", r.cand.dp},
                         {"zero", r.cand.zero_stage},
                         {"recompute_layers", r.cand.recompute_layers},
+                        {"cp", r.cand.cp},
+                        {"cp_comm_type", r.cand.cp_comm},
+                        {"pp", r.cand.pp},
+                        {"stages", r.cand.stages},
+                        {"scheduler", r.cand.scheduler},
                         {"memory_bytes", r.memory_bytes},
                         {"step_s", r.step_s}});
         j["rejected"] = rj;
@@ -214,6 +235,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
         << ", " << fixed(d.intra_node_bw / 1e9, 0) << " GB/s within a node, " << fixed(d.inter_node_bw / 1e9, 2)
         << " GB/s between nodes, " << d.ranks_per_node << " ranks per node\n\n";
     out << parallel::describe(plan, explain);
+    if (plan.pipeline.pp > 1) out << pipeline_grid(plan.pipeline);
     if (explain) {
       out << "\nrejected candidates (" << rejected.size() << "):\n";
       out << parallel::describe_rejected(rejected, static_cast<int>(plan.recompute.size()));

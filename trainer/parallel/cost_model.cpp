@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <optional>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -18,6 +20,7 @@
 #include "models/model.h"
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/param_units.h"
+#include "trainer/parallel/pipeline_schedule.h"
 #include "trainer/parallel/training_state.h"
 
 namespace nnstrain::parallel {
@@ -123,30 +126,38 @@ struct StateLayout {
   double host_elements = 0, last_host_bucket = 0;
 };
 
+// The gradient-reduction (and ZeRO) group: parameters are replicated over
+// cp, so their gradients are reduced over dp x cp.
+int reduce_group(const Candidate& c) { return c.dp * c.cp; }
+
+// `held` (empty: every parameter): the parameters of this rank's pipeline stages.
 StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, const Candidate& c,
-                         const PrecisionBytes& pb) {
+                         const PrecisionBytes& pb, const std::vector<bool>& held) {
   StateLayout st;
-  st.z = c.zero_stage ? std::max(1, c.dp / std::max(1, a.compute_config.zero_ngroups)) : 1;
+  st.z = c.zero_stage ? std::max(1, reduce_group(c) / std::max(1, a.compute_config.zero_ngroups)) : 1;
   std::vector<int64_t> numels;
-  for (const auto& p : f.params) {
+  std::vector<int> units;  // ZeRO-3: a bucket per unit, as the training state's
+  std::vector<const ParamFact*> params;
+  for (size_t i = 0; i < f.params.size(); ++i) {
+    if (!held.empty() && !held[i]) continue;
+    const auto& p = f.params[i];
     int64_t n = 1;
     for (auto dim : local_shape(p, c.tp)) n *= dim;
     numels.push_back(n);
+    params.push_back(&p);
+    if (c.zero_stage == 3) units.push_back(f.zero3_units[i]);
     st.elements += double(n);
   }
   bool blocks = false;
-  for (const auto& p : f.params) blocks = blocks || p.unit >= 0;
+  for (const auto* p : params) blocks = blocks || p->unit >= 0;
   for (size_t i = 0; i < numels.size(); ++i)
-    if (!blocks || f.params[i].unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
+    if (!blocks || params[i]->unit >= 0) st.largest_block_param = std::max(st.largest_block_param, double(numels[i]));
   std::map<int, double> per_block;
   for (size_t i = 0; i < numels.size(); ++i)
-    if (f.params[i].unit >= 0) per_block[f.params[i].unit] += double(numels[i]);
+    if (params[i]->unit >= 0) per_block[params[i]->unit] += double(numels[i]);
   for (const auto& [u, n] : per_block) st.block_elements = std::max(st.block_elements, n);
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
-  // ZeRO-3: a bucket per unit, as the training state's.
-  const std::vector<int> no_units;
-  const auto& units = c.zero_stage == 3 ? f.zero3_units : no_units;
   const auto layout = FlatLayout::make(numels, cap, st.z, 0, units);
   st.buckets = static_cast<int64_t>(layout.buckets.size());
   for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
@@ -183,16 +194,30 @@ struct Setting {
   StateLayout st;
   double t, d, b, s, h, heads, kv, ffn, V, L, k;
   double micro_steps;  // micro-batches per rank per step
-  double tokens;       // of one micro-batch
+  double tokens;       // of one micro-batch on this rank: b x s / cp
   bool sp;             // sequence parallelism
   double rep;          // what tensor parallelism leaves whole is 1/tp of the sequence under SP
   double v_local;      // this rank's rows of the LM head
+  double cp;           // context-parallel ranks
+  double attn_flops;   // attention's FLOPs per token per layer (forward + backward), over the whole sequence
+  // What this rank holds of the layers (under pp: its stages'): Lr layers, kr
+  // of them recomputed, activations of `live` micro-batches at once, the
+  // embedding (first) and the head (last).
+  double Lr, kr, live = 1;
+  bool first = true, last = true;
 };
 
-Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
+// The rank's part of the model under pp; the whole model otherwise.
+struct RankPart {
+  std::vector<bool> held;  // per parameter (empty: all)
+  double layers = 0, recomputed = 0, live = 1;
+  bool first = true, last = true;
+};
+
+Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c, const RankPart& part) {
   const auto& a = *req.args;
   const auto pb = precision_bytes(a);
-  Setting x{req, a, f, c, pb, state_layout(a, f, c, pb)};
+  Setting x{req, a, f, c, pb, state_layout(a, f, c, pb, part.held)};
   x.t = c.tp;
   x.d = c.dp;
   x.b = double(a.micro_batch_size);
@@ -205,10 +230,18 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c)
   x.L = double(f.layers);
   x.k = c.recompute_layers;
   x.micro_steps = std::max(1.0, std::floor(double(a.global_batch_size) / (x.b * x.d)));
-  x.tokens = x.b * x.s;
+  x.cp = std::max(1, c.cp);
+  x.tokens = x.b * x.s / x.cp;
   x.sp = c.tp > 1 && a.compute_config.sequence_parallel;
   x.rep = x.sp ? 1 / x.t : 1;
   x.v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(x.V / x.t) : x.V;
+  x.attn_flops = std::max(0.0, req.model->flops_per_token(static_cast<int64_t>(x.s)) - req.model->flops_per_token(0)) /
+                 std::max(1.0, x.L);
+  x.Lr = c.pp > 1 ? part.layers : x.L;
+  x.kr = c.pp > 1 ? part.recomputed : x.k;
+  x.live = part.live;
+  x.first = part.first;
+  x.last = part.last;
   return x;
 }
 
@@ -305,6 +338,45 @@ double loss_term(const Setting& x, bool fp32_compute) {
                   tokens * v_local * 4 + tokens * h * ea + v_local * h * ea);
 }
 
+// Context parallelism, one layer of one micro-batch: K and V (this rank's
+// s / cp tokens, its key/value heads) travel round the ring (p2p: cp - 1 steps,
+// each transfer hidden behind the block computing meanwhile, exposed only
+// beyond it; backward sends the K/V with their fp32 gradients) or are gathered
+// once (all_gather: the whole sequence's K/V, gathered in forward and again in
+// backward, the gradients reduce-scattered, exposed in full). The bytes in
+// flight are what the ring holds beside the layer's activations.
+struct CpLayer {
+  double forward_s = 0, backward_s = 0;  // exposed
+  double kv_backward = 0;                // bytes in flight during a layer's backward
+};
+
+CpLayer cp_layer(const Setting& x) {
+  CpLayer r;
+  if (x.cp <= 1) return r;
+  const auto& dev = x.req.device;
+  const double bw = x.t * x.cp <= std::max(1, dev.ranks_per_node) ? dev.intra_node_bw : dev.inter_node_bw;
+  const double alpha = dev.collective_latency_s;
+  const double kv_heads_local = std::ceil(x.kv / x.t), head_dim = x.h / x.heads;
+  const double kv = x.tokens * 2 * kv_heads_local * head_dim * x.pb.act;  // this rank's K and V
+  const double dkv = kv / x.pb.act * 4;                                    // their fp32 gradients
+  const double peak =
+      peak_flops_for(dev, x.a.precision, x.a.compute_config.allow_tf32) * kAssumedEfficiency;
+  // This rank's queries against the sequence, causal: half the blocks' pairs are masked.
+  const double attn_forward = x.tokens * 0.5 * x.attn_flops / 3 / x.t / peak;
+  if (x.c.cp_comm == "all_gather") {
+    const double gather = alpha + (x.cp - 1) / x.cp * x.cp * kv / bw;
+    r.forward_s = gather;
+    r.backward_s = gather + alpha + (x.cp - 1) / x.cp * x.cp * dkv / bw;
+    r.kv_backward = x.cp * (kv + dkv);
+  } else {
+    const double block = attn_forward / x.cp, steps = x.cp - 1;
+    r.forward_s = steps * std::max(0.0, alpha + kv / bw - block);
+    r.backward_s = steps * std::max(0.0, alpha + (kv + dkv) / bw - 2 * block);
+    r.kv_backward = 2 * (kv + dkv);  // the block computing and the next one arriving
+  }
+  return r;
+}
+
 Activations activation_term(const Setting& x) {
   const double ea = x.pb.act, tokens = x.tokens, h = x.h, t = x.t, rep = x.rep;
   const double hkv = h * x.kv / x.heads, ffn = x.ffn;
@@ -337,19 +409,21 @@ Activations activation_term(const Setting& x) {
   act.layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
   act.layer_input = tokens * h * rep * ea;
   act.scores = x.req.fused_attention ? 0.0 : tokens * 2 * (x.heads / t) * x.s * ea;
-  act.saved_layers = (x.L - x.k) * (act.layer_full + act.scores) + x.k * act.layer_input;
+  // Under pp the rank's stages' layers, for every micro-batch in flight.
+  act.saved_layers = x.live * ((x.Lr - x.kr) * (act.layer_full + act.scores) + x.kr * act.layer_input);
   // The last block's output (what the final norm keeps of its input) and of
   // the norm, and its output; under SP the head gathers that output whole and keeps it.
-  act.head_saved = tokens * ((head_in + norm_extra) * rep + (x.sp ? h : h * rep)) * ea;
-  act.loss_peak = loss_term(x, fp32_compute);
+  act.head_saved = x.last ? x.live * tokens * ((head_in + norm_extra) * rep + (x.sp ? h : h * rep)) * ea : 0.0;
+  act.loss_peak = x.last ? loss_term(x, fp32_compute) : 0.0;
   // One block's backward: the gradient coming in, the widest gradients (the
   // MLP's), under SP the gathered gradient of the row-parallel output, and
   // autograd's gradient of the block's largest parameter before it is added
   // into its slot (its bucket under ZeRO-2, its unit under ZeRO-3).
-  act.block_grads = tokens * (h * rep + (x.sp ? h : 0) + wide_grads / t) * ea + x.st.largest_block_param * x.pb.param;
+  act.block_grads = tokens * (h * rep + (x.sp ? h : 0) + wide_grads / t) * ea + x.st.largest_block_param * x.pb.param +
+                    cp_layer(x).kv_backward;
   // A tied embedding's gradient from the head waits in autograd until the
   // embedding's own part is added at the end of backward.
-  act.tied_head_grad = x.f.dims.tied_embeddings ? x.v_local * h * x.pb.param : 0.0;
+  act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
   return act;
 }
 
@@ -367,7 +441,7 @@ Activations activation_term(const Setting& x) {
 void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
   const auto& st = x.st;
   const auto& pb = x.pb;
-  const double L = x.L, k = x.k;
+  const double L = x.Lr, k = x.kr;
   const bool z2 = x.c.zero_stage == 2, z3 = x.c.zero_stage == 3;  // at one rank too: the same buffers
   const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
   struct Phase {
@@ -401,7 +475,7 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
     phases.push_back({act.saved_layers + act.block_grads + act.tied_head_grad, 0.0});  // the last block's backward
   }
   if (k >= 1 && k >= L)  // every block recomputes: the last one rebuilt whole, its output held, then its backward
-    phases.push_back({k * act.layer_input + act.layer_full - act.layer_input + x.tokens * x.h * x.rep * x.pb.act +
+    phases.push_back({x.live * k * act.layer_input + act.layer_full - act.layer_input + x.tokens * x.h * x.rep * x.pb.act +
                           act.block_grads + act.scores + act.tied_head_grad,
                       worst_block_transient});
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
@@ -412,7 +486,14 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
   e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
 }
 
-// Compute: the model's training FLOPs per token, one more forward per
+// The FLOPs a training step runs per token: the model's count, whose
+// attention term covers the whole s x s score matrix, less the masked half a
+// causal kernel (flash, memory-efficient) skips.
+double work_per_token(const Setting& x) {
+  return x.req.model->flops_per_token(static_cast<int64_t>(x.s)) - 0.5 * x.attn_flops * x.L;
+}
+
+// Compute: the training FLOPs per token (work_per_token), one more forward per
 // recomputed layer, divided over tp, at kAssumedEfficiency of the peak.
 struct Compute {
   double flops_token = 0, recompute_flops = 0;
@@ -422,12 +503,25 @@ Compute compute_term(const Setting& x, PlanEstimate& e) {
   const double peak =
       peak_flops_for(x.req.device, x.a.precision, x.a.compute_config.allow_tf32) * kAssumedEfficiency;
   Compute cm;
-  cm.flops_token = x.req.model->flops_per_token(static_cast<int64_t>(x.s));
+  cm.flops_token = work_per_token(x);
   const double layer_flops = std::max(0.0, cm.flops_token - 6 * x.V * x.h) / std::max(1.0, x.L);
   cm.recompute_flops = x.k * layer_flops / 3;  // one more forward (1/3 of fwd+bwd) per recomputed layer
-  const double tokens_rank = x.micro_steps * x.b * x.s;
+  const double tokens_rank = x.micro_steps * x.tokens;  // cp ranks share a sequence's tokens
   e.compute_s = tokens_rank * (cm.flops_token + cm.recompute_flops) / x.t / peak;
   return cm;
+}
+
+// Context parallelism: every layer's ring (or gather) per micro-batch, once
+// more in forward for each recomputed layer.
+void cp_comm_term(const Setting& x, PlanEstimate& e) {
+  const auto r = cp_layer(x);
+  e.cp_comm_s = x.micro_steps * (x.L * (r.forward_s + r.backward_s) + x.k * r.forward_s);
+}
+
+// The link a collective over `span` consecutive ranks uses: NVLink while they
+// share a node.
+double link_bw(const DeviceSpec& dev, double span) {
+  return span <= std::max(1, dev.ranks_per_node) ? dev.intra_node_bw : dev.inter_node_bw;
 }
 
 // Tensor parallelism, per micro-batch: 4 all-reduces per layer (2 forward, 2
@@ -440,18 +534,18 @@ void tp_comm_term(const Setting& x, PlanEstimate& e) {
   const double bw = x.c.tp <= per_node ? dev.intra_node_bw : dev.inter_node_bw;
   const double n = 4 * x.L + 2 * x.k + (x.f.vocab_parallel_head ? 2 : 0);
   e.tp_comm_s = x.micro_steps * n *
-                (dev.collective_latency_s + 2 * (x.t - 1) / x.t * (x.b * x.s * x.h * x.pb.act) / bw);
+                (dev.collective_latency_s + 2 * (x.t - 1) / x.t * (x.tokens * x.h * x.pb.act) / bw);
 }
 
 // Data parallelism and ZeRO: what of the gradient reduction (and ZeRO's
 // gathers) the backward does not hide.
 void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
-  if (x.c.dp <= 1) return;
+  const double d = reduce_group(x.c);  // parameters are replicated over cp: reduced over dp x cp
+  if (d <= 1) return;
   const auto& dev = x.req.device;
-  const int per_node = std::max(1, dev.ranks_per_node);
-  // The dp group (ranks r, r+tp, ...) leaves the node once the world does.
-  const double bw = x.c.tp * x.c.dp <= per_node ? dev.intra_node_bw : dev.inter_node_bw;
-  const double p_local = x.st.elements, z = x.st.z, d = x.d, micro_steps = x.micro_steps;
+  // The dp group (ranks r, r + tp cp pp, ...) leaves the node once the world does.
+  const double bw = link_bw(dev, double(x.c.tp) * x.c.cp * x.c.pp * x.c.dp);
+  const double p_local = x.st.elements, z = x.st.z, micro_steps = x.micro_steps;
   const double grad_bytes = p_local * x.pb.grad;
   const double alpha = dev.collective_latency_s;
   const double cap = x.a.compute_config.reducer_bucket_cap_mb * 1024 * 1024;
@@ -467,7 +561,7 @@ void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
     // backward, its gradient reduce-scattered as its backward ends; each
     // overlaps the compute it feeds except the first unit's gather and the
     // last unit's reduce-scatter.
-    const double units = x.L + 2;
+    const double units = x.Lr + 2;
     const double gather = units * alpha + (z - 1) / z * p_local * x.pb.param / bw;
     const double scatter = units * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
     const double per_micro = gather / units + std::max(0.0, gather - forward) +
@@ -510,7 +604,7 @@ void offload_time_term(const Setting& x, PlanEstimate& e) {
   // HSDP after it); weights return while the next bucket steps, all but the last.
   const double backward = 2.0 / 3.0 * e.compute_s / micro_steps;
   const double last = H > 0 ? x.st.last_host_bucket / H : 0.0;
-  const bool hsdp = x.c.zero_stage > 0 && x.d / x.st.z > 1;
+  const bool hsdp = x.c.zero_stage > 0 && reduce_group(x.c) / x.st.z > 1;
   const bool during_backward = (x.c.zero_stage >= 2 || x.c.dp > 1) && !hsdp;
   const double d2h_exposed = during_backward ? std::max(d2h * last, d2h - backward) : d2h;
   e.offload_s = e.host_step_s + d2h_exposed + h2d * last + std::max(0.0, unit_copies - e.compute_s);
@@ -524,6 +618,192 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
   return out;
+}
+
+// What a rank holds between steps and at the step's peak.
+void memory_terms(const Setting& x, PlanEstimate& e) {
+  state_term(x, e);
+  offload_memory_term(x, e);
+  peak_term(x, activation_term(x), e);
+}
+
+}  // namespace
+
+struct ScheduleCache::Impl {
+  struct Shape {
+    pipeline::Schedule schedule;
+    std::vector<int> peak_live;  // per rank, (stage, micro-batch) activations at once
+  };
+  using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
+  std::map<ShapeKey, Shape> shapes;
+  std::map<std::tuple<ShapeKey, double, double, double, double>, pipeline::Simulation> runs;
+
+  const Shape& shape(const std::string& scheduler, int ranks, int stages, int micros) {
+    const ShapeKey key{scheduler, ranks, stages, micros};
+    auto it = shapes.find(key);
+    if (it != shapes.end()) return it->second;
+    Shape sh;
+    sh.schedule = pipeline::make_schedule(scheduler, ranks, stages, micros);
+    // A micro-batch's activations live from its F until its backward is
+    // done: its B, or its W (the weight gradient reads the layers' inputs),
+    // not its I as pipeline::simulate's peak_live counts. The order alone decides it.
+    sh.peak_live.assign(ranks, 0);
+    for (int r = 0; r < ranks; ++r) {
+      int live = 0;
+      for (const auto& act : sh.schedule.actions[r]) {
+        if (act.op == pipeline::Op::F) sh.peak_live[r] = std::max(sh.peak_live[r], ++live);
+        if (act.op == pipeline::Op::B || act.op == pipeline::Op::W) --live;
+      }
+    }
+    return shapes.emplace(key, std::move(sh)).first->second;
+  }
+  const pipeline::Simulation& run(const std::string& scheduler, int ranks, int stages, int micros,
+                                  const pipeline::Costs& c) {
+    const auto key = std::make_tuple(ShapeKey{scheduler, ranks, stages, micros}, c.f, c.i, c.w, c.comm);
+    auto it = runs.find(key);
+    if (it != runs.end()) return it->second;
+    return runs.emplace(key, pipeline::simulate(shape(scheduler, ranks, stages, micros).schedule, c)).first->second;
+  }
+};
+
+ScheduleCache::ScheduleCache() : impl(std::make_unique<Impl>()) {}
+ScheduleCache::~ScheduleCache() = default;
+
+namespace {
+
+// Micro-batches the pipeline simulator runs: beyond 4 x stages (a multiple of
+// pp, as interleaving needs) the schedule is in its steady state, where every
+// further micro-batch adds one F + B to every rank. Not the zero-bubble
+// schedules: their generator may defer W to the end, so their live
+// activations grow with the micro-batches.
+int simulated_micros(const std::string& scheduler, int micros, int pp, int stages) {
+  const int cap = std::max(4 * stages, 2 * pp);
+  if (scheduler == "zb1p" || scheduler == "zbv" || micros <= cap) return micros;
+  return cap - cap % pp;
+}
+
+// Pipeline parallelism. Memory: each pipeline rank holds its stages'
+// parameters (the embedding on the first stage, the final norm and head on
+// the last; a tied embedding on both) with their gradients and optimizer
+// state (ZeRO over dp x cp), and the activations of the micro-batches in flight
+// at its peak (pipeline::simulate's peak_live: p - r under 1F1B on rank r);
+// the busiest rank is the estimate. Time: pipeline::simulate with per-stage
+// F, B (zero-bubble: I and W) times from the compute, tensor- and
+// context-parallel terms, the slowest stage's for all, and the activation
+// (or gradient) transfer between ranks; pp_bubble is the schedule's idle
+// fraction, pp_comm_s what the transfers add to the makespan.
+PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c, ScheduleCache* cache) {
+  ScheduleCache local;
+  auto& im = *(cache ? cache : &local)->impl;
+  const auto& a = *req.args;
+  const int S = c.stages, P = c.pp;
+  const auto layers = c.stage_layers.empty() ? stage_split(req, f, S) : c.stage_layers;
+  const int micros = static_cast<int>(std::max<int64_t>(1, a.global_batch_size / (a.micro_batch_size * std::max(1, c.dp))));
+  const int m_sim = simulated_micros(c.scheduler, micros, P, S);
+  const auto& shape = im.shape(c.scheduler, P, S, m_sim);
+  const auto& stage_rank = shape.schedule.stage_rank;
+  std::vector<int> first_layer(S + 1, 0);
+  for (int st = 0; st < S; ++st) first_layer[st + 1] = first_layer[st] + layers[st];
+
+  // Memory: every rank, the worst is the estimate.
+  PlanEstimate e;
+  std::optional<Setting> worst;
+  for (int r = 0; r < P; ++r) {
+    RankPart part;
+    part.layers = part.recomputed = 0;
+    part.first = stage_rank[0] == r;
+    part.last = stage_rank[S - 1] == r;
+    std::vector<bool> in_layer(f.layers, false);
+    int held_stages = 0;
+    for (int st = 0; st < S; ++st) {
+      if (stage_rank[st] != r) continue;
+      ++held_stages;
+      part.layers += layers[st];
+      part.recomputed += std::min(c.recompute_layers, layers[st]);
+      for (int l = first_layer[st]; l < first_layer[st + 1]; ++l) in_layer[l] = true;
+    }
+    // GPipe holds every micro-batch; 1F1B's and interleaving's peak does not grow with more.
+    const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[r]);
+    part.live = live / std::max(1, held_stages);
+    part.held.assign(f.params.size(), false);
+    for (size_t i = 0; i < f.params.size(); ++i) {
+      const int u = f.params[i].unit;
+      const bool before = u < 0 && f.zero3_units[i] == 0;
+      part.held[i] = u >= 0 ? (u < f.layers && in_layer[u])
+                            : before ? part.first || (part.last && f.dims.tied_embeddings) : part.last;
+    }
+    auto x = setting(req, f, c, part);
+    PlanEstimate er;
+    memory_terms(x, er);
+    if (!worst || er.total_bytes > e.total_bytes) {
+      e = er;
+      worst.emplace(x);
+    }
+  }
+  const Setting& x = *worst;
+
+  // Time: per-stage costs of one micro-batch.
+  const auto& dev = req.device;
+  const double peak = peak_flops_for(dev, a.precision, a.compute_config.allow_tf32) * kAssumedEfficiency;
+  const double flops_token = work_per_token(x);
+  const double head_flops = 6 * x.V * x.h;
+  const double layer_flops = std::max(0.0, flops_token - head_flops) / std::max(1.0, x.L);
+  const double tp_one = c.tp > 1 ? dev.collective_latency_s + 2 * (x.t - 1) / x.t * x.tokens * x.h * x.pb.act /
+                                                                 link_bw(dev, x.t)
+                                 : 0.0;
+  const auto ring = cp_layer(x);
+  const bool split_backward = c.scheduler == "zb1p" || c.scheduler == "zbv";
+  struct StageCost {
+    double f = 0, i = 0, w = 0, compute = 0, tp = 0, cp = 0;
+  };
+  StageCost worst_stage;
+  pipeline::Costs costs{0, 0, 0, 0};
+  for (int st = 0; st < S; ++st) {
+    const double n = layers[st], k = std::min<double>(c.recompute_layers, n);
+    const bool head = st == S - 1, embed = st == 0;
+    const double fwd = x.tokens * (n * layer_flops + (head ? head_flops : 0.0)) / 3 / x.t / peak;
+    const double rec = x.tokens * k * layer_flops / 3 / x.t / peak;
+    const double vocab = x.f.vocab_parallel_head && (head || embed) ? 1 : 0;
+    const double tp_f = (2 * n + vocab) * tp_one, tp_b = (2 * n + 2 * k + vocab) * tp_one;
+    const double cp_f = n * ring.forward_s, cp_b = n * ring.backward_s + k * ring.forward_s;
+    StageCost sc;
+    sc.f = fwd + tp_f + cp_f;
+    // Backward is twice the forward: the input's gradient (I, with the
+    // recompute and the collectives on its path) and the weights' (W).
+    sc.i = (split_backward ? fwd : 2 * fwd) + rec + tp_b + cp_b;
+    sc.w = split_backward ? fwd : 0.0;
+    sc.compute = 3 * fwd + rec;
+    sc.tp = tp_f + tp_b;
+    sc.cp = cp_f + cp_b;
+    costs.f = std::max(costs.f, sc.f);
+    costs.i = std::max(costs.i, sc.i);
+    costs.w = std::max(costs.w, sc.w);
+    if (sc.f + sc.i + sc.w > worst_stage.f + worst_stage.i + worst_stage.w) worst_stage = sc;
+  }
+  const double act_bytes = x.tokens * x.h * x.pb.act * (x.sp ? 1 / x.t : 1.0);  // each tp rank sends its share
+  costs.comm = dev.collective_latency_s + act_bytes / link_bw(dev, x.t * x.cp * P);
+  auto quiet = costs;
+  quiet.comm = 0;
+  const auto& with_comm = im.run(c.scheduler, P, S, m_sim, costs);
+  const auto& without = im.run(c.scheduler, P, S, m_sim, quiet);
+  const double per_rank = double(S) / P;  // stages each rank runs per micro-batch
+  const double extra = double(micros - m_sim) * per_rank * (costs.f + costs.i + costs.w);
+  double busy = 0;
+  for (double b : without.busy) busy += b;
+  busy = busy / double(P) + extra;
+  const double makespan0 = without.makespan + extra, makespan = with_comm.makespan + extra;
+  e.pp_bubble = makespan0 > 0 ? 1 - busy / makespan0 : 0.0;
+  e.pp_comm_s = std::max(0.0, makespan - makespan0);
+  e.compute_s = micros * per_rank * worst_stage.compute;
+  e.tp_comm_s = micros * per_rank * worst_stage.tp;
+  e.cp_comm_s = micros * per_rank * worst_stage.cp;
+  PlanEstimate scratch;
+  const auto cm = compute_term(x, scratch);  // the forward/backward shares dp_comm_term overlaps with
+  dp_comm_term(x, cm, e);
+  e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s + e.pp_comm_s;
+  offload_time_term(x, e);
+  e.step_s = makespan + e.dp_comm_s + e.offload_s;
+  return e;
 }
 
 }  // namespace
@@ -639,9 +919,20 @@ std::string offload_text(const Candidate& c) {
          (c.offload_params ? "+params" : "");
 }
 
+std::string split_text(const Candidate& c) {
+  std::string out;
+  if (c.cp > 1) out += " cp=" + std::to_string(c.cp) + ":" + c.cp_comm;
+  if (c.pp > 1) out += " pp=" + std::to_string(c.pp) + ":" + c.scheduler + "/" + std::to_string(c.stages);
+  return out;
+}
+
 std::string candidate_text(const Candidate& c, int64_t layers) {
-  return "tp=" + std::to_string(c.tp) + " dp=" + std::to_string(c.dp) + " zero=" + std::to_string(c.zero_stage) +
-         offload_text(c) + " recompute=" + std::to_string(c.recompute_layers) + "/" + std::to_string(layers);
+  // Under pp, recompute counts per stage: out of the largest stage's layers.
+  int64_t of = layers;
+  if (c.pp > 1 && !c.stage_layers.empty()) of = *std::max_element(c.stage_layers.begin(), c.stage_layers.end());
+  return "tp=" + std::to_string(c.tp) + split_text(c) + " dp=" + std::to_string(c.dp) +
+         " zero=" + std::to_string(c.zero_stage) + offload_text(c) + " recompute=" + std::to_string(c.recompute_layers) +
+         "/" + std::to_string(of) + (c.pp > 1 ? " per stage" : "");
 }
 
 std::string format_fixed(double v, int digits) {
@@ -685,16 +976,16 @@ double memory_budget(const PlanRequest& req) {
   return std::numeric_limits<double>::infinity();
 }
 
-PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
-  const auto x = setting(req, f, c);
+PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c, ScheduleCache* cache) {
+  if (c.pp > 1) return pipeline_estimate(req, f, c, cache);
+  const auto x = setting(req, f, c, {});
   PlanEstimate e;
-  state_term(x, e);
-  offload_memory_term(x, e);
-  peak_term(x, activation_term(x), e);
+  memory_terms(x, e);
   const auto cm = compute_term(x, e);
   tp_comm_term(x, e);
+  cp_comm_term(x, e);
   dp_comm_term(x, cm, e);
-  e.comm_s = e.tp_comm_s + e.dp_comm_s;
+  e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s;
   offload_time_term(x, e);
   e.step_s = e.compute_s + e.comm_s + e.offload_s;
   return e;
@@ -703,6 +994,44 @@ PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candida
 PlanEstimate estimate(const PlanRequest& req, const Candidate& c) {
   if (!req.args || !req.model) throw PlanError("plan request without config or model");
   return estimate(req, model_facts(*req.model), c);
+}
+
+std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_extra, double last_extra) {
+  if (stages < 1 || layers < stages)
+    throw PlanError(std::to_string(layers) + " layers cannot fill " + std::to_string(stages) +
+                    " pipeline stages (each needs at least one)");
+  std::vector<int> n(stages, 1);
+  auto cost = [&](int st, int count) {
+    return count + (st == 0 ? first_extra : 0.0) + (st == stages - 1 ? last_extra : 0.0);
+  };
+  // One layer at a time to the stage it leaves cheapest: with equal layers
+  // this minimises the most expensive stage.
+  for (int64_t left = layers - stages; left > 0; --left) {
+    int best = 0;
+    for (int st = 1; st < stages; ++st)
+      if (cost(st, n[st] + 1) < cost(best, n[best] + 1) - 1e-12) best = st;
+    ++n[best];
+  }
+  return n;
+}
+
+std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int stages) {
+  const auto& given = req.args->compute_config.pipeline.layers;
+  if (!given.empty() && static_cast<int>(given.size()) == stages) {
+    int64_t sum = 0;
+    for (int n : given) sum += n;
+    if (sum != f.layers)
+      throw PlanError("compute_config.pas_config.pipeline_layers sums to " + std::to_string(sum) + ", but the model has " +
+                      std::to_string(f.layers) + " layers");
+    return given;
+  }
+  const int64_t seq = seq_len_of(*req.args, f);
+  const double attn = req.model->flops_per_token(seq) - req.model->flops_per_token(0);
+  const double flops = req.model->flops_per_token(seq) - 0.5 * attn;  // causal: as work_per_token
+  const double head = 6 * double(f.dims.vocab) * double(f.dims.hidden);
+  const double layer = std::max(1.0, (flops - head) / std::max<double>(1, f.layers));
+  // The embedding is a lookup (no matmul): its stage has no extra time.
+  return balanced_stage_split(f.layers, stages, 0.0, head / layer);
 }
 
 void check_tp_feasible(const models::CausalLM& model, int tp) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -72,6 +73,10 @@ struct PlanRequest {
   // Attention via a fused kernel (SDPA: flash / memory-efficient) keeps no
   // [heads, s, s] scores, so Megatron's 5as/h activation term is dropped.
   bool fused_attention = true;
+  // Whether autodist may choose pipeline (pp > 1) and context (cp > 1)
+  // parallelism itself. `nnstrain plan` sets both; the trainer leaves them off
+  // until it runs them (a size the config names is planned either way).
+  bool search_pipeline = false, search_context = false;
 };
 
 constexpr double kDefaultMemoryFraction = 0.9;
@@ -80,17 +85,29 @@ constexpr double kAssumedEfficiency = 0.5;  // achieved / peak FLOP/s
 // The budget a request resolves to, bytes per rank.
 double memory_budget(const PlanRequest& req);
 
-// One point of the search space.
+// One point of the search space. Ranks are laid out TP innermost, then CP,
+// PP, DP: world = tp x cp x pp x dp.
 struct Candidate {
   int tp = 1, dp = 1;
   int zero_stage = 0;
-  int recompute_layers = 0;  // the first k layers recompute their activations
+  int recompute_layers = 0;  // the first k layers recompute (under pp: the first k of every stage)
   double offload_ratio = 0;  // the optimizer's share on the host (compute_config.offload, docs/parallelism.md)
   bool offload_params = false;
+  // Context parallelism: ranks splitting one sequence, and how K/V travel.
+  int cp = 1;
+  std::string cp_comm = "p2p";         // p2p | all_gather
+  std::string cp_balance = "zigzag";  // zigzag | none
+  // Pipeline parallelism: pp ranks running `stages` stages (more: virtual
+  // stages) in `scheduler`'s order; stage_layers[s] model layers in stage s.
+  // The micro-batches in flight are the step's: global batch / (micro x dp).
+  int pp = 1, stages = 1;
+  std::string scheduler = "1f1b";
+  std::vector<int> stage_layers;
 };
 
-// "tp=2 dp=4 zero=0 recompute=3/12" (offload named when on).
+// "tp=2 dp=4 zero=0 recompute=3/12" (cp, pp and offload named when used).
 std::string candidate_text(const Candidate& c, int64_t layers);
+std::string split_text(const Candidate& c);  // " cp=2:p2p pp=4:1f1b/4", or empty
 std::string offload_text(const Candidate& c);  // " offload=optimizer:0.5+params", or empty
 
 // ---- the model as the cost model sees it -----------------------------------
@@ -132,8 +149,31 @@ void check_tp_feasible(const models::CausalLM& model, int tp);
 // The sequence length the cost model assumes: the dataset's, else the model's maximum.
 int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f);
 
+// Pipeline stages: `layers` model layers over `stages` stages, at least one
+// each, so that the most expensive stage costs the least, counting a layer as
+// 1 and the extra work of the first stage (the embedding) and of the last (the
+// final norm, the head and the loss) in layers. Ties go to the earlier stage.
+// The counts sum to `layers`; throws PlanError when stages > layers.
+std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_extra, double last_extra);
+
+// The split the cost model uses for a candidate with c.stages stages: the
+// config's pipeline_layers when given, else balanced_stage_split with the
+// head's FLOPs (and the embedding's, none) in layers.
+std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int stages);
+
+// Pipeline schedules already generated and simulated, shared by the
+// estimates of one search (the same schedule recurs with every tp, ZeRO stage
+// and recompute count). Not thread-safe: one per search.
+class ScheduleCache {
+ public:
+  ScheduleCache();
+  ~ScheduleCache();
+  struct Impl;
+  std::unique_ptr<Impl> impl;
+};
+
 // The cost model for one candidate (no feasibility checks beyond arithmetic).
-PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c);
+PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c, ScheduleCache* cache = nullptr);
 PlanEstimate estimate(const PlanRequest& req, const Candidate& c);  // reads the model's facts first
 
 // "12.3 GiB", "512.0 MiB": bytes in binary units for messages.

@@ -193,13 +193,35 @@ std::string recompute_text(const std::vector<bool>& r) {
 
 std::string describe(const Plan& p, bool explain) {
   std::ostringstream o;
-  o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp << " x dp " << p.dp
+  const auto& cx = p.context;
+  const auto& q = p.pipeline;
+  o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp
+    << (cx.cp > 1 ? " x cp " + std::to_string(cx.cp) : std::string())
+    << (q.pp > 1 ? " x pp " + std::to_string(q.pp) : std::string()) << " x dp " << p.dp
     << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   if (p.offload_ratio > 0 || p.offload_params)
     o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
       << (p.offload_params ? ", params" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
+  if (cx.cp > 1)
+    o << "  context parallel: each sequence over " << cx.cp << " ranks (" << cx.comm_type << " ring, "
+      << (cx.load_balance == "zigzag" ? "zigzag chunks" : "contiguous chunks") << "); gradients reduced over dp x cp = "
+      << p.dp * cx.cp << " ranks\n";
+  if (q.pp > 1) {
+    std::string split;
+    for (size_t st = 0, first = 0; st < q.stage_layers.size(); ++st) {
+      const size_t n = static_cast<size_t>(q.stage_layers[st]);
+      split += (st ? ", " : "") + std::to_string(first) + (n > 1 ? "-" + std::to_string(first + n - 1) : "");
+      first += n;
+    }
+    o << "  pipeline: " << q.stages << " stages over " << q.pp << " ranks"
+      << (q.stages > q.pp ? " (" + std::to_string(q.stages / q.pp) + " per rank)" : std::string()) << ", schedule "
+      << q.scheduler << ", " << q.nmicros << " micro-batches per step; predicted bubble "
+      << fixed(100 * p.estimate.pp_bubble, 1) << "%\n"
+      << "  stage layers: " << split << " (embedding on stage 0, final norm and head on stage " << q.stages - 1
+      << ")\n";
+  }
   if (p.zero_stage == 3) {
     auto names = [](const std::vector<std::string>& v) {
       std::string s;
@@ -259,7 +281,14 @@ std::string describe(const Plan& p, bool explain) {
   o << "\nstep time (estimated):\n";
   o << "  " << pad("compute", 12) << fixed(e.compute_s, 4) << " s\n";
   o << "  " << pad("comm", 12) << fixed(e.comm_s, 4) << " s (tensor parallel " << fixed(e.tp_comm_s, 4)
-    << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s)\n";
+    << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s"
+    << (cx.cp > 1 ? ", context parallel exposed " + fixed(e.cp_comm_s, 4) + " s" : std::string())
+    << (q.pp > 1 ? ", pipeline transfers " + fixed(e.pp_comm_s, 4) + " s" : std::string()) << ")\n";
+  if (q.pp > 1) {
+    const double bubble_s = e.step_s - e.compute_s - e.comm_s - e.offload_s;
+    o << "  " << pad("bubble", 12) << fixed(bubble_s, 4) << " s (" << fixed(100 * e.pp_bubble, 1)
+      << "% of the pipeline idle, simulated)\n";
+  }
   if (p.offload_ratio > 0 || p.offload_params)
     o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
       << " s, copies " << fixed(e.copy_s, 4) << " s)\n";
@@ -272,8 +301,8 @@ std::string describe(const Plan& p, bool explain) {
 
   if (explain) {
     o << "\ncost model (docs/parallelism.md):\n"
-      << "  compute = FLOPs per token x tokens per rank / tp / (peak FLOP/s x " << fixed(kAssumedEfficiency, 2)
-      << "), +1/3 of a layer's FLOPs per recomputed layer\n"
+      << "  compute = FLOPs per token (less causal attention's masked half) x tokens per rank / tp / (peak\n"
+      << "    FLOP/s x " << fixed(kAssumedEfficiency, 2) << "), +1/3 of a layer's FLOPs per recomputed layer\n"
       << "  tensor parallel: 4 all-reduces of b x s x h per layer per micro-batch (2 more per recomputed\n"
       << "    layer, 2 for the vocab-parallel embedding and head), 2(t-1)/t x bytes / bandwidth, not overlapped\n"
       << "  data parallel: 2(d-1)/d x gradient bytes / bandwidth on the last micro-batch, overlapped with its\n"
@@ -285,8 +314,13 @@ std::string describe(const Plan& p, bool explain) {
       << "  offload: host step = optimizer bytes / host AdamW rate, exposed in full; gradients to the host\n"
       << "    overlap backward, weights back overlap the host step but its last bucket; parameter offload\n"
       << "    copies each unit's chunk to the device with its gather\n"
-      << "  choice: per tp and recompute the least ZeRO stage that fits; the smallest tp without recompute if\n"
-      << "    any stage fits there, else the fastest; offload only when no plan without it fits\n";
+      << "  context parallel: tokens per rank / cp; K/V round a ring (p2p, exposed beyond each block's\n"
+      << "    attention) or gathered (all_gather, exposed); gradients reduced over dp x cp\n"
+      << "  pipeline: the schedule simulated with per-stage F, B (I, W) times; memory of the busiest rank:\n"
+      << "    its stages' state and the activations of the micro-batches it holds at its peak\n"
+      << "  choice: per split and recompute the least ZeRO stage that fits; the smallest tp without cp, pp or\n"
+      << "    recompute if any stage fits there, else the fastest; cp only when nothing fits without it,\n"
+      << "    offload only when no plan without it fits\n";
   }
   return o.str();
 }

@@ -1,6 +1,10 @@
 #include "trainer/parallel/planner.h"
 
+#include "trainer/parallel/pipeline_schedule.h"
+
 #include <algorithm>
+#include <deque>
+#include <tuple>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -49,6 +53,36 @@ struct Entry {
   PlanEstimate e;
 };
 
+// How a candidate splits beyond tp: context- and pipeline-parallel sizes,
+// the ring's communication, the schedule (tp, dp, ZeRO and recompute vary inside).
+struct Split {
+  int cp = 1;
+  std::string cp_comm = "p2p";
+  int pp = 1, stages = 1;
+  std::string scheduler = "1f1b";
+};
+
+// The pipelines the search tries: the config's pp_size (with its scheduler and
+// pipeline_nstages), else (autodist, PlanRequest::search_pipeline) none and
+// every pp dividing the ranks left after tp x cp, with every scheduler
+// (interleaved and zbv at two stages per rank).
+std::vector<Split> pipeline_splits(const PlanRequest& req, int per_tp_cp, int layers) {
+  const auto& q = req.args->compute_config.pipeline;
+  auto stages_for = [](const std::string& sched, int pp, int nstages) {
+    if (nstages > 0) return nstages;
+    return sched == "1f1b_interleaved" || sched == "zbv" ? 2 * pp : pp;
+  };
+  if (q.pp_size > 1) return {{1, "p2p", q.pp_size, stages_for(q.scheduler, q.pp_size, q.nstages), q.scheduler}};
+  std::vector<Split> out{{}};
+  if (!req.search_pipeline || req.args->pas_policy != "autodist") return out;
+  for (int pp = 2; pp <= per_tp_cp && pp <= layers; ++pp) {
+    if (per_tp_cp % pp) continue;
+    for (const auto& sched : pipeline::scheduler_names())
+      if (stages_for(sched, pp, 0) <= layers) out.push_back({1, "p2p", pp, stages_for(sched, pp, 0), sched});
+  }
+  return out;
+}
+
 // The search space, listed tp up, ZeRO stage up, recompute up, one offload
 // tier at a time, and the choice among what fits.
 class Search {
@@ -60,23 +94,38 @@ class Search {
   // Offload tiers: 0 none, 1 the optimizer, 2 also the parameters (ZeRO-3).
   // The config's offload holds for every candidate; otherwise autodist adds
   // a tier only when no candidate of the tiers before fits.
+  // Context parallelism: the config's size, else (autodist,
+  // PlanRequest::search_context) cp 1 and, only when nothing fits there, every
+  // cp up to the ranks tp leaves with each communication type.
   const Entry* run() {
+    const auto& cc = a_.compute_config;
+    const int cp = cc.context_parallel_size;
     int tier = 0;
-    add_candidates(tier);
+    std::vector<std::pair<int, std::string>> cps{{cp, cc.cp_comm_type}};
+    add_candidates(tier, cps);
     choose();
+    if (!best_ && cp == 1 && free_context()) {
+      cps.clear();
+      for (int c = 2; c <= req_.world_size; ++c)
+        if (req_.world_size % c == 0)
+          for (const char* comm : {"p2p", "all_gather"}) cps.push_back({c, comm});
+      add_candidates(tier, cps);
+      choose();
+      cps.insert(cps.begin(), std::make_pair(1, cc.cp_comm_type));
+    }
     while (!best_ && free_offload() && tier < 2) {
-      add_candidates(++tier);
+      add_candidates(++tier, cps);
       choose();
     }
     return best_;
   }
 
-  const std::vector<Entry>& entries() const { return entries_; }
+  const std::deque<Entry>& entries() const { return entries_; }
   const Entry* least_memory() const { return least_memory_; }
   double budget() const { return budget_; }
-  // The least ZeRO stage that fits at (tp, k), if any.
+  // The least ZeRO stage that fits at (split, tp, k), if any.
   const Entry* least_stage(const Candidate& c) const {
-    auto it = least_stage_.find({c.tp, c.recompute_layers});
+    auto it = least_stage_.find(key_of(c));
     return it == least_stage_.end() ? nullptr : it->second;
   }
   bool from_first_tier() const { return from_first_tier_; }
@@ -87,30 +136,84 @@ class Search {
     const auto& o = a_.compute_config.offload;
     return a_.pas_policy == "autodist" && !o.optimizer && !o.params;
   }
+  bool free_context() const { return a_.pas_policy == "autodist" && req_.search_context; }
 
-  void add_candidates(int tier) {
+  // Recompute counts to try: every k for a whole model; under pp (k per
+  // stage) at most 9 evenly spaced counts from none to the largest stage's layers.
+  std::vector<int> recompute_counts(const Candidate& c) const {
+    if (c.pp <= 1) {
+      std::vector<int> ks;
+      for (int k = a_.model.activation_checkpointing ? L_ : 0; k <= L_; ++k) ks.push_back(k);
+      return ks;
+    }
+    const int most = *std::max_element(c.stage_layers.begin(), c.stage_layers.end());
+    if (a_.model.activation_checkpointing) return {most};
+    const int step = std::max(1, (most + 7) / 8);
+    std::vector<int> ks;
+    for (int k = 0; k < most; k += step) ks.push_back(k);
+    ks.push_back(most);
+    return ks;
+  }
+
+  void add_candidates(int tier, const std::vector<std::pair<int, std::string>>& cps) {
+    for (const auto& [cp, comm] : cps)
+      for (int t : tps_) {
+        if (req_.world_size % (t * cp) != 0) continue;
+        for (auto sp : pipeline_splits(req_, req_.world_size / (t * cp), L_)) {
+          sp.cp = cp;
+          sp.cp_comm = comm;
+          add_split(tier, t, sp);
+        }
+      }
+  }
+
+  void add_split(int tier, int t, const Split& sp) {
     const auto& cc = a_.compute_config;
-    const int k_min = a_.model.activation_checkpointing ? L_ : 0;
-    for (int t : tps_) {
-      const int dp = req_.world_size / t;
+    Candidate base{t, req_.world_size / (t * sp.cp * sp.pp), 0, 0};
+    base.cp = sp.cp;
+    base.cp_comm = sp.cp_comm;
+    base.cp_balance = cc.cp_load_balance;
+    base.pp = sp.pp;
+    base.stages = sp.stages;
+    base.scheduler = sp.scheduler;
+    const int dp = base.dp;
+    auto refuse_split = [&](const std::string& why) {
+      if (tier == 0) entries_.push_back({base, why, {}});
+    };
+    if (req_.world_size % (t * sp.cp * sp.pp) != 0)
+      return refuse_split("tp x cp x pp = " + std::to_string(t * sp.cp * sp.pp) + " does not divide the world " +
+                          std::to_string(req_.world_size));
+    {
       const auto fails = tp_failures(f_, t);
-      if (!fails.empty()) {
-        if (tier == 0) entries_.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
-        continue;
+      if (!fails.empty()) return refuse_split(join(fails, "; "));
+    }
+    if (a_.global_batch_size % (a_.micro_batch_size * dp) != 0)
+      return refuse_split("global batch " + std::to_string(a_.global_batch_size) +
+                          " is not a multiple of micro_batch_size " + std::to_string(a_.micro_batch_size) + " x dp " +
+                          std::to_string(dp));
+    if (sp.cp > 1) {
+      const int64_t parts = cc.cp_load_balance == "zigzag" ? 2 * sp.cp : sp.cp;
+      if (seq_len_of(a_, f_) % parts != 0)
+        return refuse_split("sequence " + std::to_string(seq_len_of(a_, f_)) + " does not split into " +
+                            std::to_string(parts) + " equal parts (cp " + std::to_string(sp.cp) + ", " +
+                            cc.cp_load_balance + ")");
+    }
+    if (sp.pp > 1) {
+      const int64_t micros = a_.global_batch_size / (a_.micro_batch_size * dp);
+      try {
+        base.stage_layers = stage_split(req_, f_, sp.stages);
+        pipeline::make_schedule(sp.scheduler, sp.pp, sp.stages, static_cast<int>(micros));
+      } catch (const std::exception& e) {
+        std::string why = e.what();
+        return refuse_split(why.substr(0, why.find('\n')));
       }
-      if (a_.global_batch_size % (a_.micro_batch_size * dp) != 0) {
-        if (tier == 0)
-          entries_.push_back({{t, dp, 0, 0},
-                              "global batch " + std::to_string(a_.global_batch_size) +
-                                  " is not a multiple of micro_batch_size " + std::to_string(a_.micro_batch_size) +
-                                  " x dp " + std::to_string(dp),
-                              {}});
-        continue;
-      }
-      // ZeRO shards over dp / zero_ngroups ranks: with one there is nothing to
-      // shard, so autodist tries no stage (a stage the config names still runs,
-      // on one-rank groups). Parameter offload is ZeRO-3's, whatever the group.
-      const int zsize = dp % cc.zero_ngroups == 0 ? dp / cc.zero_ngroups : 0;
+    }
+    // ZeRO shards over dp x cp / zero_ngroups ranks: with one there is nothing to
+    // shard, so autodist tries no stage (a stage the config names still runs,
+    // on one-rank groups). Parameter offload is ZeRO-3's, whatever the group.
+    {
+      const int group = dp * sp.cp;
+      const int zsize = group % cc.zero_ngroups == 0 ? group / cc.zero_ngroups : 0;
       std::vector<int> zeros;
       if (!free_zero()) zeros = {cc.use_zero};
       else if (tier == 2) zeros = {3};
@@ -118,16 +221,22 @@ class Search {
       else zeros = {0};
       for (int zero : zeros) {
         if (zero && zsize == 0) {
-          if (tier == 0)
-            entries_.push_back({{t, dp, zero, 0},
+          if (tier == 0) {
+            Candidate c = base;
+            c.zero_stage = zero;
+            entries_.push_back({c,
                                 "compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
-                                    " does not divide dp " + std::to_string(dp),
+                                    " does not divide dp " + std::to_string(dp) +
+                                    (sp.cp > 1 ? " x cp " + std::to_string(sp.cp) : std::string()),
                                 {}});
+          }
           continue;
         }
         if (tier == 2 && zero != 3) continue;
-        for (int k = k_min; k <= L_; ++k) {
-          Candidate c{t, dp, zero, k};
+        for (int k : recompute_counts(base)) {
+          Candidate c = base;
+          c.zero_stage = zero;
+          c.recompute_layers = k;
           if (!free_offload()) {
             c.offload_ratio = cc.offload.optimizer ? cc.offload.ratio : 0.0;
             c.offload_params = cc.offload.params;
@@ -135,7 +244,7 @@ class Search {
             c.offload_ratio = tier >= 1 ? 1.0 : 0.0;
             c.offload_params = tier == 2;
           }
-          entries_.push_back({c, "", estimate(req_, f_, c)});
+          entries_.push_back({c, "", estimate(req_, f_, c, &schedules_)});
         }
       }
     }
@@ -155,7 +264,7 @@ class Search {
     best_ = nullptr;
     for (const auto& en : entries_) {
       if (!en.infeasible.empty()) continue;
-      const Key key{en.c.tp, en.c.recompute_layers};
+      const Key key = key_of(en.c);
       if (!first_tier || key < *first_tier) first_tier = key;
       if (!least_memory_ || en.e.total_bytes < least_memory_->e.total_bytes) least_memory_ = &en;
       auto& slot = least_stage_[key];
@@ -166,18 +275,24 @@ class Search {
       best_ = least_stage_[*first_tier];
       return;
     }
-    for (const auto& [key, en] : least_stage_)  // tp up, then k up: strict < keeps the first on ties
+    for (const auto& [key, en] : least_stage_)  // cp, pp, tp, then k up: strict < keeps the first on ties
       if (en && (!best_ || en->e.step_s < best_->e.step_s)) best_ = en;
   }
 
-  using Key = std::pair<int, int>;  // (tp, k)
+  // (cp, pp, stages, scheduler, cp comm, tp, k): the first key is the plan
+  // without context or pipeline parallelism, at the smallest tp and recompute.
+  using Key = std::tuple<int, int, int, std::string, std::string, int, int>;
+  static Key key_of(const Candidate& c) {
+    return {c.cp, c.pp, c.stages, c.scheduler, c.cp_comm, c.tp, c.recompute_layers};
+  }
   const PlanRequest& req_;
   const config::TrainerArgs& a_;
   const ModelFacts& f_;
   const int L_;
   const double budget_;
   const std::vector<int> tps_;
-  std::vector<Entry> entries_;  // choose() re-points into it after every add_candidates()
+  ScheduleCache schedules_;
+  std::deque<Entry> entries_;  // stable addresses; choose() re-points into it after every add_candidates()
   std::map<Key, const Entry*> least_stage_;
   const Entry* least_memory_ = nullptr;
   const Entry* best_ = nullptr;
@@ -225,8 +340,11 @@ std::vector<Rejected> rejections(const Search& s, const Entry& best, int L) {
                  std::to_string(least->c.zero_stage) + " fits at this tp and recompute";
     } else if (s.from_first_tier()) {
       r.kind = "order";
-      r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but needs no " +
-                 (en.c.tp > best.c.tp ? std::string("tensor parallelism") : std::string("recompute")) + ": " +
+      const std::string what = en.c.cp > best.c.cp   ? "context parallelism"
+                               : en.c.pp > best.c.pp ? "pipeline parallelism"
+                               : en.c.tp > best.c.tp ? "tensor parallelism"
+                                                     : "recompute";
+      r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but needs no " + what + ": " +
                  candidate_text(best.c, L) + " fits (ZeRO stages are tried first)";
     } else {
       r.kind = "slower";
@@ -252,8 +370,17 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.zero_ngroups = a.compute_config.zero_ngroups;
   p.offload_ratio = best.c.offload_ratio;
   p.offload_params = best.c.offload_params;
+  p.context = {best.c.cp, best.c.cp_comm, best.c.cp_balance};
+  p.pipeline = {best.c.pp, best.c.stages, best.c.scheduler,
+                a.global_batch_size / (a.micro_batch_size * best.c.dp), best.c.stage_layers};
   p.recompute.assign(L, false);
-  for (int i = 0; i < best.c.recompute_layers && i < L; ++i) p.recompute[i] = true;
+  // The first k layers of the model, or under pp of every stage.
+  const auto stages = p.pipeline.stage_layers.empty() ? std::vector<int>{L} : p.pipeline.stage_layers;
+  for (int st = 0, first = 0; st < static_cast<int>(stages.size()); ++st) {
+    const int n = stages[st];
+    for (int i = 0; i < best.c.recompute_layers && i < n; ++i) p.recompute[first + i] = true;
+    first += n;
+  }
   if (p.zero_stage == 3) {
     bool after = false;
     for (const auto& pf : f.params) {
@@ -303,20 +430,27 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
            (r.kind == "memory" || r.kind == "slower" || rejected[j + 1].reason.substr(rejected[j + 1].reason.find(") but ")) ==
                                                              r.reason.substr(r.reason.find(") but "))) &&
            rejected[j + 1].cand.tp == r.cand.tp && rejected[j + 1].cand.zero_stage == r.cand.zero_stage &&
+           split_text(rejected[j + 1].cand) == split_text(r.cand) &&
            rejected[j + 1].cand.offload_ratio == r.cand.offload_ratio &&
            rejected[j + 1].cand.offload_params == r.cand.offload_params &&
-           rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1)
+           (r.cand.pp > 1 ? rejected[j + 1].cand.recompute_layers > rejected[j].cand.recompute_layers
+                          : rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1))
       ++j;
     const auto& last = rejected[j];
-    std::string head = "tp=" + std::to_string(r.cand.tp) + " dp=" + std::to_string(r.cand.dp) +
+    std::string head = "tp=" + std::to_string(r.cand.tp) + split_text(r.cand) + " dp=" + std::to_string(r.cand.dp) +
                        " zero=" + std::to_string(r.cand.zero_stage) + offload_text(r.cand);
+    // Under pp the recompute count is per stage, out of the largest stage's layers.
+    const auto& sl = r.cand.stage_layers;
+    const std::string of = r.cand.pp > 1 && !sl.empty()
+                               ? std::to_string(*std::max_element(sl.begin(), sl.end())) + " per stage"
+                               : std::to_string(layers);
     if (r.kind == "infeasible") {
       o << "  " << head << ": infeasible: " << r.reason << "\n";
     } else if (i == j) {
       o << "  " << r.candidate << ": " << (r.kind == "memory" ? "over budget: " : "") << r.reason << "\n";
     } else {
-      o << "  " << head << " recompute=" << r.cand.recompute_layers << ".." << last.cand.recompute_layers << "/"
-        << layers << ": ";
+      o << "  " << head << " recompute=" << r.cand.recompute_layers << ".." << last.cand.recompute_layers << "/" << of
+        << ": ";
       // The run's least-memory / fastest end says the most.
       if (r.kind == "memory") {
         o << "over budget: at recompute=" << last.cand.recompute_layers << " still " << last.reason;
