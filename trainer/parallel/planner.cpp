@@ -6,6 +6,8 @@
 #include <optional>
 #include <sstream>
 
+#include "trainer/parallel/pipeline_stages.h"
+
 namespace nnstrain::parallel {
 
 namespace {
@@ -92,7 +94,7 @@ class Search {
     const auto& cc = a_.compute_config;
     const int k_min = a_.model.activation_checkpointing ? L_ : 0;
     for (int t : tps_) {
-      const int dp = req_.world_size / t;
+      const int dp = req_.world_size / (t * cc.pipeline.pp_size);
       const auto fails = tp_failures(f_, t);
       if (!fails.empty()) {
         if (tier == 0) entries_.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
@@ -275,6 +277,8 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.micro_batch_size = a.micro_batch_size;
   p.seq_len = seq_len_of(a, f);
   p.grad_accumulation_steps = a.global_batch_size / (a.micro_batch_size * p.dp);
+  if (a.compute_config.pipeline.pp_size > 1)
+    p.pipeline = pipeline_plan(a.compute_config.pipeline, p.grad_accumulation_steps, L);
   return p;
 }
 

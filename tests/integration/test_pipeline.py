@@ -1,0 +1,139 @@
+"""Pipeline parallelism (issue 21): parity with one process on CPU/Gloo, fp32.
+
+A tiny GPT (tied embedding and head) and a tiny untied Llama, 8 layers each,
+10 steps, clipping active (tiny_dp.yaml's clip_gnorm 0.95), the same global
+batch of 8 (micro-batch 2, 4 micro-batches per step: one pipeline flush) as
+one process. Every run is checked to have pipelined: plan.json names the
+schedule, each rank logs its pipeline rank, and each rank holds only its
+stages' parameters (together, the whole model once, a tied embedding twice).
+"""
+import json
+import pathlib
+import re
+import signal
+import subprocess
+
+import pytest
+
+from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, single_process_env
+
+CONFIG = CONFIGS / "tiny_dp.yaml"
+TOL = 1e-5
+STEPS = 10
+LAYERS = 8
+MODELS = {
+    "gpt": ["--model.args.n_layer", str(LAYERS)],
+    "llama": ["--model.type", "llama", "--model.args",
+              "{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: %d, "
+              "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 32, "
+              "tie_word_embeddings: false}" % LAYERS],
+}
+# The whole model's parameter elements (one process's log), per model.
+_ELEMENTS = {}
+
+
+def run(ranks, run_dir, data, model, *overrides):
+    """nnstrain on `ranks` processes; returns ({step: (loss, grad_norm)}, output)."""
+    args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data), "--micro_batch_size", "2",
+            "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(ranks), *MODELS[model],
+            *map(str, overrides)]
+    binary = nnstrain_bin_path()
+    cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out}"
+    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    assert sorted(r["step"] for r in train) == list(range(1, STEPS + 1)), out
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}, out
+
+
+def held_elements(run_dir, ranks):
+    """Each rank's parameter elements, from its 'held between steps' log line."""
+    got = []
+    for r in range(ranks):
+        log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
+        m = re.search(r"held between steps: .* for (\d+) parameter elements", log)
+        assert m, f"rank {r}: no 'held between steps' line:\n{log}"
+        got.append(int(m.group(1)))
+    return got
+
+
+def assert_pipelined(run_dir, ranks, scheduler, model, stages=None):
+    """The run split the model over `ranks` pipeline ranks with `scheduler`."""
+    plan = json.loads((pathlib.Path(run_dir) / "plan.json").read_text())
+    pipe = plan.get("pipeline")
+    assert pipe and pipe["pp"] == ranks and pipe["scheduler"] == scheduler, f"plan.json: {plan.get('pipeline')}"
+    if stages:
+        assert pipe["stages"] == stages, pipe
+    assert sum(pipe["stage_layers"]) == LAYERS or stages is None
+    for r in range(ranks):
+        log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
+        assert f"this rank is pipeline rank {r}" in log, f"rank {r} did not pipeline:\n{log}"
+    held = held_elements(run_dir, ranks)
+    whole = _ELEMENTS[model]
+    assert all(h < whole for h in held), f"a rank holds the whole model: {held} of {whole}"
+    return held
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_tokens):
+    """One process, per model."""
+    out = {}
+    for model in MODELS:
+        d = tmp_path_factory.mktemp("ref_" + model)
+        out[model], _ = run(1, d, tiny_tokens, model)
+        _ELEMENTS[model] = held_elements(d, 1)[0]
+        steps = out[model]
+        # The comparison means something: the loss moved and clipping decided some updates.
+        assert steps[STEPS][0] < steps[1][0] - 0.1, steps
+        assert any(n > 0.95 for _, n in steps.values()) and any(n < 0.95 for _, n in steps.values()), steps
+    return out
+
+
+def compare(ref, got, label):
+    worst_loss = max(rel(got[s][0], ref[s][0]) for s in ref)
+    worst_norm = max(rel(got[s][1], ref[s][1]) for s in ref)
+    bitwise = all(got[s] == ref[s] for s in ref)
+    print(f"{label}: largest relative difference loss {worst_loss:.2e}, grad norm {worst_norm:.2e}"
+          f"{' (bitwise equal)' if bitwise else ''}")
+    assert worst_loss < TOL and worst_norm < TOL, f"{label}: {got} vs {ref}"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("scheduler,ranks", [("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4)])
+def test_parity_with_one_process(reference, tmp_path, tiny_tokens, model, scheduler, ranks):
+    got, _ = run(ranks, tmp_path, tiny_tokens, model, "--compute_config.pas_config.pp_size", ranks,
+                 "--compute_config.pas_config.pipeline_scheduler", scheduler)
+    held = assert_pipelined(tmp_path, ranks, scheduler, model)
+    tied = 64 * 32 if model == "gpt" else 0  # GPT's embedding, held by the first and the last stage
+    assert sum(held) == _ELEMENTS[model] + tied, f"{held} vs {_ELEMENTS[model]} (+{tied} tied)"
+    compare(reference[model], got, f"{model} {scheduler} pp{ranks}")
+
+
+def test_killed_rank_stops_every_stage(nnstrain_bin, tiny_tokens, tmp_path):
+    """A middle stage killed mid-pipeline: every other rank exits non-zero within
+    collective_timeout_s (plus the diagnosis' margin); those left waiting on a
+    transfer print their action grid, naming the stage, micro-batch and action."""
+    from test_collective_failure import MARGIN_S, TIMEOUT_S, Ranks, exit_within, read, wait_for_steps
+    pp = ["--micro_batch_size", "1", "--global_batch_size", "4", "--compute_config.pas_config.pp_size", "4",
+          "--log_progress_every_n_train_steps", "1", *MODELS["gpt"]]
+    with Ranks(nnstrain_bin, tiny_tokens, tmp_path, world=4, extra_args=pp) as job:
+        wait_for_steps(job.run_dir, job.procs)
+        job.procs[2].send_signal(signal.SIGKILL)
+        outs = []
+        for rank in (0, 1, 3):
+            rc, took = exit_within(job.procs[rank], TIMEOUT_S + MARGIN_S)
+            out = read(job.procs[rank])
+            print(f"\nrank {rank} exited {rc} {took:.1f} s after rank 2 was killed: {out.strip().splitlines()[-1]}")
+            assert rc != 0, out
+            assert "Traceback" not in out and "frame #" not in out, out
+            outs.append(out)
+        named = [o for o in outs if re.search(r"pipeline rank \d \(global rank \d\) failed (receiving|sending) the "
+                                              r"(activation|gradient)\S* \w* ?stage \d+, micro-batch \d+", o)]
+        assert named, "no rank named the transfer it waited on:\n" + "\n".join(outs)
+        assert any(re.search(r"rank \d \|.*\[(ra|rg|sa|sg)\d+\.\d+[<>]\d\]", o) for o in named), \
+            "no action grid with the waited-on action marked:\n" + "\n".join(named)
