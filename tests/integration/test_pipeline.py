@@ -21,22 +21,24 @@ CONFIG = CONFIGS / "tiny_dp.yaml"
 TOL = 1e-5
 STEPS = 10
 LAYERS = 8
-MODELS = {
-    "gpt": ["--model.args.n_layer", str(LAYERS)],
-    "llama": ["--model.type", "llama", "--model.args",
-              "{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: %d, "
-              "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 32, "
-              "tie_word_embeddings: false}" % LAYERS],
-}
-# The whole model's parameter elements (one process's log), per model.
+MODELS = ("gpt", "llama")
+# The whole model's parameter elements (one process's log), per (model, layers).
 _ELEMENTS = {}
 
 
-def run(ranks, run_dir, data, model, *overrides):
+def model_args(model, layers=LAYERS):
+    if model == "gpt":
+        return ["--model.args.n_layer", str(layers)]
+    return ["--model.type", "llama", "--model.args",
+            "{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: %d, num_attention_heads: 4, "
+            "num_key_value_heads: 2, max_position_embeddings: 32, tie_word_embeddings: false}" % layers]
+
+
+def run(ranks, run_dir, data, model, *overrides, layers=LAYERS):
     """nnstrain on `ranks` processes; returns ({step: (loss, grad_norm)}, output)."""
     args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data), "--micro_batch_size", "2",
-            "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(ranks), *MODELS[model],
-            *map(str, overrides)]
+            "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(ranks),
+            *model_args(model, layers), *map(str, overrides)]
     binary = nnstrain_bin_path()
     cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
     p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
@@ -58,21 +60,23 @@ def held_elements(run_dir, ranks):
     return got
 
 
-def assert_pipelined(run_dir, ranks, scheduler, model, stages=None):
-    """The run split the model over `ranks` pipeline ranks with `scheduler`."""
+def assert_pipelined(run_dir, ranks, scheduler, model, stages, layers=LAYERS):
+    """The run split the model over `ranks` pipeline ranks with `scheduler`, each
+    holding only its stages' parameters; returns the stages' layer counts."""
     plan = json.loads((pathlib.Path(run_dir) / "plan.json").read_text())
     pipe = plan.get("pipeline")
     assert pipe and pipe["pp"] == ranks and pipe["scheduler"] == scheduler, f"plan.json: {plan.get('pipeline')}"
-    if stages:
-        assert pipe["stages"] == stages, pipe
-    assert sum(pipe["stage_layers"]) == LAYERS or stages is None
+    assert pipe["stages"] == stages and sum(pipe["stage_layers"]) == layers, pipe
     for r in range(ranks):
         log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
         assert f"this rank is pipeline rank {r}" in log, f"rank {r} did not pipeline:\n{log}"
     held = held_elements(run_dir, ranks)
-    whole = _ELEMENTS[model]
+    whole = _ELEMENTS[(model, layers)]
     assert all(h < whole for h in held), f"a rank holds the whole model: {held} of {whole}"
-    return held
+    # GPT's embedding is held by the first and the last stage: two ranks, but one under V schedules.
+    tied = 64 * 32 if model == "gpt" and scheduler != "zbv" else 0
+    assert sum(held) == whole + tied, f"{held} vs {whole} (+{tied} tied)"
+    return pipe["stage_layers"]
 
 
 def rel(a, b):
@@ -81,17 +85,20 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_tokens):
-    """One process, per model."""
-    out = {}
-    for model in MODELS:
-        d = tmp_path_factory.mktemp("ref_" + model)
-        out[model], _ = run(1, d, tiny_tokens, model)
-        _ELEMENTS[model] = held_elements(d, 1)[0]
-        steps = out[model]
-        # The comparison means something: the loss moved and clipping decided some updates.
-        assert steps[STEPS][0] < steps[1][0] - 0.1, steps
-        assert any(n > 0.95 for _, n in steps.values()) and any(n < 0.95 for _, n in steps.values()), steps
-    return out
+    """reference(model, layers): one process's {step: (loss, grad_norm)}, run once per module."""
+    cache = {}
+
+    def get(model, layers=LAYERS):
+        if (model, layers) not in cache:
+            d = tmp_path_factory.mktemp(f"ref_{model}{layers}")
+            steps, _ = run(1, d, tiny_tokens, model, layers=layers)
+            _ELEMENTS[(model, layers)] = held_elements(d, 1)[0]
+            # The comparison means something: the loss moved and clipping (0.95) scaled the updates.
+            assert steps[STEPS][0] < steps[1][0] - 0.1, steps
+            assert any(n > 0.95 for _, n in steps.values()), steps
+            cache[(model, layers)] = steps
+        return cache[(model, layers)]
+    return get
 
 
 def compare(ref, got, label):
@@ -103,16 +110,29 @@ def compare(ref, got, label):
     assert worst_loss < TOL and worst_norm < TOL, f"{label}: {got} vs {ref}"
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("scheduler,ranks", [("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4)])
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("scheduler,ranks", [("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4),
+                                             ("1f1b_interleaved", 2), ("zb1p", 2), ("zbv", 2),
+                                             ("1f1b_interleaved", 4), ("zb1p", 4), ("zbv", 4)])
 def test_parity_with_one_process(reference, tmp_path, tiny_tokens, model, scheduler, ranks):
+    """Every schedule; 1f1b_interleaved and zbv with two (virtual) stages per rank."""
+    ref = reference(model)
     got, _ = run(ranks, tmp_path, tiny_tokens, model, "--compute_config.pas_config.pp_size", ranks,
                  "--compute_config.pas_config.pipeline_scheduler", scheduler)
-    held = assert_pipelined(tmp_path, ranks, scheduler, model)
-    tied = 64 * 32 if model == "gpt" else 0  # GPT's embedding, held by the first and the last stage
-    assert sum(held) == _ELEMENTS[model] + tied, f"{held} vs {_ELEMENTS[model]} (+{tied} tied)"
-    compare(reference[model], got, f"{model} {scheduler} pp{ranks}")
+    assert_pipelined(tmp_path, ranks, scheduler, model, 2 * ranks if scheduler in ("1f1b_interleaved", "zbv") else ranks)
+    compare(ref, got, f"{model} {scheduler} pp{ranks}")
 
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("layers,ranks,split,want", [(4, 2, [1, 3], [1, 3]), (7, 3, None, [2, 3, 2])])
+def test_uneven_layers(reference, tmp_path, tiny_tokens, model, layers, ranks, split, want):
+    """A user's split ([1, 3]) and the even one of 7 layers over 3 stages: no layer dropped or duplicated."""
+    ref = reference(model, layers)
+    extra = ["--compute_config.pas_config.pipeline_layers", json.dumps(split)] if split else []
+    got, _ = run(ranks, tmp_path, tiny_tokens, model, "--compute_config.pas_config.pp_size", ranks, *extra,
+                 layers=layers)
+    assert assert_pipelined(tmp_path, ranks, "1f1b", model, ranks, layers) == want
+    compare(ref, got, f"{model} {layers} layers over pp{ranks} as {want}")
 
 def test_killed_rank_stops_every_stage(nnstrain_bin, tiny_tokens, tmp_path):
     """A middle stage killed mid-pipeline: every other rank exits non-zero within
@@ -120,7 +140,7 @@ def test_killed_rank_stops_every_stage(nnstrain_bin, tiny_tokens, tmp_path):
     transfer print their action grid, naming the stage, micro-batch and action."""
     from test_collective_failure import MARGIN_S, TIMEOUT_S, Ranks, exit_within, read, wait_for_steps
     pp = ["--micro_batch_size", "1", "--global_batch_size", "4", "--compute_config.pas_config.pp_size", "4",
-          "--log_progress_every_n_train_steps", "1", *MODELS["gpt"]]
+          "--log_progress_every_n_train_steps", "1", *model_args("gpt")]
     with Ranks(nnstrain_bin, tiny_tokens, tmp_path, world=4, extra_args=pp) as job:
         wait_for_steps(job.run_dir, job.procs)
         job.procs[2].send_signal(signal.SIGKILL)
