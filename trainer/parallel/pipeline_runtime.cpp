@@ -49,10 +49,11 @@ pipeline::Schedule make(const PipelinePlan& p) {
 }
 
 std::string describe(const Action& a) {
-  return std::string(a.op == Op::Recv ? (a.grad ? "receiving the gradient of" : "receiving the activation for")
-                                      : (a.grad ? "sending the gradient to" : "sending the activation to")) +
-         " stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro) + ", from/to pipeline rank " +
-         std::to_string(a.peer);
+  const bool in = a.op == Op::Recv;
+  return std::string(in ? (a.grad ? "receiving the gradient of" : "receiving the activation for")
+                        : (a.grad ? "sending the gradient to" : "sending the activation to")) +
+         " stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro) + (in ? ", from" : ", to") +
+         " pipeline rank " + std::to_string(a.peer);
 }
 
 }  // namespace
@@ -92,7 +93,7 @@ struct PipelineExecutor::Impl {
   dist::Runtime& rt;
   TrainingState& state;
   Options opts;
-  pipeline::Schedule sched;
+  pipeline::Schedule sched, lowered;  // compute actions; with the transfers (what runs)
   int me = 0, S = 1, M = 1;
   std::vector<StageBlocks> blocks;
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage (this rank's), for W
@@ -117,7 +118,7 @@ struct PipelineExecutor::Impl {
   double busy_s = 0;
 
   Impl(models::CausalLM& m, const PipelinePlan& p, dist::Runtime& r, TrainingState& st, const Options& o)
-      : model(m), plan(p), rt(r), state(st), opts(o), sched(make(p)) {
+      : model(m), plan(p), rt(r), state(st), opts(o), sched(make(p)), lowered(pipeline::lower(sched)) {
     me = rt.pp.rank;
     S = sched.stages;
     M = sched.micros;
@@ -292,11 +293,11 @@ struct PipelineExecutor::Impl {
   [[noreturn]] void fail_at(size_t k, const std::exception& e) {
     std::vector<int> waiting(sched.ranks, -1);
     waiting[me] = static_cast<int>(k);
-    const auto& a = sched.actions[me][k];
+    const auto& a = lowered.actions[me][k];
     const std::string where = "pipeline rank " + std::to_string(me) + " (global rank " + std::to_string(rt.rank()) +
                               ") failed " + describe(a);
     log::error(where + "; the schedule " + sched.name + ", the action waited on in [brackets]:\n" +
-               pipeline::grid(sched, waiting));
+               pipeline::grid(lowered, waiting));
     throw dist::CollectiveError(std::string(e.what()) + "; " + where);
   }
 
@@ -322,8 +323,7 @@ struct PipelineExecutor::Impl {
 PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& plan, dist::Runtime& rt,
                                    TrainingState& state, const Options& opts)
     : impl_(std::make_unique<Impl>(model, plan, rt, state, opts)) {
-  lowered_ = pipeline::lower(impl_->sched);
-  pipeline::simulate(lowered_);  // the dry run: throws, with the grid, on a deadlock
+  pipeline::simulate(impl_->lowered);  // the dry run: throws, with the grid, on a deadlock
   if (impl_->synthetic) {
     // The simulator's prediction for the same costs (stages of equal layer counts).
     auto c = *impl_->synthetic;
@@ -342,8 +342,6 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
 
 PipelineExecutor::~PipelineExecutor() = default;
 
-bool PipelineExecutor::holds_last_stage() const { return impl_->sched.stage_rank[impl_->S - 1] == impl_->me; }
-
 at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& loss_scale,
                                         bool poison, const std::function<void(bool backward)>& phase) {
   auto& I = *impl_;
@@ -353,7 +351,7 @@ at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_ba
   I.loss_scale = loss_scale;
   I.poison = poison;
   I.loss_sum = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
-  const auto& row = lowered_.actions[I.me];
+  const auto& row = I.lowered.actions[I.me];
   std::chrono::steady_clock::time_point start;
   if (I.synthetic) {  // every rank starts the timed step together
     I.rt.all_reduce(I.rt.pp, torch::zeros({1}, torch::TensorOptions().device(I.opts.device)), "pipeline synthetic start");

@@ -82,13 +82,9 @@ class PipelineExecutor {
   // rank holding the last stage, 0 elsewhere.
   at::Tensor eval_loss(const data::Batch& batch);
 
-  bool holds_last_stage() const;
-  const pipeline::Schedule& schedule() const { return lowered_; }
-
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  pipeline::Schedule lowered_;
 };
 
 }  // namespace nnstrain::parallel
