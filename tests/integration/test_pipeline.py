@@ -221,3 +221,18 @@ def test_checkpoints_move_between_plans(reference, tmp_path, tiny_tokens):
                     for k, v in merged["one"].items())
         print(f"merge of the {name} checkpoint: largest relative weight difference {worst:.2e}")
         assert worst < TOL
+
+
+def test_layer_split_that_cannot_work_is_refused_on_every_rank(tmp_path, tiny_tokens):
+    """pipeline_layers summing to 3 of 8 layers: every rank exits 2 with one line naming the key."""
+    cmdline = ["--config", str(CONFIG), "--run_dir", str(tmp_path), "--vars.data", str(tiny_tokens),
+               *device_args(2), *model_args("gpt"), "--compute_config.pas_config.pp_size", "2",
+               "--compute_config.pas_config.pipeline_layers", "[1, 2]"]
+    p = subprocess.run([nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", *cmdline], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "exited with status 2" in out, out
+    for rank in (0, 1):
+        assert (f"[rank {rank}] nnstrain: config error: compute_config.pas_config.pipeline_layers: the stages hold 3 "
+                "layers but the model has 8") in out, out
+    assert "frame #" not in out, out

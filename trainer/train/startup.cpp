@@ -238,6 +238,15 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
 
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
                    const torch::Device& device, std::chrono::milliseconds timeout) {
+  const auto& pipe = args.compute_config.pipeline;
+  if (pipe.pp_size > 1) {
+    // Refused on every rank alike, before the ranks agree on a plan.
+    if (env.world_size % pipe.pp_size != 0)
+      throw config::ConfigError("compute_config.pas_config.pp_size: " + std::to_string(pipe.pp_size) +
+                                " pipeline ranks, but this run has " + std::to_string(env.world_size) + " rank" +
+                                (env.world_size == 1 ? "" : "s"));
+    parallel::pipeline_plan(pipe, args.grad_accumulation_steps, model.num_layers());
+  }
   parallel::PlanRequest req;
   req.args = &args;
   req.model = &model;
