@@ -178,6 +178,23 @@ def test_composition(reference, tmp_path, tiny_tokens, model, plan):
     compare(ref, got, f"{model} {plan}")
 
 
+def test_bf16_mixed(reference, tmp_path, tiny_tokens):
+    """bf16-mixed pp2 against bf16-mixed one process, within test_precision's bf16
+    tolerance (2^-8 for the loss, 4 x for the norm); and not fp32 (the mode was on)."""
+    from test_precision import BF16_RTOL
+    bf16 = ["--precision", "bf16-mixed"]
+    one, _ = run(1, tmp_path / "one", tiny_tokens, "gpt", *bf16)
+    pp = ["--compute_config.pas_config.pp_size", "2"]
+    got, out = run(2, tmp_path / "pp2", tiny_tokens, "gpt", *bf16, *pp)
+    assert_active(tmp_path / "pp2", out, 2, [*bf16, *pp])  # bf16 parameters, fp32 masters and gradients
+    worst_loss = max(rel(got[s][0], one[s][0]) for s in one)
+    worst_norm = max(rel(got[s][1], one[s][1]) for s in one)
+    print(f"bf16-mixed pp2: largest relative difference loss {worst_loss:.2e}, grad norm {worst_norm:.2e}")
+    assert worst_loss <= BF16_RTOL and worst_norm <= 4 * BF16_RTOL
+    fp32 = reference("gpt")
+    assert max(rel(got[s][0], fp32[s][0]) for s in fp32) > TOL, "bf16-mixed trained exactly as fp32"
+
+
 def test_checkpoints_move_between_plans(reference, tmp_path, tiny_tokens):
     """One process -> pp4 interleaved -> pp2 zbv -> one process, each leg resuming
     the one before and continuing the uninterrupted run; `nnstrain merge` of a
