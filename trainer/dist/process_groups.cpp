@@ -81,8 +81,7 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   // Rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index; at cp 1
   // and pp 1 the names are those of before cp and pp.
   auto rank_of = [&](int d, int p, int c, int t) { return ((d * pp_size + p) * cp_size + c) * tp_size + t; };
-  const int my_t = rank_ % tp_size, my_c = (rank_ / tp_size) % cp_size, my_p = (rank_ / (tp_size * cp_size)) % pp_size,
-            my_d = rank_ / (tp_size * cp_size * pp_size);
+  const int my_t = rank_ % tp_size, my_c = (rank_ / tp_size) % cp_size, my_p = (rank_ / (tp_size * cp_size)) % pp_size;
   // The position of a group that spans one dimension, by the others' indices.
   auto suffix = [&](int p, int c, int t) {
     return (pp_size > 1 ? std::to_string(p) + "_" : std::string()) + (cp_size > 1 ? std::to_string(c) + "_" : std::string()) +
@@ -106,38 +105,28 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
     auto g = make_group("tp" + std::to_string(i), ranks, false);
     if (rank_ / tp_size == i) tp = g;
   }
-  if (cp_size > 1) {
+  // The groups along cp (the ranks splitting one sequence) or pp (a pipeline's
+  // stages): one per (dp, the other one's, tp) position, "cp<d>_[<p>_]<t>" and
+  // "pp<d>_[<c>_]<t>"; at size 1 this rank alone, with no backend.
+  auto along = [&](const std::string& prefix, bool over_cp, int size, int other_size) {
+    Group mine;
+    mine.name = prefix;
+    mine.ranks = {rank_};
+    if (size == 1) return mine;
     for (int d = 0; d < dp_size; ++d)
-      for (int p = 0; p < pp_size; ++p)
+      for (int o = 0; o < other_size; ++o)
         for (int t = 0; t < tp_size; ++t) {
           std::vector<int> ranks;
-          for (int c = 0; c < cp_size; ++c) ranks.push_back(rank_of(d, p, c, t));
-          auto g = make_group("cp" + std::to_string(d) + "_" + (pp_size > 1 ? std::to_string(p) + "_" : std::string()) +
+          for (int i = 0; i < size; ++i) ranks.push_back(over_cp ? rank_of(d, o, i, t) : rank_of(d, i, o, t));
+          auto g = make_group(prefix + std::to_string(d) + "_" + (other_size > 1 ? std::to_string(o) + "_" : "") +
                                   std::to_string(t),
                               ranks, false);
-          if (my_d == d && my_p == p && my_t == t) cp = g;
+          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) mine = g;
         }
-  } else {
-    cp.name = "cp";
-    cp.ranks = {rank_};
-    cp.rank = 0;
-  }
-  if (pp_size > 1) {
-    for (int d = 0; d < dp_size; ++d)
-      for (int c = 0; c < cp_size; ++c)
-        for (int t = 0; t < tp_size; ++t) {
-          std::vector<int> ranks;
-          for (int p = 0; p < pp_size; ++p) ranks.push_back(rank_of(d, p, c, t));
-          auto g = make_group("pp" + std::to_string(d) + "_" + (cp_size > 1 ? std::to_string(c) + "_" : std::string()) +
-                                  std::to_string(t),
-                              ranks, false);
-          if (my_d == d && my_c == c && my_t == t) pp = g;
-        }
-  } else {
-    pp.name = "pp";
-    pp.ranks = {rank_};
-    pp.rank = 0;
-  }
+    return mine;
+  };
+  cp = along("cp", true, cp_size, pp_size);
+  pp = along("pp", false, pp_size, cp_size);
   const int zn = opts.zero_ngroups, zsize = dp_size / zn;
   for (int p = 0; p < pp_size; ++p)
     for (int c = 0; c < cp_size; ++c)
