@@ -1,4 +1,5 @@
-"""Pipeline parallelism (issue 21): parity with one process on CPU/Gloo, fp32.
+"""Pipeline parallelism (issue 21): parity with one process on CPU/Gloo, fp32 (and bf16-mixed),
+evaluation, checkpoints across plans, a killed stage, and refusals.
 
 A tiny GPT (tied embedding and head) and a tiny untied Llama, 8 layers each,
 10 steps, clipping active (tiny_dp.yaml's clip_gnorm 0.95), the same global
@@ -176,6 +177,23 @@ def test_composition(reference, tmp_path, tiny_tokens, model, plan):
     plan_json = json.loads((tmp_path / "plan.json").read_text())
     assert plan_json["pipeline"]["pp"] == 2, plan_json
     compare(ref, got, f"{model} {plan}")
+
+
+def test_evaluation_runs_through_the_stages(tmp_path, tiny_tokens):
+    """Validation, forward only through the stages (zbv: stages 0 and 3 on rank 0),
+    gives one process's val loss."""
+    val = ["--dataset.val_args", json.dumps({"path": str(tiny_tokens), "dtype": "uint16", "seq_len": 32}),
+           "--val_every_n_train_steps", "5", "--max_val_steps", "2"]
+    pp = ["--compute_config.pas_config.pp_size", "2", "--compute_config.pas_config.pipeline_scheduler", "zbv"]
+    losses = {}
+    for name, ranks, ov in (("one", 1, val), ("pp2", 2, [*val, *pp])):
+        run(ranks, tmp_path / name, tiny_tokens, "gpt", *ov)
+        _, v = read_metrics(tmp_path / name / "metrics.jsonl")
+        losses[name] = {r["step"]: r["val_loss"] for r in v}
+    assert sorted(losses["one"]) == [5, 10] and sorted(losses["pp2"]) == [5, 10], losses
+    worst = max(rel(losses["pp2"][s], losses["one"][s]) for s in (5, 10))
+    print(f"validation under pp2 zbv: largest relative difference {worst:.2e}")
+    assert worst < TOL, losses
 
 
 def test_bf16_mixed(reference, tmp_path, tiny_tokens):
