@@ -272,17 +272,3 @@ def test_layer_split_that_cannot_work_is_refused_on_every_rank(tmp_path, tiny_to
                 "layers but the model has 8") in out, out
     assert "frame #" not in out, out
 
-
-def test_plan_prints_the_pipeline_and_its_grid(tmp_path, tiny_tokens):
-    p = subprocess.run([nnstrain_bin_path(), "plan", "--config", str(CONFIG), "--vars.data", str(tiny_tokens),
-                        "--runtime-ngpus", "4", *model_args("gpt"), "--micro_batch_size", "2", "--global_batch_size", "16",
-                        "--compute_config.pas_config.pp_size", "2", "--compute_config.pas_config.pipeline_scheduler", "zbv"],
-                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out
-    assert "world 4 = tp 1 x pp 2 x dp 2" in out, out
-    assert "pipeline: zbv, 4 stages over pp 2 (layers per stage 2 2 2 2), 4 micro-batches per step" in out, out
-    rows = re.findall(r"^  rank (\d) \|((?: [FBIW]\d\.\d)+)$", out, re.M)
-    assert [r for r, _ in rows] == ["0", "1"], out
-    # V placement: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2, each F, I and W of 4 micro-batches.
-    assert sorted({a[1] for a in rows[0][1].split()}) == ["0", "3"] and len(rows[0][1].split()) == 24, out

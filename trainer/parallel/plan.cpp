@@ -5,7 +5,6 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "trainer/parallel/pipeline_schedule.h"
 #include "trainer/parallel/planner.h"
 
 namespace nnstrain::parallel {
@@ -194,20 +193,13 @@ std::string recompute_text(const std::vector<bool>& r) {
 
 std::string describe(const Plan& p, bool explain) {
   std::ostringstream o;
-  o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp
-    << (p.pipeline.pp > 1 ? " x pp " + std::to_string(p.pipeline.pp) : std::string()) << " x dp " << p.dp << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
+  o << "plan: policy " << p.policy << ", world " << p.world << " = tp " << p.tp << " x dp " << p.dp
+    << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   if (p.offload_ratio > 0 || p.offload_params)
     o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
       << (p.offload_params ? ", params" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
-  if (p.pipeline.pp > 1) {
-    const auto& q = p.pipeline;
-    o << "  pipeline: " << q.scheduler << ", " << q.stages << " stages over pp " << q.pp << " (layers per stage";
-    for (int n : q.stage_layers) o << ' ' << n;
-    o << "), " << q.nmicros << " micro-batches per step; each rank's actions (F/B/I/W stage.micro):\n"
-      << pipeline::grid(pipeline::make_schedule(q.scheduler, q.pp, q.stages, static_cast<int>(q.nmicros)));
-  }
   if (p.zero_stage == 3) {
     auto names = [](const std::vector<std::string>& v) {
       std::string s;
