@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <stdexcept>
 
 namespace nnstrain::models {
@@ -20,6 +21,42 @@ int CausalLM::block_of(const std::string& name) const {
   return std::stoi(index);
 }
 
+torch::Tensor CausalLM::embed(const torch::Tensor&, const Documents&) {
+  throw std::runtime_error("this model cannot be split into pipeline stages");
+}
+torch::Tensor CausalLM::blocks(const torch::Tensor&, int64_t, int64_t, int64_t, const Documents&) {
+  throw std::runtime_error("this model cannot be split into pipeline stages");
+}
+torch::Tensor CausalLM::head_loss(const torch::Tensor&, const torch::Tensor&) {
+  throw std::runtime_error("this model cannot be split into pipeline stages");
+}
+
+std::vector<std::string> CausalLM::params_of(const HeldPieces& pieces) const {
+  const auto ties = head_ties();
+  std::vector<std::string> out;
+  bool after_blocks = false;
+  for (const auto& p : const_cast<CausalLM&>(*this).named_parameters()) {
+    const auto& name = p.key();
+    const int b = block_of(name);
+    after_blocks = after_blocks || b >= 0;
+    bool held;
+    if (b >= 0) held = pieces.blocks.empty() || (b < static_cast<int>(pieces.blocks.size()) && pieces.blocks[b]);
+    else if (after_blocks) held = pieces.head;
+    else held = pieces.embed || (pieces.head && std::find(ties.begin(), ties.end(), name) != ties.end());
+    if (held) out.push_back(name);
+  }
+  return out;
+}
+
+void CausalLM::hold_only(const HeldPieces& pieces) {
+  held_ = params_of(pieces);
+  std::sort(held_->begin(), held_->end());
+}
+
+bool CausalLM::holds(const std::string& name) const {
+  return !held_ || std::binary_search(held_->begin(), held_->end(), name);
+}
+
 std::vector<common::ParamLayout> CausalLM::param_layouts() const {
   auto& self = const_cast<CausalLM&>(*this);  // named_modules() is not const in LibTorch
   std::map<std::string, common::ParamLayout> by_name;
@@ -34,6 +71,7 @@ std::vector<common::ParamLayout> CausalLM::param_layouts() const {
   }
   std::vector<common::ParamLayout> out;
   for (const auto& p : self.named_parameters()) {
+    if (!holds(p.key())) continue;
     auto it = by_name.find(p.key());
     if (it == by_name.end())
       throw std::logic_error("parameter '" + p.key() + "' belongs to no layer of models/common/layers.h, so nothing "

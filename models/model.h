@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,32 @@ class CausalLM : public torch::nn::Module {
   // Full logits [B, T, vocab] (evaluation, export checks).
   virtual torch::Tensor logits(const torch::Tensor& idx) = 0;
 
+  // Pipeline parallelism runs the model in pieces, in this order: embed (the
+  // tokens to the first block's input), blocks [begin, end), head_loss (the
+  // final norm, the LM head and loss()'s loss). loss(idx, targets, docs) is
+  // exactly head_loss(blocks(embed(idx, docs), 0, num_layers(), T, docs), targets);
+  // seq_len is idx's T (a block's input holds fewer tokens under sequence
+  // parallelism). Models without them refuse pipeline parallelism.
+  virtual torch::Tensor embed(const torch::Tensor& idx, const Documents& docs);
+  virtual torch::Tensor blocks(const torch::Tensor& x, int64_t begin, int64_t end, int64_t seq_len,
+                               const Documents& docs);
+  virtual torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets);
+  // Parameters outside the head that head_loss reads (a head tied to the token embedding).
+  virtual std::vector<std::string> head_ties() const { return {}; }
+
+  // What this instance holds (pipeline parallelism: a rank's stages): the
+  // parameters before the blocks (embed), some blocks, those after (head) and
+  // head_ties() with the head. The rest stay on meta and are left out of
+  // param_layouts(), so nothing materialises, trains or saves them here.
+  struct HeldPieces {
+    bool embed = true, head = true;
+    std::vector<bool> blocks;  // per block; empty: every block
+  };
+  void hold_only(const HeldPieces& pieces);
+  bool holds(const std::string& param_name) const;
+  // The parameters `pieces` cover, in registration order.
+  std::vector<std::string> params_of(const HeldPieces& pieces) const;
+
   // Incremental decoding (generation; no dropout, no tensor parallelism): logits
   // [B, T, vocab] of new tokens idx [B, T] at positions cache.length().., each
   // attending to the cached tokens and the new ones before it; appends their
@@ -106,6 +133,9 @@ class CausalLM : public torch::nn::Module {
   }
 
   RuntimeOptions runtime_;
+
+ private:
+  std::optional<std::vector<std::string>> held_;  // sorted; none: everything
 };
 
 }  // namespace nnstrain::models

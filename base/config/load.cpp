@@ -11,6 +11,7 @@
 #include "base/config/arg_map_impl.h"
 #include "base/text.h"
 #include "data/indexed/sample_stream.h"
+#include "trainer/parallel/pipeline_schedule.h"
 
 namespace nnstrain::config {
 
@@ -383,6 +384,26 @@ void compact_empty(const YAML::Node& n) {
   for (const auto& item : n) compact_empty(n.IsMap() ? item.second : item);
 }
 
+// What the pipeline's keys must agree on: global_batch = micro x nmicros x dp,
+// and a scheduler that can run pp ranks, the stages and the micro-batches.
+void check_pipeline(const ArgMap& pas, const ComputeConfig& c, int64_t accumulation, const std::string& dp_text) {
+  const auto& q = c.pipeline;
+  if (q.nmicros > 0 && q.nmicros != accumulation)
+    pas.fail("pipeline_nmicros", std::to_string(q.nmicros) + " micro-batches per pipeline flush, but the step has " +
+                                     std::to_string(accumulation) + " (grad_accumulation_steps; global_batch_size = "
+                                     "micro_batch_size x pipeline_nmicros x " + dp_text + ")");
+  if (c.use_zero >= 2)
+    pas.fail("pp_size", "pipeline parallelism with compute_config.use_zero " + std::to_string(c.use_zero) +
+                            " is not implemented yet (ZeRO 0 or 1)");
+  const int stages = q.nstages > 0 ? q.nstages : !q.layers.empty() ? static_cast<int>(q.layers.size())
+                                                                    : parallel::pipeline::default_stages(q.scheduler, q.pp_size);
+  try {
+    parallel::pipeline::make_schedule(q.scheduler, q.pp_size, stages, static_cast<int>(accumulation));
+  } catch (const parallel::pipeline::ScheduleError& e) {
+    pas.fail("pipeline_scheduler", e.what());
+  }
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vector<std::string>& tokens) {
@@ -752,6 +773,10 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                               (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) +
                               (pp > 1 ? " / pas_config.pp_size " + std::to_string(pp) : std::string()) + ")";
   const int64_t per_step = t.micro_batch_size * dp;
+  // A pipeline's step is one flush of pipeline_nmicros micro-batches: the accumulation,
+  // when neither it nor the global batch says otherwise.
+  if (pp > 1 && c.pipeline.nmicros > 0 && !accumulation_given && t.global_batch_size == 0)
+    t.grad_accumulation_steps = c.pipeline.nmicros;
   if (t.global_batch_size > 0 && !accumulation_given) {
     if (t.global_batch_size % per_step != 0)
       top.fail("global_batch_size",
@@ -768,6 +793,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                  " = " + std::to_string(product));
   t.global_batch_size = product;
   top_impl->record("global_batch_size", YAML::Node(std::to_string(product)));
+  if (pp > 1) check_pipeline(*pas, c, t.grad_accumulation_steps, dp_text);
 
   if (t.max_train_steps == 0 && t.max_epochs == 0)
     top.fail("max_train_steps", "one of max_train_steps or max_epochs must be > 0");
@@ -813,9 +839,6 @@ void check_implemented(const TrainerArgs& a) {
   // (models/common/context_attention.h); the trainer does not split sequences over ranks yet.
   if (a.compute_config.context_parallel_size > 1)
     reject("compute_config.context_parallel_size", "training with context parallelism (size > 1)");
-  // The schedules exist as data (trainer/parallel/pipeline_schedule.h); the runtime does not.
-  if (a.compute_config.pipeline.pp_size > 1)
-    reject("compute_config.pas_config.pp_size", "training with pipeline parallelism (size > 1)");
 }
 
 }  // namespace nnstrain::config

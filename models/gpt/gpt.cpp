@@ -95,7 +95,7 @@ Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg), 
   lm_head = common::ParallelLmHead(ctx, cfg.vocab_size, cfg.n_embd, /*own_weight=*/false, kInit);
 }
 
-torch::Tensor Gpt::hidden(const torch::Tensor& idx, const Documents& docs) {
+torch::Tensor Gpt::embed(const torch::Tensor& idx, const Documents& docs) {
   const auto T = idx.size(1);
   TORCH_CHECK(T <= cfg_.block_size, "sequence of ", T, " tokens exceeds block_size ", cfg_.block_size);
   // Packed documents: each token's position within its document ([B, T, C] embeddings).
@@ -103,19 +103,31 @@ torch::Tensor Gpt::hidden(const torch::Tensor& idx, const Documents& docs) {
   // Under sequence parallelism wte gives this rank's tokens; so does the position
   // embedding's entry into the region (its gradient all-gathered back whole).
   const auto positions = common::to_sequence_shard(ctx_, pos, idx.size(0));
-  auto x = common::region_dropout(ctx_, wte(idx) + positions, cfg_.dropout, is_training());
+  return common::region_dropout(ctx_, wte(idx) + positions, cfg_.dropout, is_training());
+}
+
+torch::Tensor Gpt::blocks(const torch::Tensor& input, int64_t begin, int64_t end, int64_t, const Documents& docs) {
+  auto x = input;
   const auto mask = docs.defined() ? docs.attention_mask() : torch::Tensor();
-  for (size_t i = 0; i < h->size(); ++i) {
+  for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto block = h->ptr<BlockImpl>(i);
     x = run_block(i, [block, mask](const torch::Tensor& t) { return block->forward(t, mask); }, x, ctx_.rng.get());
   }
-  return ln_f(x);
+  return x;
+}
+
+torch::Tensor Gpt::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  return lm_head->loss(ln_f(x), wte->weight, targets, runtime_.loss, runtime_.loss_chunk_size);
+}
+
+torch::Tensor Gpt::hidden(const torch::Tensor& idx, const Documents& docs) {
+  return ln_f(blocks(embed(idx, docs), 0, cfg_.n_layer, idx.size(1), docs));
 }
 
 torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets) { return loss(idx, targets, {}); }
 
 torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
-  return lm_head->loss(hidden(idx, docs), wte->weight, targets, runtime_.loss, runtime_.loss_chunk_size);
+  return head_loss(blocks(embed(idx, docs), 0, cfg_.n_layer, idx.size(1), docs), targets);
 }
 
 torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }

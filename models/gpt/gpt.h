@@ -64,6 +64,11 @@ class Gpt : public CausalLM {
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) override;
   torch::Tensor logits(const torch::Tensor& idx) override;
   torch::Tensor decode_logits(const torch::Tensor& idx, common::KvCache& cache) override;
+  torch::Tensor embed(const torch::Tensor& idx, const Documents& docs) override;
+  torch::Tensor blocks(const torch::Tensor& x, int64_t begin, int64_t end, int64_t seq_len,
+                       const Documents& docs) override;
+  torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets) override;
+  std::vector<std::string> head_ties() const override { return {"wte.weight"}; }
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.block_size; }
   int64_t num_layers() const override { return cfg_.n_layer; }

@@ -203,12 +203,17 @@ std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::De
   return {cos_, sin_};
 }
 
-torch::Tensor Llama::hidden(const torch::Tensor& idx, const Documents& docs) {
+torch::Tensor Llama::embed(const torch::Tensor& idx, const Documents&) {
   const auto T = idx.size(1);
   TORCH_CHECK(T * cp_ <= cfg_.max_position_embeddings, "sequence of ", T * cp_, " tokens exceeds max_position_embeddings ",
               cfg_.max_position_embeddings);
-  auto x = embed_tokens(idx);
-  auto [cos, sin] = rotary(T, x.device());
+  return embed_tokens(idx);
+}
+
+torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
+                            const Documents& docs) {
+  auto x = input;
+  auto [cos, sin] = rotary(seq_len, x.device());
   torch::Tensor mask;
   if (docs.defined()) {
     // Packed documents: rotary angles of each token's position within its document, [B, 1, T, head_dim].
@@ -219,18 +224,30 @@ torch::Tensor Llama::hidden(const torch::Tensor& idx, const Documents& docs) {
     sin = emb.sin();
     mask = docs.attention_mask();
   }
-  for (size_t i = 0; i < layers->size(); ++i) {
+  for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);
     x = run_block(i, [layer, cos = cos, sin = sin, mask](const torch::Tensor& t) { return layer->forward(t, cos, sin, mask); },
                   x, nullptr);
   }
-  return norm(x);
+  return x;
+}
+
+torch::Tensor Llama::head_loss(const torch::Tensor& h, const torch::Tensor& targets) {
+  return lm_head->loss(norm(h), head_weight(), targets, runtime_.loss, runtime_.loss_chunk_size);
+}
+
+std::vector<std::string> Llama::head_ties() const {
+  return cfg_.tie_word_embeddings ? std::vector<std::string>{"embed_tokens.weight"} : std::vector<std::string>{};
+}
+
+torch::Tensor Llama::hidden(const torch::Tensor& idx, const Documents& docs) {
+  return norm(blocks(embed(idx, docs), 0, cfg_.num_hidden_layers, idx.size(1), docs));
 }
 
 torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets) { return loss(idx, targets, {}); }
 
 torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets, const Documents& docs) {
-  return lm_head->loss(hidden(idx, docs), head_weight(), targets, runtime_.loss, runtime_.loss_chunk_size);
+  return head_loss(blocks(embed(idx, docs), 0, cfg_.num_hidden_layers, idx.size(1), docs), targets);
 }
 
 torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }

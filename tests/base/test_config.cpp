@@ -564,3 +564,36 @@ TEST_CASE("config: context parallelism's keys, and the combinations it cannot sp
              Catch::Contains("compute_config.context_parallel_size: training with context parallelism (size > 1) "
                              "is not implemented yet"));
 }
+
+TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[config][pipeline]") {
+  TempDir tmp;
+  LoadOptions four = options();
+  four.world_size = 4;
+  const std::string base = minimal(tmp.data("t.bin"));
+  // pp 2 of 4 ranks: dp 2; a global batch of 32 is 4 micro-batches of 4 per step, one pipeline flush.
+  const TrainerArgs t = load_trainer_args(
+      tmp.write("pp.yaml", base + "global_batch_size: 32\ncompute_config: {pas_config: {pp_size: 2, "
+                                  "pipeline_nmicros: 4, pipeline_scheduler: zbv}}\n"),
+      four);
+  CHECK(t.grad_accumulation_steps == 4);
+  CHECK(t.compute_config.pipeline.nmicros == 4);
+  // pipeline_nmicros alone sets the accumulation: global = micro x nmicros x dp.
+  const TrainerArgs u = load_trainer_args(
+      tmp.write("pp2.yaml", base + "compute_config: {pas_config: {pp_size: 2, pipeline_nmicros: 3}}\n"), four);
+  CHECK(u.grad_accumulation_steps == 3);
+  CHECK(u.global_batch_size == 24);
+  CHECK_THAT(load_error(tmp, base + "global_batch_size: 32\ncompute_config: {pas_config: {pp_size: 2, "
+                                    "pipeline_nmicros: 8}}\n", four),
+             Catch::Contains("compute_config.pas_config.pipeline_nmicros (line 14): 8 micro-batches per pipeline "
+                             "flush, but the step has 4 (grad_accumulation_steps; global_batch_size = micro_batch_size "
+                             "x pipeline_nmicros x dp 2"));
+  CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 3\ncompute_config: {pas_config: {pp_size: 2, "
+                                    "pipeline_scheduler: 1f1b_interleaved}}\n", four),
+             Catch::Contains("compute_config.pas_config.pipeline_scheduler") &&
+                 Catch::Contains("needs pipeline_nmicros a multiple of pp_size"));
+  CHECK_THAT(load_error(tmp, base + "compute_config: {pas_config: {pp_size: 2, pipeline_nstages: 3}}\n", four),
+             Catch::Contains("pipeline_scheduler 1f1b with pp_size 2, pipeline_nstages 3") &&
+                 Catch::Contains("one stage per rank"));
+  CHECK_THAT(load_error(tmp, base + "compute_config: {use_zero: 2, pas_config: {pp_size: 2}}\n", four),
+             Catch::Contains("compute_config.pas_config.pp_size") && Catch::Contains("use_zero 2 is not implemented"));
+}

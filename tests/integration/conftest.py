@@ -220,7 +220,7 @@ def expected_plan(nproc, overrides):
         tp = 1
     zero = _override(overrides, "--compute_config.use_zero", "0")
     zero = {"true": 1, "false": 0}.get(zero, zero)
-    dp = nproc // tp
+    dp = nproc // (tp * int(_override(overrides, "--compute_config.pas_config.pp_size", 1)))
     ngroups = int(_override(overrides, "--compute_config.zero_ngroups", 1))
     precision = _override(overrides, "--precision", "32-true")
     return {"tp": tp, "dp": dp, "zero": int(zero), "zero_group": dp // ngroups,

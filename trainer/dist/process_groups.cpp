@@ -65,10 +65,11 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::mill
 Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_ptr<c10d::Store> store)
     : rank_(env.rank), world_(env.world_size), opts_(opts), store_(std::move(store)) {
   backend_name_ = opts.backend == "auto" ? (opts.cuda ? "nccl" : "gloo") : opts.backend;
-  const int tp_size = opts.tp, cp_size = opts.cp, dp_size = world_ / (tp_size * cp_size);
-  if (world_ % (tp_size * cp_size) != 0)
+  const int tp_size = opts.tp, cp_size = opts.cp, pp_size = opts.pp, dp_size = world_ / (tp_size * cp_size * pp_size);
+  if (world_ % (tp_size * cp_size * pp_size) != 0)
     throw std::runtime_error("world size " + std::to_string(world_) + " is not a multiple of plan_ngpus " +
-                             std::to_string(tp_size) + " x context_parallel_size " + std::to_string(cp_size));
+                             std::to_string(tp_size) + " x context_parallel_size " + std::to_string(cp_size) +
+                             " x pp_size " + std::to_string(pp_size));
   if (world_ > 1) {
     if (!store_) store_ = rendezvous(env, opts.timeout);
     store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
@@ -77,56 +78,72 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   }
   // Groups, created in one global order (each rank joins only its own) so that
   // overlapping rendezvous can never deadlock.
-  // Rank = (dp_index * cp + cp_index) * tp + tp_index; at cp 1 the names are those of before cp.
-  auto rank_of = [&](int d, int c, int t) { return (d * cp_size + c) * tp_size + t; };
-  const int my_t = rank_ % tp_size, my_c = (rank_ / tp_size) % cp_size, my_d = rank_ / (tp_size * cp_size);
-  auto suffix = [&](int c, int t) { return cp_size > 1 ? std::to_string(c) + "_" + std::to_string(t) : std::to_string(t); };
+  // Rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index; at cp 1
+  // and pp 1 the names are those of before cp and pp.
+  auto rank_of = [&](int d, int p, int c, int t) { return ((d * pp_size + p) * cp_size + c) * tp_size + t; };
+  const int my_t = rank_ % tp_size, my_c = (rank_ / tp_size) % cp_size, my_p = (rank_ / (tp_size * cp_size)) % pp_size;
+  // The position of a group that spans one dimension, by the others' indices.
+  auto suffix = [&](int p, int c, int t) {
+    return (pp_size > 1 ? std::to_string(p) + "_" : std::string()) + (cp_size > 1 ? std::to_string(c) + "_" : std::string()) +
+           std::to_string(t);
+  };
   std::vector<int> all(world_);
   for (int r = 0; r < world_; ++r) all[r] = r;
   world = make_group("world", all, false);
   control = make_group("control", all, true);
-  for (int c = 0; c < cp_size; ++c)
-    for (int t = 0; t < tp_size; ++t) {
-      std::vector<int> ranks;
-      for (int d = 0; d < dp_size; ++d) ranks.push_back(rank_of(d, c, t));
-      auto g = make_group("dp" + suffix(c, t), ranks, false);
-      if (my_c == c && my_t == t) dp = g;
-    }
-  for (int i = 0; i < dp_size * cp_size; ++i) {
+  for (int p = 0; p < pp_size; ++p)
+    for (int c = 0; c < cp_size; ++c)
+      for (int t = 0; t < tp_size; ++t) {
+        std::vector<int> ranks;
+        for (int d = 0; d < dp_size; ++d) ranks.push_back(rank_of(d, p, c, t));
+        auto g = make_group("dp" + suffix(p, c, t), ranks, false);
+        if (my_p == p && my_c == c && my_t == t) dp = g;
+      }
+  for (int i = 0; i < dp_size * pp_size * cp_size; ++i) {
     std::vector<int> ranks;
     for (int t = 0; t < tp_size; ++t) ranks.push_back(i * tp_size + t);
     auto g = make_group("tp" + std::to_string(i), ranks, false);
     if (rank_ / tp_size == i) tp = g;
   }
-  if (cp_size > 1) {
+  // The groups along cp (the ranks splitting one sequence) or pp (a pipeline's
+  // stages): one per (dp, the other one's, tp) position, "cp<d>_[<p>_]<t>" and
+  // "pp<d>_[<c>_]<t>"; at size 1 this rank alone, with no backend.
+  auto along = [&](const std::string& prefix, bool over_cp, int size, int other_size) {
+    Group mine;
+    mine.name = prefix;
+    mine.ranks = {rank_};
+    if (size == 1) return mine;
     for (int d = 0; d < dp_size; ++d)
-      for (int t = 0; t < tp_size; ++t) {
-        std::vector<int> ranks;
-        for (int c = 0; c < cp_size; ++c) ranks.push_back(rank_of(d, c, t));
-        auto g = make_group("cp" + std::to_string(d) + "_" + std::to_string(t), ranks, false);
-        if (my_d == d && my_t == t) cp = g;
-      }
-  } else {
-    cp.name = "cp";
-    cp.ranks = {rank_};
-    cp.rank = 0;
-  }
+      for (int o = 0; o < other_size; ++o)
+        for (int t = 0; t < tp_size; ++t) {
+          std::vector<int> ranks;
+          for (int i = 0; i < size; ++i) ranks.push_back(over_cp ? rank_of(d, o, i, t) : rank_of(d, i, o, t));
+          auto g = make_group(prefix + std::to_string(d) + "_" + (other_size > 1 ? std::to_string(o) + "_" : "") +
+                                  std::to_string(t),
+                              ranks, false);
+          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) mine = g;
+        }
+    return mine;
+  };
+  cp = along("cp", true, cp_size, pp_size);
+  pp = along("pp", false, pp_size, cp_size);
   const int zn = opts.zero_ngroups, zsize = dp_size / zn;
-  for (int c = 0; c < cp_size; ++c)
-    for (int t = 0; t < tp_size; ++t) {
-      for (int gi = 0; gi < zn; ++gi) {
-        std::vector<int> ranks;
-        for (int z = 0; z < zsize; ++z) ranks.push_back(rank_of(gi * zsize + z, c, t));
-        auto g = make_group("zero" + suffix(c, t) + "_" + std::to_string(gi), ranks, false);
-        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
+  for (int p = 0; p < pp_size; ++p)
+    for (int c = 0; c < cp_size; ++c)
+      for (int t = 0; t < tp_size; ++t) {
+        for (int gi = 0; gi < zn; ++gi) {
+          std::vector<int> ranks;
+          for (int z = 0; z < zsize; ++z) ranks.push_back(rank_of(gi * zsize + z, p, c, t));
+          auto g = make_group("zero" + suffix(p, c, t) + "_" + std::to_string(gi), ranks, false);
+          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
+        }
+        for (int z = 0; z < zsize; ++z) {
+          std::vector<int> ranks;
+          for (int gi = 0; gi < zn; ++gi) ranks.push_back(rank_of(gi * zsize + z, p, c, t));
+          auto g = make_group("zerox" + suffix(p, c, t) + "_" + std::to_string(z), ranks, false);
+          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
+        }
       }
-      for (int z = 0; z < zsize; ++z) {
-        std::vector<int> ranks;
-        for (int gi = 0; gi < zn; ++gi) ranks.push_back(rank_of(gi * zsize + z, c, t));
-        auto g = make_group("zerox" + suffix(c, t) + "_" + std::to_string(z), ranks, false);
-        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
-      }
-    }
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
   if (backend_name_ == "nccl") {
     // The monitor queries CUDA events: on this rank's device, so that it never
@@ -412,6 +429,18 @@ c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor ou
   ++g.traffic.all_gather;
   g.traffic.bytes += static_cast<int64_t>(in.nbytes());
   return issue(g, what, [&] { return g.backend->_allgather_base(out, in); });
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::send_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
+  ++g.traffic.sends;
+  g.traffic.bytes += static_cast<int64_t>(t.nbytes());
+  std::vector<at::Tensor> v{std::move(t)};
+  return issue(g, what, [&] { return g.backend->send(v, peer, tag); });
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::recv_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
+  std::vector<at::Tensor> v{std::move(t)};
+  return issue(g, what, [&] { return g.backend->recv(v, peer, tag); });
 }
 
 void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {

@@ -1,7 +1,8 @@
 // The distributed runtime of one training process: rendezvous through c10d's
-// TCPStore, the world / data-parallel / tensor-parallel / context-parallel groups
-// (tensor-parallel ranks innermost, so a TP group stays within a node, then
-// context-parallel, then data-parallel), collectives that fail
+// TCPStore, the world / data-parallel / tensor-parallel / context-parallel /
+// pipeline groups (tensor-parallel ranks innermost, so a TP group stays within a
+// node, then context-parallel, then pipeline, then data-parallel: Llama 3's
+// [TP, CP, PP, DP]), point-to-point transfers between pipeline stages, collectives that fail
 // loudly naming the collective and the ranks that stopped answering, and a CPU
 // control group for decisions every rank must agree on (stop, skip).
 //
@@ -43,11 +44,14 @@ struct CollectiveError : std::runtime_error {
 struct Traffic {
   int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;
   int64_t bytes = 0;
+  int64_t sends = 0;  // point to point (pipeline stages); their bytes are in `bytes`
   Traffic operator-(const Traffic& o) const {
-    return {all_reduce - o.all_reduce, all_gather - o.all_gather, reduce_scatter - o.reduce_scatter, bytes - o.bytes};
+    return {all_reduce - o.all_reduce, all_gather - o.all_gather, reduce_scatter - o.reduce_scatter, bytes - o.bytes,
+            sends - o.sends};
   }
   Traffic& operator+=(const Traffic& o) {
     all_reduce += o.all_reduce, all_gather += o.all_gather, reduce_scatter += o.reduce_scatter, bytes += o.bytes;
+    sends += o.sends;
     return *this;
   }
 };
@@ -65,6 +69,7 @@ struct Group {
 struct RuntimeOptions {
   int tp = 1;                                // tensor-parallel degree (plan_ngpus)
   int cp = 1;                                // context-parallel degree (ranks splitting one sequence)
+  int pp = 1;                                // pipeline ranks (pas_config.pp_size)
   int zero_ngroups = 1;                      // ZeRO shards within dp / zero_ngroups ranks
   std::string backend = "auto";              // auto | nccl | gloo
   bool cuda = false;                         // tensors live on CUDA
@@ -97,10 +102,11 @@ class Runtime {
   // The rendezvous store, for agreement off the training stream (asynchronous checkpoints).
   c10::intrusive_ptr<c10d::Store> store() const { return store_; }
 
-  // Rank = (dp index x cp + cp index) x tp + tp index: tensor-parallel ranks
-  // innermost, then context-parallel, then data-parallel. `cp` holds the ranks
-  // that split one sequence (one rank, no backend, at cp 1).
-  Group world, dp, tp, cp;
+  // Rank = ((dp index x pp + pp index) x cp + cp index) x tp + tp index:
+  // tensor-parallel ranks innermost, then context-parallel, then pipeline, then
+  // data-parallel. `cp` holds the ranks that split one sequence, `pp` the
+  // pipeline's ranks in stage order (each one rank, no backend, at size 1).
+  Group world, dp, tp, cp, pp;
   Group zero;        // ZeRO shard group: a slice of dp of size dp / zero_ngroups
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement
@@ -113,6 +119,10 @@ class Runtime {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
   c10::intrusive_ptr<c10d::Work> all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what);
+  // Point to point within `g` (pipeline transfers): `peer` is an index into
+  // g.ranks; sender and receiver name the same tag.
+  c10::intrusive_ptr<c10d::Work> send_async(Group& g, at::Tensor t, int peer, int tag, const char* what);
+  c10::intrusive_ptr<c10d::Work> recv_async(Group& g, at::Tensor t, int peer, int tag, const char* what);
   void all_reduce(Group& g, at::Tensor t, const char* what);   // sum
   void all_reduce_max(Group& g, at::Tensor t, const char* what);
   void barrier(const char* what);

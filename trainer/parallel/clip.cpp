@@ -41,6 +41,8 @@ at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
   // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
   if (rt && state.options().zero() && rt->zero.size() > 1) rt->all_reduce(rt->zero, sq, "gradient norm all-reduce (ZeRO)");
   if (rt && rt->tp.size() > 1) rt->all_reduce(rt->tp, sq, "gradient norm all-reduce (TP)");
+  // Pipeline stages hold disjoint layers (a tied piece is weighted 1 / its holders).
+  if (rt && rt->pp.size() > 1) rt->all_reduce(rt->pp, sq, "gradient norm all-reduce (pipeline)");
   return sq.sqrt().reshape({});
 }
 

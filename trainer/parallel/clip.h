@@ -14,7 +14,8 @@ class TrainingState;
 
 // L2 norm of the whole model's (averaged) gradients, identical on every rank:
 // ZeRO chunks are summed over the ZeRO group, tensor-parallel pieces over the
-// TP group, and a piece every TP rank replicates counts once. rt may be null.
+// TP group, stages over the pipeline group, and a piece every TP rank (or both
+// ends of a pipeline, a tied embedding) replicates counts once. rt may be null.
 at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt);
 
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1.

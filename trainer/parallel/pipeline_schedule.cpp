@@ -177,6 +177,10 @@ const std::vector<std::string>& scheduler_names() {
   return names;
 }
 
+int default_stages(const std::string& scheduler, int ranks) {
+  return scheduler == "1f1b_interleaved" || scheduler == "zbv" ? 2 * ranks : ranks;
+}
+
 Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int micros) {
   const std::string what = "pipeline_scheduler " + scheduler + " with pp_size " + std::to_string(ranks) +
                            ", pipeline_nstages " + std::to_string(stages) + ", pipeline_nmicros " +

@@ -52,6 +52,9 @@ struct Schedule {
 //                     and 2 x ranks - 1 - r, backward split, W filling bubbles
 // Throws ScheduleError naming the constraint a combination breaks.
 Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int micros);
+// The stages a scheduler runs on `ranks` when pipeline_nstages is auto: two per
+// rank for 1f1b_interleaved and zbv, one otherwise.
+int default_stages(const std::string& scheduler, int ranks);
 const std::vector<std::string>& scheduler_names();
 
 // Every micro-batch's F, then its B (or I then W) for every stage, each on the

@@ -9,6 +9,7 @@
 #include "trainer/checkpoint/tensor_io.h"
 #include "base/config/arg_map.h"
 #include "trainer/dist/device.h"
+#include "trainer/parallel/pipeline_runtime.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "base/log.h"
@@ -50,6 +51,36 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
   so.offload_params = plan.offload_params;
   so.offload_delayed = plan.offload_ratio > 0 && args.compute_config.offload.delayed_update;
   return so;
+}
+
+// The pipeline's executor for this rank, after refusing what it cannot run yet.
+std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerArgs& args, const parallel::Plan& plan,
+                                                          models::CausalLM& model, dist::Runtime& rt,
+                                                          parallel::TrainingState& state, const torch::Device& device) {
+  const std::string key = "compute_config.pas_config.pp_size";
+  if (plan.zero_stage >= 2)
+    throw config::ConfigError(key + ": pipeline parallelism with ZeRO stage " + std::to_string(plan.zero_stage) +
+                              " (compute_config.use_zero) is not implemented yet; use 0 or 1");
+  if (args.compute_config.cuda_graphs)
+    throw config::ConfigError(key + ": pipeline parallelism cannot be captured in a CUDA graph "
+                              "(compute_config.cuda_graphs: false)");
+  parallel::PipelineExecutor::Options o;
+  o.device = device;
+  o.activation_dtype = optim::precision_setup(args.precision, args.compute_config.reduce_dtype).param;
+  o.hidden = model.dims().hidden;
+  o.sequence_divisor = plan.tp > 1 && args.compute_config.sequence_parallel ? plan.tp : 1;
+  // Recompute's backward accumulates the weights' gradients as it goes, so it
+  // cannot be split into I and W: I then runs the whole backward.
+  o.split_backward = std::count(plan.recompute.begin(), plan.recompute.end(), true) == 0;
+  auto p = std::make_unique<parallel::PipelineExecutor>(model, plan.pipeline, rt, state, o);
+  std::string layers;
+  for (size_t s = 0; s < plan.pipeline.stage_layers.size(); ++s)
+    layers += (s ? " " : "") + std::to_string(plan.pipeline.stage_layers[s]);
+  log::info("pipeline: " + plan.pipeline.scheduler + ", " + std::to_string(plan.pipeline.stages) + " stages over pp " +
+            std::to_string(plan.pipeline.pp) + " ranks, " + std::to_string(plan.pipeline.nmicros) +
+            " micro-batches per step, layers per stage " + layers + "; this rank is pipeline rank " +
+            std::to_string(rt.pp.rank) + (o.split_backward ? "" : " (recompute: I runs the whole backward)"));
+  return p;
 }
 
 }  // namespace
@@ -174,6 +205,8 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
                               ": padding the vocabulary of " + std::to_string(vocab) + " to " + std::to_string(padded) +
                               " leaves tensor-parallel rank " + std::to_string(ctx.tp - 1) + " no rows; lower it");
   LocalModel local{models::find_model(args.model.type)->build_sharded(*args.model.args, ctx), ctx.rng, {}};
+  // Pipeline parallelism: this rank's stages only; the rest stay on meta.
+  if (plan.pipeline.pp > 1) parallel::hold_stages(*local.model, plan.pipeline, rt->pp.rank);
   // ZeRO-3: each parameter, once filled, gives up this rank's chunks and its
   // storage before the next is allocated, so no rank ever holds the whole model.
   models::common::Filler after;
@@ -205,6 +238,15 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
 
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
                    const torch::Device& device, std::chrono::milliseconds timeout) {
+  const auto& pipe = args.compute_config.pipeline;
+  if (pipe.pp_size > 1) {
+    // Refused on every rank alike, before the ranks agree on a plan.
+    if (env.world_size % pipe.pp_size != 0)
+      throw config::ConfigError("compute_config.pas_config.pp_size: " + std::to_string(pipe.pp_size) +
+                                " pipeline ranks, but this run has " + std::to_string(env.world_size) + " rank" +
+                                (env.world_size == 1 ? "" : "s"));
+    parallel::pipeline_plan(pipe, args.grad_accumulation_steps, model.num_layers());
+  }
   parallel::PlanRequest req;
   req.args = &args;
   req.model = &model;
@@ -225,6 +267,7 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   dist::RuntimeOptions o;
   o.one_rank_backend = env.world_size == 1;
   o.tp = a.plan.tp;
+  o.pp = a.plan.pipeline.pp;
   o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
   o.backend = args.compute_config.backend;
   o.cuda = device.is_cuda();
@@ -258,6 +301,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   tr.world = env.world_size;
   tr.tp_rng = local.tp_rng;
   auto shards = parallel::tensor_parallel_shards(model, rt, env.world_size);
+  if (plan.pipeline.pp > 1) parallel::pipeline_replicas(shards, model, plan.pipeline, *rt, env.world_size);
   const int blocks = static_cast<int>(model.num_layers());
   tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
@@ -266,6 +310,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
   tr.delayed_update = so.offload_delayed;
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
+  if (plan.pipeline.pp > 1) tr.pipeline = make_pipeline(args, plan, model, *rt, *tr.state, device);
   return tr;
 }
 

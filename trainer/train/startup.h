@@ -25,6 +25,7 @@
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/grad_reducer.h"
+#include "trainer/parallel/pipeline_runtime.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/planner.h"
 #include "trainer/parallel/training_state.h"
@@ -45,6 +46,8 @@ struct Trainable {
   // runs in the background until the next step's backward is done.
   bool delayed_update = false;
   std::future<void> pending_update;
+  // Pipeline parallelism (pp > 1): runs each step's forward and backward.
+  std::unique_ptr<parallel::PipelineExecutor> pipeline;
 
   // Everything a checkpoint holds of it, as ShardSpec'd pieces.
   std::vector<sharding::StateTensor> state_tensors();

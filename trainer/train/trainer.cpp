@@ -143,7 +143,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       global_batch_(args.global_batch_size),
       accum_(plan_.grad_accumulation_steps),
       dp_(plan_.dp),
-      dp_rank_(env.rank / plan_.tp),
+      dp_rank_(env.rank / (plan_.tp * plan_.pipeline.pp)),
       fopts_(torch::TensorOptions().device(device).dtype(torch::kFloat32)),
       timer_(device),
       profiler_(args.profile, device, env.rank),
@@ -232,7 +232,8 @@ void Trainer::announce(int64_t start_step) {
             std::to_string(global_batch_) + " x " + std::to_string(data_.seq_len) + " tokens, steps " +
             std::to_string(start_step) + " -> " + std::to_string(data_.max_steps) + ", optimizer " +
             tr_.optimizer->impl() + (plan_.zero_stage ? " (ZeRO-" + std::to_string(plan_.zero_stage) + ")" : "") + ", plan tp " + std::to_string(plan_.tp) +
-            " x dp " + std::to_string(plan_.dp) + ", recompute " +
+            " x dp " + std::to_string(plan_.dp) +
+            (plan_.pipeline.pp > 1 ? " x pp " + std::to_string(plan_.pipeline.pp) : std::string()) + ", recompute " +
             std::to_string(std::count(plan_.recompute.begin(), plan_.recompute.end(), true)) + " layers" +
             (rt_ ? ", backend " + rt_->backend_name() + ", " + std::to_string(tr_.reducer->bucket_count()) +
                        " buckets, " + std::to_string(tr_.reducer->reduced_bytes_per_step()) +
@@ -262,7 +263,17 @@ void Trainer::announce(int64_t start_step) {
 void Trainer::step(const std::vector<data::Batch>& batches) {
   tr_.state->zero_grad();
   loss_sum_.zero_();
-  for (int64_t a = 0; a < accum_; ++a) {
+  if (tr_.pipeline) {
+    // The schedule runs every micro-batch's forward and backward; the gradients
+    // are reduced over dp once they are all in (finish_gradients below).
+    tr_.reducer->begin_micro_step(false);
+    loss_sum_ = tr_.pipeline->train_step(batches, tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
+                                         [this](bool backward) {
+                                           timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
+                                         });
+    tr_.reducer->begin_micro_step(true);
+  }
+  for (int64_t a = 0; a < accum_ && !tr_.pipeline; ++a) {
     tr_.reducer->begin_micro_step(a == accum_ - 1);
     timer_.enter(StepTimer::kForward);
     // At logging steps: what the last micro-batch's forward holds for backward.
@@ -322,6 +333,7 @@ void Trainer::log_progress() {
   std::vector<int64_t> step_peak{replayed ? graph_->capture_peak_bytes() : step_peak_bytes(device_)};
   if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
   if (rt_) {
+    rt_->all_reduce(rt_->pp, loss_sum_, "loss all-reduce (pipeline: from the last stage)");
     rt_->all_reduce(rt_->dp, loss_sum_, "loss all-reduce");
     loss_sum_.div_(dp_);
   }
@@ -406,7 +418,10 @@ void Trainer::evaluate() {
     tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
     const auto docs = b.segments.defined() ? models::Documents{b.positions.to(device_), b.segments.to(device_)}
                                            : models::Documents{};
-    sum += model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
+    if (tr_.pipeline)
+      sum += tr_.pipeline->eval_loss({b.x.to(device_), b.y.to(device_), docs.positions, docs.segments});
+    else
+      sum += model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
     if (done + 1 < args_.max_val_steps && stop.after_step(done + 1, g_stop_signal.load() != 0, false)) {
       ++done;
       break;
@@ -421,6 +436,7 @@ void Trainer::evaluate() {
     return;
   }
   if (rt_) {
+    rt_->all_reduce(rt_->pp, sum, "validation loss all-reduce (pipeline: from the last stage)");
     rt_->all_reduce(rt_->dp, sum, "validation loss all-reduce");
     sum.div_(dp_);
   }

@@ -1,0 +1,115 @@
+"""Pipeline bubble, measured against the schedule simulator's prediction.
+
+Each schedule runs 4 pipeline ranks (`nnstrain launch`, Gloo on CPU) of an
+8-layer Llama in the synthetic-cost mode (NNSTRAIN_PIPELINE_SYNTHETIC_MS: every
+F, I and W waits its time per layer instead of computing, transfers are real),
+8 micro-batches per step. Each rank logs, per step, when it started (after a
+barrier), when its last action ended and how long it was busy; a step's span is
+the latest end less the earliest start, a rank's idle fraction 1 - busy / span.
+The baseline is the simulator (trainer/parallel/pipeline_schedule.h) run on the
+same lists with the same costs, logged by the run itself, and the published
+formula where there is one: 1F1B (p-1)/(m+p-1) = 27.3% at p 4, m 8;
+interleaved (p-1)/(v m+p-1) = 15.8% at v 2.
+
+  /root/.cache/nnstrain/venv/bin/python bench/pipeline_bubble.py --nnstrain build/nnstrain
+"""
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+from bench_common import ROOT, cpu_model, git_commit, libtorch_version
+
+CASES = [  # scheduler, stages, published bubble (None: none)
+    ("1f1b", 4, 3 / 11),
+    ("1f1b_interleaved", 8, 3 / 19),
+    ("zb1p", 4, None),
+    ("zbv", 8, None),
+]
+RANKS, MICROS, LAYERS = 4, 8, 8
+
+
+def tokens_file(folder):
+    import numpy as np
+    path = pathlib.Path(folder) / "tokens.bin"
+    np.random.default_rng(0).integers(0, 64, 20000).astype("<u2").tofile(path)
+    return path
+
+
+def run_case(binary, scheduler, stages, ms, steps, folder):
+    run_dir = pathlib.Path(folder) / scheduler
+    args = [binary, "launch", "--nproc-per-node", str(RANKS), "--",
+            "--config", ROOT / "tests/integration/configs/tiny_dp.yaml", "--run_dir", run_dir,
+            "--vars.data", tokens_file(folder), "--compute_config.device", "cpu",
+            "--model.type", "llama", "--model.args",
+            "{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: %d, num_attention_heads: 4, "
+            "num_key_value_heads: 2, max_position_embeddings: 32}" % LAYERS,
+            "--micro_batch_size", "1", "--global_batch_size", str(MICROS), "--max_train_steps", str(steps),
+            "--compute_config.pas_config.pp_size", str(RANKS),
+            "--compute_config.pas_config.pipeline_nstages", str(stages),
+            "--compute_config.pas_config.pipeline_scheduler", scheduler]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NNSTRAIN_PIPELINE_SYNTHETIC_MS=f"{ms},{ms},{ms}")
+    p = subprocess.run([str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{scheduler} failed ({p.returncode}):\n{p.stdout}{p.stderr}")
+    timeline, predicted = {}, None
+    for r in range(RANKS):
+        log = (run_dir / "logs" / f"rank{r}.log").read_text()
+        timeline[r] = [tuple(int(v) for v in m) for m in
+                       re.findall(r"pipeline synthetic step: pipeline rank \d+ start_ns (\d+) end_ns (\d+) busy_ns (\d+)", log)]
+        m = re.search(r"simulated bubble per pipeline rank: ([0-9. ]+)", log)
+        if m:
+            predicted = [float(v) for v in m.group(1).split()]
+    idle = {r: [] for r in range(RANKS)}
+    for step in range(1, steps):  # the first step warms up
+        start = min(timeline[r][step][0] for r in range(RANKS))
+        end = max(timeline[r][step][1] for r in range(RANKS))
+        for r in range(RANKS):
+            idle[r].append(1 - timeline[r][step][2] / (end - start))
+    measured = [sum(v) / len(v) for v in idle.values()]
+    return measured, predicted
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
+    ap.add_argument("--ms", type=float, default=20.0, help="milliseconds per layer of each F, I and W")
+    ap.add_argument("--steps", type=int, default=4)
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheduler, stages, published in CASES:
+            measured, predicted = run_case(a.nnstrain, scheduler, stages, a.ms, a.steps, tmp)
+            rows.append({"scheduler": scheduler, "pp": RANKS, "stages": stages, "micros": MICROS,
+                         "measured": measured, "simulated": predicted, "published": published})
+            print(scheduler, "measured", [f"{m:.3f}" for m in measured], "simulated", predicted, flush=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = {"date": now.isoformat(timespec="seconds"), "device": "cpu: " + cpu_model(),
+            "libtorch": libtorch_version(a.nnstrain), "commit": git_commit(), "load_average": os.getloadavg(),
+            "ms_per_layer": a.ms, "steps_timed": a.steps - 1, "layers": LAYERS}
+    stem = ROOT / "bench" / "results" / f"pipeline_bubble_{now.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    pct = lambda v: f"{100 * v:.1f}%"
+    lines = [f"# Pipeline bubble, measured vs simulated ({meta['date']})", "",
+             f"{meta['device']}, LibTorch {meta['libtorch']}, commit {meta['commit']}, load average "
+             f"{' '.join(f'{x:.1f}' for x in meta['load_average'])}. {RANKS} pipeline ranks (Gloo, one machine), "
+             f"{MICROS} micro-batches, an {LAYERS}-layer model, F = I = W = {a.ms:g} ms per layer "
+             f"(synthetic costs: waits, not compute), mean over {a.steps - 1} steps after the first.", "",
+             "| schedule | stages | idle per rank, measured | mean | simulated per rank | mean | published |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mean = lambda v: sum(v) / len(v)
+        lines.append(f"| {r['scheduler']} | {r['stages']} | {' '.join(pct(v) for v in r['measured'])} | "
+                     f"{pct(mean(r['measured']))} | {' '.join(pct(v) for v in r['simulated'])} | "
+                     f"{pct(mean(r['simulated']))} | {pct(r['published']) if r['published'] else '-'} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("wrote", stem.with_suffix(".md"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+#include "trainer/parallel/pipeline_runtime.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "base/log.h"
+#include "data/dataset.h"
+#include "models/model.h"
+#include "trainer/dist/process_groups.h"
+
+namespace nnstrain::parallel {
+
+namespace {
+
+using pipeline::Action;
+using pipeline::Op;
+
+// What stage `s` of `p` covers.
+models::CausalLM::HeldPieces stage_pieces(const PipelinePlan& p, const std::vector<StageBlocks>& blocks,
+                                          const std::vector<int>& stages) {
+  models::CausalLM::HeldPieces h;
+  h.embed = h.head = false;
+  h.blocks.assign(blocks.empty() ? 0 : blocks.back().end, false);
+  for (int s : stages) {
+    h.embed = h.embed || s == 0;
+    h.head = h.head || s == p.stages - 1;
+    for (int64_t b = blocks[s].begin; b < blocks[s].end; ++b) h.blocks[b] = true;
+  }
+  return h;
+}
+
+std::vector<int> stages_on(const pipeline::Schedule& s, int rank) {
+  std::vector<int> out;
+  for (int st = 0; st < s.stages; ++st)
+    if (s.stage_rank[st] == rank) out.push_back(st);
+  return out;
+}
+
+pipeline::Schedule make(const PipelinePlan& p) {
+  return pipeline::make_schedule(p.scheduler, p.pp, p.stages, static_cast<int>(p.nmicros));
+}
+
+std::string describe(const Action& a) {
+  const bool in = a.op == Op::Recv;
+  return std::string(in ? (a.grad ? "receiving the gradient of" : "receiving the activation for")
+                        : (a.grad ? "sending the gradient to" : "sending the activation to")) +
+         " stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro) + (in ? ", from" : ", to") +
+         " pipeline rank " + std::to_string(a.peer);
+}
+
+}  // namespace
+
+int pipeline_rank_of(int rank, int tp, int cp, int pp) { return (rank / (tp * cp)) % pp; }
+
+void hold_stages(models::CausalLM& model, const PipelinePlan& plan, int pp_rank) {
+  model.hold_only(stage_pieces(plan, stage_blocks(plan), stages_on(make(plan), pp_rank)));
+}
+
+void pipeline_replicas(std::vector<ParamShard>& shards, models::CausalLM& model, const PipelinePlan& plan,
+                       dist::Runtime& rt, int world) {
+  const auto sched = make(plan);
+  const auto blocks = stage_blocks(plan);
+  // Which pipeline ranks hold each parameter.
+  std::map<std::string, std::vector<int>> holders;
+  for (int p = 0; p < plan.pp; ++p)
+    for (const auto& name : model.params_of(stage_pieces(plan, blocks, stages_on(sched, p)))) holders[name].push_back(p);
+  const int tp = rt.tp.size(), cp = rt.cp.size(), my_t = rt.rank() % tp;
+  for (auto& sh : shards) {
+    const auto& h = holders.at(sh.name);
+    const bool split = !sh.spec.is_full();  // a tensor-parallel piece: only my TP position's ranks hold it
+    std::vector<int> replicas;
+    for (int r = 0; r < world; ++r) {
+      if (std::find(h.begin(), h.end(), pipeline_rank_of(r, tp, cp, plan.pp)) == h.end()) continue;
+      if (split && r % tp != my_t) continue;
+      replicas.push_back(r);
+    }
+    sh.spec.replica_ranks = replicas;
+    sh.norm_weight /= static_cast<double>(h.size());  // each holder's gradient is the whole (tied: summed)
+  }
+}
+
+struct PipelineExecutor::Impl {
+  models::CausalLM& model;
+  PipelinePlan plan;
+  dist::Runtime& rt;
+  TrainingState& state;
+  Options opts;
+  pipeline::Schedule sched, lowered;  // compute actions; with the transfers (what runs)
+  int me = 0, S = 1, M = 1;
+  std::vector<StageBlocks> blocks;
+  std::vector<std::vector<at::Tensor>> stage_params;  // per stage (this rank's), for W
+  // Tied parameters (the head's use of the embedding) when the first and last
+  // stage live on different ranks: their indices in the state, and the other rank.
+  std::vector<size_t> tied;
+  int tie_peer = -1;
+
+  // Per (stage, micro): what a forward left for its backward, and the
+  // tensors between stages.
+  std::vector<at::Tensor> input, output, act_in, grad_out, grad_send;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends;  // in flight, their tensors alive
+  const std::vector<data::Batch>* batches = nullptr;
+  at::Tensor loss_sum, loss_scale;
+  bool poison = false;
+  // Synthetic costs (NNSTRAIN_PIPELINE_SYNTHETIC_MS=F,I,W, milliseconds per
+  // layer): every F, I and W waits its time instead of computing, and the
+  // transfers carry zeros, so a few cores can time a pipeline of many ranks
+  // (bench/pipeline_bubble.py). The step's busy time and span are logged.
+  std::optional<pipeline::Costs> synthetic;
+  std::chrono::steady_clock::time_point last_end;
+  double busy_s = 0;
+
+  Impl(models::CausalLM& m, const PipelinePlan& p, dist::Runtime& r, TrainingState& st, const Options& o)
+      : model(m), plan(p), rt(r), state(st), opts(o), sched(make(p)), lowered(pipeline::lower(sched)) {
+    me = rt.pp.rank;
+    S = sched.stages;
+    M = sched.micros;
+    blocks = stage_blocks(plan);
+    std::map<std::string, at::Tensor> by_name;
+    for (const auto& item : model.named_parameters()) by_name[item.key()] = item.value();
+    stage_params.resize(S);
+    for (int s : stages_on(sched, me))
+      for (const auto& name : model.params_of(stage_pieces(plan, blocks, {s}))) stage_params[s].push_back(by_name.at(name));
+    const int first = sched.stage_rank[0], last = sched.stage_rank[S - 1];
+    if (first != last && (me == first || me == last)) {
+      tie_peer = me == first ? last : first;
+      const auto ties = model.head_ties();
+      for (size_t k = 0; k < state.params().size(); ++k)
+        if (std::find(ties.begin(), ties.end(), state.params()[k].name) != ties.end()) tied.push_back(k);
+    }
+    const size_t n = static_cast<size_t>(S) * M;
+    input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
+    if (const char* e = std::getenv("NNSTRAIN_PIPELINE_SYNTHETIC_MS")) synthetic = parse_synthetic(e);
+  }
+
+  static pipeline::Costs parse_synthetic(const std::string& text) {
+    pipeline::Costs c;
+    char comma1 = 0, comma2 = 0;
+    std::istringstream in(text);
+    if (!(in >> c.f >> comma1 >> c.i >> comma2 >> c.w) || comma1 != ',' || comma2 != ',' || c.f < 0 || c.i < 0 || c.w < 0)
+      throw std::runtime_error("NNSTRAIN_PIPELINE_SYNTHETIC_MS='" + text + "': expected F,I,W milliseconds per layer");
+    return c;
+  }
+
+  // Synthetic mode: stage s's share of `ms_per_layer`, waited for.
+  void wait_cost(int s, double ms_per_layer) {
+    const double secs = ms_per_layer * 1e-3 * static_cast<double>(blocks[s].end - blocks[s].begin);
+    std::this_thread::sleep_for(std::chrono::duration<double>(secs));
+    busy_s += secs;
+    last_end = std::chrono::steady_clock::now();
+  }
+  at::Tensor zeros_like_activation(int j) {
+    return torch::zeros(activation_shape((*batches)[j]), torch::TensorOptions().dtype(opts.activation_dtype).device(opts.device));
+  }
+  void run_synthetic(const Action& a) {
+    const int s = a.stage, j = a.micro;
+    const auto& c = *synthetic;
+    if (a.op == Op::F) {
+      wait_cost(s, c.f);
+      if (s == S - 1) return;
+      output[at(s, j)] = zeros_like_activation(j);
+      if (sched.stage_rank[s + 1] == me) act_in[at(s + 1, j)] = output[at(s, j)];
+      return;
+    }
+    const bool whole = a.op == Op::B || (a.op == Op::I && !opts.split_backward);
+    if (a.op == Op::W && !opts.split_backward) return;
+    wait_cost(s, whole ? c.i + c.w : a.op == Op::I ? c.i : c.w);
+    if (a.op != Op::W && s > 0) pass_back(s, j, zeros_like_activation(j));
+    if (a.op != Op::I) release(s, j);
+  }
+
+  size_t at(int s, int j) const { return static_cast<size_t>(s) * M + j; }
+  int tag(bool grad, int stage, int micro) const { return ((grad ? 1 : 0) * S + stage) * M + micro; }
+
+  std::vector<int64_t> activation_shape(const data::Batch& b) const {
+    return {b.x.size(0), b.x.size(1) / opts.sequence_divisor, opts.hidden};
+  }
+
+  // Gloo moves host memory: a CUDA tensor goes through the host.
+  void send(const at::Tensor& t, int peer, int tag_, const char* what = "pipeline send") {
+    auto c = t.detach().contiguous();
+    if (c.is_cuda() && !rt.pp.nccl) c = c.to(torch::kCPU);
+    sends.emplace_back(rt.send_async(rt.pp, c, peer, tag_, what), c);
+  }
+
+  at::Tensor recv(const std::vector<int64_t>& shape, c10::ScalarType dtype, int peer, int tag_,
+                  const char* what = "pipeline receive") {
+    const bool host = !rt.pp.nccl;
+    auto buf = torch::empty(shape, torch::TensorOptions().dtype(dtype).device(host ? c10::Device(c10::kCPU) : opts.device));
+    rt.wait(rt.recv_async(rt.pp, buf, peer, tag_, what), rt.pp, what);
+    return host && opts.device.is_cuda() ? buf.to(opts.device) : buf;
+  }
+
+  void finish_sends() {
+    for (auto& [w, t] : sends) rt.wait(w, rt.pp, "pipeline send");
+    sends.clear();
+  }
+
+  models::Documents docs(const data::Batch& b) const { return {b.positions, b.segments}; }
+
+  // The stage's forward: its blocks on what came in; the last stage's loss.
+  at::Tensor forward(int s, const data::Batch& b, const at::Tensor& in) {
+    const auto d = docs(b);
+    auto x = s == 0 ? model.embed(b.x, d) : in;
+    return model.blocks(x, blocks[s].begin, blocks[s].end, b.x.size(1), d);
+  }
+
+  void run_f(int s, int j) {
+    const auto& b = (*batches)[j];
+    at::Tensor in;
+    if (s > 0) {
+      in = act_in[at(s, j)].detach().requires_grad_(true);
+      act_in[at(s, j)] = at::Tensor();
+      input[at(s, j)] = in;
+    }
+    auto y = forward(s, b, in);
+    if (s == S - 1) {
+      auto loss = model.head_loss(y, b.y) / static_cast<double>(M);
+      if (poison) loss = loss * std::numeric_limits<double>::infinity();
+      loss_sum += loss.detach().to(torch::kFloat32);
+      output[at(s, j)] = loss_scale.defined() ? loss * loss_scale : loss;
+      return;
+    }
+    output[at(s, j)] = y;
+    if (sched.stage_rank[s + 1] == me) act_in[at(s + 1, j)] = y.detach();
+  }
+
+  // The gradient backward starts from: none for the loss, else what came back.
+  std::vector<at::Tensor> start_grad(int s, int j) {
+    if (s == S - 1) return {};
+    return {grad_out[at(s, j)].to(output[at(s, j)].scalar_type())};
+  }
+
+  void pass_back(int s, int j, const at::Tensor& g) {
+    if (sched.stage_rank[s - 1] == me) grad_out[at(s - 1, j)] = g;
+    else grad_send[at(s, j)] = g;
+  }
+
+  void release(int s, int j) {
+    input[at(s, j)] = output[at(s, j)] = grad_out[at(s, j)] = at::Tensor();
+  }
+
+  void run_b(int s, int j) {
+    torch::autograd::backward({output[at(s, j)]}, start_grad(s, j));
+    if (s > 0) pass_back(s, j, input[at(s, j)].grad());
+    release(s, j);
+  }
+
+  void run_i(int s, int j) {
+    if (!opts.split_backward) return run_b(s, j);
+    if (s == 0) return;  // no input gradient to make: W runs the whole backward
+    auto g = torch::autograd::grad({output[at(s, j)]}, {input[at(s, j)]}, start_grad(s, j), /*retain_graph=*/true);
+    pass_back(s, j, g[0]);
+  }
+
+  void run_w(int s, int j) {
+    if (!opts.split_backward) return;
+    if (s == 0) return run_b(s, j);
+    torch::autograd::backward({output[at(s, j)]}, start_grad(s, j), /*retain_graph=*/false, /*create_graph=*/false,
+                              stage_params[s]);
+    release(s, j);
+  }
+
+  void run(const Action& a) {
+    if (synthetic && a.op != Op::Send && a.op != Op::Recv) return run_synthetic(a);
+    switch (a.op) {
+      case Op::F: return run_f(a.stage, a.micro);
+      case Op::B: return run_b(a.stage, a.micro);
+      case Op::I: return run_i(a.stage, a.micro);
+      case Op::W: return run_w(a.stage, a.micro);
+      case Op::Send: {
+        const auto& t = a.grad ? grad_send[at(a.stage + 1, a.micro)] : output[at(a.stage - 1, a.micro)];
+        send(t.to(opts.activation_dtype), a.peer, tag(a.grad, a.stage, a.micro));
+        if (a.grad) grad_send[at(a.stage + 1, a.micro)] = at::Tensor();
+        return;
+      }
+      case Op::Recv: {
+        auto t = recv(activation_shape((*batches)[a.micro]), opts.activation_dtype, a.peer, tag(a.grad, a.stage, a.micro));
+        (a.grad ? grad_out : act_in)[at(a.stage, a.micro)] = t;
+        return;
+      }
+    }
+  }
+
+  // A transfer that failed or timed out: this rank's grid, the action marked.
+  [[noreturn]] void fail_at(size_t k, const std::exception& e) {
+    std::vector<int> waiting(sched.ranks, -1);
+    waiting[me] = static_cast<int>(k);
+    const auto& a = lowered.actions[me][k];
+    const std::string where = "pipeline rank " + std::to_string(me) + " (global rank " + std::to_string(rt.rank()) +
+                              ") failed " + describe(a);
+    log::error(where + "; the schedule " + sched.name + ", the action waited on in [brackets]:\n" +
+               pipeline::grid(lowered, waiting));
+    throw dist::CollectiveError(std::string(e.what()) + "; " + where);
+  }
+
+  void sum_tied() {
+    if (tied.empty()) return;
+    torch::NoGradGuard no_grad;
+    const auto& L = state.layout();
+    // Both ranks send, then receive (sends do not block), then add: a + b and
+    // b + a are the same floats, so the two copies stay identical.
+    std::vector<at::Tensor> mine, other;
+    for (size_t i = 0; i < tied.size(); ++i) {
+      mine.push_back(state.flat_grad().narrow(0, L.offset[tied[i]], state.params()[tied[i]].tensor.numel()));
+      send(mine.back().clone(), tie_peer, 2 * S * M + static_cast<int>(i), "tied embedding gradient");
+    }
+    for (size_t i = 0; i < tied.size(); ++i)
+      other.push_back(recv({mine[i].numel()}, mine[i].scalar_type(), tie_peer, 2 * S * M + static_cast<int>(i),
+                           "tied embedding gradient"));
+    finish_sends();
+    for (size_t i = 0; i < tied.size(); ++i) mine[i].add_(other[i]);
+  }
+};
+
+PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& plan, dist::Runtime& rt,
+                                   TrainingState& state, const Options& opts)
+    : impl_(std::make_unique<Impl>(model, plan, rt, state, opts)) {
+  pipeline::simulate(impl_->lowered);  // the dry run: throws, with the grid, on a deadlock
+  if (impl_->synthetic) {
+    // The simulator's prediction for the same costs (stages of equal layer counts).
+    auto c = *impl_->synthetic;
+    const double layers = static_cast<double>(plan.stage_layers.front());
+    c.f *= layers, c.i *= layers, c.w *= layers;
+    if (!opts.split_backward) c.i += c.w, c.w = 0;
+    const auto sim = pipeline::simulate(impl_->sched, c);
+    std::string bubbles;
+    for (int r = 0; r < plan.pp; ++r) bubbles += (r ? " " : "") + std::to_string(sim.bubble(r));
+    log::info("pipeline synthetic costs F " + std::to_string(c.f) + " I " + std::to_string(c.i) + " W " +
+              std::to_string(c.w) + " ms per stage; simulated bubble per pipeline rank: " + bubbles);
+  }
+  if (!state.flat_grad().defined() && !impl_->tied.empty())
+    throw std::runtime_error("pipeline parallelism: tied embeddings need whole gradient buffers (ZeRO 0 or 1)");
+}
+
+PipelineExecutor::~PipelineExecutor() = default;
+
+at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& loss_scale,
+                                        bool poison, const std::function<void(bool backward)>& phase) {
+  auto& I = *impl_;
+  TORCH_CHECK(static_cast<int>(micro_batches.size()) == I.M, "pipeline: ", micro_batches.size(),
+              " micro-batches for a schedule of ", I.M);
+  I.batches = &micro_batches;
+  I.loss_scale = loss_scale;
+  I.poison = poison;
+  I.loss_sum = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
+  const auto& row = I.lowered.actions[I.me];
+  std::chrono::steady_clock::time_point start;
+  if (I.synthetic) {  // every rank starts the timed step together
+    I.rt.all_reduce(I.rt.pp, torch::zeros({1}, torch::TensorOptions().device(I.opts.device)), "pipeline synthetic start");
+    start = I.last_end = std::chrono::steady_clock::now();
+    I.busy_s = 0;
+  }
+  bool in_backward = false;
+  for (size_t k = 0; k < row.size(); ++k) {
+    const auto& a = row[k];
+    const bool backward = a.op == Op::B || a.op == Op::I || a.op == Op::W || (a.op != Op::F && a.grad);
+    if (phase && backward != in_backward) phase(in_backward = backward);
+    try {
+      I.run(a);
+    } catch (const dist::CollectiveError& e) {
+      I.fail_at(k, e);
+    }
+  }
+  I.finish_sends();
+  if (I.synthetic) {
+    // Steady-clock times (one clock for every process on a machine): the bench
+    // takes the step's span from the earliest start to the latest end over ranks.
+    auto ns = [](std::chrono::steady_clock::time_point t) {
+      return std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+    };
+    log::info("pipeline synthetic step: pipeline rank " + std::to_string(I.me) + " start_ns " + ns(start) +
+              " end_ns " + ns(I.last_end) + " busy_ns " + std::to_string(static_cast<int64_t>(I.busy_s * 1e9)));
+  }
+  I.sum_tied();
+  I.batches = nullptr;
+  I.loss_scale = at::Tensor();
+  return I.loss_sum;
+}
+
+at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
+  auto& I = *impl_;
+  torch::NoGradGuard no_grad;
+  auto loss = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
+  at::Tensor x;  // the activation handed from the stage before, on this rank
+  for (int s : stages_on(I.sched, I.me)) {
+    if (s > 0 && I.sched.stage_rank[s - 1] != I.me)
+      x = I.recv(I.activation_shape(batch), I.opts.activation_dtype, I.sched.stage_rank[s - 1], I.tag(false, s, 0));
+    auto y = I.forward(s, batch, x);
+    if (s == I.S - 1) {
+      loss = I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
+    } else if (I.sched.stage_rank[s + 1] != I.me) {
+      I.send(y.to(I.opts.activation_dtype), I.sched.stage_rank[s + 1], I.tag(false, s + 1, 0));
+    } else {
+      x = y;
+    }
+  }
+  I.finish_sends();
+  return loss;
+}
+
+}  // namespace nnstrain::parallel

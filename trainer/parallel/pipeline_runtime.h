@@ -1,0 +1,90 @@
+// Pipeline parallelism at run time (docs/parallelism.md, "Pipeline
+// parallelism"). Each pipeline rank holds its stages' pieces of the model
+// (CausalLM::hold_only: the first stage the embedding, the last the final norm,
+// the head and the loss, the rest on meta) and runs its row of the lowered
+// schedule (pipeline_schedule.h), identical on every rank:
+//   F  receive the activation (or embed the tokens), run the stage's blocks,
+//      and send the output on (the last stage: the loss, scaled by 1/nmicros);
+//   B  receive the output's gradient, backward, send the input's gradient back;
+//   I  the input's gradient only (autograd::grad, the graph kept), sent back at once;
+//   W  the weights' gradients (backward restricted to the stage's parameters).
+// Transfers go over the pipeline group (c10d send/recv, tagged by direction,
+// stage and micro-batch); a stage's neighbour on the same rank (V schedules,
+// virtual stages) gets its tensors handed over directly. Sends are
+// asynchronous and waited for at the end of the step; receives are waited for
+// where the schedule puts them, and a failed or timed-out one prints this
+// rank's action grid with the action waited on marked.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/parallel/pipeline_stages.h"
+#include "trainer/parallel/plan.h"
+#include "trainer/parallel/training_state.h"
+
+namespace nnstrain::models {
+class CausalLM;
+}
+namespace nnstrain::dist {
+class Runtime;
+}
+namespace nnstrain::data {
+struct Batch;
+}
+
+namespace nnstrain::parallel {
+
+// The pipeline rank of a global rank under the layout [TP, CP, PP, DP].
+int pipeline_rank_of(int rank, int tp, int cp, int pp);
+
+// Makes `model` hold only what pipeline rank `pp_rank`'s stages need; call
+// before materialising it.
+void hold_stages(models::CausalLM& model, const PipelinePlan& plan, int pp_rank);
+
+// Under pp > 1: each shard's replicas are the ranks whose stages hold it (a
+// tied embedding: the first and the last stage's), and a piece held by several
+// pipeline ranks counts once in the norm. `shards` from tensor_parallel_shards.
+void pipeline_replicas(std::vector<ParamShard>& shards, models::CausalLM& model, const PipelinePlan& plan,
+                       dist::Runtime& rt, int world);
+
+class PipelineExecutor {
+ public:
+  struct Options {
+    c10::Device device = c10::Device(c10::kCPU);
+    c10::ScalarType activation_dtype = c10::ScalarType::Float;  // the compute dtype
+    int64_t hidden = 0;                                         // the blocks' width
+    int64_t sequence_divisor = 1;  // tokens of a sequence per rank: T / this (sequence parallelism: tp)
+    bool split_backward = true;    // I and W as two passes (false: I runs the whole backward, W nothing)
+  };
+  // `state`: this rank's training state (the tied parameters' gradients are
+  // summed between the first and last stage from it).
+  PipelineExecutor(models::CausalLM& model, const PipelinePlan& plan, dist::Runtime& rt, TrainingState& state,
+                   const Options& opts);
+  ~PipelineExecutor();
+
+  // Forward and backward of one step's nmicros micro-batches, as the schedule
+  // orders them; `loss_scale` (undefined: none) multiplies what backward
+  // starts from (the fp16 loss scaler), `poison` makes the loss non-finite
+  // (test switch). `phase(backward)` is told when the work turns from forward
+  // to backward and back. Returns the mean of the micro-batches' losses on the
+  // rank holding the last stage, 0 elsewhere. Then the tied gradients are summed.
+  at::Tensor train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& loss_scale, bool poison,
+                        const std::function<void(bool backward)>& phase = {});
+  // Forward only, stage after stage (evaluation): the batch's loss on the
+  // rank holding the last stage, 0 elsewhere.
+  at::Tensor eval_loss(const data::Batch& batch);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace nnstrain::parallel
