@@ -8,14 +8,6 @@
 
 namespace nnstrain::parallel {
 
-std::vector<int> even_layer_split(int64_t layers, int stages) {
-  std::vector<int> out(stages, static_cast<int>(layers / stages));
-  int extra = static_cast<int>(layers % stages);
-  for (int s = 1; s + 1 < stages && extra > 0; ++s, --extra) ++out[s];
-  for (int s = 0; s < stages && extra > 0; ++s, --extra) ++out[s];
-  return out;
-}
-
 PipelinePlan pipeline_plan(const config::PipelineArgs& a, int64_t grad_accumulation_steps, int64_t layers) {
   const std::string key = "compute_config.pas_config.";
   PipelinePlan p;
@@ -36,7 +28,7 @@ PipelinePlan pipeline_plan(const config::PipelineArgs& a, int64_t grad_accumulat
       throw config::ConfigError(key + "pipeline_nstages: " + std::to_string(p.stages) + " stages (pp_size " +
                                 std::to_string(p.pp) + ", pipeline_scheduler " + p.scheduler + ") but the model has only " +
                                 std::to_string(layers) + " layers; every stage needs at least one");
-    p.stage_layers = even_layer_split(layers, p.stages);
+    // Left empty: the planner balances the layers (cost_model.h stage_split).
   }
   try {
     pipeline::make_schedule(p.scheduler, p.pp, p.stages, static_cast<int>(p.nmicros));
