@@ -17,6 +17,7 @@ struct GptConfig : config::ModelConfig {
   int64_t n_embd = 768;
   double dropout = 0.0;
   bool bias = true;
+  std::pair<std::string, double> attention_dropout() const override { return {"dropout", dropout}; }
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {

@@ -92,9 +92,10 @@ def exit_within(p, seconds):
 
 
 class Ranks:
-    """Two ranks started by hand, as torchrun would; everything killed on exit."""
+    """Ranks (two by default) started by hand, as torchrun would, with train_args
+    and `extra_args`; everything killed on exit."""
 
-    def __init__(self, binary, tokens, tmp_path, world=2, extra_env=None):
+    def __init__(self, binary, tokens, tmp_path, world=2, extra_env=None, extra_args=()):
         self.run_dir = tmp_path / "run"
         port = free_port()
         self.procs = []
@@ -104,7 +105,7 @@ class Ranks:
                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env.update(extra_env or {})
             log = open(tmp_path / f"rank{rank}.log", "w+")
-            p = subprocess.Popen([binary, *train_args(tokens, self.run_dir)], cwd=SOURCE, env=env,
+            p = subprocess.Popen([binary, *train_args(tokens, self.run_dir), *extra_args], cwd=SOURCE, env=env,
                                  stdout=log, stderr=subprocess.STDOUT)
             p.log = log
             self.procs.append(p)

@@ -111,22 +111,32 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
     cp.ranks = {rank_};
     cp.rank = 0;
   }
-  const int zn = opts.zero_ngroups, zsize = dp_size / zn;
-  for (int c = 0; c < cp_size; ++c)
-    for (int t = 0; t < tp_size; ++t) {
-      for (int gi = 0; gi < zn; ++gi) {
-        std::vector<int> ranks;
-        for (int z = 0; z < zsize; ++z) ranks.push_back(rank_of(gi * zsize + z, c, t));
-        auto g = make_group("zero" + suffix(c, t) + "_" + std::to_string(gi), ranks, false);
-        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
-      }
-      for (int z = 0; z < zsize; ++z) {
-        std::vector<int> ranks;
-        for (int gi = 0; gi < zn; ++gi) ranks.push_back(rank_of(gi * zsize + z, c, t));
-        auto g = make_group("zerox" + suffix(c, t) + "_" + std::to_string(z), ranks, false);
-        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
-      }
+  // Parameters are replicated over dp x cp: index e = dp index x cp + cp index,
+  // rank e x tp + t. ZeRO groups are slices of it; at cp 1 all is as before cp.
+  const int dpcp = dp_size * cp_size;
+  for (int t = 0; t < tp_size; ++t) {
+    if (cp_size == 1) break;
+    std::vector<int> ranks;
+    for (int e = 0; e < dpcp; ++e) ranks.push_back(e * tp_size + t);
+    auto g = make_group("dpcp" + std::to_string(t), ranks, false);
+    if (my_t == t) dp_cp = g;
+  }
+  if (cp_size == 1) dp_cp = dp;
+  const int zn = opts.zero_ngroups, zsize = dpcp / zn;
+  for (int t = 0; t < tp_size; ++t) {
+    for (int gi = 0; gi < zn; ++gi) {
+      std::vector<int> ranks;
+      for (int z = 0; z < zsize; ++z) ranks.push_back((gi * zsize + z) * tp_size + t);
+      auto g = make_group("zero" + std::to_string(t) + "_" + std::to_string(gi), ranks, false);
+      if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
     }
+    for (int z = 0; z < zsize; ++z) {
+      std::vector<int> ranks;
+      for (int gi = 0; gi < zn; ++gi) ranks.push_back((gi * zsize + z) * tp_size + t);
+      auto g = make_group("zerox" + std::to_string(t) + "_" + std::to_string(z), ranks, false);
+      if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
+    }
+  }
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
   if (backend_name_ == "nccl") {
     // The monitor queries CUDA events: on this rank's device, so that it never
@@ -412,6 +422,25 @@ c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor ou
   ++g.traffic.all_gather;
   g.traffic.bytes += static_cast<int64_t>(in.nbytes());
   return issue(g, what, [&] { return g.backend->_allgather_base(out, in); });
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> Runtime::ring_shift_async(Group& g, at::Tensor send, at::Tensor recv,
+                                                                       int tag, const char* what) {
+  ++g.traffic.send_recv;
+  g.traffic.bytes += static_cast<int64_t>(send.nbytes());
+  const int next = (g.rank + 1) % g.size(), prev = (g.rank + g.size() - 1) % g.size();
+  std::vector<at::Tensor> s{std::move(send)}, r{std::move(recv)};
+  if (g.backend->supportsCoalescing()) {
+    // NCCL: one group, as batch_isend_irecv, so two ranks sending to each other never wait on one another.
+    return {issue(g, what, [&] {
+      g.backend->startCoalescing();
+      g.backend->send(s, next, tag);
+      g.backend->recv(r, prev, tag);
+      return g.backend->endCoalescing();
+    })};
+  }
+  auto sent = issue(g, what, [&] { return g.backend->send(s, next, tag); });
+  return {issue(g, what, [&] { return g.backend->recv(r, prev, tag); }), sent};
 }
 
 void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {

@@ -92,7 +92,7 @@ class Search {
     const auto& cc = a_.compute_config;
     const int k_min = a_.model.activation_checkpointing ? L_ : 0;
     for (int t : tps_) {
-      const int dp = req_.world_size / t;
+      const int dp = req_.world_size / (t * a_.compute_config.context_parallel_size);
       const auto fails = tp_failures(f_, t);
       if (!fails.empty()) {
         if (tier == 0) entries_.push_back({{t, dp, 0, 0}, join(fails, "; "), {}});
@@ -248,6 +248,7 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.world = req.world_size;
   p.tp = best.c.tp;
   p.dp = best.c.dp;
+  p.context = {a.compute_config.context_parallel_size, a.compute_config.cp_comm_type, a.compute_config.cp_load_balance};
   p.zero_stage = best.c.zero_stage;
   p.zero_ngroups = a.compute_config.zero_ngroups;
   p.offload_ratio = best.c.offload_ratio;

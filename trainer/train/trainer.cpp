@@ -14,6 +14,7 @@
 #include "trainer/checkpoint/async_save.h"
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/optim/lr_schedule.h"
+#include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
 #include "base/log.h"
 #include "trainer/train/cpu_memory.h"
@@ -66,6 +67,26 @@ bool inject_torch_error(int64_t step, int rank) {
   return test_switch_hits(at, step, rank);
 }
 
+// Context parallelism: this rank's tokens of every sequence of `b` (inputs and
+// targets alike) in the plan's layout; the whole batch at cp 1. Document masks
+// (positions, segments) are refused under cp at load.
+data::Batch cp_slice(data::Batch b, const parallel::ContextPlan& c, int cp_rank) {
+  if (c.cp == 1) return b;
+  const auto layout = models::common::parse_cp_layout(c.load_balance);
+  b.x = models::common::cp_shard(b.x, 1, c.cp, cp_rank, layout).contiguous();
+  b.y = models::common::cp_shard(b.y, 1, c.cp, cp_rank, layout).contiguous();
+  return b;
+}
+
+// The targets a batch counts in the loss.
+at::Tensor target_count(const data::Batch& b) { return b.y.ne(data::kIgnoreTarget).sum(); }
+
+// A batch's contribution to a token-weighted mean: its mean loss x its count,
+// 0 (not NaN, and no NaN gradient) when it counts no target.
+at::Tensor loss_sum(const at::Tensor& mean, const at::Tensor& count) {
+  return torch::where(count.gt(0), mean, torch::zeros_like(mean)) * count.to(mean.scalar_type());
+}
+
 // What an out-of-memory message needs, kept outside the loop's scope.
 struct OomContext {
   double estimate_bytes = 0;                   // the planner's per-rank total
@@ -97,7 +118,9 @@ class Trainer {
   std::unique_ptr<dist::Runtime> rt_;
   Trainable tr_;
   Data data_;
-  const int64_t micro_, global_batch_, accum_, dp_, dp_rank_;
+  // dp_rank_: this rank's data-parallel index (which samples); cp_rank_ its
+  // context-parallel index (which tokens of them).
+  const int64_t micro_, global_batch_, accum_, dp_, dp_rank_, cp_rank_;
   const torch::TensorOptions fopts_;
   std::optional<double> peak_flops_;  // MFU only where the device table is meaningful (GPUs)
 
@@ -125,6 +148,7 @@ class Trainer {
   int64_t interval_steps_ = 0;
   int64_t interval_comm_bytes_ = 0;  // the reducer's count at the interval's start
   dist::Traffic interval_tp_;        // the tensor-parallel group's at the interval's start (training only)
+  dist::Traffic interval_cp_;        // the context-parallel group's, likewise
 };
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
@@ -143,7 +167,8 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       global_batch_(args.global_batch_size),
       accum_(plan_.grad_accumulation_steps),
       dp_(plan_.dp),
-      dp_rank_(env.rank / plan_.tp),
+      dp_rank_(env.rank / (plan_.tp * plan_.context.cp)),
+      cp_rank_(env.rank / plan_.tp % plan_.context.cp),
       fopts_(torch::TensorOptions().device(device).dtype(torch::kFloat32)),
       timer_(device),
       profiler_(args.profile, device, env.rank),
@@ -183,11 +208,12 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       });
 
   // Batches for step s, micro-step a on this data-parallel rank: positions
-  // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s.
+  // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s, and of
+  // them this context-parallel rank's tokens.
   loader_ = std::make_unique<data::PrefetchLoader>(
       [this](int64_t index) {
         const int64_t s = index / accum_, a = index % accum_;
-        return data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_);
+        return cp_slice(data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_), plan_.context, cp_rank_);
       },
       start_step * accum_, args.dataloader.prefetch, device, args.dataloader.pin_memory);
 
@@ -228,7 +254,11 @@ void Trainer::announce(int64_t start_step) {
   int64_t nparams = 0;
   for (auto& p : tr_.state->params()) nparams += p.tensor.numel();
   log::info("model " + args_.model.type + ": " + std::to_string(nparams) + " parameters, device " + device_.str() +
-            ", world " + std::to_string(world_) + " (dp " + std::to_string(dp_) + "), global batch " +
+            ", world " + std::to_string(world_) + " (dp " + std::to_string(dp_) +
+            (plan_.context.cp > 1 ? ", cp " + std::to_string(plan_.context.cp) + " " + plan_.context.comm_type + " " +
+                                        plan_.context.load_balance
+                                  : "") +
+            "), global batch " +
             std::to_string(global_batch_) + " x " + std::to_string(data_.seq_len) + " tokens, steps " +
             std::to_string(start_step) + " -> " + std::to_string(data_.max_steps) + ", optimizer " +
             tr_.optimizer->impl() + (plan_.zero_stage ? " (ZeRO-" + std::to_string(plan_.zero_stage) + ")" : "") + ", plan tp " + std::to_string(plan_.tp) +
@@ -262,6 +292,17 @@ void Trainer::announce(int64_t start_step) {
 void Trainer::step(const std::vector<data::Batch>& batches) {
   tr_.state->zero_grad();
   loss_sum_.zero_();
+  // The loss is the mean over every counted target of the step: all micro-batches
+  // of every dp x cp rank. Each micro-batch's mean is weighted by its share of
+  // the targets (times dp x cp: the reducer averages gradients over those ranks),
+  // so any cut of the batch (dp, cp, accumulation) gives one process's loss,
+  // masked targets included, and an all-masked micro-batch adds 0.
+  std::vector<at::Tensor> counts;
+  for (const auto& b : batches) counts.push_back(target_count(b));
+  auto total = torch::stack(counts).sum();
+  if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
+  const auto inv_total = total.clamp_min(1).to(torch::kFloat32).reciprocal();
+  const double replicas = rt_ ? rt_->dp_cp.size() : 1;
   for (int64_t a = 0; a < accum_; ++a) {
     tr_.reducer->begin_micro_step(a == accum_ - 1);
     timer_.enter(StepTimer::kForward);
@@ -269,10 +310,11 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     const bool measure = logs_ && a == accum_ - 1;
     const int64_t before = measure ? memory_in_use_bytes(device_) : 0;
     const auto& b = batches[a];
-    auto loss = model_->loss(b.x, b.y, {b.positions, b.segments}) / static_cast<double>(accum_);
+    auto loss = loss_sum(model_->loss(b.x, b.y, {b.positions, b.segments}), counts[a]) * inv_total;
     if (measure) activation_bytes_ = memory_in_use_bytes(device_) - before;
     if (poison_) loss = loss * std::numeric_limits<double>::infinity();
     loss_sum_ += loss.detach().to(torch::kFloat32);
+    loss = loss * replicas;
     timer_.enter(StepTimer::kBackward);
     (tr_.scaler ? loss * tr_.scaler->scale() : loss).backward();
   }
@@ -321,10 +363,7 @@ void Trainer::log_progress() {
   const bool replayed = graph_ && graph_->captured();
   std::vector<int64_t> step_peak{replayed ? graph_->capture_peak_bytes() : step_peak_bytes(device_)};
   if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
-  if (rt_) {
-    rt_->all_reduce(rt_->dp, loss_sum_, "loss all-reduce");
-    loss_sum_.div_(dp_);
-  }
+  if (rt_) rt_->all_reduce(rt_->dp_cp, loss_sum_, "loss all-reduce");  // each rank's share of the mean
   const double loss = loss_sum_.item<double>();  // the one host sync, at logging steps
   const double gn = grad_norm_.item<double>();
   const auto now = std::chrono::steady_clock::now();
@@ -358,15 +397,31 @@ void Trainer::log_progress() {
                                       {"reduce_scatter", double(t.reduce_scatter) / n}};
     interval_tp_ = rt_->tp.traffic;
   }
+  if (rt_ && plan_.context.cp > 1) {
+    // Context parallelism's ring steps (p2p) or gathers (all_gather), counted likewise.
+    const auto t = rt_->cp.traffic - interval_cp_;
+    const double n = double(interval_steps_);
+    rec["cp_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
+    rec["cp_collectives_per_step"] = {{"send_recv", double(t.send_recv) / n},
+                                      {"all_gather", double(t.all_gather) / n},
+                                      {"reduce_scatter", double(t.reduce_scatter) / n}};
+    interval_cp_ = rt_->cp.traffic;
+  }
   activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
                      ", lr " + fmt(lr_, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) + " tok/s, " +
                      fmt(ms_per_step, 1) + " ms/step";
   if (peak_flops_) {
-    const double mfu = model_->flops_per_token(data_.seq_len) * tokens_per_s / (*peak_flops_ * world_);
-    rec["mfu"] = mfu;
-    line += ", mfu " + fmt(100 * mfu, 1) + "%";
+    // Two conventions for causal attention: `mfu` counts its masked half as work
+    // (as flops_per_token does; nnScaler's and torchtitan's figures), `mfu_unmasked`
+    // only the half computed (docs/observability.md).
+    const double full = model_->flops_per_token(data_.seq_len), no_attention = model_->flops_per_token(0);
+    const double per_flop = tokens_per_s / (*peak_flops_ * world_);
+    rec["mfu"] = full * per_flop;
+    rec["mfu_unmasked"] = (full - (full - no_attention) / 2) * per_flop;
+    line += ", mfu " + fmt(100 * rec["mfu"].get<double>(), 1) + "% (unmasked " +
+            fmt(100 * rec["mfu_unmasked"].get<double>(), 1) + "%)";
   }
   line += ", peak mem " + fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB";
   if (tr_.scaler)
@@ -396,17 +451,20 @@ void Trainer::evaluate() {
   tr_.flush();  // delayed update: evaluate the weights of every step so far
   torch::NoGradGuard no_grad;
   model_->eval();
-  auto sum = torch::zeros({}, fopts_);
+  // Token-weighted as training: [sum of losses, targets] over every batch and dp x cp rank.
+  auto sum = torch::zeros({2}, fopts_);
   // A stop request (preemption) cuts a long evaluation short: the ranks agree
   // about once a second, as between training steps, and all leave together.
   StopDecision stop(rt_.get());
   int64_t done = 0;
   for (; done < args_.max_val_steps; ++done) {
-    auto b = data_.val->val_batch(done, dp_rank_ * micro_, micro_);
+    auto b = cp_slice(data_.val->val_batch(done, dp_rank_ * micro_, micro_), plan_.context, cp_rank_);
     tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
     const auto docs = b.segments.defined() ? models::Documents{b.positions.to(device_), b.segments.to(device_)}
                                            : models::Documents{};
-    sum += model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
+    const auto count = target_count(b).to(device_);
+    const auto mean = model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
+    sum += torch::stack({loss_sum(mean, count), count.to(torch::kFloat32)});
     if (done + 1 < args_.max_val_steps && stop.after_step(done + 1, g_stop_signal.load() != 0, false)) {
       ++done;
       break;
@@ -420,11 +478,8 @@ void Trainer::evaluate() {
                 std::to_string(done) + " of " + std::to_string(args_.max_val_steps) + " batches; no val loss recorded");
     return;
   }
-  if (rt_) {
-    rt_->all_reduce(rt_->dp, sum, "validation loss all-reduce");
-    sum.div_(dp_);
-  }
-  const double val_loss = sum.item<double>() / args_.max_val_steps;
+  if (rt_) rt_->all_reduce(rt_->dp_cp, sum, "validation loss all-reduce");
+  const double val_loss = sum[0].item<double>() / std::max(1.0, sum[1].item<double>());
   if (rank_ != 0) return;
   log::info("step " + std::to_string(step_) + ": val loss " + fmt(val_loss));
   const nlohmann::json rec = {{"step", step_}, {"val_loss", val_loss}};
@@ -490,9 +545,12 @@ int Trainer::run() {
     const bool last = step_ == max_steps;
     if (logs) log_progress();
     if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) {
-      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{};
+      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{};
       evaluate();
-      if (rt_) interval_tp_ += rt_->tp.traffic - before;  // the per-step tp figures count training only
+      if (rt_) {  // the per-step tp and cp figures count training only
+        interval_tp_ += rt_->tp.traffic - before;
+        interval_cp_ += rt_->cp.traffic - before_cp;
+      }
     }
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
@@ -541,7 +599,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   const auto whole = describe_model(args);
   auto agreed = decide_plan(args, env, *whole, device, timeout);
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
-  auto data = open_data(args, *whole, agreed.plan.tp);
+  auto data = open_data(args, *whole, agreed.plan);
   auto rt = connect(args, env, agreed, device, timeout);
   auto local = materialise_model(args, agreed.plan, rt.get(), device, whole->vocab_size());
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
