@@ -155,8 +155,9 @@ def test_rank_killed_inside_a_ring_step_ends_every_rank(nnstrain_bin, tiny_token
             out = read(p)
             print(f"\nrank {rank} exited {rc} {took:.1f} s after rank 1 died: {out.strip().splitlines()[-1]}")
             assert rc != 0, out
-            assert re.search(rf"rank {rank}: collective '[^']+' .* failed", out), out
-            assert "Traceback" not in out and "frame #" not in out, out
+            # The last line is the one-line diagnosis (LibTorch's own store warnings, with their
+            # backtraces, may come before it once rank 0, the store's host, is gone).
+            assert re.match(rf"nnstrain: rank {rank}: collective '[^']+' .* failed", out.strip().splitlines()[-1]), out
         out0 = read(job.procs[0])
         assert re.search(r"rank 0: collective 'context-parallel ring send/recv' .* on group cp0_0 \(ranks 0, 1\)",
                          out0), out0
