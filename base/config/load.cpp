@@ -718,7 +718,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                               ": it must be a multiple of " + need + " (" + std::to_string(parts) + ")");
     };
     check(train_args, t.dataset.train_args.seq_len);
-    if (val_args) check(*val_args, t.dataset.val_args->seq_len);
+    // Indexed datasets keep the validation set's length in indexed_val (val_args, token_bin's, is unset).
+    if (val_args) check(*val_args, indexed ? t.dataset.indexed_val->seq_len : t.dataset.val_args->seq_len);
   }
   const int pp = c.pipeline.pp_size;
   if (pp > 1 && c.runtime_ngpus % (c.plan_ngpus * cp * pp) != 0)
