@@ -88,6 +88,7 @@ def main():
            "model": f"Llama {LAYERS} x {HIDDEN}, 4 heads / 2 KV heads, ffn {2 * HIDDEN}, vocab {VOCAB}; one sequence "
                     f"of {SEQ} tokens per step; fp32, plain loss, no recompute; cp_comm_type p2p, zigzag"}
     name = f"cp_memory_{stamp.strftime('%Y%m%d-%H%M%S')}"
+    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     pathlib.Path(a.out, name + ".json").write_text(json.dumps(out, indent=1))
     lines = [f"# Memory per rank under context parallelism, CPU ({stamp:%Y-%m-%d %H:%M} UTC)", "",
              f"- device: {out['device']}; LibTorch {out['libtorch']}; commit {out['commit']}; load averages "
