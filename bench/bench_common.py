@@ -1,5 +1,6 @@
 """What every benchmark records and how it runs nnstrain: the machine, the
 LibTorch the binary loads, the commit, and a single-process run."""
+import json
 import os
 import pathlib
 import platform
@@ -56,3 +57,34 @@ def run_single(args, threads):
     if p.returncode != 0:
         sys.exit(f"nnstrain failed ({p.returncode}): {' '.join(map(str, args))}\n{p.stdout}{p.stderr}")
     return p
+
+
+STARTUP_TENSORS = re.compile(r"rank 0: start-up peak host RSS [0-9.]+ MiB, tensors in use ([0-9.]+) MiB")
+
+
+def run_ranks(binary, nproc, args, timeout=1200):
+    """nnstrain `args` on `nproc` processes (through `nnstrain launch` when > 1), one thread
+    each; exits the benchmark with the run's output if it fails."""
+    cmd = [str(binary), *map(str, args)]
+    if nproc > 1:
+        cmd = [str(binary), "launch", "--nproc-per-node", str(nproc), "--", *map(str, args)]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=timeout)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
+    return p
+
+
+def startup_tensors_mib(run_dir):
+    """Rank 0's tensor bytes in use once model and training state are built (its log), MiB."""
+    for log in (pathlib.Path(run_dir) / "logs").glob("*"):
+        m = STARTUP_TENSORS.search(log.read_text())
+        if m:
+            return float(m.group(1))
+    return None
+
+
+def step_record(run_dir, step):
+    """The training record of `step` in a run's metrics.jsonl (one with peak_tensor_mb)."""
+    recs = [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return next(r for r in recs if r.get("step") == step and "peak_tensor_mb" in r)

@@ -25,19 +25,17 @@ import datetime
 import json
 import os
 import pathlib
-import re
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
+from bench_common import (cpu_model, git_commit, libtorch_version, run_ranks, startup_tensors_mib,  # noqa: E402
+                          step_record)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_llama.yaml"
-STARTUP = re.compile(r"rank 0: start-up peak host RSS [0-9.]+ MiB, tensors in use ([0-9.]+) MiB")
 SEQ, HIDDEN, LAYERS, VOCAB = 4096, 128, 2, 256
 
 
@@ -49,18 +47,9 @@ def run(binary, cp, data, work):
             "--micro_batch_size", "1", "--global_batch_size", "1", "--max_train_steps", "2",
             "--compute_config.reducer_bucket_cap_mb", "25", "--compute_config.context_parallel_size", str(cp),
             "--compute_config.collective_timeout_s", "600"]
-    cmd = [binary, *args] if cp == 1 else [binary, "launch", "--nproc-per-node", str(cp), "--", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=1200)
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
-    startup = None
-    for log in (run_dir / "logs").glob("*"):
-        m = STARTUP.search(log.read_text())
-        if m:
-            startup = float(m.group(1))
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    step1 = next(r for r in recs if r.get("step") == 1 and "peak_tensor_mb" in r)
+    run_ranks(binary, cp, args)
+    startup = startup_tensors_mib(run_dir)
+    step1 = step_record(run_dir, 1)
     est = json.loads((run_dir / "plan.json").read_text())["estimate"]
     return {"cp": cp, "startup_mib": startup, "peak_step1_mib": step1["peak_tensor_mb"],
             "held_by_forward_mib": step1["activation_mb"], "loss_step1": step1["loss"],

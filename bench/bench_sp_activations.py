@@ -30,19 +30,17 @@ import datetime
 import json
 import os
 import pathlib
-import re
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
+from bench_common import (cpu_model, git_commit, libtorch_version, run_ranks, startup_tensors_mib,  # noqa: E402
+                          step_record)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
-RSS = re.compile(r"rank 0: start-up peak host RSS [0-9.]+ MiB, tensors in use ([0-9.]+) MiB")
 SEQ, BATCH, EMBD, LAYERS = 1024, 8, 512, 2
 
 
@@ -55,18 +53,9 @@ def run(binary, tp, sp, data, work):
             "--compute_config.sequence_parallel", "true" if sp else "false"]
     if tp > 1:
         args += ["--compute_config.plan_ngpus", str(tp), "--pas_policy", "tp"]
-    cmd = [binary, *args] if tp == 1 else [binary, "launch", "--nproc-per-node", str(tp), "--", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=1200)
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
-    startup = None
-    for log in (run_dir / "logs").glob("*"):
-        m = RSS.search(log.read_text())
-        if m:
-            startup = float(m.group(1))
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    step1 = next(r for r in recs if r.get("step") == 1 and "peak_tensor_mb" in r)
+    run_ranks(binary, tp, args)
+    startup = startup_tensors_mib(run_dir)
+    step1 = step_record(run_dir, 1)
     peak = step1["peak_tensor_mb"]  # MiB (bytes / 2^20); the largest over the ranks
     return {"tp": tp, "sp": sp, "startup_mib": startup, "peak_step1_mib": peak, "activations_mib": peak - startup,
             "held_by_forward_mib": step1["activation_mb"]}

@@ -289,6 +289,19 @@ def assert_active(run_dir, output, nproc, overrides):
     return want
 
 
+def run_ranks(ranks, run_dir, args, overrides):
+    """nnstrain `args` (which include `overrides`) on `ranks` processes, through `nnstrain launch`
+    when > 1; asserts it exits 0 and ran the plan `overrides` ask for (assert_active). Returns
+    {step: (loss, grad_norm)} of its metrics.jsonl."""
+    binary = nnstrain_bin_path()
+    cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}"
+    assert_active(run_dir, p.stdout + p.stderr, ranks, overrides)  # the plan compared really ran
+    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}
+
+
 def assert_precision(output, precision):
     """The run says it trained in `precision` (the bytes it held tell the dtypes: assert_active)."""
     m = re.search(r"precision (\S+): state bytes/param", output)

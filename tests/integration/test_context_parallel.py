@@ -13,13 +13,11 @@ one-process run. A rank killed inside a ring step ends every other rank within
 the collective timeout, naming the collective.
 """
 import json
-import pathlib
 import re
-import subprocess
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, assert_active, device_args, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, device_args, read_metrics, run_ranks
 from test_collective_failure import MARGIN_S, START_S, TIMEOUT_S, Ranks, exit_within, read
 from test_precision import BF16_RTOL
 
@@ -29,7 +27,7 @@ MODELS = {"gpt": ("tiny_dp.yaml", ["--model.args.n_head", "4"]), "llama": ("tiny
 
 
 def run(model, ranks, run_dir, data, *overrides, resume=None, save_dir=None):
-    """nnstrain on `ranks` processes; returns {step: (loss, grad_norm)} and the last metrics record."""
+    """nnstrain on `ranks` processes; returns {step: (loss, grad_norm)}."""
     config, model_args = MODELS[model]
     args = ["--config", str(CONFIGS / config), "--run_dir", str(run_dir), "--vars.data", str(data),
             "--global_batch_size", "4", *model_args, *device_args(ranks), *map(str, overrides)]
@@ -37,13 +35,7 @@ def run(model, ranks, run_dir, data, *overrides, resume=None, save_dir=None):
         args += ["--checkpoint.save_dir", str(save_dir), "--checkpoint.every_n_train_steps", "5"]
     if resume:
         args += ["--resume", str(resume)]
-    binary = nnstrain_bin_path()
-    cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
-    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}"
-    assert_active(run_dir, p.stdout + p.stderr, ranks, overrides)  # cp (and tp, ZeRO) really ran
-    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}
+    return run_ranks(ranks, run_dir, args, overrides)  # asserts cp (and tp, ZeRO) really ran
 
 
 CP = "--compute_config.context_parallel_size"

@@ -386,27 +386,20 @@ void Trainer::log_progress() {
     rec["dp_comm_mb_per_step"] = double(comm - interval_comm_bytes_) / interval_steps_ / 1048576.0;
     interval_comm_bytes_ = comm;
   }
-  if (rt_ && plan_.tp > 1) {
-    // What tensor (and sequence) parallelism sent per training step: counted at
-    // the collectives, so a plan that silently ran without it shows zeros.
-    const auto t = rt_->tp.traffic - interval_tp_;
+  // What tensor (and sequence) and context parallelism sent per training step,
+  // counted at the collectives, so a plan that silently ran without them shows zeros.
+  auto traffic = [&](const std::string& name, const dist::Traffic& now, dist::Traffic& since) {
+    const auto t = now - since;
     const double n = double(interval_steps_);
-    rec["tp_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
-    rec["tp_collectives_per_step"] = {{"all_reduce", double(t.all_reduce) / n},
-                                      {"all_gather", double(t.all_gather) / n},
-                                      {"reduce_scatter", double(t.reduce_scatter) / n}};
-    interval_tp_ = rt_->tp.traffic;
-  }
-  if (rt_ && plan_.context.cp > 1) {
-    // Context parallelism's ring steps (p2p) or gathers (all_gather), counted likewise.
-    const auto t = rt_->cp.traffic - interval_cp_;
-    const double n = double(interval_steps_);
-    rec["cp_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
-    rec["cp_collectives_per_step"] = {{"send_recv", double(t.send_recv) / n},
-                                      {"all_gather", double(t.all_gather) / n},
-                                      {"reduce_scatter", double(t.reduce_scatter) / n}};
-    interval_cp_ = rt_->cp.traffic;
-  }
+    rec[name + "_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
+    rec[name + "_collectives_per_step"] = {{"all_reduce", double(t.all_reduce) / n},
+                                           {"all_gather", double(t.all_gather) / n},
+                                           {"reduce_scatter", double(t.reduce_scatter) / n},
+                                           {"send_recv", double(t.send_recv) / n}};
+    since = now;
+  };
+  if (rt_ && plan_.tp > 1) traffic("tp", rt_->tp.traffic, interval_tp_);
+  if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);  // ring steps or K/V gathers
   activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
