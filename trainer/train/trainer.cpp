@@ -406,13 +406,11 @@ void Trainer::log_progress() {
                      ", lr " + fmt(lr_, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) + " tok/s, " +
                      fmt(ms_per_step, 1) + " ms/step";
   if (peak_flops_) {
-    // Two conventions for causal attention: `mfu` counts its masked half as work
-    // (as flops_per_token does; nnScaler's and torchtitan's figures), `mfu_unmasked`
-    // only the half computed (docs/observability.md).
-    const double full = model_->flops_per_token(data_.seq_len), no_attention = model_->flops_per_token(0);
-    const double per_flop = tokens_per_s / (*peak_flops_ * world_);
-    rec["mfu"] = full * per_flop;
-    rec["mfu_unmasked"] = (full - (full - no_attention) / 2) * per_flop;
+    // `mfu` counts causal attention's masked half as work, `mfu_unmasked` not (metrics.h).
+    const auto mfu = model_flops_utilization(model_->flops_per_token(data_.seq_len), model_->flops_per_token(0),
+                                             tokens_per_s, *peak_flops_ * world_);
+    rec["mfu"] = mfu.counted;
+    rec["mfu_unmasked"] = mfu.unmasked;
     line += ", mfu " + fmt(100 * rec["mfu"].get<double>(), 1) + "% (unmasked " +
             fmt(100 * rec["mfu_unmasked"].get<double>(), 1) + "%)";
   }
