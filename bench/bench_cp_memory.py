@@ -20,10 +20,8 @@ Writes bench/results/cp_memory_<UTC time>.json and .md.
 Usage (from the repository root):
   /root/.cache/nnstrain/venv/bin/python bench/bench_cp_memory.py --nnstrain build/nnstrain
 """
-import argparse
 import datetime
 import json
-import os
 import pathlib
 import sys
 import tempfile
@@ -31,8 +29,8 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import (cpu_model, git_commit, libtorch_version, run_ranks, startup_tensors_mib,  # noqa: E402
-                          step_record)
+from bench_common import (machine_line, parse_args, result_record, run_ranks, startup_tensors_mib,  # noqa: E402
+                          step_record, write_result)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_llama.yaml"
@@ -58,10 +56,7 @@ def run(binary, cp, data, work):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    a = ap.parse_args()
+    a = parse_args(__doc__)
     stamp = datetime.datetime.now(datetime.timezone.utc)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,16 +67,11 @@ def main():
             rows.append(run(a.nnstrain, cp, data, tmp))
             print(rows[-1], flush=True)
     base = rows[0]
-    out = {"date": stamp.isoformat(timespec="seconds"), "device": cpu_model(), "libtorch": libtorch_version(a.nnstrain),
-           "commit": git_commit(), "load": os.getloadavg(), "rows": rows,
-           "model": f"Llama {LAYERS} x {HIDDEN}, 4 heads / 2 KV heads, ffn {2 * HIDDEN}, vocab {VOCAB}; one sequence "
-                    f"of {SEQ} tokens per step; fp32, plain loss, no recompute; cp_comm_type p2p, zigzag"}
-    name = f"cp_memory_{stamp.strftime('%Y%m%d-%H%M%S')}"
-    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
-    pathlib.Path(a.out, name + ".json").write_text(json.dumps(out, indent=1))
-    lines = [f"# Memory per rank under context parallelism, CPU ({stamp:%Y-%m-%d %H:%M} UTC)", "",
-             f"- device: {out['device']}; LibTorch {out['libtorch']}; commit {out['commit']}; load averages "
-             f"{', '.join(f'{x:.1f}' for x in out['load'])}",
+    out = result_record(a.nnstrain, stamp, rows=rows,
+                        model=f"Llama {LAYERS} x {HIDDEN}, 4 heads / 2 KV heads, ffn {2 * HIDDEN}, vocab {VOCAB}; one "
+                              f"sequence of {SEQ} tokens per step; fp32, plain loss, no recompute; cp_comm_type p2p, "
+                              "zigzag")
+    lines = [f"# Memory per rank under context parallelism, CPU ({stamp:%Y-%m-%d %H:%M} UTC)", "", machine_line(out),
              f"- model: {out['model']}; Gloo, OMP_NUM_THREADS=1 per rank; baseline cp 1 in the same run",
              "- peak = step 1's `peak_tensor_mb` (largest over the ranks); start-up = rank 0's tensors in use once "
              "model and state are built; held by forward = step 1's `activation_mb` (rank 0)",
@@ -96,8 +86,7 @@ def main():
                      f"{r['held_by_forward_mib'] / base['held_by_forward_mib']:.3f} | "
                      f"{r['plan_activation_mib']:.1f} MiB | {r['plan_total_mib']:.1f} MiB | "
                      f"{r['peak_step1_mib'] / r['plan_total_mib']:.2f} | {r['loss_step1']:.6f} |")
-    pathlib.Path(a.out, name + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(a.out, "cp_memory", stamp, out, lines)
 
 
 if __name__ == "__main__":
