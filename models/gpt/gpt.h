@@ -1,5 +1,8 @@
 // nanoGPT's GPT: token + position embeddings, pre-LayerNorm blocks with causal
-// self-attention and a GELU MLP, LM head tied to the token embedding.
+// self-attention and a GELU MLP, LM head tied to the token embedding. Under
+// context parallelism (ShardingContext::cp_comm) a rank holds its tokens of each
+// sequence: attention is context_parallel_attention and the learned position
+// embedding takes the tokens' global positions.
 #pragma once
 
 #include "models/common/layers.h"
