@@ -6,8 +6,8 @@ fp32 on CPU/Gloo, 10 steps with clipping active, the same global batch of 4
 sequences of 32 tokens, against one process, for the GPT of configs/tiny_dp.yaml
 (4 heads, learned positions) and the Llama of configs/tiny_llama.yaml (GQA,
 rotary): cp2, cp4, cp2 x tp2 with sequence parallelism, cp2 x ZeRO-3 dp2 within
-1e-5 relative in loss and gradient norm; bf16-mixed cp2 within the precision
-tests' bf16 tolerance. Checkpoints hold no cp state: saved at cp2 (GPT) or cp4
+1e-5 relative in loss and gradient norm (and cp2's validation loss within
+1e-5); bf16-mixed cp2 within the precision tests' bf16 tolerance. Checkpoints hold no cp state: saved at cp2 (GPT) or cp4
 (Llama) and resumed at cp1, and the reverse, each continuing the uninterrupted
 one-process run. A rank killed inside a ring step ends every other rank within
 the collective timeout, naming the collective.
@@ -111,6 +111,22 @@ def test_bf16_mixed_cp2_equals_one_process(tmp_path, tiny_tokens, model):
     # Meaningful: bf16 is not fp32 (it differs from it beyond the fp32 parity tolerance).
     fp32 = run(model, 1, tmp_path / "fp32", tiny_tokens, *PLANS["one"][1])
     assert max(rel(ref[s][0], fp32[s][0]) for s in ref) > TOL
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_validation_loss_under_cp_equals_one_process(tmp_path, tiny_tokens, model):
+    """Validation batches are cut over the cp ranks as training's are: the token-weighted
+    val_loss (at steps 5 and 10, 2 batches each) equals one process's."""
+    val = ["--dataset.val_args.path", tiny_tokens, "--val_every_n_train_steps", 5, "--max_val_steps", 2]
+    got = {}
+    for plan in ("one", "cp2"):
+        ranks, ov = PLANS[plan]
+        run(model, ranks, tmp_path / plan, tiny_tokens, *ov, *val)
+        got[plan] = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / plan / "metrics.jsonl")[1]}
+    assert sorted(got["one"]) == [5, 10], got
+    worst = max(rel(got["cp2"][s], got["one"][s]) for s in got["one"])
+    print(f"\n{model} cp2 val loss vs one process: largest relative difference {worst:.2e}")
+    assert worst < TOL and got["one"][10] < got["one"][5]
 
 
 @pytest.mark.parametrize("model,src,dst", [("gpt", "cp2", "one"), ("gpt", "one", "cp2"),
