@@ -25,24 +25,19 @@ Writes bench/results/sp_activations_<UTC time>.json and .md.
 Usage (from the repository root):
   /root/.cache/nnstrain/venv/bin/python bench/bench_sp_activations.py --nnstrain build/nnstrain
 """
-import argparse
 import datetime
-import json
-import os
 import pathlib
-import re
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
+from bench_common import (machine_line, parse_args, result_record, run_ranks, startup_tensors_mib,  # noqa: E402
+                          step_record, write_result)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
-RSS = re.compile(r"rank 0: start-up peak host RSS [0-9.]+ MiB, tensors in use ([0-9.]+) MiB")
 SEQ, BATCH, EMBD, LAYERS = 1024, 8, 512, 2
 
 
@@ -55,28 +50,16 @@ def run(binary, tp, sp, data, work):
             "--compute_config.sequence_parallel", "true" if sp else "false"]
     if tp > 1:
         args += ["--compute_config.plan_ngpus", str(tp), "--pas_policy", "tp"]
-    cmd = [binary, *args] if tp == 1 else [binary, "launch", "--nproc-per-node", str(tp), "--", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=1200)
-    if p.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
-    startup = None
-    for log in (run_dir / "logs").glob("*"):
-        m = RSS.search(log.read_text())
-        if m:
-            startup = float(m.group(1))
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    step1 = next(r for r in recs if r.get("step") == 1 and "peak_tensor_mb" in r)
+    run_ranks(binary, tp, args)
+    startup = startup_tensors_mib(run_dir)
+    step1 = step_record(run_dir, 1)
     peak = step1["peak_tensor_mb"]  # MiB (bytes / 2^20); the largest over the ranks
     return {"tp": tp, "sp": sp, "startup_mib": startup, "peak_step1_mib": peak, "activations_mib": peak - startup,
             "held_by_forward_mib": step1["activation_mb"]}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    a = ap.parse_args()
+    a = parse_args(__doc__)
     stamp = datetime.datetime.now(datetime.timezone.utc)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,15 +72,11 @@ def main():
     base = rows[0]["activations_mib"]
     base_held = rows[0]["held_by_forward_mib"]
     per_layer_tensor = SEQ * BATCH * EMBD * 4 / 2**20
-    out = {"date": stamp.isoformat(timespec="seconds"), "device": cpu_model(), "libtorch": libtorch_version(a.nnstrain),
-           "commit": git_commit(), "load": os.getloadavg(), "rows": rows,
-           "model": f"GPT {LAYERS} x {EMBD}, 8 heads, vocab 256, no dropout; micro-batch {BATCH} x {SEQ} tokens; fp32"}
-    name = f"sp_activations_{stamp.strftime('%Y%m%d-%H%M%S')}"
-    pathlib.Path(a.out, name + ".json").write_text(json.dumps(out, indent=1))
+    out = result_record(a.nnstrain, stamp, rows=rows,
+                        model=f"GPT {LAYERS} x {EMBD}, 8 heads, vocab 256, no dropout; micro-batch {BATCH} x {SEQ} "
+                              "tokens; fp32")
     lines = [f"# Activation memory per rank, tensor parallelism with and without sequence parallelism "
-             f"({stamp:%Y-%m-%d %H:%M} UTC)", "",
-             f"- device: {out['device']}; LibTorch {out['libtorch']}; commit {out['commit']}; load averages "
-             f"{', '.join(f'{x:.1f}' for x in out['load'])}",
+             f"({stamp:%Y-%m-%d %H:%M} UTC)", "", machine_line(out),
              f"- model: {out['model']}; Gloo, OMP_NUM_THREADS=1 per rank; one [b, s, h] fp32 tensor = "
              f"{per_layer_tensor:.0f} MiB",
              "- activations = step 1's peak tensor bytes (`peak_tensor_mb`) minus rank 0's tensor bytes in use "
@@ -113,8 +92,7 @@ def main():
                      f"{r['peak_step1_mib']:.0f} MiB | {r['activations_mib']:.0f} MiB | "
                      f"{r['activations_mib'] / base:.2f} | {r['held_by_forward_mib']:.0f} MiB | "
                      f"{r['held_by_forward_mib'] / base_held:.2f} |")
-    pathlib.Path(a.out, name + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(a.out, "sp_activations", stamp, out, lines)
 
 
 if __name__ == "__main__":

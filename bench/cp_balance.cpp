@@ -12,7 +12,6 @@
 //                           [--repeats 3] [--comm p2p|all_gather] [--out bench/results] [--commit SHA]
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -77,10 +76,15 @@ Timing run_cp(const Args& a, CpLayout layout, const at::Tensor& q, const at::Ten
     threads.emplace_back([&, r] {
       try {
         at::set_num_threads(1);
-        auto o = c10d::ProcessGroupGloo::Options::create(std::chrono::minutes(10));
-        o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-        auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, r, a.cp, o);
-        auto comm = parallel::make_cp_comm(pg, std::chrono::minutes(10));
+        dist::DistEnv env;
+        env.rank = r;
+        env.world_size = a.cp;
+        dist::RuntimeOptions ro;
+        ro.cp = a.cp;
+        ro.backend = "gloo";
+        ro.timeout = std::chrono::minutes(10);
+        dist::Runtime rt(env, ro, store);
+        auto comm = parallel::make_cp_comm(rt);
         CpAttentionOptions opt;
         opt.comm_type = models::common::parse_cp_comm_type(a.comm);
         opt.layout = layout;
@@ -88,7 +92,7 @@ Timing run_cp(const Args& a, CpLayout layout, const at::Tensor& q, const at::Ten
         auto gl = shard(g);
         for (int rep = 0; rep <= a.repeats; ++rep) {  // repeat 0 warms up
           auto ql = shard(q).requires_grad_(), kl = shard(k).requires_grad_(), vl = shard(v).requires_grad_();
-          auto barrier = [&] { pg->barrier()->wait(); };
+          auto barrier = [&] { rt.barrier("bench barrier"); };
           barrier();
           const double c0 = thread_cpu_s(), w0 = wall_s();
           auto out = models::common::context_parallel_attention(ql, kl, vl, true, comm, opt);
@@ -100,6 +104,7 @@ Timing run_cp(const Args& a, CpLayout layout, const at::Tensor& q, const at::Ten
           }
           barrier();
         }
+        rt.shutdown();
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }

@@ -10,6 +10,9 @@
 
 namespace nnstrain::data {
 
+// A target not counted in the loss (prompt tokens, padding): PyTorch's ignore_index.
+constexpr int64_t kIgnoreTarget = -100;
+
 struct Batch {
   at::Tensor x, y;  // [B, T] int64; y[b, t] = token after x[b, t], or -100 (not counted in the loss)
   // Document masking only (else undefined), [B, T] int64: each token's position

@@ -541,6 +541,10 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (opts.models.parse) {
     ArgMap args = model.child("args");
     t.model.args = opts.models.parse(t.model.type, args);
+    if (const auto [key, p] = t.model.args->attention_dropout(); p > 0 && t.compute_config.context_parallel_size > 1)
+      args.fail(key, format_double(p) + ": context-parallel attention (compute_config.context_parallel_size " +
+                         std::to_string(t.compute_config.context_parallel_size) +
+                         ") has no attention dropout; set it to 0 or context_parallel_size to 1");
     args.finish();
   } else {
     model_impl->take_raw("args");
@@ -735,7 +739,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                               ": it must be a multiple of " + need + " (" + std::to_string(parts) + ")");
     };
     check(train_args, t.dataset.train_args.seq_len);
-    if (val_args) check(*val_args, t.dataset.val_args->seq_len);
+    // Indexed datasets keep the validation set's length in indexed_val (val_args, token_bin's, is unset).
+    if (val_args) check(*val_args, indexed ? t.dataset.indexed_val->seq_len : t.dataset.val_args->seq_len);
   }
   const int pp = c.pipeline.pp_size;
   if (pp > 1 && c.runtime_ngpus % (c.plan_ngpus * cp * pp) != 0)
@@ -809,6 +814,14 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (k.resume_from == "last" && k.save_dir.empty())
     ck.fail("resume_from", "'last' looks in checkpoint.save_dir, which is not set");
 
+  if (cp > 1 && t.dataset.document_mask())
+    train_args.fail("document_mask", "true is not supported with compute_config.context_parallel_size " +
+                                         std::to_string(cp) +
+                                         " yet (context-parallel attention is causal over the whole sequence); set "
+                                         "document_mask: false or context_parallel_size: 1");
+  if (cp > 1 && c.cuda_graphs)
+    cc.fail("cuda_graphs", "true is not supported with compute_config.context_parallel_size " + std::to_string(cp) +
+                               " yet; set cuda_graphs: false or context_parallel_size: 1");
   if (t.dataset.document_mask() && c.cuda_graphs)
     train_args.fail("document_mask", "a captured CUDA graph reads no per-token positions or masks; set "
                                      "compute_config.cuda_graphs: false or document_mask: false");
@@ -835,10 +848,11 @@ void check_implemented(const TrainerArgs& a) {
   auto reject = [&](const std::string& key, const std::string& what) {
     throw ConfigError(a.config_file + ": " + key + ": " + what + " is not implemented yet");
   };
-  // The context-parallel attention op and its communicator exist
-  // (models/common/context_attention.h); the trainer does not split sequences over ranks yet.
-  if (a.compute_config.context_parallel_size > 1)
-    reject("compute_config.context_parallel_size", "training with context parallelism (size > 1)");
+  // Each works alone and with tp, dp and ZeRO; together they need the pipeline's
+  // stages to exchange every cp rank's slice, which the executor does not do yet.
+  if (a.compute_config.context_parallel_size > 1 && a.compute_config.pipeline.pp_size > 1)
+    reject("compute_config.context_parallel_size",
+           "context parallelism together with pipeline parallelism (compute_config.pas_config.pp_size > 1)");
 }
 
 }  // namespace nnstrain::config

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace nnstrain::config {
@@ -15,6 +16,9 @@ namespace nnstrain::config {
 // Opaque, model-specific arguments (e.g. GptConfig); parsed by the model registry.
 struct ModelConfig {
   virtual ~ModelConfig() = default;
+  // The model.args key of attention-probability dropout and its value ("", 0:
+  // none). Context-parallel attention has no dropout, so cp > 1 refuses it.
+  virtual std::pair<std::string, double> attention_dropout() const { return {"", 0.0}; }
 };
 
 // Offload to host memory (DeepSpeed's offload_optimizer / offload_param):

@@ -49,8 +49,8 @@ class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallel
     const auto sum_exp = stats[1];
     auto softmax = e.div_(sum_exp.unsqueeze(1));
     auto per_token = (sum_exp.log() - stats[0]).masked_fill(valid.logical_not(), 0.0);
-    auto count = valid.sum().to(acc);  // 0 counted -> NaN, as F::cross_entropy
-    ctx->save_for_backward({softmax, local_t, in_range, valid, count});
+    auto count = valid.sum().to(acc);  // 0 counted -> NaN loss, zero gradients, as F::cross_entropy
+    ctx->save_for_backward({softmax, local_t, in_range, valid, count.clamp_min(1)});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     ctx->saved_data["rows"] = logits.size(1);
     return per_token.sum() / count;
@@ -102,7 +102,7 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
       total += torch::where(valid, stats[1].log() - stats[0], torch::zeros_like(l)).sum();
     }
     auto count = targets.ne(ignore_index).sum().to(acc);
-    ctx->save_for_backward({hidden, weight, targets, lse, count});
+    ctx->save_for_backward({hidden, weight, targets, lse, count.clamp_min(1)});  // backward's scale: none counted, zero
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["vocab_start"] = vocab_start;
@@ -204,8 +204,8 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
         if (mm == acc) dst.addmm_(gm.t(), h); else dst.add_(torch::mm(gm.t(), h));  // no fp32 copy of the 16-bit one
       }
     }
-    auto count = targets.ne(ignore_index).sum().to(acc);  // 0 counted -> NaN, as F::cross_entropy
-    const auto inv = count.reciprocal();
+    auto count = targets.ne(ignore_index).sum().to(acc);  // 0 counted -> NaN loss, zero gradients, as F::cross_entropy
+    const auto inv = count.clamp_min(1).reciprocal();
     // Consumed (moved out) by the one backward; kept out of save_for_backward
     // so backward may scale them in place without a second buffer.
     if (need_h) ctx->saved_data["grad_h"] = grad_h.mul_(inv);

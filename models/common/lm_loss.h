@@ -12,7 +12,9 @@ namespace nnstrain::models::common {
 // hidden [N, C], weight [V, C], targets [N] -> mean cross-entropy over N, equal
 // (loss and gradients) to cross_entropy(linear(hidden, weight), targets).
 // Targets equal to ignore_index count neither in the sum nor in the mean, as in
-// F::cross_entropy (all ignored -> NaN, as there). Logits are computed in the
+// F::cross_entropy (all ignored -> a NaN loss and zero gradients, as there, so a
+// caller weighting micro-batches by their token counts can give an all-masked
+// one weight 0). Logits are computed in the
 // dtype autocast (if on) or the inputs give, and reduced in fp32 (fp64 for fp64
 // inputs); the loss is fp32 (fp64 for fp64 inputs). Only the per-token
 // logsumexp is kept for backward: O(N) extra memory instead of O(N x V).

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "models/common/context_attention.h"
 #include "models/common/kernels/kernels.h"
 
 
@@ -34,7 +35,16 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
   auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, head_dim}).transpose(1, 2); };
   const double p = is_training() ? dropout : 0.0;
   torch::Tensor y;
-  {
+  if (ctx.cp_comm) {
+    // This rank's tokens of a sequence split over the cp ranks (no dropout: refused at load).
+    TORCH_CHECK(!mask.defined(), "document masks under context parallelism are not supported");
+    TORCH_CHECK(p == 0, "attention dropout under context parallelism is not supported");
+    common::CpAttentionOptions o;
+    o.comm_type = ctx.cp_comm_type;
+    o.layout = ctx.cp_layout;
+    y = common::context_parallel_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), /*causal=*/true,
+                                           ctx.cp_comm, o);
+  } else {
     // Attention-probability dropout on this rank's heads: a sharded region, so
     // under tp > 1 its masks come from this rank's own generator state.
     auto fork = p > 0 && ctx.rng ? ctx.rng->fork(x.device()) : common::ParallelRng::Fork();
@@ -97,9 +107,14 @@ Gpt::Gpt(const GptConfig& cfg, const common::ShardingContext& ctx) : cfg_(cfg), 
 
 torch::Tensor Gpt::embed(const torch::Tensor& idx, const Documents& docs) {
   const auto T = idx.size(1);
-  TORCH_CHECK(T <= cfg_.block_size, "sequence of ", T, " tokens exceeds block_size ", cfg_.block_size);
+  const int cp = ctx_.cp_comm ? ctx_.cp_comm->size() : 1;
+  TORCH_CHECK(T * cp <= cfg_.block_size, "sequence of ", T * cp, " tokens exceeds block_size ", cfg_.block_size);
   // Packed documents: each token's position within its document ([B, T, C] embeddings).
-  auto pos = docs.defined() ? wpe(docs.positions) : wpe(torch::arange(T, idx.options().dtype(torch::kLong))).unsqueeze(0);
+  // Under context parallelism this rank's tokens' global positions.
+  const auto ids = cp > 1 ? torch::tensor(common::cp_position_ids(T * cp, cp, ctx_.cp_comm->rank(), ctx_.cp_layout),
+                                          idx.options().dtype(torch::kLong))
+                          : torch::arange(T, idx.options().dtype(torch::kLong));
+  auto pos = docs.defined() ? wpe(docs.positions) : wpe(ids).unsqueeze(0);
   // Under sequence parallelism wte gives this rank's tokens; so does the position
   // embedding's entry into the region (its gradient all-gathered back whole).
   const auto positions = common::to_sequence_shard(ctx_, pos, idx.size(0));

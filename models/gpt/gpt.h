@@ -1,5 +1,8 @@
 // nanoGPT's GPT: token + position embeddings, pre-LayerNorm blocks with causal
-// self-attention and a GELU MLP, LM head tied to the token embedding.
+// self-attention and a GELU MLP, LM head tied to the token embedding. Under
+// context parallelism (ShardingContext::cp_comm) a rank holds its tokens of each
+// sequence: attention is context_parallel_attention and the learned position
+// embedding takes the tokens' global positions.
 #pragma once
 
 #include "models/common/layers.h"
@@ -17,6 +20,7 @@ struct GptConfig : config::ModelConfig {
   int64_t n_embd = 768;
   double dropout = 0.0;
   bool bias = true;
+  std::pair<std::string, double> attention_dropout() const override { return {"dropout", dropout}; }
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {

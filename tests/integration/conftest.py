@@ -214,16 +214,19 @@ def _override(overrides, key, default=None):
 
 
 def expected_plan(nproc, overrides):
-    """What the command line asks for: tp, dp, ZeRO stage, ZeRO shard group size, SP, recompute, precision."""
+    """What the command line asks for: tp, cp (and its comm type), dp, ZeRO stage, ZeRO shard group size
+    (a slice of dp x cp), SP, recompute, precision."""
     tp = int(_override(overrides, "--compute_config.plan_ngpus", 1))
     if _override(overrides, "--pas_policy") == "dp":
         tp = 1
+    cp = int(_override(overrides, "--compute_config.context_parallel_size", 1))
     zero = _override(overrides, "--compute_config.use_zero", "0")
     zero = {"true": 1, "false": 0}.get(zero, zero)
-    dp = nproc // (tp * int(_override(overrides, "--compute_config.pas_config.pp_size", 1)))
+    dp = nproc // (tp * cp * int(_override(overrides, "--compute_config.pas_config.pp_size", 1)))
     ngroups = int(_override(overrides, "--compute_config.zero_ngroups", 1))
     precision = _override(overrides, "--precision", "32-true")
-    return {"tp": tp, "dp": dp, "zero": int(zero), "zero_group": dp // ngroups,
+    return {"tp": tp, "cp": cp, "cp_comm": _override(overrides, "--compute_config.cp_comm_type", "p2p"),
+            "dp": dp, "zero": int(zero), "zero_group": dp * cp // ngroups,
             "sp": tp > 1 and _override(overrides, "--compute_config.sequence_parallel", "true") == "true",
             "recompute": _override(overrides, "--model.activation_checkpointing", "false") == "true",
             "precision": _PRECISION_ALIASES.get(precision, precision)}
@@ -236,6 +239,7 @@ def assert_active(run_dir, output, nproc, overrides):
     run_dir = pathlib.Path(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     got = {k: plan[k] for k in ("tp", "dp", "zero")}
+    got["cp"] = plan.get("context", {}).get("cp", 1)
     assert got == {k: want[k] for k in got}, f"plan.json says {got}, the command line asked for {want}"
     if want["recompute"]:
         assert plan["recompute"] and all(plan["recompute"]), f"recompute asked, plan.json: {plan['recompute']}"
@@ -265,8 +269,14 @@ def assert_active(run_dir, output, nproc, overrides):
     train, _ = read_metrics(run_dir / "metrics.jsonl")
     assert train, f"no training records in {run_dir / 'metrics.jsonl'}"
     last = train[-1]
-    if want["dp"] > 1:
-        assert last.get("dp_comm_mb_per_step", 0) > 0, f"dp {want['dp']}: no gradient traffic: {last}"
+    if want["dp"] * want["cp"] > 1:  # gradients are reduced over dp x cp
+        assert last.get("dp_comm_mb_per_step", 0) > 0, f"dp {want['dp']} x cp {want['cp']}: no gradient traffic: {last}"
+    if want["cp"] > 1:
+        # The ring (p2p) or the K/V gather (all_gather) ran on the context-parallel group.
+        ops = last.get("cp_collectives_per_step")
+        assert ops and last["cp_comm_mb_per_step"] > 0, f"cp {want['cp']}: no context-parallel traffic: {last}"
+        kind = "send_recv" if want["cp_comm"] == "p2p" else "all_gather"
+        assert ops[kind] > 0, f"cp_comm_type {want['cp_comm']}: no {kind} on the cp group: {ops}"
     if want["tp"] > 1:
         ops = last.get("tp_collectives_per_step")
         assert ops and last["tp_comm_mb_per_step"] > 0, f"tp {want['tp']}: no tensor-parallel traffic: {last}"
@@ -277,6 +287,19 @@ def assert_active(run_dir, output, nproc, overrides):
             assert ops["reduce_scatter"] == 0 and ops["all_reduce"] > 0, f"sequence parallelism off: {ops}"
     assert_precision(output, want["precision"])
     return want
+
+
+def run_ranks(ranks, run_dir, args, overrides):
+    """nnstrain `args` (which include `overrides`) on `ranks` processes, through `nnstrain launch`
+    when > 1; asserts it exits 0 and ran the plan `overrides` ask for (assert_active). Returns
+    {step: (loss, grad_norm)} of its metrics.jsonl."""
+    binary = nnstrain_bin_path()
+    cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}"
+    assert_active(run_dir, p.stdout + p.stderr, ranks, overrides)  # the plan compared really ran
+    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}
 
 
 def assert_precision(output, precision):

@@ -1,10 +1,10 @@
-"""Context parallelism's configuration (issue 22): what the trainer and `nnstrain
-plan` do with compute_config.context_parallel_size today. The attention op and
-its tests live in tests/unit/test_context_attention.cpp; the trainer does not
-split sequences over ranks yet, so cp > 1 exits 2 with a message naming the key:
-a sequence cp cannot split names seq_len and the degree, one it can split says
-training with cp is not implemented yet; `nnstrain plan` plans it (the cost
-model's context-parallel terms)."""
+"""Context parallelism's configuration (issue 22): what cp > 1 refuses, each with
+exit status 2 and a message naming the keys: a sequence cp cannot split (seq_len
+and the degree), a degree that does not divide the ranks, the combinations not
+supported yet (a dataset document_mask, CUDA graphs, GPT's attention dropout);
+and `nnstrain plan`, which plans a configured cp (the cost model's
+context-parallel terms). Training under cp: test_context_parallel.py; the
+attention op: tests/unit/test_context_attention.cpp."""
 import json
 import subprocess
 
@@ -26,12 +26,13 @@ def test_a_sequence_cp_cannot_split_exits_2_naming_the_keys(tmp_path, tiny_token
     assert code == 2, out
     assert ("dataset.train_args.seq_len" in out and "36 does not split over compute_config.context_parallel_size 4"
             in out and "multiple of 2 x context_parallel_size (8)" in out), out
-    # Contiguous layout: a multiple of cp suffices, so 36 splits over 4 and the run stops at the next check.
+    # Contiguous layout: a multiple of cp suffices, so 36 splits over 4 and the run stops at the next
+    # check: one process launched where cp 4 needs a multiple of 4.
     code, out = nnstrain("--compute_config.runtime_ngpus", "4", "--compute_config.context_parallel_size", "4",
                          "--compute_config.cp_load_balance", "none", "--vars.seq_len", "36", tmp_path=tmp_path,
                          data=tiny_tokens)
     assert code == 2 and "seq_len" not in out, out
-    assert "compute_config.context_parallel_size: training with context parallelism" in out, out
+    assert "compute_config.context_parallel_size 4 does not divide the 1 processes launched" in out, out
 
 
 def test_cp_that_does_not_divide_the_ranks_exits_2(tmp_path, tiny_tokens):
@@ -56,3 +57,34 @@ def test_plan_plans_the_configured_cp(tmp_path, tiny_tokens):
     code, out = nnstrain("plan", "--runtime-ngpus", "4", "--compute_config.context_parallel_size", "2",
                          tmp_path=tmp_path, data=tiny_tokens)
     assert code == 0 and "context parallel: each sequence over 2 ranks (p2p ring, zigzag chunks)" in out, out
+
+
+def test_what_cp_does_not_support_yet_exits_2_naming_the_keys(tmp_path, tiny_tokens):
+    cp2 = ("--compute_config.runtime_ngpus", "2", "--compute_config.context_parallel_size", "2")
+    code, out = nnstrain(*cp2, "--model.args.dropout", "0.1", tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 2, out
+    assert "model.args.dropout" in out and "context-parallel attention" in out and "has no attention dropout" in out, out
+    code, out = nnstrain(*cp2, "--compute_config.cuda_graphs", "true", tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 2, out
+    assert "compute_config.cuda_graphs" in out and "context_parallel_size 2" in out, out
+    assert "Traceback" not in out and "frame #" not in out, out
+
+
+def test_document_mask_under_cp_exits_2_naming_the_keys(tmp_path):
+    """configs/tiny_gpt_indexed.yaml with document_mask: true under cp 2: refused before its
+    files (which do not exist here) are read."""
+    cmd = [nnstrain_bin_path(), "--config", str(CONFIGS / "tiny_gpt_indexed.yaml"), "--run_dir", str(tmp_path / "run"),
+           "--vars.instruct", str(tmp_path / "none"), "--vars.corpus", str(tmp_path / "none"),
+           "--dataset.train_args.document_mask", "true", "--compute_config.runtime_ngpus", "2",
+           "--compute_config.context_parallel_size", "2"]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "dataset.train_args.document_mask" in out and "context_parallel_size 2" in out, out
+
+
+def test_cp_with_pipeline_stages_exits_2_naming_the_keys(tmp_path, tiny_tokens):
+    code, out = nnstrain("--compute_config.runtime_ngpus", "4", "--compute_config.context_parallel_size", "2",
+                         "--compute_config.pas_config.pp_size", "2", tmp_path=tmp_path, data=tiny_tokens)
+    assert code == 2, out
+    assert "compute_config.context_parallel_size" in out and "pp_size" in out and "not implemented yet" in out, out

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import (CONFIGS, SOURCE, assert_active, device_args, nnstrain_bin_path, read_metrics,
+from conftest import (CONFIGS, SOURCE, assert_active, device_args, nnstrain_bin_path, read_metrics, run_ranks,
                       single_process_env, write_token_file)
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
@@ -28,13 +28,7 @@ def run(ranks, run_dir, data, *overrides, resume=None, save_dir=None):
         args += ["--checkpoint.save_dir", str(save_dir), "--checkpoint.every_n_train_steps", "5"]
     if resume:
         args += ["--resume", str(resume)]
-    binary = nnstrain_bin_path()
-    cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
-    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}"
-    assert_active(run_dir, p.stdout + p.stderr, ranks, overrides)  # the plan compared really ran
-    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}
+    return run_ranks(ranks, run_dir, args, overrides)
 
 
 PLANS = {  # name: (ranks, overrides)

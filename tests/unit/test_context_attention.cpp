@@ -7,7 +7,6 @@
 #include <catch2/catch.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
 #include <atomic>
@@ -33,7 +32,8 @@ namespace {
 constexpr double kTol = 2e-6;
 constexpr auto kTimeout = std::chrono::milliseconds(30000);
 
-// Runs fn(rank, comm) on cp threads; returns each rank's error ("" if none).
+// Runs fn(rank, comm) on cp threads, each rank a dist::Runtime of cp ranks
+// (Gloo) over one in-memory store; returns each rank's error ("" if none).
 std::vector<std::string> on_ranks(int cp, const std::function<void(int, c10::intrusive_ptr<models::common::CpComm>)>& fn) {
   static std::atomic<int> job{0};
   auto store = c10::make_intrusive<c10d::PrefixStore>("cp" + std::to_string(job++),
@@ -43,10 +43,16 @@ std::vector<std::string> on_ranks(int cp, const std::function<void(int, c10::int
   for (int r = 0; r < cp; ++r)
     threads.emplace_back([&, r] {
       try {
-        auto o = c10d::ProcessGroupGloo::Options::create(kTimeout);
-        o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-        auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, r, cp, o);
-        fn(r, parallel::make_cp_comm(pg, kTimeout));
+        dist::DistEnv env;
+        env.rank = r;
+        env.world_size = cp;
+        dist::RuntimeOptions ro;
+        ro.cp = cp;
+        ro.backend = "gloo";
+        ro.timeout = kTimeout;
+        dist::Runtime rt(env, ro, store);
+        fn(r, parallel::make_cp_comm(rt));
+        rt.shutdown();
       } catch (const std::exception& e) {
         errors[r] = e.what();
         if (errors[r].empty()) errors[r] = "(empty error)";
@@ -254,7 +260,7 @@ TEST_CASE("ranks are laid out tensor-parallel innermost, then context-parallel, 
         cp[r] = rt.cp.ranks;
         dp[r] = rt.dp.ranks;
         // The ring runs over the context-parallel group: each rank gets its cp predecessor's value.
-        auto comm = parallel::make_cp_comm(rt.cp.backend, kTimeout);
+        auto comm = parallel::make_cp_comm(rt);
         received[r] = comm->ring_shift_start(at::full({1}, float(r)), 0)()[0].item<float>();
         rt.shutdown();
       } catch (const std::exception& e) {

@@ -17,6 +17,7 @@
 #include "models/common/lm_loss.h"
 #include "models/llama/llama.h"
 #include "trainer/checkpoint/tensor_io.h"
+#include "trainer/train/metrics.h"
 #include "base/config/load.h"
 
 using nnstrain::models::SplitStyle;
@@ -206,6 +207,11 @@ TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention, and di
     if (!tied) matmul -= 96.0 * 32;  // the untied embedding is a lookup, not a matmul
     const int64_t T = 50;
     CHECK(m.flops_per_token(T) == Approx(6 * matmul + 12.0 * 2 * 32 * T));
+    // MFU both ways: counting causal attention's masked half (12 L d T per token, the
+    // convention above), and only the unmasked half (6 L d T).
+    const auto mfu = nnstrain::train::model_flops_utilization(m.flops_per_token(T), m.flops_per_token(0), 1000.0, 1e9);
+    CHECK(mfu.counted == Approx((6 * matmul + 12.0 * 2 * 32 * T) * 1000.0 / 1e9));
+    CHECK(mfu.unmasked == Approx((6 * matmul + 6.0 * 2 * 32 * T) * 1000.0 / 1e9));
     const auto d = m.dims();
     CHECK(d.hidden == 32);
     CHECK(d.heads == 4);

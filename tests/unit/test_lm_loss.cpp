@@ -91,6 +91,29 @@ TEST_CASE("chunked cross-entropy: scaled upstream gradient, frozen weight, all i
   CHECK_THROWS_WITH(chunked_linear_cross_entropy(h0, w.t(), t, 4), Catch::Contains("weight [V, C]"));
 }
 
+TEST_CASE("an all-ignored batch: NaN loss but zero gradients, plain, chunked and fused (token-weighted steps)", "[loss]") {
+  // The trainer weights each micro-batch's mean by its target count
+  // (where(count > 0, loss, 0) x count): an all-masked one must add nothing, not NaN.
+  torch::manual_seed(2);
+  const auto h0 = torch::randn({10, 8}), w0 = torch::randn({30, 8});
+  const auto none = torch::full({10}, -100, torch::kLong);
+  for (int kind = 0; kind < 3; ++kind) {
+    INFO("kind " << kind << " (0 plain, 1 chunked, 2 fused)");
+    auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    auto loss = kind == 0   ? F::cross_entropy(F::linear(h, w), none)
+                : kind == 1 ? chunked_linear_cross_entropy(h, w, none, 4)
+                            : fused_linear_cross_entropy(h, w, none, 4);
+    CHECK(std::isnan(loss.item<double>()));
+    const auto count = none.ne(-100).sum().to(torch::kFloat);
+    auto weighted = torch::where(count.gt(0), loss, torch::zeros_like(loss)) * count;
+    CHECK(weighted.item<double>() == 0.0);
+    weighted.backward();
+    CHECK(torch::isfinite(h.grad()).all().item<bool>());
+    CHECK(h.grad().abs().max().item<double>() == 0.0);
+    CHECK(w.grad().abs().max().item<double>() == 0.0);
+  }
+}
+
 TEST_CASE("LmHead::loss with a chunk size matches the plain LmHead::loss", "[loss]") {
   torch::manual_seed(2);
   const auto hidden = torch::randn({2, 9, 16}), w = torch::randn({50, 16});

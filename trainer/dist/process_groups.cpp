@@ -127,23 +127,34 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   };
   cp = along("cp", true, cp_size, pp_size);
   pp = along("pp", false, pp_size, cp_size);
-  const int zn = opts.zero_ngroups, zsize = dp_size / zn;
+  // Parameters are replicated over dp x cp (a stage's, under pp): its members at
+  // this pp and tp index, e = dp index x cp + cp index. ZeRO groups are slices of
+  // it; at cp 1 it is dp and every name is as before cp.
+  const int dpcp = dp_size * cp_size, zn = opts.zero_ngroups, zsize = dpcp / zn;
+  auto member = [&](int e, int p, int t) { return rank_of(e / cp_size, p, e % cp_size, t); };
+  auto suffix_pt = [&](int p, int t) { return (pp_size > 1 ? std::to_string(p) + "_" : std::string()) + std::to_string(t); };
   for (int p = 0; p < pp_size; ++p)
-    for (int c = 0; c < cp_size; ++c)
-      for (int t = 0; t < tp_size; ++t) {
-        for (int gi = 0; gi < zn; ++gi) {
-          std::vector<int> ranks;
-          for (int z = 0; z < zsize; ++z) ranks.push_back(rank_of(gi * zsize + z, p, c, t));
-          auto g = make_group("zero" + suffix(p, c, t) + "_" + std::to_string(gi), ranks, false);
-          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
-        }
-        for (int z = 0; z < zsize; ++z) {
-          std::vector<int> ranks;
-          for (int gi = 0; gi < zn; ++gi) ranks.push_back(rank_of(gi * zsize + z, p, c, t));
-          auto g = make_group("zerox" + suffix(p, c, t) + "_" + std::to_string(z), ranks, false);
-          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
-        }
+    for (int t = 0; t < tp_size; ++t) {
+      if (cp_size > 1) {
+        std::vector<int> ranks;
+        for (int e = 0; e < dpcp; ++e) ranks.push_back(member(e, p, t));
+        auto g = make_group("dpcp" + suffix_pt(p, t), ranks, false);
+        if (my_p == p && my_t == t) dp_cp = g;
       }
+      for (int gi = 0; gi < zn; ++gi) {
+        std::vector<int> ranks;
+        for (int z = 0; z < zsize; ++z) ranks.push_back(member(gi * zsize + z, p, t));
+        auto g = make_group("zero" + suffix_pt(p, t) + "_" + std::to_string(gi), ranks, false);
+        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero = g;
+      }
+      for (int z = 0; z < zsize; ++z) {
+        std::vector<int> ranks;
+        for (int gi = 0; gi < zn; ++gi) ranks.push_back(member(gi * zsize + z, p, t));
+        auto g = make_group("zerox" + suffix_pt(p, t) + "_" + std::to_string(z), ranks, false);
+        if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) zero_cross = g;
+      }
+    }
+  if (cp_size == 1) dp_cp = dp;
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
   if (backend_name_ == "nccl") {
     // The monitor queries CUDA events: on this rank's device, so that it never
@@ -441,6 +452,25 @@ c10::intrusive_ptr<c10d::Work> Runtime::send_async(Group& g, at::Tensor t, int p
 c10::intrusive_ptr<c10d::Work> Runtime::recv_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
   std::vector<at::Tensor> v{std::move(t)};
   return issue(g, what, [&] { return g.backend->recv(v, peer, tag); });
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> Runtime::ring_shift_async(Group& g, at::Tensor send, at::Tensor recv,
+                                                                       int tag, const char* what) {
+  ++g.traffic.send_recv;
+  g.traffic.bytes += static_cast<int64_t>(send.nbytes());
+  const int next = (g.rank + 1) % g.size(), prev = (g.rank + g.size() - 1) % g.size();
+  std::vector<at::Tensor> s{std::move(send)}, r{std::move(recv)};
+  if (g.backend->supportsCoalescing()) {
+    // NCCL: one group, as batch_isend_irecv, so two ranks sending to each other never wait on one another.
+    return {issue(g, what, [&] {
+      g.backend->startCoalescing();
+      g.backend->send(s, next, tag);
+      g.backend->recv(r, prev, tag);
+      return g.backend->endCoalescing();
+    })};
+  }
+  auto sent = issue(g, what, [&] { return g.backend->send(s, next, tag); });
+  return {issue(g, what, [&] { return g.backend->recv(r, prev, tag); }), sent};
 }
 
 void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {

@@ -43,15 +43,16 @@ struct CollectiveError : std::runtime_error {
 // actually communicated (metrics.jsonl's tp_* fields, the parity tests).
 struct Traffic {
   int64_t all_reduce = 0, all_gather = 0, reduce_scatter = 0;
+  int64_t send_recv = 0;  // ring steps (context parallelism): one send and one receive each
   int64_t bytes = 0;
   int64_t sends = 0;  // point to point (pipeline stages); their bytes are in `bytes`
   Traffic operator-(const Traffic& o) const {
-    return {all_reduce - o.all_reduce, all_gather - o.all_gather, reduce_scatter - o.reduce_scatter, bytes - o.bytes,
-            sends - o.sends};
+    return {all_reduce - o.all_reduce, all_gather - o.all_gather, reduce_scatter - o.reduce_scatter,
+            send_recv - o.send_recv, bytes - o.bytes, sends - o.sends};
   }
   Traffic& operator+=(const Traffic& o) {
-    all_reduce += o.all_reduce, all_gather += o.all_gather, reduce_scatter += o.reduce_scatter, bytes += o.bytes;
-    sends += o.sends;
+    all_reduce += o.all_reduce, all_gather += o.all_gather, reduce_scatter += o.reduce_scatter;
+    send_recv += o.send_recv, bytes += o.bytes, sends += o.sends;
     return *this;
   }
 };
@@ -106,8 +107,12 @@ class Runtime {
   // tensor-parallel ranks innermost, then context-parallel, then pipeline, then
   // data-parallel. `cp` holds the ranks that split one sequence, `pp` the
   // pipeline's ranks in stage order (each one rank, no backend, at size 1).
-  Group world, dp, tp, cp, pp;
-  Group zero;        // ZeRO shard group: a slice of dp of size dp / zero_ngroups
+  // `dp` holds the ranks at this cp, pp and tp index (different samples, the
+  // same tokens of them); `dp_cp` those at this pp and tp index: parameters are
+  // replicated over it, so gradients are reduced (and ZeRO shards) over dp x cp.
+  // At cp 1 dp_cp is dp.
+  Group world, dp, tp, cp, pp, dp_cp;
+  Group zero;        // ZeRO shard group: a slice of dp_cp of size dp x cp / zero_ngroups
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement
 
@@ -118,6 +123,12 @@ class Runtime {
   c10::intrusive_ptr<c10d::Work> all_reduce_async(Group& g, at::Tensor t, const char* what);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
   c10::intrusive_ptr<c10d::Work> all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
+  // One ring step on `g`: `send` to the next rank of the group (rank + 1 mod
+  // size) and `recv` (same shape) from the previous one, `tag` keeping
+  // concurrent steps apart. Wait on every work returned (one batched NCCL
+  // group, or Gloo's send and receive).
+  std::vector<c10::intrusive_ptr<c10d::Work>> ring_shift_async(Group& g, at::Tensor send, at::Tensor recv, int tag,
+                                                               const char* what);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what);
   // Point to point within `g` (pipeline transfers): `peer` is an index into
   // g.ranks; sender and receiver name the same tag.

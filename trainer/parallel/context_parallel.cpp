@@ -2,94 +2,77 @@
 
 #include <torch/torch.h>
 
-#include <stdexcept>
+#include <cstdlib>
+#include <csignal>
 #include <string>
 
 namespace nnstrain::parallel {
 
 namespace {
 
-class BackendCpComm : public models::common::CpComm {
+// Test-only: NNSTRAIN_TEST_KILL_IN_RING=N:RANK kills global rank RANK with
+// SIGKILL as it enters its N-th ring step (1-based), before sending: a rank
+// lost inside a ring step (tests/integration/test_context_parallel.py).
+void maybe_die_in_ring(int global_rank) {
+  static const std::string at = [] {
+    const char* e = std::getenv("NNSTRAIN_TEST_KILL_IN_RING");
+    return std::string(e ? e : "");
+  }();
+  if (at.empty()) return;
+  static int64_t steps = 0;
+  const auto colon = at.find(':');
+  if (++steps == std::stoll(at.substr(0, colon)) && std::stoi(at.substr(colon + 1)) == global_rank)
+    std::raise(SIGKILL);
+}
+
+class RuntimeCpComm : public models::common::CpComm {
  public:
-  BackendCpComm(c10::intrusive_ptr<c10d::Backend> b, std::chrono::milliseconds timeout)
-      : b_(std::move(b)), timeout_(timeout) {}
-  int size() const override { return b_ ? b_->getSize() : 1; }
-  int rank() const override { return b_ ? b_->getRank() : 0; }
+  explicit RuntimeCpComm(dist::Runtime& rt) : rt_(rt) {}
+  int size() const override { return rt_.cp.size(); }
+  int rank() const override { return rt_.cp.rank; }
 
   Pending ring_shift_start(const at::Tensor& t, int channel) override {
     static const char* what = "context-parallel ring send/recv";
     auto in = t.contiguous();
     if (size() == 1) return [in] { return in; };
+    maybe_die_in_ring(rt_.rank());
     auto out = at::empty_like(in);
-    const int next = (rank() + 1) % size(), prev = (rank() + size() - 1) % size();
-    std::vector<at::Tensor> send{in}, recv{out};
-    c10::intrusive_ptr<c10d::Work> sent, received, both;
-    guard(what, [&] {
-      const bool batch = b_->supportsCoalescing();  // NCCL: one group, as batch_isend_irecv
-      if (batch) b_->startCoalescing();
-      sent = b_->send(send, next, channel);
-      received = b_->recv(recv, prev, channel);
-      if (batch) both = b_->endCoalescing();
-    });
-    return [this, sent, received, both, in, out] {  // `in` lives until it is sent
-      guard(what, [&] {
-        if (both) {
-          wait(both);
-        } else {
-          wait(received);
-          wait(sent);
-        }
-      });
+    auto works = rt_.ring_shift_async(rt_.cp, in, out, channel, what);
+    return [this, works, in, out] {  // `in` lives until it is sent
+      for (const auto& w : works) rt_.wait(w, rt_.cp, what);
       return out;
     };
   }
 
   at::Tensor all_gather(const at::Tensor& t) override {
+    static const char* what = "context-parallel all-gather";
     auto in = t.contiguous();
     if (size() == 1) return in.unsqueeze(0);
     auto shape = in.sizes().vec();
     shape.insert(shape.begin(), size());
     auto out = at::empty(shape, in.options());
-    // Gloo takes flat buffers: [cp x n] out of [n] in.
-    auto flat_out = out.view({-1}), flat_in = in.view({-1});
-    guard("context-parallel all-gather", [&] { wait(b_->_allgather_base(flat_out, flat_in)); });
+    rt_.wait(rt_.all_gather_async(rt_.cp, out.view({-1}), in.view({-1}), what), rt_.cp, what);
     return out;
   }
 
   at::Tensor reduce_scatter(const at::Tensor& t) override {
+    static const char* what = "context-parallel reduce-scatter";
     TORCH_CHECK(t.dim() >= 1 && t.size(0) == size(), "reduce_scatter: expected [cp, ...], got ", t.sizes());
     auto in = t.contiguous();
     if (size() == 1) return in[0];
     auto out = at::empty(in.sizes().slice(1), in.options());
-    auto flat_out = out.view({-1}), flat_in = in.view({-1});
-    guard("context-parallel reduce-scatter", [&] { wait(b_->_reduce_scatter_base(flat_out, flat_in)); });
+    rt_.wait(rt_.reduce_scatter_async(rt_.cp, out.view({-1}), in.view({-1}), what), rt_.cp, what);
     return out;
   }
 
  private:
-  void wait(const c10::intrusive_ptr<c10d::Work>& w) {
-    if (b_->getBackendName() == "nccl") w->wait();  // the current stream waits; the host goes on
-    else w->wait(timeout_);
-  }
-  template <typename F>
-  void guard(const char* what, F&& f) {
-    try {
-      f();
-    } catch (const c10::Error& e) {
-      throw std::runtime_error(std::string(what) + " on rank " + std::to_string(rank()) + " of " +
-                               std::to_string(size()) + " failed: " + e.what_without_backtrace());
-    }
-  }
-
-  c10::intrusive_ptr<c10d::Backend> b_;
-  std::chrono::milliseconds timeout_;
+  dist::Runtime& rt_;
 };
 
 }  // namespace
 
-c10::intrusive_ptr<models::common::CpComm> make_cp_comm(c10::intrusive_ptr<c10d::Backend> backend,
-                                                        std::chrono::milliseconds timeout) {
-  return c10::make_intrusive<BackendCpComm>(std::move(backend), timeout);
+c10::intrusive_ptr<models::common::CpComm> make_cp_comm(dist::Runtime& rt) {
+  return c10::make_intrusive<RuntimeCpComm>(rt);
 }
 
 }  // namespace nnstrain::parallel

@@ -1,21 +1,17 @@
 // Context parallelism's communicator: the CpComm (models/common/sharding.h)
 // that context-parallel attention (models/common/context_attention.h) calls,
-// over the c10d backend of the context-parallel group: Gloo on CPU, NCCL on
-// CUDA (each ring step's send and receive batched into one NCCL group, so two
-// ranks sending to each other at cp 2 never wait on one another).
+// over the Runtime's context-parallel group (Gloo on CPU, NCCL on CUDA), so
+// that its ring steps and gathers are counted, watched and diagnosed as every
+// other collective of the run: a peer that dies inside a ring step ends this
+// rank within compute_config.collective_timeout_s, naming the collective.
 #pragma once
 
-#include <chrono>
-
 #include "models/common/sharding.h"
-
-#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include "trainer/dist/process_groups.h"
 
 namespace nnstrain::parallel {
 
-// Over `backend` (its rank and size are the group's); null: a group of one.
-// Failures and waits longer than `timeout` throw, naming the operation.
-c10::intrusive_ptr<models::common::CpComm> make_cp_comm(c10::intrusive_ptr<c10d::Backend> backend,
-                                                        std::chrono::milliseconds timeout);
+// Over rt.cp (rt outlives the result); at cp 1 its ops return their input.
+c10::intrusive_ptr<models::common::CpComm> make_cp_comm(dist::Runtime& rt);
 
 }  // namespace nnstrain::parallel

@@ -11,7 +11,7 @@ namespace nnstrain::parallel {
 
 GradientReducer::GradientReducer(TrainingState& state, dist::Runtime* rt, int blocks, int prefetch)
     : state_(state), rt_(rt), stage_(state.options().zero_stage) {
-  if (rt_) dp_ = rt_->dp.size();
+  if (rt_) dp_ = rt_->dp_cp.size();
   progress_.resize(state_.layout().buckets.size());
   if (stage_ == 3) units_ = std::make_shared<ParameterUnits>(state_, rt_, blocks, prefetch);
   // After a parameter's gradient is accumulated: into its slot (fp32 under
@@ -76,7 +76,7 @@ void GradientReducer::launch(size_t i) {
       auto out = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
       p.work = rt_->reduce_scatter_async(rt_->zero, out, in, "gradient reduce-scatter");
     } else {
-      p.work = rt_->all_reduce_async(rt_->dp, in, "gradient all-reduce");
+      p.work = rt_->all_reduce_async(rt_->dp_cp, in, "gradient all-reduce");
     }
     poll_offloaded();
     return;
@@ -129,7 +129,7 @@ void GradientReducer::drain() {
     in_flight_.clear();
     accumulated_ = true;
   } else {
-    for (auto& p : progress_) rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp, "gradient reduction");
+    for (auto& p : progress_) rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp_cp, "gradient reduction");
   }
   reducing_ = false;
 }
@@ -169,7 +169,7 @@ void GradientReducer::poll_offloaded() {
   for (size_t j = 0; j < n; ++j) {
     auto& p = progress_[j];
     if (state_.gradient_sent(j) || !p.work || !p.work->isCompleted()) continue;
-    rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp, "gradient reduction");
+    rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp_cp, "gradient reduction");
     send_offloaded(j);
   }
 }

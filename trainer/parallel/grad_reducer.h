@@ -1,4 +1,5 @@
-// Gradient reduction over the data-parallel group, for a TrainingState. Each
+// Gradient reduction over the ranks a parameter is replicated on, dp x cp
+// (Runtime::dp_cp; the data-parallel group at cp 1), for a TrainingState. Each
 // bucket's reduction is launched from an autograd hook the moment its last
 // gradient is accumulated, so communication overlaps the rest of backward.
 //
@@ -56,7 +57,7 @@ class GradientReducer {
   // Before each micro-step's forward: whether it is the last of the step.
   void begin_micro_step(bool last);
   // After the last backward: waits for every bucket; the reduced gradients are
-  // then averaged over dp (ZeRO: this rank's chunk of them).
+  // then averaged over dp x cp (ZeRO: this rank's chunk of them).
   void finish_gradients();
   // After the optimizer step (or a checkpoint load), stages 1 and 2: every
   // rank's updated chunks all-gathered into the parameters.
@@ -94,7 +95,7 @@ class GradientReducer {
   void poll_offloaded();         // stages 0, 1: those whose reduction completed sent now
   void send_offloaded(size_t b); // bucket b's reduced gradient to the host (if offloaded)
   // Whether the dp, ZeRO and cross-ZeRO groups have anyone to talk to.
-  bool dp_live() const { return rt_ && rt_->dp.backend; }
+  bool dp_live() const { return rt_ && rt_->dp_cp.backend; }
   bool zero_live() const { return rt_ && rt_->zero.backend; }
   bool cross_live() const { return rt_ && rt_->zero_cross.backend; }
 

@@ -64,7 +64,7 @@ models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t voca
     ctx.comm = make_tp_comm(*rt);
     ctx.sequence_parallel = sequence_parallel;
     ctx.rng = std::make_shared<models::common::ParallelRng>(
-        models::common::parallel_rng_seed(seed, rt->dp.rank, rt->tp.rank));
+        models::common::parallel_rng_seed(seed, rt->dp_cp.rank, rt->tp.rank));
   }
   return ctx;
 }
@@ -73,8 +73,8 @@ std::vector<ParamShard> tensor_parallel_shards(models::CausalLM& model, dist::Ru
   const int tp = rt ? rt->tp.size() : 1;
   std::vector<int> all(world_size);
   for (int r = 0; r < world_size; ++r) all[r] = r;
-  // Ranks at my tensor-parallel position hold the same pieces as I do.
-  std::vector<int> same_pos = rt ? rt->dp.ranks : all;
+  // Ranks at my tensor-parallel position hold the same pieces as I do (over dp x cp).
+  std::vector<int> same_pos = rt ? rt->dp_cp.ranks : all;
   std::sort(same_pos.begin(), same_pos.end());
 
   const auto layouts = model.param_layouts();

@@ -23,14 +23,14 @@ c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt);
 // This rank's context: tp degree and position from rt (tp 1 without one),
 // parameters built on the meta device, to be materialised on the run's device;
 // the vocabulary padded to a multiple of vocab_multiple x tp; under tp > 1 a
-// model-parallel RNG for sharded regions, seeded from (seed, dp rank, tp rank).
+// model-parallel RNG for sharded regions, seeded from (seed, dp x cp rank, tp rank).
 // Sequence parallelism with it when `sequence_parallel`.
 models::common::ShardingContext sharding_context(dist::Runtime* rt, int64_t vocab_multiple = 1, uint64_t seed = 0,
                                                  bool sequence_parallel = false);
 
 // Every parameter as this rank holds it, with its ShardSpec from its layer's
 // layout; the replicas of a split piece are the ranks at the same
-// tensor-parallel position (the dp group), of a replicated one every rank.
+// tensor-parallel position (the dp x cp group), of a replicated one every rank.
 std::vector<ParamShard> tensor_parallel_shards(models::CausalLM& model, dist::Runtime* rt, int world_size);
 
 }  // namespace nnstrain::parallel

@@ -19,6 +19,11 @@
 
 namespace nnstrain::train {
 
+Mfu model_flops_utilization(double flops_at_seq, double flops_at_zero, double tokens_per_s, double peak_flops) {
+  const double per_flop = tokens_per_s / peak_flops;
+  return {flops_at_seq * per_flop, (flops_at_seq - (flops_at_seq - flops_at_zero) / 2) * per_flop};
+}
+
 namespace {
 // CUDA: the allocator's peaks read just before each reset_step_peak, per
 // device, so the whole run's peak survives the resets.

@@ -29,6 +29,17 @@ int64_t peak_host_rss_bytes();
 // mallinfo2, if it is not installed). Differences of it measure what a phase holds.
 int64_t memory_in_use_bytes(const c10::Device& device);
 
+// Model FLOPs utilisation two ways for causal attention (docs/observability.md):
+// `counted` counts attention's masked half as work (the models' flops_per_token,
+// nnScaler's and torchtitan's convention), `unmasked` only the half computed.
+// flops_at_seq, flops_at_zero: the model's flops_per_token at the run's sequence
+// length and at 0 (its attention term is linear in the length); peak_flops: of
+// every rank together.
+struct Mfu {
+  double counted = 0, unmasked = 0;
+};
+Mfu model_flops_utilization(double flops_at_seq, double flops_at_zero, double tokens_per_s, double peak_flops);
+
 // One JSON object per line, flushed every write (a crash loses nothing logged).
 class JsonlSink {
  public:

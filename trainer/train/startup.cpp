@@ -10,6 +10,8 @@
 #include "base/config/arg_map.h"
 #include "trainer/dist/device.h"
 #include "trainer/parallel/pipeline_runtime.h"
+#include "models/common/context_attention.h"
+#include "trainer/parallel/context_parallel.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "base/log.h"
@@ -197,8 +199,13 @@ std::shared_ptr<models::CausalLM> describe_model(const config::TrainerArgs& args
 
 LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Plan& plan, dist::Runtime* rt,
                              const torch::Device& device, int64_t vocab) {
-  const auto ctx = parallel::sharding_context(rt, args.model.make_vocab_size_divisible_by, args.seed,
-                                              args.compute_config.sequence_parallel);
+  auto ctx = parallel::sharding_context(rt, args.model.make_vocab_size_divisible_by, args.seed,
+                                        args.compute_config.sequence_parallel);
+  if (plan.context.cp > 1) {  // each rank holds its slice of every sequence (trainer.cpp cuts the batches)
+    ctx.cp_comm = parallel::make_cp_comm(*rt);
+    ctx.cp_comm_type = models::common::parse_cp_comm_type(plan.context.comm_type);
+    ctx.cp_layout = models::common::parse_cp_layout(plan.context.load_balance);
+  }
   const int64_t padded = ctx.padded_vocab(vocab);
   if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
     throw config::ConfigError("model.make_vocab_size_divisible_by " + std::to_string(args.model.make_vocab_size_divisible_by) +
@@ -247,6 +254,11 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
                                 (env.world_size == 1 ? "" : "s"));
     parallel::pipeline_plan(pipe, args.grad_accumulation_steps, model.num_layers());
   }
+  const int cp = args.compute_config.context_parallel_size;
+  if (env.world_size % cp != 0)  // a one-process launch is not refused at load
+    throw config::ConfigError("compute_config.context_parallel_size " + std::to_string(cp) +
+                              " does not divide the " + std::to_string(env.world_size) +
+                              " processes launched (world size)");
   parallel::PlanRequest req;
   req.args = &args;
   req.model = &model;
@@ -268,6 +280,7 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   o.one_rank_backend = env.world_size == 1;
   o.tp = a.plan.tp;
   o.pp = a.plan.pipeline.pp;
+  o.cp = a.plan.context.cp;
   o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
   o.backend = args.compute_config.backend;
   o.cuda = device.is_cuda();
@@ -314,7 +327,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   return tr;
 }
 
-Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp) {
+Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, const parallel::Plan& plan) {
   Data d;
   if (args.dataset.type == "indexed") {
     auto train = std::make_unique<data::IndexedDataset>(args.dataset.indexed_train, args.seed, args.global_batch_size,
@@ -338,13 +351,14 @@ Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, i
       d.val = std::move(val);
     }
   }
-  // Sequence parallelism splits every sequence over the tensor-parallel ranks.
+  // Sequence parallelism splits each rank's tokens (seq_len / cp of every sequence) over the tensor-parallel ranks.
+  const int tp = plan.tp, cp = plan.context.cp;
   for (const auto* ds : {d.train.get(), d.val.get()})
-    if (ds && tp > 1 && args.compute_config.sequence_parallel && ds->seq_len() % tp != 0)
+    if (ds && tp > 1 && args.compute_config.sequence_parallel && ds->seq_len() / cp % tp != 0)
       throw config::ConfigError("compute_config.sequence_parallel: the sequence of " + std::to_string(ds->seq_len()) +
-                                " tokens (dataset." + (ds == d.train.get() ? "train" : "val") +
-                                "_args.seq_len) is not divisible by tp " + std::to_string(tp) +
-                                "; set it to false or change seq_len");
+                                " tokens (dataset." + (ds == d.train.get() ? "train" : "val") + "_args.seq_len)" +
+                                (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) +
+                                " is not divisible by tp " + std::to_string(tp) + "; set it to false or change seq_len");
   d.seq_len = d.train->seq_len();
   if (d.seq_len > model.max_seq_len())
     throw config::ConfigError("dataset.train_args.seq_len " + std::to_string(d.seq_len) +

@@ -97,7 +97,7 @@ struct Data {
   std::unique_ptr<data::Dataset> train, val;
   int64_t seq_len = 0, steps_per_epoch = 1, max_steps = 0;
 };
-Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, int tp);
+Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, const parallel::Plan& plan);
 
 // Process groups for the plan (null for one process, except under ZeRO-2/3).
 std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const dist::DistEnv& env, const Agreed& a,

@@ -14,6 +14,7 @@
 #include "trainer/checkpoint/async_save.h"
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/optim/lr_schedule.h"
+#include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
 #include "base/log.h"
 #include "trainer/train/cpu_memory.h"
@@ -66,6 +67,26 @@ bool inject_torch_error(int64_t step, int rank) {
   return test_switch_hits(at, step, rank);
 }
 
+// Context parallelism: this rank's tokens of every sequence of `b` (inputs and
+// targets alike) in the plan's layout; the whole batch at cp 1. Document masks
+// (positions, segments) are refused under cp at load.
+data::Batch cp_slice(data::Batch b, const parallel::ContextPlan& c, int cp_rank) {
+  if (c.cp == 1) return b;
+  const auto layout = models::common::parse_cp_layout(c.load_balance);
+  b.x = models::common::cp_shard(b.x, 1, c.cp, cp_rank, layout).contiguous();
+  b.y = models::common::cp_shard(b.y, 1, c.cp, cp_rank, layout).contiguous();
+  return b;
+}
+
+// The targets a batch counts in the loss.
+at::Tensor target_count(const data::Batch& b) { return b.y.ne(data::kIgnoreTarget).sum(); }
+
+// A batch's contribution to a token-weighted mean: its mean loss x its count,
+// 0 (not NaN, and no NaN gradient) when it counts no target.
+at::Tensor loss_sum(const at::Tensor& mean, const at::Tensor& count) {
+  return torch::where(count.gt(0), mean, torch::zeros_like(mean)) * count.to(mean.scalar_type());
+}
+
 // What an out-of-memory message needs, kept outside the loop's scope.
 struct OomContext {
   double estimate_bytes = 0;                   // the planner's per-rank total
@@ -97,7 +118,9 @@ class Trainer {
   std::unique_ptr<dist::Runtime> rt_;
   Trainable tr_;
   Data data_;
-  const int64_t micro_, global_batch_, accum_, dp_, dp_rank_;
+  // dp_rank_: this rank's data-parallel index (which samples); cp_rank_ its
+  // context-parallel index (which tokens of them).
+  const int64_t micro_, global_batch_, accum_, dp_, dp_rank_, cp_rank_;
   const torch::TensorOptions fopts_;
   std::optional<double> peak_flops_;  // MFU only where the device table is meaningful (GPUs)
 
@@ -125,6 +148,7 @@ class Trainer {
   int64_t interval_steps_ = 0;
   int64_t interval_comm_bytes_ = 0;  // the reducer's count at the interval's start
   dist::Traffic interval_tp_;        // the tensor-parallel group's at the interval's start (training only)
+  dist::Traffic interval_cp_;        // the context-parallel group's, likewise
 };
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
@@ -143,7 +167,8 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       global_batch_(args.global_batch_size),
       accum_(plan_.grad_accumulation_steps),
       dp_(plan_.dp),
-      dp_rank_(env.rank / (plan_.tp * plan_.pipeline.pp)),
+      dp_rank_(env.rank / (plan_.tp * plan_.context.cp * plan_.pipeline.pp)),
+      cp_rank_(env.rank / plan_.tp % plan_.context.cp),
       fopts_(torch::TensorOptions().device(device).dtype(torch::kFloat32)),
       timer_(device),
       profiler_(args.profile, device, env.rank),
@@ -183,11 +208,12 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       });
 
   // Batches for step s, micro-step a on this data-parallel rank: positions
-  // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s.
+  // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s, and of
+  // them this context-parallel rank's tokens.
   loader_ = std::make_unique<data::PrefetchLoader>(
       [this](int64_t index) {
         const int64_t s = index / accum_, a = index % accum_;
-        return data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_);
+        return cp_slice(data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_), plan_.context, cp_rank_);
       },
       start_step * accum_, args.dataloader.prefetch, device, args.dataloader.pin_memory);
 
@@ -228,7 +254,11 @@ void Trainer::announce(int64_t start_step) {
   int64_t nparams = 0;
   for (auto& p : tr_.state->params()) nparams += p.tensor.numel();
   log::info("model " + args_.model.type + ": " + std::to_string(nparams) + " parameters, device " + device_.str() +
-            ", world " + std::to_string(world_) + " (dp " + std::to_string(dp_) + "), global batch " +
+            ", world " + std::to_string(world_) + " (dp " + std::to_string(dp_) +
+            (plan_.context.cp > 1 ? ", cp " + std::to_string(plan_.context.cp) + " " + plan_.context.comm_type + " " +
+                                        plan_.context.load_balance
+                                  : "") +
+            "), global batch " +
             std::to_string(global_batch_) + " x " + std::to_string(data_.seq_len) + " tokens, steps " +
             std::to_string(start_step) + " -> " + std::to_string(data_.max_steps) + ", optimizer " +
             tr_.optimizer->impl() + (plan_.zero_stage ? " (ZeRO-" + std::to_string(plan_.zero_stage) + ")" : "") + ", plan tp " + std::to_string(plan_.tp) +
@@ -265,13 +295,31 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   loss_sum_.zero_();
   if (tr_.pipeline) {
     // The schedule runs every micro-batch's forward and backward; the gradients
-    // are reduced over dp once they are all in (finish_gradients below).
+    // are reduced over dp once they are all in (finish_gradients below). The
+    // loss, the mean of the micro-batches' on the last stage, becomes this
+    // rank's share of the dp mean (summed over pp and dp at logging steps).
     tr_.reducer->begin_micro_step(false);
     loss_sum_ = tr_.pipeline->train_step(batches, tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
                                          [this](bool backward) {
                                            timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
                                          });
+    loss_sum_.div_(dp_);
     tr_.reducer->begin_micro_step(true);
+  }
+  // The loss is the mean over every counted target of the step: all micro-batches
+  // of every dp x cp rank. Each micro-batch's mean is weighted by its share of
+  // the targets (times dp x cp: the reducer averages gradients over those ranks),
+  // so any cut of the batch (dp, cp, accumulation) gives one process's loss,
+  // masked targets included, and an all-masked micro-batch adds 0.
+  std::vector<at::Tensor> counts;
+  at::Tensor inv_total;
+  double replicas = 1;
+  if (!tr_.pipeline) {
+    for (const auto& b : batches) counts.push_back(target_count(b));
+    auto total = torch::stack(counts).sum();
+    if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
+    inv_total = total.clamp_min(1).to(torch::kFloat32).reciprocal();
+    replicas = rt_ ? rt_->dp_cp.size() : 1;
   }
   for (int64_t a = 0; a < accum_ && !tr_.pipeline; ++a) {
     tr_.reducer->begin_micro_step(a == accum_ - 1);
@@ -280,10 +328,11 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     const bool measure = logs_ && a == accum_ - 1;
     const int64_t before = measure ? memory_in_use_bytes(device_) : 0;
     const auto& b = batches[a];
-    auto loss = model_->loss(b.x, b.y, {b.positions, b.segments}) / static_cast<double>(accum_);
+    auto loss = loss_sum(model_->loss(b.x, b.y, {b.positions, b.segments}), counts[a]) * inv_total;
     if (measure) activation_bytes_ = memory_in_use_bytes(device_) - before;
     if (poison_) loss = loss * std::numeric_limits<double>::infinity();
     loss_sum_ += loss.detach().to(torch::kFloat32);
+    loss = loss * replicas;
     timer_.enter(StepTimer::kBackward);
     (tr_.scaler ? loss * tr_.scaler->scale() : loss).backward();
   }
@@ -333,9 +382,8 @@ void Trainer::log_progress() {
   std::vector<int64_t> step_peak{replayed ? graph_->capture_peak_bytes() : step_peak_bytes(device_)};
   if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
   if (rt_) {
-    rt_->all_reduce(rt_->pp, loss_sum_, "loss all-reduce (pipeline: from the last stage)");
-    rt_->all_reduce(rt_->dp, loss_sum_, "loss all-reduce");
-    loss_sum_.div_(dp_);
+    if (tr_.pipeline) rt_->all_reduce(rt_->pp, loss_sum_, "loss all-reduce (pipeline: from the last stage)");
+    rt_->all_reduce(rt_->dp_cp, loss_sum_, "loss all-reduce");  // each rank's share of the mean
   }
   const double loss = loss_sum_.item<double>();  // the one host sync, at logging steps
   const double gn = grad_norm_.item<double>();
@@ -359,26 +407,33 @@ void Trainer::log_progress() {
     rec["dp_comm_mb_per_step"] = double(comm - interval_comm_bytes_) / interval_steps_ / 1048576.0;
     interval_comm_bytes_ = comm;
   }
-  if (rt_ && plan_.tp > 1) {
-    // What tensor (and sequence) parallelism sent per training step: counted at
-    // the collectives, so a plan that silently ran without it shows zeros.
-    const auto t = rt_->tp.traffic - interval_tp_;
+  // What tensor (and sequence) and context parallelism sent per training step,
+  // counted at the collectives, so a plan that silently ran without them shows zeros.
+  auto traffic = [&](const std::string& name, const dist::Traffic& now, dist::Traffic& since) {
+    const auto t = now - since;
     const double n = double(interval_steps_);
-    rec["tp_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
-    rec["tp_collectives_per_step"] = {{"all_reduce", double(t.all_reduce) / n},
-                                      {"all_gather", double(t.all_gather) / n},
-                                      {"reduce_scatter", double(t.reduce_scatter) / n}};
-    interval_tp_ = rt_->tp.traffic;
-  }
+    rec[name + "_comm_mb_per_step"] = double(t.bytes) / n / 1048576.0;
+    rec[name + "_collectives_per_step"] = {{"all_reduce", double(t.all_reduce) / n},
+                                           {"all_gather", double(t.all_gather) / n},
+                                           {"reduce_scatter", double(t.reduce_scatter) / n},
+                                           {"send_recv", double(t.send_recv) / n}};
+    since = now;
+  };
+  if (rt_ && plan_.tp > 1) traffic("tp", rt_->tp.traffic, interval_tp_);
+  if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);  // ring steps or K/V gathers
   activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
                      ", lr " + fmt(lr_, 6) + ", grad norm " + fmt(gn, 3) + ", " + fmt(tokens_per_s, 0) + " tok/s, " +
                      fmt(ms_per_step, 1) + " ms/step";
   if (peak_flops_) {
-    const double mfu = model_->flops_per_token(data_.seq_len) * tokens_per_s / (*peak_flops_ * world_);
-    rec["mfu"] = mfu;
-    line += ", mfu " + fmt(100 * mfu, 1) + "%";
+    // `mfu` counts causal attention's masked half as work, `mfu_unmasked` not (metrics.h).
+    const auto mfu = model_flops_utilization(model_->flops_per_token(data_.seq_len), model_->flops_per_token(0),
+                                             tokens_per_s, *peak_flops_ * world_);
+    rec["mfu"] = mfu.counted;
+    rec["mfu_unmasked"] = mfu.unmasked;
+    line += ", mfu " + fmt(100 * rec["mfu"].get<double>(), 1) + "% (unmasked " +
+            fmt(100 * rec["mfu_unmasked"].get<double>(), 1) + "%)";
   }
   line += ", peak mem " + fmt(rec["peak_mem_mb"].get<double>(), 0) + " MB";
   if (tr_.scaler)
@@ -408,20 +463,26 @@ void Trainer::evaluate() {
   tr_.flush();  // delayed update: evaluate the weights of every step so far
   torch::NoGradGuard no_grad;
   model_->eval();
-  auto sum = torch::zeros({}, fopts_);
+  // Token-weighted as training: [sum of losses, targets] over every batch and dp x cp rank.
+  auto sum = torch::zeros({2}, fopts_);
   // A stop request (preemption) cuts a long evaluation short: the ranks agree
   // about once a second, as between training steps, and all leave together.
   StopDecision stop(rt_.get());
   int64_t done = 0;
   for (; done < args_.max_val_steps; ++done) {
-    auto b = data_.val->val_batch(done, dp_rank_ * micro_, micro_);
+    auto b = cp_slice(data_.val->val_batch(done, dp_rank_ * micro_, micro_), plan_.context, cp_rank_);
     tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
     const auto docs = b.segments.defined() ? models::Documents{b.positions.to(device_), b.segments.to(device_)}
                                            : models::Documents{};
-    if (tr_.pipeline)
-      sum += tr_.pipeline->eval_loss({b.x.to(device_), b.y.to(device_), docs.positions, docs.segments});
-    else
-      sum += model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
+    const auto count = target_count(b).to(device_);
+    at::Tensor mean;
+    if (tr_.pipeline) {
+      mean = tr_.pipeline->eval_loss({b.x.to(device_), b.y.to(device_), docs.positions, docs.segments});
+      rt_->all_reduce(rt_->pp, mean, "validation loss all-reduce (pipeline: from the last stage)");
+    } else {
+      mean = model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
+    }
+    sum += torch::stack({loss_sum(mean, count), count.to(torch::kFloat32)});
     if (done + 1 < args_.max_val_steps && stop.after_step(done + 1, g_stop_signal.load() != 0, false)) {
       ++done;
       break;
@@ -435,12 +496,8 @@ void Trainer::evaluate() {
                 std::to_string(done) + " of " + std::to_string(args_.max_val_steps) + " batches; no val loss recorded");
     return;
   }
-  if (rt_) {
-    rt_->all_reduce(rt_->pp, sum, "validation loss all-reduce (pipeline: from the last stage)");
-    rt_->all_reduce(rt_->dp, sum, "validation loss all-reduce");
-    sum.div_(dp_);
-  }
-  const double val_loss = sum.item<double>() / args_.max_val_steps;
+  if (rt_) rt_->all_reduce(rt_->dp_cp, sum, "validation loss all-reduce");
+  const double val_loss = sum[0].item<double>() / std::max(1.0, sum[1].item<double>());
   if (rank_ != 0) return;
   log::info("step " + std::to_string(step_) + ": val loss " + fmt(val_loss));
   const nlohmann::json rec = {{"step", step_}, {"val_loss", val_loss}};
@@ -506,9 +563,12 @@ int Trainer::run() {
     const bool last = step_ == max_steps;
     if (logs) log_progress();
     if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) {
-      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{};
+      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{};
       evaluate();
-      if (rt_) interval_tp_ += rt_->tp.traffic - before;  // the per-step tp figures count training only
+      if (rt_) {  // the per-step tp and cp figures count training only
+        interval_tp_ += rt_->tp.traffic - before;
+        interval_cp_ += rt_->cp.traffic - before_cp;
+      }
     }
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
@@ -557,7 +617,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   const auto whole = describe_model(args);
   auto agreed = decide_plan(args, env, *whole, device, timeout);
   oom.estimate_bytes = agreed.plan.estimate.total_bytes;
-  auto data = open_data(args, *whole, agreed.plan.tp);
+  auto data = open_data(args, *whole, agreed.plan);
   auto rt = connect(args, env, agreed, device, timeout);
   auto local = materialise_model(args, agreed.plan, rt.get(), device, whole->vocab_size());
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
