@@ -70,6 +70,7 @@ class EncodeCache {
 struct EncodeProgress {
   std::atomic<uint64_t> bytes{0};
   std::atomic<uint64_t> docs{0};
+  std::atomic<uint64_t> parts{0};  // work items handed to threads (documents' groups, or a text's parts)
 };
 
 class Tokenizer {
