@@ -7,6 +7,7 @@
 //   id, or refused with the byte offset; a TemplateProcessing BOS is added on request;
 // - invalid UTF-8 is refused naming the byte offset; unknown ids refuse to decode;
 //   unsupported files are refused with one line naming what is unsupported.
+// - safe_cuts (one long text cut for threads) cuts only where the whole text splits.
 // The parity with Hugging Face `tokenizers` on real vocabularies is tests/reference/test_tokenizer_parity.py's.
 #include <catch2/catch.hpp>
 
