@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <ctime>
 #include <thread>
 
 #include "data/tokenizer/tokenizer_impl.h"
@@ -200,19 +201,33 @@ void encode_body(const Tokenizer::Impl& t, std::string_view text, size_t base, S
   }
 }
 
+uint64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
 // Runs work(i, worker) for i in [0, n) on up to `threads` threads (the caller's
-// included); worker < threads names the thread, for per-thread state.
+// included); worker < threads names the thread, for per-thread state. Records in
+// `busiest_ns` (if given) the largest CPU time one thread spent: the work's
+// critical path, which shows the balance even where other work shares the cores.
 template <class F>
-void parallel_for(size_t n, int threads, F&& work) {
+void parallel_for(size_t n, int threads, F&& work, std::atomic<uint64_t>* busiest_ns = nullptr) {
   const size_t k = std::max<size_t>(1, std::min<size_t>(n, threads > 0 ? threads : 1));
   std::atomic<size_t> next{0};
   std::exception_ptr error;
   std::atomic<bool> failed{false};
   auto run = [&](size_t worker) {
+    const uint64_t t0 = busiest_ns ? thread_cpu_ns() : 0;
     try {
       for (size_t i; !failed && (i = next++) < n;) work(i, worker);
     } catch (...) {
       if (!failed.exchange(true)) error = std::current_exception();
+    }
+    if (busiest_ns) {
+      const uint64_t spent = thread_cpu_ns() - t0;
+      for (uint64_t seen = *busiest_ns; spent > seen && !busiest_ns->compare_exchange_weak(seen, spent);) {
+      }
     }
   };
   std::vector<std::thread> pool;
@@ -278,7 +293,7 @@ std::vector<std::vector<int32_t>> Tokenizer::encode_batch(const std::vector<std:
       progress->bytes += bytes;
       progress->docs += starts[b + 1] - starts[b];
     }
-  });
+  }, progress ? &progress->busiest_thread_cpu_ns : nullptr);
   return out;
 }
 
@@ -296,7 +311,7 @@ std::vector<int32_t> Tokenizer::encode_large(std::string_view text, SpecialPolic
   parallel_for(parts, k, [&](size_t i, size_t worker) {
     encode_body(*impl_, text.substr(cuts[i], cuts[i + 1] - cuts[i]), cuts[i], policy, caches[worker].impl(), out[i]);
     if (progress) progress->bytes += cuts[i + 1] - cuts[i];
-  });
+  }, progress ? &progress->busiest_thread_cpu_ns : nullptr);
   if (progress) progress->docs += 1;
   size_t total = 0;
   for (const auto& o : out) total += o.size();
