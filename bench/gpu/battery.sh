@@ -22,6 +22,14 @@
 #   offload           optimizer / parameter offload on one GPU (issue 23): GPT-2 124M with
 #                     a ~1 s step, with and without offload: tokens/s ratio, step split,
 #                     device bytes held between steps vs the planner, host bytes, losses
+#   profile           issue 20's "Measured first": a profiler trace of GPT-2 124M (64 x 1024)
+#                     and the Llama 3.2 1B shape (seq 4096), bf16-mixed, for nnstrain, PyTorch
+#                     eager and torch.compile at one batch; per trace the 15 most expensive
+#                     kernels with their share, time by kind, and the attention kernel that
+#                     ran (profile/kernels.md, bench/gpu/kernel_table.py)
+#   cp_ring           issue 22's GPU goal: one rank's share of a 128K sequence at cp 8 (Llama 3
+#                     8B heads, bf16, causal zigzag) forward + backward against one plain SDPA
+#                     call of the same unmasked FLOPs (bench/cp_ring.cpp; no communication)
 # A benchmark phase builds only the nnstrain binary if there is none (or uses
 # NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
 #
@@ -227,7 +235,15 @@ phase_bench() {  # driver phases...
   [ -n "${NNSTRAIN_BATTERY_SKIP_COMPILE:-}" ] && args+=(--skip-compile)
   "$py" "$root/bench/gpu/driver.py" "$@" "${args[@]}"
 }
-export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench phase_startup_oom
+phase_cp_ring() {  # builds its bench binary (EXCLUDE_FROM_ALL) if need be, then the driver
+  build_targets nnstrain_bench_cp_ring >&2 || return 1
+  local args=(--results "$res" --nnstrain "${NNSTRAIN_BIN:-$build/nnstrain}" --python "$(command -v "$py")"
+              --time-limit $((PHASE_LIMIT - 10)) --cp-ring-bin "$build/nnstrain_bench_cp_ring")
+  [ "$smoke" = 1 ] && args+=(--smoke)
+  "$py" "$root/bench/gpu/driver.py" cp_ring "${args[@]}"
+}
+export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench phase_startup_oom \
+  phase_cp_ring
 export root build prefix py smoke res out t_start budget
 
 for p in "${phases[@]}"; do
@@ -242,7 +258,10 @@ for p in "${phases[@]}"; do
     zero)             run_phase zero 300 bash -c 'phase_bench zero' ;;
     startup_oom)      run_phase startup_oom 120 bash -c phase_startup_oom ;;
     offload)          run_phase offload 420 bash -c 'phase_bench offload' ;;
-    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero startup_oom offload)" ;;
+    profile)          run_phase profile 540 bash -c 'phase_bench profile' ;;
+    cp_ring)          run_phase cp_ring 360 bash -c phase_cp_ring ;;
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 llama shakespeare_full zero startup_oom offload" \
+         "profile cp_ring)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.

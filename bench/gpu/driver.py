@@ -16,6 +16,12 @@ Phases (run in the order given, each adds to the same results folder):
                     top), then eager and compile at that batch (halved on OOM).
   llama             a Llama 3.2 1B shape at sequence 4096, synthetic uint32
                     tokens, chunked loss; probed and compared like gpt2.
+  profile           a profiler trace of gpt2 and llama for nnstrain, eager and
+                    compile at one batch; kernel_table.py's tables (the 15 most
+                    expensive kernels, time by kind, the attention kernel that ran)
+                    in profile/kernels.md.
+  cp_ring           one rank's share of ring attention (128K at cp 8, Llama 3 8B
+                    heads) against one plain SDPA call (bench/cp_ring.cpp).
   summary           rewrite summary.md from results.json.
 
 For every nnstrain run: ms/step and tokens/s from its metrics.jsonl (records
@@ -408,9 +414,11 @@ def run_plan(ctx, name, overrides, saved_as="plan.json", folder=None):
 
 # ---------------------------------------------------------------- the PyTorch reference
 
-def run_reference(ctx, name, mode, cfg, batch, cap):
-    """reference.py on the shapes of nnstrain's resolved config; halves the batch on OOM."""
-    steps, log_every, drop = steps_of(ctx, name)
+def run_reference(ctx, name, mode, cfg, batch, cap, timing=None, folder=None, extra=()):
+    """reference.py on the shapes of nnstrain's resolved config; halves the batch on OOM.
+    timing: (steps, log_every, drop) instead of the benchmark's; folder: where the
+    logs go (default: the benchmark's); extra: more reference.py arguments."""
+    steps, log_every, drop = timing or steps_of(ctx, name)
     m, tr, o = cfg["model"]["args"], cfg["dataset"]["train_args"], cfg["optimizer"]["args"]
     s = cfg["lr_scheduler"]["args"]
     args = ["--mode", mode, "--device", ctx.device, "--data", tr["path"], "--dtype", tr["dtype"],
@@ -437,8 +445,8 @@ def run_reference(ctx, name, mode, cfg, batch, cap):
     tries = []
     while batch >= 1:
         log(f"{name}: PyTorch {mode}, batch {batch}")
-        rc, text = run_cmd([ctx.a.python, HERE / "reference.py", *args, "--batch", batch],
-                           ctx.out / name / f"pytorch_{mode}_b{batch}.log", ctx.left(cap))
+        rc, text = run_cmd([ctx.a.python, HERE / "reference.py", *args, *extra, "--batch", batch],
+                           ctx.out / (folder or name) / f"pytorch_{mode}_b{batch}.log", ctx.left(cap))
         res = last_json_line(text) or {}
         if rc == 0 and "ms_per_step" in res:
             res["tries"] = tries
@@ -701,6 +709,116 @@ def bench_offload(ctx):
             f"vs no offload {res.get('tokens_per_s_vs_no_offload')}, loss diff {res.get('max_rel_loss_diff')}")
 
 
+# ---------------------------------------------------------------- profile (issue 20)
+
+# Per benchmark: the batch every column profiles at (the issue's GPT-2 batch; the
+# Llama batch the references fitted on an H100), untimed steps, profiled steps,
+# caps in seconds.
+PROFILE = {
+    "gpt2": dict(batch=64, smoke_batch=4, warm=5, steps=2, cap_nnstrain=150, cap_eager=150, cap_compile=240),
+    "llama": dict(batch=3, smoke_batch=2, warm=4, steps=2, cap_nnstrain=180, cap_eager=180, cap_compile=300),
+}
+
+
+def bench_profile(ctx):
+    """A profiler trace of GPT-2 124M and of the Llama 3.2 1B shape for nnstrain
+    (its profile: window), PyTorch eager and torch.compile (torch.profiler in
+    reference.py), the same batch for all three (halved on OOM, stated), then
+    kernel_table.py's tables: the 15 most expensive kernels of each with their
+    share, time by kind, and which attention kernel ran. The tables are rewritten
+    after every run, so a phase cut short keeps what it profiled."""
+    sys.path.insert(0, str(HERE))
+    import kernel_table
+    d = ctx.out / "profile"
+    d.mkdir(exist_ok=True)
+    out = ctx.results["benchmarks"].setdefault("profile", {"runs": {}})
+    out["tables"] = "profile/kernels.md"
+    summaries = {}
+
+    def tabulate(label, trace, steps, res):
+        out["runs"][label] = res
+        if trace is not None and trace.exists():
+            try:
+                sm = kernel_table.summarize(trace, steps)
+                summaries[label] = sm
+                res.update(kernel_ms_per_step=sm["ms_per_step"], attention=sm["attention"],
+                           attention_kernels=sm["attention_kernels"], top=sm["top"], trace_source=sm["source"])
+            except (OSError, ValueError, KeyError) as e:
+                res["error"] = f"trace {trace}: {e!r}"
+            subprocess.run(["gzip", "-f", str(trace)], check=False)  # kept, compressed (Perfetto opens .gz)
+        elif "error" not in res:
+            res["error"] = "no trace written"
+        (d / "kernels.md").write_text(kernel_table.markdown(
+            summaries, "Kernel profile: nnstrain, PyTorch eager, torch.compile (bench/gpu battery, profile phase)"))
+        (d / "kernels.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        ctx.save()
+
+    for name in ("gpt2", "llama"):
+        p, b = PROFILE[name], BENCH[name]
+        ensure_synthetic(ctx, name)
+        batch, total = p["smoke_batch" if ctx.smoke else "batch"], p["warm"] + p["steps"]
+        while batch >= 1:
+            tdir = d / f"{name}_nnstrain_b{batch}"
+            over = base_overrides(ctx, name) + [
+                "--micro_batch_size", str(batch), "--max_train_steps", str(total),
+                "--log_progress_every_n_train_steps", str(total), "--val_every_n_train_steps", "0",
+                "--profile.steps", f"[{p['warm'] + 1},{total}]", "--profile.dir", str(tdir)]
+            log(f"profile {name}: nnstrain, batch {batch}")
+            res = run_nnstrain(ctx, "profile", f"{name}_b{batch}", b["config"], over, 0, ctx.left(p["cap_nnstrain"]))
+            if res["rc"] == 0 or not res.get("oom"):
+                break
+            batch //= 2
+        if batch < 1:
+            tabulate(f"{name}/nnstrain", None, 0, {"error": "out of memory at every batch"})
+            continue
+        res["batch"] = batch
+        tabulate(f"{name}/nnstrain", tdir / "trace_rank0.json", p["steps"], res)
+        cfg = resolved_config(ctx, CONFIGS / b["config"], over)
+        for mode in ("eager", "compile"):
+            if ctx.a.skip_compile and mode == "compile":
+                continue
+            path = d / f"{name}_{mode}_trace.json"
+            ref = run_reference(ctx, name, mode, cfg, batch, p[f"cap_{mode}"], timing=(total, total, p["warm"]),
+                                folder="profile", extra=["--profile", path])
+            batch = ref.get("batch", batch)  # compile starts at the batch eager fitted
+            tabulate(f"{name}/{mode}", path if "ms_per_step" in ref else None, p["steps"], ref)
+
+
+# ---------------------------------------------------------------- cp_ring (issue 22)
+
+def bench_cp_ring(ctx):
+    """One rank's share of ring attention at a 128K sequence over cp 8 (Llama 3
+    8B heads: 32 / 8, dim 128, bf16, causal zigzag), forward and backward,
+    against one plain SDPA call with the same unmasked FLOPs
+    (bench/cp_ring.cpp; no communication: a stand-in ring). First a check at a
+    small size that the stand-in computes the whole sequence's attention."""
+    binary = ctx.a.cp_ring_bin
+    d = ctx.out / "cp_ring"
+    d.mkdir(exist_ok=True)
+    out = ctx.results["benchmarks"].setdefault("cp_ring", {})
+    if ctx.smoke:
+        shape = ["--device", "cpu", "--dtype", "fp32", "--seq", "512", "--cp", "8", "--heads", "4", "--kv-heads", "2",
+                 "--dim", "16", "--repeats", "2", "--warmup", "1"]
+        check = shape + ["--check"]
+    else:
+        shape = ["--device", "cuda", "--dtype", "bf16", "--seq", "131072", "--cp", "8", "--heads", "32",
+                 "--kv-heads", "8", "--dim", "128"]
+        check = ["--device", "cuda", "--dtype", "bf16", "--seq", "8192", "--cp", "8", "--heads", "32",
+                 "--kv-heads", "8", "--dim", "128", "--repeats", "1", "--warmup", "0", "--check"]
+    runs = [("check", check + ["--rank", "3"])] + [(f"rank{r}", shape + ["--rank", str(r)]) for r in (0, 7)]
+    for tag, args in runs:
+        log(f"cp_ring {tag}")
+        rc, text = run_cmd([binary, *args], d / f"{tag}.log", ctx.left(150))
+        res = last_json_line(text) or {}
+        res["rc"] = rc
+        if rc != 0:
+            res["error"] = error_of(rc, text)
+        out[tag] = res
+        ctx.save()
+        log(f"cp_ring {tag}: rc {rc}, efficiency {res.get('efficiency')}, ring {res.get('ring_fwd_bwd_ms')} ms, "
+            f"baseline {res.get('best_baseline')} {res.get('baseline_ms', {}).get(res.get('best_baseline'))} ms")
+
+
 def fmt(v, spec=".1f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -790,6 +908,32 @@ def write_summary(r, path):
               f"nanoGPT ~3 min on an A100); mean ms/step {fmt(n.get('ms_per_step'), '.2f')} (evaluation included)",
               f"- peak memory {fmt(n.get('peak_mem_mb'), '.0f')} MiB" +
               (f"; ERROR: {n['error']}" if "error" in n else "")]
+    pr = r.get("benchmarks", {}).get("profile")
+    if pr:
+        L += ["", "## Kernel profile (profile phase; tables in profile/kernels.md)", "",
+              "| run | batch | kernel ms/step | attention kernel(s) |", "|---|---|---|---|"]
+        for label, x in pr.get("runs", {}).items():
+            att = ", ".join(f"{b} {100 * v['share']:.1f}%" for b, v in x.get("attention", {}).items()) or (
+                "none found" if "kernel_ms_per_step" in x else "-")
+            L.append(f"| {label} | {x.get('batch', '?')} | {fmt(x.get('kernel_ms_per_step'), '.2f')} | {att}"
+                     + (f" (ERROR: {x['error']})" if "error" in x else "") + " |")
+    cr = r.get("benchmarks", {}).get("cp_ring")
+    if cr:
+        L += ["", "## Ring attention, one rank's share (cp_ring phase; no communication)", ""]
+        for tag, x in cr.items():
+            if not isinstance(x, dict):
+                continue
+            if "error" in x:
+                L.append(f"- {tag}: ERROR {x['error']}")
+            elif tag == "check":
+                L.append(f"- check (seq {x.get('seq')}, rank {x.get('rank')}): ring vs whole-sequence SDPA max abs "
+                         f"diff {fmt(x.get('check_max_abs_diff'), '.2e')}")
+            else:
+                L.append(f"- {tag}: seq {x.get('seq')} cp {x.get('cp')}: ring forward + backward "
+                         f"{fmt(x.get('ring_fwd_bwd_ms'), '.1f')} ms (forward {fmt(x.get('ring_fwd_ms'), '.1f')}); "
+                         f"baseline {x.get('best_baseline')} "
+                         f"{fmt(x.get('baseline_ms', {}).get(x.get('best_baseline')), '.1f')} ms; "
+                         f"efficiency **{fmt(x.get('efficiency'), '.3f')}** (goal >= 0.85)")
     if notes:
         L += ["", "## Notes", ""] + notes
     path.write_text("\n".join(L) + "\n")
@@ -800,7 +944,8 @@ def write_summary(r, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
-                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "zero", "offload", "summary"])
+                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "zero", "offload", "profile",
+                             "cp_ring", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
@@ -808,6 +953,8 @@ def main():
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all phases of this call; 0 = none")
     ap.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile reference")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--cp-ring-bin", default=str(ROOT / "build" / "nnstrain_bench_cp_ring"),
+                    help="the cp_ring phase's binary (bench/cp_ring.cpp)")
     a = ap.parse_args()
     a.nnstrain = str(pathlib.Path(a.nnstrain).resolve())
     ctx = Ctx(a)
@@ -827,6 +974,10 @@ def main():
                 bench_zero(ctx)
             elif phase == "offload":
                 bench_offload(ctx)
+            elif phase == "profile":
+                bench_profile(ctx)
+            elif phase == "cp_ring":
+                bench_cp_ring(ctx)
         except Exception as e:  # one phase's failure must not lose the others
             log(f"phase {phase} failed: {e!r}")
             ctx.results["benchmarks"].setdefault(phase, {})["error"] = f"driver: {e!r}"

@@ -1,5 +1,7 @@
 #include "data/tokenizer/pretokenize.h"
 
+#include <algorithm>
+
 #include "data/tokenizer/unicode.h"
 
 namespace nnstrain::tok {
@@ -198,16 +200,25 @@ void pretokenize(Pattern p, std::string_view text, std::vector<uint32_t>& ends) 
   }
 }
 
-std::vector<size_t> safe_cuts(std::string_view text, size_t min_gap) {
+std::vector<size_t> safe_cuts(Pattern p, std::string_view text, size_t min_gap) {
   std::vector<size_t> cuts;
+  if (p == Pattern::none) return cuts;  // the whole text is one piece
+  const Text t(text);
+  min_gap = std::max<size_t>(min_gap, 2);
   size_t from = min_gap;
   while (from < text.size()) {
     const size_t nl = text.find('\n', from - 1);
     if (nl == std::string_view::npos || nl + 1 >= text.size()) break;
-    const unsigned char c = static_cast<unsigned char>(text[nl + 1]);
-    if ((c | 0x20) >= 'a' && (c | 0x20) <= 'z') {
-      cuts.push_back(nl + 1);
-      from = nl + 1 + min_gap;
+    // A '\n' that ends a whitespace run (something else follows) is a piece of its
+    // own under gpt2 (\s+(?!\S) stops before it, \s+ takes it alone) and ends a
+    // piece under llama3 (\s*[\r\n]+ or [^\s\p{L}\p{N}]+[\r\n]* stop after it);
+    // whatever precedes or follows it is then scanned the same in a part as in the
+    // whole (neither pattern looks behind, and a run ending at a part's end ends
+    // where it ended in the whole).
+    if (t.at(nl + 1).cls != kSpace) {
+      const size_t cut = p == Pattern::gpt2 ? nl : nl + 1;
+      cuts.push_back(cut);
+      from = cut + min_gap;
     } else {
       from = nl + 2;
     }

@@ -27,9 +27,11 @@ const char* pattern_regex(Pattern p);
 // the pieces cover the text. Pattern::none: the whole text is one piece.
 void pretokenize(Pattern p, std::string_view text, std::vector<uint32_t>& ends);
 
-// Offsets at which `text` may be cut into parts encoded independently with the
-// same result as the whole: before an ASCII letter that follows '\n' (no piece of
-// either pattern spans such a point). At most one per `min_gap` bytes.
-std::vector<size_t> safe_cuts(std::string_view text, size_t min_gap);
+// Offsets at which `text` may be cut into parts that `p` pre-tokenizes exactly as
+// the whole: at a '\n' followed by anything but whitespace, before it under gpt2
+// (it is a piece of its own there), after it under llama3 (it ends a piece there).
+// Any script's lines qualify, not only ASCII ones. At most one per `min_gap` bytes;
+// none for Pattern::none.
+std::vector<size_t> safe_cuts(Pattern p, std::string_view text, size_t min_gap);
 
 }  // namespace nnstrain::tok

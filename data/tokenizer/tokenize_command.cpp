@@ -153,9 +153,14 @@ int tokenize_main(const std::vector<std::string>& argv) {
         std::fwrite(buf.data(), 1, buf.size(), stdout);
       }
     }
-    // Encoding only (not loading, reading or writing); cpu: all threads' CPU time.
-    std::fprintf(stderr, "tokenize: %zu documents, %llu bytes, %zu ids, %.3f s, cpu %.3f s\n", docs.size(),
-                 static_cast<unsigned long long>(total), n_ids, secs, cpu);
+    // Encoding only (not loading, reading or writing); cpu: all threads' CPU time;
+    // parts: the work items the threads shared; busiest thread: the most CPU time
+    // one of them spent (cpu at 1 thread / that = the speed-up idle cores would give).
+    std::fprintf(stderr,
+                 "tokenize: %zu documents, %llu bytes, %zu ids, %.3f s, cpu %.3f s, %llu parts, busiest thread "
+                 "%.3f s\n",
+                 docs.size(), static_cast<unsigned long long>(total), n_ids, secs, cpu,
+                 static_cast<unsigned long long>(progress.parts.load()), progress.busiest_thread_cpu_ns.load() * 1e-9);
     if (roundtrip) {
       size_t bad = 0, first_bad = 0;
       for (size_t i = 0; i < ids.size(); ++i) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <ctime>
 #include <thread>
 
 #include "data/tokenizer/tokenizer_impl.h"
@@ -200,19 +201,33 @@ void encode_body(const Tokenizer::Impl& t, std::string_view text, size_t base, S
   }
 }
 
+uint64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
 // Runs work(i, worker) for i in [0, n) on up to `threads` threads (the caller's
-// included); worker < threads names the thread, for per-thread state.
+// included); worker < threads names the thread, for per-thread state. Records in
+// `busiest_ns` (if given) the largest CPU time one thread spent: the work's
+// critical path, which shows the balance even where other work shares the cores.
 template <class F>
-void parallel_for(size_t n, int threads, F&& work) {
+void parallel_for(size_t n, int threads, F&& work, std::atomic<uint64_t>* busiest_ns = nullptr) {
   const size_t k = std::max<size_t>(1, std::min<size_t>(n, threads > 0 ? threads : 1));
   std::atomic<size_t> next{0};
   std::exception_ptr error;
   std::atomic<bool> failed{false};
   auto run = [&](size_t worker) {
+    const uint64_t t0 = busiest_ns ? thread_cpu_ns() : 0;
     try {
       for (size_t i; !failed && (i = next++) < n;) work(i, worker);
     } catch (...) {
       if (!failed.exchange(true)) error = std::current_exception();
+    }
+    if (busiest_ns) {
+      const uint64_t spent = thread_cpu_ns() - t0;
+      for (uint64_t seen = *busiest_ns; spent > seen && !busiest_ns->compare_exchange_weak(seen, spent);) {
+      }
     }
   };
   std::vector<std::thread> pool;
@@ -220,6 +235,16 @@ void parallel_for(size_t n, int threads, F&& work) {
   run(0);
   for (auto& th : pool) th.join();
   if (error) std::rethrow_exception(error);
+}
+
+// Work items of about equal bytes, so every thread gets about the same share
+// whatever the documents' sizes (items of a fixed document count left two threads
+// three uneven items on a 10 MB batch of 64 KB documents). Items per thread:
+// enough that the last one to finish holds the others up little; bytes per item:
+// enough that taking an item costs nothing beside encoding it.
+size_t item_bytes(uint64_t total, int threads) {
+  constexpr uint64_t kItemsPerThread = 16, kMinItem = 64 << 10;
+  return std::max<uint64_t>(kMinItem, total / (kItemsPerThread * std::max(threads, 1)));
 }
 
 }  // namespace
@@ -242,39 +267,51 @@ std::vector<std::vector<int32_t>> Tokenizer::encode_batch(const std::vector<std:
                                                           SpecialPolicy policy, bool add_special, int threads,
                                                           EncodeProgress* progress) const {
   std::vector<std::vector<int32_t>> out(docs.size());
-  constexpr size_t kBlock = 64;  // documents per work item
-  const size_t blocks = (docs.size() + kBlock - 1) / kBlock;
-  const int k = static_cast<int>(std::max<size_t>(1, std::min<size_t>(blocks, std::max(threads, 1))));
+  uint64_t total = 0;
+  for (const auto& d : docs) total += d.size();
+  const size_t target = item_bytes(total, threads);
+  std::vector<size_t> starts{0};  // item i: documents [starts[i], starts[i + 1])
+  for (size_t i = 0, bytes = 0; i < docs.size(); ++i) {
+    bytes += docs[i].size() + 1;  // + 1: empty documents cost something too
+    if (bytes >= target && i + 1 < docs.size()) {
+      starts.push_back(i + 1);
+      bytes = 0;
+    }
+  }
+  starts.push_back(docs.size());
+  const size_t items = starts.size() - 1;
+  const int k = static_cast<int>(std::max<size_t>(1, std::min<size_t>(items, std::max(threads, 1))));
   std::vector<EncodeCache> caches(k);
-  parallel_for(blocks, k, [&](size_t b, size_t worker) {
+  if (progress) progress->parts += items;
+  parallel_for(items, k, [&](size_t b, size_t worker) {
     uint64_t bytes = 0;
-    for (size_t i = b * kBlock; i < std::min(docs.size(), (b + 1) * kBlock); ++i) {
+    for (size_t i = starts[b]; i < starts[b + 1]; ++i) {
       encode(docs[i], policy, add_special, caches[worker], out[i]);
       bytes += docs[i].size();
     }
     if (progress) {
       progress->bytes += bytes;
-      progress->docs += std::min(docs.size(), (b + 1) * kBlock) - b * kBlock;
+      progress->docs += starts[b + 1] - starts[b];
     }
-  });
+  }, progress ? &progress->busiest_thread_cpu_ns : nullptr);
   return out;
 }
 
 std::vector<int32_t> Tokenizer::encode_large(std::string_view text, SpecialPolicy policy, int threads,
                                              EncodeProgress* progress) const {
-  constexpr size_t kMinPart = 1 << 20;
   std::vector<size_t> cuts;
-  if (impl_->cuttable && threads > 1 && text.size() >= 2 * kMinPart)
-    cuts = safe_cuts(text, std::max(kMinPart, text.size() / (static_cast<size_t>(threads) * 8)));
+  if (impl_->cuttable && threads > 1) cuts = safe_cuts(impl_->pattern, text, item_bytes(text.size(), threads));
   cuts.insert(cuts.begin(), 0);
   cuts.push_back(text.size());
   const size_t parts = cuts.size() - 1;
+  const int k = static_cast<int>(std::max<size_t>(1, std::min<size_t>(parts, std::max(threads, 1))));
+  std::vector<EncodeCache> caches(k);  // one per thread, kept across its parts: a cache only saves work
   std::vector<std::vector<int32_t>> out(parts);
-  parallel_for(parts, threads, [&](size_t i, size_t) {
-    EncodeCache cache;
-    encode_body(*impl_, text.substr(cuts[i], cuts[i + 1] - cuts[i]), cuts[i], policy, cache.impl(), out[i]);
+  if (progress) progress->parts += parts;
+  parallel_for(parts, k, [&](size_t i, size_t worker) {
+    encode_body(*impl_, text.substr(cuts[i], cuts[i + 1] - cuts[i]), cuts[i], policy, caches[worker].impl(), out[i]);
     if (progress) progress->bytes += cuts[i + 1] - cuts[i];
-  });
+  }, progress ? &progress->busiest_thread_cpu_ns : nullptr);
   if (progress) progress->docs += 1;
   size_t total = 0;
   for (const auto& o : out) total += o.size();

@@ -7,11 +7,13 @@
 //   id, or refused with the byte offset; a TemplateProcessing BOS is added on request;
 // - invalid UTF-8 is refused naming the byte offset; unknown ids refuse to decode;
 //   unsupported files are refused with one line naming what is unsupported.
+// - safe_cuts (one long text cut for threads) cuts only where the whole text splits.
 // The parity with Hugging Face `tokenizers` on real vocabularies is tests/reference/test_tokenizer_parity.py's.
 #include <catch2/catch.hpp>
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -19,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/tokenizer/pretokenize.h"
 #include "data/tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -209,4 +212,48 @@ TEST_CASE("tokenizer: unsupported tokenizer.json files are refused naming what i
       CHECK(m.find('\n') == std::string::npos);
     }
   }
+}
+
+// safe_cuts: every cut is where pre-tokenizing the whole text puts a piece
+// boundary anyway, and pre-tokenizing the parts one by one gives the whole
+// text's pieces; lines in any script give cuts (not only ASCII-initial ones).
+// The ids of cut texts against Hugging Face's are tests/reference's
+// test_multilingual_text_threads_do_not_change_ids.
+TEST_CASE("tokenizer: safe_cuts cut only where both patterns split anyway, in any script", "[tokenizer]") {
+  using nnstrain::tok::Pattern;
+  const std::vector<std::string> lines = {"word", "Привіт світ", "中文字符 日本語", "  indented", "x²½ ٣٤٥",
+                                          "'s contraction", "12345 digits", "İstanbul.", "!?", "\t tab"};
+  const std::vector<std::string> ends = {"\n", "\n\n", "  \n", "\r\n", " \n \n", ".\n", "\n\t", "\n\n\n", "\u3000\n"};
+  std::string text;
+  for (size_t i = 0; i < 600; ++i) text += lines[(i * 7) % lines.size()] + ends[(i * 3 + i / 11) % ends.size()];
+  for (Pattern p : {Pattern::gpt2, Pattern::llama3}) {
+    INFO(nnstrain::tok::pattern_name(p));
+    std::vector<uint32_t> whole;
+    nnstrain::tok::pretokenize(p, text, whole);
+    const auto cuts = nnstrain::tok::safe_cuts(p, text, 1);
+    CHECK(cuts.size() > 300);
+    std::vector<uint32_t> parts;
+    size_t from = 0;
+    for (size_t c : cuts) {
+      REQUIRE(c > from);
+      REQUIRE(text[p == Pattern::gpt2 ? c : c - 1] == '\n');
+      CHECK(std::binary_search(whole.begin(), whole.end(), static_cast<uint32_t>(c)));
+      std::vector<uint32_t> e;
+      nnstrain::tok::pretokenize(p, std::string_view(text).substr(from, c - from), e);
+      for (uint32_t x : e) parts.push_back(static_cast<uint32_t>(from + x));
+      from = c;
+    }
+    std::vector<uint32_t> e;
+    nnstrain::tok::pretokenize(p, std::string_view(text).substr(from), e);
+    for (uint32_t x : e) parts.push_back(static_cast<uint32_t>(from + x));
+    CHECK(parts == whole);
+    // Lines that start with no ASCII letter are cut too (the old rule's only points).
+    const std::string cyrillic = "Привіт\nсвіт\nмир\n";
+    CHECK(nnstrain::tok::safe_cuts(p, cyrillic, 1).size() == 2);
+    CHECK(nnstrain::tok::safe_cuts(Pattern::none, text, 1).empty());
+  }
+  // A blank line before a letter: gpt2 splits "\n\n" into two pieces there, so the
+  // cut goes between them (after both would encode "\n\n" as one piece).
+  CHECK(nnstrain::tok::safe_cuts(Pattern::gpt2, "para.\n\nNext", 1) == std::vector<size_t>{6});
+  CHECK(nnstrain::tok::safe_cuts(Pattern::llama3, "para.\n\nNext", 1) == std::vector<size_t>{7});
 }

@@ -172,22 +172,35 @@ def test_locally_trained(strings, tmp_path, kind, merges):
     compare(hf, path, strings[:5000], tmp_path, "text")
 
 
-def test_corpus_threads_do_not_change_ids(tmp_path):
-    """A 2 MB corpus as one text, on 1, 2 and 3 threads: the same ids, equal to Hugging Face's."""
+def test_multilingual_text_threads_do_not_change_ids(tmp_path):
+    """A 2.3 MB text as one string (tiny Shakespeare, the multilingual corpus, then
+    lines with no ASCII letter in them: Cyrillic, CJK, Arabic, Devanagari, Hebrew,
+    Greek, Thai, ending "\\n", "\\n\\n", "  \\n", "\\r\\n") on 1, 2, 3 and 7 threads:
+    cut into parts at 2 threads and more, the same ids every time, equal to Hugging
+    Face's on the whole string."""
+    import random
     from tokenizers import Tokenizer
-    text = tc.corpus(2_000_000, seed=5)
+    rng = random.Random(3)
+    scripts = [w for w in tc.WORDS if not any(c.isascii() and c.isalpha() for c in w)]
+    lines = []
+    for _ in range(12000):
+        lines.append(" ".join(rng.choice(scripts) for _ in range(rng.randint(1, 8)))
+                     + rng.choice(["\n", "\n\n", "  \n", "\r\n", "。\n", "\n"]))
+    text = tc.corpus(2_000_000, seed=5) + "".join(lines)
     src = tmp_path / "corpus.txt"
     src.write_bytes(text.encode())
     for tok_path, hf in ((tc.llama3_files()[0], Tokenizer.from_file(str(tc.llama3_files()[0]))),
                          (tc.gpt2_files()[0], tc.hf_gpt2_from_files())):
         hf.encode_special_tokens = True
         ref = np.array(hf.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-        for threads in (1, 2, 3):
+        for threads in (1, 2, 3, 7):
             out = tmp_path / f"ids{threads}.bin"
             r = tokenize("--tokenizer", tok_path, "--input", src, "--threads", threads, "--out", out, "--roundtrip")
             assert r.returncode == 0, r.stderr.decode()
+            parts = int(r.stderr.decode().split(" parts")[0].rsplit(" ", 1)[1])
+            assert (parts == 1) == (threads == 1), (tok_path, threads, parts)
             ours = np.fromfile(out, dtype="<i4")
-            assert ours.shape == ref.shape and (ours == ref).all(), (tok_path, threads)
+            assert ours.shape == ref.shape and (ours == ref).all(), (tok_path, threads, parts)
 
 
 @pytest.mark.parametrize("bad,offset", [(b"ok \xff", 3), (b"ab\xc0\xaf", 2), (b"\xed\xa0\x80x", 0),
