@@ -32,7 +32,8 @@ Prints the plan for the config: tensor-, context-, pipeline- and data-parallel
 sizes, ZeRO, activation recompute per layer, the pipeline's stages, schedule
 and bubble, each parameter's split, per-rank memory and the estimated step
 time. Under autodist it may choose context and pipeline parallelism, which the
-trainer does not run yet. Nothing is trained and no weights are allocated.
+trainer runs when the config names them (context_parallel_size, pas_config.pp_size)
+but does not yet choose itself. Nothing is trained and no weights are allocated.
 
   --runtime-ngpus N       total ranks (default: compute_config.runtime_ngpus, else 1)
   --device NAME           H100 | H200 | A100-80G | A100-40G | cpu | auto
