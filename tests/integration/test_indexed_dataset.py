@@ -77,6 +77,7 @@ PLANS = {
     "dp1": (1, []),
     "dp2": (2, ["--grad_accumulation_steps", 1]),
     "tp2": (2, ["--pas_policy", "hybrid", "--compute_config.plan_ngpus", 2]),
+    "pp2": (2, ["--pas_policy", "hybrid", "--compute_config.pas_config.pp_size", 2]),
 }
 
 
@@ -149,19 +150,19 @@ def test_document_mask_under_tensor_parallelism(data, tmp_path):
 
 def test_masked_loss_is_the_same_whatever_the_micro_batch_cut(data, tmp_path):
     """Prompts masked, the global batch of 8 cut as 8 x 1, 2 x 4 and 1 x 8 (micro-batch x
-    accumulation): the loss is the mean over every counted target of the step, so the
-    cuts give the same losses and gradient norms (a mean of micro-batch means would not:
-    their target counts differ), and 1-sample micro-batches whose window is all prompt
-    add nothing (not NaN)."""
+    accumulation), and 1 x 8 through a two-stage pipeline (8 micro-batches in one flush):
+    the loss is the mean over every counted target of the step, so the cuts give the same
+    losses and gradient norms (a mean of micro-batch means would not: their target counts
+    differ), and 1-sample micro-batches whose window is all prompt add nothing (not NaN)."""
     more = ["--max_train_steps", 4, "--val_every_n_train_steps", 0, "--global_batch_size", 8]
     runs = {}
-    for micro, accum in ((8, 1), (2, 4), (1, 8)):
-        r = train("dp1", data, tmp_path / f"m{micro}", "--micro_batch_size", micro, "--grad_accumulation_steps", accum,
-                  *more)
-        runs[micro] = {t["step"]: (t["loss"], t["grad_norm"]) for t in r.train}
-    ref = runs[8]
+    for plan, micro, accum in (("dp1", 8, 1), ("dp1", 2, 4), ("dp1", 1, 8), ("pp2", 1, 8)):
+        r = train(plan, data, tmp_path / f"{plan}_m{micro}", "--micro_batch_size", micro,
+                  "--grad_accumulation_steps", accum, *more)
+        runs[(plan, micro)] = {t["step"]: (t["loss"], t["grad_norm"]) for t in r.train}
+    ref = runs[("dp1", 8)]
     assert sorted(ref) == [1, 2, 3, 4]
-    for micro in (2, 1):
+    for micro in (("dp1", 2), ("dp1", 1), ("pp2", 1)):
         for s in ref:
             got = runs[micro][s]
             assert got[0] == pytest.approx(ref[s][0], rel=1e-5), (micro, s, got, ref[s])

@@ -293,33 +293,27 @@ void Trainer::announce(int64_t start_step) {
 void Trainer::step(const std::vector<data::Batch>& batches) {
   tr_.state->zero_grad();
   loss_sum_.zero_();
-  if (tr_.pipeline) {
-    // The schedule runs every micro-batch's forward and backward; the gradients
-    // are reduced over dp once they are all in (finish_gradients below). The
-    // loss, the mean of the micro-batches' on the last stage, becomes this
-    // rank's share of the dp mean (summed over pp and dp at logging steps).
-    tr_.reducer->begin_micro_step(false);
-    loss_sum_ = tr_.pipeline->train_step(batches, tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
-                                         [this](bool backward) {
-                                           timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
-                                         });
-    loss_sum_.div_(dp_);
-    tr_.reducer->begin_micro_step(true);
-  }
   // The loss is the mean over every counted target of the step: all micro-batches
   // of every dp x cp rank. Each micro-batch's mean is weighted by its share of
   // the targets (times dp x cp: the reducer averages gradients over those ranks),
-  // so any cut of the batch (dp, cp, accumulation) gives one process's loss,
-  // masked targets included, and an all-masked micro-batch adds 0.
+  // so any cut of the batch (dp, cp, accumulation, pipeline) gives one process's
+  // loss, masked targets included, and an all-masked micro-batch adds 0.
   std::vector<at::Tensor> counts;
-  at::Tensor inv_total;
-  double replicas = 1;
-  if (!tr_.pipeline) {
-    for (const auto& b : batches) counts.push_back(target_count(b));
-    auto total = torch::stack(counts).sum();
-    if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
-    inv_total = total.clamp_min(1).to(torch::kFloat32).reciprocal();
-    replicas = rt_ ? rt_->dp_cp.size() : 1;
+  for (const auto& b : batches) counts.push_back(target_count(b));
+  auto total = torch::stack(counts).sum();
+  if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
+  const auto inv_total = total.clamp_min(1).to(torch::kFloat32).reciprocal();
+  const double replicas = rt_ ? rt_->dp_cp.size() : 1;
+  if (tr_.pipeline) {
+    // The schedule runs every micro-batch's forward and backward; the gradients
+    // are reduced over dp once they are all in (finish_gradients below).
+    tr_.reducer->begin_micro_step(false);
+    loss_sum_ = tr_.pipeline->train_step(batches, torch::stack(counts).to(torch::kFloat32) * inv_total, replicas,
+                                         tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
+                                         [this](bool backward) {
+                                           timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
+                                         });
+    tr_.reducer->begin_micro_step(true);
   }
   for (int64_t a = 0; a < accum_ && !tr_.pipeline; ++a) {
     tr_.reducer->begin_micro_step(a == accum_ - 1);
