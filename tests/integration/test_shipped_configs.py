@@ -68,6 +68,14 @@ def prepare_alpaca(tmp_path, split):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_config_loads_as_shipped(config):
+    """Each file loads as a user's one-process `--print-config` reads it: no override."""
+    p = subprocess.run([nnstrain_bin_path(), "--config", config, "--print-config"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_config_trains_two_steps_on_cpu(config, tmp_path):
     raw = yaml.safe_load(config.read_text())
     model_type = raw["model"]["type"]
@@ -81,9 +89,12 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
                  "--micro_batch_size", 2, "--grad_accumulation_steps", 1, "--global_batch_size", 2,
                  "--max_train_steps", 2, "--log_progress_every_n_train_steps", 1,
                  "--checkpoint.save_dir", tmp_path / "ckpt", "--checkpoint.every_n_train_steps", 0]
-    # One process: a config that spans a node (plan_ngpus 8) plans it over one rank here.
+    # One process: a config that spans a node (plan_ngpus 8) or names its ranks
+    # (runtime_ngpus) plans it over one rank here.
     if raw.get("compute_config", {}).get("plan_ngpus", 1) > 1:
         overrides += ["--compute_config.plan_ngpus", 1]
+    if "runtime_ngpus" in raw.get("compute_config", {}):
+        overrides += ["--compute_config.runtime_ngpus", 1]
     shrink = dict(SHRINK[model_type])
     if ds.get("type") == "indexed":
         # Megatron indexed data as the config's comment says to make it: alpaca records, GPT-2's
