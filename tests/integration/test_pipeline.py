@@ -144,18 +144,23 @@ def test_uneven_layers(reference, tmp_path, tiny_tokens, model, layers, ranks, s
 def test_killed_rank_stops_every_stage(nnstrain_bin, tiny_tokens, tmp_path):
     """A middle stage killed mid-pipeline: every other rank exits non-zero within
     collective_timeout_s (plus the diagnosis' margin); those left waiting on a
-    transfer print their action grid, naming the stage, micro-batch and action."""
-    from test_collective_failure import MARGIN_S, TIMEOUT_S, Ranks, exit_within, read, wait_for_steps
+    transfer print their action grid, naming the stage, micro-batch and action.
+    Rank 2 SIGKILLs itself before the 7th action of its 3rd step (a fault hook),
+    so the death lands inside the schedule: a kill sent from here could land
+    after the last transfer, where only the gradient-norm all-reduce is left."""
+    from test_collective_failure import MARGIN_S, TIMEOUT_S, Ranks, exit_within, logged_steps, read
     pp = ["--micro_batch_size", "1", "--global_batch_size", "4", "--compute_config.pas_config.pp_size", "4",
           "--log_progress_every_n_train_steps", "1", *model_args("gpt")]
-    with Ranks(nnstrain_bin, tiny_tokens, tmp_path, world=4, extra_args=pp) as job:
-        wait_for_steps(job.run_dir, job.procs)
-        job.procs[2].send_signal(signal.SIGKILL)
+    with Ranks(nnstrain_bin, tiny_tokens, tmp_path, world=4, extra_args=pp,
+               extra_env={"NNSTRAIN_TEST_PIPELINE_KILL": "2:3:6"}) as job:
+        rc, _ = exit_within(job.procs[2], 120)
+        assert rc == -signal.SIGKILL, read(job.procs[2])
+        assert logged_steps(job.run_dir) == 2, read(job.procs[0])  # it died in the 3rd step, not at start-up
         outs = []
         for rank in (0, 1, 3):
             rc, took = exit_within(job.procs[rank], TIMEOUT_S + MARGIN_S)
             out = read(job.procs[rank])
-            print(f"\nrank {rank} exited {rc} {took:.1f} s after rank 2 was killed: {out.strip().splitlines()[-1]}")
+            print(f"\nrank {rank} exited {rc} {took:.1f} s after rank 2 died: {out.strip().splitlines()[-1]}")
             assert rc != 0, out
             assert "Traceback" not in out and "frame #" not in out, out
             outs.append(out)

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -117,6 +119,12 @@ struct PipelineExecutor::Impl {
   // (bench/pipeline_bubble.py). The step's busy time and span are logged.
   std::optional<pipeline::Costs> synthetic;
   std::chrono::steady_clock::time_point last_end;
+  // Fault injection for the kill test (NNSTRAIN_TEST_PIPELINE_KILL=GLOBAL_RANK:STEP:ACTION):
+  // that rank SIGKILLs itself before that action of its STEP-th train_step, so
+  // the death lands mid-schedule by construction, not by timing.
+  struct KillAt { int rank, step; size_t action; };
+  std::optional<KillAt> kill_at;
+  int steps_run = 0;
   double busy_s = 0;
 
   Impl(models::CausalLM& m, const PipelinePlan& p, dist::Runtime& r, TrainingState& st, const Options& o)
@@ -140,6 +148,12 @@ struct PipelineExecutor::Impl {
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
     if (const char* e = std::getenv("NNSTRAIN_PIPELINE_SYNTHETIC_MS")) synthetic = parse_synthetic(e);
+    if (const char* e = std::getenv("NNSTRAIN_TEST_PIPELINE_KILL")) {
+      KillAt k{};
+      if (std::sscanf(e, "%d:%d:%zu", &k.rank, &k.step, &k.action) != 3)
+        throw std::runtime_error(std::string("NNSTRAIN_TEST_PIPELINE_KILL='") + e + "': expected GLOBAL_RANK:STEP:ACTION");
+      if (k.rank == rt.rank()) kill_at = k;
+    }
   }
 
   static pipeline::Costs parse_synthetic(const std::string& text) {
@@ -369,8 +383,10 @@ at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_ba
     I.busy_s = 0;
   }
   bool in_backward = false;
+  ++I.steps_run;
   for (size_t k = 0; k < row.size(); ++k) {
     const auto& a = row[k];
+    if (I.kill_at && I.kill_at->step == I.steps_run && I.kill_at->action == k) std::raise(SIGKILL);
     const bool backward = a.op == Op::B || a.op == Op::I || a.op == Op::W || (a.op != Op::F && a.grad);
     if (phase && backward != in_backward) phase(in_backward = backward);
     try {
