@@ -478,7 +478,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.device = cc.get_string("device", "auto", {"auto", "cpu", "cuda"});
   c.memory_budget_gb = cc.get_float("memory_budget_gb", 0.0, 0.0);
   c.allow_tf32 = cc.get_bool("allow_tf32", false);
-  c.cuda_graphs = cc.get_bool("cuda_graphs", false);
+  c.cuda_graphs = cc.get_string("cuda_graphs", "auto", {"auto", "true", "false"});
   c.reduce_dtype = cc.get_string("reduce_dtype", "auto", {"auto", "fp32", "bf16", "fp16"});
   c.context_parallel_size = static_cast<int>(cc.get_int("context_parallel_size", 1, 1, 1 << 20));
   c.cp_comm_type = cc.get_string("cp_comm_type", "p2p", {"p2p", "all_gather"});
@@ -765,7 +765,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     offload->fail("params", std::string("true needs the whole optimizer on the host: compute_config.offload.optimizer: true") +
                                 (c.offload.optimizer ? " and offload.ratio 1 (got " + format_double(c.offload.ratio) + ")"
                                                      : " (got false)"));
-  if ((c.offload.optimizer || c.offload.params) && c.cuda_graphs)
+  if ((c.offload.optimizer || c.offload.params) && c.cuda_graphs == "true")
     offload->fail(c.offload.optimizer ? "optimizer" : "params",
                   "offload cannot be captured in a CUDA graph (the host step reads the gradient norm on the host); "
                   "set compute_config.cuda_graphs: false");
@@ -819,10 +819,10 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                                          std::to_string(cp) +
                                          " yet (context-parallel attention is causal over the whole sequence); set "
                                          "document_mask: false or context_parallel_size: 1");
-  if (cp > 1 && c.cuda_graphs)
+  if (cp > 1 && c.cuda_graphs == "true")
     cc.fail("cuda_graphs", "true is not supported with compute_config.context_parallel_size " + std::to_string(cp) +
                                " yet; set cuda_graphs: false or context_parallel_size: 1");
-  if (t.dataset.document_mask() && c.cuda_graphs)
+  if (t.dataset.document_mask() && c.cuda_graphs == "true")
     train_args.fail("document_mask", "a captured CUDA graph reads no per-token positions or masks; set "
                                      "compute_config.cuda_graphs: false or document_mask: false");
   if (opts.check_files) {

@@ -59,7 +59,10 @@ struct ComputeConfig {
   std::string device = "auto";  // auto | cpu | cuda
   double memory_budget_gb = 0;  // per-rank budget for the planner; 0 = fraction of device memory
   bool allow_tf32 = false;
-  bool cuda_graphs = false;
+  // auto: captured wherever graph_blocker() (trainer/train/step_graph.h) finds
+  // nothing in the way (one GPU, ...), else eager, saying why; true: captured or
+  // refused; false: eager.
+  std::string cuda_graphs = "auto";
   // Gradient buffer and reduction dtype: auto = fp32 under *-mixed, the
   // parameters' dtype under *-true. fp32 | bf16 | fp16 otherwise.
   std::string reduce_dtype = "auto";

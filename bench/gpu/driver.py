@@ -374,7 +374,10 @@ def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout, env=None):
     d.mkdir(exist_ok=True)
     run_dir = ROOT / "runs" / "battery" / name / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [ctx.a.nnstrain, "--config", CONFIGS / config, "--run_dir", run_dir, *overrides]
+    # Eager unless the row asks for graphs: cuda_graphs defaults to auto, and the
+    # eager rows are the baseline the graph rows are read against.
+    graphs = [] if "--compute_config.cuda_graphs" in map(str, overrides) else ["--compute_config.cuda_graphs", "false"]
+    cmd = [ctx.a.nnstrain, "--config", CONFIGS / config, "--run_dir", run_dir, *overrides, *graphs]
     t0 = time.time()
     rc, text = run_cmd(cmd, d / f"nnstrain_{tag}.log", timeout, env=env)
     wall = time.time() - t0

@@ -65,9 +65,10 @@ def test_cuda_graphs_with_accumulation_fp16_evaluation_and_save(nnstrain, tiny_t
                        run_dir=tmp_path / "g", check=False)
         assert run.returncode == 2 and "compute_config.cuda_graphs needs a CUDA device" in run.output, run.output
         return
-    eager = nnstrain(CONFIG, *common, tmp_path / "ck_eager", run_dir=tmp_path / "eager")
-    graphs = nnstrain(CONFIG, *common, tmp_path / "ck_graphs", "--compute_config.cuda_graphs", "true",
-                      run_dir=tmp_path / "graphs")
+    eager = nnstrain(CONFIG, *common, tmp_path / "ck_eager", "--compute_config.cuda_graphs", "false",
+                     run_dir=tmp_path / "eager")
+    # The default (auto) captures on one GPU: the graph pool below shows it did.
+    graphs = nnstrain(CONFIG, *common, tmp_path / "ck_graphs", run_dir=tmp_path / "graphs")
     le, lg = eager.losses(), graphs.losses()
     assert sorted(lg) == list(range(1, 13)), graphs.output
     worst = max(abs(lg[s] - le[s]) / abs(le[s]) for s in le)
@@ -80,6 +81,10 @@ def test_cuda_graphs_with_accumulation_fp16_evaluation_and_save(nnstrain, tiny_t
     pg = {r["step"]: r["peak_tensor_mb"] for r in graphs.train}
     assert all(abs(pg[s] / pe[s] - 1) < 0.10 for s in range(6, 13)), (pe, pg)
     assert all("graph_pool_mb" in r and "activation_mb" in r for r in graphs.train if r["step"] > 4), graphs.train
+    # The time split: eager steps by part, replayed ones as data + the graph whole.
+    assert all(r["time_forward_ms"] > 0 and "time_graph_ms" not in r for r in eager.train), eager.train
+    replayed = [r for r in graphs.train if r["step"] > 4]
+    assert replayed and all(r["time_graph_ms"] > 0 and "time_forward_ms" not in r for r in replayed), replayed
 
 
 def test_profiler_trace_holds_the_devices_work(nnstrain, tiny_tokens, tmp_path):

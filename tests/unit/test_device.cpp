@@ -3,10 +3,13 @@
 // without a GPU.
 #include <ATen/Context.h>
 
+#include <functional>
+
 #include "test_support.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/dist/device.h"
+#include "trainer/train/step_graph.h"
 #include "trainer/train/stop_decision.h"
 
 using namespace nnstrain;
@@ -112,4 +115,35 @@ TEST_CASE("RNG state round-trips through a checkpoint and a CPU-only one still r
   CHECK(torch::equal(torch::rand({8}), want));
   // Another rank's state is not this rank's: nothing restored, nothing thrown.
   CHECK(checkpoint::restore_rng_state(ck, 1, cpu).empty());
+}
+
+TEST_CASE("cuda_graphs auto captures one GPU's default step and names what keeps any other eager", "[device]") {
+  train::GraphFacts one_gpu;
+  one_gpu.built_with_cuda = true;
+  one_gpu.cuda = true;
+  one_gpu.optimizer_impl = "fused";
+  CHECK(train::graph_blocker(one_gpu).empty());
+  // Each fact alone is enough, and the reason names it.
+  const std::vector<std::pair<std::function<void(train::GraphFacts&)>, std::string>> cases{
+      {[](auto& f) { f.built_with_cuda = false; }, "NNSTRAIN_WITH_CUDA"},
+      {[](auto& f) { f.cuda = false; }, "needs a CUDA device"},
+      {[](auto& f) { f.world = 2; }, "several ranks"},
+      {[](auto& f) { f.zero_stage = 2; }, "ZeRO stage 2"},
+      {[](auto& f) { f.zero_stage = 3; }, "ZeRO stage 3"},
+      {[](auto& f) { f.recompute = true; }, "recompute"},
+      {[](auto& f) { f.optimizer_impl = "foreach"; }, "not foreach"},
+      {[](auto& f) { f.offload = true; }, "compute_config.offload"},
+      {[](auto& f) { f.cp = 2; }, "context_parallel_size"},
+      {[](auto& f) { f.pp = 2; }, "pp_size"},
+      {[](auto& f) { f.document_mask = true; }, "document_mask"},
+  };
+  for (const auto& [change, reason] : cases) {
+    auto f = one_gpu;
+    change(f);
+    CHECK_THAT(train::graph_blocker(f), Catch::Contains(reason));
+  }
+  // ZeRO-1 at one rank is still captured.
+  auto z1 = one_gpu;
+  z1.zero_stage = 1;
+  CHECK(train::graph_blocker(z1).empty());
 }

@@ -63,7 +63,7 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   if (plan.zero_stage >= 2)
     throw config::ConfigError(key + ": pipeline parallelism with ZeRO stage " + std::to_string(plan.zero_stage) +
                               " (compute_config.use_zero) is not implemented yet; use 0 or 1");
-  if (args.compute_config.cuda_graphs)
+  if (args.compute_config.cuda_graphs == "true")
     throw config::ConfigError(key + ": pipeline parallelism cannot be captured in a CUDA graph "
                               "(compute_config.cuda_graphs: false)");
   parallel::PipelineExecutor::Options o;
@@ -188,8 +188,9 @@ torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& e
   log::add_file(rank_log_path(args.run_dir, env.rank));
   const torch::Device device = dist::bind_device(args.compute_config.device, env);
   dist::set_allow_tf32(args.compute_config.allow_tf32);
-  // CUDA graphs: the run works on a non-default stream from here on (step_graph.h).
-  if (args.compute_config.cuda_graphs && device.is_cuda()) use_capture_stream(device);
+  // CUDA graphs: the run works on a non-default stream from here on (step_graph.h),
+  // wherever a graph may be captured (auto decides once the plan is known).
+  if (args.compute_config.cuda_graphs != "false" && device.is_cuda() && env.world_size == 1) use_capture_stream(device);
   return device;
 }
 

@@ -34,6 +34,29 @@ void use_capture_stream(const c10::Device& device) {
 #endif
 }
 
+bool graphs_built() {
+#ifdef NNSTRAIN_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string graph_blocker(const GraphFacts& f) {
+  if (!f.built_with_cuda) return "needs an nnstrain built with its CUDA code (NNSTRAIN_WITH_CUDA)";
+  if (!f.cuda) return "needs a CUDA device";
+  if (f.world > 1) return "is not supported with several ranks yet (one GPU only)";
+  if (f.zero_stage >= 2)
+    return "is not supported with ZeRO stage " + std::to_string(f.zero_stage) + " (compute_config.use_zero) yet";
+  if (f.recompute) return "is not supported with activation recompute yet";
+  if (f.optimizer_impl != "fused") return "needs optimizer.args.impl fused (or auto), not " + f.optimizer_impl;
+  if (f.offload) return "cannot capture offload's host step (compute_config.offload)";
+  if (f.cp > 1) return "cannot capture context parallelism's ring (compute_config.context_parallel_size)";
+  if (f.pp > 1) return "cannot capture the pipeline's transfers (compute_config.pas_config.pp_size)";
+  if (f.document_mask) return "cannot read per-token document masks (dataset.*_args.document_mask)";
+  return "";
+}
+
 StepGraph::StepGraph(Body body, int warmup) : impl_(std::make_unique<Impl>()) {
 #ifndef NNSTRAIN_CUDA
   throw std::runtime_error("compute_config.cuda_graphs: this nnstrain was built without CUDA");

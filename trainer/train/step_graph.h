@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -24,6 +25,28 @@ namespace nnstrain::train {
 
 // Makes a pool stream of `device` current for this thread, for the rest of the run.
 void use_capture_stream(const c10::Device& device);
+
+// What a run is, as far as capturing its step goes.
+struct GraphFacts {
+  bool built_with_cuda = false;  // graphs_built()
+  bool cuda = false;
+  int world = 1;
+  int zero_stage = 0;
+  bool recompute = false;
+  std::string optimizer_impl;  // fused | foreach | ...
+  bool offload = false;
+  int cp = 1, pp = 1;
+  bool document_mask = false;
+};
+
+// What keeps the step from being captured, as the rest of a sentence after
+// "compute_config.cuda_graphs" ("" when nothing does): host collectives (Gloo) or NCCL capture at
+// several ranks, ZeRO-2/3's per-bucket collectives, recompute's RNG save and
+// restore, a non-fused optimizer's host loop, offload's host step, the pipeline
+// and ring's point-to-point transfers, per-token document masks. The same list
+// refuses `cuda_graphs: true` and turns `auto` eager.
+std::string graph_blocker(const GraphFacts& f);
+bool graphs_built();  // this nnstrain was compiled with its CUDA code
 
 class StepGraph {
  public:

@@ -15,9 +15,9 @@
 namespace nnstrain::train {
 
 namespace {
-constexpr const char* kNames[] = {"data", "forward", "backward", "communication", "optimizer"};
+constexpr const char* kNames[] = {"data", "forward", "backward", "communication", "optimizer", "graph"};
 constexpr const char* kKeys[] = {"time_data_ms", "time_forward_ms", "time_backward_ms", "time_comm_ms",
-                                 "time_optimizer_ms"};
+                                 "time_optimizer_ms", "time_graph_ms"};
 using Clock = std::chrono::steady_clock;
 }  // namespace
 

@@ -1,5 +1,6 @@
 // The step-time split: how long each part of a training step took (data wait,
-// forward, backward, exposed communication, optimizer). Measured only on the
+// forward, backward, exposed communication, optimizer; under a replayed CUDA
+// graph data and the graph as a whole). Measured only on the
 // steps that are logged: on CUDA with events on the current stream, read at the
 // logging step's sync; on CPU with the host clock. On other steps timing costs
 // nothing and adds no sync.
@@ -20,7 +21,8 @@ namespace nnstrain::train {
 
 class StepTimer {
  public:
-  enum Part { kData, kForward, kBackward, kComm, kOptimizer, kNumParts };
+  // kGraph: a replayed CUDA graph, forward to optimizer as one part.
+  enum Part { kData, kForward, kBackward, kComm, kOptimizer, kGraph, kNumParts };
   // "data", "forward", ...: the profiler range names.
   static const char* name(Part p);
   // "time_data_ms", ...: the metrics record's keys.

@@ -134,6 +134,7 @@ class Trainer {
   MemorySnapshots* snapshots_ = nullptr;  // owned by the OomContext
   std::unique_ptr<StopDecision> stop_decision_;
   std::unique_ptr<StepGraph> graph_;
+  bool timed_ = false;  // this step's time split is measured (step_timer.h)
 
   // On the device, read only at logging steps and saves (the one host sync).
   at::Tensor loss_sum_, grad_norm_, lr_dev_;
@@ -230,19 +231,26 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   first_bad_ = torch::full({1}, -1.0, fopts_);
   step_dev_ = torch::full({1}, static_cast<double>(start_step), fopts_);
 
-  if (args.compute_config.cuda_graphs) {
-    // What a captured step cannot hold yet: host collectives (Gloo) or NCCL
-    // capture, and recompute's RNG save/restore. Refused, never ignored.
-    if (!device.is_cuda()) throw config::ConfigError("compute_config.cuda_graphs needs a CUDA device");
-    if (world_ > 1) throw config::ConfigError("compute_config.cuda_graphs: several ranks are not supported yet (one GPU only)");
-    if (plan_.zero_stage >= 2)
-      throw config::ConfigError("compute_config.cuda_graphs: ZeRO stage " + std::to_string(plan_.zero_stage) +
-                                " (compute_config.use_zero) is not supported with CUDA graphs yet");
-    if (std::count(plan_.recompute.begin(), plan_.recompute.end(), true) > 0)
-      throw config::ConfigError("compute_config.cuda_graphs: activation recompute is not supported with CUDA graphs yet");
-    if (tr_.optimizer->impl() != "fused")
-      throw config::ConfigError("compute_config.cuda_graphs needs optimizer.args.impl fused (or auto)");
-    graph_ = std::make_unique<StepGraph>([this](const std::vector<data::Batch>& b) { step(b); }, /*warmup=*/3);
+  const auto& graphs = args.compute_config.cuda_graphs;
+  if (graphs != "false") {
+    GraphFacts f;
+    f.built_with_cuda = graphs_built();
+    f.cuda = device.is_cuda();
+    f.world = world_;
+    f.zero_stage = plan_.zero_stage;
+    f.recompute = std::count(plan_.recompute.begin(), plan_.recompute.end(), true) > 0;
+    f.optimizer_impl = tr_.optimizer->impl();
+    f.offload = tr_.state->offloaded() || plan_.offload_params;
+    f.cp = plan_.context.cp;
+    f.pp = plan_.pipeline.pp;
+    f.document_mask = args.dataset.document_mask();
+    const auto blocker = graph_blocker(f);
+    if (blocker.empty())
+      graph_ = std::make_unique<StepGraph>([this](const std::vector<data::Batch>& b) { step(b); }, /*warmup=*/3);
+    else if (graphs == "true")  // refused, never ignored
+      throw config::ConfigError("compute_config.cuda_graphs " + blocker);
+    else if (device.is_cuda() && rank_ == 0)
+      log::info("compute_config.cuda_graphs auto: the step runs eagerly, since a graph " + blocker);
   }
   announce(start_step);
 }
@@ -433,11 +441,13 @@ void Trainer::log_progress() {
   if (tr_.scaler)
     line += ", loss scale " + fmt(rec["loss_scale"].get<double>(), 0) + ", skipped " +
             std::to_string(rec["skipped_steps"].get<int64_t>());
-  if (!graph_) {
-    // A replayed CUDA graph has no parts to time (the timer's calls ran at capture).
+  if (timed_) {
+    // A replayed CUDA graph is timed whole (its parts ran at capture); the steps
+    // up to its capture are not timed.
     const auto split = timer_.read();
     line += ", time";
     for (int p = 0; p < StepTimer::kNumParts; ++p) {
+      if ((p == StepTimer::kGraph) != (graph_ != nullptr) && p != StepTimer::kData) continue;
       rec[StepTimer::metric_key(StepTimer::Part(p))] = split[p];
       line += std::string(p ? " / " : " ") + StepTimer::name(StepTimer::Part(p)) + " " + fmt(split[p], 1);
     }
@@ -533,7 +543,11 @@ int Trainer::run() {
     const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
     logs_ = logs;
     if (logs) reset_step_peak(device_);  // peak_tensor_mb: what this step holds at most
-    timer_.begin_step(step_ + 1, !graph_ && logs);
+    // A step being captured records no timing events (they would join the graph);
+    // a replayed one is timed as data, then the graph as a whole.
+    const bool replay = graph_ && graph_->captured();
+    timed_ = logs && (!graph_ || replay);
+    timer_.begin_step(step_ + 1, timed_);
     std::vector<data::Batch> batches;
     for (int64_t a = 0; a < accum_; ++a) batches.push_back(loader_->next());
     if (graph_) {
@@ -541,6 +555,7 @@ int Trainer::run() {
       saver_->state_may_change();  // host side: a replayed step does not run step()'s call
       const bool capturing = !graph_->captured();
       logs_ = true;  // eager and captured steps measure their activations (reading counters only)
+      if (replay) timer_.enter(StepTimer::kGraph);
       graph_->run(batches);
       if (capturing && graph_->captured()) graph_activation_bytes_ = activation_bytes_;
     } else {
