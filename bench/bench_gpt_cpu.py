@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""nnstrain against a plain PyTorch training loop on CPU, same model, same run.
+"""nnstrain against a plain PyTorch training loop on CPU (eager and torch.compile), same model, same run.
 
 Trains the CPU variant of nanoGPT's shakespeare_char GPT (configs/shakespeare_char_cpu.yaml:
 n_layer 4, n_head 4, n_embd 128, block 64, batch 12, no bias, dropout 0, AdamW fused,
@@ -10,6 +10,8 @@ cosine lr, clip 1.0) for --steps steps twice per thread count:
       head, nanoGPT's init and get_lr, torch.optim.AdamW(fused=True) with nanoGPT's two
       weight-decay groups, clip_grad_norm_), random windows of the same train.bin,
       torch.set_num_threads(N);
+  (a') the same loop with the model under torch.compile (default mode, inductor's
+      C++ backend; the compile happens in the untimed warm-up steps);
   (b) nnstrain --config configs/shakespeare_char_cpu.yaml --max_train_steps N, with
       OMP_NUM_THREADS=N, a metrics record every step, no evaluation, no checkpoints.
 
@@ -129,8 +131,8 @@ def get_lr(it):  # nanoGPT's
     return min_lr + coeff * (lr - min_lr)
 
 
-def run_baseline(train_bin, steps, threads):
-    """Per-step seconds and losses of the eager PyTorch loop."""
+def run_baseline(train_bin, steps, threads, compiled=False):
+    """Per-step seconds and losses of the PyTorch loop, eager or under torch.compile."""
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
     data = np.memmap(train_bin, dtype=np.uint16, mode="r")
@@ -144,6 +146,9 @@ def run_baseline(train_bin, steps, threads):
 
     model = GPT(**MODEL).train()
     params = [p for p in model.parameters() if p.requires_grad]
+    if compiled:
+        torch._dynamo.reset()
+        model = torch.compile(model)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"], fused=True)
@@ -263,6 +268,7 @@ def main():
         best = {}
         for rep in range(a.repeats):
             for name, fn in (("pytorch_eager", lambda: run_baseline(train_bin, a.steps, threads)),
+                             ("pytorch_compile", lambda: run_baseline(train_bin, a.steps, threads, compiled=True)),
                              ("nnstrain", lambda: nnstrain_step_times(binary, a.steps, threads, data_dir))):
                 load_before = os.getloadavg()[0]
                 secs, losses = fn()
@@ -274,20 +280,26 @@ def main():
                       f"{s['loss_last']:.3f}, load {s['load_avg_1min']}", flush=True)
                 if name not in best or s["tokens_per_s_median"] > best[name]["tokens_per_s_median"]:
                     best[name] = s
-        ratio = best["nnstrain"]["tokens_per_s"] / best["pytorch_eager"]["tokens_per_s"]
-        ratio_median = best["nnstrain"]["tokens_per_s_median"] / best["pytorch_eager"]["tokens_per_s_median"]
-        print(f"threads {threads}: nnstrain / pytorch eager = {ratio:.3f} (mean), {ratio_median:.3f} (median step)",
-              flush=True)
-        record["results"].append({"threads": threads, "ratio_nnstrain_over_pytorch": ratio,
-                                  "ratio_nnstrain_over_pytorch_median": ratio_median, **best})
+        entry = {"threads": threads, **best}
+        for base in BASELINES:
+            ratio = best["nnstrain"]["tokens_per_s"] / best[base]["tokens_per_s"]
+            ratio_median = best["nnstrain"]["tokens_per_s_median"] / best[base]["tokens_per_s_median"]
+            print(f"threads {threads}: nnstrain / {base} = {ratio:.3f} (mean), {ratio_median:.3f} (median step)",
+                  flush=True)
+            entry[f"ratio_nnstrain_over_{base}"] = ratio
+            entry[f"ratio_nnstrain_over_{base}_median"] = ratio_median
+        record["results"].append(entry)
         write_results(stem, record, a)  # after every thread count, so an interrupted run keeps what it measured
     print(f"wrote {stem}.json and {stem}.md")
+
+
+BASELINES = ("pytorch_eager", "pytorch_compile")
 
 
 def write_results(stem, record, a):
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        f"# GPT training on CPU: nnstrain vs eager PyTorch ({record['date']})", "",
+        f"# GPT training on CPU: nnstrain vs PyTorch eager and torch.compile ({record['date']})", "",
         f"- device: {record['device']} ({record['logical_cpus']} logical CPUs)",
         f"- torch (baseline) {record['torch']}, LibTorch (nnstrain) {record['libtorch']}",
         f"- commit {record['commit']}",
@@ -300,18 +312,20 @@ def write_results(stem, record, a):
     lines += [
         "", "tok/s = tokens of the timed steps / their time; median = tokens per step / median step time "
             "(robust to steps stalled by other processes). Ratio > 1: nnstrain faster.",
-        "", "| threads | nnstrain tok/s | PyTorch eager tok/s | ratio | nnstrain tok/s (median) | "
-            "PyTorch tok/s (median) | ratio (median) | max ms/step nnstrain / PyTorch | "
+        "", "| threads | baseline | nnstrain tok/s | baseline tok/s | ratio | nnstrain tok/s (median) | "
+            "baseline tok/s (median) | ratio (median) | max ms/step nnstrain / baseline | "
             "load avg (1 min, before/after) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in record["results"]:
-        n, p = r["nnstrain"], r["pytorch_eager"]
-        lines.append(f"| {r['threads']} | {n['tokens_per_s']:.0f} | {p['tokens_per_s']:.0f} | "
-                     f"{r['ratio_nnstrain_over_pytorch']:.3f} | {n['tokens_per_s_median']:.0f} | "
-                     f"{p['tokens_per_s_median']:.0f} | {r['ratio_nnstrain_over_pytorch_median']:.3f} | "
-                     f"{n['max_ms_per_step']:.0f} / {p['max_ms_per_step']:.0f} | "
-                     f"nnstrain {n['load_avg_1min']}, PyTorch {p['load_avg_1min']} |")
+        n = r["nnstrain"]
+        for base in BASELINES:
+            p = r[base]
+            lines.append(f"| {r['threads']} | {base} (fused AdamW) | {n['tokens_per_s']:.0f} | {p['tokens_per_s']:.0f} | "
+                         f"{r[f'ratio_nnstrain_over_{base}']:.3f} | {n['tokens_per_s_median']:.0f} | "
+                         f"{p['tokens_per_s_median']:.0f} | {r[f'ratio_nnstrain_over_{base}_median']:.3f} | "
+                         f"{n['max_ms_per_step']:.0f} / {p['max_ms_per_step']:.0f} | "
+                         f"nnstrain {n['load_avg_1min']}, {base} {p['load_avg_1min']} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
