@@ -1,0 +1,118 @@
+"""ZeRO-2, ZeRO-3 and HSDP under pipeline parallelism (issue 21): parity with one
+process on CPU/Gloo, fp32, 10 steps, clipping active, the same global batch
+(test_pipeline's runs and reference), ZeRO-3's gathers counted at the
+collectives (once per unit per step, not per micro-batch), and a pp2 x ZeRO-3
+checkpoint resumed by one process and merged.
+"""
+import pathlib
+import re
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import assert_active, device_args, nnstrain_bin_path, run_ranks, single_process_env
+from test_pipeline import CONFIG, LAYERS, STEPS, TOL, compare, model_args, reference, run  # noqa: F401 (a fixture)
+
+
+def micros(dp):
+    """Micro-batches per step: global batch 8 = micro-batch 2 x nmicros x dp."""
+    return 8 // (2 * dp)
+
+
+def zero_traffic(run_dir, ranks):
+    """{rank: (all-gathers, reduce-scatters, buckets)} of the ZeRO group by the end of the run, from each rank's log."""
+    got = {}
+    for r in range(ranks):
+        log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
+        m = re.search(rf"ZeRO group collectives by the end of step {STEPS}: (\d+) all-gathers, (\d+) reduce-scatters, "
+                      r"\d+ all-reduces over (\d+) buckets", log)
+        assert m, f"rank {r}: no ZeRO traffic line:\n{log}"
+        got[r] = tuple(map(int, m.groups()))
+    return got
+
+
+def units_of(model, stage, stages):
+    """ZeRO-3 units a stage of the 8-layer tiny models holds under pp: a unit per block, the
+    parameters before the blocks (GPT's position embedding, Llama's token embedding), those after
+    (the final norm; Llama's untied head with it), and GPT's tied token embedding, held by the
+    first and the last stage, a unit of its own."""
+    n = LAYERS // stages
+    if model == "gpt":
+        return n + (stage in (0, stages - 1)) + (stage == 0) + (stage == stages - 1)
+    return n + (stage == 0) + (stage == stages - 1)
+
+
+@pytest.mark.parametrize("model", ("gpt", "llama"))
+@pytest.mark.parametrize("zero", (2, 3))
+def test_zero_under_pp2_dp2(reference, tmp_path, tiny_tokens, model, zero):
+    """pp2 x dp2, 1F1B: each stage's gradients reduce-scattered over its own dp group per
+    micro-batch's backward, GPT's tied embedding summed in the shard. ZeRO-3 gathers each unit
+    once per step: the all-gathers counted on every rank's ZeRO group are its units x steps
+    (per micro-batch would be 2 x 4 times that), its reduce-scatters units x nmicros x steps."""
+    ov = ["--compute_config.pas_config.pp_size", "2", "--compute_config.use_zero", str(zero)]
+    got, out = run(4, tmp_path, tiny_tokens, model, *ov)
+    assert_active(tmp_path, out, 4, ov)  # the shards held, gradient traffic
+    compare(reference(model), got, f"{model} pp2 x dp2 ZeRO-{zero}")
+    traffic = zero_traffic(tmp_path, 4)
+    for rank, (gathers, scatters, buckets) in traffic.items():
+        stage = rank % 2  # ranks laid out [TP, CP, PP, DP]: rank = dp x 2 + pipeline rank
+        if zero == 3:
+            assert buckets == units_of(model, stage, 2), (rank, buckets)
+            assert gathers == STEPS * buckets, f"rank {rank}: {gathers} all-gathers, {buckets} units, {STEPS} steps"
+        else:  # ZeRO-2: the updated chunks gathered after each step
+            assert gathers == STEPS * buckets, (rank, gathers, buckets)
+        assert scatters == STEPS * micros(2) * buckets, f"rank {rank}: {scatters} reduce-scatters of {buckets} buckets"
+
+
+@pytest.mark.parametrize("scheduler", ("zbv", "zb1p"))
+def test_zero3_split_backward(reference, tmp_path, tiny_tokens, scheduler):
+    """ZeRO-3 under the zero-bubble schedules (I then W: W's weight gradients reduce-scattered):
+    zbv puts the first and the last stage (the tied embedding's two uses) on rank 0."""
+    ov = ["--compute_config.pas_config.pp_size", "2", "--compute_config.pas_config.pipeline_scheduler", scheduler,
+          "--compute_config.use_zero", "3"]
+    got, out = run(4, tmp_path, tiny_tokens, "gpt", *ov)
+    assert_active(tmp_path, out, 4, ov)
+    compare(reference("gpt"), got, f"gpt pp2 {scheduler} x dp2 ZeRO-3")
+    for rank, (gathers, _, buckets) in zero_traffic(tmp_path, 4).items():
+        assert gathers == STEPS * buckets, (rank, gathers, buckets)
+
+
+@pytest.mark.parametrize("zero", (2, 3))
+def test_hsdp_under_pp2_dp4(reference, tmp_path, tiny_tokens, zero):
+    """pp2 x dp4 with zero_ngroups 2 (8 ranks): each stage shards over 2 ranks and all-reduces
+    the shards across the two groups. The untied Llama: micro-batch 1, one per dp rank and micro."""
+    ov = ["--compute_config.pas_config.pp_size", "2", "--compute_config.use_zero", str(zero),
+          "--compute_config.zero_ngroups", "2", "--micro_batch_size", "1"]
+    got, out = run(8, tmp_path, tiny_tokens, "llama", *ov)
+    assert_active(tmp_path, out, 8, ov)  # shards over 2 of the 4 dp ranks
+    compare(reference("llama"), got, f"llama pp2 x dp4 HSDP (2 groups) ZeRO-{zero}")
+
+
+def test_zero3_checkpoint_resumes_under_one_process(reference, tmp_path, tiny_tokens):
+    """pp2 x ZeRO-3 dp2 saves at step 4 (each piece a ZeRO chunk of one stage's units, GPT's tied
+    embedding on two ranks); one process resumes it and continues the uninterrupted run, and
+    `nnstrain merge` of the pipeline checkpoint gives the one-process checkpoint's weights."""
+    ckpt = ["--checkpoint.every_n_train_steps", "4"]
+    ref = reference("gpt")
+    pp = ["--compute_config.pas_config.pp_size", "2", "--compute_config.use_zero", "3"]
+    run(4, tmp_path / "pp", tiny_tokens, "gpt", *pp, *ckpt, "--checkpoint.save_dir", tmp_path / "pp" / "ckpt")
+    args = ["--config", str(CONFIG), "--run_dir", str(tmp_path / "one"), "--vars.data", str(tiny_tokens),
+            "--micro_batch_size", "2", "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(1),
+            *model_args("gpt"), *ckpt, "--checkpoint.save_dir", str(tmp_path / "one" / "ckpt"),
+            "--resume", str(tmp_path / "pp" / "ckpt" / "step-00000004")]
+    one = run_ranks(1, tmp_path / "one", args, [])
+    assert sorted(one) == list(range(5, STEPS + 1)), one
+    compare({s: ref[s] for s in one}, one, "pp2 x ZeRO-3 step 4 resumed by one process")
+    merged = {}
+    for name in ("pp", "one"):
+        out = tmp_path / f"merged_{name}"
+        p = subprocess.run([nnstrain_bin_path(), "merge", str(tmp_path / name / "ckpt" / "step-00000008"),
+                            "--out", str(out)], capture_output=True, text=True, env=single_process_env(1))
+        assert p.returncode == 0, p.stdout + p.stderr
+        merged[name] = load_file(str(out / "model.safetensors"))
+    assert sorted(merged["pp"]) == sorted(merged["one"])
+    worst = max(float(np.abs(merged["pp"][k] - v).max() / max(np.abs(v).max(), 1e-12)) for k, v in merged["one"].items())
+    print(f"merge of the pp2 x ZeRO-3 checkpoint at step 8: largest relative weight difference {worst:.2e}")
+    assert worst < TOL
