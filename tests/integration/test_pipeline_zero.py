@@ -90,29 +90,37 @@ def test_hsdp_under_pp2_dp4(reference, tmp_path, tiny_tokens, zero):
     compare(reference("llama"), got, f"llama pp2 x dp4 HSDP (2 groups) ZeRO-{zero}")
 
 
-def test_zero3_checkpoint_resumes_under_one_process(reference, tmp_path, tiny_tokens):
+def test_zero3_checkpoint_resumes_under_one_process(tmp_path, tiny_tokens):
     """pp2 x ZeRO-3 dp2 saves at step 4 (each piece a ZeRO chunk of one stage's units, GPT's tied
-    embedding on two ranks); one process resumes it and continues the uninterrupted run, and
-    `nnstrain merge` of the pipeline checkpoint gives the one-process checkpoint's weights."""
-    ckpt = ["--checkpoint.every_n_train_steps", "4"]
-    ref = reference("gpt")
+    embedding on two ranks); one process resumes it and continues the uninterrupted one-process run,
+    and `nnstrain merge` of the pipeline checkpoint gives that run's step-4 weights."""
+    def args(name, ranks, *extra):
+        return ["--config", str(CONFIG), "--run_dir", str(tmp_path / name), "--vars.data", str(tiny_tokens),
+                "--micro_batch_size", "2", "--global_batch_size", "8", *device_args(ranks), *model_args("gpt"),
+                "--checkpoint.every_n_train_steps", "4", "--checkpoint.save_dir", str(tmp_path / name / "ckpt"),
+                *map(str, extra)]
+    ten = ["--max_train_steps", str(STEPS)]
     pp = ["--compute_config.pas_config.pp_size", "2", "--compute_config.use_zero", "3"]
-    run(4, tmp_path / "pp", tiny_tokens, "gpt", *pp, *ckpt, "--checkpoint.save_dir", tmp_path / "pp" / "ckpt")
-    args = ["--config", str(CONFIG), "--run_dir", str(tmp_path / "one"), "--vars.data", str(tiny_tokens),
-            "--micro_batch_size", "2", "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(1),
-            *model_args("gpt"), *ckpt, "--checkpoint.save_dir", str(tmp_path / "one" / "ckpt"),
-            "--resume", str(tmp_path / "pp" / "ckpt" / "step-00000004")]
-    one = run_ranks(1, tmp_path / "one", args, [])
-    assert sorted(one) == list(range(5, STEPS + 1)), one
-    compare({s: ref[s] for s in one}, one, "pp2 x ZeRO-3 step 4 resumed by one process")
+    ref = run_ranks(1, tmp_path / "one", args("one", 1, *ten), [])
+    run_ranks(4, tmp_path / "pp", args("pp", 4, "--max_train_steps", "4", *pp), pp)
+    step4 = tmp_path / "pp" / "ckpt" / "step-00000004"
+    back = run_ranks(1, tmp_path / "back", args("back", 1, *ten, "--resume", step4), [])
+    assert sorted(back) == list(range(5, STEPS + 1)), back
+    compare({s: ref[s] for s in back}, back, "pp2 x ZeRO-3 dp2's step 4 resumed by one process")
     merged = {}
-    for name in ("pp", "one"):
+    for name, ckpt in (("pp", step4), ("one", tmp_path / "one" / "ckpt" / "step-00000004")):
         out = tmp_path / f"merged_{name}"
-        p = subprocess.run([nnstrain_bin_path(), "merge", str(tmp_path / name / "ckpt" / "step-00000008"),
-                            "--out", str(out)], capture_output=True, text=True, env=single_process_env(1))
+        p = subprocess.run([nnstrain_bin_path(), "merge", str(ckpt), "--out", str(out)], capture_output=True,
+                           text=True, env=single_process_env(1))
         assert p.returncode == 0, p.stdout + p.stderr
         merged[name] = load_file(str(out / "model.safetensors"))
     assert sorted(merged["pp"]) == sorted(merged["one"])
-    worst = max(float(np.abs(merged["pp"][k] - v).max() / max(np.abs(v).max(), 1e-12)) for k, v in merged["one"].items())
-    print(f"merge of the pp2 x ZeRO-3 checkpoint at step 8: largest relative weight difference {worst:.2e}")
+
+    def comparable(name, t):
+        # GPT's key bias adds the same q.b to every score of a query's row, which softmax ignores: its
+        # gradient is rounding noise, which AdamW turns into updates of the learning rate's size.
+        return np.concatenate([t[:32], t[64:]]) if name.endswith("attn.c_attn.bias") else t
+    worst = max(float(np.abs(comparable(k, merged["pp"][k]) - comparable(k, v)).max() / max(np.abs(v).max(), 1e-12))
+                for k, v in merged["one"].items())
+    print(f"merge of the pp2 x ZeRO-3 checkpoint at step 4: largest relative weight difference {worst:.2e}")
     assert worst < TOL
