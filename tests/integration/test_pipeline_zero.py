@@ -4,15 +4,13 @@ process on CPU/Gloo, fp32, 10 steps, clipping active, the same global batch
 collectives (once per unit per step, not per micro-batch), and a pp2 x ZeRO-3
 checkpoint resumed by one process and merged.
 """
-import pathlib
-import re
 import subprocess
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import assert_active, device_args, nnstrain_bin_path, run_ranks, single_process_env
+from conftest import assert_active, device_args, nnstrain_bin_path, rank_log_numbers, run_ranks, single_process_env
 from test_pipeline import CONFIG, LAYERS, STEPS, TOL, compare, model_args, reference, run  # noqa: F401 (a fixture)
 
 
@@ -23,14 +21,8 @@ def micros(dp):
 
 def zero_traffic(run_dir, ranks):
     """{rank: (all-gathers, reduce-scatters, buckets)} of the ZeRO group by the end of the run, from each rank's log."""
-    got = {}
-    for r in range(ranks):
-        log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
-        m = re.search(rf"ZeRO group collectives by the end of step {STEPS}: (\d+) all-gathers, (\d+) reduce-scatters, "
-                      r"\d+ all-reduces over (\d+) buckets", log)
-        assert m, f"rank {r}: no ZeRO traffic line:\n{log}"
-        got[r] = tuple(map(int, m.groups()))
-    return got
+    return rank_log_numbers(run_dir, ranks, rf"ZeRO group collectives by the end of step {STEPS}: (\d+) all-gathers, "
+                                            r"(\d+) reduce-scatters, \d+ all-reduces over (\d+) buckets")
 
 
 def units_of(model, stage, stages):
