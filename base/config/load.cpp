@@ -392,9 +392,6 @@ void check_pipeline(const ArgMap& pas, const ComputeConfig& c, int64_t accumulat
     pas.fail("pipeline_nmicros", std::to_string(q.nmicros) + " micro-batches per pipeline flush, but the step has " +
                                      std::to_string(accumulation) + " (grad_accumulation_steps; global_batch_size = "
                                      "micro_batch_size x pipeline_nmicros x " + dp_text + ")");
-  if (c.use_zero >= 2)
-    pas.fail("pp_size", "pipeline parallelism with compute_config.use_zero " + std::to_string(c.use_zero) +
-                            " is not implemented yet (ZeRO 0 or 1)");
   const int stages = q.nstages > 0 ? q.nstages : !q.layers.empty() ? static_cast<int>(q.layers.size())
                                                                     : parallel::pipeline::default_stages(q.scheduler, q.pp_size);
   try {

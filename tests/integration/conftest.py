@@ -190,17 +190,24 @@ STATE_ELEMENT_BYTES = {
 _PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
-def held_between_steps(run_dir, nproc):
-    """{rank: {"param", "grad", "master", "moments", "elements"}}: the bytes each rank keeps between
-    steps, and its parameter elements before ZeRO (after tensor parallelism), from its log."""
+def rank_log_numbers(run_dir, nproc, pattern):
+    """{rank: (int, ...)}: the groups of `pattern` in each rank's log (run_dir/logs/rankN.log),
+    which every rank must have."""
     found = {}
     for rank in range(nproc):
         log = (pathlib.Path(run_dir) / "logs" / f"rank{rank}.log").read_text()
-        m = re.search(r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), "
-                      r"optimizer moments (\d+) bytes, for (\d+) parameter elements", log)
-        assert m, f"rank {rank}: no 'held between steps' line in its log:\n{log}"
-        found[rank] = dict(zip(("param", "grad", "master", "moments", "elements"), map(int, m.groups())))
+        m = re.search(pattern, log)
+        assert m, f"rank {rank}: no line matching {pattern!r} in its log:\n{log}"
+        found[rank] = tuple(map(int, m.groups()))
     return found
+
+
+def held_between_steps(run_dir, nproc):
+    """{rank: {"param", "grad", "master", "moments", "elements"}}: the bytes each rank keeps between
+    steps, and its parameter elements before ZeRO (after tensor parallelism), from its log."""
+    found = rank_log_numbers(run_dir, nproc, r"held between steps: parameters (\d+), gradients (\d+), masters (\d+), "
+                                             r"optimizer moments (\d+) bytes, for (\d+) parameter elements")
+    return {r: dict(zip(("param", "grad", "master", "moments", "elements"), v)) for r, v in found.items()}
 
 
 def _override(overrides, key, default=None):

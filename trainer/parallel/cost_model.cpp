@@ -158,7 +158,9 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   for (const auto& [u, n] : per_block) st.block_elements = std::max(st.block_elements, n);
   const int64_t cap = std::max<int64_t>(
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
-  const auto layout = FlatLayout::make(numels, cap, st.z, 0, units);
+  // ZeRO-3: a bucket per unit, whatever the cap (TrainingState::layout_for).
+  const auto layout =
+      FlatLayout::make(numels, c.zero_stage == 3 ? std::numeric_limits<int64_t>::max() : cap, st.z, 0, units);
   st.buckets = static_cast<int64_t>(layout.buckets.size());
   for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
   st.padded = double(layout.size);
@@ -437,13 +439,17 @@ Activations activation_term(const Setting& x) {
 // input Gloo reduces; one more bucket fills meanwhile; ZeRO-3 also holds the
 // current block's unit and zero_prefetch more. By the time j buckets are
 // launched, about j x (bucket / block) blocks have finished their backward and
-// freed their activations, so each j is a moment of its own.
+// freed their activations, so each j is a moment of its own. Under pipeline
+// parallelism ZeRO-3 gathers every unit of the rank's stages once per step and
+// frees it after the step's last backward: the whole gathered parameters live
+// through every phase (pipeline_runtime.h).
 void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
   const auto& st = x.st;
   const auto& pb = x.pb;
   const double L = x.Lr, k = x.kr;
   const bool z2 = x.c.zero_stage == 2, z3 = x.c.zero_stage == 3;  // at one rank too: the same buffers
-  const double outer_units = z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
+  const bool z3_per_step = z3 && x.c.pp > 1;
+  const double outer_units = z3_per_step ? st.padded * pb.param : z3 ? (st.embed_unit + st.head_unit) * pb.param : 0.0;
   struct Phase {
     double acts, transient;
   };
@@ -459,9 +465,10 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
     // more: the unit just done is freed only when its bucket launches.
     // Under parameter offload the gather in flight also reads a device copy of
     // its host chunk, freed once the gather is waited for.
-    const double gathered = z3 ? outer_units + (2 + x.a.compute_config.zero_prefetch) * st.largest_block * pb.param +
-                                     (x.c.offload_params ? st.largest_block / st.z * pb.param : 0.0)
-                               : 0.0;
+    const double gathered = z3_per_step ? outer_units
+                            : z3 ? outer_units + (2 + x.a.compute_config.zero_prefetch) * st.largest_block * pb.param +
+                                       (x.c.offload_params ? st.largest_block / st.z * pb.param : 0.0)
+                                 : 0.0;
     const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);
     const int flights = static_cast<int>(std::min<double>(kBucketsInFlight, std::max<double>(0, double(st.buckets) - 1)));
     for (int j = 0; j <= flights && L - k >= 1; ++j) {
@@ -564,6 +571,16 @@ void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
     const double units = x.Lr + 2;
     const double gather = units * alpha + (z - 1) / z * p_local * x.pb.param / bw;
     const double scatter = units * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
+    if (x.c.pp > 1) {
+      // Under pp every unit is gathered once per step, issued at its start
+      // (the first unit waited for, the rest behind the first forward); the
+      // gradients reduce-scatter after each micro-batch's backward, the
+      // shard's all-reduce across ZeRO groups once at the step's end.
+      const double rs = scatter - cross;
+      e.dp_comm_s = gather / units + std::max(0.0, gather - forward) +
+                    micro_steps * (rs / units + std::max(0.0, rs - backward)) + cross;
+      return;
+    }
     const double per_micro = gather / units + std::max(0.0, gather - forward) +
                              std::max(0.0, gather + scatter - backward) + scatter / units;
     e.dp_comm_s = micro_steps * per_micro;

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <limits>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -13,6 +14,7 @@ GradientReducer::GradientReducer(TrainingState& state, dist::Runtime* rt, int bl
     : state_(state), rt_(rt), stage_(state.options().zero_stage) {
   if (rt_) dp_ = rt_->dp_cp.size();
   progress_.resize(state_.layout().buckets.size());
+  for (size_t i = 0; i < progress_.size(); ++i) order_.push_back(i);
   if (stage_ == 3) units_ = std::make_shared<ParameterUnits>(state_, rt_, blocks, prefetch);
   // After a parameter's gradient is accumulated: into its slot (fp32 under
   // mixed, the bucket buffer under stages 2 and 3), and its bucket may be ready.
@@ -37,6 +39,7 @@ void GradientReducer::begin_micro_step(bool last) {
   last_ = last;
   if (last) offloaded_in_backward_ = 0;
   in_backward_ = true;
+  if (scheduled_) return;  // the executor's begin_backward
   if (stage_ >= 2) {
     drain();  // the previous micro-step's buckets (a no-op on the first)
     reducing_ = true;
@@ -61,7 +64,7 @@ void GradientReducer::on_grad_ready(size_t k) {
 
 // Every rank launches buckets in the same order, whatever order they got ready in.
 void GradientReducer::launch_ready_in_order() {
-  while (next_launch_ < progress_.size() && progress_[next_launch_].ready) launch(next_launch_++);
+  while (next_launch_ < order_.size() && progress_[order_[next_launch_]].ready) launch(order_[next_launch_++]);
 }
 
 void GradientReducer::launch(size_t i) {
@@ -82,17 +85,19 @@ void GradientReducer::launch(size_t i) {
     return;
   }
   // Stages 2 and 3: out of the bucket's own buffer, straight into the shard on
-  // a step's first micro-step (the shard is zero), else into a chunk added into it when done.
+  // a step's first micro-step (the shard is zero), else into a chunk added into
+  // it when done (always under a schedule, whose buckets reduce several times a step).
   auto& in = state_.bucket_grad(i);
+  const bool add = accumulated_ || scheduled_;
   if (zero_live()) {
     sent_bytes_ += in.numel() * in.element_size();
     auto shard = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
-    if (accumulated_) p.chunk = torch::empty({L.chunk_size(b)}, in.options());
-    p.work = rt_->reduce_scatter_async(rt_->zero, accumulated_ ? p.chunk : shard, in, "gradient reduce-scatter");
+    if (add) p.chunk = torch::empty({L.chunk_size(b)}, in.options());
+    p.work = rt_->reduce_scatter_async(rt_->zero, add ? p.chunk : shard, in, "gradient reduce-scatter");
   } else {
     p.chunk = in.narrow(0, L.chunk_begin(b) - b.begin, L.chunk_size(b));  // one rank: its chunk is all
   }
-  if (units_) units_->reduced(i);
+  if (units_ && !scheduled_) units_->reduced(i);  // under a schedule the executor frees units
   in_flight_.push_back(i);
   while (in_flight_.size() > kBucketsInFlight) {
     complete(in_flight_.front());
@@ -125,8 +130,7 @@ void GradientReducer::drain() {
   for (auto& p : progress_) p.ready = true;
   launch_ready_in_order();
   if (stage_ >= 2) {
-    for (auto i : in_flight_) complete(i);
-    in_flight_.clear();
+    complete_in_flight();
     accumulated_ = true;
   } else {
     for (auto& p : progress_) rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp_cp, "gradient reduction");
@@ -148,7 +152,8 @@ void GradientReducer::finish_gradients() {
     hand_over_offloaded();
     return;
   }
-  drain();
+  if (scheduled_) complete_reductions();
+  else drain();
   accumulated_ = false;
   state_.drop_bucket_buffers();
   if (units_) units_->release_all();
@@ -197,7 +202,54 @@ void GradientReducer::gather_params() {
 }
 
 void GradientReducer::begin_forward() {
-  if (units_) units_->begin_forward();
+  if (units_ && !scheduled_) units_->begin_forward();
+}
+
+void GradientReducer::complete_in_flight() {
+  for (auto i : in_flight_) complete(i);
+  in_flight_.clear();
+}
+
+void GradientReducer::follow_schedule() {
+  TORCH_CHECK(stage_ >= 2, "GradientReducer: only ZeRO 2 and 3 follow a pipeline schedule");
+  scheduled_ = true;
+}
+
+void GradientReducer::begin_backward(const std::vector<size_t>& buckets) {
+  complete_in_flight();
+  const auto& L = state_.layout();
+  // Buckets outside this backward never count down to ready (a tied
+  // parameter's other stage may still add into their buffers: they reduce
+  // with their own stage's next backward).
+  for (auto& p : progress_) p = {std::numeric_limits<int>::max(), false, false, {}, {}};
+  for (auto i : buckets) progress_[i].pending = static_cast<int>(L.buckets[i].params.size());
+  order_ = buckets;
+  next_launch_ = 0;
+  reducing_ = true;
+}
+
+void GradientReducer::end_backward() {
+  torch::NoGradGuard no_grad;
+  for (auto i : order_) progress_[i].ready = true;  // a parameter no gradient reached still takes part
+  launch_ready_in_order();
+  reducing_ = false;
+}
+
+void GradientReducer::complete_reductions() {
+  torch::NoGradGuard no_grad;
+  complete_in_flight();
+}
+
+void GradientReducer::gather_buckets(const std::vector<size_t>& buckets, bool wait) {
+  if (!units_) return;
+  for (auto b : buckets) units_->gather_bucket(b, false);  // all issued, then waited for in order
+  if (wait)
+    for (auto b : buckets) units_->gather_bucket(b, true);
+}
+
+void GradientReducer::free_buckets(const std::vector<size_t>& buckets) {
+  if (!units_) return;
+  for (auto b : buckets) units_->free_bucket(b);
 }
 
 void GradientReducer::release_params() {

@@ -28,6 +28,15 @@
 // communicate only on the final micro-step; stages 2 and 3 keep no whole
 // gradient between micro-steps, so they reduce-scatter on every micro-step
 // (the cross-group all-reduce and the 1/dp scaling still happen once).
+//
+// Pipeline parallelism, stages 2 and 3 (follow_schedule): the executor's
+// actions say when, not begin_micro_step. Each backward of one stage for one
+// micro-batch (begin_backward .. end_backward) reduce-scatters that stage's
+// buckets as their gradients come in, as a micro-step does, so gradient
+// memory stays ZeRO-2's (a few bucket buffers, never a whole gradient) at the
+// price of nmicros reduce-scatters per step. Under stage 3 a unit is
+// gathered and freed where the executor says (once per step, not per
+// micro-batch: gather_buckets, free_buckets), and the block hooks are off.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -63,9 +72,27 @@ class GradientReducer {
   // rank's updated chunks all-gathered into the parameters.
   void gather_params();
 
-  // ZeRO-3: what the model calls around its blocks (null below stage 3), and
-  // the forward-only path (evaluation): gather before, release after.
-  std::shared_ptr<models::common::BlockHooks> block_hooks() const { return units_; }
+  // Pipeline parallelism (stages 2, 3; see the top): before the first step.
+  void follow_schedule();
+  bool follows_schedule() const { return scheduled_; }
+  // One stage's backward of one micro-batch, which fills `buckets` (layout
+  // order): the reductions still in flight are completed first (their
+  // buffers are about to be written), and the buckets reduce as they fill.
+  void begin_backward(const std::vector<size_t>& buckets);
+  // The rest of those buckets launched (a bucket no gradient reached too).
+  void end_backward();
+  // Every reduction completed, into this rank's shard (the step's schedule is done).
+  void complete_reductions();
+  // Stage 3: buckets' units all-gathered (wait: and waited for), and freed.
+  void gather_buckets(const std::vector<size_t>& buckets, bool wait);
+  void free_buckets(const std::vector<size_t>& buckets);
+
+  // ZeRO-3: what the model calls around its blocks (null below stage 3, and
+  // under follow_schedule), and the forward-only path (evaluation): gather
+  // before, release after.
+  std::shared_ptr<models::common::BlockHooks> block_hooks() const {
+    return scheduled_ ? nullptr : units_;
+  }
   void begin_forward();
   void release_params();
 
@@ -87,6 +114,7 @@ class GradientReducer {
     at::Tensor chunk;  // stages 2, 3: the reduce-scatter's output, added into the shard when done
   };
   void on_grad_ready(size_t param_index);
+  void complete_in_flight();     // stages 2, 3
   void launch_ready_in_order();
   void launch(size_t bucket);
   void complete(size_t bucket);  // stages 2, 3
@@ -108,7 +136,9 @@ class GradientReducer {
   bool in_backward_ = false;
   int64_t offloaded_in_backward_ = 0;
   std::vector<Progress> progress_;
-  size_t next_launch_ = 0;
+  std::vector<size_t> order_;  // the buckets this backward launches, in launch order
+  size_t next_launch_ = 0;     // into order_
+  bool scheduled_ = false;     // follow_schedule
   std::vector<size_t> in_flight_;  // stages 2, 3: launched, not completed, in order
   bool accumulated_ = false;       // stages 2, 3: a micro-step of this step already reduced into the shard
   std::shared_ptr<ParameterUnits> units_;

@@ -54,7 +54,10 @@ bool ParameterUnits::communicates() const { return rt_ && rt_->zero.backend; }
 
 void ParameterUnits::gather(int unit, bool wait) {
   const auto b = state_.unit_bucket(unit);
-  if (b < 0) return;
+  if (b >= 0) gather_bucket(static_cast<size_t>(b), wait);
+}
+
+void ParameterUnits::gather_bucket(size_t b, bool wait) {
   auto& slot = slots_[b];
   torch::NoGradGuard no_grad;
   if (!slot.ready && !slot.work) {

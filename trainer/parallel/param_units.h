@@ -41,6 +41,10 @@ class ParameterUnits : public models::common::BlockHooks {
 
   void begin_forward();
   void pre_backward(size_t block);
+  // By bucket (pipeline parallelism gathers a stage's units once per step):
+  // issue the all-gather (wait: and wait for it), and free.
+  void gather_bucket(size_t bucket, bool wait);
+  void free_bucket(size_t bucket) { free(bucket); }
   // Bucket b's gradients are reduced or on their way: its parameters are not needed again.
   void reduced(size_t bucket);
   void release_all();

@@ -17,6 +17,8 @@
 #include "data/dataset.h"
 #include "models/model.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/parallel/grad_reducer.h"
+#include "trainer/parallel/param_units.h"
 
 namespace nnstrain::parallel {
 
@@ -51,6 +53,9 @@ pipeline::Schedule make(const PipelinePlan& p) {
 }
 
 std::string describe(const Action& a) {
+  if (a.op != Op::Send && a.op != Op::Recv)  // a ZeRO gather or reduce-scatter around the compute
+    return std::string("a ZeRO collective at ") + (a.op == Op::F ? "F" : a.op == Op::B ? "B" : a.op == Op::I ? "I" : "W") +
+           " of stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro);
   const bool in = a.op == Op::Recv;
   return std::string(in ? (a.grad ? "receiving the gradient of" : "receiving the activation for")
                         : (a.grad ? "sending the gradient to" : "sending the activation to")) +
@@ -89,16 +94,56 @@ void pipeline_replicas(std::vector<ParamShard>& shards, models::CausalLM& model,
   }
 }
 
+std::vector<int> pipeline_units(const models::CausalLM& model, const PipelinePlan& plan, int pp_rank, int zero_stage) {
+  const auto sched = make(plan);
+  const auto blocks = stage_blocks(plan);
+  const auto mine = stages_on(sched, pp_rank);
+  const auto ties = model.head_ties();
+  const int nblocks = static_cast<int>(model.num_layers());
+  const auto per_block = parameter_units(model);
+  std::vector<int> units;
+  const auto layouts = model.param_layouts();  // what this rank holds, in registration order
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    const auto& name = layouts[k].name;
+    if (std::find(ties.begin(), ties.end(), name) != ties.end()) {
+      units.push_back(zero_stage == 3 ? nblocks + 2 : plan.stages);  // a unit of its own
+      continue;
+    }
+    if (zero_stage == 3) {
+      units.push_back(per_block[k]);
+      continue;
+    }
+    int stage = -1;
+    for (int s : mine) {
+      const auto held = model.params_of(stage_pieces(plan, blocks, {s}));
+      if (std::find(held.begin(), held.end(), name) != held.end()) {
+        stage = s;
+        break;
+      }
+    }
+    units.push_back(stage);
+  }
+  return units;
+}
+
 struct PipelineExecutor::Impl {
   models::CausalLM& model;
   PipelinePlan plan;
   dist::Runtime& rt;
   TrainingState& state;
+  GradientReducer& reducer;
   Options opts;
   pipeline::Schedule sched, lowered;  // compute actions; with the transfers (what runs)
   int me = 0, S = 1, M = 1;
   std::vector<StageBlocks> blocks;
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage (this rank's), for W
+  // ZeRO 2 and 3 (the reducer follows the schedule): per stage, the buckets of
+  // its parameters (layout order); per action of this rank's row, the ZeRO-3
+  // units to have gathered before it and to free after it; all of them in the
+  // order of first use (the step's gathers).
+  bool zero_schedule = false;
+  std::vector<std::vector<size_t>> stage_buckets, wait_before, free_after;
+  std::vector<size_t> gather_order;
   // Tied parameters (the head's use of the embedding) when the first and last
   // stage live on different ranks: their indices in the state, and the other rank.
   std::vector<size_t> tied;
@@ -127,8 +172,9 @@ struct PipelineExecutor::Impl {
   int steps_run = 0;
   double busy_s = 0;
 
-  Impl(models::CausalLM& m, const PipelinePlan& p, dist::Runtime& r, TrainingState& st, const Options& o)
-      : model(m), plan(p), rt(r), state(st), opts(o), sched(make(p)), lowered(pipeline::lower(sched)) {
+  Impl(models::CausalLM& m, const PipelinePlan& p, dist::Runtime& r, TrainingState& st, GradientReducer& red,
+       const Options& o)
+      : model(m), plan(p), rt(r), state(st), reducer(red), opts(o), sched(make(p)), lowered(pipeline::lower(sched)) {
     me = rt.pp.rank;
     S = sched.stages;
     M = sched.micros;
@@ -145,6 +191,7 @@ struct PipelineExecutor::Impl {
       for (size_t k = 0; k < state.params().size(); ++k)
         if (std::find(ties.begin(), ties.end(), state.params()[k].name) != ties.end()) tied.push_back(k);
     }
+    if (state.options().zero_stage >= 2) plan_zero();
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
     if (const char* e = std::getenv("NNSTRAIN_PIPELINE_SYNTHETIC_MS")) synthetic = parse_synthetic(e);
@@ -154,6 +201,48 @@ struct PipelineExecutor::Impl {
         throw std::runtime_error(std::string("NNSTRAIN_TEST_PIPELINE_KILL='") + e + "': expected GLOBAL_RANK:STEP:ACTION");
       if (k.rank == rt.rank()) kill_at = k;
     }
+  }
+
+  // Whether action `a` accumulates its stage's weights' gradients.
+  bool weight_backward(const Action& a) const {
+    return a.op == Op::B || (a.op == Op::W && opts.split_backward) || (a.op == Op::I && !opts.split_backward);
+  }
+
+  void plan_zero() {
+    zero_schedule = true;
+    reducer.follow_schedule();
+    const auto& L = state.layout();
+    std::map<std::string, size_t> index;
+    for (size_t k = 0; k < state.params().size(); ++k) index[state.params()[k].name] = k;
+    stage_buckets.resize(S);
+    for (int s : stages_on(sched, me)) {
+      auto& b = stage_buckets[s];
+      for (const auto& name : model.params_of(stage_pieces(plan, blocks, {s}))) b.push_back(L.bucket_of[index.at(name)]);
+      std::sort(b.begin(), b.end());
+      b.erase(std::unique(b.begin(), b.end()), b.end());
+    }
+    const auto& row = lowered.actions[me];
+    wait_before.assign(row.size(), {});
+    free_after.assign(row.size(), {});
+    std::vector<int64_t> first(L.buckets.size(), -1), last(L.buckets.size(), -1);
+    for (size_t k = 0; k < row.size(); ++k) {
+      if (row[k].op == Op::Send || row[k].op == Op::Recv) continue;
+      for (auto b : stage_buckets[row[k].stage]) {
+        if (first[b] < 0) first[b] = static_cast<int64_t>(k);
+        last[b] = static_cast<int64_t>(k);
+      }
+    }
+    for (size_t b = 0; b < L.buckets.size(); ++b) {
+      if (first[b] < 0) continue;
+      wait_before[first[b]].push_back(b);
+      free_after[last[b]].push_back(b);
+    }
+    for (const auto& w : wait_before) gather_order.insert(gather_order.end(), w.begin(), w.end());
+    // A tied parameter's gradient is summed in this rank's shard (sum_tied):
+    // its bucket must be itself alone, chunked alike on both ranks (pipeline_units).
+    for (auto k : tied)
+      TORCH_CHECK(L.buckets[L.bucket_of[k]].params.size() == 1, "pipeline: the tied parameter ",
+                  state.params()[k].name, " shares a ZeRO bucket");
   }
 
   static pipeline::Costs parse_synthetic(const std::string& text) {
@@ -327,10 +416,15 @@ struct PipelineExecutor::Impl {
     torch::NoGradGuard no_grad;
     const auto& L = state.layout();
     // Both ranks send, then receive (sends do not block), then add: a + b and
-    // b + a are the same floats, so the two copies stay identical.
+    // b + a are the same floats, so the two copies stay identical. ZeRO 2, 3:
+    // the reduced chunk of the tied parameter's own bucket, the same elements
+    // on both ranks (same size, same place in the ZeRO group).
     std::vector<at::Tensor> mine, other;
     for (size_t i = 0; i < tied.size(); ++i) {
-      mine.push_back(state.flat_grad().narrow(0, L.offset[tied[i]], state.params()[tied[i]].tensor.numel()));
+      const auto b = L.bucket_of[tied[i]];
+      mine.push_back(zero_schedule
+                         ? state.shard_grad().narrow(0, L.shard_offset[b], L.chunk_size(L.buckets[b]))
+                         : state.flat_grad().narrow(0, L.offset[tied[i]], state.params()[tied[i]].tensor.numel()));
       send(mine.back().clone(), tie_peer, 2 * S * M + static_cast<int>(i), "tied embedding gradient");
     }
     for (size_t i = 0; i < tied.size(); ++i)
@@ -342,8 +436,8 @@ struct PipelineExecutor::Impl {
 };
 
 PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& plan, dist::Runtime& rt,
-                                   TrainingState& state, const Options& opts)
-    : impl_(std::make_unique<Impl>(model, plan, rt, state, opts)) {
+                                   TrainingState& state, GradientReducer& reducer, const Options& opts)
+    : impl_(std::make_unique<Impl>(model, plan, rt, state, reducer, opts)) {
   pipeline::simulate(impl_->lowered);  // the dry run: throws, with the grid, on a deadlock
   if (impl_->synthetic) {
     // The simulator's prediction for the same costs (stages of equal layer counts).
@@ -357,8 +451,6 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
     log::info("pipeline synthetic costs F " + std::to_string(c.f) + " I " + std::to_string(c.i) + " W " +
               std::to_string(c.w) + " ms per stage; simulated bubble per pipeline rank: " + bubbles);
   }
-  if (!state.flat_grad().defined() && !impl_->tied.empty())
-    throw std::runtime_error("pipeline parallelism: tied embeddings need whole gradient buffers (ZeRO 0 or 1)");
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
@@ -384,18 +476,25 @@ at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_ba
   }
   bool in_backward = false;
   ++I.steps_run;
+  if (I.zero_schedule) I.reducer.gather_buckets(I.gather_order, false);  // ZeRO-3: once per step
   for (size_t k = 0; k < row.size(); ++k) {
     const auto& a = row[k];
     if (I.kill_at && I.kill_at->step == I.steps_run && I.kill_at->action == k) std::raise(SIGKILL);
     const bool backward = a.op == Op::B || a.op == Op::I || a.op == Op::W || (a.op != Op::F && a.grad);
     if (phase && backward != in_backward) phase(in_backward = backward);
+    const bool reduce = I.zero_schedule && I.weight_backward(a);
     try {
+      if (I.zero_schedule) I.reducer.gather_buckets(I.wait_before[k], true);
+      if (reduce) I.reducer.begin_backward(I.stage_buckets[a.stage]);
       I.run(a);
+      if (reduce) I.reducer.end_backward();
+      if (I.zero_schedule) I.reducer.free_buckets(I.free_after[k]);
     } catch (const dist::CollectiveError& e) {
       I.fail_at(k, e);
     }
   }
   I.finish_sends();
+  if (I.zero_schedule) I.reducer.complete_reductions();  // the shard is whole before the tied sum
   if (I.synthetic) {
     // Steady-clock times (one clock for every process on a machine): the bench
     // takes the step's span from the earliest start to the latest end over ranks.
@@ -415,6 +514,9 @@ at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
   auto& I = *impl_;
   torch::NoGradGuard no_grad;
   auto loss = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
+  // ZeRO-3: this rank's units, gathered once (already so after the first
+  // batch); the trainer frees them after evaluating (release_params).
+  if (I.zero_schedule) I.reducer.gather_buckets(I.gather_order, true);
   at::Tensor x;  // the activation handed from the stage before, on this rank
   for (int s : stages_on(I.sched, I.me)) {
     if (s > 0 && I.sched.stage_rank[s - 1] != I.me)

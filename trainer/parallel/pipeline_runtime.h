@@ -42,6 +42,8 @@ struct Batch;
 
 namespace nnstrain::parallel {
 
+class GradientReducer;
+
 // The pipeline rank of a global rank under the layout [TP, CP, PP, DP].
 int pipeline_rank_of(int rank, int tp, int cp, int pp);
 
@@ -55,6 +57,13 @@ void hold_stages(models::CausalLM& model, const PipelinePlan& plan, int pp_rank)
 void pipeline_replicas(std::vector<ParamShard>& shards, models::CausalLM& model, const PipelinePlan& plan,
                        dist::Runtime& rt, int world);
 
+// ZeRO 2 and 3 under pp: TrainingStateOptions::units for the parameters this
+// rank holds (after hold_stages), so that no bucket spans two stages and a
+// tied parameter (the head's use of the embedding) is a bucket of its own,
+// chunked alike on the first and the last stage's ranks. ZeRO-3: a unit per
+// block as parameter_units; ZeRO-2: one per stage, the bucket cap cutting it.
+std::vector<int> pipeline_units(const models::CausalLM& model, const PipelinePlan& plan, int pp_rank, int zero_stage);
+
 class PipelineExecutor {
  public:
   struct Options {
@@ -65,9 +74,15 @@ class PipelineExecutor {
     bool split_backward = true;    // I and W as two passes (false: I runs the whole backward, W nothing)
   };
   // `state`: this rank's training state (the tied parameters' gradients are
-  // summed between the first and last stage from it).
+  // summed between the first and last stage from it). `reducer`: under ZeRO 2
+  // and 3 it follows the schedule (grad_reducer.h): each stage's backward of a
+  // micro-batch reduce-scatters that stage's buckets; ZeRO-3 gathers every
+  // unit of this rank's stages once per step, issued at the step's start and
+  // waited for before the stage's first F, and frees it after the last action
+  // of the step that uses it (its stage's last B or W), so a stage's whole
+  // parameters live through the step's compute.
   PipelineExecutor(models::CausalLM& model, const PipelinePlan& plan, dist::Runtime& rt, TrainingState& state,
-                   const Options& opts);
+                   GradientReducer& reducer, const Options& opts);
   ~PipelineExecutor();
 
   // Forward and backward of one step's nmicros micro-batches, as the schedule

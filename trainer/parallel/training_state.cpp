@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <limits>
+
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "trainer/parallel/offload.h"
@@ -52,7 +54,7 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
   };
   for (size_t k = numels.size(); k-- > 0;) {
     if (!cur.params.empty() &&
-        (units.empty() ? pos - cur.begin + numels[k] > cap : units[k] != units[cur.params.back()]))
+        (pos - cur.begin + numels[k] > cap || (!units.empty() && units[k] != units[cur.params.back()])))
       close();
     l.offset[k] = pos;
     l.bucket_of[k] = l.buckets.size();
@@ -219,8 +221,11 @@ FlatLayout TrainingState::layout_for(const std::vector<int64_t>& numels, const T
   const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(opts.bucket_cap_mb * 1048576.0) /
                                                static_cast<int64_t>(c10::elementSize(opts.grad_dtype)));
   const std::vector<int> no_units;
-  return FlatLayout::make(numels, cap, opts.zero() ? opts.zero_size : 1, opts.zero() ? opts.zero_rank : 0,
-                          opts.zero_stage == 3 ? opts.units : no_units);
+  // ZeRO-3: a bucket per unit, whatever the cap; ZeRO-2 (under pp): capped
+  // buckets that never hold two units.
+  return FlatLayout::make(numels, opts.zero_stage == 3 ? std::numeric_limits<int64_t>::max() : cap,
+                          opts.zero() ? opts.zero_size : 1, opts.zero() ? opts.zero_rank : 0,
+                          opts.zero_stage >= 2 ? opts.units : no_units);
 }
 
 void TrainingState::move_into_chunks(const FlatLayout& L, size_t k, at::Tensor& value, at::Tensor& chunks) {

@@ -91,7 +91,8 @@ struct FlatLayout {
   int64_t shard_size = 0;
 
   // numels: per parameter, in registration order. cap: elements per bucket.
-  // units (optional, per parameter): a bucket per unit instead, whatever the cap.
+  // units (optional, per parameter): a bucket never holds two units (ZeRO-3
+  // passes no cap: a bucket per unit).
   static FlatLayout make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank,
                          const std::vector<int>& units = {});
   int64_t chunk_size(const Bucket& b) const { return (b.end - b.begin) / zsize; }
@@ -109,7 +110,8 @@ struct TrainingStateOptions {
   bool master_weights = false;                           // fp32 masters in the optimizer (*-mixed)
   // ZeRO-3: each parameter's unit, in registration order: 0 for those before
   // the blocks, 1 + i for block i's, blocks + 1 for those after. A unit's
-  // parameters must be consecutive.
+  // parameters must be consecutive. ZeRO-2 (under pipeline parallelism: each
+  // stage's parameters, a tied one alone): groups no bucket spans.
   std::vector<int> units;
   // ZeRO-3: this rank's chunks of the initial (fp32) values, taken from each
   // parameter as it was materialised (move_into_chunks); the parameters' own

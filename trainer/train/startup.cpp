@@ -49,6 +49,9 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
   so.grad_dtype = prec.grad;
   so.master_weights = prec.master_weights;
   if (plan.zero_stage == 3) so.units = parallel::parameter_units(model);
+  // Under pp no bucket spans two stages and a tied parameter is alone (pipeline_runtime.h).
+  if (plan.zero_stage >= 2 && plan.pipeline.pp > 1)
+    so.units = parallel::pipeline_units(model, plan.pipeline, rt->pp.rank, plan.zero_stage);
   so.offload_ratio = plan.offload_ratio;  // the plan's: autodist may have chosen it
   so.offload_params = plan.offload_params;
   so.offload_delayed = plan.offload_ratio > 0 && args.compute_config.offload.delayed_update;
@@ -58,11 +61,10 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
 // The pipeline's executor for this rank, after refusing what it cannot run yet.
 std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerArgs& args, const parallel::Plan& plan,
                                                           models::CausalLM& model, dist::Runtime& rt,
-                                                          parallel::TrainingState& state, const torch::Device& device) {
+                                                          parallel::TrainingState& state,
+                                                          parallel::GradientReducer& reducer,
+                                                          const torch::Device& device) {
   const std::string key = "compute_config.pas_config.pp_size";
-  if (plan.zero_stage >= 2)
-    throw config::ConfigError(key + ": pipeline parallelism with ZeRO stage " + std::to_string(plan.zero_stage) +
-                              " (compute_config.use_zero) is not implemented yet; use 0 or 1");
   if (args.compute_config.cuda_graphs == "true")
     throw config::ConfigError(key + ": pipeline parallelism cannot be captured in a CUDA graph "
                               "(compute_config.cuda_graphs: false)");
@@ -74,7 +76,7 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   // Recompute's backward accumulates the weights' gradients as it goes, so it
   // cannot be split into I and W: I then runs the whole backward.
   o.split_backward = std::count(plan.recompute.begin(), plan.recompute.end(), true) == 0;
-  auto p = std::make_unique<parallel::PipelineExecutor>(model, plan.pipeline, rt, state, o);
+  auto p = std::make_unique<parallel::PipelineExecutor>(model, plan.pipeline, rt, state, reducer, o);
   std::string layers;
   for (size_t s = 0; s < plan.pipeline.stage_layers.size(); ++s)
     layers += (s ? " " : "") + std::to_string(plan.pipeline.stage_layers[s]);
@@ -319,12 +321,13 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   const int blocks = static_cast<int>(model.num_layers());
   tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
-  ro.block_hooks = tr.reducer->block_hooks();
-  model.set_runtime_options(ro);
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
   tr.delayed_update = so.offload_delayed;
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
-  if (plan.pipeline.pp > 1) tr.pipeline = make_pipeline(args, plan, model, *rt, *tr.state, device);
+  // Under pp the executor, not the block hooks, gathers ZeRO-3's units (once per step).
+  if (plan.pipeline.pp > 1) tr.pipeline = make_pipeline(args, plan, model, *rt, *tr.state, *tr.reducer, device);
+  ro.block_hooks = tr.reducer->block_hooks();
+  model.set_runtime_options(ro);
   return tr;
 }
 

@@ -599,6 +599,13 @@ int Trainer::run() {
             std::to_string(int64_t(held.grad)) + ", masters " + std::to_string(int64_t(held.master)) +
             ", optimizer moments " + std::to_string(int64_t(held.moments)) + " bytes, for " +
             std::to_string(elements) + " parameter elements");
+  if (rt_ && plan_.zero_stage > 0) {  // this rank's ZeRO traffic, counted at the collectives (test_pipeline_zero)
+    const auto& t = rt_->zero.traffic;
+    log::info("ZeRO group collectives by the end of step " + std::to_string(step_) + ": " +
+              std::to_string(t.all_gather) + " all-gathers, " + std::to_string(t.reduce_scatter) +
+              " reduce-scatters, " + std::to_string(t.all_reduce) + " all-reduces over " +
+              std::to_string(tr_.reducer->bucket_count()) + " buckets");
+  }
   if (tr_.state->offloaded()) {
     const auto host = tr_.state->host_held_bytes();
     log::info("held on the host between steps (offload): weights " + std::to_string(int64_t(host.master)) +
