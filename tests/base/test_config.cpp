@@ -435,9 +435,13 @@ TEST_CASE("config: runtime_ngpus that disagrees with the launch names both", "[c
 TEST_CASE("config: global batch size inconsistent with micro x dp x accumulation", "[config]") {
   TempDir tmp;
   const std::string base = minimal(tmp.data("t.bin"));
-  CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 2\nglobal_batch_size: 10\n"),
-             Catch::Contains("global_batch_size (line 14): 10 != micro_batch_size 4 x dp 1 (runtime_ngpus 1 / "
+  CHECK_THAT(load_error(tmp, base + "pas_policy: hybrid\ngrad_accumulation_steps: 2\nglobal_batch_size: 10\n"),
+             Catch::Contains("global_batch_size (line 15): 10 != micro_batch_size 4 x dp 1 (runtime_ngpus 1 / "
                              "plan_ngpus 1) x grad_accumulation_steps 2 = 8"));
+  // Under autodist dp is the plan's: only what no dp can mend is refused at load.
+  CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 2\nglobal_batch_size: 10\n"),
+             Catch::Contains("global_batch_size (line 14): 10 is not a multiple of micro_batch_size 4 x "
+                             "grad_accumulation_steps 2 = 8 (global = micro x dp x accumulation, dp the plan's"));
   // Without an explicit accumulation it is derived, so only divisibility can fail.
   CHECK_THAT(load_error(tmp, base + "global_batch_size: 10\n"),
              Catch::Contains("global_batch_size (line 13): 10 is not a multiple of micro_batch_size 4"));
@@ -551,10 +555,13 @@ TEST_CASE("config: context parallelism's keys, and the combinations it cannot sp
                              "compute_config.context_parallel_size 3 with compute_config.cp_load_balance zigzag: it "
                              "must be a multiple of 2 x context_parallel_size (6)"));
   CHECK(load_error(tmp, base + "compute_config: {context_parallel_size: 4, cp_load_balance: none}\n", multi).empty());
-  CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, plan_ngpus: 2, context_parallel_size: 2}\n",
-                        six),
-             Catch::Contains("compute_config.context_parallel_size (line 13): 2 x plan_ngpus 2 does not divide "
+  CHECK_THAT(load_error(tmp, base + "pas_policy: hybrid\ncompute_config: {runtime_ngpus: 6, plan_ngpus: 2, "
+                                    "context_parallel_size: 2}\n", six),
+             Catch::Contains("compute_config.context_parallel_size (line 14): 2 x plan_ngpus 2 does not divide "
                              "runtime_ngpus 6"));
+  // autodist: plan_ngpus bounds tp, so tp 1 x cp 2 x dp 3 is open to it.
+  CHECK(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, plan_ngpus: 2, context_parallel_size: 2, "
+                               "cp_load_balance: none}\n", six).empty());
   CHECK_THAT(load_error(tmp, base + "compute_config: {cp_comm_type: ring}\n", multi),
              Catch::Contains("compute_config.cp_comm_type (line 13): 'ring' is not one of: p2p, all_gather"));
   // Training splits sequences now: cp > 1 loads, and what it does not support yet is refused naming the keys.
@@ -570,7 +577,8 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
   TempDir tmp;
   LoadOptions four = options();
   four.world_size = 4;
-  const std::string base = minimal(tmp.data("t.bin"));
+  // A fixed policy: dp is known at load (under autodist the planner checks these per candidate).
+  const std::string base = minimal(tmp.data("t.bin")) + "pas_policy: hybrid\n";
   // pp 2 of 4 ranks: dp 2; a global batch of 32 is 4 micro-batches of 4 per step, one pipeline flush.
   const TrainerArgs t = load_trainer_args(
       tmp.write("pp.yaml", base + "global_batch_size: 32\ncompute_config: {pas_config: {pp_size: 2, "
@@ -585,7 +593,7 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
   CHECK(u.global_batch_size == 24);
   CHECK_THAT(load_error(tmp, base + "global_batch_size: 32\ncompute_config: {pas_config: {pp_size: 2, "
                                     "pipeline_nmicros: 8}}\n", four),
-             Catch::Contains("compute_config.pas_config.pipeline_nmicros (line 14): 8 micro-batches per pipeline "
+             Catch::Contains("compute_config.pas_config.pipeline_nmicros (line 15): 8 micro-batches per pipeline "
                              "flush, but the step has 4 (grad_accumulation_steps; global_batch_size = micro_batch_size "
                              "x pipeline_nmicros x dp 2"));
   CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 3\ncompute_config: {pas_config: {pp_size: 2, "

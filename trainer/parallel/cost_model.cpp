@@ -708,6 +708,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   // Memory: every rank, the worst is the estimate.
   PlanEstimate e;
   std::optional<Setting> worst;
+  std::vector<double> rank_bytes;
   for (int r = 0; r < P; ++r) {
     RankPart part;
     part.layers = part.recomputed = 0;
@@ -735,12 +736,14 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     auto x = setting(req, f, c, part);
     PlanEstimate er;
     memory_terms(x, er);
+    rank_bytes.push_back(er.total_bytes);
     if (!worst || er.total_bytes > e.total_bytes) {
       e = er;
       worst.emplace(x);
     }
   }
   const Setting& x = *worst;
+  e.pp_rank_bytes = rank_bytes;
 
   // Time: per-stage costs of one micro-batch.
   const auto& dev = req.device;
