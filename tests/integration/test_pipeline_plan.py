@@ -261,5 +261,7 @@ def test_a_frozen_stage_ends_every_other_rank_within_the_timeout(nnstrain_bin, t
             out = read(job.procs[rank])
             print(f"\nrank {rank} exited {rc} {took:.1f} s after rank 2 froze: {out.strip().splitlines()[-1]}")
             assert rc != 0, out
+            if rank == 0:  # it waited for the timeout (rank 2 was alive, just silent), not less
+                assert took >= TIMEOUT_S - 1, f"rank 0 gave up after {took:.1f} s, before the {TIMEOUT_S} s timeout"
             assert "Traceback" not in out and "frame #" not in out, out
             assert re.search(r"(ranks not answering \(process gone or frozen\): 2\b|global rank 2\))", out), out

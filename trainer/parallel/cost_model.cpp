@@ -205,12 +205,13 @@ struct Setting {
   // embedding (first) and the head (last).
   double Lr, kr, live = 1;
   bool first = true, last = true;
+  double sends = 0;  // pipeline: activations/gradients sent so far, their buffers held to the step's end
 };
 
 // The rank's part of the model under pp; the whole model otherwise.
 struct RankPart {
   std::vector<bool> held;  // per parameter (empty: all)
-  double layers = 0, recomputed = 0, live = 1;
+  double layers = 0, recomputed = 0, live = 1, sends = 0;
   bool first = true, last = true;
 };
 
@@ -242,6 +243,7 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   x.live = part.live;
   x.first = part.first;
   x.last = part.last;
+  x.sends = part.sends;
   return x;
 }
 
@@ -305,6 +307,7 @@ struct Activations {
   double loss_peak = 0;       // the loss's own peak (loss_term)
   double block_grads = 0;     // one block's backward on top of the kept activations
   double tied_head_grad = 0;  // a tied embedding's head gradient waiting in autograd
+  double sent = 0;            // pipeline: the sent activations and gradients still held (Setting::sends)
 };
 
 // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
@@ -424,6 +427,9 @@ Activations activation_term(const Setting& x) {
   // A tied embedding's gradient from the head waits in autograd until the
   // embedding's own part is added at the end of backward.
   act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
+  // The pipeline's executor keeps every tensor it sends until the step's end
+  // (pipeline_runtime.cpp finish_sends), each one micro-batch's hidden states.
+  act.sent = x.sends * tokens * h * rep * ea;
   return act;
 }
 
@@ -478,6 +484,7 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
     phases.push_back({x.live * k * act.layer_input + act.layer_full - act.layer_input + x.tokens * x.h * x.rep * x.pb.act +
                           act.block_grads + act.scores + act.tied_head_grad,
                       worst_block_transient});
+  for (auto& ph : phases) ph.acts += act.sent;  // held through every phase
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
     return p.acts + p.transient < q.acts + q.transient;
   });
@@ -633,6 +640,7 @@ struct ScheduleCache::Impl {
   struct Shape {
     pipeline::Schedule schedule;
     std::vector<int> peak_live;  // per rank, (stage, micro-batch) activations at once
+    std::vector<int> peak_sends;  // per rank, transfers sent by then (the most at that peak): held to the step's end
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
@@ -647,12 +655,22 @@ struct ScheduleCache::Impl {
     // A micro-batch's activations live from its F until its backward is
     // done: its B, or its W (the weight gradient reads the layers' inputs),
     // not its I as pipeline::simulate's peak_live counts. The order alone decides it.
+    // Sends (in the lowered order, which runs) keep their tensors to the
+    // step's end; a micro-batch's activations outweigh one sent tensor, so the
+    // peak is the most live, with the most sends done by then.
+    const auto lowered = pipeline::lower(sh.schedule);
     sh.peak_live.assign(ranks, 0);
+    sh.peak_sends.assign(ranks, 0);
     for (int r = 0; r < ranks; ++r) {
-      int live = 0;
-      for (const auto& act : sh.schedule.actions[r]) {
-        if (act.op == pipeline::Op::F) sh.peak_live[r] = std::max(sh.peak_live[r], ++live);
+      int live = 0, sends = 0;
+      for (const auto& act : lowered.actions[r]) {
+        if (act.op == pipeline::Op::Send) ++sends;
+        if (act.op == pipeline::Op::F) ++live;
         if (act.op == pipeline::Op::B || act.op == pipeline::Op::W) --live;
+        if (live > sh.peak_live[r] || (live == sh.peak_live[r] && sends > sh.peak_sends[r])) {
+          sh.peak_live[r] = live;
+          sh.peak_sends[r] = sends;
+        }
       }
     }
     return shapes.emplace(key, std::move(sh)).first->second;
@@ -726,6 +744,8 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     // GPipe holds every micro-batch; 1F1B's and interleaving's peak does not grow with more.
     const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[r]);
     part.live = live / std::max(1, held_stages);
+    // GPipe's peak (every forward done) has sent every activation: micros of them, simulated m_sim.
+    part.sends = double(shape.peak_sends[r]) * (c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0);
     part.held.assign(f.params.size(), false);
     for (size_t i = 0; i < f.params.size(); ++i) {
       const int u = f.params[i].unit;
