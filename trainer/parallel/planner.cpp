@@ -220,7 +220,7 @@ class Search {
       return refuse_split("global_batch_size " + std::to_string(a_.global_batch_size) + " = micro_batch_size " +
                               std::to_string(a_.micro_batch_size) + " x grad_accumulation_steps " +
                               std::to_string(a_.grad_accumulation_steps) + " x dp needs dp " +
-                              format_fixed(double(a_.global_batch_size) / double(per_dp), 
+                              format_fixed(double(a_.global_batch_size) / double(per_dp),
                                            a_.global_batch_size % per_dp ? 2 : 0) +
                               ", not " + std::to_string(dp),
                           true);
