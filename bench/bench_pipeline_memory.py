@@ -6,7 +6,10 @@ vocabulary 64, about 1.6 M parameters, tied embedding and head) trains 3
 steps of 8 micro-batches of 2 sequences (one pipeline flush per step) under
 every scheduler (gpipe, 1f1b, 1f1b_interleaved, zb1p, zbv) at pp 2 and pp 4
 (pas_policy dp, so the only split is the pipeline's; fp32, no recompute, no
-ZeRO; one process per rank over Gloo, OMP_NUM_THREADS=1). Per pipeline rank:
+ZeRO; one process per rank over Gloo, OMP_NUM_THREADS=1), and 1f1b, zb1p and
+zbv at pp 4 with every layer recomputed (model.activation_checkpointing: then
+I runs the whole backward, so a micro-batch's activations go at its I, not
+its W). Per pipeline rank:
 - measured: the largest `peak_tensor_mb_per_pp_rank` over the steps (the
   CPU's counting allocator: state plus what the schedule held at its peak);
 - estimate: plan.json's `estimate.pp_rank_bytes` for that rank (the cost
@@ -38,11 +41,12 @@ CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
 SEQ, HIDDEN, HEADS, LAYERS, VOCAB = 256, 128, 4, 8, 64
 MICRO, NMICROS, STEPS = 2, 8, 3
 SCHEDULERS = ("gpipe", "1f1b", "1f1b_interleaved", "zb1p", "zbv")
+RECOMPUTED = ("1f1b", "zb1p", "zbv")  # at pp 4
 GOAL = 0.10
 
 
-def run(binary, data, work, scheduler=None, pp=1):
-    name = f"{scheduler}_pp{pp}" if scheduler else "one_process"
+def run(binary, data, work, scheduler=None, pp=1, recompute=False):
+    name = (f"{scheduler}_pp{pp}" if scheduler else "one_process") + ("_recompute" if recompute else "")
     run_dir = work / name
     args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data), "--vars.seq_len", str(SEQ),
             "--model.args.n_layer", str(LAYERS), "--model.args.n_embd", str(HIDDEN), "--model.args.n_head",
@@ -53,6 +57,8 @@ def run(binary, data, work, scheduler=None, pp=1):
     if scheduler:
         args += ["--compute_config.pas_config.pp_size", str(pp), "--compute_config.pas_config.pipeline_scheduler",
                  scheduler]
+    if recompute:
+        args += ["--model.activation_checkpointing", "true"]
     run_ranks(binary, pp, args)
     plan = json.loads((run_dir / "plan.json").read_text())
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -66,7 +72,7 @@ def run(binary, data, work, scheduler=None, pp=1):
         pipe = {"stages": 1, "stage_layers": [LAYERS]}
         measured = [max(r["peak_tensor_mb"] for r in recs)]
         estimate = [est["total_bytes"] / 2**20]
-    return {"scheduler": scheduler or "none", "pp": pp, "stages": pipe["stages"], "stage_layers": pipe["stage_layers"],
+    return {"scheduler": scheduler or "none", "pp": pp, "recompute": sum(plan["recompute"]), "stages": pipe["stages"], "stage_layers": pipe["stage_layers"],
             "measured_mib": measured, "estimate_mib": estimate,
             "error": [m / e - 1 for m, e in zip(measured, estimate)], "loss_last": recs[-1]["loss"]}
 
@@ -85,23 +91,27 @@ def main():
             for s in SCHEDULERS:
                 rows.append(run(a.nnstrain, data, tmp, s, pp))
                 print(rows[-1], flush=True)
+        for s in RECOMPUTED:
+            rows.append(run(a.nnstrain, data, tmp, s, 4, recompute=True))
+            print(rows[-1], flush=True)
     worst = max(abs(e) for r in rows for e in r["error"])
     out = result_record(a.nnstrain, stamp, rows=rows, worst_error=worst, goal=GOAL,
                         model=f"GPT {LAYERS} x {HIDDEN}, {HEADS} heads, vocab {VOCAB}, tied; {NMICROS} micro-batches of "
-                              f"{MICRO} x {SEQ} tokens per step; fp32, no recompute, no ZeRO, pas_policy dp")
+                              f"{MICRO} x {SEQ} tokens per step; fp32, no ZeRO, pas_policy dp")
     lines = [f"# Memory per pipeline rank against the planner's estimate, CPU ({stamp:%Y-%m-%d %H:%M} UTC)", "",
              machine_line(out),
              f"- model: {out['model']}; Gloo, OMP_NUM_THREADS=1 per rank; baseline one process in the same run",
              "- measured = the largest `peak_tensor_mb_per_pp_rank` of the rank over the run's steps; estimate = "
              "plan.json `estimate.pp_rank_bytes` (one process: `peak_tensor_mb` against `estimate.total_bytes`)",
              f"- goal: every rank within {100 * GOAL:.0f}% of its estimate; worst here {100 * worst:.1f}%", "",
-             "| scheduler | pp | stages (layers) | pipeline rank | measured | estimate | measured / estimate - 1 |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "| scheduler | pp | stages (layers) | recomputed layers | pipeline rank | measured | estimate | "
+             "measured / estimate - 1 |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         layers = "+".join(map(str, r["stage_layers"]))
         for k, (m, e, err) in enumerate(zip(r["measured_mib"], r["estimate_mib"], r["error"])):
             flag = "" if abs(err) <= GOAL else " **over**"
-            lines.append(f"| {r['scheduler']} | {r['pp']} | {r['stages']} ({layers}) | {k} | {m:.2f} MiB | "
+            lines.append(f"| {r['scheduler']} | {r['pp']} | {r['stages']} ({layers}) | {r['recompute']} | {k} | {m:.2f} MiB | "
                          f"{e:.2f} MiB | {100 * err:+.1f}%{flag} |")
     write_result(a.out, "pipeline_memory", stamp, out, lines)
 

@@ -639,8 +639,10 @@ void memory_terms(const Setting& x, PlanEstimate& e) {
 struct ScheduleCache::Impl {
   struct Shape {
     pipeline::Schedule schedule;
-    std::vector<int> peak_live;  // per rank, (stage, micro-batch) activations at once
-    std::vector<int> peak_sends;  // per rank, transfers sent by then (the most at that peak): held to the step's end
+    // Per rank, (stage, micro-batch) activations at once, and the transfers
+    // sent by then (the most at that peak), held to the step's end; [1] when
+    // I runs the whole backward (recompute: PipelineExecutor's split_backward off).
+    std::vector<int> peak_live[2], peak_sends[2];
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
@@ -654,22 +656,27 @@ struct ScheduleCache::Impl {
     sh.schedule = pipeline::make_schedule(scheduler, ranks, stages, micros);
     // A micro-batch's activations live from its F until its backward is
     // done: its B, or its W (the weight gradient reads the layers' inputs),
-    // not its I as pipeline::simulate's peak_live counts. The order alone decides it.
-    // Sends (in the lowered order, which runs) keep their tensors to the
-    // step's end; a micro-batch's activations outweigh one sent tensor, so the
-    // peak is the most live, with the most sends done by then.
+    // not its I as pipeline::simulate's peak_live counts; its I when I runs
+    // the whole backward. The order alone decides it. Sends (in the lowered
+    // order, which runs) keep their tensors to the step's end; a micro-batch's
+    // activations outweigh one sent tensor, so the peak is the most live, with
+    // the most sends done by then.
     const auto lowered = pipeline::lower(sh.schedule);
-    sh.peak_live.assign(ranks, 0);
-    sh.peak_sends.assign(ranks, 0);
-    for (int r = 0; r < ranks; ++r) {
-      int live = 0, sends = 0;
-      for (const auto& act : lowered.actions[r]) {
-        if (act.op == pipeline::Op::Send) ++sends;
-        if (act.op == pipeline::Op::F) ++live;
-        if (act.op == pipeline::Op::B || act.op == pipeline::Op::W) --live;
-        if (live > sh.peak_live[r] || (live == sh.peak_live[r] && sends > sh.peak_sends[r])) {
-          sh.peak_live[r] = live;
-          sh.peak_sends[r] = sends;
+    for (int whole = 0; whole < 2; ++whole) {
+      auto &peak_live = sh.peak_live[whole], &peak_sends = sh.peak_sends[whole];
+      peak_live.assign(ranks, 0);
+      peak_sends.assign(ranks, 0);
+      const auto ends = whole ? pipeline::Op::I : pipeline::Op::W;
+      for (int r = 0; r < ranks; ++r) {
+        int live = 0, sends = 0;
+        for (const auto& act : lowered.actions[r]) {
+          if (act.op == pipeline::Op::Send) ++sends;
+          if (act.op == pipeline::Op::F) ++live;
+          if (act.op == pipeline::Op::B || act.op == ends) --live;
+          if (live > peak_live[r] || (live == peak_live[r] && sends > peak_sends[r])) {
+            peak_live[r] = live;
+            peak_sends[r] = sends;
+          }
         }
       }
     }
@@ -742,10 +749,12 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
       for (int l = first_layer[st]; l < first_layer[st + 1]; ++l) in_layer[l] = true;
     }
     // GPipe holds every micro-batch; 1F1B's and interleaving's peak does not grow with more.
-    const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[r]);
+    // Recompute makes I run the whole backward (train/startup.cpp make_pipeline).
+    const int whole = c.recompute_layers > 0 ? 1 : 0;
+    const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[whole][r]);
     part.live = live / std::max(1, held_stages);
     // GPipe's peak (every forward done) has sent every activation: micros of them, simulated m_sim.
-    part.sends = double(shape.peak_sends[r]) * (c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0);
+    part.sends = double(shape.peak_sends[whole][r]) * (c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0);
     part.held.assign(f.params.size(), false);
     for (size_t i = 0; i < f.params.size(); ++i) {
       const int u = f.params[i].unit;
