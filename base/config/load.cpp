@@ -762,12 +762,15 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   // every policy but autodist, whose planner checks zero_ngroups per candidate.
   const bool spans = c.runtime_ngpus % (c.plan_ngpus * cp * pp) == 0;
   const int64_t dp = spans ? c.runtime_ngpus / (c.plan_ngpus * cp * pp) : 0;
-  if (!autodist && dp % c.zero_ngroups != 0)
+  // Under autodist the largest dp a plan can have (tp 1): every other divides it.
+  const int64_t zero_dp = autodist ? c.runtime_ngpus / (cp * pp) : dp;
+  if (zero_dp % c.zero_ngroups != 0)
     cc.fail("zero_ngroups", std::to_string(c.zero_ngroups) + " does not divide the data-parallel size " +
-                                std::to_string(dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
-                                " / plan_ngpus " + std::to_string(c.plan_ngpus) +
+                                std::to_string(zero_dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
+                                (autodist ? "" : " / plan_ngpus " + std::to_string(c.plan_ngpus)) +
                                 (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) +
-                                (pp > 1 ? " / pp_size " + std::to_string(pp) : std::string()) + ")");
+                                (pp > 1 ? " / pp_size " + std::to_string(pp) : std::string()) +
+                                (autodist ? ", the most any autodist plan has)" : ")"));
   if (c.backend == "nccl" && c.device == "cpu")
     cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
   if (c.offload.params && c.use_zero != 3)

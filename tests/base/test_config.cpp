@@ -409,8 +409,14 @@ TEST_CASE("config: out-of-range values", "[config]") {
              Catch::Contains("micro_batch_size (line 11): must be >= 1, got 0"));
   CHECK_THAT(load_error(tmp, replace(base, "seq_len: 8", "seq_len: -1")),
              Catch::Contains("dataset.train_args.seq_len (line 10): must be >= 1, got -1"));
+  CHECK_THAT(load_error(tmp, base + "pas_policy: hybrid\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 3}\n", multi),
+             Catch::Contains("compute_config.runtime_ngpus (line 14): 3 is not a multiple of plan_ngpus 2"));
+  // autodist: plan_ngpus only bounds tp; without a global batch nnScaler's reading needs the multiple.
+  CHECK(load_error(tmp, base + "global_batch_size: 12\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 3}\n",
+                   multi).empty());
   CHECK_THAT(load_error(tmp, base + "compute_config: {plan_ngpus: 2, runtime_ngpus: 3}\n", multi),
-             Catch::Contains("compute_config.runtime_ngpus (line 13): 3 is not a multiple of plan_ngpus 2"));
+             Catch::Contains("global_batch_size (not set): is not given, and runtime_ngpus 3 is not a multiple of "
+                             "compute_config.plan_ngpus 2"));
   CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, zero_ngroups: 4}\n", multi),
              Catch::Contains("compute_config.zero_ngroups (line 13): 4 does not divide the data-parallel size 6"));
   CHECK_THAT(load_error(tmp, base + "pas_policy: dp\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 2}\n", multi),
@@ -560,8 +566,8 @@ TEST_CASE("config: context parallelism's keys, and the combinations it cannot sp
              Catch::Contains("compute_config.context_parallel_size (line 14): 2 x plan_ngpus 2 does not divide "
                              "runtime_ngpus 6"));
   // autodist: plan_ngpus bounds tp, so tp 1 x cp 2 x dp 3 is open to it.
-  CHECK(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, plan_ngpus: 2, context_parallel_size: 2, "
-                               "cp_load_balance: none}\n", six).empty());
+  CHECK(load_error(tmp, base + "global_batch_size: 12\ncompute_config: {runtime_ngpus: 6, plan_ngpus: 2, "
+                               "context_parallel_size: 2, cp_load_balance: none}\n", six).empty());
   CHECK_THAT(load_error(tmp, base + "compute_config: {cp_comm_type: ring}\n", multi),
              Catch::Contains("compute_config.cp_comm_type (line 13): 'ring' is not one of: p2p, all_gather"));
   // Training splits sequences now: cp > 1 loads, and what it does not support yet is refused naming the keys.
