@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <set>
 #include <optional>
 #include <tuple>
 
@@ -205,7 +206,7 @@ struct Setting {
   // embedding (first) and the head (last).
   double Lr, kr, live = 1;
   bool first = true, last = true;
-  double sends = 0;  // pipeline: activations/gradients sent so far, their buffers held to the step's end
+  double sends = 0;  // pipeline: boundary tensors held (sent ones to the step's end, received ones until used)
 };
 
 // The rank's part of the model under pp; the whole model otherwise.
@@ -307,7 +308,8 @@ struct Activations {
   double loss_peak = 0;       // the loss's own peak (loss_term)
   double block_grads = 0;     // one block's backward on top of the kept activations
   double tied_head_grad = 0;  // a tied embedding's head gradient waiting in autograd
-  double sent = 0;            // pipeline: the sent activations and gradients still held (Setting::sends)
+  double sent = 0;            // pipeline: the boundary tensors held (Setting::sends)
+  double sent_per_tensor = 0;  // one of them: a micro-batch's hidden states on this rank
 };
 
 // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
@@ -428,8 +430,10 @@ Activations activation_term(const Setting& x) {
   // embedding's own part is added at the end of backward.
   act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
   // The pipeline's executor keeps every tensor it sends until the step's end
-  // (pipeline_runtime.cpp finish_sends), each one micro-batch's hidden states.
-  act.sent = x.sends * tokens * h * rep * ea;
+  // (pipeline_runtime.cpp finish_sends), and a received one until it is used:
+  // each one micro-batch's hidden states.
+  act.sent_per_tensor = tokens * h * rep * ea;
+  act.sent = x.sends * act.sent_per_tensor;
   return act;
 }
 
@@ -639,10 +643,12 @@ void memory_terms(const Setting& x, PlanEstimate& e) {
 struct ScheduleCache::Impl {
   struct Shape {
     pipeline::Schedule schedule;
-    // Per rank, (stage, micro-batch) activations at once, and the transfers
-    // sent by then (the most at that peak), held to the step's end; [1] when
-    // I runs the whole backward (recompute: PipelineExecutor's split_backward off).
-    std::vector<int> peak_live[2], peak_sends[2];
+    // Per rank, the moments that may be its peak: (stage, micro-batch)
+    // activations held, boundary tensors held (sent ones, kept to the step's
+    // end, and received ones not yet used), none of them below another in
+    // both; [1] when I runs the whole backward (recompute:
+    // PipelineExecutor's split_backward off).
+    std::vector<std::vector<std::pair<int, int>>> moments[2];
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
@@ -657,26 +663,37 @@ struct ScheduleCache::Impl {
     // A micro-batch's activations live from its F until its backward is
     // done: its B, or its W (the weight gradient reads the layers' inputs),
     // not its I as pipeline::simulate's peak_live counts; its I when I runs
-    // the whole backward. The order alone decides it. Sends (in the lowered
-    // order, which runs) keep their tensors to the step's end; a micro-batch's
-    // activations outweigh one sent tensor, so the peak is the most live, with
-    // the most sends done by then.
+    // the whole backward. The order alone decides it. In the lowered order
+    // (what runs), a sent tensor is kept to the step's end (finish_sends), a
+    // received activation until its F (then it is the stage's saved input), a
+    // received gradient until the micro-batch's backward is done.
     const auto lowered = pipeline::lower(sh.schedule);
     for (int whole = 0; whole < 2; ++whole) {
-      auto &peak_live = sh.peak_live[whole], &peak_sends = sh.peak_sends[whole];
-      peak_live.assign(ranks, 0);
-      peak_sends.assign(ranks, 0);
+      sh.moments[whole].assign(ranks, {});
       const auto ends = whole ? pipeline::Op::I : pipeline::Op::W;
       for (int r = 0; r < ranks; ++r) {
-        int live = 0, sends = 0;
+        int live = 0, boundary = 0;
+        std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
+        auto& front = sh.moments[whole][r];
         for (const auto& act : lowered.actions[r]) {
-          if (act.op == pipeline::Op::Send) ++sends;
+          const bool done = act.op == pipeline::Op::B || act.op == ends;
+          if (act.op == pipeline::Op::Send) ++boundary;
+          if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
+          if ((act.op == pipeline::Op::F && received.erase({false, act.stage, act.micro})) ||
+              (done && received.erase({true, act.stage, act.micro})))
+            --boundary;
           if (act.op == pipeline::Op::F) ++live;
-          if (act.op == pipeline::Op::B || act.op == ends) --live;
-          if (live > peak_live[r] || (live == peak_live[r] && sends > peak_sends[r])) {
-            peak_live[r] = live;
-            peak_sends[r] = sends;
-          }
+          if (done) --live;
+          // Keep the moment unless one already kept holds as much of both.
+          const bool covered = std::any_of(front.begin(), front.end(), [&](const std::pair<int, int>& m) {
+            return m.first >= live && m.second >= boundary;
+          });
+          if (covered) continue;
+          front.erase(std::remove_if(front.begin(), front.end(), [&](const std::pair<int, int>& m) {
+                        return m.first <= live && m.second <= boundary;
+                      }),
+                      front.end());
+          front.emplace_back(live, boundary);
         }
       }
     }
@@ -748,19 +765,32 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
       part.recomputed += std::min(c.recompute_layers, layers[st]);
       for (int l = first_layer[st]; l < first_layer[st + 1]; ++l) in_layer[l] = true;
     }
-    // GPipe holds every micro-batch; 1F1B's and interleaving's peak does not grow with more.
-    // Recompute makes I run the whole backward (train/startup.cpp make_pipeline).
-    const int whole = c.recompute_layers > 0 ? 1 : 0;
-    const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[whole][r]);
-    part.live = live / std::max(1, held_stages);
-    // GPipe's peak (every forward done) has sent every activation: micros of them, simulated m_sim.
-    part.sends = double(shape.peak_sends[whole][r]) * (c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0);
     part.held.assign(f.params.size(), false);
     for (size_t i = 0; i < f.params.size(); ++i) {
       const int u = f.params[i].unit;
       const bool before = u < 0 && f.zero3_units[i] == 0;
       part.held[i] = u >= 0 ? (u < f.layers && in_layer[u])
                             : before ? part.first || (part.last && f.dims.tied_embeddings) : part.last;
+    }
+    // The rank's peak moment: the most activations and boundary tensors held
+    // at once, weighed by their sizes (a (stage, micro-batch)'s activations,
+    // one micro-batch's hidden states). GPipe holds every micro-batch; the
+    // other schedules' peak does not grow with more than the m_sim simulated.
+    // Recompute makes I run the whole backward (train/startup.cpp make_pipeline).
+    const int whole = c.recompute_layers > 0 ? 1 : 0;
+    const double grow = c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0;
+    const double stages_held = std::max(1, held_stages);
+    part.live = 1.0 / stages_held;  // one (stage, micro-batch), to weigh it
+    const auto one = activation_term(setting(req, f, c, part));
+    const double pair_bytes = one.saved_layers, boundary_bytes = one.sent_per_tensor;
+    double most = -1;
+    for (const auto& [live, boundary] : shape.moments[whole][r]) {
+      const double bytes = grow * (live * pair_bytes + boundary * boundary_bytes);
+      if (bytes > most) {
+        most = bytes;
+        part.live = grow * live / stages_held;
+        part.sends = grow * boundary;
+      }
     }
     auto x = setting(req, f, c, part);
     PlanEstimate er;
