@@ -31,10 +31,8 @@ import pathlib
 import sys
 import tempfile
 
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import machine_line, parse_args, result_record, run_ranks, write_result  # noqa: E402
+from bench_common import machine_line, parse_args, random_tokens, result_record, run_ranks, write_result  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "integration" / "configs" / "tiny_dp.yaml"
@@ -80,12 +78,10 @@ def run(binary, data, work, scheduler=None, pp=1, recompute=False):
 def main():
     a = parse_args(__doc__)
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        data = tmp / "tokens.bin"
-        np.random.default_rng(0).integers(0, VOCAB, 200_000, dtype=np.uint16).tofile(data)
-        rows.append(run(a.nnstrain, data, tmp))
+    with tempfile.TemporaryDirectory() as work:
+        tmp = pathlib.Path(work)
+        data = random_tokens(tmp / "tokens.bin", VOCAB, 200_000)
+        rows = [run(a.nnstrain, data, tmp)]
         print(rows[-1], flush=True)
         for pp in (2, 4):
             for s in SCHEDULERS:

@@ -101,14 +101,19 @@ def cp_budget(tiny_tokens):
                           least(plan4, rejected4, lambda c: c["cp"] == 4))
 
 
+def planned(tokens, model, budget, dimension):
+    """The plan at `budget` GiB, with the batch derived from its dp, which must use `dimension`."""
+    printed, _ = plan(tokens, *model, "--compute_config.memory_budget_gb", repr(budget))
+    assert dimension in printed, f"the budget did not force {dimension} parallelism: {printed}"
+    assert ({"pipeline", "context"} - {dimension}).isdisjoint(printed), printed
+    assert printed["grad_accumulation_steps"] == 8 // (2 * printed["dp"])  # global 8 = micro 2 x accumulation x dp
+    return printed, ["--compute_config.memory_budget_gb", repr(budget)]
+
+
 def test_autodist_trains_the_pipeline_plan_nnstrain_plan_prints(tiny_tokens, tmp_path, pp_budget):
-    budget = ["--compute_config.memory_budget_gb", repr(pp_budget)]
-    printed, _ = plan(tiny_tokens, *PP_MODEL, *budget)
-    pipe = printed.get("pipeline")
-    assert pipe and pipe["pp"] > 1, f"the budget did not force a pipeline: {printed.get('pipeline')}"
-    assert "context" not in printed
-    # The accumulation is the plan's: global 8 = micro 2 x nmicros x dp.
-    assert printed["grad_accumulation_steps"] == pipe["nmicros"] == 8 // (2 * printed["dp"])
+    printed, budget = planned(tiny_tokens, PP_MODEL, pp_budget, "pipeline")
+    pipe = printed["pipeline"]
+    assert pipe["pp"] > 1 and pipe["nmicros"] == printed["grad_accumulation_steps"], pipe
 
     recs, out = train(RANKS, tmp_path / "pp", tiny_tokens, *PP_MODEL, *budget)
     ran = json.loads((tmp_path / "pp" / "plan.json").read_text())
@@ -133,12 +138,9 @@ def test_autodist_trains_the_pipeline_plan_nnstrain_plan_prints(tiny_tokens, tmp
 
 
 def test_autodist_trains_the_context_parallel_plan_nnstrain_plan_prints(tiny_tokens, tmp_path, cp_budget):
-    budget = ["--compute_config.memory_budget_gb", repr(cp_budget)]
-    printed, _ = plan(tiny_tokens, *CP_MODEL, *budget)
-    ctx = printed.get("context")
-    assert ctx and ctx["cp"] > 1, f"the budget did not force context parallelism: {printed}"
-    assert "pipeline" not in printed
-    assert printed["grad_accumulation_steps"] == 8 // (2 * printed["dp"])
+    printed, budget = planned(tiny_tokens, CP_MODEL, cp_budget, "context")
+    ctx = printed["context"]
+    assert ctx["cp"] > 1, ctx
 
     recs, out = train(RANKS, tmp_path / "cp", tiny_tokens, *CP_MODEL, *budget)
     ran = json.loads((tmp_path / "cp" / "plan.json").read_text())
