@@ -185,6 +185,14 @@ def test_a_batch_no_split_can_take_is_one_config_error(tiny_tokens, tmp_path):
     assert t.returncode == 2, t.stdout + t.stderr
     assert "config error: global_batch_size 10 = micro_batch_size 2 x grad_accumulation_steps 1 x dp needs dp 5" \
         in t.stdout + t.stderr, t.stdout + t.stderr
+    # A layer split that cannot work, under a pipeline the config names: refused before planning, exit 2.
+    split = subprocess.run([nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", "--config", str(CONFIG),
+                            "--vars.data", str(tiny_tokens), "--run_dir", str(tmp_path / "split"), *COMMON,
+                            "--compute_config.pas_config.pp_size", "2",
+                            "--compute_config.pas_config.pipeline_layers", "[1, 2]"], cwd=SOURCE,
+                           env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert split.returncode == 2, split.stdout + split.stderr
+    assert "pipeline_layers: the stages hold 3 layers but the model has 2" in split.stdout + split.stderr
     # The same batch with the accumulation left to the plan: dp 1 (pp 4, or cp 4) takes 5 micro-batches.
     printed, _ = plan(tiny_tokens, "--global_batch_size", "10")
     assert printed["dp"] == 1 and printed["grad_accumulation_steps"] == 5, printed

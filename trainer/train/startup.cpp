@@ -252,8 +252,14 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
       throw config::ConfigError("compute_config.pas_config.pp_size: " + std::to_string(pipe.pp_size) +
                                 " pipeline ranks, but this run has " + std::to_string(env.world_size) + " rank" +
                                 (env.world_size == 1 ? "" : "s"));
-    // Under autodist the micro-batches per flush are the plan's (the planner checks the schedule).
-    if (args.pas_policy != "autodist") parallel::pipeline_plan(pipe, args.grad_accumulation_steps, model.num_layers());
+    // Under autodist the micro-batches per flush are the plan's (the planner
+    // checks them with the schedule); the layers and stages are checked here
+    // with a count every scheduler takes (a multiple of pp, above the stages).
+    const int64_t any = 4 * pipe.pp_size * std::max<int64_t>({1, pipe.nstages, int64_t(pipe.layers.size())});
+    const int64_t micros = args.pas_policy != "autodist" ? args.grad_accumulation_steps
+                           : pipe.nmicros > 0            ? pipe.nmicros
+                                                         : any;
+    parallel::pipeline_plan(pipe, micros, model.num_layers());
   }
   const int cp = args.compute_config.context_parallel_size;
   if (env.world_size % cp != 0)  // a one-process launch is not refused at load
