@@ -218,20 +218,20 @@ def test_sigterm_mid_step_saves_every_stage_at_one_step_and_resume_continues(tin
     base = ["--config", str(CONFIG), "--vars.data", str(tiny_tokens), *PP_RUN, "--checkpoint.save_dir",
             str(d / "ckpt")]
     launch = [nnstrain_bin_path(), "launch", "--nproc-per-node", str(ranks), "--"]
-    proc = subprocess.Popen([*launch, *base, "--run_dir", str(d), "--max_train_steps", "100000"], cwd=SOURCE,
-                            env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = Lines(proc)
-    try:
-        assert out.wait_for(r"step 3/100000"), "".join(out.lines)
-        workers = {rank_of(p): p for p in children(proc.pid)}
-        assert sorted(workers) == list(range(ranks)), workers
-        for r in ([ranks - 1] if to == "one" else range(ranks)):  # rank ranks-1: the last stage
-            os.kill(workers[r], signal.SIGTERM)
-        text = out.rest()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with subprocess.Popen([*launch, *base, "--run_dir", str(d), "--max_train_steps", "100000"], cwd=SOURCE,
+                          env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        out = Lines(proc)
+        try:
+            assert out.wait_for(r"step 3/100000"), "".join(out.lines)
+            workers = {rank_of(p): p for p in children(proc.pid)}
+            assert sorted(workers) == list(range(ranks)), workers
+            for r in ([ranks - 1] if to == "one" else range(ranks)):  # rank ranks-1: the last stage
+                os.kill(workers[r], signal.SIGTERM)
+            text = out.rest()
+        except BaseException:
+            proc.kill()  # the launcher stops its workers; Popen's exit waits for it
+            raise
     assert proc.returncode == 0, text
     assert "stopped early on request" in text, text
     recs, _ = read_metrics(d / "metrics.jsonl")
