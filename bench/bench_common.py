@@ -118,3 +118,10 @@ def parse_args(doc):
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     return ap.parse_args()
+
+
+def random_tokens(path, vocab, n, seed=0):
+    """A token file of n uniform random ids below vocab (uint16), for benches that need any data."""
+    import numpy as np
+    np.random.default_rng(seed).integers(0, vocab, n, dtype=np.uint16).tofile(path)
+    return path

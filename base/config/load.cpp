@@ -385,15 +385,17 @@ void compact_empty(const YAML::Node& n) {
 }
 
 // What the pipeline's keys must agree on: global_batch = micro x nmicros x dp,
-// and a scheduler that can run pp ranks, the stages and the micro-batches.
+// and a scheduler that can run pp ranks, the stages and the micro-batches
+// (accumulation 0: dp is the plan's, so those two are the planner's to check).
 void check_pipeline(const ArgMap& pas, const ComputeConfig& c, int64_t accumulation, const std::string& dp_text) {
   const auto& q = c.pipeline;
-  if (q.nmicros > 0 && q.nmicros != accumulation)
+  if (accumulation > 0 && q.nmicros > 0 && q.nmicros != accumulation)
     pas.fail("pipeline_nmicros", std::to_string(q.nmicros) + " micro-batches per pipeline flush, but the step has " +
                                      std::to_string(accumulation) + " (grad_accumulation_steps; global_batch_size = "
                                      "micro_batch_size x pipeline_nmicros x " + dp_text + ")");
   const int stages = q.nstages > 0 ? q.nstages : !q.layers.empty() ? static_cast<int>(q.layers.size())
                                                                     : parallel::pipeline::default_stages(q.scheduler, q.pp_size);
+  if (accumulation == 0) return;
   try {
     parallel::pipeline::make_schedule(q.scheduler, q.pp_size, stages, static_cast<int>(accumulation));
   } catch (const parallel::pipeline::ScheduleError& e) {
@@ -477,6 +479,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.allow_tf32 = cc.get_bool("allow_tf32", false);
   c.cuda_graphs = cc.get_string("cuda_graphs", "auto", {"auto", "true", "false"});
   c.reduce_dtype = cc.get_string("reduce_dtype", "auto", {"auto", "fp32", "bf16", "fp16"});
+  c.context_parallel_given = cc.has("context_parallel_size");
   c.context_parallel_size = static_cast<int>(cc.get_int("context_parallel_size", 1, 1, 1 << 20));
   c.cp_comm_type = cc.get_string("cp_comm_type", "p2p", {"p2p", "all_gather"});
   c.cp_load_balance = cc.get_string("cp_load_balance", "zigzag", {"zigzag", "none"});
@@ -484,6 +487,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (cc.has("pas_config")) {
     pas.emplace(cc.child("pas_config"));
     auto& q = c.pipeline;
+    q.pp_size_given = pas->has("pp_size");
+    q.scheduler_given = pas->has("pipeline_scheduler");
     q.pp_size = static_cast<int>(pas->get_int("pp_size", 1, 1, 1 << 20));
     const auto nstages = pas->get_string("pipeline_nstages", "auto");
     if (nstages != "auto") {
@@ -714,7 +719,13 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     cc.fail("runtime_ngpus", "is " + std::to_string(c.runtime_ngpus) + " but the job was launched with " +
                                  std::to_string(opts.world_size) +
                                  " processes (world size); leave it out to use the launch size");
-  if (c.runtime_ngpus % c.plan_ngpus != 0)
+  // Under autodist plan_ngpus only bounds tp (the planner takes a tp dividing
+  // it and the world), so dp, and with it the accumulation, is the plan's:
+  // derived after planning (planner.cpp), not here.
+  const bool autodist = t.pas_policy == "autodist";
+  const int tp_fixed = autodist ? 1 : c.plan_ngpus;
+  const std::string tp_text = autodist ? "" : " x plan_ngpus " + std::to_string(c.plan_ngpus);
+  if (!autodist && c.runtime_ngpus % c.plan_ngpus != 0)
     cc.fail("runtime_ngpus", std::to_string(c.runtime_ngpus) + " is not a multiple of plan_ngpus " +
                                  std::to_string(c.plan_ngpus));
   if (t.pas_policy == "dp" && c.plan_ngpus > 1)
@@ -722,9 +733,9 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                                std::to_string(c.plan_ngpus) + " asks to split one over " + std::to_string(c.plan_ngpus) +
                                " ranks; use pas_policy hybrid (tp = plan_ngpus), tp or autodist");
   const int cp = c.context_parallel_size;
-  if (cp > 1 && c.runtime_ngpus % (c.plan_ngpus * cp) != 0)
-    cc.fail("context_parallel_size", std::to_string(cp) + " x plan_ngpus " + std::to_string(c.plan_ngpus) +
-                                         " does not divide runtime_ngpus " + std::to_string(c.runtime_ngpus));
+  if (cp > 1 && c.runtime_ngpus % (tp_fixed * cp) != 0)
+    cc.fail("context_parallel_size", std::to_string(cp) + tp_text + " does not divide runtime_ngpus " +
+                                         std::to_string(c.runtime_ngpus));
   if (cp > 1) {
     // Every sequence splits into cp equal parts, 2 cp under zigzag (rank r holds chunks r and 2 cp - 1 - r).
     const int64_t parts = c.cp_load_balance == "zigzag" ? 2 * cp : cp;
@@ -740,17 +751,23 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     if (val_args) check(*val_args, indexed ? t.dataset.indexed_val->seq_len : t.dataset.val_args->seq_len);
   }
   const int pp = c.pipeline.pp_size;
-  if (pp > 1 && c.runtime_ngpus % (c.plan_ngpus * cp * pp) != 0)
-    pas->fail("pp_size", std::to_string(pp) + " x plan_ngpus " + std::to_string(c.plan_ngpus) +
+  if (pp > 1 && c.runtime_ngpus % (tp_fixed * cp * pp) != 0)
+    pas->fail("pp_size", std::to_string(pp) + tp_text +
                              (cp > 1 ? " x context_parallel_size " + std::to_string(cp) : std::string()) +
                              " does not divide runtime_ngpus " + std::to_string(c.runtime_ngpus));
-  const int64_t dp = c.runtime_ngpus / (c.plan_ngpus * cp * pp);
-  if (dp % c.zero_ngroups != 0)
+  // nnScaler's reading (a replica spans plan_ngpus x cp x pp ranks): the dp of
+  // every policy but autodist, whose planner checks zero_ngroups per candidate.
+  const bool spans = c.runtime_ngpus % (c.plan_ngpus * cp * pp) == 0;
+  const int64_t dp = spans ? c.runtime_ngpus / (c.plan_ngpus * cp * pp) : 0;
+  // Under autodist the largest dp a plan can have (tp 1): every other divides it.
+  const int64_t zero_dp = autodist ? c.runtime_ngpus / (cp * pp) : dp;
+  if (zero_dp % c.zero_ngroups != 0)
     cc.fail("zero_ngroups", std::to_string(c.zero_ngroups) + " does not divide the data-parallel size " +
-                                std::to_string(dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
-                                " / plan_ngpus " + std::to_string(c.plan_ngpus) +
+                                std::to_string(zero_dp) + " (runtime_ngpus " + std::to_string(c.runtime_ngpus) +
+                                (autodist ? "" : " / plan_ngpus " + std::to_string(c.plan_ngpus)) +
                                 (cp > 1 ? " / context_parallel_size " + std::to_string(cp) : std::string()) +
-                                (pp > 1 ? " / pp_size " + std::to_string(pp) : std::string()) + ")");
+                                (pp > 1 ? " / pp_size " + std::to_string(pp) : std::string()) +
+                                (autodist ? ", the most any autodist plan has)" : ")"));
   if (c.backend == "nccl" && c.device == "cpu")
     cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
   if (c.offload.params && c.use_zero != 3)
@@ -779,23 +796,49 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   // when neither it nor the global batch says otherwise.
   if (pp > 1 && c.pipeline.nmicros > 0 && !accumulation_given && t.global_batch_size == 0)
     t.grad_accumulation_steps = c.pipeline.nmicros;
-  if (t.global_batch_size > 0 && !accumulation_given) {
-    if (t.global_batch_size % per_step != 0)
+  if (autodist && t.global_batch_size > 0) {
+    // The global batch is fixed here; the accumulation is global / (micro x
+    // the plan's dp), checked by the planner (and pinned when named too).
+    const int64_t unit = t.micro_batch_size * (accumulation_given ? t.grad_accumulation_steps : 1);
+    if (t.global_batch_size % unit != 0)
       top.fail("global_batch_size",
                std::to_string(t.global_batch_size) + " is not a multiple of micro_batch_size " +
-                   std::to_string(t.micro_batch_size) + " x " + dp_text + " = " + std::to_string(per_step));
-    t.grad_accumulation_steps = t.global_batch_size / per_step;
-    top_impl->record("grad_accumulation_steps", YAML::Node(std::to_string(t.grad_accumulation_steps)));
+                   std::to_string(t.micro_batch_size) +
+                   (accumulation_given ? " x grad_accumulation_steps " + std::to_string(t.grad_accumulation_steps) +
+                                             " = " + std::to_string(unit)
+                                       : std::string()) +
+                   " (global = micro x dp x accumulation, dp the plan's under pas_policy autodist)");
+    t.accumulation_fixed = accumulation_given;
+    // The accumulation at nnScaler's dp, for reading only: the trainer steps the plan's.
+    if (!accumulation_given && dp > 0 && t.global_batch_size % per_step == 0)
+      t.grad_accumulation_steps = t.global_batch_size / per_step;
+  } else {
+    if (dp == 0)  // autodist only: every other policy checked the spans above
+      top.fail("global_batch_size", "is not given, and runtime_ngpus " + std::to_string(c.runtime_ngpus) +
+                                        " is not a multiple of compute_config.plan_ngpus " +
+                                        std::to_string(c.plan_ngpus) +
+                                        (cp > 1 ? " x context_parallel_size " + std::to_string(cp) : std::string()) +
+                                        (pp > 1 ? " x pas_config.pp_size " + std::to_string(pp) : std::string()) +
+                                        " to derive it as micro_batch_size x grad_accumulation_steps x dp; name it");
+    if (t.global_batch_size > 0 && !accumulation_given) {
+      if (t.global_batch_size % per_step != 0)
+        top.fail("global_batch_size",
+                 std::to_string(t.global_batch_size) + " is not a multiple of micro_batch_size " +
+                     std::to_string(t.micro_batch_size) + " x " + dp_text + " = " + std::to_string(per_step));
+      t.grad_accumulation_steps = t.global_batch_size / per_step;
+      top_impl->record("grad_accumulation_steps", YAML::Node(std::to_string(t.grad_accumulation_steps)));
+    }
+    const int64_t product = per_step * t.grad_accumulation_steps;
+    if (t.global_batch_size > 0 && t.global_batch_size != product)
+      top.fail("global_batch_size",
+               std::to_string(t.global_batch_size) + " != micro_batch_size " + std::to_string(t.micro_batch_size) +
+                   " x " + dp_text + " x grad_accumulation_steps " + std::to_string(t.grad_accumulation_steps) +
+                   " = " + std::to_string(product));
+    t.global_batch_size = product;
   }
-  const int64_t product = per_step * t.grad_accumulation_steps;
-  if (t.global_batch_size > 0 && t.global_batch_size != product)
-    top.fail("global_batch_size",
-             std::to_string(t.global_batch_size) + " != micro_batch_size " + std::to_string(t.micro_batch_size) +
-                 " x " + dp_text + " x grad_accumulation_steps " + std::to_string(t.grad_accumulation_steps) +
-                 " = " + std::to_string(product));
-  t.global_batch_size = product;
-  top_impl->record("global_batch_size", YAML::Node(std::to_string(product)));
-  if (pp > 1) check_pipeline(*pas, c, t.grad_accumulation_steps, dp_text);
+  top_impl->record("global_batch_size", YAML::Node(std::to_string(t.global_batch_size)));
+  // Under autodist the planner checks the micro-batches and the schedule per candidate.
+  if (pp > 1) check_pipeline(*pas, c, autodist ? 0 : t.grad_accumulation_steps, dp_text);
 
   if (t.max_train_steps == 0 && t.max_epochs == 0)
     top.fail("max_train_steps", "one of max_train_steps or max_epochs must be > 0");

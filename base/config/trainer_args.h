@@ -43,6 +43,9 @@ struct PipelineArgs {
   int nmicros = 0;                 // 0: the step's micro-batches (grad_accumulation_steps)
   std::string scheduler = "1f1b";  // gpipe | 1f1b | 1f1b_interleaved | zb1p | zbv
   std::vector<int> layers;         // model layers per stage, given by the user; empty: balanced by the cost model
+  // Whether the config names pp_size / pipeline_scheduler: under autodist a
+  // named one is kept, an unnamed one is the planner's to choose.
+  bool pp_size_given = false, scheduler_given = false;
 };
 
 struct ComputeConfig {
@@ -74,6 +77,7 @@ struct ComputeConfig {
   int context_parallel_size = 1;
   std::string cp_comm_type = "p2p";     // p2p | all_gather
   std::string cp_load_balance = "zigzag";  // zigzag | none
+  bool context_parallel_given = false;     // named in the config: autodist keeps it (else it may choose cp)
   PipelineArgs pipeline;                   // compute_config.pas_config
 };
 
@@ -206,6 +210,10 @@ struct TrainerArgs {
   int64_t micro_batch_size = 1;
   int64_t grad_accumulation_steps = 1;
   int64_t global_batch_size = 0;      // 0 = micro x dp x accumulation
+  // Under autodist dp is the plan's, so the step's accumulation is derived
+  // after planning (global / (micro x dp)); true when the config names both
+  // global_batch_size and grad_accumulation_steps, so the plan must match it.
+  bool accumulation_fixed = false;
   int64_t max_train_steps = 0;        // 0 = from max_epochs
   int64_t max_epochs = 0;
   int64_t val_every_n_train_steps = 0;

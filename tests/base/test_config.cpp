@@ -409,8 +409,14 @@ TEST_CASE("config: out-of-range values", "[config]") {
              Catch::Contains("micro_batch_size (line 11): must be >= 1, got 0"));
   CHECK_THAT(load_error(tmp, replace(base, "seq_len: 8", "seq_len: -1")),
              Catch::Contains("dataset.train_args.seq_len (line 10): must be >= 1, got -1"));
+  CHECK_THAT(load_error(tmp, base + "pas_policy: hybrid\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 3}\n", multi),
+             Catch::Contains("compute_config.runtime_ngpus (line 14): 3 is not a multiple of plan_ngpus 2"));
+  // autodist: plan_ngpus only bounds tp; without a global batch nnScaler's reading needs the multiple.
+  CHECK(load_error(tmp, base + "global_batch_size: 12\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 3}\n",
+                   multi).empty());
   CHECK_THAT(load_error(tmp, base + "compute_config: {plan_ngpus: 2, runtime_ngpus: 3}\n", multi),
-             Catch::Contains("compute_config.runtime_ngpus (line 13): 3 is not a multiple of plan_ngpus 2"));
+             Catch::Contains("global_batch_size (not set): is not given, and runtime_ngpus 3 is not a multiple of "
+                             "compute_config.plan_ngpus 2"));
   CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, zero_ngroups: 4}\n", multi),
              Catch::Contains("compute_config.zero_ngroups (line 13): 4 does not divide the data-parallel size 6"));
   CHECK_THAT(load_error(tmp, base + "pas_policy: dp\ncompute_config: {plan_ngpus: 2, runtime_ngpus: 2}\n", multi),
@@ -435,9 +441,13 @@ TEST_CASE("config: runtime_ngpus that disagrees with the launch names both", "[c
 TEST_CASE("config: global batch size inconsistent with micro x dp x accumulation", "[config]") {
   TempDir tmp;
   const std::string base = minimal(tmp.data("t.bin"));
-  CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 2\nglobal_batch_size: 10\n"),
-             Catch::Contains("global_batch_size (line 14): 10 != micro_batch_size 4 x dp 1 (runtime_ngpus 1 / "
+  CHECK_THAT(load_error(tmp, base + "pas_policy: hybrid\ngrad_accumulation_steps: 2\nglobal_batch_size: 10\n"),
+             Catch::Contains("global_batch_size (line 15): 10 != micro_batch_size 4 x dp 1 (runtime_ngpus 1 / "
                              "plan_ngpus 1) x grad_accumulation_steps 2 = 8"));
+  // Under autodist dp is the plan's: only what no dp can mend is refused at load.
+  CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 2\nglobal_batch_size: 10\n"),
+             Catch::Contains("global_batch_size (line 14): 10 is not a multiple of micro_batch_size 4 x "
+                             "grad_accumulation_steps 2 = 8 (global = micro x dp x accumulation, dp the plan's"));
   // Without an explicit accumulation it is derived, so only divisibility can fail.
   CHECK_THAT(load_error(tmp, base + "global_batch_size: 10\n"),
              Catch::Contains("global_batch_size (line 13): 10 is not a multiple of micro_batch_size 4"));
@@ -551,10 +561,13 @@ TEST_CASE("config: context parallelism's keys, and the combinations it cannot sp
                              "compute_config.context_parallel_size 3 with compute_config.cp_load_balance zigzag: it "
                              "must be a multiple of 2 x context_parallel_size (6)"));
   CHECK(load_error(tmp, base + "compute_config: {context_parallel_size: 4, cp_load_balance: none}\n", multi).empty());
-  CHECK_THAT(load_error(tmp, base + "compute_config: {runtime_ngpus: 6, plan_ngpus: 2, context_parallel_size: 2}\n",
-                        six),
-             Catch::Contains("compute_config.context_parallel_size (line 13): 2 x plan_ngpus 2 does not divide "
+  CHECK_THAT(load_error(tmp, base + "pas_policy: hybrid\ncompute_config: {runtime_ngpus: 6, plan_ngpus: 2, "
+                                    "context_parallel_size: 2}\n", six),
+             Catch::Contains("compute_config.context_parallel_size (line 14): 2 x plan_ngpus 2 does not divide "
                              "runtime_ngpus 6"));
+  // autodist: plan_ngpus bounds tp, so tp 1 x cp 2 x dp 3 is open to it.
+  CHECK(load_error(tmp, base + "global_batch_size: 12\ncompute_config: {runtime_ngpus: 6, plan_ngpus: 2, "
+                               "context_parallel_size: 2, cp_load_balance: none}\n", six).empty());
   CHECK_THAT(load_error(tmp, base + "compute_config: {cp_comm_type: ring}\n", multi),
              Catch::Contains("compute_config.cp_comm_type (line 13): 'ring' is not one of: p2p, all_gather"));
   // Training splits sequences now: cp > 1 loads, and what it does not support yet is refused naming the keys.
@@ -570,7 +583,8 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
   TempDir tmp;
   LoadOptions four = options();
   four.world_size = 4;
-  const std::string base = minimal(tmp.data("t.bin"));
+  // A fixed policy: dp is known at load (under autodist the planner checks these per candidate).
+  const std::string base = minimal(tmp.data("t.bin")) + "pas_policy: hybrid\n";
   // pp 2 of 4 ranks: dp 2; a global batch of 32 is 4 micro-batches of 4 per step, one pipeline flush.
   const TrainerArgs t = load_trainer_args(
       tmp.write("pp.yaml", base + "global_batch_size: 32\ncompute_config: {pas_config: {pp_size: 2, "
@@ -585,7 +599,7 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
   CHECK(u.global_batch_size == 24);
   CHECK_THAT(load_error(tmp, base + "global_batch_size: 32\ncompute_config: {pas_config: {pp_size: 2, "
                                     "pipeline_nmicros: 8}}\n", four),
-             Catch::Contains("compute_config.pas_config.pipeline_nmicros (line 14): 8 micro-batches per pipeline "
+             Catch::Contains("compute_config.pas_config.pipeline_nmicros (line 15): 8 micro-batches per pipeline "
                              "flush, but the step has 4 (grad_accumulation_steps; global_batch_size = micro_batch_size "
                              "x pipeline_nmicros x dp 2"));
   CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 3\ncompute_config: {pas_config: {pp_size: 2, "
@@ -595,6 +609,7 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
   CHECK_THAT(load_error(tmp, base + "compute_config: {pas_config: {pp_size: 2, pipeline_nstages: 3}}\n", four),
              Catch::Contains("pipeline_scheduler 1f1b with pp_size 2, pipeline_nstages 3") &&
                  Catch::Contains("one stage per rank"));
-  CHECK_THAT(load_error(tmp, base + "compute_config: {use_zero: 2, pas_config: {pp_size: 2}}\n", four),
-             Catch::Contains("compute_config.pas_config.pp_size") && Catch::Contains("use_zero 2 is not implemented"));
+  // ZeRO-2/3 compose with the pipeline (each stage shards over its dp group).
+  CHECK(load_error(tmp, base + "compute_config: {use_zero: 2, pas_config: {pp_size: 2}}\n", four).empty());
+  CHECK(load_error(tmp, base + "compute_config: {use_zero: 3, pas_config: {pp_size: 2}}\n", four).empty());
 }

@@ -596,9 +596,13 @@ max_train_steps: 10
   CHECK(cli::plan_main({"--device", "H100"}, uout, uerr) == 2);
   std::ostringstream dout, derr;
   CHECK(cli::plan_main({"--config", cfg, "--runtime-ngpus", "2", "--device", "TPU"}, dout, derr) == 1);
-  // Without --runtime-ngpus the config's (here unset: 1) must suit plan_ngpus.
+  // Without --runtime-ngpus the config's (here unset: 1) world: autodist's
+  // plan_ngpus only bounds tp, so one rank plans tp 1; hybrid's tp = plan_ngpus must fit.
+  std::ostringstream aout, aerr;
+  CHECK(cli::plan_main({"--config", cfg}, aout, aerr) == 0);
+  CHECK_THAT(aout.str(), Catch::Contains("world 1 = tp 1 x dp 1"));
   std::ostringstream rout, rerr;
-  CHECK(cli::plan_main({"--config", cfg}, rout, rerr) == 2);
+  CHECK(cli::plan_main({"--config", cfg, "--pas_policy", "hybrid"}, rout, rerr) == 2);
   CHECK_THAT(rerr.str(), Catch::Contains("not a multiple of plan_ngpus 2"));
   CHECK_THAT(derr.str(), Catch::Contains("unknown device 'TPU'"));
 }

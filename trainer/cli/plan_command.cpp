@@ -31,9 +31,10 @@ constexpr const char* kPlanUsage =
 Prints the plan for the config: tensor-, context-, pipeline- and data-parallel
 sizes, ZeRO, activation recompute per layer, the pipeline's stages, schedule
 and bubble, each parameter's split, per-rank memory and the estimated step
-time. Under autodist it may choose context and pipeline parallelism, which the
-trainer runs when the config names them (context_parallel_size, pas_config.pp_size)
-but does not yet choose itself. Nothing is trained and no weights are allocated.
+time. Under autodist it may choose context and pipeline parallelism, as the
+trainer does for the same config and world size (a context_parallel_size or
+pas_config.pp_size the config names stays). Nothing is trained and no weights
+are allocated.
 
   --runtime-ngpus N       total ranks (default: compute_config.runtime_ngpus, else 1)
   --device NAME           H100 | H200 | A100-80G | A100-40G | cpu | auto
@@ -170,8 +171,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     req.device = parallel::device_spec(device_name.empty() ? cc.device : device_name);
     const double gb = budget_gb > 0 ? budget_gb : cc.memory_budget_gb;
     req.memory_budget_bytes = gb * kGiB;
-    // On paper autodist may choose every dimension (the trainer's request
-    // leaves out the ones it cannot run yet).
+    // Autodist may choose every dimension, as in the trainer (train/startup.cpp decide_plan).
     req.search_pipeline = req.search_context = true;
     const auto model = build_model_for_planning(targs);
     req.model = model.get();
@@ -243,8 +243,8 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     }
     return 0;
   } catch (const parallel::PlanError& e) {
-    err << "nnstrain plan: " << e.what() << "\n";
-    return 1;
+    err << "nnstrain plan: " << (e.config ? "config error: " : "") << e.what() << "\n";
+    return e.config ? 2 : 1;
   } catch (const config::ConfigError& e) {
     err << "nnstrain plan: config error: " << e.what() << "\n";
     return 2;

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <set>
 #include <optional>
 #include <tuple>
 
@@ -207,12 +208,13 @@ struct Setting {
   // embedding (first) and the head (last).
   double Lr, kr, live = 1;
   bool first = true, last = true;
+  double sends = 0;  // pipeline: boundary tensors held (sent ones to the step's end, received ones until used)
 };
 
 // The rank's part of the model under pp; the whole model otherwise.
 struct RankPart {
   std::vector<bool> held;  // per parameter (empty: all)
-  double layers = 0, recomputed = 0, live = 1;
+  double layers = 0, recomputed = 0, live = 1, sends = 0;
   bool first = true, last = true;
 };
 
@@ -244,6 +246,7 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   x.live = part.live;
   x.first = part.first;
   x.last = part.last;
+  x.sends = part.sends;
   return x;
 }
 
@@ -307,6 +310,8 @@ struct Activations {
   double loss_peak = 0;       // the loss's own peak (loss_term)
   double block_grads = 0;     // one block's backward on top of the kept activations
   double tied_head_grad = 0;  // a tied embedding's head gradient waiting in autograd
+  double sent = 0;            // pipeline: the boundary tensors held (Setting::sends)
+  double sent_per_tensor = 0;  // one of them: a micro-batch's hidden states on this rank
 };
 
 // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
@@ -426,6 +431,11 @@ Activations activation_term(const Setting& x) {
   // A tied embedding's gradient from the head waits in autograd until the
   // embedding's own part is added at the end of backward.
   act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
+  // The pipeline's executor keeps every tensor it sends until the step's end
+  // (pipeline_runtime.cpp finish_sends), and a received one until it is used:
+  // each one micro-batch's hidden states.
+  act.sent_per_tensor = tokens * h * rep * ea;
+  act.sent = x.sends * act.sent_per_tensor;
   return act;
 }
 
@@ -485,6 +495,7 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
     phases.push_back({x.live * k * act.layer_input + act.layer_full - act.layer_input + x.tokens * x.h * x.rep * x.pb.act +
                           act.block_grads + act.scores + act.tied_head_grad,
                       worst_block_transient});
+  for (auto& ph : phases) ph.acts += act.sent;  // held through every phase
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
     return p.acts + p.transient < q.acts + q.transient;
   });
@@ -649,7 +660,12 @@ void memory_terms(const Setting& x, PlanEstimate& e) {
 struct ScheduleCache::Impl {
   struct Shape {
     pipeline::Schedule schedule;
-    std::vector<int> peak_live;  // per rank, (stage, micro-batch) activations at once
+    // Per rank, the moments that may be its peak: (stage, micro-batch)
+    // activations held, boundary tensors held (sent ones, kept to the step's
+    // end, and received ones not yet used), none of them below another in
+    // both; [1] when I runs the whole backward (recompute:
+    // PipelineExecutor's split_backward off).
+    std::vector<std::vector<std::pair<int, int>>> moments[2];
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
@@ -663,13 +679,39 @@ struct ScheduleCache::Impl {
     sh.schedule = pipeline::make_schedule(scheduler, ranks, stages, micros);
     // A micro-batch's activations live from its F until its backward is
     // done: its B, or its W (the weight gradient reads the layers' inputs),
-    // not its I as pipeline::simulate's peak_live counts. The order alone decides it.
-    sh.peak_live.assign(ranks, 0);
-    for (int r = 0; r < ranks; ++r) {
-      int live = 0;
-      for (const auto& act : sh.schedule.actions[r]) {
-        if (act.op == pipeline::Op::F) sh.peak_live[r] = std::max(sh.peak_live[r], ++live);
-        if (act.op == pipeline::Op::B || act.op == pipeline::Op::W) --live;
+    // not its I as pipeline::simulate's peak_live counts; its I when I runs
+    // the whole backward. The order alone decides it. In the lowered order
+    // (what runs), a sent tensor is kept to the step's end (finish_sends), a
+    // received activation until its F (then it is the stage's saved input), a
+    // received gradient until the micro-batch's backward is done.
+    const auto lowered = pipeline::lower(sh.schedule);
+    for (int whole = 0; whole < 2; ++whole) {
+      sh.moments[whole].assign(ranks, {});
+      const auto ends = whole ? pipeline::Op::I : pipeline::Op::W;
+      for (int r = 0; r < ranks; ++r) {
+        int live = 0, boundary = 0;
+        std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
+        auto& front = sh.moments[whole][r];
+        for (const auto& act : lowered.actions[r]) {
+          const bool done = act.op == pipeline::Op::B || act.op == ends;
+          if (act.op == pipeline::Op::Send) ++boundary;
+          if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
+          if ((act.op == pipeline::Op::F && received.erase({false, act.stage, act.micro})) ||
+              (done && received.erase({true, act.stage, act.micro})))
+            --boundary;
+          if (act.op == pipeline::Op::F) ++live;
+          if (done) --live;
+          // Keep the moment unless one already kept holds as much of both.
+          const bool covered = std::any_of(front.begin(), front.end(), [&](const std::pair<int, int>& m) {
+            return m.first >= live && m.second >= boundary;
+          });
+          if (covered) continue;
+          front.erase(std::remove_if(front.begin(), front.end(), [&](const std::pair<int, int>& m) {
+                        return m.first <= live && m.second <= boundary;
+                      }),
+                      front.end());
+          front.emplace_back(live, boundary);
+        }
       }
     }
     return shapes.emplace(key, std::move(sh)).first->second;
@@ -725,6 +767,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   // Memory: every rank, the worst is the estimate.
   PlanEstimate e;
   std::optional<Setting> worst;
+  std::vector<double> rank_bytes;
   for (int r = 0; r < P; ++r) {
     RankPart part;
     part.layers = part.recomputed = 0;
@@ -739,9 +782,6 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
       part.recomputed += std::min(c.recompute_layers, layers[st]);
       for (int l = first_layer[st]; l < first_layer[st + 1]; ++l) in_layer[l] = true;
     }
-    // GPipe holds every micro-batch; 1F1B's and interleaving's peak does not grow with more.
-    const double live = c.scheduler == "gpipe" ? double(micros) : double(shape.peak_live[r]);
-    part.live = live / std::max(1, held_stages);
     part.held.assign(f.params.size(), false);
     for (size_t i = 0; i < f.params.size(); ++i) {
       const int u = f.params[i].unit;
@@ -749,15 +789,37 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
       part.held[i] = u >= 0 ? (u < f.layers && in_layer[u])
                             : before ? part.first || (part.last && f.dims.tied_embeddings) : part.last;
     }
+    // The rank's peak moment: the most activations and boundary tensors held
+    // at once, weighed by their sizes (a (stage, micro-batch)'s activations,
+    // one micro-batch's hidden states). GPipe holds every micro-batch; the
+    // other schedules' peak does not grow with more than the m_sim simulated.
+    // Recompute makes I run the whole backward (train/startup.cpp make_pipeline).
+    const int whole = c.recompute_layers > 0 ? 1 : 0;
+    const double grow = c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0;
+    const double stages_held = std::max(1, held_stages);
+    part.live = 1.0 / stages_held;  // one (stage, micro-batch), to weigh it
+    const auto one = activation_term(setting(req, f, c, part));
+    const double pair_bytes = one.saved_layers, boundary_bytes = one.sent_per_tensor;
+    double most = -1;
+    for (const auto& [live, boundary] : shape.moments[whole][r]) {
+      const double bytes = grow * (live * pair_bytes + boundary * boundary_bytes);
+      if (bytes > most) {
+        most = bytes;
+        part.live = grow * live / stages_held;
+        part.sends = grow * boundary;
+      }
+    }
     auto x = setting(req, f, c, part);
     PlanEstimate er;
     memory_terms(x, er);
+    rank_bytes.push_back(er.total_bytes);
     if (!worst || er.total_bytes > e.total_bytes) {
       e = er;
       worst.emplace(x);
     }
   }
   const Setting& x = *worst;
+  e.pp_rank_bytes = rank_bytes;
 
   // Time: per-stage costs of one micro-batch.
   const auto& dev = req.device;

@@ -28,12 +28,15 @@ namespace nnstrain::parallel {
 
 // A plan that cannot be made: an infeasible split, a policy that does not fit
 // the world, or a budget no candidate fits (min_bytes: the least memory any
-// candidate needs per rank; 0 when memory is not the reason).
+// candidate needs per rank; 0 when memory is not the reason). config: the
+// config's own keys are the error (no split of the world fits its batch
+// arithmetic), so the trainer exits 2 as for any config error.
 class PlanError : public std::runtime_error {
  public:
-  explicit PlanError(const std::string& what, double min_bytes = 0)
-      : std::runtime_error(what), min_bytes(min_bytes) {}
+  explicit PlanError(const std::string& what, double min_bytes = 0, bool config = false)
+      : std::runtime_error(what), min_bytes(min_bytes), config(config) {}
   double min_bytes;
+  bool config;
 };
 
 // What the cost model knows about an accelerator. FLOP/s are dense peaks;
@@ -74,8 +77,8 @@ struct PlanRequest {
   // [heads, s, s] scores, so Megatron's 5as/h activation term is dropped.
   bool fused_attention = true;
   // Whether autodist may choose pipeline (pp > 1) and context (cp > 1)
-  // parallelism itself. `nnstrain plan` sets both; the trainer leaves them off
-  // until it runs them (a size the config names is planned either way).
+  // parallelism itself. `nnstrain plan` and the trainer set both (a size the
+  // config names is planned either way); off, the search keeps pp = cp = 1.
   bool search_pipeline = false, search_context = false;
 };
 

@@ -1,5 +1,6 @@
 #include "trainer/parallel/plan.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -51,6 +52,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"seq_len", p.seq_len},
        {"grad_accumulation_steps", p.grad_accumulation_steps}};
   // Only where used, so plans without them read as before.
+  if (!e.pp_rank_bytes.empty()) j["estimate"]["pp_rank_bytes"] = e.pp_rank_bytes;
   if (p.context.cp > 1)
     j["context"] = {{"cp", p.context.cp}, {"comm_type", p.context.comm_type}, {"load_balance", p.context.load_balance}};
   if (p.pipeline.pp > 1)
@@ -105,6 +107,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.cp_comm_s = ej.value("cp_comm_s", 0.0);
       e.pp_comm_s = ej.value("pp_comm_s", 0.0);
       e.pp_bubble = ej.value("pp_bubble", 0.0);
+      e.pp_rank_bytes = ej.value("pp_rank_bytes", std::vector<double>{});
       e.host_bytes = ej.value("host_bytes", 0.0);
       e.host_step_s = ej.value("host_step_s", 0.0);
       e.copy_s = ej.value("copy_s", 0.0);
@@ -190,6 +193,29 @@ std::string recompute_text(const std::vector<bool>& r) {
 }
 
 }  // namespace
+
+std::string plan_summary(const Plan& p) {
+  const auto& cx = p.context;
+  const auto& q = p.pipeline;
+  std::ostringstream o;
+  o << "world " << p.world << " = tp " << p.tp << (cx.cp > 1 ? " x cp " + std::to_string(cx.cp) : std::string())
+    << (q.pp > 1 ? " x pp " + std::to_string(q.pp) : std::string()) << " x dp " << p.dp << ", zero "
+    << p.zero_stage;
+  if (cx.cp > 1) o << ", cp " << cx.comm_type << " " << cx.load_balance;
+  if (q.pp > 1) {
+    std::string layers;
+    for (int n : q.stage_layers) layers += (layers.empty() ? "" : "+") + std::to_string(n);
+    o << ", pipeline " << q.scheduler << " " << q.stages << " stages (layers " << layers << ")";
+  }
+  o << ", recompute " << std::count(p.recompute.begin(), p.recompute.end(), true) << " of " << p.recompute.size()
+    << " layers" << (p.offload_ratio > 0 ? ", offload " + fixed(100 * p.offload_ratio, 0) + "%" : std::string())
+    << "; global batch " << p.micro_batch_size * p.grad_accumulation_steps * p.dp << " = micro "
+    << p.micro_batch_size << " x accumulation " << p.grad_accumulation_steps << " x dp " << p.dp
+    << (q.pp > 1 ? " (" + std::to_string(q.nmicros) + " micro-batches per pipeline flush)" : std::string())
+    << "; estimate " << fixed(p.estimate.total_bytes / 1048576.0, 1) << " MiB per rank, "
+    << fixed(p.estimate.step_s, 4) << " s per step";
+  return o.str();
+}
 
 std::string describe(const Plan& p, bool explain) {
   std::ostringstream o;

@@ -28,6 +28,9 @@ struct PlanEstimate {
   double cp_comm_s = 0;                 // context parallel: the ring's exposed transfers
   double pp_comm_s = 0;                 // pipeline: activation and gradient transfers between stages
   double pp_bubble = 0;                 // pipeline: the schedule's idle fraction (simulated)
+  // Pipeline: each pipeline rank's total_bytes (the figures above are the
+  // largest's), to set beside metrics' peak_tensor_mb_per_pp_rank.
+  std::vector<double> pp_rank_bytes;
   // Offload: host memory per rank (not in total_bytes, which is the device's),
   // the CPU step and the copies per step, and what of them is exposed (in step_s).
   double host_bytes = 0;
@@ -83,5 +86,10 @@ void from_json(const nlohmann::json& j, Plan& p);
 // e.g. "h.*.attn.c_attn.weight"), per-rank memory and step time; explain adds
 // the cost model's assumptions. Deterministic.
 std::string describe(const Plan& p, bool explain = false);
+
+// One line for the run's log: the split, ZeRO, the pipeline and context
+// choices, and the batch arithmetic derived from the plan (global batch =
+// micro x accumulation x dp).
+std::string plan_summary(const Plan& p);
 
 }  // namespace nnstrain::parallel

@@ -197,7 +197,7 @@ Plan agree_plan(const PlanRequest& req, c10d::Store& store, int rank, int world_
           const Plan plan = make_plan(agreed);
           verdict = {{"plan", nlohmann::json(plan)}, {"hash", plan_hash(plan)}};
         } catch (const PlanError& e) {
-          verdict = {{"plan_error", e.what()}, {"min_bytes", e.min_bytes}};
+          verdict = {{"plan_error", e.what()}, {"min_bytes", e.min_bytes}, {"config", e.config}};
         }
       }
     }
@@ -205,7 +205,8 @@ Plan agree_plan(const PlanRequest& req, c10d::Store& store, int rank, int world_
     if (!verdict.contains("plan")) {
       if (!present.empty()) ex.wait_all(kRead, kLinger, present);  // let them read why before the store goes
       if (verdict.contains("plan_error"))
-        throw PlanError(verdict["plan_error"].get<std::string>(), verdict["min_bytes"].get<double>());
+        throw PlanError(verdict["plan_error"].get<std::string>(), verdict["min_bytes"].get<double>(),
+                        verdict.value("config", false));
       throw PlanAgreementError(verdict["error"].get<std::string>());
     }
     // Step 3: every rank's own plan from the same facts must hash the same.
@@ -236,7 +237,8 @@ Plan agree_plan(const PlanRequest& req, c10d::Store& store, int rank, int world_
   const auto verdict = nlohmann::json::parse(ex.get(kVerdict));
   ex.set(kRead + std::to_string(rank), "1");
   if (verdict.contains("plan_error"))
-    throw PlanError(verdict["plan_error"].get<std::string>(), verdict["min_bytes"].get<double>());
+    throw PlanError(verdict["plan_error"].get<std::string>(), verdict["min_bytes"].get<double>(),
+                    verdict.value("config", false));
   if (verdict.contains("error")) throw PlanAgreementError(verdict["error"].get<std::string>());
   const Plan plan = verdict["plan"].get<Plan>();
   // Recompute from the agreed facts (equal to this rank's own, as checked).

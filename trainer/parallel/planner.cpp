@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 
 namespace nnstrain::parallel {
@@ -51,6 +52,7 @@ struct Entry {
   Candidate c;
   std::string infeasible;  // empty: evaluated
   PlanEstimate e;
+  bool batch = false;  // infeasible by the batch arithmetic (global = micro x dp x accumulation)
 };
 
 // How a candidate splits beyond tp: context- and pipeline-parallel sizes,
@@ -62,10 +64,11 @@ struct Split {
   std::string scheduler = "1f1b";
 };
 
-// The pipelines the search tries: the config's pp_size (with its scheduler and
-// pipeline_nstages), else (autodist, PlanRequest::search_pipeline) none and
-// every pp dividing the ranks left after tp x cp, with every scheduler
-// (interleaved and zbv at two stages per rank).
+// The pipelines the search tries: the config's pp_size when it names one
+// (with its scheduler and pipeline_nstages), else (autodist,
+// PlanRequest::search_pipeline) none and every pp dividing the ranks left
+// after tp x cp, with every scheduler, or the one the config names
+// (interleaved and zbv at two stages per rank unless pipeline_nstages says).
 std::vector<Split> pipeline_splits(const PlanRequest& req, int per_tp_cp, int layers) {
   const auto& q = req.args->compute_config.pipeline;
   auto stages_for = [](const std::string& sched, int pp, int nstages) {
@@ -74,13 +77,32 @@ std::vector<Split> pipeline_splits(const PlanRequest& req, int per_tp_cp, int la
   };
   if (q.pp_size > 1) return {{1, "p2p", q.pp_size, stages_for(q.scheduler, q.pp_size, q.nstages), q.scheduler}};
   std::vector<Split> out{{}};
-  if (!req.search_pipeline || req.args->pas_policy != "autodist") return out;
+  if (q.pp_size_given || !req.search_pipeline || req.args->pas_policy != "autodist") return out;
   for (int pp = 2; pp <= per_tp_cp && pp <= layers; ++pp) {
     if (per_tp_cp % pp) continue;
-    for (const auto& sched : pipeline::scheduler_names())
-      if (stages_for(sched, pp, 0) <= layers) out.push_back({1, "p2p", pp, stages_for(sched, pp, 0), sched});
+    for (const auto& sched : pipeline::scheduler_names()) {
+      if (q.scheduler_given && sched != q.scheduler) continue;
+      const int stages = stages_for(sched, pp, q.nstages > 0 && q.nstages % pp == 0 ? q.nstages : 0);
+      if (stages <= layers) out.push_back({1, "p2p", pp, stages, sched});
+    }
   }
   return out;
+}
+
+// What the trainer cannot run yet, for a split it would otherwise take (empty:
+// it can). Each line mirrors a refusal at load (base/config/load.cpp) or start
+// (trainer/train/startup.cpp); drop it here when the runtime learns the case.
+std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
+  const auto& cc = a.compute_config;
+  if (c.cp > 1 && c.pp > 1) return "context parallelism together with pipeline parallelism is not implemented yet";
+  if (c.pp > 1 && cc.cuda_graphs == "true") return "pipeline parallelism cannot be captured in a CUDA graph (compute_config.cuda_graphs)";
+  if (c.cp > 1) {
+    if (cc.cuda_graphs == "true") return "context parallelism is not supported with compute_config.cuda_graphs yet";
+    if (a.dataset.document_mask()) return "context parallelism is not supported with document_mask yet";
+    if (a.model.args && a.model.args->attention_dropout().second > 0)
+      return "context-parallel attention has no attention dropout (model.args." + a.model.args->attention_dropout().first + ")";
+  }
+  return "";
 }
 
 // The search space, listed tp up, ZeRO stage up, recompute up, one offload
@@ -136,7 +158,9 @@ class Search {
     const auto& o = a_.compute_config.offload;
     return a_.pas_policy == "autodist" && !o.optimizer && !o.params;
   }
-  bool free_context() const { return a_.pas_policy == "autodist" && req_.search_context; }
+  bool free_context() const {
+    return a_.pas_policy == "autodist" && req_.search_context && !a_.compute_config.context_parallel_given;
+  }
 
   // Recompute counts to try: every k for a whole model; under pp (k per
   // stage) at most 9 evenly spaced counts from none to the largest stage's layers.
@@ -177,8 +201,8 @@ class Search {
     base.stages = sp.stages;
     base.scheduler = sp.scheduler;
     const int dp = base.dp;
-    auto refuse_split = [&](const std::string& why) {
-      if (tier == 0) entries_.push_back({base, why, {}});
+    auto refuse_split = [&](const std::string& why, bool batch = false) {
+      if (tier == 0) entries_.push_back({base, why, {}, batch});
     };
     if (req_.world_size % (t * sp.cp * sp.pp) != 0)
       return refuse_split("tp x cp x pp = " + std::to_string(t * sp.cp * sp.pp) + " does not divide the world " +
@@ -187,10 +211,30 @@ class Search {
       const auto fails = tp_failures(f_, t);
       if (!fails.empty()) return refuse_split(join(fails, "; "));
     }
+    // The step's accumulation is derived here; a config naming it (or, under
+    // pp, pipeline_nmicros) keeps only the splits that agree.
+    const int64_t per_dp = a_.micro_batch_size * a_.grad_accumulation_steps;
+    if (a_.accumulation_fixed && a_.global_batch_size != per_dp * dp)
+      return refuse_split("global_batch_size " + std::to_string(a_.global_batch_size) + " = micro_batch_size " +
+                              std::to_string(a_.micro_batch_size) + " x grad_accumulation_steps " +
+                              std::to_string(a_.grad_accumulation_steps) + " x dp needs dp " +
+                              format_fixed(double(a_.global_batch_size) / double(per_dp),
+                                           a_.global_batch_size % per_dp ? 2 : 0) +
+                              ", not " + std::to_string(dp),
+                          true);
     if (a_.global_batch_size % (a_.micro_batch_size * dp) != 0)
-      return refuse_split("global batch " + std::to_string(a_.global_batch_size) +
-                          " is not a multiple of micro_batch_size " + std::to_string(a_.micro_batch_size) + " x dp " +
-                          std::to_string(dp));
+      return refuse_split("global_batch_size " + std::to_string(a_.global_batch_size) +
+                              " is not a multiple of micro_batch_size " + std::to_string(a_.micro_batch_size) +
+                              " x dp " + std::to_string(dp),
+                          true);
+    const int64_t accumulation = a_.global_batch_size / (a_.micro_batch_size * dp);
+    if (sp.pp > 1 && cc.pipeline.nmicros > 0 && accumulation != cc.pipeline.nmicros)
+      return refuse_split("compute_config.pas_config.pipeline_nmicros " + std::to_string(cc.pipeline.nmicros) +
+                              " != global_batch_size " + std::to_string(a_.global_batch_size) + " / (micro_batch_size " +
+                              std::to_string(a_.micro_batch_size) + " x dp " + std::to_string(dp) + ") = " +
+                              std::to_string(accumulation),
+                          true);
+    if (const auto why = not_runnable(a_, base); !why.empty()) return refuse_split(why);
     if (sp.cp > 1) {
       const int64_t parts = cc.cp_load_balance == "zigzag" ? 2 * sp.cp : sp.cp;
       if (seq_len_of(a_, f_) % parts != 0)
@@ -233,6 +277,14 @@ class Search {
           continue;
         }
         if (tier == 2 && zero != 3) continue;
+        {
+          Candidate c = base;
+          c.zero_stage = zero;
+          if (const auto why = not_runnable(a_, c); !why.empty()) {
+            if (tier == 0) entries_.push_back({c, why, {}});
+            continue;
+          }
+        }
         for (int k : recompute_counts(base)) {
           Candidate c = base;
           c.zero_stage = zero;
@@ -304,6 +356,18 @@ class Search {
   const auto& a = *req.args;
   const int world = req.world_size;
   if (!s.least_memory()) {
+    // Only the batch arithmetic stands in the way: a config error, one line.
+    const auto& all = s.entries();
+    if (!all.empty() && std::all_of(all.begin(), all.end(), [](const Entry& en) { return en.batch; })) {
+      std::set<int, std::greater<int>> dps;
+      for (const auto& en : all) dps.insert(en.c.dp);
+      std::string tried;
+      for (int d : dps) tried += (tried.empty() ? "" : ", ") + std::to_string(d);
+      throw PlanError(all.front().infeasible + "; no split of the " + std::to_string(world) +
+                          " ranks takes this batch (dp " + tried +
+                          " tried): change global_batch_size, micro_batch_size or grad_accumulation_steps",
+                      0, /*config=*/true);
+    }
     std::string why;
     for (const auto& en : s.entries()) why += "\n  " + candidate_text(en.c, L) + ": " + en.infeasible;
     throw PlanError("no feasible plan for pas_policy " + a.pas_policy + " on " + std::to_string(world) + " ranks:" + why);

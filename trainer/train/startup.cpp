@@ -255,7 +255,14 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
       throw config::ConfigError("compute_config.pas_config.pp_size: " + std::to_string(pipe.pp_size) +
                                 " pipeline ranks, but this run has " + std::to_string(env.world_size) + " rank" +
                                 (env.world_size == 1 ? "" : "s"));
-    parallel::pipeline_plan(pipe, args.grad_accumulation_steps, model.num_layers());
+    // Under autodist the micro-batches per flush are the plan's (the planner
+    // checks them with the schedule); the layers and stages are checked here
+    // with a count every scheduler takes (a multiple of pp, above the stages).
+    const int64_t any = 4 * pipe.pp_size * std::max<int64_t>({1, pipe.nstages, int64_t(pipe.layers.size())});
+    const int64_t micros = args.pas_policy != "autodist" ? args.grad_accumulation_steps
+                           : pipe.nmicros > 0            ? pipe.nmicros
+                                                         : any;
+    parallel::pipeline_plan(pipe, micros, model.num_layers());
   }
   const int cp = args.compute_config.context_parallel_size;
   if (env.world_size % cp != 0)  // a one-process launch is not refused at load
@@ -268,9 +275,17 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
   req.world_size = env.world_size;
   req.device = parallel::device_spec(device.is_cuda() ? "auto" : "cpu");
   req.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
+  // Autodist chooses pp and cp as `nnstrain plan` does (a size the config names stays).
+  req.search_pipeline = req.search_context = true;
   Agreed a{{}, req.device, nullptr};
   if (env.world_size > 1) a.store = dist::rendezvous(env, timeout);
-  a.plan = a.store ? parallel::agree_plan(req, *a.store, env.rank, env.world_size, timeout) : parallel::make_plan(req);
+  try {
+    a.plan = a.store ? parallel::agree_plan(req, *a.store, env.rank, env.world_size, timeout) : parallel::make_plan(req);
+  } catch (const parallel::PlanError& e) {
+    if (e.config) throw config::ConfigError(e.what());  // the batch arithmetic: exit 2 as at load
+    throw;
+  }
+  log::info("plan (" + args.pas_policy + "): " + parallel::plan_summary(a.plan));
   return a;
 }
 

@@ -382,6 +382,13 @@ void Trainer::log_progress() {
   // A replayed CUDA graph allocates nothing: its step holds what its capture held.
   const bool replayed = graph_ && graph_->captured();
   std::vector<int64_t> step_peak{replayed ? graph_->capture_peak_bytes() : step_peak_bytes(device_)};
+  // Under pp also each pipeline rank's (the most its tp/cp/dp ranks held), in
+  // the same max: this rank fills its own slot, the others stay -1.
+  const int pp = plan_.pipeline.pp;
+  if (pp > 1) {
+    step_peak.resize(1 + pp, -1);
+    step_peak[1 + rt_->pp.rank] = step_peak[0];
+  }
   if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
   if (rt_) {
     if (tr_.pipeline) rt_->all_reduce(rt_->pp, loss_sum_, "loss all-reduce (pipeline: from the last stage)");
@@ -399,6 +406,11 @@ void Trainer::log_progress() {
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
   if (step_peak[0] >= 0) rec["peak_tensor_mb"] = step_peak[0] / 1048576.0;
+  if (step_peak[0] >= 0 && pp > 1) {
+    std::vector<double> per_rank;
+    for (int r = 0; r < pp; ++r) per_rank.push_back(step_peak[1 + r] / 1048576.0);
+    rec["peak_tensor_mb_per_pp_rank"] = per_rank;
+  }
   if (replayed) {
     activation_bytes_ = graph_activation_bytes_;
     rec["graph_pool_mb"] = graph_->pool_bytes() / 1048576.0;
