@@ -13,6 +13,7 @@ the cp ring (cp_collectives_per_step). Checkpoints hold no cp- or pp-specific
 state: a cp2 x pp2 checkpoint resumes in one process, and the reverse, each
 continuing the uninterrupted run.
 """
+import json
 import pathlib
 import subprocess
 
@@ -20,18 +21,21 @@ import pytest
 
 from conftest import CONFIGS, SOURCE, assert_active, device_args, nnstrain_bin_path, read_metrics, single_process_env
 from test_context_parallel import saved_tensors
-from test_pipeline import STEPS, compare, held_elements, model_args
+from test_pipeline import STEPS, TOL, compare, held_elements, model_args, rel
 
 CONFIG = CONFIGS / "tiny_dp.yaml"
 CP = "--compute_config.context_parallel_size"
 PP = "--compute_config.pas_config.pp_size"
 SCHED = "--compute_config.pas_config.pipeline_scheduler"
-PLANS = {  # name: (ranks, cp, pp, scheduler, overrides)
-    "one": (1, 1, 1, None, []),
-    "cp2_pp2_1f1b": (4, 2, 2, "1f1b", [CP, 2, PP, 2, SCHED, "1f1b"]),
-    "cp2_pp2_zbv": (4, 2, 2, "zbv", [CP, 2, PP, 2, SCHED, "zbv"]),
+PLANS = {  # name: (ranks, tp, cp, pp, scheduler, overrides)
+    "one": (1, 1, 1, 1, None, []),
+    "cp2_pp2_1f1b": (4, 1, 2, 2, "1f1b", [CP, 2, PP, 2, SCHED, "1f1b"]),
+    "cp2_pp2_zbv": (4, 1, 2, 2, "zbv", [CP, 2, PP, 2, SCHED, "zbv"]),
     # 8 ranks, dp 2: each stage's gradients reduce-scattered over its dp x cp group of 4.
-    "cp2_pp2_dp2_zero1": (8, 2, 2, "1f1b", [CP, 2, PP, 2, SCHED, "1f1b", "--compute_config.use_zero", 1]),
+    "cp2_pp2_dp2_zero1": (8, 1, 2, 2, "1f1b", [CP, 2, PP, 2, SCHED, "1f1b", "--compute_config.use_zero", 1]),
+    # 8 ranks, [TP, CP, PP]: the activations between stages are T / cp / tp tokens.
+    "tp2_sp_cp2_pp2": (8, 2, 2, 2, "1f1b", [CP, 2, PP, 2, SCHED, "1f1b", "--compute_config.plan_ngpus", 2,
+                                            "--pas_policy", "hybrid", "--compute_config.sequence_parallel", "true"]),
 }
 SAVE_AT = 5
 # GPT's key bias has a zero gradient in exact arithmetic (softmax ignores a
@@ -43,12 +47,15 @@ GPT_NO_BIAS = ["--model.args.bias", "false"]
 
 
 def run(ranks, run_dir, data, model, *overrides, resume=None):
-    """nnstrain on `ranks` processes, saving at step 5 and 10; returns ({step: (loss, grad_norm)}, output)."""
+    """nnstrain on `ranks` processes, saving and validating (2 batches) at steps 5 and 10;
+    returns ({step: (loss, grad_norm, val_loss or None)}, output)."""
+    val = ["--dataset.val_args", json.dumps({"path": str(data), "dtype": "uint16", "seq_len": 32}),
+           "--val_every_n_train_steps", str(SAVE_AT), "--max_val_steps", "2"]
     args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data), "--micro_batch_size", "2",
             "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(ranks), *model_args(model),
             *(GPT_NO_BIAS if model == "gpt" else []),
             "--checkpoint.save_dir", str(pathlib.Path(run_dir) / "ckpt"), "--checkpoint.every_n_train_steps",
-            str(SAVE_AT), *map(str, overrides)]
+            str(SAVE_AT), *val, *map(str, overrides)]
     if resume:
         args += ["--resume", str(resume)]
     binary = nnstrain_bin_path()
@@ -56,42 +63,47 @@ def run(ranks, run_dir, data, model, *overrides, resume=None):
     p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out}"
-    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}, out
+    train, vals = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    val_loss = {r["step"]: r["val_loss"] for r in vals}
+    return {r["step"]: (r["loss"], r["grad_norm"], val_loss.get(r["step"])) for r in train}, out
 
 
 def assert_cp_pipelined(run_dir, out, plan, model, whole):
     """The run split each sequence over cp ranks (the ring ran: assert_active) and the
-    layers over pp ranks: global rank r is pipeline rank (r / cp) mod pp and holds
-    only its stages' parameters, the same as its cp partners; one cp slice of the
-    pipeline holds the whole model once (GPT's tied embedding twice, once under zbv)."""
-    ranks, cp, pp, scheduler, ov = PLANS[plan]
+    layers over pp ranks: global rank r is pipeline rank (r / (tp cp)) mod pp and
+    holds only its stages' parameters, the same as its cp partners; without tp one
+    cp slice of the pipeline holds the whole model once (GPT's tied embedding
+    twice, once under zbv)."""
+    ranks, tp, cp, pp, scheduler, ov = PLANS[plan]
     assert_active(run_dir, out, ranks, ov)
     held = held_elements(run_dir, ranks)
     for r in range(ranks):
         log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
-        assert f"this rank is pipeline rank {r // cp % pp}" in log, f"rank {r}:\n{log}"
-        assert held[r] == held[r - r % cp] and held[r] < whole, (r, held, whole)
-    tied = 64 * 32 if model == "gpt" and scheduler != "zbv" else 0
-    one_slice = [held[p * cp] for p in range(pp)]
-    assert sum(one_slice) == whole + tied, f"{held} vs {whole} (+{tied} tied)"
+        assert f"this rank is pipeline rank {r // (tp * cp) % pp}" in log, f"rank {r}:\n{log}"
+        partner = r - (r // tp % cp) * tp  # cp index 0, the same tp, pp and dp index
+        assert held[r] == held[partner] and held[r] < whole, (r, held, whole)
+    if tp == 1:
+        tied = 64 * 32 if model == "gpt" and scheduler != "zbv" else 0
+        one_slice = [held[p * cp] for p in range(pp)]
+        assert sum(one_slice) == whole + tied, f"{held} vs {whole} (+{tied} tied)"
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_tokens):
-    """straight(model, plan): ({step: (loss, grad norm)}, run dir) of 10 uninterrupted steps, run once per module."""
+    """straight(model, plan): ({step: (loss, grad norm, val loss)}, run dir) of 10 uninterrupted steps, run once
+    per module."""
     cache = {}
 
     def get(model, plan):
         if (model, plan) not in cache:
-            ranks, _, _, _, ov = PLANS[plan]
+            ranks, *_, ov = PLANS[plan]
             d = tmp_path_factory.mktemp(f"{model}_{plan}")
             steps, out = run(ranks, d, tiny_tokens, model, *ov)
             assert sorted(steps) == list(range(1, STEPS + 1)), out
             if plan == "one":
                 # The comparison means something: the loss moved and clipping (0.95) scaled updates.
                 assert steps[STEPS][0] < steps[1][0] - 0.1, steps
-                assert any(n > 0.95 for _, n in steps.values()), steps
+                assert any(n > 0.95 for _, n, _ in steps.values()), steps
             else:
                 _, one_dir = get(model, "one")
                 assert_cp_pipelined(d, out, plan, model, held_elements(one_dir, 1)[0])
@@ -100,21 +112,32 @@ def straight(tmp_path_factory, tiny_tokens):
     return get
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-@pytest.mark.parametrize("plan", ["cp2_pp2_1f1b", "cp2_pp2_zbv"])
+def check(ref, got, label, val=True):
+    """Loss and gradient norm (test_pipeline.compare), and (`val`) the validation loss, within 1e-5 of one
+    process's. (A validation step reads micro_batch_size x dp samples: at dp > 1 other samples than one
+    process's.)"""
+    compare(ref, got, label)
+    if not val:
+        return
+    vals = [s for s in got if got[s][2] is not None]
+    assert vals == [s for s in got if ref[s][2] is not None] and vals, (got, ref)
+    worst = max(rel(got[s][2], ref[s][2]) for s in vals)
+    print(f"{label}: validation loss at steps {vals}: largest relative difference {worst:.2e}")
+    assert worst < TOL, (got, ref)
+
+
+@pytest.mark.parametrize("model,plan", [("gpt", "cp2_pp2_1f1b"), ("llama", "cp2_pp2_1f1b"), ("gpt", "cp2_pp2_zbv"),
+                                        ("llama", "cp2_pp2_zbv"), ("llama", "cp2_pp2_dp2_zero1"),
+                                        ("llama", "tp2_sp_cp2_pp2")])
 def test_parity_with_one_process(straight, model, plan):
     """GPT's tied gradient is summed between the first and last stage of each cp
-    slice (1f1b), or by autograd on rank 0's two stages (zbv)."""
+    slice (1f1b), or by autograd on pipeline rank 0's two stages (zbv). ZeRO-1
+    shards each stage's optimizer state over its dp x cp group of 4
+    (assert_active checks the bytes held)."""
     ref, _ = straight(model, "one")
     got, _ = straight(model, plan)
-    compare(ref, got, f"{model} {plan}")
-
-
-def test_cp2_pp2_dp2_zero1(straight):
-    """8 ranks: ZeRO-1 shards each stage's optimizer state over its dp x cp group (assert_active)."""
-    ref, _ = straight("llama", "one")
-    got, _ = straight("llama", "cp2_pp2_dp2_zero1")
-    compare(ref, got, "llama cp2_pp2_dp2_zero1")
+    ranks, tp, cp, pp, *_ = PLANS[plan]
+    check(ref, got, f"{model} {plan}", val=ranks == tp * cp * pp)
 
 
 @pytest.mark.parametrize("model,src,dst", [("llama", "cp2_pp2_1f1b", "one"), ("gpt", "cp2_pp2_zbv", "one"),
@@ -126,9 +149,9 @@ def test_resume_across(straight, tmp_path, tiny_tokens, model, src, dst):
     step_dir = src_dir / "ckpt" / f"step-{SAVE_AT:08d}"
     # No cp or pp state: the same tensors (per-rank RNG streams aside) as one process saves.
     assert saved_tensors(step_dir) == saved_tensors(one_dir / "ckpt" / f"step-{SAVE_AT:08d}")
-    ranks, _, _, _, ov = PLANS[dst]
+    ranks, *_, ov = PLANS[dst]
     got, out = run(ranks, tmp_path, tiny_tokens, model, *ov, resume=step_dir)
     assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), out
     if dst != "one":
         assert_cp_pipelined(tmp_path, out, dst, model, held_elements(one_dir, 1)[0])
-    compare({s: ref[s] for s in got}, got, f"{model} resumed from {src} under {dst}")
+    check({s: ref[s] for s in got}, got, f"{model} resumed from {src} under {dst}")
