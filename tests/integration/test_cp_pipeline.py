@@ -15,11 +15,10 @@ continuing the uninterrupted run.
 """
 import json
 import pathlib
-import subprocess
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, assert_active, device_args, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, device_args, read_metrics, run_ranks
 from test_context_parallel import saved_tensors
 from test_pipeline import STEPS, TOL, compare, held_elements, model_args, rel
 
@@ -47,35 +46,27 @@ GPT_NO_BIAS = ["--model.args.bias", "false"]
 
 
 def run(ranks, run_dir, data, model, *overrides, resume=None):
-    """nnstrain on `ranks` processes, saving and validating (2 batches) at steps 5 and 10;
-    returns ({step: (loss, grad_norm, val_loss or None)}, output)."""
+    """nnstrain on `ranks` processes, saving and validating (2 batches) at steps 5 and 10; asserts it ran
+    the plan `overrides` ask for, the cp ring included (conftest.run_ranks). Returns
+    {step: (loss, grad_norm, val loss or None)}."""
     val = ["--dataset.val_args", json.dumps({"path": str(data), "dtype": "uint16", "seq_len": 32}),
            "--val_every_n_train_steps", str(SAVE_AT), "--max_val_steps", "2"]
     args = ["--config", str(CONFIG), "--run_dir", str(run_dir), "--vars.data", str(data), "--micro_batch_size", "2",
             "--global_batch_size", "8", "--max_train_steps", str(STEPS), *device_args(ranks), *model_args(model),
             *(GPT_NO_BIAS if model == "gpt" else []),
             "--checkpoint.save_dir", str(pathlib.Path(run_dir) / "ckpt"), "--checkpoint.every_n_train_steps",
-            str(SAVE_AT), *val, *map(str, overrides)]
-    if resume:
-        args += ["--resume", str(resume)]
-    binary = nnstrain_bin_path()
-    cmd = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
-    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out}"
-    train, vals = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
-    val_loss = {r["step"]: r["val_loss"] for r in vals}
-    return {r["step"]: (r["loss"], r["grad_norm"], val_loss.get(r["step"])) for r in train}, out
+            str(SAVE_AT), *val, *map(str, overrides), *(["--resume", str(resume)] if resume else [])]
+    steps = run_ranks(ranks, run_dir, args, list(map(str, overrides)))
+    val_loss = {r["step"]: r["val_loss"] for r in read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")[1]}
+    return {s: (*steps[s], val_loss.get(s)) for s in steps}
 
 
-def assert_cp_pipelined(run_dir, out, plan, model, whole):
-    """The run split each sequence over cp ranks (the ring ran: assert_active) and the
-    layers over pp ranks: global rank r is pipeline rank (r / (tp cp)) mod pp and
-    holds only its stages' parameters, the same as its cp partners; without tp one
-    cp slice of the pipeline holds the whole model once (GPT's tied embedding
-    twice, once under zbv)."""
-    ranks, tp, cp, pp, scheduler, ov = PLANS[plan]
-    assert_active(run_dir, out, ranks, ov)
+def assert_cp_pipelined(run_dir, plan, model, whole):
+    """The run split the layers over pp ranks: global rank r is pipeline rank
+    (r / (tp cp)) mod pp and holds only its stages' parameters, the same as its
+    cp partners; without tp one cp slice of the pipeline holds the whole model
+    once (GPT's tied embedding twice, once under zbv)."""
+    ranks, tp, cp, pp, scheduler, _ = PLANS[plan]
     held = held_elements(run_dir, ranks)
     for r in range(ranks):
         log = (pathlib.Path(run_dir) / "logs" / f"rank{r}.log").read_text()
@@ -98,15 +89,15 @@ def straight(tmp_path_factory, tiny_tokens):
         if (model, plan) not in cache:
             ranks, *_, ov = PLANS[plan]
             d = tmp_path_factory.mktemp(f"{model}_{plan}")
-            steps, out = run(ranks, d, tiny_tokens, model, *ov)
-            assert sorted(steps) == list(range(1, STEPS + 1)), out
+            steps = run(ranks, d, tiny_tokens, model, *ov)
+            assert sorted(steps) == list(range(1, STEPS + 1)), steps
             if plan == "one":
                 # The comparison means something: the loss moved and clipping (0.95) scaled updates.
                 assert steps[STEPS][0] < steps[1][0] - 0.1, steps
                 assert any(n > 0.95 for _, n, _ in steps.values()), steps
             else:
                 _, one_dir = get(model, "one")
-                assert_cp_pipelined(d, out, plan, model, held_elements(one_dir, 1)[0])
+                assert_cp_pipelined(d, plan, model, held_elements(one_dir, 1)[0])
             cache[model, plan] = (steps, d)
         return cache[model, plan]
     return get
@@ -150,8 +141,8 @@ def test_resume_across(straight, tmp_path, tiny_tokens, model, src, dst):
     # No cp or pp state: the same tensors (per-rank RNG streams aside) as one process saves.
     assert saved_tensors(step_dir) == saved_tensors(one_dir / "ckpt" / f"step-{SAVE_AT:08d}")
     ranks, *_, ov = PLANS[dst]
-    got, out = run(ranks, tmp_path, tiny_tokens, model, *ov, resume=step_dir)
-    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), out
+    got = run(ranks, tmp_path, tiny_tokens, model, *ov, resume=step_dir)
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)), got
     if dst != "one":
-        assert_cp_pipelined(tmp_path, out, dst, model, held_elements(one_dir, 1)[0])
+        assert_cp_pipelined(tmp_path, dst, model, held_elements(one_dir, 1)[0])
     check({s: ref[s] for s in got}, got, f"{model} resumed from {src} under {dst}")
