@@ -9,7 +9,8 @@ per rank over Gloo, OMP_NUM_THREADS=1). Per run:
   over the ranks: start-up state plus what forward/backward held at its peak);
 - start-up: rank 0's tensor bytes in use once model and training state are built;
 - held by forward: metrics.jsonl `activation_mb` of step 1 (rank 0's tensor
-  bytes after the forward minus before it: what forward keeps for backward);
+  bytes after the forward minus before it: what forward keeps for backward;
+  not measured under pp, whose forwards interleave with backwards);
 - the planner's estimate of the same run (plan.json `estimate`: activations,
   and the total it compares with peak_tensor_mb).
 The baseline is cp 1, measured in the same run. Goal: cp 4's peak at most 0.35
@@ -54,7 +55,7 @@ def run(binary, cp, pp, data, work):
     step1 = step_record(run_dir, 1)
     est = json.loads((run_dir / "plan.json").read_text())["estimate"]
     return {"cp": cp, "startup_mib": startup, "peak_step1_mib": step1["peak_tensor_mb"],
-            "held_by_forward_mib": step1["activation_mb"], "loss_step1": step1["loss"],
+            "held_by_forward_mib": step1.get("activation_mb"), "loss_step1": step1["loss"],
             "plan_activation_mib": est["activation_bytes"] / 2**20, "plan_total_mib": est["total_bytes"] / 2**20,
             "plan_context": json.loads((run_dir / "plan.json").read_text()).get("context", {"cp": 1})}
 
@@ -86,10 +87,13 @@ def main():
              "| cp | start-up | peak step 1 | peak vs cp 1 | held by forward | vs cp 1 | planner activations | "
              "planner total | peak / planner total | loss step 1 |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    def held(r):  # by forward, and vs cp 1
+        if r["held_by_forward_mib"] is None:
+            return "- | -"
+        return f"{r['held_by_forward_mib']:.1f} MiB | {r['held_by_forward_mib'] / base['held_by_forward_mib']:.3f}"
     for r in rows:
         lines.append(f"| {r['cp']} | {r['startup_mib']:.1f} MiB | {r['peak_step1_mib']:.1f} MiB | "
-                     f"{r['peak_step1_mib'] / base['peak_step1_mib']:.3f} | {r['held_by_forward_mib']:.1f} MiB | "
-                     f"{r['held_by_forward_mib'] / base['held_by_forward_mib']:.3f} | "
+                     f"{r['peak_step1_mib'] / base['peak_step1_mib']:.3f} | {held(r)} | "
                      f"{r['plan_activation_mib']:.1f} MiB | {r['plan_total_mib']:.1f} MiB | "
                      f"{r['peak_step1_mib'] / r['plan_total_mib']:.2f} | {r['loss_step1']:.6f} |")
     write_result(a.out, "cp_memory" + (f"_pp{a.pp}" if a.pp > 1 else ""), stamp, out, lines)
