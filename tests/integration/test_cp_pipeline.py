@@ -11,7 +11,8 @@ of 4 micro-batches) as one process: loss and gradient norm within 1e-5. Every ru
 holds only its stages' parameters and logs its pipeline rank) and to have run
 the cp ring (cp_collectives_per_step). Checkpoints hold no cp- or pp-specific
 state: a cp2 x pp2 checkpoint resumes in one process, and the reverse, each
-continuing the uninterrupted run.
+continuing the uninterrupted run. A rank killed inside a ring step ends every
+rank within the collective timeout, its ring peer naming the stage's action.
 """
 import json
 import pathlib
