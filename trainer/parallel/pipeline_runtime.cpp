@@ -51,7 +51,7 @@ pipeline::Schedule make(const PipelinePlan& p) {
 }
 
 std::string describe(const Action& a) {
-  // A collective inside a stage's own work (the cp ring, tensor parallelism's) fails during F, B, I or W.
+  // A collective inside a stage's own work (the cp ring, tp's, a ZeRO gather) fails during F, B, I or W.
   const std::string where = " stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro);
   switch (a.op) {
     case Op::F: return "in the forward (F) of" + where;
