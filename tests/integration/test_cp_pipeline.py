@@ -157,21 +157,12 @@ def test_rank_killed_inside_a_ring_step_names_the_stage(nnstrain_bin, tiny_token
     action it was in; ranks 2 and 3 (pipeline rank 1) fail in the next collective or
     transfer they share with a gone rank. Each exits non-zero within the collective
     timeout plus a margin, its last line the one-line diagnosis."""
-    from test_collective_failure import MARGIN_S, START_S, TIMEOUT_S, Ranks, exit_within, read
+    from test_collective_failure import Ranks, killed_in_ring
     extra = [CP, "2", PP, "2", "--micro_batch_size", "1", "--global_batch_size", "4",
              "--log_progress_every_n_train_steps", "1"]
     with Ranks(nnstrain_bin, tiny_tokens, tmp_path, world=4, extra_args=extra,
                extra_env={"NNSTRAIN_TEST_KILL_IN_RING": "30:1"}) as job:
-        rc, _ = exit_within(job.procs[1], START_S)
-        assert rc == -9, f"rank 1 was to kill itself in a ring step, exited {rc}:\n{read(job.procs[1])}"
-        for rank in (0, 2, 3):
-            p = job.procs[rank]
-            rc, took = exit_within(p, TIMEOUT_S + MARGIN_S)
-            out = read(p)
-            print(f"\nrank {rank} exited {rc} {took:.1f} s after rank 1 died: {out.strip().splitlines()[-1]}")
-            assert rc != 0, out
-            assert re.match(rf"nnstrain: rank {rank}: collective '[^']+' .* failed", out.strip().splitlines()[-1]), out
-        out0 = read(job.procs[0])
+        out0 = killed_in_ring(job)[0]
         assert re.search(r"rank 0: collective 'context-parallel ring send/recv' .* on group cp0_0_0 \(ranks 0, 1\)",
                          out0), out0
         assert re.search(r"ranks not answering \(process gone or frozen\): 1\b", out0), out0
