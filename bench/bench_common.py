@@ -111,12 +111,15 @@ def write_result(out_dir, prefix, stamp, rec, md_lines):
     print("\n".join(md_lines))
 
 
-def parse_args(doc):
-    """--nnstrain (the binary, default build/nnstrain) and --out (default bench/results), described by `doc`'s first line."""
+def parse_args(doc, more=None):
+    """--nnstrain (the binary, default build/nnstrain) and --out (default bench/results), described by `doc`'s first
+    line; `more(parser)` adds a benchmark's own options."""
     import argparse
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    if more:
+        more(ap)
     return ap.parse_args()
 
 

@@ -91,6 +91,23 @@ def exit_within(p, seconds):
     return rc, time.monotonic() - t0
 
 
+def killed_in_ring(job, dead=1):
+    """Rank `dead` killed itself entering a ring step (NNSTRAIN_TEST_KILL_IN_RING); every other rank
+    exits non-zero within the collective timeout plus a margin, its last line the one-line diagnosis
+    naming a collective (LibTorch's own store warnings, with their backtraces, may come before it once
+    rank 0, the store's host, is gone). Returns the others' outputs by rank."""
+    rc, _ = exit_within(job.procs[dead], START_S)
+    assert rc == -9, f"rank {dead} was to kill itself in a ring step, exited {rc}:\n{read(job.procs[dead])}"
+    outs = {}
+    for rank in (r for r in range(len(job.procs)) if r != dead):
+        p = job.procs[rank]
+        rc, took = exit_within(p, TIMEOUT_S + MARGIN_S)
+        out = outs[rank] = read(p)
+        print(f"\nrank {rank} exited {rc} {took:.1f} s after rank {dead} died: {out.strip().splitlines()[-1]}")
+        assert rc != 0, out
+        assert re.match(rf"nnstrain: rank {rank}: collective '[^']+' .* failed", out.strip().splitlines()[-1]), out
+    return outs
+
 class Ranks:
     """`world` ranks (two by default) started by hand, as torchrun would, with
     `extra_args` after the usual ones; everything killed on exit."""

@@ -82,9 +82,3 @@ def test_document_mask_under_cp_exits_2_naming_the_keys(tmp_path):
     assert p.returncode == 2, out
     assert "dataset.train_args.document_mask" in out and "context_parallel_size 2" in out, out
 
-
-def test_cp_with_pipeline_stages_exits_2_naming_the_keys(tmp_path, tiny_tokens):
-    code, out = nnstrain("--compute_config.runtime_ngpus", "4", "--compute_config.context_parallel_size", "2",
-                         "--compute_config.pas_config.pp_size", "2", tmp_path=tmp_path, data=tiny_tokens)
-    assert code == 2, out
-    assert "compute_config.context_parallel_size" in out and "pp_size" in out and "not implemented yet" in out, out

@@ -53,9 +53,15 @@ pipeline::Schedule make(const PipelinePlan& p) {
 }
 
 std::string describe(const Action& a) {
-  if (a.op != Op::Send && a.op != Op::Recv)  // a ZeRO gather or reduce-scatter around the compute
-    return std::string("a ZeRO collective at ") + (a.op == Op::F ? "F" : a.op == Op::B ? "B" : a.op == Op::I ? "I" : "W") +
-           " of stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro);
+  // A collective inside a stage's own work (the cp ring, tp's, a ZeRO gather) fails during F, B, I or W.
+  const std::string where = " stage " + std::to_string(a.stage) + ", micro-batch " + std::to_string(a.micro);
+  switch (a.op) {
+    case Op::F: return "in the forward (F) of" + where;
+    case Op::B: return "in the backward (B) of" + where;
+    case Op::I: return "in the input gradient (I) of" + where;
+    case Op::W: return "in the weight gradient (W) of" + where;
+    default: break;
+  }
   const bool in = a.op == Op::Recv;
   return std::string(in ? (a.grad ? "receiving the gradient of" : "receiving the activation for")
                         : (a.grad ? "sending the gradient to" : "sending the activation to")) +

@@ -70,7 +70,7 @@ class PipelineExecutor {
     c10::Device device = c10::Device(c10::kCPU);
     c10::ScalarType activation_dtype = c10::ScalarType::Float;  // the compute dtype
     int64_t hidden = 0;                                         // the blocks' width
-    int64_t sequence_divisor = 1;  // tokens of a sequence per rank: T / this (sequence parallelism: tp)
+    int64_t sequence_divisor = 1;  // activation tokens: the batch's (under cp its slice) / this (SP: tp)
     bool split_backward = true;    // I and W as two passes (false: I runs the whole backward, W nothing)
   };
   // `state`: this rank's training state (the tied parameters' gradients are

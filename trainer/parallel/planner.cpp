@@ -94,7 +94,6 @@ std::vector<Split> pipeline_splits(const PlanRequest& req, int per_tp_cp, int la
 // (trainer/train/startup.cpp); drop it here when the runtime learns the case.
 std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
   const auto& cc = a.compute_config;
-  if (c.cp > 1 && c.pp > 1) return "context parallelism together with pipeline parallelism is not implemented yet";
   if (c.pp > 1 && cc.cuda_graphs == "true") return "pipeline parallelism cannot be captured in a CUDA graph (compute_config.cuda_graphs)";
   if (c.cp > 1) {
     if (cc.cuda_graphs == "true") return "context parallelism is not supported with compute_config.cuda_graphs yet";
