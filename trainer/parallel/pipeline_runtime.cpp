@@ -15,6 +15,7 @@
 
 #include "base/log.h"
 #include "data/dataset.h"
+#include "models/common/weight_grad.h"
 #include "models/model.h"
 #include "trainer/dist/process_groups.h"
 
@@ -98,7 +99,7 @@ struct PipelineExecutor::Impl {
   pipeline::Schedule sched, lowered;  // compute actions; with the transfers (what runs)
   int me = 0, S = 1, M = 1;
   std::vector<StageBlocks> blocks;
-  std::vector<std::vector<at::Tensor>> stage_params;  // per stage (this rank's), for W
+  std::vector<std::vector<at::Tensor>> stage_params;  // per stage (this rank's)
   // Tied parameters (the head's use of the embedding) when the first and last
   // stage live on different ranks: their indices in the state, and the other rank.
   std::vector<size_t> tied;
@@ -108,6 +109,10 @@ struct PipelineExecutor::Impl {
   // tensors between stages.
   std::vector<at::Tensor> input, output, act_in, grad_out, grad_send;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends;  // in flight, their tensors alive
+  // Split backward: the linears defer their weight gradients while this rank
+  // runs I, into the (stage, micro)'s store, which its W empties.
+  std::optional<models::common::SplitLinears> split_linears;
+  std::vector<models::common::WeightGradStore> weight_grads;
   const std::vector<data::Batch>* batches = nullptr;
   at::Tensor loss_sum, loss_scale;
   at::Tensor weights;   // [M]: each micro-batch's share of the step's counted targets (over dp)
@@ -147,6 +152,10 @@ struct PipelineExecutor::Impl {
     }
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
+    weight_grads.resize(n);
+    const auto& row = sched.actions[me];
+    if (opts.split_backward && std::any_of(row.begin(), row.end(), [](const Action& a) { return a.op == Op::I; }))
+      split_linears.emplace();
     if (const char* e = std::getenv("NNSTRAIN_PIPELINE_SYNTHETIC_MS")) synthetic = parse_synthetic(e);
     if (const char* e = std::getenv("NNSTRAIN_TEST_PIPELINE_KILL")) {
       KillAt k{};
@@ -274,19 +283,24 @@ struct PipelineExecutor::Impl {
     release(s, j);
   }
 
+  // I: the whole backward but for the linears' weight gradients, which wait in
+  // the store with what they need (their inputs and output gradients); the
+  // graph, and the rest of the activations, go now. Norms and the embedding
+  // take theirs here (models/common/weight_grad.h).
   void run_i(int s, int j) {
     if (!opts.split_backward) return run_b(s, j);
-    if (s == 0) return;  // no input gradient to make: W runs the whole backward
-    auto g = torch::autograd::grad({output[at(s, j)]}, {input[at(s, j)]}, start_grad(s, j), /*retain_graph=*/true);
-    pass_back(s, j, g[0]);
+    {
+      models::common::CaptureWeightGrads capture(weight_grads[at(s, j)]);
+      torch::autograd::backward({output[at(s, j)]}, start_grad(s, j));
+    }
+    if (s > 0) pass_back(s, j, input[at(s, j)].grad());
+    release(s, j);
   }
 
+  // W: the deferred weight gradients only (dW = dY^T X per linear), no chain.
   void run_w(int s, int j) {
     if (!opts.split_backward) return;
-    if (s == 0) return run_b(s, j);
-    torch::autograd::backward({output[at(s, j)]}, start_grad(s, j), /*retain_graph=*/false, /*create_graph=*/false,
-                              stage_params[s]);
-    release(s, j);
+    weight_grads[at(s, j)].flush();
   }
 
   void run(const Action& a) {
@@ -345,6 +359,9 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
                                    TrainingState& state, const Options& opts)
     : impl_(std::make_unique<Impl>(model, plan, rt, state, opts)) {
   pipeline::simulate(impl_->lowered);  // the dry run: throws, with the grid, on a deadlock
+  if (impl_->split_linears)
+    log::info("pipeline: backward split into I and W (W: the linears' weight gradients only, from the inputs and "
+              "output gradients I left)");
   if (impl_->synthetic) {
     // The simulator's prediction for the same costs (stages of equal layer counts).
     auto c = *impl_->synthetic;
