@@ -59,3 +59,21 @@ def test_split_backward_parity(reference, tmp_path, tiny_tokens, case):
     lines = split_lines(tmp_path, world)
     assert all(lines), f"a rank did not split its backward: {lines}\n{out}"
     compare(ref, got, f"{model} {case}")
+
+
+def test_split_backward_bf16_mixed(tmp_path, tiny_tokens):
+    """bf16-mixed: W's gradients reach the fp32 slots through the accumulators' hooks (the
+    parameters are bf16). zbv pp2 against bf16-mixed one process, within test_precision's
+    bf16 tolerance, as test_pipeline's bf16 test does for 1f1b."""
+    from test_pipeline import rel
+    from test_precision import BF16_RTOL
+    bf16 = ["--precision", "bf16-mixed"]
+    one, _ = run(1, tmp_path / "one", tiny_tokens, "gpt", *bf16)
+    pp = ["--compute_config.pas_config.pp_size", "2", "--compute_config.pas_config.pipeline_scheduler", "zbv"]
+    got, out = run(2, tmp_path / "pp2", tiny_tokens, "gpt", *bf16, *pp)
+    assert_active(tmp_path / "pp2", out, 2, [*bf16, *pp])
+    assert all(split_lines(tmp_path / "pp2", 2)), out
+    worst_loss = max(rel(got[s][0], one[s][0]) for s in one)
+    worst_norm = max(rel(got[s][1], one[s][1]) for s in one)
+    print(f"bf16-mixed zbv pp2: largest relative difference loss {worst_loss:.2e}, grad norm {worst_norm:.2e}")
+    assert worst_loss <= BF16_RTOL and worst_norm <= 4 * BF16_RTOL
