@@ -14,10 +14,12 @@
 #include "models/common/weight_grad.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
+#include "tests/unit/tiny_models.h"
 
 using nnstrain::models::CausalLM;
 using nnstrain::models::RuntimeOptions;
 namespace common = nnstrain::models::common;
+using nnstrain::testing::tiny_llama;
 
 namespace {
 
@@ -139,19 +141,6 @@ nnstrain::models::gpt::GptConfig tiny_gpt() {
   cfg.n_head = 2;
   cfg.n_embd = 32;
   cfg.dropout = 0.0;
-  return cfg;
-}
-
-nnstrain::models::llama::LlamaConfig tiny_llama() {
-  nnstrain::models::llama::LlamaConfig cfg;
-  cfg.vocab_size = 80;
-  cfg.hidden_size = 32;
-  cfg.intermediate_size = 48;
-  cfg.num_hidden_layers = 3;
-  cfg.num_attention_heads = 4;
-  cfg.num_key_value_heads = 2;
-  cfg.max_position_embeddings = 32;
-  cfg.tie_word_embeddings = false;
   return cfg;
 }
 
