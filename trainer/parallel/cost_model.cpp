@@ -646,7 +646,7 @@ struct ScheduleCache::Impl {
     sh.schedule = pipeline::make_schedule(scheduler, ranks, stages, micros);
     // A micro-batch's activations live from its F until its backward is
     // done: its B, or its W (the weight gradient reads the layers' inputs),
-    // as pipeline::simulate's peak_live counts too. The order alone decides it.
+    // not its I as pipeline::simulate's peak_live counts. The order alone decides it.
     sh.peak_live.assign(ranks, 0);
     for (int r = 0; r < ranks; ++r) {
       int live = 0;
