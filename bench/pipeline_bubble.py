@@ -8,8 +8,11 @@ barrier), when its last action ended and how long it was busy; a step's span is
 the latest end less the earliest start, a rank's idle fraction 1 - busy / span.
 The baseline is the simulator (trainer/parallel/pipeline_schedule.h) run on the
 same lists with the same costs, logged by the run itself, and the published
-formula where there is one: 1F1B (p-1)/(m+p-1) = 27.3% at p 4, m 8;
-interleaved (p-1)/(v m+p-1) = 15.8% at v 2.
+formula: GPipe and 1F1B (p-1)/(m+p-1) = 27.3% at p 4, m 8; interleaved
+(p-1)/(v m+p-1) = 15.8% at v 2; ZB-H1 (zb1p) (p-1)(F+I-W) idle per rank,
+(p-1)/(3m+p-1) = 11.1% at F = I = W; and for zbv the V's lower bound (the
+last rank waits p-1 half-stage forwards): (p-1)/(6m+p-1) = 5.9% at m 8, so
+zbv also runs at m 16 (3.0%), where below 5% is possible.
 
   /root/.cache/nnstrain/venv/bin/python bench/pipeline_bubble.py --nnstrain build/nnstrain
 """
@@ -25,13 +28,15 @@ import tempfile
 
 from bench_common import ROOT, cpu_model, git_commit, libtorch_version
 
-CASES = [  # scheduler, stages, published bubble (None: none)
-    ("1f1b", 4, 3 / 11),
-    ("1f1b_interleaved", 8, 3 / 19),
-    ("zb1p", 4, None),
-    ("zbv", 8, None),
+CASES = [  # scheduler, stages, micro-batches, the formula's bubble
+    ("gpipe", 4, 8, 3 / 11),
+    ("1f1b", 4, 8, 3 / 11),
+    ("1f1b_interleaved", 8, 8, 3 / 19),
+    ("zb1p", 4, 8, 3 / 27),
+    ("zbv", 8, 8, 3 / 51),
+    ("zbv", 8, 16, 3 / 99),
 ]
-RANKS, MICROS, LAYERS = 4, 8, 8
+RANKS, LAYERS = 4, 8
 
 
 def tokens_file(folder):
@@ -41,15 +46,15 @@ def tokens_file(folder):
     return path
 
 
-def run_case(binary, scheduler, stages, ms, steps, folder):
-    run_dir = pathlib.Path(folder) / scheduler
+def run_case(binary, scheduler, stages, micros, ms, steps, folder):
+    run_dir = pathlib.Path(folder) / f"{scheduler}_m{micros}"
     args = [binary, "launch", "--nproc-per-node", str(RANKS), "--",
             "--config", ROOT / "tests/integration/configs/tiny_dp.yaml", "--run_dir", run_dir,
             "--vars.data", tokens_file(folder), "--compute_config.device", "cpu",
             "--model.type", "llama", "--model.args",
             "{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: %d, num_attention_heads: 4, "
             "num_key_value_heads: 2, max_position_embeddings: 32}" % LAYERS,
-            "--micro_batch_size", "1", "--global_batch_size", str(MICROS), "--max_train_steps", str(steps),
+            "--micro_batch_size", "1", "--global_batch_size", str(micros), "--max_train_steps", str(steps),
             "--compute_config.pas_config.pp_size", str(RANKS),
             "--compute_config.pas_config.pipeline_nstages", str(stages),
             "--compute_config.pas_config.pipeline_scheduler", scheduler]
@@ -83,9 +88,9 @@ def main():
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for scheduler, stages, published in CASES:
-            measured, predicted = run_case(a.nnstrain, scheduler, stages, a.ms, a.steps, tmp)
-            rows.append({"scheduler": scheduler, "pp": RANKS, "stages": stages, "micros": MICROS,
+        for scheduler, stages, micros, published in CASES:
+            measured, predicted = run_case(a.nnstrain, scheduler, stages, micros, a.ms, a.steps, tmp)
+            rows.append({"scheduler": scheduler, "pp": RANKS, "stages": stages, "micros": micros,
                          "measured": measured, "simulated": predicted, "published": published})
             print(scheduler, "measured", [f"{m:.3f}" for m in measured], "simulated", predicted, flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -98,13 +103,13 @@ def main():
     lines = [f"# Pipeline bubble, measured vs simulated ({meta['date']})", "",
              f"{meta['device']}, LibTorch {meta['libtorch']}, commit {meta['commit']}, load average "
              f"{' '.join(f'{x:.1f}' for x in meta['load_average'])}. {RANKS} pipeline ranks (Gloo, one machine), "
-             f"{MICROS} micro-batches, an {LAYERS}-layer model, F = I = W = {a.ms:g} ms per layer "
+             f"an {LAYERS}-layer model, F = I = W = {a.ms:g} ms per layer "
              f"(synthetic costs: waits, not compute), mean over {a.steps - 1} steps after the first.", "",
-             "| schedule | stages | idle per rank, measured | mean | simulated per rank | mean | published |",
-             "|---|---|---|---|---|---|---|"]
+             "| schedule | stages | micro-batches | idle per rank, measured | mean | simulated per rank | mean | formula |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mean = lambda v: sum(v) / len(v)
-        lines.append(f"| {r['scheduler']} | {r['stages']} | {' '.join(pct(v) for v in r['measured'])} | "
+        lines.append(f"| {r['scheduler']} | {r['stages']} | {r['micros']} | {' '.join(pct(v) for v in r['measured'])} | "
                      f"{pct(mean(r['measured']))} | {' '.join(pct(v) for v in r['simulated'])} | "
                      f"{pct(mean(r['simulated']))} | {pct(r['published']) if r['published'] else '-'} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

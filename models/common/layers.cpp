@@ -7,6 +7,7 @@
 #include "models/common/lm_loss.h"
 #include "models/common/parallel_rng.h"
 #include "models/common/tp_ops.h"
+#include "models/common/weight_grad.h"
 
 namespace nnstrain::models::common {
 
@@ -151,7 +152,7 @@ void LinearImpl::rebind() {
   bias = param_or_undefined(parameters_, "bias");
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight, bias); }
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return deferrable_linear(x, weight, bias); }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim, InitRule init, const c10::TensorOptions& opts) {
   layouts_.push_back(replicated_layout("weight", {num, dim}, init));
@@ -227,9 +228,9 @@ void ColumnParallelLinearImpl::rebind() {
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
+  if (!ctx_.parallel()) return deferrable_linear(x, weight, bias);
   if (ctx_.sp()) return sequence_parallel_linear(x, weight, bias, ctx_.tp, ctx_.comm);
-  return torch::nn::functional::linear(copy_to_tp(x, ctx_.comm), weight, bias);
+  return deferrable_linear(copy_to_tp(x, ctx_.comm), weight, bias);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t in, int64_t out, int64_t unit,
@@ -247,8 +248,8 @@ void RowParallelLinearImpl::rebind() {
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  if (!ctx_.parallel()) return torch::nn::functional::linear(x, weight, bias);
-  const auto partial = torch::nn::functional::linear(x, weight);
+  if (!ctx_.parallel()) return deferrable_linear(x, weight, bias);
+  const auto partial = deferrable_linear(x, weight);
   // Under sequence parallelism the bias is added to the shard, its gradient whole from the gathered one.
   if (ctx_.sp()) return reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm, bias);
   auto y = reduce_from_tp(partial, ctx_.comm);
@@ -290,7 +291,7 @@ torch::Tensor LmHead::loss(const torch::Tensor& hidden, const torch::Tensor& wei
   auto h = hidden.reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
   if (chunk_size > 0) return chunked_linear_cross_entropy(h, weight, t, chunk_size);
-  return cross_entropy(torch::nn::functional::linear(h, weight), t);
+  return cross_entropy(deferrable_linear(h, weight), t);
 }
 
 ParallelLmHeadImpl::ParallelLmHeadImpl(const ShardingContext& ctx, int64_t vocab, int64_t dim, bool own_weight,
@@ -323,7 +324,7 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
     if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     return torch::nn::functional::cross_entropy(
-        torch::nn::functional::linear(h, w).to(torch::kFloat32), t,
+        deferrable_linear(h, w).to(torch::kFloat32), t,
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
   }
   const int64_t held = w.size(0);
@@ -332,7 +333,7 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
     return fused_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
   if (kind == LossKind::Chunked)
     return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
-  return vocab_parallel_cross_entropy(torch::nn::functional::linear(h, w), t, start_, held, ignore_index, ctx_.comm);
+  return vocab_parallel_cross_entropy(deferrable_linear(h, w), t, start_, held, ignore_index, ctx_.comm);
 }
 
 torch::Tensor ParallelLmHeadImpl::logits(const torch::Tensor& hidden, const torch::Tensor& w) const {

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "models/common/weight_grad.h"
+
 namespace nnstrain::models::common {
 
 using torch::autograd::AutogradContext;
@@ -174,12 +176,24 @@ struct SequenceParallelLinear : torch::autograd::Function<SequenceParallelLinear
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &w = saved[1];
     const int64_t tp = ctx->saved_data["tp"].toInt();
+    if (auto* store = CaptureWeightGrads::current()) {
+      // The split backward's I: grad_x only; W gathers the input again for grad_w.
+      // (Every rank of the group runs the same W's in the same order.)
+      auto capsule = ctx->saved_data["comm"];
+      store->add({saved[1], at::Tensor(),
+                  [x, capsule] {
+                    const auto total = seq_from_gathered(comm_from(capsule).all_gather(x));
+                    return total.reshape({-1, total.size(-1)});
+                  },
+                  g[0].reshape({-1, g[0].size(-1)})});
+      return {seq_reduce_scatter(comm, g[0].matmul(w), tp), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     // The input is gathered again (not kept from forward) while grad_x is
     // computed, and grad_x reduce-scattered while grad_w is: Megatron's overlap.
     auto gathering = comm.all_gather_start(x);
     auto scattering = comm.reduce_scatter_start(seq_rank_major(g[0].matmul(w), tp));
     const auto total = seq_from_gathered(gathering());
-    const auto grad_w = g[0].reshape({-1, g[0].size(-1)}).t().mm(total.reshape({-1, total.size(-1)}));
+    const auto grad_w = linear_weight_grad(g[0].reshape({-1, g[0].size(-1)}), total.reshape({-1, total.size(-1)}));
     return {scattering(), grad_w, at::Tensor(), at::Tensor()};
   }
 };

@@ -10,11 +10,13 @@
 #include "models/common/recompute.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
+#include "tests/unit/tiny_models.h"
 #include "trainer/train/cpu_memory.h"
 
 using nnstrain::models::CausalLM;
 using nnstrain::models::RuntimeOptions;
 using nnstrain::models::common::recompute;
+using nnstrain::testing::tiny_llama;
 
 namespace {
 
@@ -56,20 +58,6 @@ void check_same(CausalLM& off, CausalLM& on, const torch::Tensor& idx, const tor
     REQUIRE(pb[p.key()].grad().defined());
     CHECK(rel_err(pb[p.key()].grad(), p.value().grad()) < 1e-6);
   }
-}
-
-// Three layers, GQA: enough for recompute of some layers to differ from none.
-nnstrain::models::llama::LlamaConfig tiny_llama(bool tied = false) {
-  nnstrain::models::llama::LlamaConfig cfg;
-  cfg.vocab_size = 80;
-  cfg.hidden_size = 32;
-  cfg.intermediate_size = 48;
-  cfg.num_hidden_layers = 3;
-  cfg.num_attention_heads = 4;
-  cfg.num_key_value_heads = 2;
-  cfg.max_position_embeddings = 32;
-  cfg.tie_word_embeddings = tied;
-  return cfg;
 }
 
 }  // namespace

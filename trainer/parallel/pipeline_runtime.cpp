@@ -15,6 +15,7 @@
 
 #include "base/log.h"
 #include "data/dataset.h"
+#include "models/common/weight_grad.h"
 #include "models/model.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/grad_reducer.h"
@@ -142,7 +143,6 @@ struct PipelineExecutor::Impl {
   pipeline::Schedule sched, lowered;  // compute actions; with the transfers (what runs)
   int me = 0, S = 1, M = 1;
   std::vector<StageBlocks> blocks;
-  std::vector<std::vector<at::Tensor>> stage_params;  // per stage (this rank's), for W
   // ZeRO 2 and 3 (the reducer follows the schedule): per stage, the buckets of
   // its parameters (layout order); per action of this rank's row, the ZeRO-3
   // units to have gathered before it and to free after it; all of them in the
@@ -159,6 +159,10 @@ struct PipelineExecutor::Impl {
   // tensors between stages.
   std::vector<at::Tensor> input, output, act_in, grad_out, grad_send;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends;  // in flight, their tensors alive
+  // Split backward: the linears defer their weight gradients while this rank
+  // runs I, into the (stage, micro)'s store, which its W empties.
+  std::optional<models::common::SplitLinears> split_linears;
+  std::vector<models::common::WeightGradStore> weight_grads;
   const std::vector<data::Batch>* batches = nullptr;
   at::Tensor loss_sum, loss_scale;
   at::Tensor weights;   // [M]: each micro-batch's share of the step's counted targets (over dp)
@@ -185,11 +189,6 @@ struct PipelineExecutor::Impl {
     S = sched.stages;
     M = sched.micros;
     blocks = stage_blocks(plan);
-    std::map<std::string, at::Tensor> by_name;
-    for (const auto& item : model.named_parameters()) by_name[item.key()] = item.value();
-    stage_params.resize(S);
-    for (int s : stages_on(sched, me))
-      for (const auto& name : model.params_of(stage_pieces(plan, blocks, {s}))) stage_params[s].push_back(by_name.at(name));
     const int first = sched.stage_rank[0], last = sched.stage_rank[S - 1];
     if (first != last && (me == first || me == last)) {
       tie_peer = me == first ? last : first;
@@ -200,6 +199,10 @@ struct PipelineExecutor::Impl {
     if (state.options().zero_stage >= 2) plan_zero();
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
+    weight_grads.resize(n);
+    const auto& row = sched.actions[me];
+    if (opts.split_backward && std::any_of(row.begin(), row.end(), [](const Action& a) { return a.op == Op::I; }))
+      split_linears.emplace();
     if (const char* e = std::getenv("NNSTRAIN_PIPELINE_SYNTHETIC_MS")) synthetic = parse_synthetic(e);
     if (const char* e = std::getenv("NNSTRAIN_TEST_PIPELINE_KILL")) {
       KillAt k{};
@@ -209,9 +212,11 @@ struct PipelineExecutor::Impl {
     }
   }
 
-  // Whether action `a` accumulates its stage's weights' gradients.
+  // Whether action `a` accumulates into its stage's gradients: B; I too, even
+  // split (norms, embeddings, biases outside the linears and the head take
+  // theirs there); W when split (the linears' weights).
   bool weight_backward(const Action& a) const {
-    return a.op == Op::B || (a.op == Op::W && opts.split_backward) || (a.op == Op::I && !opts.split_backward);
+    return a.op == Op::B || a.op == Op::I || (a.op == Op::W && opts.split_backward);
   }
 
   void plan_zero() {
@@ -369,19 +374,24 @@ struct PipelineExecutor::Impl {
     release(s, j);
   }
 
+  // I: the whole backward but for the linears' weight gradients, which wait in
+  // the store with what they need (their inputs and output gradients); the
+  // graph, and the rest of the activations, go now. Norms and the embedding
+  // take theirs here (models/common/weight_grad.h).
   void run_i(int s, int j) {
     if (!opts.split_backward) return run_b(s, j);
-    if (s == 0) return;  // no input gradient to make: W runs the whole backward
-    auto g = torch::autograd::grad({output[at(s, j)]}, {input[at(s, j)]}, start_grad(s, j), /*retain_graph=*/true);
-    pass_back(s, j, g[0]);
+    {
+      models::common::CaptureWeightGrads capture(weight_grads[at(s, j)]);
+      torch::autograd::backward({output[at(s, j)]}, start_grad(s, j));
+    }
+    if (s > 0) pass_back(s, j, input[at(s, j)].grad());
+    release(s, j);
   }
 
+  // W: the deferred weight gradients only (dW = dY^T X per linear), no chain.
   void run_w(int s, int j) {
     if (!opts.split_backward) return;
-    if (s == 0) return run_b(s, j);
-    torch::autograd::backward({output[at(s, j)]}, start_grad(s, j), /*retain_graph=*/false, /*create_graph=*/false,
-                              stage_params[s]);
-    release(s, j);
+    weight_grads[at(s, j)].flush();
   }
 
   void run(const Action& a) {
@@ -445,6 +455,9 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
                                    TrainingState& state, GradientReducer& reducer, const Options& opts)
     : impl_(std::make_unique<Impl>(model, plan, rt, state, reducer, opts)) {
   pipeline::simulate(impl_->lowered);  // the dry run: throws, with the grid, on a deadlock
+  if (impl_->split_linears)
+    log::info("pipeline: backward split into I and W (W: the linears' weight gradients only, from the inputs and "
+              "output gradients I left)");
   if (impl_->synthetic) {
     // The simulator's prediction for the same costs (stages of equal layer counts).
     auto c = *impl_->synthetic;

@@ -6,8 +6,9 @@
 //   F  receive the activation (or embed the tokens), run the stage's blocks,
 //      and send the output on (the last stage: the loss, scaled by 1/nmicros);
 //   B  receive the output's gradient, backward, send the input's gradient back;
-//   I  the input's gradient only (autograd::grad, the graph kept), sent back at once;
-//   W  the weights' gradients (backward restricted to the stage's parameters).
+//   I  the backward, sent back at once, but for the linears' weight gradients:
+//      each leaves its input and output gradient (models/common/weight_grad.h);
+//   W  those weight gradients only (dW = dY^T X per linear), no chain re-run.
 // Transfers go over the pipeline group (c10d send/recv, tagged by direction,
 // stage and micro-batch); a stage's neighbour on the same rank (V schedules,
 // virtual stages) gets its tensors handed over directly. Sends are

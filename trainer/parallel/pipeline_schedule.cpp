@@ -101,12 +101,36 @@ Schedule interleaved(int p, int v, int m) {
   return s;
 }
 
-// Zero-bubble schedules by list scheduling at unit costs (F = I = W): a free
-// rank takes a ready I first (it unblocks the stage before), then a ready F
-// while its live activations are under `limit[r]` stage-activations, then a
-// pending W (deferrable: it fills what would be a bubble). The order each rank
-// ran its actions in is the schedule.
-Schedule zero_bubble(Schedule s, const std::vector<int>& limit) {
+// ZB-H1 (the zero-bubble paper's handcrafted schedule at 1F1B's memory): rank r
+// runs p - r forwards, then per micro-batch j its I, the W of micro-batch j - r
+// (W delayed by r: the later ranks fill the bubbles 1F1B leaves with
+// weight gradients) and the next forward; the W still pending last. At F = I =
+// W it idles (p - 1)(F + I - W) per rank where 1F1B idles (p - 1)(F + I + W),
+// at most p micro-batches are live (F done, W not yet) on any rank, and at most
+// r + 1 W's wait on rank r.
+Schedule zb_h1(int p, int m) {
+  auto s = empty("zb1p", p, p, m);
+  place_looped(s);
+  for (int r = 0; r < p; ++r) {
+    auto& a = s.actions[r];
+    int next_f = 0, next_w = 0;
+    while (next_f < std::min(p - r, m)) a.push_back({Op::F, r, next_f++});
+    for (int j = 0; j < m; ++j) {
+      a.push_back({Op::I, r, j});
+      if (j >= r) a.push_back({Op::W, r, next_w++});
+      if (next_f < m) a.push_back({Op::F, r, next_f++});
+    }
+    while (next_w < m) a.push_back({Op::W, r, next_w++});
+  }
+  return s;
+}
+
+// ZB-V by list scheduling at unit costs (F = I = W): a free rank takes a ready
+// I first (it unblocks the stage before), then a ready F while fewer than
+// `limit` stage-activations are live on it (F done, W not yet: W reads what F
+// kept), then its oldest pending W, which so fills what would be a bubble. The
+// order each rank ran its actions in is the schedule.
+Schedule zero_bubble_v(Schedule s, int limit) {
   const int S = s.stages, m = s.micros;
   std::vector<std::vector<double>> f_done(S, std::vector<double>(m, kInf)), i_done = f_done;
   std::vector<int> next_f(S, 0), next_i(S, 0);
@@ -129,7 +153,7 @@ Schedule zero_bubble(Schedule s, const std::vector<int>& limit) {
         const bool ready = f_done[st][j] <= t && (st == S - 1 || i_done[st + 1][j] <= t);
         if (ready && better({Op::I, st, j}, pick)) pick = Action{Op::I, st, j};
       }
-      if (!pick && live[r] < limit[r]) {
+      if (!pick && live[r] < limit) {
         for (int st = 0; st < S; ++st) {
           if (s.stage_rank[st] != r || next_f[st] >= m) continue;
           const int j = next_f[st];
@@ -153,8 +177,9 @@ Schedule zero_bubble(Schedule s, const std::vector<int>& limit) {
       } else if (a.op == Op::I) {
         i_done[a.stage][a.micro] = t + 1;
         ++next_i[a.stage];
-        --live[r];
         pending_w[r].push_back({a.stage, a.micro});
+      } else {
+        --live[r];
       }
     }
     t += 1;  // unit costs: every event falls on a whole time step
@@ -190,11 +215,7 @@ Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int 
     if (stages != ranks) throw ScheduleError(what + "needs one stage per rank (pipeline_nstages == pp_size)");
     if (scheduler == "gpipe") return gpipe(ranks, micros);
     if (scheduler == "1f1b") return one_f_one_b(ranks, micros);
-    auto s = empty("zb1p", ranks, stages, micros);
-    place_looped(s);
-    std::vector<int> limit(ranks);
-    for (int r = 0; r < ranks; ++r) limit[r] = ranks - r;  // 1F1B's activations: rank r holds p - r
-    return zero_bubble(std::move(s), limit);
+    return zb_h1(ranks, micros);
   }
   if (scheduler == "1f1b_interleaved") {
     if (stages % ranks != 0 || stages / ranks < 2)
@@ -207,7 +228,7 @@ Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int 
     auto s = empty("zbv", ranks, stages, micros);
     place_v(s);
     // The same activation memory as 1F1B's rank 0 (p whole stages), in half-size stages.
-    return zero_bubble(std::move(s), std::vector<int>(ranks, 2 * ranks));
+    return zero_bubble_v(std::move(s), 2 * ranks);
   }
   std::string known;
   for (const auto& n : scheduler_names()) known += (known.empty() ? "" : ", ") + n;
@@ -260,6 +281,21 @@ void validate(const Schedule& s) {
       if (b < 0 && (i < 0 || w < 0)) throw ScheduleError(fail_text(s, who + " has no backward (B, or I and W)"));
       if ((b >= 0 ? b : i) < f) throw ScheduleError(fail_text(s, who + ": its backward comes before its forward"));
       if (i >= 0 && w < i) throw ScheduleError(fail_text(s, who + ": W comes before I"));
+    }
+  }
+  // A W keeps what its I left (the layers' inputs and output gradients) until
+  // it runs: at most p pending per stage a rank holds, so a split backward
+  // costs no more memory than 1F1B's first stage (ZB-H1 keeps r + 1 on rank r).
+  for (int r = 0; r < s.ranks; ++r) {
+    const int held = static_cast<int>(std::count(s.stage_rank.begin(), s.stage_rank.end(), r));
+    const int bound = s.ranks * held;
+    int pending = 0;
+    for (const auto& a : s.actions[r]) {
+      pending += a.op == Op::I ? 1 : a.op == Op::W ? -1 : 0;
+      if (pending > bound)
+        throw ScheduleError(fail_text(s, "rank " + std::to_string(r) + " has " + std::to_string(pending) +
+                                             " weight-gradient passes (W) pending after their I at " + token(a) +
+                                             ", more than pp_size x its stages = " + std::to_string(bound)));
     }
   }
 }
@@ -388,11 +424,11 @@ Simulation simulate(const Schedule& s, const Costs& c) {
         back_done[a.stage][a.micro] = w_done[a.stage][a.micro] = end;
         --live[best];
         break;
-      case Op::I:
-        back_done[a.stage][a.micro] = end;
+      case Op::I: back_done[a.stage][a.micro] = end; break;
+      case Op::W:
+        w_done[a.stage][a.micro] = end;
         --live[best];
         break;
-      case Op::W: w_done[a.stage][a.micro] = end; break;
       case Op::Send: sent[{a.grad, a.stage, a.micro}] = end; break;
       case Op::Recv: received[{a.grad, a.stage, a.micro}] = end; break;
     }

@@ -47,9 +47,11 @@ struct Schedule {
 //   1f1b              one forward one backward after a warm-up (stages == ranks)
 //   1f1b_interleaved  Megatron's: stages = v x ranks looped over the ranks
 //                     (stage s on rank s % ranks), micros a multiple of ranks
-//   zb1p              1F1B's memory, backward split into I and W, W filling bubbles
+//   zb1p              ZB-H1: backward split into I and W, W delayed by r micro-batches
+//                     on rank r to fill 1F1B's bubbles; p live micro-batches at most
 //   zbv               zero-bubble V: stages = 2 x ranks, rank r holding stages r
-//                     and 2 x ranks - 1 - r, backward split, W filling bubbles
+//                     and 2 x ranks - 1 - r, backward split, W filling bubbles, at
+//                     most 2 p stage-activations live (1F1B's rank 0: p whole stages)
 // Throws ScheduleError naming the constraint a combination breaks.
 Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int micros);
 // The stages a scheduler runs on `ranks` when pipeline_nstages is auto: two per
@@ -58,7 +60,8 @@ int default_stages(const std::string& scheduler, int ranks);
 const std::vector<std::string>& scheduler_names();
 
 // Every micro-batch's F, then its B (or I then W) for every stage, each on the
-// rank holding the stage, F before B/I and I before W where they share a rank.
+// rank holding the stage, F before B/I and I before W where they share a rank;
+// at most ranks x (stages it holds) W's pending after their I on a rank.
 void validate(const Schedule& s);
 
 // Inserts the transfers: after a forward whose next stage lives on another rank a
@@ -75,7 +78,9 @@ struct Costs {
 struct Simulation {
   double makespan = 0;
   std::vector<double> busy;      // per rank: time spent computing
-  std::vector<int> peak_live;    // per rank: most micro-batch activations held at once (F done, B/I not yet)
+  // Per rank: most stage-activations held at once, from F until the backward is
+  // done (its B, or its W: W reads the layers' inputs F kept).
+  std::vector<int> peak_live;
   double bubble(int rank) const { return makespan > 0 ? 1 - busy[rank] / makespan : 0; }
   double mean_bubble() const;
 };

@@ -73,9 +73,6 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   o.activation_dtype = optim::precision_setup(args.precision, args.compute_config.reduce_dtype).param;
   o.hidden = model.dims().hidden;
   o.sequence_divisor = plan.tp > 1 && args.compute_config.sequence_parallel ? plan.tp : 1;
-  // Recompute's backward accumulates the weights' gradients as it goes, so it
-  // cannot be split into I and W: I then runs the whole backward.
-  o.split_backward = std::count(plan.recompute.begin(), plan.recompute.end(), true) == 0;
   auto p = std::make_unique<parallel::PipelineExecutor>(model, plan.pipeline, rt, state, reducer, o);
   std::string layers;
   for (size_t s = 0; s < plan.pipeline.stage_layers.size(); ++s)
@@ -83,7 +80,7 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   log::info("pipeline: " + plan.pipeline.scheduler + ", " + std::to_string(plan.pipeline.stages) + " stages over pp " +
             std::to_string(plan.pipeline.pp) + " ranks, " + std::to_string(plan.pipeline.nmicros) +
             " micro-batches per step, layers per stage " + layers + "; this rank is pipeline rank " +
-            std::to_string(rt.pp.rank) + (o.split_backward ? "" : " (recompute: I runs the whole backward)"));
+            std::to_string(rt.pp.rank));
   return p;
 }
 
