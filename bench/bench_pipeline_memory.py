@@ -7,9 +7,10 @@ steps of 8 micro-batches of 2 sequences (one pipeline flush per step) under
 every scheduler (gpipe, 1f1b, 1f1b_interleaved, zb1p, zbv) at pp 2 and pp 4
 (pas_policy dp, so the only split is the pipeline's; fp32, no recompute, no
 ZeRO; one process per rank over Gloo, OMP_NUM_THREADS=1), and 1f1b, zb1p and
-zbv at pp 4 with every layer recomputed (model.activation_checkpointing: then
-I runs the whole backward, so a micro-batch's activations go at its I, not
-its W). Per pipeline rank:
+zbv at pp 4 with every layer recomputed (model.activation_checkpointing).
+Under zb1p and zbv the backward is split: a micro-batch's activations go at
+its I, and what its W needs (each linear's input and output gradient) stays
+until its W. Per pipeline rank:
 - measured: the largest `peak_tensor_mb_per_pp_rank` over the steps (the
   CPU's counting allocator: state plus what the schedule held at its peak);
 - estimate: plan.json's `estimate.pp_rank_bytes` for that rank (the cost
@@ -18,7 +19,8 @@ The baseline is one process (no pipeline) in the same run, its peak beside
 its estimate. Goal: every rank within 10% of its estimate.
 
 The memory model follows each schedule's order (cost_model.cpp: a
-micro-batch's activations live from its F until its B or W), so re-run this
+micro-batch's activations live from its F until its B or I, W's inputs from
+its I until its W), so re-run this
 after a change to the schedule generators:
 
   /root/.cache/nnstrain/venv/bin/python bench/bench_pipeline_memory.py --nnstrain build/nnstrain

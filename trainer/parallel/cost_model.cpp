@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -209,12 +210,14 @@ struct Setting {
   double Lr, kr, live = 1;
   bool first = true, last = true;
   double sends = 0;  // pipeline: boundary tensors held (sent ones to the step's end, received ones until used)
+  double w_live = 0;  // pipeline: (stage, micro-batch)s between their I and W, as `live` counts them
+  double split_layers = 0;  // pipeline, split backward: the layers of the rank's largest stage (0: no split)
 };
 
 // The rank's part of the model under pp; the whole model otherwise.
 struct RankPart {
   std::vector<bool> held;  // per parameter (empty: all)
-  double layers = 0, recomputed = 0, live = 1, sends = 0;
+  double layers = 0, recomputed = 0, live = 1, sends = 0, w_live = 0, split_layers = 0;
   bool first = true, last = true;
 };
 
@@ -247,6 +250,8 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   x.first = part.first;
   x.last = part.last;
   x.sends = part.sends;
+  x.w_live = part.w_live;
+  x.split_layers = part.split_layers;
   return x;
 }
 
@@ -312,6 +317,8 @@ struct Activations {
   double tied_head_grad = 0;  // a tied embedding's head gradient waiting in autograd
   double sent = 0;            // pipeline: the boundary tensors held (Setting::sends)
   double sent_per_tensor = 0;  // one of them: a micro-batch's hidden states on this rank
+  double pending_w = 0;       // pipeline: what the (stage, micro-batch)s between I and W keep
+  double layer_w = 0;         // pipeline, split backward: what one layer's W needs of one micro-batch
 };
 
 // The loss: vocab-split logits under tp. Plain: fp32 logits/softmax kept for
@@ -384,6 +391,27 @@ CpLayer cp_layer(const Setting& x) {
   return r;
 }
 
+// The zero-bubble split (models/common/weight_grad.h): from a micro-batch's I
+// until its W, every deferred linear of the rank's layers keeps its input X
+// and output gradient dY in the compute dtype, a whole layer's worth per
+// `live` unit (X shared by q/k/v or gate/up once; a sequence-parallel column
+// linear keeps its local slice and gathers it again in W; a row-parallel
+// linear's dY is whole); the plain LM head keeps its input and the logits'
+// gradient. Per (stage, micro-batch) of `Lr` layers: divide as `live` does.
+double layer_w_bytes(const Setting& x) {  // one layer, one micro-batch
+  const double h = x.h, t = x.t, rep = x.rep, hkv = h * x.kv / x.heads, ffn = x.ffn;
+  const double mlp_out = x.f.gated_mlp ? 2 * ffn : ffn;  // gate and up, or c_fc
+  const double inputs = h * rep + h / t + h * rep + ffn / t;      // attention's, its out projection's, the MLP's, its down's
+  const double grads = (h + 2 * hkv) / t + h + mlp_out / t + h;  // q/k/v, out, MLP up, MLP down
+  return x.tokens * (inputs + grads) * x.pb.act;
+}
+double pending_w_bytes(const Setting& x) {
+  double bytes = x.Lr * layer_w_bytes(x);
+  if (x.last && config::resolved_loss(x.a.model, int64_t(x.tokens)) == "plain")
+    bytes += x.tokens * (x.h * x.rep + x.v_local) * x.pb.act;
+  return bytes;
+}
+
 Activations activation_term(const Setting& x) {
   const double ea = x.pb.act, tokens = x.tokens, h = x.h, t = x.t, rep = x.rep;
   const double hkv = h * x.kv / x.heads, ffn = x.ffn;
@@ -418,6 +446,9 @@ Activations activation_term(const Setting& x) {
   act.scores = x.req.fused_attention ? 0.0 : tokens * 2 * (x.heads / t) * x.s * ea;
   // Under pp the rank's stages' layers, for every micro-batch in flight.
   act.saved_layers = x.live * ((x.Lr - x.kr) * (act.layer_full + act.scores) + x.kr * act.layer_input);
+  act.pending_w = x.w_live > 0 ? x.w_live * pending_w_bytes(x) : 0.0;
+  act.layer_w = x.split_layers > 0 ? layer_w_bytes(x) : 0.0;
+  act.saved_layers += act.pending_w;
   // The last block's output (what the final norm keeps of its input) and of
   // the norm, and its output; under SP the head gathers that output whole and keeps it.
   act.head_saved = x.last ? x.live * tokens * ((head_in + norm_extra) * rep + (x.sp ? h : h * rep)) * ea : 0.0;
@@ -491,9 +522,14 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
   } else if (L - k >= 1) {
     phases.push_back({act.saved_layers + act.block_grads + act.tied_head_grad, 0.0});  // the last block's backward
   }
-  if (k >= 1 && k >= L)  // every block recomputes: the last one rebuilt whole, its output held, then its backward
-    phases.push_back({x.live * k * act.layer_input + act.layer_full - act.layer_input + x.tokens * x.h * x.rep * x.pb.act +
-                          act.block_grads + act.scores + act.tied_head_grad,
+  // Every block recomputes: the last one rebuilt whole, its output held, then
+  // its backward. Under a split backward the pairs waiting for W keep theirs,
+  // the one in its I all but the block being rebuilt (the peak moment counts
+  // it as waiting already).
+  if (k >= 1 && k >= L)
+    phases.push_back({x.live * k * act.layer_input + std::max(0.0, act.pending_w - act.layer_w) + act.layer_full -
+                          act.layer_input +
+                          x.tokens * x.h * x.rep * x.pb.act + act.block_grads + act.scores + act.tied_head_grad,
                       worst_block_transient});
   for (auto& ph : phases) ph.acts += act.sent;  // held through every phase
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
@@ -661,11 +697,11 @@ struct ScheduleCache::Impl {
   struct Shape {
     pipeline::Schedule schedule;
     // Per rank, the moments that may be its peak: (stage, micro-batch)
-    // activations held, boundary tensors held (sent ones, kept to the step's
-    // end, and received ones not yet used), none of them below another in
-    // both; [1] when I runs the whole backward (recompute:
-    // PipelineExecutor's split_backward off).
-    std::vector<std::vector<std::pair<int, int>>> moments[2];
+    // activations held, (stage, micro-batch)s between I and W (what the split
+    // backward keeps for W), boundary tensors held (sent ones, kept to the
+    // step's end, and received ones not yet used), none of them below
+    // another in all three.
+    std::vector<std::vector<std::array<int, 3>>> moments;
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
@@ -677,41 +713,38 @@ struct ScheduleCache::Impl {
     if (it != shapes.end()) return it->second;
     Shape sh;
     sh.schedule = pipeline::make_schedule(scheduler, ranks, stages, micros);
-    // A micro-batch's activations live from its F until its backward is
-    // done: its B, or its W (the weight gradient reads the layers' inputs),
-    // not its I as pipeline::simulate's peak_live counts; its I when I runs
-    // the whole backward. The order alone decides it. In the lowered order
+    // A micro-batch's activations live from its F until its B or I (I frees
+    // the graph); from its I until its W it keeps only what W needs
+    // (pending_w_bytes). The order alone decides it. In the lowered order
     // (what runs), a sent tensor is kept to the step's end (finish_sends), a
     // received activation until its F (then it is the stage's saved input), a
-    // received gradient until the micro-batch's backward is done.
+    // received gradient until the micro-batch's B or I.
     const auto lowered = pipeline::lower(sh.schedule);
-    for (int whole = 0; whole < 2; ++whole) {
-      sh.moments[whole].assign(ranks, {});
-      const auto ends = whole ? pipeline::Op::I : pipeline::Op::W;
-      for (int r = 0; r < ranks; ++r) {
-        int live = 0, boundary = 0;
-        std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
-        auto& front = sh.moments[whole][r];
-        for (const auto& act : lowered.actions[r]) {
-          const bool done = act.op == pipeline::Op::B || act.op == ends;
-          if (act.op == pipeline::Op::Send) ++boundary;
-          if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
-          if ((act.op == pipeline::Op::F && received.erase({false, act.stage, act.micro})) ||
-              (done && received.erase({true, act.stage, act.micro})))
-            --boundary;
-          if (act.op == pipeline::Op::F) ++live;
-          if (done) --live;
-          // Keep the moment unless one already kept holds as much of both.
-          const bool covered = std::any_of(front.begin(), front.end(), [&](const std::pair<int, int>& m) {
-            return m.first >= live && m.second >= boundary;
-          });
-          if (covered) continue;
-          front.erase(std::remove_if(front.begin(), front.end(), [&](const std::pair<int, int>& m) {
-                        return m.first <= live && m.second <= boundary;
-                      }),
-                      front.end());
-          front.emplace_back(live, boundary);
-        }
+    sh.moments.assign(ranks, {});
+    for (int r = 0; r < ranks; ++r) {
+      int live = 0, pending = 0, boundary = 0;
+      std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
+      auto& front = sh.moments[r];
+      for (const auto& act : lowered.actions[r]) {
+        const bool done = act.op == pipeline::Op::B || act.op == pipeline::Op::I;
+        if (act.op == pipeline::Op::Send) ++boundary;
+        if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
+        if ((act.op == pipeline::Op::F && received.erase({false, act.stage, act.micro})) ||
+            (done && received.erase({true, act.stage, act.micro})))
+          --boundary;
+        if (act.op == pipeline::Op::F) ++live;
+        if (done) --live;
+        if (act.op == pipeline::Op::I) ++pending;
+        if (act.op == pipeline::Op::W) --pending;
+        // Keep the moment unless one already kept holds as much of all three.
+        const std::array<int, 3> now{live, pending, boundary};
+        auto below = [](const std::array<int, 3>& u, const std::array<int, 3>& v) {
+          return u[0] <= v[0] && u[1] <= v[1] && u[2] <= v[2];
+        };
+        if (std::any_of(front.begin(), front.end(), [&](const auto& m) { return below(now, m); })) continue;
+        front.erase(std::remove_if(front.begin(), front.end(), [&](const auto& m) { return below(m, now); }),
+                    front.end());
+        front.push_back(now);
       }
     }
     return shapes.emplace(key, std::move(sh)).first->second;
@@ -793,19 +826,23 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     // at once, weighed by their sizes (a (stage, micro-batch)'s activations,
     // one micro-batch's hidden states). GPipe holds every micro-batch; the
     // other schedules' peak does not grow with more than the m_sim simulated.
-    // Recompute makes I run the whole backward (train/startup.cpp make_pipeline).
-    const int whole = c.recompute_layers > 0 ? 1 : 0;
     const double grow = c.scheduler == "gpipe" ? double(micros) / m_sim : 1.0;
+    if (c.scheduler == "zb1p" || c.scheduler == "zbv")  // the split backward (models/common/weight_grad.h)
+      for (int st = 0; st < S; ++st)
+        if (stage_rank[st] == r) part.split_layers = std::max<double>(part.split_layers, layers[st]);
     const double stages_held = std::max(1, held_stages);
     part.live = 1.0 / stages_held;  // one (stage, micro-batch), to weigh it
-    const auto one = activation_term(setting(req, f, c, part));
+    const auto one_setting = setting(req, f, c, part);
+    const auto one = activation_term(one_setting);
     const double pair_bytes = one.saved_layers, boundary_bytes = one.sent_per_tensor;
+    const double pending_bytes = pending_w_bytes(one_setting) / stages_held;
     double most = -1;
-    for (const auto& [live, boundary] : shape.moments[whole][r]) {
-      const double bytes = grow * (live * pair_bytes + boundary * boundary_bytes);
+    for (const auto& [live, pending, boundary] : shape.moments[r]) {
+      const double bytes = grow * (live * pair_bytes + pending * pending_bytes + boundary * boundary_bytes);
       if (bytes > most) {
         most = bytes;
         part.live = grow * live / stages_held;
+        part.w_live = grow * pending / stages_held;
         part.sends = grow * boundary;
       }
     }
