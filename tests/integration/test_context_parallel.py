@@ -7,7 +7,9 @@ sequences of 32 tokens, against one process, for the GPT of configs/tiny_dp.yaml
 (4 heads, learned positions) and the Llama of configs/tiny_llama.yaml (GQA,
 rotary): cp2, cp4, cp2 x tp2 with sequence parallelism, cp2 x ZeRO-3 dp2 within
 1e-5 relative in loss and gradient norm (and cp2's validation loss within
-1e-5); bf16-mixed cp2 within the precision tests' bf16 tolerance. Checkpoints hold no cp state: saved at cp2 (GPT) or cp4
+1e-5); bf16-mixed cp2 within the precision tests' bf16 tolerance; cp2 composed
+with recompute and the fused loss, the chunked loss, HSDP (ZeRO-3, cp2 x dp4 in
+2 groups) and 16-mixed, each against one process with the same setting. Checkpoints hold no cp state: saved at cp2 (GPT) or cp4
 (Llama) and resumed at cp1, and the reverse, each continuing the uninterrupted
 one-process run. A rank killed inside a ring step ends every other rank within
 the collective timeout, naming the collective.
@@ -99,6 +101,30 @@ def test_parity_with_one_process(straight, model, plan):
     # Meaningful: training moved the loss, and clipping decided some updates.
     assert ref[10][0] < ref[1][0] - 0.1, ref
     assert any(ref[s][1] > CLIP for s in ref), ref
+
+
+# Composition (the issue's list): each against one process with the same shared
+# overrides. HSDP: cp2 x dp4, ZeRO-3 in 2 groups of dp x cp / 2 = 4 ranks.
+COMPOSED = {  # name: (ranks, cp overrides, overrides both sides share, tolerance)
+    "recompute_fused": (2, ["--micro_batch_size", "4", CP, "2"],
+                        ["--model.activation_checkpointing", "true", "--model.loss", "fused", "--model.loss_chunk_size", "24"],
+                        TOL),
+    "chunked": (2, ["--micro_batch_size", "4", CP, "2"], ["--model.loss", "chunked", "--model.loss_chunk_size", "24"], TOL),
+    "hsdp_zero3": (8, ["--micro_batch_size", "1", CP, "2", "--compute_config.use_zero", "3",
+                       "--compute_config.zero_ngroups", "2"], [], TOL),
+    "fp16_mixed": (2, ["--micro_batch_size", "4", CP, "2"], ["--precision", "16-mixed"], BF16_RTOL),
+}
+
+
+@pytest.mark.parametrize("model,name", [("llama", "recompute_fused"), ("gpt", "chunked"), ("llama", "hsdp_zero3"),
+                                        ("gpt", "fp16_mixed")])
+def test_composition(tmp_path, tiny_tokens, model, name):
+    ranks, ov, shared, tol = COMPOSED[name]
+    ref = run(model, 1, tmp_path / "one", tiny_tokens, *PLANS["one"][1], *shared)
+    got = run(model, ranks, tmp_path / name, tiny_tokens, *ov, *shared)
+    worst_loss, worst_norm = compare(ref, got, f"{model} cp2 {name} vs one process")
+    assert worst_loss < tol and worst_norm < (tol if tol == TOL else 4 * tol)  # 16-bit: test_precision's rule
+    assert ref[10][0] < ref[1][0] - 0.1 and any(ref[s][1] > CLIP for s in ref), ref
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
