@@ -223,7 +223,7 @@ def test_bf16_mixed(reference, tmp_path, tiny_tokens):
 
 
 def test_checkpoints_move_between_plans(reference, tmp_path, tiny_tokens):
-    """One process -> pp4 interleaved -> pp2 zbv -> one process, each leg resuming
+    """One process -> pp4 interleaved -> pp2 zbv x tp2 (SP) -> one process, each leg resuming
     the one before and continuing the uninterrupted run; `nnstrain merge` of a
     pipeline checkpoint gives the one-process checkpoint's weights."""
     ckpt = ["--checkpoint.every_n_train_steps", "2"]
@@ -231,8 +231,9 @@ def test_checkpoints_move_between_plans(reference, tmp_path, tiny_tokens):
         ("one", 1, [], None),
         ("pp4i", 4, ["--compute_config.pas_config.pp_size", 4,
                      "--compute_config.pas_config.pipeline_scheduler", "1f1b_interleaved"], ("one", 2)),
-        ("pp2v", 2, ["--compute_config.pas_config.pp_size", 2,
-                     "--compute_config.pas_config.pipeline_scheduler", "zbv"], ("pp4i", 4)),
+        ("pp2v", 4, ["--compute_config.pas_config.pp_size", 2, "--compute_config.pas_config.pipeline_scheduler", "zbv",
+                     "--compute_config.plan_ngpus", 2, "--pas_policy", "hybrid",
+                     "--compute_config.sequence_parallel", "true"], ("pp4i", 4)),
         ("back", 1, [], ("pp2v", 6)),
     ]
     ref = reference("llama")
