@@ -3,6 +3,9 @@
 #include <torch/torch.h>
 
 #include <cstring>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <iostream>
 #include <string>
 #include <vector>
@@ -44,6 +47,19 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
 Overrides follow nnScaler: --optimizer.args.lr 3e-4 or --optimizer.args.lr=3e-4.
 )";
 
+
+// glibc hands the top of its heap back to the kernel once 128 KiB or more is
+// free there (and tensors of a few MiB get their own mappings), so every step
+// re-faults and zeroes the pages of the activations it freed the step before:
+// 5-6% of a small CPU run's time (perf: 292k page faults in 150 steps, 65k with
+// this). Training keeps what it freed for the next step instead; the peak is
+// unchanged, only its release is deferred. Other commands keep glibc's policy.
+void keep_freed_host_memory() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest allowed; fixing it also stops the dynamic adjustment
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+#endif
+}
 
 int train_main(const std::vector<std::string>& argv) {
   std::string config_file, resume;
@@ -97,6 +113,7 @@ int train_main(const std::vector<std::string>& argv) {
       std::cerr << "nnstrain: " << e.what() << "\n";
       return 2;
     }
+    keep_freed_host_memory();
     return train::run(args, env, {resume});
   } catch (const config::ConfigError& e) {
     std::cerr << "nnstrain: config error: " << e.what() << "\n";
