@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,10 +16,12 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/launcher.h"
+#include "trainer/dist/rendezvous_socket.h"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -348,4 +351,93 @@ TEST_CASE("launch: bad flags are a clear error with status 2", "[launch]") {
   Result help = launch(dir, {"--help"});
   CHECK(help.status == 0);
   CHECK_THAT(help.out, Contains("usage: nnstrain launch --nproc-per-node N"));
+}
+
+namespace {
+
+// A port this test listens on, as another job would; closed at the end of the scope.
+struct HeldPort {
+  int fd = -1, port = 0;
+  HeldPort() {
+    std::tie(fd, port) = nnstrain::dist::listen_on(0);
+    REQUIRE(fd >= 0);
+  }
+  ~HeldPort() { close(fd); }
+};
+
+// Rank R's line of `rendezvous_script`: "fd=<NNSTRAIN_RENDEZVOUS_FD> port=<MASTER_PORT> listen=<the
+// /proc/net/tcp* line of the socket on the worker's fd 3, if fd 3 is a socket>".
+const char* kRendezvousScript =
+    "ino=$(readlink /proc/$$/fd/3 2>/dev/null | sed -n 's/^socket:\\[\\([0-9]*\\)\\]$/\\1/p'); "
+    "line=; [ -n \"$ino\" ] && line=$(awk -v i=$ino '$10 == i { print $2, $4 }' /proc/net/tcp /proc/net/tcp6); "
+    "echo \"fd=$NNSTRAIN_RENDEZVOUS_FD port=$MASTER_PORT listen=$line\" > \"$OUT.$RANK\"";
+
+}  // namespace
+
+TEST_CASE("launch: rank 0 gets the rendezvous port as a socket already listening, the others nothing", "[launch]") {
+  TempDir dir;
+  EnvVar out("OUT", dir / "rank");
+  // Without --exec the workers run "this binary", here /bin/sh.
+  Result r = launch(dir, {"--nproc-per-node", "3", "--", "-c", kRendezvousScript}, 5.0, "/bin/sh");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const std::string rank0 = lines_of(slurp(dir / "rank.0")).at(0);
+  // "fd=3 port=P listen=<addr>:<P in hex> 0A" (0A: TCP_LISTEN).
+  const auto port = rank0.substr(rank0.find("port=") + 5, rank0.find(" listen=") - rank0.find("port=") - 5);
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "%04X", std::stoi(port));
+  CHECK(rank0.rfind("fd=3 port=", 0) == 0);
+  CHECK_THAT(rank0, Contains(std::string(":") + hex + " 0A"));
+  for (int rank : {1, 2}) {
+    CHECK(lines_of(slurp(dir / ("rank." + std::to_string(rank)))).at(0) == "fd= port=" + port + " listen=");
+  }
+}
+
+TEST_CASE("launch: a port the launcher picked that is in use is passed over", "[launch]") {
+  TempDir dir;
+  HeldPort held;
+  EnvVar out("OUT", dir / "rank");
+  EnvVar first("NNSTRAIN_TEST_LAUNCH_PORT", std::to_string(held.port));  // the launcher's first pick
+  Result r = launch(dir, {"--nproc-per-node", "2", "--", "-c", kRendezvousScript}, 5.0, "/bin/sh");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.err == "nnstrain launch: port " + std::to_string(held.port) + " is in use, taking another\n");
+  const std::string rank0 = lines_of(slurp(dir / "rank.0")).at(0), rank1 = lines_of(slurp(dir / "rank.1")).at(0);
+  CHECK(rank0.rfind("fd=3 port=", 0) == 0);
+  CHECK(rank0.find("port=" + std::to_string(held.port) + " ") == std::string::npos);
+  CHECK_THAT(rank0, Contains(" 0A"));
+  CHECK(rank1.rfind("fd= port=" + rank0.substr(10, rank0.find(' ', 10) - 10) + " ", 0) == 0);
+}
+
+TEST_CASE("launch: a --master-port in use stops the launch in one line before any worker starts", "[launch]") {
+  TempDir dir;
+  HeldPort held;
+  const std::string p = std::to_string(held.port);
+  for (bool exec : {false, true}) {
+    DYNAMIC_SECTION((exec ? "--exec" : "nnstrain workers")) {
+      std::vector<std::string> args = {"--nproc-per-node", "2", "--master-port", p};
+      const std::string touch = "touch '" + (dir / "started") + "'";
+      if (exec)
+        args.insert(args.end(), {"--exec", "--", "/bin/sh", "-c", touch});
+      else
+        args.insert(args.end(), {"--", "-c", touch});  // without --exec the workers run this binary: /bin/sh
+      Result r = launch(dir, args, 5.0, "/bin/sh");
+      CHECK(r.status == 2);
+      CHECK(r.err == "nnstrain launch: --master-port " + p +
+                         " is already in use on this machine (another job, or one that has not ended, listens on "
+                         "it): choose another port, or leave --master-port out on one node\n");
+      CHECK(r.out.empty());
+      CHECK(!fs::exists(dir / "started"));
+    }
+  }
+}
+
+TEST_CASE("launch: only the node that runs rank 0 binds --master-port", "[launch]") {
+  TempDir dir;
+  HeldPort held;  // as rank 0's store on another node would, were it this machine
+  Result r = launch(dir, sh_workers(1, "echo $MASTER_PORT", {"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                                             "127.0.0.1", "--master-port", std::to_string(held.port)}));
+  INFO(r.err);
+  CHECK(r.status == 0);
+  CHECK(r.out == "[rank 1] " + std::to_string(held.port) + "\n");
 }

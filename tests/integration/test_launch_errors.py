@@ -1,0 +1,103 @@
+"""Launch errors a user sees: one line of ours, no LibTorch noise before it.
+
+- A rendezvous port in use, named by the user: `nnstrain launch --master-port P`
+  stops before starting any worker, and a rank 0 started by hand with MASTER_PORT=P
+  exits 2; each in one line naming the port and the flag or variable, no backtrace.
+- A port in use that the launcher picked is passed over: the test-only hook
+  NNSTRAIN_TEST_LAUNCH_PORT makes the launcher's first pick a port this test
+  holds, and two ranks still train.
+- Rank 0 (the rendezvous store's host) killed mid-training: the survivor's output
+  holds our one-line diagnosis and none of LibTorch's store warnings (c10 log
+  records "[W1124 12:00:00.123 ... TCPStore.cpp:106] ..." with backtraces), which
+  go to its log file (run_dir/logs/rank1.log) instead.
+Tiny GPT of configs/tiny_dp.yaml, two ranks on Gloo; seconds each.
+"""
+import re
+import signal
+import socket
+import subprocess
+
+from test_collective_failure import (CONFIG, MARGIN_S, SOURCE, TIMEOUT_S, Ranks, base_env, exit_within, read,
+                                     wait_for_steps)
+
+# A c10 log record's header, or a line of a C++ backtrace.
+TORCH_NOISE = re.compile(r"^\[[IWEF]\d{4} |frame #\d|Exception raised from|c10::", re.M)
+
+
+def held_port():
+    """A socket listening on a free port, as another job's would be."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def short_run(tokens, run_dir, steps=2):
+    return ["--config", str(CONFIG), "--vars.data", str(tokens), "--run_dir", str(run_dir),
+            "--max_train_steps", str(steps)]
+
+
+def test_master_port_in_use_stops_the_launcher_in_one_line(nnstrain_bin, tiny_tokens, tmp_path):
+    s, port = held_port()
+    with s:
+        p = subprocess.run([nnstrain_bin, "launch", "--nproc-per-node", "2", "--master-port", str(port), "--",
+                            *short_run(tiny_tokens, tmp_path / "run")],
+                           cwd=SOURCE, env=base_env(), capture_output=True, text=True, timeout=60)
+    print(p.stderr)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr == (f"nnstrain launch: --master-port {port} is already in use on this machine (another job, "
+                        "or one that has not ended, listens on it): choose another port, or leave --master-port "
+                        "out on one node\n")
+    assert p.stdout == ""  # no worker started
+    assert not (tmp_path / "run").exists()
+
+
+def test_master_port_in_use_stops_rank0_in_one_line(nnstrain_bin, tiny_tokens, tmp_path):
+    """Rank 0 started as torchrun or srun starts it, its MASTER_PORT taken."""
+    s, port = held_port()
+    env = base_env()
+    env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    with s:
+        p = subprocess.run([nnstrain_bin, *short_run(tiny_tokens, tmp_path / "run")], cwd=SOURCE, env=env,
+                           capture_output=True, text=True, timeout=120)
+    print(p.stderr)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert not TORCH_NOISE.search(p.stderr), p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("nnstrain:")]
+    assert errors == [f"nnstrain: launch environment error: rank 0: the rendezvous port {port} "
+                      f"(MASTER_PORT={port}) is already in use on this machine (another job, or one that has not "
+                      "ended, listens on it): set MASTER_PORT to a free port"], p.stderr
+
+
+def test_port_in_use_that_the_launcher_picked_is_passed_over(nnstrain_bin, tiny_tokens, tmp_path):
+    s, port = held_port()
+    env = base_env()
+    env["NNSTRAIN_TEST_LAUNCH_PORT"] = str(port)
+    with s:
+        p = subprocess.run([nnstrain_bin, "launch", "--nproc-per-node", "2", "--",
+                            *short_run(tiny_tokens, tmp_path / "run")],
+                           cwd=SOURCE, env=env, capture_output=True, text=True, timeout=240)
+    print(p.stderr[-2000:])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stderr.startswith(f"nnstrain launch: port {port} is in use, taking another\n"), p.stderr
+    assert not TORCH_NOISE.search(p.stderr), p.stderr
+    assert re.search(r"step 2/2: loss", p.stdout + p.stderr), p.stdout + p.stderr
+
+
+def test_survivor_of_rank0_prints_our_line_not_torch_store_warnings(nnstrain_bin, tiny_tokens, tmp_path):
+    with Ranks(nnstrain_bin, tiny_tokens, tmp_path) as job:
+        r0, r1 = job.procs
+        wait_for_steps(job.run_dir, job.procs)
+        r0.send_signal(signal.SIGKILL)
+        rc, took = exit_within(r1, TIMEOUT_S + MARGIN_S)
+        out = read(r1)
+    lines = out.strip().splitlines()
+    print(f"\nrank 1 exited {rc} {took:.1f} s after rank 0 was killed: {lines[-1]}")
+    assert rc != 0, out
+    assert re.match(r"nnstrain: rank 1: collective '[^']+' .* failed", lines[-1]), out
+    assert "the rendezvous store on rank 0 is unreachable: rank 0 is gone" in lines[-1], out
+    assert not TORCH_NOISE.search(out), out
+    # Not lost: LibTorch's records of the failed store calls are in rank 1's log file.
+    log = (job.run_dir / "logs" / "rank1.log").read_text()
+    assert re.search(r"\[debug\] LibTorch, in a store call expected to fail: \[[WE]\d{4} .*\[c10d\]", log), log
