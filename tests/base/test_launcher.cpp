@@ -374,7 +374,7 @@ const char* kRendezvousScript =
 
 }  // namespace
 
-TEST_CASE("launch: rank 0 gets the rendezvous port as a socket already listening, the others nothing", "[launch]") {
+TEST_CASE("launch: rank 0 gets the rendezvous port as a listening socket and the others get nothing", "[launch]") {
   TempDir dir;
   EnvVar out("OUT", dir / "rank");
   // Without --exec the workers run "this binary", here /bin/sh.

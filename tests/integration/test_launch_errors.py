@@ -17,8 +17,7 @@ import signal
 import socket
 import subprocess
 
-from test_collective_failure import (CONFIG, MARGIN_S, SOURCE, TIMEOUT_S, Ranks, base_env, exit_within, read,
-                                     wait_for_steps)
+from test_collective_failure import CONFIG, SOURCE, base_env, survivor_of
 
 # A c10 log record's header, or a line of a C++ backtrace.
 TORCH_NOISE = re.compile(r"^\[[IWEF]\d{4} |frame #\d|Exception raised from|c10::", re.M)
@@ -86,18 +85,12 @@ def test_port_in_use_that_the_launcher_picked_is_passed_over(nnstrain_bin, tiny_
 
 
 def test_survivor_of_rank0_prints_our_line_not_torch_store_warnings(nnstrain_bin, tiny_tokens, tmp_path):
-    with Ranks(nnstrain_bin, tiny_tokens, tmp_path) as job:
-        r0, r1 = job.procs
-        wait_for_steps(job.run_dir, job.procs)
-        r0.send_signal(signal.SIGKILL)
-        rc, took = exit_within(r1, TIMEOUT_S + MARGIN_S)
-        out = read(r1)
-    lines = out.strip().splitlines()
-    print(f"\nrank 1 exited {rc} {took:.1f} s after rank 0 was killed: {lines[-1]}")
+    rc, _, out, run_dir = survivor_of(nnstrain_bin, tiny_tokens, tmp_path, 0, signal.SIGKILL)
+    last = out.strip().splitlines()[-1]
     assert rc != 0, out
-    assert re.match(r"nnstrain: rank 1: collective '[^']+' .* failed", lines[-1]), out
-    assert "the rendezvous store on rank 0 is unreachable: rank 0 is gone" in lines[-1], out
+    assert re.match(r"nnstrain: rank 1: collective '[^']+' .* failed", last), out
+    assert "the rendezvous store on rank 0 is unreachable: rank 0 is gone" in last, out
     assert not TORCH_NOISE.search(out), out
     # Not lost: LibTorch's records of the failed store calls are in rank 1's log file.
-    log = (job.run_dir / "logs" / "rank1.log").read_text()
+    log = (run_dir / "logs" / "rank1.log").read_text()
     assert re.search(r"\[debug\] LibTorch, in a store call expected to fail: \[[WE]\d{4} .*\[c10d\]", log), log

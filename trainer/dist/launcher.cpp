@@ -439,13 +439,14 @@ class Launch {
     const int node_rank = c_.node_rank.value_or(0);
     const int world = c_.nproc * c_.nnodes;
     const std::string addr = c_.master_addr.value_or("127.0.0.1");
-    // Rank 0 runs here when this is node 0. An nnstrain rank 0 gets the port's
-    // socket; an --exec program binds the port itself, so it is only checked.
+    // Rank 0 runs here when this is node 0. An nnstrain rank 0 of several gets
+    // the port's socket; an --exec program binds the port itself, and one rank
+    // alone needs none, so then it is only checked.
     int port = c_.master_port.value_or(0);
     if (node_rank == 0) {
       Reserved r = reserve_port(c_.master_port, [this](const std::string& m) { say(m); });
       port = r.port;
-      if (c_.exec)
+      if (c_.exec || world == 1)
         close(r.fd);
       else
         listen_fd_ = r.fd;
