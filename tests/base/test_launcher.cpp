@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -440,4 +441,21 @@ TEST_CASE("launch: only the node that runs rank 0 binds --master-port", "[launch
   INFO(r.err);
   CHECK(r.status == 0);
   CHECK(r.out == "[rank 1] " + std::to_string(held.port) + "\n");
+}
+
+TEST_CASE("launch: rank 0 takes only a socket listening on its MASTER_PORT", "[launch]") {
+  using nnstrain::dist::listening_on;
+  HeldPort held;
+  CHECK(listening_on(held.fd, held.port));
+  CHECK(!listening_on(held.fd, held.port == 65535 ? 1 : held.port + 1));
+  int unbound = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);  // a socket, not listening
+  REQUIRE(unbound >= 0);
+  CHECK(!listening_on(unbound, 0));
+  close(unbound);
+  int p[2];
+  REQUIRE(pipe(p) == 0);
+  CHECK(!listening_on(p[0], held.port));  // not a socket
+  close(p[0]);
+  close(p[1]);
+  CHECK(!listening_on(-1, held.port));
 }

@@ -59,6 +59,15 @@ std::pair<int, int> listen_on(int port) {
   return {-1, 0};
 }
 
+bool listening_on(int fd, int port) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  int listening = 0;
+  socklen_t llen = sizeof listening;
+  return getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0 &&
+         getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &llen) == 0 && listening && port_of(a) == port;
+}
+
 std::optional<int> take_rendezvous_socket(int port) {
   static std::atomic<bool> taken{false};
   const char* v = std::getenv(kRendezvousFdVar);
@@ -68,14 +77,7 @@ std::optional<int> take_rendezvous_socket(int port) {
   if (end == v || *end || fd < 0 || fd > 1 << 20) return std::nullopt;
   // Only a listening socket on this very port: a variable left over from
   // elsewhere must not hand the store some other descriptor.
-  sockaddr_storage a{};
-  socklen_t len = sizeof a;
-  int listening = 0;
-  socklen_t llen = sizeof listening;
-  if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&a), &len) != 0 ||
-      getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &llen) != 0 || !listening ||
-      port_of(a) != port)
-    return std::nullopt;
+  if (!listening_on(static_cast<int>(fd), port)) return std::nullopt;
   fcntl(static_cast<int>(fd), F_SETFD, FD_CLOEXEC);
   return static_cast<int>(fd);
 }

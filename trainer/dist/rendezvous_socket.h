@@ -19,6 +19,9 @@ constexpr int kRendezvousFd = 3;
 // (EADDRINUSE: someone listens on the port).
 std::pair<int, int> listen_on(int port);
 
+// Whether `fd` is a socket listening on `port`.
+bool listening_on(int fd, int port);
+
 // In rank 0: the socket the launcher passed (NNSTRAIN_RENDEZVOUS_FD), when it is
 // one listening on `port`; the first call only, since the store that takes it
 // over closes it. Made close-on-exec, so what rank 0 starts never inherits it.
