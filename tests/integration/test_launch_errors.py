@@ -19,8 +19,8 @@ import subprocess
 
 from test_collective_failure import CONFIG, SOURCE, base_env, survivor_of
 
-# A c10 log record's header, or a line of a C++ backtrace.
-TORCH_NOISE = re.compile(r"^\[[IWEF]\d{4} |frame #\d|Exception raised from|c10::", re.M)
+# A c10 log record's header (a worker's, under the launcher, after "[rank N] "), or a C++ backtrace.
+TORCH_NOISE = re.compile(r"^(\[rank \d+\] )?\[[IWEF]\d{4} |frame #\d|Exception raised from|c10::", re.M)
 
 
 def held_port():
