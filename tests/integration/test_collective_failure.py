@@ -193,15 +193,22 @@ def children(pid):
     return out
 
 
-def rank_of(pid):
+def env_var(pid, name):
+    """Variable `name` of process pid's environment (as it was at its exec), or None."""
     try:
         env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
+    prefix = name.encode() + b"="
     for kv in env:
-        if kv.startswith(b"RANK="):
-            return int(kv[5:])
+        if kv.startswith(prefix):
+            return kv[len(prefix):].decode()
     return None
+
+
+def rank_of(pid):
+    rank = env_var(pid, "RANK")
+    return None if rank is None else int(rank)
 
 
 def test_launcher_names_the_killed_worker(nnstrain_bin, tiny_tokens, tmp_path):

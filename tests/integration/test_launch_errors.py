@@ -3,6 +3,11 @@
 - A rendezvous port in use, named by the user: `nnstrain launch --master-port P`
   stops before starting any worker, and a rank 0 started by hand with MASTER_PORT=P
   exits 2; each in one line naming the port and the flag or variable, no backtrace.
+- The port the launcher picked cannot be taken by another process (a second
+  launch) once the workers know it: this test tries as soon as a worker's
+  MASTER_PORT is readable, and the run trains on. (With the old find, close and
+  let rank 0 re-bind scheme the test got the port every time, and rank 0 died
+  with EADDRINUSE and a backtrace.)
 - A port in use that the launcher picked is passed over: the test-only hook
   NNSTRAIN_TEST_LAUNCH_PORT makes the launcher's first pick a port this test
   holds, and two ranks still train.
@@ -12,12 +17,16 @@
   go to its log file (run_dir/logs/rank1.log) instead.
 Tiny GPT of configs/tiny_dp.yaml, two ranks on Gloo; seconds each.
 """
+import errno
 import re
 import signal
 import socket
 import subprocess
+import time
 
-from test_collective_failure import CONFIG, SOURCE, base_env, survivor_of
+import pytest
+
+from test_collective_failure import CONFIG, SOURCE, base_env, children, env_var, survivor_of
 
 # A c10 log record's header (a worker's, under the launcher, after "[rank N] "), or a C++ backtrace.
 TORCH_NOISE = re.compile(r"^(\[rank \d+\] )?\[[IWEF]\d{4} |frame #\d|Exception raised from|c10::", re.M)
@@ -82,6 +91,34 @@ def test_port_in_use_that_the_launcher_picked_is_passed_over(nnstrain_bin, tiny_
     assert p.stderr.startswith(f"nnstrain launch: port {port} is in use, taking another\n"), p.stderr
     assert not TORCH_NOISE.search(p.stderr), p.stderr
     assert re.search(r"step 2/2: loss", p.stdout + p.stderr), p.stdout + p.stderr
+
+
+def test_port_the_launcher_picked_cannot_be_taken_before_rank0_serves_it(nnstrain_bin, tiny_tokens, tmp_path):
+    """Another process (a second launch) binding the port as soon as the workers know it: it finds
+    the port taken, and the run goes on. (When the launcher closed the port it had found and rank 0
+    bound it again once LibTorch had loaded, such a process got the port and rank 0 died.)"""
+    log = open(tmp_path / "launch.log", "w+")
+    p = subprocess.Popen([nnstrain_bin, "launch", "--nproc-per-node", "2", "--",
+                          *short_run(tiny_tokens, tmp_path / "run")],
+                         cwd=SOURCE, env=base_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        port, deadline = None, time.monotonic() + 30
+        while port is None and p.poll() is None and time.monotonic() < deadline:
+            port = next((v for v in (env_var(c, "MASTER_PORT") for c in children(p.pid)) if v), None)
+        assert port is not None, "no worker with MASTER_PORT seen"
+        with socket.socket() as s:
+            with pytest.raises(OSError) as taken:
+                s.bind(("127.0.0.1", int(port)))
+                s.listen()
+            assert taken.value.errno == errno.EADDRINUSE, taken.value
+        rc = p.wait(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    out = (tmp_path / "launch.log").read_text()
+    assert rc == 0, out
+    assert re.search(r"step 2/2: loss", out), out
 
 
 def test_survivor_of_rank0_prints_our_line_not_torch_store_warnings(nnstrain_bin, tiny_tokens, tmp_path):
