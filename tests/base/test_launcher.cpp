@@ -394,22 +394,6 @@ TEST_CASE("launch: rank 0 gets the rendezvous port as a listening socket and the
   }
 }
 
-TEST_CASE("launch: a port the launcher picked that is in use is passed over", "[launch]") {
-  TempDir dir;
-  HeldPort held;
-  EnvVar out("OUT", dir / "rank");
-  EnvVar first("NNSTRAIN_TEST_LAUNCH_PORT", std::to_string(held.port));  // the launcher's first pick
-  Result r = launch(dir, {"--nproc-per-node", "2", "--", "-c", kRendezvousScript}, 5.0, "/bin/sh");
-  INFO(r.err);
-  REQUIRE(r.status == 0);
-  CHECK(r.err == "nnstrain launch: port " + std::to_string(held.port) + " is in use, taking another\n");
-  const std::string rank0 = lines_of(slurp(dir / "rank.0")).at(0), rank1 = lines_of(slurp(dir / "rank.1")).at(0);
-  CHECK(rank0.rfind("fd=3 port=", 0) == 0);
-  CHECK(rank0.find("port=" + std::to_string(held.port) + " ") == std::string::npos);
-  CHECK_THAT(rank0, Contains(" 0A"));
-  CHECK(rank1.rfind("fd= port=" + rank0.substr(10, rank0.find(' ', 10) - 10) + " ", 0) == 0);
-}
-
 TEST_CASE("launch: a --master-port in use stops the launch in one line before any worker starts", "[launch]") {
   TempDir dir;
   HeldPort held;

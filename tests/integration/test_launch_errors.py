@@ -8,9 +8,6 @@
   MASTER_PORT is readable, and the run trains on. (With the old find, close and
   let rank 0 re-bind scheme the test got the port every time, and rank 0 died
   with EADDRINUSE and a backtrace.)
-- A port in use that the launcher picked is passed over: the test-only hook
-  NNSTRAIN_TEST_LAUNCH_PORT makes the launcher's first pick a port this test
-  holds, and two ranks still train.
 - Rank 0 (the rendezvous store's host) killed mid-training: the survivor's output
   holds our one-line diagnosis and none of LibTorch's store warnings (c10 log
   records "[W1124 12:00:00.123 ... TCPStore.cpp:106] ..." with backtraces), which
@@ -76,21 +73,6 @@ def test_master_port_in_use_stops_rank0_in_one_line(nnstrain_bin, tiny_tokens, t
     assert errors == [f"nnstrain: launch environment error: rank 0: the rendezvous port {port} "
                       f"(MASTER_PORT={port}) is already in use on this machine (another job, or one that has not "
                       "ended, listens on it): set MASTER_PORT to a free port"], p.stderr
-
-
-def test_port_in_use_that_the_launcher_picked_is_passed_over(nnstrain_bin, tiny_tokens, tmp_path):
-    s, port = held_port()
-    env = base_env()
-    env["NNSTRAIN_TEST_LAUNCH_PORT"] = str(port)
-    with s:
-        p = subprocess.run([nnstrain_bin, "launch", "--nproc-per-node", "2", "--",
-                            *short_run(tiny_tokens, tmp_path / "run")],
-                           cwd=SOURCE, env=env, capture_output=True, text=True, timeout=240)
-    print(p.stderr[-2000:])
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stderr.startswith(f"nnstrain launch: port {port} is in use, taking another\n"), p.stderr
-    assert not TORCH_NOISE.search(p.stderr), p.stderr
-    assert re.search(r"step 2/2: loss", p.stdout + p.stderr), p.stdout + p.stderr
 
 
 def test_port_the_launcher_picked_cannot_be_taken_before_rank0_serves_it(nnstrain_bin, tiny_tokens, tmp_path):

@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <optional>
 #include <set>
 #include <stdexcept>
@@ -159,37 +158,24 @@ struct PortError : std::runtime_error {
 // The rendezvous port, held from the launcher's choice until rank 0's TCPStore
 // takes the socket over (TCPStoreOptions::masterListenFd), so that no other
 // process can bind it in between. (Finding a free port, closing it and letting
-// rank 0 bind it again, as torchrun does, lets two launches started together
-// pick the same port.) When the launcher picks the port it lets the kernel pick
-// (port 0); NNSTRAIN_TEST_LAUNCH_PORT, for tests only, makes its first try that
-// port instead, to show that a port in use is passed over.
+// rank 0 bind it again, as torchrun does, lets another process, such as a
+// second launch, take the port while rank 0 loads LibTorch.) Without
+// --master-port the kernel picks a free port (port 0).
 struct Reserved {
   int fd = -1;
   int port = 0;
 };
 
-Reserved reserve_port(const std::optional<int>& named, const std::function<void(const std::string&)>& say) {
-  if (named) {
-    auto [fd, port] = listen_on(*named);
-    if (fd < 0) {
-      const int err = errno;
-      if (err == EADDRINUSE)
-        throw PortError("--master-port " + std::to_string(*named) +
-                        " is already in use on this machine (another job, or one that has not ended, listens "
-                        "on it): choose another port, or leave --master-port out on one node");
-      throw PortError("--master-port " + std::to_string(*named) + " cannot be bound: " + std::strerror(err));
-    }
-    return {fd, port};
-  }
-  if (const char* test = std::getenv("NNSTRAIN_TEST_LAUNCH_PORT")) {
-    auto [fd, port] = listen_on(std::atoi(test));
-    if (fd >= 0) return {fd, port};
-    if (errno != EADDRINUSE) throw std::runtime_error(std::string("cannot listen on a port: ") + std::strerror(errno));
-    say("port " + std::string(test) + " is in use, taking another");
-  }
-  auto [fd, port] = listen_on(0);
-  if (fd < 0) throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(errno));
-  return {fd, port};
+Reserved reserve_port(const std::optional<int>& named) {
+  auto [fd, port] = listen_on(named.value_or(0));
+  if (fd >= 0) return {fd, port};
+  const int err = errno;
+  if (!named) throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(err));
+  if (err == EADDRINUSE)
+    throw PortError("--master-port " + std::to_string(*named) +
+                    " is already in use on this machine (another job, or one that has not ended, listens "
+                    "on it): choose another port, or leave --master-port out on one node");
+  throw PortError("--master-port " + std::to_string(*named) + " cannot be bound: " + std::strerror(err));
 }
 
 void write_all(int fd, const std::string& data) {
@@ -444,7 +430,7 @@ class Launch {
     // alone needs none, so then it is only checked.
     int port = c_.master_port.value_or(0);
     if (node_rank == 0) {
-      Reserved r = reserve_port(c_.master_port, [this](const std::string& m) { say(m); });
+      Reserved r = reserve_port(c_.master_port);
       port = r.port;
       if (c_.exec || world == 1)
         close(r.fd);
