@@ -50,7 +50,7 @@ std::streamsize CerrFilter::xsputn(const char* s, std::streamsize n) {
   if (t_quiet == 0 || !is_torch_record(s, n)) return out_->sputn(s, n);
   std::string record(s, static_cast<size_t>(n));
   while (!record.empty() && record.back() == '\n') record.pop_back();
-  logger()->debug("LibTorch, in a store call expected to fail: " + record);
+  logger()->debug("LibTorch, in a store call whose failure nnstrain reports: " + record);
   return n;
 }
 }  // namespace

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from test_collective_failure import CONFIG, SOURCE, base_env, children, env_var, survivor_of
+from test_collective_failure import CONFIG, SOURCE, base_env, children, env_var, free_port, survivor_of
 
 # A c10 log record's header (a worker's, under the launcher, after "[rank N] "), or a C++ backtrace.
 TORCH_NOISE = re.compile(r"^(\[rank \d+\] )?\[[IWEF]\d{4} |frame #\d|Exception raised from|c10::", re.M)
@@ -75,6 +75,24 @@ def test_master_port_in_use_stops_rank0_in_one_line(nnstrain_bin, tiny_tokens, t
                       "ended, listens on it): set MASTER_PORT to a free port"], p.stderr
 
 
+def test_rank_whose_rank0_never_comes_fails_in_one_line(nnstrain_bin, tiny_tokens, tmp_path):
+    """Rank 1 of 2 started alone: its rendezvous times out (twice collective_timeout_s: LibTorch
+    retries once), in our one line; LibTorch's retry warnings go to its log file."""
+    port = free_port()
+    env = base_env()
+    env.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    p = subprocess.run([nnstrain_bin, *short_run(tiny_tokens, tmp_path / "run"), "--compute_config.collective_timeout_s",
+                        "1"], cwd=SOURCE, env=env, capture_output=True, text=True, timeout=120)
+    print(p.stderr)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert not TORCH_NOISE.search(p.stderr), p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(f"nnstrain: rank 1: rendezvous with 127.0.0.1:{port} failed: "), p.stderr
+    log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    assert re.search(r"\[debug\] LibTorch, in a store call whose failure nnstrain reports: \[[WE]\d{4} .*\[c10d\]",
+                     log), log
+
+
 def test_port_the_launcher_picked_cannot_be_taken_before_rank0_serves_it(nnstrain_bin, tiny_tokens, tmp_path):
     """Another process (a second launch) binding the port as soon as the workers know it: it finds
     the port taken, and the run goes on. (When the launcher closed the port it had found and rank 0
@@ -112,4 +130,5 @@ def test_survivor_of_rank0_prints_our_line_not_torch_store_warnings(nnstrain_bin
     assert not TORCH_NOISE.search(out), out
     # Not lost: LibTorch's records of the failed store calls are in rank 1's log file.
     log = (run_dir / "logs" / "rank1.log").read_text()
-    assert re.search(r"\[debug\] LibTorch, in a store call expected to fail: \[[WE]\d{4} .*\[c10d\]", log), log
+    assert re.search(r"\[debug\] LibTorch, in a store call whose failure nnstrain reports: \[[WE]\d{4} .*\[c10d\]",
+                     log), log

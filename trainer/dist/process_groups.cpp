@@ -73,6 +73,7 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const DistEnv& env, bool server
 }  // namespace
 
 c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+  log::QuietTorchLog quiet;  // LibTorch's retry warnings say no more than rendezvous_failed's line
   try {
     return connect_store(env, env.rank == 0, timeout);
   } catch (const c10::Error& e) {
