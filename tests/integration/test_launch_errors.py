@@ -82,12 +82,13 @@ def test_rank_whose_rank0_never_comes_fails_in_one_line(nnstrain_bin, tiny_token
     env = base_env()
     env.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port))
-    p = subprocess.run([nnstrain_bin, *short_run(tiny_tokens, tmp_path / "run"), "--compute_config.collective_timeout_s",
-                        "1"], cwd=SOURCE, env=env, capture_output=True, text=True, timeout=120)
+    args = [*short_run(tiny_tokens, tmp_path / "run"), "--compute_config.collective_timeout_s", "1"]
+    p = subprocess.run([nnstrain_bin, *args], cwd=SOURCE, env=env, capture_output=True, text=True, timeout=120)
     print(p.stderr)
     assert p.returncode == 1, p.stdout + p.stderr
     assert not TORCH_NOISE.search(p.stderr), p.stderr
-    assert p.stderr.strip().splitlines()[-1].startswith(f"nnstrain: rank 1: rendezvous with 127.0.0.1:{port} failed: "), p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"nnstrain: rank 1: rendezvous with 127.0.0.1:{port} failed: "), p.stderr
     log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
     assert re.search(r"\[debug\] LibTorch, in a store call whose failure nnstrain reports: \[[WE]\d{4} .*\[c10d\]",
                      log), log
