@@ -366,7 +366,7 @@ struct HeldPort {
   ~HeldPort() { close(fd); }
 };
 
-// Rank R's line of `rendezvous_script`: "fd=<NNSTRAIN_RENDEZVOUS_FD> port=<MASTER_PORT> listen=<the
+// What kRendezvousScript writes to $OUT.$RANK: "fd=<NNSTRAIN_RENDEZVOUS_FD> port=<MASTER_PORT> listen=<the
 // /proc/net/tcp* line of the socket on the worker's fd 3, if fd 3 is a socket>".
 const char* kRendezvousScript =
     "ino=$(readlink /proc/$$/fd/3 2>/dev/null | sed -n 's/^socket:\\[\\([0-9]*\\)\\]$/\\1/p'); "
