@@ -5,9 +5,11 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,10 +17,12 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/launcher.h"
+#include "trainer/dist/rendezvous_socket.h"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -348,4 +352,94 @@ TEST_CASE("launch: bad flags are a clear error with status 2", "[launch]") {
   Result help = launch(dir, {"--help"});
   CHECK(help.status == 0);
   CHECK_THAT(help.out, Contains("usage: nnstrain launch --nproc-per-node N"));
+}
+
+namespace {
+
+// A port this test listens on, as another job would; closed at the end of the scope.
+struct HeldPort {
+  int fd = -1, port = 0;
+  HeldPort() {
+    std::tie(fd, port) = nnstrain::dist::listen_on(0);
+    REQUIRE(fd >= 0);
+  }
+  ~HeldPort() { close(fd); }
+};
+
+// What kRendezvousScript writes to $OUT.$RANK: "fd=<NNSTRAIN_RENDEZVOUS_FD> port=<MASTER_PORT> listen=<the
+// /proc/net/tcp* line of the socket on the worker's fd 3, if fd 3 is a socket>".
+const char* kRendezvousScript =
+    "ino=$(readlink /proc/$$/fd/3 2>/dev/null | sed -n 's/^socket:\\[\\([0-9]*\\)\\]$/\\1/p'); "
+    "line=; [ -n \"$ino\" ] && line=$(awk -v i=$ino '$10 == i { print $2, $4 }' /proc/net/tcp /proc/net/tcp6); "
+    "echo \"fd=$NNSTRAIN_RENDEZVOUS_FD port=$MASTER_PORT listen=$line\" > \"$OUT.$RANK\"";
+
+}  // namespace
+
+TEST_CASE("launch: rank 0 gets the rendezvous port as a listening socket and the others get nothing", "[launch]") {
+  TempDir dir;
+  EnvVar out("OUT", dir / "rank");
+  // Without --exec the workers run "this binary", here /bin/sh.
+  Result r = launch(dir, {"--nproc-per-node", "3", "--", "-c", kRendezvousScript}, 5.0, "/bin/sh");
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  const std::string rank0 = lines_of(slurp(dir / "rank.0")).at(0);
+  // "fd=3 port=P listen=<addr>:<P in hex> 0A" (0A: TCP_LISTEN).
+  const auto port = rank0.substr(rank0.find("port=") + 5, rank0.find(" listen=") - rank0.find("port=") - 5);
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "%04X", std::stoi(port));
+  CHECK(rank0.rfind("fd=3 port=", 0) == 0);
+  CHECK_THAT(rank0, Contains(std::string(":") + hex + " 0A"));
+  for (int rank : {1, 2}) {
+    CHECK(lines_of(slurp(dir / ("rank." + std::to_string(rank)))).at(0) == "fd= port=" + port + " listen=");
+  }
+}
+
+TEST_CASE("launch: a --master-port in use stops the launch in one line before any worker starts", "[launch]") {
+  TempDir dir;
+  HeldPort held;
+  const std::string p = std::to_string(held.port);
+  for (bool exec : {false, true}) {
+    DYNAMIC_SECTION((exec ? "--exec" : "nnstrain workers")) {
+      std::vector<std::string> args = {"--nproc-per-node", "2", "--master-port", p};
+      const std::string touch = "touch '" + (dir / "started") + "'";
+      if (exec)
+        args.insert(args.end(), {"--exec", "--", "/bin/sh", "-c", touch});
+      else
+        args.insert(args.end(), {"--", "-c", touch});  // without --exec the workers run this binary: /bin/sh
+      Result r = launch(dir, args, 5.0, "/bin/sh");
+      CHECK(r.status == 2);
+      CHECK(r.err == "nnstrain launch: --master-port " + p +
+                         " is already in use on this machine (another job, or one that has not ended, listens on "
+                         "it): choose another port, or leave --master-port out on one node\n");
+      CHECK(r.out.empty());
+      CHECK(!fs::exists(dir / "started"));
+    }
+  }
+}
+
+TEST_CASE("launch: only the node that runs rank 0 binds --master-port", "[launch]") {
+  TempDir dir;
+  HeldPort held;  // as rank 0's store on another node would, were it this machine
+  Result r = launch(dir, sh_workers(1, "echo $MASTER_PORT", {"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                                             "127.0.0.1", "--master-port", std::to_string(held.port)}));
+  INFO(r.err);
+  CHECK(r.status == 0);
+  CHECK(r.out == "[rank 1] " + std::to_string(held.port) + "\n");
+}
+
+TEST_CASE("launch: rank 0 takes only a socket listening on its MASTER_PORT", "[launch]") {
+  using nnstrain::dist::listening_on;
+  HeldPort held;
+  CHECK(listening_on(held.fd, held.port));
+  CHECK(!listening_on(held.fd, held.port == 65535 ? 1 : held.port + 1));
+  int unbound = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);  // a socket, not listening
+  REQUIRE(unbound >= 0);
+  CHECK(!listening_on(unbound, 0));
+  close(unbound);
+  int p[2];
+  REQUIRE(pipe(p) == 0);
+  CHECK(!listening_on(p[0], held.port));  // not a socket
+  close(p[0]);
+  close(p[1]);
+  CHECK(!listening_on(-1, held.port));
 }

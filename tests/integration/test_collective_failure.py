@@ -6,7 +6,8 @@ the launcher: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT set here. Once rank 0 has logged a few steps:
 - rank 1 SIGKILLed: rank 0 exits non-zero within the timeout plus a margin, naming
   the collective and rank 1 as not answering;
-- rank 0 SIGKILLed: rank 1 exits non-zero saying rank 0 (the store) is gone;
+- rank 0 SIGKILLed: rank 1 exits non-zero saying rank 0 (the store) is gone
+  (test_launch_errors.py, which also checks that no LibTorch store warning comes with it);
 - rank 1 SIGSTOPped: rank 0 exits non-zero within the timeout plus a margin,
   naming rank 1;
 - under `nnstrain launch`, a worker SIGKILLed: the launcher exits non-zero naming it.
@@ -94,8 +95,8 @@ def exit_within(p, seconds):
 def killed_in_ring(job, dead=1):
     """Rank `dead` killed itself entering a ring step (NNSTRAIN_TEST_KILL_IN_RING); every other rank
     exits non-zero within the collective timeout plus a margin, its last line the one-line diagnosis
-    naming a collective (LibTorch's own store warnings, with their backtraces, may come before it once
-    rank 0, the store's host, is gone). Returns the others' outputs by rank."""
+    naming a collective (LibTorch's store warnings once rank 0, the store's host, is gone go to the
+    rank's log file: test_launch_errors.py). Returns the others' outputs by rank."""
     rc, _ = exit_within(job.procs[dead], START_S)
     assert rc == -9, f"rank {dead} was to kill itself in a ring step, exited {rc}:\n{read(job.procs[dead])}"
     outs = {}
@@ -138,45 +139,34 @@ class Ranks:
             p.log.close()
 
 
+def survivor_of(binary, tokens, tmp_path, victim, sig):
+    """Two ranks; once they train, `sig` to rank `victim`: (exit status, seconds to exit, output,
+    run dir) of the other rank."""
+    with Ranks(binary, tokens, tmp_path) as job:
+        wait_for_steps(job.run_dir, job.procs)
+        job.procs[victim].send_signal(sig)
+        survivor = job.procs[1 - victim]
+        rc, took = exit_within(survivor, TIMEOUT_S + MARGIN_S)
+        out = read(survivor)
+    print(f"\nrank {1 - victim} exited {rc} {took:.1f} s after {sig.name} to rank {victim}:\n"
+          + "\n".join(out.splitlines()[-4:]))
+    return rc, took, out, job.run_dir
+
+
 def test_killed_rank_is_named_by_the_survivor(nnstrain_bin, tiny_tokens, tmp_path):
-    with Ranks(nnstrain_bin, tiny_tokens, tmp_path) as job:
-        r0, r1 = job.procs
-        wait_for_steps(job.run_dir, job.procs)
-        r1.send_signal(signal.SIGKILL)
-        rc, took = exit_within(r0, TIMEOUT_S + MARGIN_S)
-        out = read(r0)
-        print(f"\nrank 0 exited {rc} {took:.1f} s after rank 1 was killed:\n{out.splitlines()[-1]}")
-        assert rc != 0, out
-        assert re.search(r"rank 0: collective '[^']+' .* failed", out), out
-        assert re.search(r"ranks not answering \(process gone or frozen\): 1\b", out), out
-
-
-def test_killed_rank0_is_named_by_the_survivor(nnstrain_bin, tiny_tokens, tmp_path):
-    with Ranks(nnstrain_bin, tiny_tokens, tmp_path) as job:
-        r0, r1 = job.procs
-        wait_for_steps(job.run_dir, job.procs)
-        r0.send_signal(signal.SIGKILL)
-        rc, took = exit_within(r1, TIMEOUT_S + MARGIN_S)
-        out = read(r1)
-        print(f"\nrank 1 exited {rc} {took:.1f} s after rank 0 was killed:\n{out.splitlines()[-1]}")
-        assert rc != 0, out
-        assert re.search(r"rank 1: collective '[^']+' .* failed", out), out
-        assert "the rendezvous store on rank 0 is unreachable: rank 0 is gone" in out, out
+    rc, _, out, _ = survivor_of(nnstrain_bin, tiny_tokens, tmp_path, 1, signal.SIGKILL)
+    assert rc != 0, out
+    assert re.search(r"rank 0: collective '[^']+' .* failed", out), out
+    assert re.search(r"ranks not answering \(process gone or frozen\): 1\b", out), out
 
 
 def test_frozen_rank_is_named_within_the_timeout(nnstrain_bin, tiny_tokens, tmp_path):
-    with Ranks(nnstrain_bin, tiny_tokens, tmp_path) as job:
-        r0, r1 = job.procs
-        wait_for_steps(job.run_dir, job.procs)
-        r1.send_signal(signal.SIGSTOP)
-        rc, took = exit_within(r0, TIMEOUT_S + MARGIN_S)
-        out = read(r0)
-        print(f"\nrank 0 exited {rc} {took:.1f} s after rank 1 was stopped:\n" + "\n".join(out.splitlines()[-4:]))
-        assert rc != 0, out
-        assert re.search(r"rank 0: collective '[^']+' .* failed", out), out
-        assert re.search(r"ranks not answering \(process gone or frozen\): 1\b", out), out
-        # It waited for the timeout rather than failing at once (rank 1 was alive, just silent).
-        assert took >= TIMEOUT_S - 1, f"rank 0 gave up after {took:.1f} s, before the {TIMEOUT_S} s timeout"
+    rc, took, out, _ = survivor_of(nnstrain_bin, tiny_tokens, tmp_path, 1, signal.SIGSTOP)
+    assert rc != 0, out
+    assert re.search(r"rank 0: collective '[^']+' .* failed", out), out
+    assert re.search(r"ranks not answering \(process gone or frozen\): 1\b", out), out
+    # It waited for the timeout rather than failing at once (rank 1 was alive, just silent).
+    assert took >= TIMEOUT_S - 1, f"rank 0 gave up after {took:.1f} s, before the {TIMEOUT_S} s timeout"
 
 
 def test_rank_with_other_device_memory_is_named_before_training(nnstrain_bin, tiny_tokens, tmp_path):
@@ -203,15 +193,22 @@ def children(pid):
     return out
 
 
-def rank_of(pid):
+def env_var(pid, name):
+    """Variable `name` of process pid's environment (as it was at its exec), or None."""
     try:
         env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
+    prefix = name.encode() + b"="
     for kv in env:
-        if kv.startswith(b"RANK="):
-            return int(kv[5:])
+        if kv.startswith(prefix):
+            return kv[len(prefix):].decode()
     return None
+
+
+def rank_of(pid):
+    rank = env_var(pid, "RANK")
+    return None if rank is None else int(rank)
 
 
 def test_launcher_names_the_killed_worker(nnstrain_bin, tiny_tokens, tmp_path):

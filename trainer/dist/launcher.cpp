@@ -1,10 +1,8 @@
 #include "trainer/dist/launcher.h"
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +20,8 @@
 #include <optional>
 #include <set>
 #include <stdexcept>
+
+#include "trainer/dist/rendezvous_socket.h"
 
 extern char** environ;
 
@@ -44,7 +44,9 @@ later. SIGINT, SIGTERM and SIGHUP are passed on to the workers.
   --nnodes M           nodes in the job (default 1): run one launcher per node
   --node-rank R        this node's index, 0..M-1 (needed when M > 1)
   --master-addr HOST   host of rank 0 (default 127.0.0.1; needed when M > 1)
-  --master-port PORT   rank 0's rendezvous port (default: a free one; needed when M > 1)
+  --master-port PORT   rank 0's rendezvous port (default: a free one; needed when M > 1).
+                       On node 0 the launcher holds it until rank 0 serves it;
+                       one in use is an error (status 2)
   --exec               ARGS[0] is any program, not an nnstrain subcommand
                        (torchrun's --no-python; also accepted)
 )";
@@ -147,24 +149,33 @@ Config parse(const std::vector<std::string>& args) {
   return c;
 }
 
-// A port nobody listens on now. Racy, as torchrun's is: another process may take
-// it before rank 0 binds it.
-int free_port() {
-  int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    int err = errno;
-    close(s);
-    throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(err));
-  }
-  close(s);
-  return ntohs(a.sin_port);
+// A port that is in use on this machine, or cannot be bound: the launch stops
+// with this one line and status 2 before any worker starts.
+struct PortError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The rendezvous port, held from the launcher's choice until rank 0's TCPStore
+// takes the socket over (TCPStoreOptions::masterListenFd), so that no other
+// process can bind it in between. (Finding a free port, closing it and letting
+// rank 0 bind it again, as torchrun does, lets another process, such as a
+// second launch, take the port while rank 0 loads LibTorch.) Without
+// --master-port the kernel picks a free port (port 0).
+struct Reserved {
+  int fd = -1;
+  int port = 0;
+};
+
+Reserved reserve_port(const std::optional<int>& named) {
+  auto [fd, port] = listen_on(named.value_or(0));
+  if (fd >= 0) return {fd, port};
+  const int err = errno;
+  if (!named) throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(err));
+  if (err == EADDRINUSE)
+    throw PortError("--master-port " + std::to_string(*named) +
+                    " is already in use on this machine (another job, or one that has not ended, listens "
+                    "on it): choose another port, or leave --master-port out on one node");
+  throw PortError("--master-port " + std::to_string(*named) + " cannot be bound: " + std::strerror(err));
 }
 
 void write_all(int fd, const std::string& data) {
@@ -366,7 +377,7 @@ struct Spawn {
 };
 
 [[noreturn]] void exec_child(const Spawn& sp, const SignalScope& signals, const sigset_t& mask, pid_t parent,
-                             int in_fd, int out_fd, int err_fd) {
+                             int in_fd, int out_fd, int err_fd, int listen_fd) {
   setpgid(0, 0);  // its own group: a signal to -pid reaches whatever the worker starts
 #ifdef __linux__
   prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher dying (even by SIGKILL) stops the worker
@@ -378,6 +389,7 @@ struct Spawn {
   keep_across_exec(in_fd, 0);
   keep_across_exec(out_fd, 1);
   keep_across_exec(err_fd, 2);
+  if (listen_fd >= 0) keep_across_exec(listen_fd, kRendezvousFd);
   sigprocmask(SIG_SETMASK, &mask, nullptr);
   if (sp.search_path)
     execvpe(sp.argv[0], sp.argv.data(), sp.envp.data());
@@ -403,6 +415,7 @@ class Launch {
         if (s->fd >= 0) close(s->fd);
     end_groups();  // a no-op unless an error cut the run short
     if (devnull_ >= 0) close(devnull_);
+    if (listen_fd_ >= 0) close(listen_fd_);
 #ifdef __linux__
     if (!was_subreaper_) prctl(PR_SET_CHILD_SUBREAPER, 0);
 #endif
@@ -412,11 +425,22 @@ class Launch {
     const int node_rank = c_.node_rank.value_or(0);
     const int world = c_.nproc * c_.nnodes;
     const std::string addr = c_.master_addr.value_or("127.0.0.1");
-    const int port = c_.master_port ? *c_.master_port : free_port();
+    // Rank 0 runs here when this is node 0. An nnstrain rank 0 of several gets
+    // the port's socket; an --exec program binds the port itself, and one rank
+    // alone needs none, so then it is only checked.
+    int port = c_.master_port.value_or(0);
+    if (node_rank == 0) {
+      Reserved r = reserve_port(c_.master_port);
+      port = r.port;
+      if (c_.exec || world == 1)
+        close(r.fd);
+      else
+        listen_fd_ = r.fd;
+    }
 
     static const std::set<std::string> ours = {"RANK",           "WORLD_SIZE",       "LOCAL_RANK",
                                                "LOCAL_WORLD_SIZE", "GROUP_RANK",       "GROUP_WORLD_SIZE",
-                                               "MASTER_ADDR",    "MASTER_PORT"};
+                                               "MASTER_ADDR",    "MASTER_PORT",      kRendezvousFdVar};
     std::vector<std::string> base;
     for (char** e = environ; *e; ++e) {
       std::string kv = *e;
@@ -452,13 +476,19 @@ class Launch {
       env.push_back("GROUP_WORLD_SIZE=" + std::to_string(c_.nnodes));
       env.push_back("MASTER_ADDR=" + addr);
       env.push_back("MASTER_PORT=" + std::to_string(port));
-      spawn(w, argv, env, signals);
+      const bool takes_socket = w.rank == 0 && listen_fd_ >= 0;
+      if (takes_socket) env.push_back(std::string(kRendezvousFdVar) + "=" + std::to_string(kRendezvousFd));
+      spawn(w, argv, env, signals, takes_socket ? listen_fd_ : -1);
     }
+    // Rank 0 holds the socket now (or has failed, and with it the launch).
+    if (listen_fd_ >= 0) close(listen_fd_);
+    listen_fd_ = -1;
     return supervise(signals);
   }
 
  private:
-  void spawn(Worker& w, std::vector<std::string>& argv, std::vector<std::string>& env, const SignalScope& signals) {
+  void spawn(Worker& w, std::vector<std::string>& argv, std::vector<std::string>& env, const SignalScope& signals,
+             int listen_fd) {
     Spawn sp;
     for (auto& a : argv) sp.argv.push_back(a.data());
     sp.argv.push_back(nullptr);
@@ -481,7 +511,7 @@ class Launch {
     sigprocmask(SIG_BLOCK, &all, &old);
     const pid_t parent = getpid();
     const pid_t pid = fork();
-    if (pid == 0) exec_child(sp, signals, old, parent, devnull_, out[1], err[1]);
+    if (pid == 0) exec_child(sp, signals, old, parent, devnull_, out[1], err[1], listen_fd);
     const int fork_errno = errno;
     sigprocmask(SIG_SETMASK, &old, nullptr);
     close(out[1]);
@@ -639,6 +669,7 @@ class Launch {
   const std::string& self_exe_;
   const LaunchOptions& o_;
   int devnull_ = -1;
+  int listen_fd_ = -1;  // the reserved rendezvous port, until rank 0 has it
   std::vector<Worker> workers_;
   Worker* first_failure_ = nullptr;
   std::optional<Clock::time_point> kill_at_;
@@ -665,6 +696,9 @@ int launch_main(const std::vector<std::string>& args, const std::string& self_ex
   try {
     Launch launch(config, self_exe, options);
     return launch.run();
+  } catch (const PortError& e) {
+    write_all(options.err_fd, std::string("nnstrain launch: ") + e.what() + "\n");
+    return 2;
   } catch (const std::exception& e) {
     write_all(options.err_fd, std::string("nnstrain launch: ") + e.what() + "\n");
     return 1;

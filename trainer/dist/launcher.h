@@ -8,6 +8,9 @@
 // OMP_NUM_THREADS=1 unless set), runs `self_exe ARGS...` in each (with --exec:
 // ARGS[0] is any program), echoes every line they print as "[rank N] line",
 // forwards SIGINT/SIGTERM/SIGHUP to them, and stops them all when one fails.
+// On the node of rank 0 it listens on the rendezvous port before any worker
+// starts and hands the socket to rank 0 (rendezvous_socket.h), so that two
+// launches never race for one port; a --master-port in use is a one-line error.
 #pragma once
 
 #include <string>

@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "base/log.h"
+#include "trainer/dist/rendezvous_socket.h"
 
 namespace nnstrain::dist {
 
@@ -48,17 +49,37 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const DistEnv& env, bool server
   o.numWorkers = server ? std::optional<size_t>(env.world_size) : std::nullopt;
   o.waitWorkers = false;
   o.timeout = timeout;
+  if (server) o.masterListenFd = take_rendezvous_socket(env.master_port);  // `nnstrain launch` reserved the port
   return c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+}
+
+// A rendezvous failure in one line: a port in use names the port and where it
+// came from (a user's choice, so status 2); anything else without LibTorch's backtrace.
+[[noreturn]] void rendezvous_failed(const DistEnv& env, const std::string& cause) {
+  const std::string where = env.master_addr + ":" + std::to_string(env.master_port);
+  if (env.rank == 0 && (cause.find("EADDRINUSE") != std::string::npos ||
+                        cause.find("ddress already in use") != std::string::npos)) {
+    const std::string port = std::to_string(env.master_port);
+    throw DistEnvError("rank 0: the rendezvous port " + port +
+                       (std::getenv("MASTER_PORT") ? " (MASTER_PORT=" + port + ")"
+                                                   : " (no MASTER_PORT set: derived from the job id, or torchrun's "
+                                                     "default)") +
+                       " is already in use on this machine (another job, or one that has not ended, listens on "
+                       "it): set MASTER_PORT to a free port");
+  }
+  throw CollectiveError("rank " + std::to_string(env.rank) + ": rendezvous with " + where + " failed: " + cause);
 }
 
 }  // namespace
 
 c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::milliseconds timeout) {
+  log::QuietTorchLog quiet;  // LibTorch's retry warnings say no more than rendezvous_failed's line
   try {
     return connect_store(env, env.rank == 0, timeout);
+  } catch (const c10::Error& e) {
+    rendezvous_failed(env, e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw CollectiveError("rank " + std::to_string(env.rank) + ": rendezvous with " + env.master_addr + ":" +
-                          std::to_string(env.master_port) + " failed: " + e.what());
+    rendezvous_failed(env, e.what());
   }
 }
 
@@ -239,6 +260,9 @@ Group Runtime::make_group(const std::string& name, std::vector<int> ranks, bool 
 }
 
 void Runtime::heartbeat_loop() {
+  // Its store calls fail once rank 0 is gone, which the collectives then report
+  // in one line: LibTorch's warnings about it go to the log file only.
+  log::QuietTorchLog quiet;
   // Its own connection, so a slow collective never delays the heartbeat.
   std::optional<DistEnv> env;
   c10::intrusive_ptr<c10d::Store> hb;
@@ -275,6 +299,7 @@ std::string Runtime::diagnose(const Group& g, const char* what, const std::strin
   // Which ranks stopped answering: those whose heartbeat no longer moves, or
   // that never reached this collective.
   try {
+    log::QuietTorchLog quiet;  // the store may be gone: that is the finding, not LibTorch's warnings about it
     auto* tcp = dynamic_cast<c10d::TCPStore*>(store_.get());
     if (!tcp) throw std::runtime_error("no rendezvous server (one process)");
     DistEnv e;
