@@ -10,8 +10,8 @@ rotary): cp2, cp4, cp2 x tp2 with sequence parallelism, cp2 x ZeRO-3 dp2 within
 1e-5); bf16-mixed cp2 within the precision tests' bf16 tolerance; cp2 composed
 with recompute and the fused loss, the chunked loss, HSDP (ZeRO-3, cp2 x dp4 in
 2 groups), 16-mixed and bf16-true, each against one process with the same
-setting (16-true is left out: its dynamic scaler skips different steps on one
-process and at cp2, so the runs part ways). Checkpoints hold no cp state: saved at cp2 (GPT) or cp4
+setting (16-true, its loss scaler skipping the same steps as one process:
+test_fp16_replicas.py). Checkpoints hold no cp state: saved at cp2 (GPT) or cp4
 (Llama) and resumed at cp1, and the reverse, each continuing the uninterrupted
 one-process run. A rank killed inside a ring step ends every other rank within
 the collective timeout, naming the collective.

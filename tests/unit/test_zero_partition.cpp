@@ -147,7 +147,7 @@ RankResult run_rank(int rank, int world, int zero_ngroups, int port) {
       reducer.begin_micro_step(true);
       auto loss = torch::zeros({});
       for (size_t k = 0; k < kShapes.size(); ++k) loss = loss + (state.params()[k].tensor * rank_input(rank, s, k)).sum();
-      loss.backward();  // hooks launch the buckets' reduce-scatters
+      (loss / world).backward();  // each rank's share of the mean (the reducer sums); hooks launch the reduce-scatters
       torch::NoGradGuard no_grad;
       reducer.finish_gradients();
       opt.step(kLr);

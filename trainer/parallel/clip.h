@@ -12,7 +12,7 @@ namespace nnstrain::parallel {
 
 class TrainingState;
 
-// L2 norm of the whole model's (averaged) gradients, identical on every rank:
+// L2 norm of the whole model's (reduced) gradients, identical on every rank:
 // ZeRO chunks are summed over the ZeRO group, tensor-parallel pieces over the
 // TP group, stages over the pipeline group, and a piece every TP rank (or both
 // ends of a pipeline, a tied embedding) replicates counts once. rt may be null.

@@ -119,7 +119,7 @@ void GradientReducer::complete(size_t i) {
 
 void GradientReducer::send_offloaded(size_t b) {
   if (b >= state_.host_buckets()) return;
-  state_.gradient_final(b, dp_ > 1 ? 1.0 / dp_ : 1.0);
+  state_.gradient_final(b);
   if (in_backward_) ++offloaded_in_backward_;
 }
 
@@ -161,7 +161,6 @@ void GradientReducer::finish_gradients() {
     sent_bytes_ += state_.shard_grad().numel() * state_.shard_grad().element_size();
     rt_->all_reduce(rt_->zero_cross, state_.shard_grad(), "gradient all-reduce across ZeRO groups");
   }
-  if (dp_ > 1) state_.device_reduced_grads().mul_(1.0 / dp_);
   hand_over_offloaded();
 }
 
@@ -180,7 +179,7 @@ void GradientReducer::poll_offloaded() {
 }
 
 void GradientReducer::hand_over_offloaded() {
-  // Offloaded buckets not yet on their way leave now; their 1/dp is applied on the host.
+  // Offloaded buckets not yet on their way leave now.
   for (size_t b = 0; b < state_.host_buckets(); ++b)
     if (!state_.gradient_sent(b)) send_offloaded(b);
   if (state_.host_buckets() > 0) state_.wait_host_grads();

@@ -2,6 +2,9 @@
 // (Runtime::dp_cp; the data-parallel group at cp 1), for a TrainingState. Each
 // bucket's reduction is launched from an autograd hook the moment its last
 // gradient is accumulated, so communication overlaps the rest of backward.
+// The reduction is a sum, not an average: each rank's loss is already weighted
+// by its share of the step's targets over dp x cp (trainer.cpp), so no rank's
+// 16-bit gradient is scaled up by the replica count before it (docs/precision.md).
 //
 // By ZeRO stage (training_state.h):
 //   0  each bucket all-reduced in place;
@@ -21,13 +24,12 @@
 // (TrainingState::gradient_final): stages 2 and 3 as its reduce-scatter
 // completes, stages 0 and 1 when a later bucket's launch finds its reduction
 // done; what is left, and everything under HSDP (whose cross-group all-reduce
-// comes after backward), in finish_gradients. The 1/dp average of an
-// offloaded bucket is applied on the host.
+// comes after backward), in finish_gradients.
 //
 // Gradient accumulation: stages 0 and 1 accumulate whole gradients locally and
 // communicate only on the final micro-step; stages 2 and 3 keep no whole
 // gradient between micro-steps, so they reduce-scatter on every micro-step
-// (the cross-group all-reduce and the 1/dp scaling still happen once).
+// (the cross-group all-reduce still happens once).
 //
 // Pipeline parallelism, stages 2 and 3 (follow_schedule): the executor's
 // actions say when, not begin_micro_step. Each backward of one stage for one
@@ -65,8 +67,8 @@ class GradientReducer {
 
   // Before each micro-step's forward: whether it is the last of the step.
   void begin_micro_step(bool last);
-  // After the last backward: waits for every bucket; the reduced gradients are
-  // then averaged over dp x cp (ZeRO: this rank's chunk of them).
+  // After the last backward: waits for every bucket; the gradients are then
+  // summed over dp x cp (ZeRO: this rank's chunk of them).
   void finish_gradients();
   // After the optimizer step (or a checkpoint load), stages 1 and 2: every
   // rank's updated chunks all-gathered into the parameters.

@@ -165,8 +165,7 @@ struct PipelineExecutor::Impl {
   std::vector<models::common::WeightGradStore> weight_grads;
   const std::vector<data::Batch>* batches = nullptr;
   at::Tensor loss_sum, loss_scale;
-  at::Tensor weights;   // [M]: each micro-batch's share of the step's counted targets (over dp)
-  double replicas = 1;  // the ranks the reducer averages gradients over
+  at::Tensor weights;   // [M]: each micro-batch's share of the step's counted targets (over dp x cp)
   bool poison = false;
   // Synthetic costs (NNSTRAIN_PIPELINE_SYNTHETIC_MS=F,I,W, milliseconds per
   // layer): every F, I and W waits its time instead of computing, and the
@@ -345,7 +344,6 @@ struct PipelineExecutor::Impl {
       auto loss = torch::where(w.gt(0), mean, torch::zeros_like(mean)) * w.to(mean.scalar_type());
       if (poison) loss = loss * std::numeric_limits<double>::infinity();
       loss_sum += loss.detach().to(torch::kFloat32);
-      loss = loss * replicas;
       output[at(s, j)] = loss_scale.defined() ? loss * loss_scale : loss;
       return;
     }
@@ -475,14 +473,13 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
 PipelineExecutor::~PipelineExecutor() = default;
 
 at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
-                                        double replicas, const at::Tensor& loss_scale, bool poison,
+                                        const at::Tensor& loss_scale, bool poison,
                                         const std::function<void(bool backward)>& phase) {
   auto& I = *impl_;
   TORCH_CHECK(static_cast<int>(micro_batches.size()) == I.M, "pipeline: ", micro_batches.size(),
               " micro-batches for a schedule of ", I.M);
   I.batches = &micro_batches;
   I.weights = weights;
-  I.replicas = replicas;
   I.loss_scale = loss_scale;
   I.poison = poison;
   I.loss_sum = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));

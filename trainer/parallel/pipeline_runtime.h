@@ -89,14 +89,13 @@ class PipelineExecutor {
   // Forward and backward of one step's nmicros micro-batches, as the schedule
   // orders them. The loss is token-weighted as the trainer's own loop weighs
   // it: micro-batch j's mean times `weights[j]` (its share of the step's
-  // counted targets over dp), backward starting from that times `replicas`
-  // (the ranks the reducer averages over). `loss_scale` (undefined: none)
-  // multiplies what backward starts from (the fp16 loss scaler), `poison`
-  // makes the loss non-finite (test switch). `phase(backward)` is told when the
-  // work turns from forward to backward and back. Returns this rank's share of
-  // the step's loss on the rank holding the last stage, 0 elsewhere. Then the
-  // tied gradients are summed.
-  at::Tensor train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights, double replicas,
+  // counted targets over dp x cp; the reducer sums over those ranks).
+  // `loss_scale` (undefined: none) multiplies what backward starts from (the
+  // fp16 loss scaler), `poison` makes the loss non-finite (test switch).
+  // `phase(backward)` is told when the work turns from forward to backward and
+  // back. Returns this rank's share of the step's loss on the rank holding the
+  // last stage, 0 elsewhere. Then the tied gradients are summed.
+  at::Tensor train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
                         const at::Tensor& loss_scale, bool poison, const std::function<void(bool backward)>& phase = {});
   // Forward only, stage after stage (evaluation): the batch's loss on the
   // rank holding the last stage, 0 elsewhere.

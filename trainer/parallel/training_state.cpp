@@ -154,7 +154,6 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
     host_stage_ = host_zeros(host_size_, opts_.param_dtype, pinned);  // what leaves for the device, compute dtype
     host_landing_ = opts_.offload_delayed ? host_zeros(host_size_, opts_.grad_dtype, pinned) : host_grad_;
     copier_ = std::make_unique<HostCopier>(params_.front().tensor.device(), host_buckets_);
-    pending_scale_.assign(host_buckets_, 1.0);
     sent_.assign(host_buckets_, false);
   }
   if (opts_.master_weights) {
@@ -415,21 +414,17 @@ std::vector<size_t> TrainingState::device_segments() const {
 
 bool TrainingState::segment_on_host(size_t i) const { return segment_bucket_[i] < host_buckets_; }
 
-void TrainingState::gradient_final(size_t b, double scale) {
+void TrainingState::gradient_final(size_t b) {
   if (b >= host_buckets_) return;
   const int64_t o = opt_begin(b), n = opt_len(b);
   copier_->to_host(b, host_landing_.narrow(0, o, n), reduced_grads().narrow(0, o, n));
-  pending_scale_[b] = scale;
   sent_[b] = true;
 }
 
 void TrainingState::wait_host_grads() {
-  torch::NoGradGuard no_grad;
   for (size_t b = 0; b < host_buckets_; ++b) {
     TORCH_CHECK(sent_[b], "TrainingState: offloaded bucket ", b, "'s gradient never left for the host");
     copier_->wait_to_host(b);
-    // The same multiplication the device applies to its share (1/dp), here on the host.
-    if (pending_scale_[b] != 1.0) host_landing_.narrow(0, opt_begin(b), opt_len(b)).mul_(pending_scale_[b]);
     sent_[b] = false;
   }
 }

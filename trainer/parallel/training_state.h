@@ -208,11 +208,11 @@ class TrainingState {
   std::vector<size_t> device_segments() const;
   bool segment_on_host(size_t i) const;
   // Bucket b's reduced gradient is final on the device: an offloaded bucket's
-  // copy leaves for the host now (scale, e.g. 1/dp: still to be applied there).
-  // The reducer calls it as each bucket completes, or after backward.
-  void gradient_final(size_t b, double scale);
+  // copy leaves for the host now. The reducer calls it as each bucket
+  // completes, or after backward.
+  void gradient_final(size_t b);
   bool gradient_sent(size_t b) const { return b < sent_.size() && sent_[b]; }
-  // Every offloaded bucket's gradient on the host and scaled (the host waits for the copies).
+  // Every offloaded bucket's gradient on the host (the host waits for the copies).
   void wait_host_grads();
   // Delayed update: the landed gradients become what the optimizer segments
   // read (once the previous host step is done with those).
@@ -259,7 +259,6 @@ class TrainingState {
   at::Tensor host_weights_, host_grad_, host_moments_, host_stage_;
   at::Tensor host_landing_;  // delayed update: where gradients arrive (else host_grad_ itself)
   std::unique_ptr<HostCopier> copier_;
-  std::vector<double> pending_scale_;  // per offloaded bucket: still to multiply its host gradient by
   std::vector<bool> sent_;
   std::vector<std::vector<size_t>> bucket_segments_;
   std::vector<size_t> segment_bucket_;

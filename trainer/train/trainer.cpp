@@ -303,20 +303,20 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   loss_sum_.zero_();
   // The loss is the mean over every counted target of the step: all micro-batches
   // of every dp x cp rank. Each micro-batch's mean is weighted by its share of
-  // the targets (times dp x cp: the reducer averages gradients over those ranks),
-  // so any cut of the batch (dp, cp, accumulation, pipeline) gives one process's
-  // loss, masked targets included, and an all-masked micro-batch adds 0.
+  // the targets and the reducer sums gradients over dp x cp, so any cut of the
+  // batch (dp, cp, accumulation, pipeline) gives one process's loss, masked
+  // targets included, and an all-masked micro-batch adds 0. No rank's gradient
+  // is ever larger than one process's (fp16: no earlier overflow, docs/precision.md).
   std::vector<at::Tensor> counts;
   for (const auto& b : batches) counts.push_back(target_count(b));
   auto total = torch::stack(counts).sum();
   if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
   const auto inv_total = total.clamp_min(1).to(torch::kFloat32).reciprocal();
-  const double replicas = rt_ ? rt_->dp_cp.size() : 1;
   if (tr_.pipeline) {
     // The schedule runs every micro-batch's forward and backward; the gradients
     // are reduced over dp once they are all in (finish_gradients below).
     tr_.reducer->begin_micro_step(false);
-    loss_sum_ = tr_.pipeline->train_step(batches, torch::stack(counts).to(torch::kFloat32) * inv_total, replicas,
+    loss_sum_ = tr_.pipeline->train_step(batches, torch::stack(counts).to(torch::kFloat32) * inv_total,
                                          tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
                                          [this](bool backward) {
                                            timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
@@ -334,7 +334,6 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     if (measure) activation_bytes_ = memory_in_use_bytes(device_) - before;
     if (poison_) loss = loss * std::numeric_limits<double>::infinity();
     loss_sum_ += loss.detach().to(torch::kFloat32);
-    loss = loss * replicas;
     timer_.enter(StepTimer::kBackward);
     (tr_.scaler ? loss * tr_.scaler->scale() : loss).backward();
   }
