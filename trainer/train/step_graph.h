@@ -49,9 +49,9 @@ struct GraphFacts {
 // ZeRO-2/3's per-bucket buffers, recompute's RNG save and restore, a non-fused
 // optimizer's host loop, offload's host step, the pipeline and ring's
 // point-to-point transfers, per-token document masks. Data parallelism over
-// NCCL (ZeRO 0 and 1, HSDP) is captured: its collectives are recorded into the
-// graph (docs/performance.md). The same list refuses `cuda_graphs: true` and
-// turns `auto` eager.
+// NCCL (ZeRO 0 and 1, HSDP) is captured, its collectives recorded into the
+// graph (docs/parallelism.md, "CUDA graphs with several ranks"). The same list
+// refuses `cuda_graphs: true` and turns `auto` eager.
 std::string graph_blocker(const GraphFacts& f);
 bool graphs_built();  // this nnstrain was compiled with its CUDA code
 

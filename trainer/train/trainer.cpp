@@ -574,8 +574,13 @@ int Trainer::run() {
       if (replay) timer_.enter(StepTimer::kGraph);
       const int64_t comm = tr_.reducer->communicated_bytes();
       graph_->run(batches);
-      if (capturing && graph_->captured()) graph_activation_bytes_ = activation_bytes_;
-      if (capturing && graph_->captured()) graph_comm_bytes_ = tr_.reducer->communicated_bytes() - comm;
+      if (capturing && graph_->captured()) {
+        graph_activation_bytes_ = activation_bytes_;
+        graph_comm_bytes_ = tr_.reducer->communicated_bytes() - comm;
+        log::info("compute_config.cuda_graphs: step " + std::to_string(step_ + 1) + " captured" +
+                  (rt_ ? " with its " + rt_->backend_name() + " collectives" : std::string()) +
+                  ", replayed from here on (graph pool " + fmt(graph_->pool_bytes() / 1048576.0, 1) + " MB)");
+      }
       // A replay runs the captured collectives without the host code that counts them.
       if (replay) replayed_comm_bytes_ += graph_comm_bytes_;
       if (rt_ && graph_->captured()) rt_->watch_replay("CUDA graph replay of the training step");
