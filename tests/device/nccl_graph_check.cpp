@@ -115,7 +115,8 @@ void run(dist::Runtime& rt, int stage) {
 
   for (int s = 0; s < kSteps; ++s) {
     body({{inputs[s], torch::zeros({1}, f32.dtype(torch::kInt64))}});  // eagerly, as no graph
-    const auto name = tag + "step " + std::to_string(s + 1) + (s < kWarmup ? " (eager)" : s == kWarmup ? " (captured)" : " (replayed)");
+    const auto name = tag + "step " + std::to_string(s + 1) +
+                      (s < kWarmup ? " (eager)" : s == kWarmup ? " (captured)" : " (replayed)");
     check(torch::equal(out_grad, got_grad[s]), name + ": reduced gradients equal the eager step's bitwise");
     check(torch::equal(out_sq, got_sq[s]), name + ": sum of squares equals the eager step's bitwise");
     const double want = inputs[s].to(torch::kFloat64).pow(2).sum().item<double>();

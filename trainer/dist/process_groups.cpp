@@ -49,7 +49,7 @@ bool capturing() {
 // One collective of `kind` carrying `bytes` (this rank's input), for Traffic.
 Traffic one(int64_t Traffic::*kind, int64_t bytes) {
   Traffic t;
-  if (kind) ++(t.*kind);
+  ++(t.*kind);
   t.bytes = bytes;
   return t;
 }
@@ -476,11 +476,13 @@ c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t,
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
-  return issue(g, what, one(&Traffic::reduce_scatter, static_cast<int64_t>(in.nbytes())), [&] { return g.backend->_reduce_scatter_base(out, in); });
+  return issue(g, what, one(&Traffic::reduce_scatter, static_cast<int64_t>(in.nbytes())),
+               [&] { return g.backend->_reduce_scatter_base(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
-  return issue(g, what, one(&Traffic::all_gather, static_cast<int64_t>(in.nbytes())), [&] { return g.backend->_allgather_base(out, in); });
+  return issue(g, what, one(&Traffic::all_gather, static_cast<int64_t>(in.nbytes())),
+               [&] { return g.backend->_allgather_base(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::send_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
