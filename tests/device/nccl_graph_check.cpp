@@ -12,6 +12,10 @@
 //   status 1 had it queried an event recorded in the capture) and each replay
 //   counts the captured collectives (Runtime::watch_replay): the groups'
 //   traffic equals steps x one step's.
+// With the argument `hang` (CTest device.nccl_graph_hang): a replay that does
+// not finish (a kernel spinning ~10 s, standing for a peer that never comes)
+// ends the process within collective_timeout_s (2 s here) with the monitor's
+// one-line diagnosis naming the replay; CTest matches that line.
 // Several ranks exchanging data inside a graph need several GPUs:
 // bench/gpu/multi_gpu.sh. Exit status 77 (CTest: skipped) without a CUDA
 // device, unless NNSTRAIN_TEST_DEVICE=cuda asked for one (then 1).
@@ -24,6 +28,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#ifdef NNSTRAIN_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
 
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/grad_reducer.h"
@@ -127,9 +135,34 @@ void run(dist::Runtime& rt, int stage) {
   check(!torch::equal(got_grad[kSteps - 1], got_grad[kSteps - 2]), tag + "two replays gave different gradients");
 }
 
+// A replay that never completes in time: the monitor must end the process (status 1).
+int hang(dist::Runtime& rt) {
+  const auto f32 = torch::TensorOptions().device(c10::Device(c10::kCUDA, 0)).dtype(torch::kFloat32);
+  auto t = torch::ones({4}, f32);
+  bool spin = false;
+  train::StepGraph graph(
+      [&](const std::vector<data::Batch>&) {
+#ifdef NNSTRAIN_CUDA
+        if (spin) at::cuda::sleep(20'000'000'000LL);  // ~10 s of GPU clock cycles, replayed
+#endif
+        rt.wait(rt.all_reduce_async(rt.dp_cp, t, "all-reduce"), rt.dp_cp, "all-reduce");
+      },
+      /*warmup=*/1);
+  const data::Batch b{t, t};
+  graph.run({b});  // eager: its collective watched as usual, and done
+  torch::cuda::synchronize();
+  spin = true;
+  graph.run({b});  // captured and replayed
+  rt.watch_replay("CUDA graph replay of the training step (test)");
+  torch::cuda::synchronize();  // the monitor ends the process before this returns
+  std::fprintf(stderr, "FAILED: the replay outlived collective_timeout_s and nothing ended the process\n");
+  return 1;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const bool hang_mode = argc > 1 && std::string(argv[1]) == "hang";
   const char* dev = std::getenv("NNSTRAIN_TEST_DEVICE");
   const bool asked = dev && std::string(dev) == "cuda";
   if (!train::graphs_built() || !torch::cuda::is_available()) {
@@ -150,8 +183,9 @@ int main() {
     ro.backend = "nccl";
     ro.cuda = true;
     ro.one_rank_backend = true;
-    ro.timeout = std::chrono::milliseconds(120000);
+    ro.timeout = std::chrono::milliseconds(hang_mode ? 2000 : 120000);
     dist::Runtime rt(env, ro);
+    if (hang_mode) return hang(rt);
     check(rt.dp_cp.nccl && rt.zero.nccl, "one-rank NCCL groups");
     for (int stage : {0, 1}) run(rt, stage);
     rt.shutdown();
