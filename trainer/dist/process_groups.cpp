@@ -46,6 +46,16 @@ bool capturing() {
 #endif
 }
 
+// The id of the capture the current stream is in (when capturing()).
+unsigned long long capture_id() {
+  unsigned long long id = 0;
+#ifdef NNSTRAIN_CUDA
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(c10::cuda::getCurrentCUDAStream(), &status, &id));
+#endif
+  return id;
+}
+
 // One collective of `kind` carrying `bytes` (this rank's input), for Traffic.
 Traffic one(int64_t Traffic::*kind, int64_t bytes) {
   Traffic t;
@@ -436,7 +446,10 @@ c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, const 
   const bool watched = g.nccl && !recorded;
   int64_t seq = seq_.load();
   if (recorded) {
+    const auto id = capture_id();
     std::lock_guard<std::mutex> lock(inflight_mu_);
+    if (id != capture_id_) captured_.clear();  // a new capture: what replays from now on
+    capture_id_ = id;
     captured_.push_back({&g, add});
   } else {
     g.traffic += add;

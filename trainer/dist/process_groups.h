@@ -190,8 +190,10 @@ class Runtime {
   std::thread heartbeat_;
   std::mutex inflight_mu_;
   std::vector<InFlight> inflight_;
-  // Collectives recorded by a CUDA graph capture (under inflight_mu_), counted again at each replay.
+  // Collectives recorded by the latest CUDA graph capture (its id; under
+  // inflight_mu_), counted at each replay.
   std::vector<std::pair<Group*, Traffic>> captured_;
+  unsigned long long capture_id_ = 0;
   std::thread monitor_;
   std::vector<c10::intrusive_ptr<c10d::Backend>> backends_;  // every group's, in creation order
   bool shut_down_ = false;
