@@ -127,7 +127,9 @@ TEST_CASE("cuda_graphs auto captures one GPU's default step and names what keeps
   const std::vector<std::pair<std::function<void(train::GraphFacts&)>, std::string>> cases{
       {[](auto& f) { f.built_with_cuda = false; }, "NNSTRAIN_WITH_CUDA"},
       {[](auto& f) { f.cuda = false; }, "needs a CUDA device"},
-      {[](auto& f) { f.world = 2; }, "several ranks"},
+      {[](auto& f) { f.world = 2, f.backend = "gloo"; }, "cannot capture gloo's host collectives (compute_config.backend"},
+      {[](auto& f) { f.world = 2; }, "which backend"},
+      {[](auto& f) { f.world = 2, f.backend = "nccl", f.tp = 2; }, "tensor parallelism"},
       {[](auto& f) { f.zero_stage = 2; }, "ZeRO stage 2"},
       {[](auto& f) { f.zero_stage = 3; }, "ZeRO stage 3"},
       {[](auto& f) { f.recompute = true; }, "recompute"},
@@ -146,4 +148,37 @@ TEST_CASE("cuda_graphs auto captures one GPU's default step and names what keeps
   auto z1 = one_gpu;
   z1.zero_stage = 1;
   CHECK(train::graph_blocker(z1).empty());
+}
+
+TEST_CASE("cuda_graphs auto captures data parallelism over NCCL, ZeRO 0 and 1, and nothing over Gloo", "[device]") {
+  train::GraphFacts dp;
+  dp.built_with_cuda = dp.cuda = true;
+  dp.optimizer_impl = "fused";
+  dp.world = 8;
+  dp.backend = "nccl";
+  CHECK(train::graph_blocker(dp).empty());
+  dp.zero_stage = 1;
+  CHECK(train::graph_blocker(dp).empty());
+  // What stays eager at several ranks says why, NCCL or not.
+  auto z2 = dp;
+  z2.zero_stage = 2;
+  CHECK_THAT(train::graph_blocker(z2), Catch::Contains("ZeRO stage 2"));
+  auto gloo = dp;
+  gloo.backend = "gloo";
+  CHECK(train::graph_blocker(gloo) ==
+        "cannot capture gloo's host collectives (compute_config.backend; nccl can be captured)");
+  auto tp = dp;
+  tp.tp = 2;
+  CHECK_THAT(train::graph_blocker(tp), Catch::Contains("compute_config.plan_ngpus"));
+  auto cp = dp;
+  cp.cp = 2;
+  CHECK_THAT(train::graph_blocker(cp), Catch::Contains("context_parallel_size"));
+  auto pp = dp;
+  pp.pp = 2;
+  CHECK_THAT(train::graph_blocker(pp), Catch::Contains("pp_size"));
+  // One rank with a one-rank NCCL runtime (ZeRO-2/3 at one GPU) is judged by its stage, not its backend.
+  auto one = dp;
+  one.world = 1;
+  one.zero_stage = 0;
+  CHECK(train::graph_blocker(one).empty());
 }

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef NNSTRAIN_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -34,6 +35,34 @@ constexpr auto kWatchdogMargin = std::chrono::seconds(30);
 int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+// Whether the current stream is being captured into a CUDA graph (NCCL groups only:
+// a Gloo-only run may have no CUDA context).
+bool capturing() {
+#ifdef NNSTRAIN_CUDA
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  return false;
+#endif
+}
+
+// The id of the capture the current stream is in (when capturing()).
+unsigned long long capture_id() {
+  unsigned long long id = 0;
+#ifdef NNSTRAIN_CUDA
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(c10::cuda::getCurrentCUDAStream(), &status, &id));
+#endif
+  return id;
+}
+
+// One collective of `kind` carrying `bytes` (this rank's input), for Traffic.
+Traffic one(int64_t Traffic::*kind, int64_t bytes) {
+  Traffic t;
+  ++(t.*kind);
+  t.bytes = bytes;
+  return t;
 }
 
 std::string join(const std::vector<int>& v) {
@@ -395,6 +424,7 @@ void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, cons
     if (g.nccl) {
       w->wait();  // the current stream waits for the collective; the host goes on
 #ifdef NNSTRAIN_CUDA
+      if (capturing()) return;  // a recorded collective: never watched (watch_replay)
       // From here the monitor watches an event behind the wait, not the work:
       // the work holds the collective's tensors, which the caller may now free.
       auto done = std::make_shared<at::cuda::CUDAEvent>();
@@ -418,16 +448,45 @@ void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, cons
   }
 }
 
+void Runtime::watch_replay(const char* what) {
+  std::lock_guard<std::mutex> lock(inflight_mu_);
+  for (auto& [g, add] : captured_) {  // as if issued: the heartbeat's count and the traffic figures move on
+    g->traffic += add;
+    ++seq_;
+  }
+#ifdef NNSTRAIN_CUDA
+  if (!monitor_.joinable() || captured_.empty()) return;
+  auto done = std::make_shared<at::cuda::CUDAEvent>();
+  done->record(c10::cuda::getCurrentCUDAStream());
+  inflight_.push_back({seq_.load(), &world, what, std::chrono::steady_clock::now() + opts_.timeout, {}, done});
+#else
+  (void)what;
+#endif
+}
+
 template <typename F>
-c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, F&& call) {
-  const int64_t seq = ++seq_;
-  if (g.nccl) {  // watched from the call on: creating a communicator blocks until every rank joins
+c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, const Traffic& add, F&& call) {
+  // Recorded into a graph: counted, like its seq, by each replay (watch_replay), not now.
+  const bool recorded = g.nccl && capturing();
+  const bool watched = g.nccl && !recorded;
+  int64_t seq = seq_.load();
+  if (recorded) {
+    const auto id = capture_id();
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    if (id != capture_id_) captured_.clear();  // a new capture: what replays from now on
+    capture_id_ = id;
+    captured_.push_back({&g, add});
+  } else {
+    g.traffic += add;
+    seq = ++seq_;
+  }
+  if (watched) {  // from the call on: creating a communicator blocks until every rank joins
     std::lock_guard<std::mutex> lock(inflight_mu_);
     inflight_.push_back({seq, &g, what, std::chrono::steady_clock::now() + opts_.timeout, {}});
   }
   // Hands the work to the monitor, or (null: the call failed) forgets the entry.
   auto settle = [&](const c10::intrusive_ptr<c10d::Work>& w) {
-    if (!g.nccl) return;
+    if (!watched) return;
     std::lock_guard<std::mutex> lock(inflight_mu_);
     auto it = std::find_if(inflight_.begin(), inflight_.end(), [&](const InFlight& f) { return f.seq == seq; });
     if (it == inflight_.end()) return;
@@ -449,53 +508,48 @@ c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, F&& ca
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::all_reduce_async(Group& g, at::Tensor t, const char* what) {
-  ++g.traffic.all_reduce;
-  g.traffic.bytes += static_cast<int64_t>(t.nbytes());
+  const auto add = one(&Traffic::all_reduce, static_cast<int64_t>(t.nbytes()));
   std::vector<at::Tensor> v{std::move(t)};
-  return issue(g, what, [&] { return g.backend->allreduce(v); });
+  return issue(g, what, add, [&] { return g.backend->allreduce(v); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
-  ++g.traffic.reduce_scatter;
-  g.traffic.bytes += static_cast<int64_t>(in.nbytes());
-  return issue(g, what, [&] { return g.backend->_reduce_scatter_base(out, in); });
+  return issue(g, what, one(&Traffic::reduce_scatter, static_cast<int64_t>(in.nbytes())),
+               [&] { return g.backend->_reduce_scatter_base(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
-  ++g.traffic.all_gather;
-  g.traffic.bytes += static_cast<int64_t>(in.nbytes());
-  return issue(g, what, [&] { return g.backend->_allgather_base(out, in); });
+  return issue(g, what, one(&Traffic::all_gather, static_cast<int64_t>(in.nbytes())),
+               [&] { return g.backend->_allgather_base(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::send_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
-  ++g.traffic.sends;
-  g.traffic.bytes += static_cast<int64_t>(t.nbytes());
+  const auto add = one(&Traffic::sends, static_cast<int64_t>(t.nbytes()));
   std::vector<at::Tensor> v{std::move(t)};
-  return issue(g, what, [&] { return g.backend->send(v, peer, tag); });
+  return issue(g, what, add, [&] { return g.backend->send(v, peer, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::recv_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
   std::vector<at::Tensor> v{std::move(t)};
-  return issue(g, what, [&] { return g.backend->recv(v, peer, tag); });
+  return issue(g, what, {}, [&] { return g.backend->recv(v, peer, tag); });
 }
 
 std::vector<c10::intrusive_ptr<c10d::Work>> Runtime::ring_shift_async(Group& g, at::Tensor send, at::Tensor recv,
                                                                        int tag, const char* what) {
-  ++g.traffic.send_recv;
-  g.traffic.bytes += static_cast<int64_t>(send.nbytes());
+  const auto add = one(&Traffic::send_recv, static_cast<int64_t>(send.nbytes()));
   const int next = (g.rank + 1) % g.size(), prev = (g.rank + g.size() - 1) % g.size();
   std::vector<at::Tensor> s{std::move(send)}, r{std::move(recv)};
   if (g.backend->supportsCoalescing()) {
     // NCCL: one group, as batch_isend_irecv, so two ranks sending to each other never wait on one another.
-    return {issue(g, what, [&] {
+    return {issue(g, what, add, [&] {
       g.backend->startCoalescing();
       g.backend->send(s, next, tag);
       g.backend->recv(r, prev, tag);
       return g.backend->endCoalescing();
     })};
   }
-  auto sent = issue(g, what, [&] { return g.backend->send(s, next, tag); });
-  return {issue(g, what, [&] { return g.backend->recv(r, prev, tag); }), sent};
+  auto sent = issue(g, what, add, [&] { return g.backend->send(s, next, tag); });
+  return {issue(g, what, {}, [&] { return g.backend->recv(r, prev, tag); }), sent};
 }
 
 void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {
@@ -505,12 +559,11 @@ void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {
 
 void Runtime::all_reduce_max(Group& g, at::Tensor t, const char* what) {
   if (g.size() < 2) return;
-  ++g.traffic.all_reduce;
-  g.traffic.bytes += static_cast<int64_t>(t.nbytes());
+  const auto add = one(&Traffic::all_reduce, static_cast<int64_t>(t.nbytes()));
   std::vector<at::Tensor> v{std::move(t)};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
-  wait(issue(g, what, [&] { return g.backend->allreduce(v, o); }), g, what);
+  wait(issue(g, what, add, [&] { return g.backend->allreduce(v, o); }), g, what);
 }
 
 void Runtime::barrier(const char* what) {

@@ -12,6 +12,12 @@
 // collective in flight and, past collective_timeout_s, prints the same diagnosis
 // and ends the process with status 1. NCCL's own watchdog, set a little later,
 // is the backstop.
+//
+// CUDA graphs (trainer/train/step_graph.h): an NCCL collective issued while the
+// current stream is being captured is recorded, not run. The monitor leaves it
+// alone (querying an event recorded in a capture is an error, and c10d's
+// watchdog skips such work too); each replay of the graph is watched whole
+// instead (watch_replay), and replays count the captured collectives' traffic.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -130,6 +136,12 @@ class Runtime {
   std::vector<c10::intrusive_ptr<c10d::Work>> ring_shift_async(Group& g, at::Tensor send, at::Tensor recv, int tag,
                                                                const char* what);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what);
+  // After a captured step's graph was launched on the current stream: its
+  // collectives counted as if issued again, and the monitor watches an event
+  // recorded behind the launch (no tensor) as one collective `what` over the
+  // world, so a replay hung on a lost peer ends in the same diagnosis after
+  // collective_timeout_s. A no-op without NCCL.
+  void watch_replay(const char* what);
   // Point to point within `g` (pipeline transfers): `peer` is an index into
   // g.ranks; sender and receiver name the same tag.
   c10::intrusive_ptr<c10d::Work> send_async(Group& g, at::Tensor t, int peer, int tag, const char* what);
@@ -146,8 +158,9 @@ class Runtime {
   Group make_group(const std::string& name, std::vector<int> ranks, bool cpu_only);
   // Runs `issue` (a backend call returning work) as collective `what` on `g`,
   // counted and, on NCCL, watched by the monitor until it completes.
+  // `add` is the collective's traffic, counted on `g`.
   template <typename F>
-  c10::intrusive_ptr<c10d::Work> issue(Group& g, const char* what, F&& issue);
+  c10::intrusive_ptr<c10d::Work> issue(Group& g, const char* what, const Traffic& add, F&& issue);
   [[noreturn]] void fail(const Group& g, const char* what, const std::string& cause);
   // The failure message: the collective, the group and which ranks stopped answering.
   std::string diagnose(const Group& g, const char* what, const std::string& cause, int64_t seq);
@@ -177,6 +190,10 @@ class Runtime {
   std::thread heartbeat_;
   std::mutex inflight_mu_;
   std::vector<InFlight> inflight_;
+  // Collectives recorded by the latest CUDA graph capture (its id; under
+  // inflight_mu_), counted at each replay.
+  std::vector<std::pair<Group*, Traffic>> captured_;
+  unsigned long long capture_id_ = 0;
   std::thread monitor_;
   std::vector<c10::intrusive_ptr<c10d::Backend>> backends_;  // every group's, in creation order
   bool shut_down_ = false;

@@ -188,8 +188,11 @@ torch::Device start_rank(const config::TrainerArgs& args, const dist::DistEnv& e
   const torch::Device device = dist::bind_device(args.compute_config.device, env);
   dist::set_allow_tf32(args.compute_config.allow_tf32);
   // CUDA graphs: the run works on a non-default stream from here on (step_graph.h),
-  // wherever a graph may be captured (auto decides once the plan is known).
-  if (args.compute_config.cuda_graphs != "false" && device.is_cuda() && env.world_size == 1) use_capture_stream(device);
+  // wherever a graph may be captured (auto decides once the plan is known): one
+  // rank, or several over NCCL.
+  if (args.compute_config.cuda_graphs != "false" && device.is_cuda() &&
+      (env.world_size == 1 || args.compute_config.backend != "gloo"))
+    use_capture_stream(device);
   return device;
 }
 

@@ -45,7 +45,13 @@ bool graphs_built() {
 std::string graph_blocker(const GraphFacts& f) {
   if (!f.built_with_cuda) return "needs an nnstrain built with its CUDA code (NNSTRAIN_WITH_CUDA)";
   if (!f.cuda) return "needs a CUDA device";
-  if (f.world > 1) return "is not supported with several ranks yet (one GPU only)";
+  if (f.world > 1 && f.backend.empty()) return "cannot tell which backend the ranks' collectives use";
+  // Gloo's collectives run on the host (and their CUDA copies on streams of its own).
+  if (!f.backend.empty() && f.backend != "nccl")
+    return "cannot capture " + f.backend + "'s host collectives (compute_config.backend; nccl can be captured)";
+  if (f.tp > 1)
+    return "is not supported with tensor parallelism yet (compute_config.plan_ngpus: its sharded regions swap the "
+           "dropout generator's state on the host, which a replay would not)";
   if (f.zero_stage >= 2)
     return "is not supported with ZeRO stage " + std::to_string(f.zero_stage) + " (compute_config.use_zero) yet";
   if (f.recompute) return "is not supported with activation recompute yet";

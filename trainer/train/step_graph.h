@@ -31,6 +31,10 @@ struct GraphFacts {
   bool built_with_cuda = false;  // graphs_built()
   bool cuda = false;
   int world = 1;
+  // The collectives' backend (Runtime::backend_name(): nccl | gloo), "" when the
+  // run has none (one rank below ZeRO-2).
+  std::string backend;
+  int tp = 1;
   int zero_stage = 0;
   bool recompute = false;
   std::string optimizer_impl;  // fused | foreach | ...
@@ -40,10 +44,13 @@ struct GraphFacts {
 };
 
 // What keeps the step from being captured, as the rest of a sentence after
-// "compute_config.cuda_graphs" ("" when nothing does): host collectives (Gloo) or NCCL capture at
-// several ranks, ZeRO-2/3's per-bucket collectives, recompute's RNG save and
-// restore, a non-fused optimizer's host loop, offload's host step, the pipeline
-// and ring's point-to-point transfers, per-token document masks. The same list
+// "compute_config.cuda_graphs" ("" when nothing does): host collectives (Gloo),
+// tensor parallelism's sharded-region dropout generator (swapped on the host),
+// ZeRO-2/3's per-bucket buffers, recompute's RNG save and restore, a non-fused
+// optimizer's host loop, offload's host step, the pipeline and ring's
+// point-to-point transfers, per-token document masks. Data parallelism over
+// NCCL (ZeRO 0 and 1, HSDP) is captured, its collectives recorded into the
+// graph (docs/parallelism.md, "CUDA graphs with several ranks"). The same list
 // refuses `cuda_graphs: true` and turns `auto` eager.
 std::string graph_blocker(const GraphFacts& f);
 bool graphs_built();  // this nnstrain was compiled with its CUDA code

@@ -133,7 +133,7 @@ class Trainer {
   StepProfiler profiler_;
   MemorySnapshots* snapshots_ = nullptr;  // owned by the OomContext
   std::unique_ptr<StopDecision> stop_decision_;
-  std::unique_ptr<StepGraph> graph_;
+  std::unique_ptr<StepGraph> graph_;  // after rt_: destroyed before its communicators (run()'s end)
   bool timed_ = false;  // this step's time split is measured (step_timer.h)
 
   // On the device, read only at logging steps and saves (the one host sync).
@@ -148,6 +148,8 @@ class Trainer {
   std::chrono::steady_clock::time_point interval_start_;
   int64_t interval_steps_ = 0;
   int64_t interval_comm_bytes_ = 0;  // the reducer's count at the interval's start
+  int64_t graph_comm_bytes_ = 0;     // what the reducer counted while the step was captured
+  int64_t replayed_comm_bytes_ = 0;  // ... times the replays since (the reducer's host code did not run)
   dist::Traffic interval_tp_;        // the tensor-parallel group's at the interval's start (training only)
   dist::Traffic interval_cp_;        // the context-parallel group's, likewise
 };
@@ -237,6 +239,8 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
     f.built_with_cuda = graphs_built();
     f.cuda = device.is_cuda();
     f.world = world_;
+    f.backend = rt_ ? rt_->backend_name() : "";
+    f.tp = plan_.tp;
     f.zero_stage = plan_.zero_stage;
     f.recompute = std::count(plan_.recompute.begin(), plan_.recompute.end(), true) > 0;
     f.optimizer_impl = tr_.optimizer->impl();
@@ -416,7 +420,7 @@ void Trainer::log_progress() {
   }
   if (activation_bytes_ >= 0) rec["activation_mb"] = activation_bytes_ / 1048576.0;
   if (rt_) {
-    const int64_t comm = tr_.reducer->communicated_bytes();
+    const int64_t comm = tr_.reducer->communicated_bytes() + replayed_comm_bytes_;
     rec["dp_comm_mb_per_step"] = double(comm - interval_comm_bytes_) / interval_steps_ / 1048576.0;
     interval_comm_bytes_ = comm;
   }
@@ -567,8 +571,18 @@ int Trainer::run() {
       const bool capturing = !graph_->captured();
       logs_ = true;  // eager and captured steps measure their activations (reading counters only)
       if (replay) timer_.enter(StepTimer::kGraph);
+      const int64_t comm = tr_.reducer->communicated_bytes();
       graph_->run(batches);
-      if (capturing && graph_->captured()) graph_activation_bytes_ = activation_bytes_;
+      if (capturing && graph_->captured()) {
+        graph_activation_bytes_ = activation_bytes_;
+        graph_comm_bytes_ = tr_.reducer->communicated_bytes() - comm;
+        log::info("compute_config.cuda_graphs: step " + std::to_string(step_ + 1) + " captured" +
+                  (rt_ ? " with its " + rt_->backend_name() + " collectives" : std::string()) +
+                  ", replayed from here on (graph pool " + fmt(graph_->pool_bytes() / 1048576.0, 1) + " MB)");
+      }
+      // A replay runs the captured collectives without the host code that counts them.
+      if (replay) replayed_comm_bytes_ += graph_comm_bytes_;
+      if (rt_ && graph_->captured()) rt_->watch_replay("CUDA graph replay of the training step");
     } else {
       poison_ = inject_nonfinite(step_ + 1, rank_);
       TORCH_CHECK(!inject_torch_error(step_ + 1, rank_), "injected error (NNSTRAIN_TEST_TORCH_ERROR_AT)");
@@ -626,6 +640,9 @@ int Trainer::run() {
               std::to_string(tr_.state->host_buckets()) + " offloaded buckets' gradients left during backward");
   }
   if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
+  // A graph that captured NCCL collectives holds their communicators: destroying
+  // (or aborting) one first waits for the graph forever (pytorch/pytorch#115388).
+  graph_.reset();
   if (rt_) rt_->shutdown();  // a clean exit: NCCL communicators finalised, not aborted
   return 0;
 }
