@@ -209,7 +209,7 @@ struct Setting {
   // embedding (first) and the head (last).
   double Lr, kr, live = 1;
   bool first = true, last = true;
-  double sends = 0;  // pipeline: boundary tensors held (sent ones to the step's end, received ones until used)
+  double sends = 0;  // pipeline: boundary tensors held (sent ones until retired, received ones until used)
   double w_live = 0;  // pipeline: (stage, micro-batch)s between their I and W, as `live` counts them
   double split_layers = 0;  // pipeline, split backward: the layers of the rank's largest stage (0: no split)
 };
@@ -462,8 +462,8 @@ Activations activation_term(const Setting& x) {
   // A tied embedding's gradient from the head waits in autograd until the
   // embedding's own part is added at the end of backward.
   act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
-  // The pipeline's executor keeps every tensor it sends until the step's end
-  // (pipeline_runtime.cpp finish_sends), and a received one until it is used:
+  // The pipeline's executor keeps a tensor it sends until a receive proves it
+  // delivered (pipeline::retired_sends), and a received one until it is used:
   // each one micro-batch's hidden states.
   act.sent_per_tensor = tokens * h * rep * ea;
   act.sent = x.sends * act.sent_per_tensor;
@@ -698,9 +698,9 @@ struct ScheduleCache::Impl {
     pipeline::Schedule schedule;
     // Per rank, the moments that may be its peak: (stage, micro-batch)
     // activations held, (stage, micro-batch)s between I and W (what the split
-    // backward keeps for W), boundary tensors held (sent ones, kept to the
-    // step's end, and received ones not yet used), none of them below
-    // another in all three.
+    // backward keeps for W), boundary tensors held (sent ones not yet
+    // retired, and received ones not yet used), none of them below another
+    // in all three.
     std::vector<std::vector<std::array<int, 3>>> moments;
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
@@ -716,16 +716,20 @@ struct ScheduleCache::Impl {
     // A micro-batch's activations live from its F until its B or I (I frees
     // the graph); from its I until its W it keeps only what W needs
     // (pending_w_bytes). The order alone decides it. In the lowered order
-    // (what runs), a sent tensor is kept to the step's end (finish_sends), a
-    // received activation until its F (then it is the stage's saved input), a
-    // received gradient until the micro-batch's B or I.
+    // (what runs), a sent tensor is kept until the receive that retires it
+    // (the executor's own pipeline::retired_sends; the rest to the step's
+    // end), a received activation until its F (then it is the stage's saved
+    // input), a received gradient until the micro-batch's B or I.
     const auto lowered = pipeline::lower(sh.schedule);
     sh.moments.assign(ranks, {});
     for (int r = 0; r < ranks; ++r) {
       int live = 0, pending = 0, boundary = 0;
       std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
       auto& front = sh.moments[r];
-      for (const auto& act : lowered.actions[r]) {
+      const auto retire = pipeline::retired_sends(lowered, r);
+      for (size_t k = 0; k < lowered.actions[r].size(); ++k) {
+        const auto& act = lowered.actions[r][k];
+        boundary -= k > 0 ? static_cast<int>(retire[k - 1].size()) : 0;  // after the receive that retires them
         const bool done = act.op == pipeline::Op::B || act.op == pipeline::Op::I;
         if (act.op == pipeline::Op::Send) ++boundary;
         if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
