@@ -531,6 +531,15 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
                           act.layer_input +
                           x.tokens * x.h * x.rep * x.pb.act + act.block_grads + act.scores + act.tied_head_grad,
                       worst_block_transient});
+  // A recomputed block's forward (nothing kept but its input) while a split
+  // backward's W's are pending, as zero-bubble schedules run forwards: every
+  // pair's holdings whole, and the block's widest moment, its MLP's
+  // up-projection output and activation (SwiGLU: gate, up, silu(gate));
+  // measured for GPT by bench/bench_pipeline_sends.py.
+  if (k >= 1 && act.pending_w > 0)
+    phases.push_back({act.saved_layers + act.head_saved +
+                          x.tokens * ((x.f.gated_mlp ? 3 : 2) * x.ffn / x.t + x.h * x.rep) * x.pb.act,
+                      outer_units});
   for (auto& ph : phases) ph.acts += act.sent;  // held through every phase
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
     return p.acts + p.transient < q.acts + q.transient;
@@ -718,8 +727,10 @@ struct ScheduleCache::Impl {
     // (pending_w_bytes). The order alone decides it. In the lowered order
     // (what runs), a sent tensor is kept until the receive that retires it
     // (the executor's own pipeline::retired_sends; the rest to the step's
-    // end), a received activation until its F (then it is the stage's saved
-    // input), a received gradient until the micro-batch's B or I.
+    // end), a sent activation also until its stage's B or I (it is the
+    // stage's output, backward's root), a received activation until its F
+    // (then it is the stage's saved input), a received gradient until the
+    // micro-batch's B or I.
     const auto lowered = pipeline::lower(sh.schedule);
     sh.moments.assign(ranks, {});
     for (int r = 0; r < ranks; ++r) {
@@ -727,11 +738,22 @@ struct ScheduleCache::Impl {
       std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
       auto& front = sh.moments[r];
       const auto retire = pipeline::retired_sends(lowered, r);
+      // Per Send: what still keeps its tensor (its retirement; an activation's
+      // output too); each hold ends after the action that ends it.
+      std::vector<int> holds(lowered.actions[r].size(), 0), ending;
+      std::map<std::pair<int, int>, int> output_sent;  // (stage, micro) -> the Send of its output
       for (size_t k = 0; k < lowered.actions[r].size(); ++k) {
         const auto& act = lowered.actions[r][k];
-        boundary -= k > 0 ? static_cast<int>(retire[k - 1].size()) : 0;  // after the receive that retires them
+        for (int i : ending) boundary -= --holds[i] == 0;
+        ending = retire[k];
         const bool done = act.op == pipeline::Op::B || act.op == pipeline::Op::I;
-        if (act.op == pipeline::Op::Send) ++boundary;
+        if (act.op == pipeline::Op::Send) {
+          ++boundary;
+          holds[k] = act.grad ? 1 : 2;
+          if (!act.grad) output_sent[{act.stage - 1, act.micro}] = static_cast<int>(k);
+        }
+        if (const auto it = output_sent.find({act.stage, act.micro}); done && it != output_sent.end())
+          ending.push_back(it->second);
         if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
         if ((act.op == pipeline::Op::F && received.erase({false, act.stage, act.micro})) ||
             (done && received.erase({true, act.stage, act.micro})))

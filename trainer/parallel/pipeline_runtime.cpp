@@ -334,10 +334,11 @@ struct PipelineExecutor::Impl {
   // sender q had posted that send, and q runs its row in order with blocking
   // receives, so every receive of q's row before that send, among them those
   // of the retired sends, had completed. A delivered send's wait depends on no
-  // rank's progress (Gloo: its buffer was consumed; NCCL: the peer pair's
-  // stream ran the matching receive before the one just waited), so it adds
-  // no edge to the wait-for graph the dry run (pipeline::simulate) checks with
-  // sends taken as never blocking: a schedule it passes still cannot hang.
+  // rank's progress (Gloo: the peer consumed its buffer; NCCL: the wait only
+  // orders this rank's stream after the send, which the pair's stream ran
+  // before the receive just waited), so it adds no edge to the wait-for graph
+  // the dry run (pipeline::simulate) checks with sends taken as never
+  // blocking: a schedule it passes still cannot hang.
   void retire_sends(size_t k) {
     for (int i : retire[k]) {
       auto it = std::find_if(sends.begin(), sends.end(), [&](const InFlight& f) { return f.action == i; });
