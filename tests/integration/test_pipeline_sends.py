@@ -7,7 +7,7 @@ most 2 micro-batches in flight per rank whatever their number, and so, freed at 
 sends; the executor that held them to the step's end grew by one boundary tensor per extra
 micro-batch (rank 1's gradients sent back), 4 of them from m 4 to m 8. Checked: each rank's peak
 (peak_tensor_mb_per_pp_rank, the counting allocator's exact bytes) is the same at m 8 as at m 4
-within half a boundary tensor; it is within 10% of the planner's estimate.pp_rank_bytes on every
+within one boundary tensor; it is within 10% of the planner's estimate.pp_rank_bytes on every
 rank; and the m 8 run's loss and gradient norm match one process's (same global batch) within 1e-5.
 """
 import json
@@ -39,8 +39,9 @@ def test_sends_freed_at_delivery_keep_the_peak_flat_in_micro_batches(tmp_path, t
     print(f"\npeak per pipeline rank at m 4 {peaks4} MiB (estimated {est4}), at m 8 {peaks8} MiB (estimated {est8}); "
           f"a boundary tensor {BOUNDARY_MIB} MiB")
     for k in range(2):
-        # Held to the step's end, rank 1's 4 more gradients would add 4 x BOUNDARY_MIB here.
-        assert abs(peaks8[k] - peaks4[k]) < BOUNDARY_MIB / 2, (k, peaks4, peaks8)
+        # Held to the step's end, 4 more sends would add 4 x BOUNDARY_MIB here (the old executor: 0.53 MiB on
+        # both ranks); the 4 more micro-batches' token tensors add 0.03.
+        assert abs(peaks8[k] - peaks4[k]) < BOUNDARY_MIB, (k, peaks4, peaks8)
         for peak, est in ((peaks4[k], est4[k]), (peaks8[k], est8[k])):
             assert abs(peak / est - 1) < 0.10, (k, peak, est)
     # The same numbers as one process (the global batch of 16 in 8 accumulated micro-batches).
