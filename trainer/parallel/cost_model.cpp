@@ -209,7 +209,7 @@ struct Setting {
   // embedding (first) and the head (last).
   double Lr, kr, live = 1;
   bool first = true, last = true;
-  double sends = 0;  // pipeline: boundary tensors held (sent ones to the step's end, received ones until used)
+  double sends = 0;  // pipeline: boundary tensors held (sent ones until retired, received ones until used)
   double w_live = 0;  // pipeline: (stage, micro-batch)s between their I and W, as `live` counts them
   double split_layers = 0;  // pipeline, split backward: the layers of the rank's largest stage (0: no split)
 };
@@ -462,8 +462,8 @@ Activations activation_term(const Setting& x) {
   // A tied embedding's gradient from the head waits in autograd until the
   // embedding's own part is added at the end of backward.
   act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
-  // The pipeline's executor keeps every tensor it sends until the step's end
-  // (pipeline_runtime.cpp finish_sends), and a received one until it is used:
+  // The pipeline's executor keeps a tensor it sends until a receive proves it
+  // delivered (pipeline::retired_sends), and a received one until it is used:
   // each one micro-batch's hidden states.
   act.sent_per_tensor = tokens * h * rep * ea;
   act.sent = x.sends * act.sent_per_tensor;
@@ -531,6 +531,15 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
                           act.layer_input +
                           x.tokens * x.h * x.rep * x.pb.act + act.block_grads + act.scores + act.tied_head_grad,
                       worst_block_transient});
+  // A recomputed block's forward (nothing kept but its input) while a split
+  // backward's W's are pending, as zero-bubble schedules run forwards: every
+  // pair's holdings whole, and the block's widest moment, its MLP's
+  // up-projection output and activation (SwiGLU: gate, up, silu(gate));
+  // measured for GPT by bench/bench_pipeline_sends.py.
+  if (k >= 1 && act.pending_w > 0)
+    phases.push_back({act.saved_layers + act.head_saved +
+                          x.tokens * ((x.f.gated_mlp ? 3 : 2) * x.ffn / x.t + x.h * x.rep) * x.pb.act,
+                      outer_units});
   for (auto& ph : phases) ph.acts += act.sent;  // held through every phase
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
     return p.acts + p.transient < q.acts + q.transient;
@@ -698,9 +707,9 @@ struct ScheduleCache::Impl {
     pipeline::Schedule schedule;
     // Per rank, the moments that may be its peak: (stage, micro-batch)
     // activations held, (stage, micro-batch)s between I and W (what the split
-    // backward keeps for W), boundary tensors held (sent ones, kept to the
-    // step's end, and received ones not yet used), none of them below
-    // another in all three.
+    // backward keeps for W), boundary tensors held (sent ones not yet
+    // retired, and received ones not yet used), none of them below another
+    // in all three.
     std::vector<std::vector<std::array<int, 3>>> moments;
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
@@ -716,18 +725,35 @@ struct ScheduleCache::Impl {
     // A micro-batch's activations live from its F until its B or I (I frees
     // the graph); from its I until its W it keeps only what W needs
     // (pending_w_bytes). The order alone decides it. In the lowered order
-    // (what runs), a sent tensor is kept to the step's end (finish_sends), a
-    // received activation until its F (then it is the stage's saved input), a
-    // received gradient until the micro-batch's B or I.
+    // (what runs), a sent tensor is kept until the receive that retires it
+    // (the executor's own pipeline::retired_sends; the rest to the step's
+    // end), a sent activation also until its stage's B or I (it is the
+    // stage's output, backward's root), a received activation until its F
+    // (then it is the stage's saved input), a received gradient until the
+    // micro-batch's B or I.
     const auto lowered = pipeline::lower(sh.schedule);
     sh.moments.assign(ranks, {});
     for (int r = 0; r < ranks; ++r) {
       int live = 0, pending = 0, boundary = 0;
       std::set<std::tuple<bool, int, int>> received;  // (gradient, stage, micro)
       auto& front = sh.moments[r];
-      for (const auto& act : lowered.actions[r]) {
+      const auto retire = pipeline::retired_sends(lowered, r);
+      // Per Send: what still keeps its tensor (its retirement; an activation's
+      // output too); each hold ends after the action that ends it.
+      std::vector<int> holds(lowered.actions[r].size(), 0), ending;
+      std::map<std::pair<int, int>, int> output_sent;  // (stage, micro) -> the Send of its output
+      for (size_t k = 0; k < lowered.actions[r].size(); ++k) {
+        const auto& act = lowered.actions[r][k];
+        for (int i : ending) boundary -= --holds[i] == 0;
+        ending = retire[k];
         const bool done = act.op == pipeline::Op::B || act.op == pipeline::Op::I;
-        if (act.op == pipeline::Op::Send) ++boundary;
+        if (act.op == pipeline::Op::Send) {
+          ++boundary;
+          holds[k] = act.grad ? 1 : 2;
+          if (!act.grad) output_sent[{act.stage - 1, act.micro}] = static_cast<int>(k);
+        }
+        if (const auto it = output_sent.find({act.stage, act.micro}); done && it != output_sent.end())
+          ending.push_back(it->second);
         if (act.op == pipeline::Op::Recv && received.insert({act.grad, act.stage, act.micro}).second) ++boundary;
         if ((act.op == pipeline::Op::F && received.erase({false, act.stage, act.micro})) ||
             (done && received.erase({true, act.stage, act.micro})))

@@ -158,7 +158,16 @@ struct PipelineExecutor::Impl {
   // Per (stage, micro): what a forward left for its backward, and the
   // tensors between stages.
   std::vector<at::Tensor> input, output, act_in, grad_out, grad_send;
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends;  // in flight, their tensors alive
+  // Sends in flight, their tensors alive: each until a receive proves it
+  // delivered (retire: per action of the lowered row, the positions of the
+  // sends it retires, pipeline::retired_sends), the rest to the step's end.
+  struct InFlight {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor tensor;
+    int action = -1;  // its Send's position in the row (-1: outside the schedule)
+  };
+  std::vector<InFlight> sends;
+  std::vector<std::vector<int>> retire;
   // Split backward: the linears defer their weight gradients while this rank
   // runs I, into the (stage, micro)'s store, which its W empties.
   std::optional<models::common::SplitLinears> split_linears;
@@ -196,6 +205,7 @@ struct PipelineExecutor::Impl {
         if (std::find(ties.begin(), ties.end(), state.params()[k].name) != ties.end()) tied.push_back(k);
     }
     if (state.options().zero_stage >= 2) plan_zero();
+    retire = pipeline::retired_sends(lowered, me);
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
     weight_grads.resize(n);
@@ -299,10 +309,10 @@ struct PipelineExecutor::Impl {
   }
 
   // Gloo moves host memory: a CUDA tensor goes through the host.
-  void send(const at::Tensor& t, int peer, int tag_, const char* what = "pipeline send") {
+  void send(const at::Tensor& t, int peer, int tag_, const char* what = "pipeline send", int action = -1) {
     auto c = t.detach().contiguous();
     if (c.is_cuda() && !rt.pp.nccl) c = c.to(torch::kCPU);
-    sends.emplace_back(rt.send_async(rt.pp, c, peer, tag_, what), c);
+    sends.push_back({rt.send_async(rt.pp, c, peer, tag_, what), c, action});
   }
 
   at::Tensor recv(const std::vector<int64_t>& shape, c10::ScalarType dtype, int peer, int tag_,
@@ -314,8 +324,27 @@ struct PipelineExecutor::Impl {
   }
 
   void finish_sends() {
-    for (auto& [w, t] : sends) rt.wait(w, rt.pp, "pipeline send");
+    for (auto& f : sends) rt.wait(f.work, rt.pp, "pipeline send");
     sends.clear();
+  }
+
+  // After the receive at position k: wait for the sends it proves delivered
+  // and drop their tensors. Deadlock-free: the receive completed, so its
+  // sender q had posted that send, and q runs its row in order with blocking
+  // receives, so every receive of q's row before that send, among them those
+  // of the retired sends, had completed. A delivered send's wait depends on no
+  // rank's progress (Gloo: the peer consumed its buffer; NCCL: the wait only
+  // orders this rank's stream after the send, which the pair's stream ran
+  // before the receive just waited), so it adds no edge to the wait-for graph
+  // the dry run (pipeline::simulate) checks with sends taken as never
+  // blocking: a schedule it passes still cannot hang.
+  void retire_sends(size_t k) {
+    for (int i : retire[k]) {
+      auto it = std::find_if(sends.begin(), sends.end(), [&](const InFlight& f) { return f.action == i; });
+      TORCH_CHECK(it != sends.end(), "pipeline: no send in flight at action ", i, " to retire");
+      rt.wait(it->work, rt.pp, "pipeline send");
+      sends.erase(it);
+    }
   }
 
   models::Documents docs(const data::Batch& b) const { return {b.positions, b.segments}; }
@@ -392,7 +421,7 @@ struct PipelineExecutor::Impl {
     weight_grads[at(s, j)].flush();
   }
 
-  void run(const Action& a) {
+  void run(const Action& a, size_t k) {
     if (synthetic && a.op != Op::Send && a.op != Op::Recv) return run_synthetic(a);
     switch (a.op) {
       case Op::F: return run_f(a.stage, a.micro);
@@ -401,7 +430,7 @@ struct PipelineExecutor::Impl {
       case Op::W: return run_w(a.stage, a.micro);
       case Op::Send: {
         const auto& t = a.grad ? grad_send[at(a.stage + 1, a.micro)] : output[at(a.stage - 1, a.micro)];
-        send(t.to(opts.activation_dtype), a.peer, tag(a.grad, a.stage, a.micro));
+        send(t.to(opts.activation_dtype), a.peer, tag(a.grad, a.stage, a.micro), "pipeline send", static_cast<int>(k));
         if (a.grad) grad_send[at(a.stage + 1, a.micro)] = at::Tensor();
         return;
       }
@@ -502,7 +531,8 @@ at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_ba
     try {
       if (I.zero_schedule) I.reducer.gather_buckets(I.wait_before[k], true);
       if (reduce) I.reducer.begin_backward(I.stage_buckets[a.stage]);
-      I.run(a);
+      I.run(a, k);
+      I.retire_sends(k);
       if (reduce) I.reducer.end_backward();
       if (I.zero_schedule) I.reducer.free_buckets(I.free_after[k]);
     } catch (const dist::CollectiveError& e) {

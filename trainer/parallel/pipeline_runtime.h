@@ -12,9 +12,11 @@
 // Transfers go over the pipeline group (c10d send/recv, tagged by direction,
 // stage and micro-batch); a stage's neighbour on the same rank (V schedules,
 // virtual stages) gets its tensors handed over directly. Sends are
-// asynchronous and waited for at the end of the step; receives are waited for
-// where the schedule puts them, and a failed or timed-out one prints this
-// rank's action grid with the action waited on marked.
+// asynchronous, each kept (with its tensor) until a later receive of this
+// rank proves it delivered (pipeline::retired_sends), the last ones until the
+// step's end; receives are waited for where the schedule puts them, and a
+// failed or timed-out one prints this rank's action grid with the action
+// waited on marked.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -322,6 +322,44 @@ Schedule lower(const Schedule& s) {
   return out;
 }
 
+std::vector<std::vector<int>> retired_sends(const Schedule& s, int rank) {
+  using Key = std::tuple<bool, int, int>;  // (gradient, consumer stage, micro-batch): the message, as its tag
+  const auto& row = s.actions.at(rank);
+  std::vector<std::vector<int>> out(row.size());
+  std::map<Key, int> my_send;  // our sends, by message
+  for (int k = 0; k < static_cast<int>(row.size()); ++k)
+    if (row[k].op == Op::Send) my_send[{row[k].grad, row[k].stage, row[k].micro}] = k;
+  // Per peer q: the messages q receives from us, in q's order; and for each
+  // message q sends us, how many of those precede it in q's row.
+  std::vector<std::vector<Key>> their_recvs(s.ranks);
+  std::map<std::pair<int, Key>, size_t> before_send;
+  for (int q = 0; q < s.ranks; ++q) {
+    if (q == rank) continue;
+    for (const auto& a : s.actions[q]) {
+      if (a.peer != rank) continue;
+      if (a.op == Op::Recv) their_recvs[q].push_back({a.grad, a.stage, a.micro});
+      if (a.op == Op::Send) before_send[{q, {a.grad, a.stage, a.micro}}] = their_recvs[q].size();
+    }
+  }
+  std::vector<size_t> done(s.ranks, 0);  // per peer: the prefix of its receives already retired
+  for (int k = 0; k < static_cast<int>(row.size()); ++k) {
+    const auto& a = row[k];
+    if (a.op != Op::Recv) continue;
+    const auto it = before_send.find({a.peer, {a.grad, a.stage, a.micro}});
+    if (it == before_send.end())
+      throw ScheduleError(fail_text(s, "rank " + std::to_string(rank) + "'s " + token(a) + " has no matching send"));
+    for (; done[a.peer] < it->second; ++done[a.peer]) {
+      const auto& key = their_recvs[a.peer][done[a.peer]];
+      const auto mine = my_send.find(key);
+      if (mine == my_send.end() || mine->second > k)
+        throw ScheduleError(fail_text(s, "rank " + std::to_string(a.peer) + " receives from rank " +
+                                             std::to_string(rank) + " what it has not sent before " + token(a)));
+      out[k].push_back(mine->second);
+    }
+  }
+  return out;
+}
+
 double Simulation::mean_bubble() const {
   if (busy.empty()) return 0;
   double sum = 0;

@@ -69,6 +69,18 @@ void validate(const Schedule& s);
 // gradient going back. Adjacent stages on one rank hand off locally (nothing inserted).
 Schedule lower(const Schedule& s);
 
+// When the sends of lowered row `rank` are certainly delivered, so that
+// their tensors can go: per action of the row, the positions (in the row) of
+// the sends whose delivery its completion proves; only a Recv retires any.
+// Our Recv of a message from q completes once q has posted its Send, and q
+// runs its row in order with blocking receives, so every receive of q's row
+// from us before that Send has completed: the matching sends of ours are
+// delivered and waiting for them returns without any rank's help.
+// Whatever no receive retires (a row's last sends) waits for the step's end.
+// Throws ScheduleError when a Recv has no matching Send or a retired send
+// comes after its retiring Recv (a schedule the dry run refuses).
+std::vector<std::vector<int>> retired_sends(const Schedule& lowered, int rank);
+
 // Durations of one action of one stage; B = I + W.
 struct Costs {
   double f = 1, i = 1, w = 1;
