@@ -293,7 +293,6 @@ void Runtime::heartbeat_loop() {
   // in one line: LibTorch's warnings about it go to the log file only.
   log::QuietTorchLog quiet;
   // Its own connection, so a slow collective never delays the heartbeat.
-  std::optional<DistEnv> env;
   c10::intrusive_ptr<c10d::Store> hb;
   try {
     auto* tcp = dynamic_cast<c10d::TCPStore*>(store_.get());
