@@ -324,6 +324,8 @@ std::string Runtime::diagnose(const Group& g, const char* what, const std::strin
   std::ostringstream msg;
   msg << "rank " << rank_ << ": collective '" << what << "' (#" << my_seq << ") on group " << g.name << " (ranks "
       << join(g.ranks) << ") failed: " << cause;
+  // One process (NCCL groups of one rank): no peer to blame, nothing to ask.
+  if (g.ranks.size() < 2 && !dynamic_cast<c10d::TCPStore*>(store_.get())) return msg.str() + "; this is the only rank";
   // Which ranks stopped answering: those whose heartbeat no longer moves, or
   // that never reached this collective.
   try {
