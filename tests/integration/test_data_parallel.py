@@ -208,19 +208,35 @@ def test_tokens_per_s_counts_the_whole_job(job, name):
     tokens = j.global_batch * SEQ_LEN
     assert f"global batch {j.global_batch} x {SEQ_LEN} tokens" in j.output, j.output
     # Checked against another clock: the timestamps of rank 0's progress lines.
-    # The time the records claim for steps 2..10 (the whole job's tokens per step
-    # over tokens_per_s) must be what the log's clock saw pass between the
-    # lines of steps 1 and 10, less only the logging itself. Counting one
-    # rank's tokens, or one micro-batch's, would be off by 2x or more.
+    # The time the records claim for steps a+1..b (the whole job's tokens per
+    # step over tokens_per_s) must be what the log's clock saw pass between the
+    # lines of steps a and b, less only the logging and whatever stalled the
+    # process outside the step (another job on the machine). Counting one rank's
+    # tokens, or one micro-batch's, claims 2x or more the time the log saw:
+    # never more than it saw, over the whole run. Counting twice claims half or
+    # less of it in every stretch: the claim stays near what the log saw over at
+    # least one stretch of 4 steps (a stall lengthens some, not all; the log's
+    # millisecond stamps are why 4).
     stamps = {}
     for m in STEP_LINE.finditer(j.output):
         stamps[int(m.group(2))] = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f")
     assert sorted(stamps) == list(range(1, STEPS + 1)), j.output
-    seen = (stamps[STEPS] - stamps[1]).total_seconds()
     tps = j.by_step("tokens_per_s")
-    claimed = sum(tokens / tps[s] for s in range(2, STEPS + 1))
-    assert 0.6 * seen - 0.002 <= claimed <= seen + 0.002, (
-        f"{name}: tokens_per_s says steps 2-{STEPS} took {claimed * 1e3:.1f} ms; the log saw {seen * 1e3:.1f} ms")
+
+    def claimed(a, b):
+        return sum(tokens / tps[s] for s in range(a + 1, b + 1))
+
+    def seen(a, b):
+        return (stamps[b] - stamps[a]).total_seconds()
+
+    assert claimed(1, STEPS) <= seen(1, STEPS) + 0.002, (
+        f"{name}: tokens_per_s says steps 2-{STEPS} took {claimed(1, STEPS) * 1e3:.1f} ms; "
+        f"the log saw {seen(1, STEPS) * 1e3:.1f} ms")
+    best = max((claimed(a, b) / max(seen(a, b), 1e-3), a, b)
+               for a in range(1, STEPS) for b in range(a + 4, STEPS + 1))
+    assert best[0] >= 0.7, (
+        f"{name}: over every stretch of 4 or more steps tokens_per_s claims at most {best[0]:.2f} of the time the "
+        f"log saw (steps {best[1] + 1}-{best[2]})")
 
 
 @pytest.mark.parametrize("name", ["dp2_b4", "dp4_b4_zero_ng2"])
