@@ -6,12 +6,13 @@ F, I and W waits its time per layer instead of computing, transfers are real),
 8 micro-batches per step, each schedule with and without optimizer
 post-validation (pas_config.pipeline_post_validation: consecutive steps may
 overlap). Each rank logs, per step, when it started, when its last action ended
-and how long it was busy. Over a window of steady-state steps (the first and
+and how long it was busy. Over a window of steady-state steps (the first two and
 the last two left out: the first warms up, the last is logged, so synchronous)
-a rank's idle fraction is 1 - its busy time / the window's span (the earliest
-start of the window's first step to the latest end of its last, over ranks):
-what the step costs beyond the pipeline's compute, the optimizer and the
-steps' synchronisation included.
+a rank's idle fraction is 1 - its busy time / the window's span, whole
+periods from the last rank's end of the step before the window to its end of
+the window's last (a step's start is no common mark once steps overlap): what
+the steps cost beyond the pipeline's compute, the optimizer and the steps'
+synchronisation included.
 The baseline is the simulator (trainer/parallel/pipeline_schedule.h) run on the
 same lists with the same costs (pipeline::simulate_steady: consecutive steps,
 synchronous or overlapping), logged by the run itself, and the published
@@ -80,8 +81,10 @@ def run_case(binary, scheduler, stages, micros, ms, steps, folder, post_validati
         m = re.search(r"simulated bubble per pipeline rank: ([0-9. ]+)", log)
         if m:
             predicted = [float(v) for v in m.group(1).split()]
-    first, last = 1, steps - 3  # the window: steady-state steps (0-based)
-    span = (max(timeline[r][last][1] for r in range(RANKS)) - min(timeline[r][first][0] for r in range(RANKS)))
+    # The window: steady-state steps first..last (0-based), whole periods: from
+    # the end of the step before it (its last rank's) to the end of its last.
+    first, last = 2, steps - 3
+    span = max(timeline[r][last][1] for r in range(RANKS)) - max(timeline[r][first - 1][1] for r in range(RANKS))
     measured = [1 - sum(timeline[r][k][2] for k in range(first, last + 1)) / span for r in range(RANKS)]
     if post_validation:
         assert "0 rolled back" in (run_dir / "logs" / "rank0.log").read_text(), "a step was rolled back"
@@ -107,7 +110,7 @@ def main():
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {"date": now.isoformat(timespec="seconds"), "device": "cpu: " + cpu_model(),
             "libtorch": libtorch_version(a.nnstrain), "commit": git_commit(), "load_average": os.getloadavg(),
-            "ms_per_layer": a.ms, "steps_timed": a.steps - 3, "layers": LAYERS,
+            "ms_per_layer": a.ms, "steps_timed": a.steps - 4, "layers": LAYERS,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
     stem = ROOT / "bench" / "results" / f"pipeline_bubble_{now.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -116,8 +119,8 @@ def main():
              f"{meta['device']}, LibTorch {meta['libtorch']}, commit {meta['commit']}, load average "
              f"{' '.join(f'{x:.1f}' for x in meta['load_average'])}. {RANKS} pipeline ranks (Gloo, one machine), "
              f"an {LAYERS}-layer model, F = I = W = {a.ms:g} ms per layer "
-             f"(synthetic costs: waits, not compute), over a window of {a.steps - 3} consecutive steps of {a.steps} "
-             f"(the first and the last two left out). uptime before: {meta['uptime']}", "",
+             f"(synthetic costs: waits, not compute), over a window of {a.steps - 4} consecutive steps of {a.steps} "
+             f"(the first two and the last two left out). uptime before: {meta['uptime']}", "",
              "| schedule | stages | micro-batches | post-validation | idle per rank, measured | mean | "
              "simulated per rank | mean | formula |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -150,3 +150,58 @@ def test_what_it_cannot_follow_is_refused(tmp_path, tiny_tokens, ranks, ov, why)
     lines = [l for l in out.splitlines() if "pipeline_post_validation" in l]
     assert lines and why in lines[0], out
     assert "Traceback" not in out and "frame #" not in out, out
+
+
+def test_dropout_rerun_draws_what_the_first_run_drew(tmp_path, tiny_tokens):
+    """GPT with dropout (tied embedding) under 1f1b pp2, every speculative step
+    clipped, so every one rolls back and its next step's prefix reruns: the
+    generators are put back, so the rerun's dropout masks are the first's."""
+    ov = ["--model.type", "gpt", "--model.args",
+          "{vocab_size: 64, block_size: 32, n_layer: 4, n_head: 2, n_embd: 32, dropout: 0.1, bias: true}",
+          "--compute_config.pas_config.pp_size", 2, "--optimizer.clip_gnorm", 0.05]
+    run(2, tmp_path / "ref", tiny_tokens, *ov, "--log_progress_every_n_train_steps", 1)
+    run(2, tmp_path / "pv", tiny_tokens, *ov, *PV, "--log_progress_every_n_train_steps", EVERY)
+    assert_same_run(tmp_path / "ref", tmp_path / "pv", STEPS)
+    (speculated, rollbacks), _ = rolled_back(tmp_path / "pv", 2)
+    assert speculated == rollbacks == len(SPECULATIVE)
+
+
+def test_sigterm_stops_every_rank_at_one_step(tmp_path, tiny_tokens):
+    """SIGTERM to one rank while steps overlap: the request travels with the
+    next validation, every rank saves at the same step (a synchronous one) and exits 0."""
+    import os
+    import signal
+    import time
+    from test_checkpoint import children, check_save_dir, rank_of
+    d = tmp_path / "stopped"
+    args = ["--config", str(CONFIG), "--run_dir", str(d), "--vars.data", str(tiny_tokens), "--micro_batch_size", "2",
+            "--global_batch_size", "8", "--max_train_steps", "100000", *device_args(2), "--model.type", "llama",
+            "--model.args", LLAMA, "--compute_config.pas_config.pp_size", "2", *PV,
+            "--log_progress_every_n_train_steps", "1000", "--checkpoint.save_dir", str(d / "ckpt")]
+    with subprocess.Popen([nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", *args], cwd=SOURCE,
+                          env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        try:
+            log = d / "logs" / "rank1.log"
+            deadline = time.time() + 120
+            while time.time() < deadline and not (log.exists() and "this rank is pipeline rank 1" in log.read_text()):
+                time.sleep(0.2)
+            time.sleep(1.0)  # some steps in
+            workers = {rank_of(p): p for p in children(proc.pid)}
+            assert sorted(workers) == [0, 1], workers
+            os.kill(workers[1], signal.SIGTERM)
+            text, _ = proc.communicate(timeout=120)
+        except BaseException:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, text
+    assert "stopped early on request" in text, text
+    last = check_save_dir(d / "ckpt")
+    assert 1 <= last < 100000
+    manifest = json.loads((d / "ckpt" / f"step-{last:08d}" / "manifest.json").read_text())
+    assert sorted(manifest["rank_states"]) == ["0", "1"] and manifest["step"] == last
+    for r in (0, 1):
+        rlog = (d / "logs" / f"rank{r}.log").read_text()
+        assert f"saving and stopping at step {last}" in rlog, rlog[-2000:]
+        m = re.search(r"optimizer post-validation: (\d+) steps taken speculatively", rlog)
+        assert m and int(m.group(1)) >= 1, rlog[-2000:]  # it stopped from overlapping steps

@@ -360,12 +360,20 @@ std::vector<std::vector<int>> retired_sends(const Schedule& s, int rank) {
   return out;
 }
 
-double Simulation::mean_bubble() const {
-  if (busy.empty()) return 0;
+namespace {
+
+// The mean over ranks of a simulation's (or steady state's) idle fractions.
+template <typename Sim>
+double mean_over_ranks(const Sim& sim) {
+  if (sim.busy.empty()) return 0;
   double sum = 0;
-  for (size_t r = 0; r < busy.size(); ++r) sum += bubble(static_cast<int>(r));
-  return sum / double(busy.size());
+  for (size_t r = 0; r < sim.busy.size(); ++r) sum += sim.bubble(static_cast<int>(r));
+  return sum / double(sim.busy.size());
 }
+
+}  // namespace
+
+double Simulation::mean_bubble() const { return mean_over_ranks(*this); }
 
 namespace {
 
@@ -560,12 +568,7 @@ SteadyState simulate_steady(const Schedule& s, const Costs& c, bool post_validat
   return st;
 }
 
-double SteadyState::mean_bubble() const {
-  if (busy.empty()) return 0;
-  double sum = 0;
-  for (size_t r = 0; r < busy.size(); ++r) sum += bubble(static_cast<int>(r));
-  return sum / double(busy.size());
-}
+double SteadyState::mean_bubble() const { return mean_over_ranks(*this); }
 
 std::string grid(const Schedule& s, const std::vector<int>& waiting) {
   std::ostringstream o;
