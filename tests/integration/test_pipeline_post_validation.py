@@ -81,6 +81,8 @@ PLANS = {
     "zbv_pp2": (2, ["--compute_config.pas_config.pp_size", 2, "--compute_config.pas_config.pipeline_scheduler", "zbv"]),
     "1f1b_pp2": (2, ["--compute_config.pas_config.pp_size", 2]),
     "1f1b_pp2_dp2_zero1": (4, ["--compute_config.pas_config.pp_size", 2, "--compute_config.use_zero", 1]),
+    "zbv_pp2_dp2_zero2": (4, ["--compute_config.pas_config.pp_size", 2, "--compute_config.use_zero", 2,
+                              "--compute_config.pas_config.pipeline_scheduler", "zbv"]),
     "zbv_pp2_tp2_sp": (4, ["--compute_config.pas_config.pp_size", 2, "--compute_config.pas_config.pipeline_scheduler",
                            "zbv", "--compute_config.plan_ngpus", 2, "--pas_policy", "hybrid",
                            "--compute_config.sequence_parallel", "true"]),
@@ -178,15 +180,15 @@ def test_sigterm_stops_every_rank_at_one_step(tmp_path, tiny_tokens):
             "--global_batch_size", "8", "--max_train_steps", "100000", *device_args(2), "--model.type", "llama",
             "--model.args", LLAMA, "--compute_config.pas_config.pp_size", "2", *PV,
             "--log_progress_every_n_train_steps", "1000", "--checkpoint.save_dir", str(d / "ckpt")]
+    # The synthetic-cost mode logs each step's end on every rank: the signal lands in training.
+    env = single_process_env(1, NNSTRAIN_PIPELINE_SYNTHETIC_MS="2,2,2")
     with subprocess.Popen([nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", *args], cwd=SOURCE,
-                          env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
             log = d / "logs" / "rank1.log"
             deadline = time.time() + 120
-            while time.time() < deadline and not (log.exists() and "this rank is pipeline rank 1" in log.read_text()):
-                time.sleep(0.2)
-            time.sleep(1.0)  # some steps in
+            while time.time() < deadline and not (log.exists() and log.read_text().count("pipeline synthetic step") >= 3):
+                time.sleep(0.1)
             workers = {rank_of(p): p for p in children(proc.pid)}
             assert sorted(workers) == [0, 1], workers
             os.kill(workers[1], signal.SIGTERM)
