@@ -808,15 +808,15 @@ TEST_CASE("planner: optimizer post-validation adds its backup to memory, the ste
   // scaling also the reduced gradients. 1F1B's steady period is one step's
   // makespan (tests/base/test_post_validation): bubble and step time unchanged.
   auto model = meta_llama(8, 1024, 3584, 8, 8, 32, 2048);
+  Candidate c{1, 1, 0, 0};
+  c.pp = c.stages = 4;
+  c.scheduler = "1f1b";
+  c.stage_layers = {2, 2, 2, 2};
   for (const std::string precision : {"32-true", "bf16-mixed", "16-mixed"}) {
     INFO(precision);
     auto args = args_for(4, 1, 1, 8, 2048);
     args.precision = precision;
     PlanRequest req{&args, model.get(), 4, h100(), 0};
-    Candidate c{1, 1, 0, 0};
-    c.pp = c.stages = 4;
-    c.scheduler = "1f1b";
-    c.stage_layers = {2, 2, 2, 2};
     const auto off = parallel::estimate(req, c);
     args.compute_config.pipeline.post_validation = true;
     const auto on = parallel::estimate(req, c);
