@@ -87,7 +87,7 @@ TEST_CASE("post-validation prefix: a forward whose receiver's prefix ends earlie
   CHECK(r0[cut[0]].op == Op::Send);
 }
 
-TEST_CASE("steady state: synchronous steps repeat one step's makespan; post-validation changes nothing when "
+TEST_CASE("steady state: synchronous steps repeat one step's makespan, and post-validation changes nothing when "
           "rank 0 closes every step",
           "[pipeline][post_validation]") {
   for (const auto& [name, stages, micros] : std::vector<std::tuple<std::string, int, int>>{
