@@ -3,11 +3,19 @@
 Each schedule runs 4 pipeline ranks (`nnstrain launch`, Gloo on CPU) of an
 8-layer Llama in the synthetic-cost mode (NNSTRAIN_PIPELINE_SYNTHETIC_MS: every
 F, I and W waits its time per layer instead of computing, transfers are real),
-8 micro-batches per step. Each rank logs, per step, when it started (after a
-barrier), when its last action ended and how long it was busy; a step's span is
-the latest end less the earliest start, a rank's idle fraction 1 - busy / span.
+8 micro-batches per step, each schedule with and without optimizer
+post-validation (pas_config.pipeline_post_validation: consecutive steps may
+overlap). Each rank logs, per step, when it started, when its last action ended
+and how long it was busy. Over a window of steady-state steps (the first two and
+the last two left out: the first warms up, the last is logged, so synchronous)
+a rank's idle fraction is 1 - its busy time / the window's span, whole
+periods from the last rank's end of the step before the window to its end of
+the window's last (a step's start is no common mark once steps overlap): what
+the steps cost beyond the pipeline's compute, the optimizer and the steps'
+synchronisation included.
 The baseline is the simulator (trainer/parallel/pipeline_schedule.h) run on the
-same lists with the same costs, logged by the run itself, and the published
+same lists with the same costs (pipeline::simulate_steady: consecutive steps,
+synchronous or overlapping), logged by the run itself, and the published
 formula: GPipe and 1F1B (p-1)/(m+p-1) = 27.3% at p 4, m 8; interleaved
 (p-1)/(v m+p-1) = 15.8% at v 2; ZB-H1 (zb1p) (p-1)(F+I-W) idle per rank,
 (p-1)/(3m+p-1) = 11.1% at F = I = W; and for zbv the V's lower bound (the
@@ -46,8 +54,8 @@ def tokens_file(folder):
     return path
 
 
-def run_case(binary, scheduler, stages, micros, ms, steps, folder):
-    run_dir = pathlib.Path(folder) / f"{scheduler}_m{micros}"
+def run_case(binary, scheduler, stages, micros, ms, steps, folder, post_validation):
+    run_dir = pathlib.Path(folder) / f"{scheduler}_m{micros}_pv{int(post_validation)}"
     args = [binary, "launch", "--nproc-per-node", str(RANKS), "--",
             "--config", ROOT / "tests/integration/configs/tiny_dp.yaml", "--run_dir", run_dir,
             "--vars.data", tokens_file(folder), "--compute_config.device", "cpu",
@@ -57,7 +65,10 @@ def run_case(binary, scheduler, stages, micros, ms, steps, folder):
             "--micro_batch_size", "1", "--global_batch_size", str(micros), "--max_train_steps", str(steps),
             "--compute_config.pas_config.pp_size", str(RANKS),
             "--compute_config.pas_config.pipeline_nstages", str(stages),
-            "--compute_config.pas_config.pipeline_scheduler", scheduler]
+            "--compute_config.pas_config.pipeline_scheduler", scheduler,
+            "--compute_config.pas_config.pipeline_post_validation", str(post_validation).lower(),
+            "--optimizer.clip_gnorm", "0",  # no rollbacks: the steady state, not the redo, is measured
+            "--log_progress_every_n_train_steps", str(steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", NNSTRAIN_PIPELINE_SYNTHETIC_MS=f"{ms},{ms},{ms}")
     p = subprocess.run([str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -70,13 +81,13 @@ def run_case(binary, scheduler, stages, micros, ms, steps, folder):
         m = re.search(r"simulated bubble per pipeline rank: ([0-9. ]+)", log)
         if m:
             predicted = [float(v) for v in m.group(1).split()]
-    idle = {r: [] for r in range(RANKS)}
-    for step in range(1, steps):  # the first step warms up
-        start = min(timeline[r][step][0] for r in range(RANKS))
-        end = max(timeline[r][step][1] for r in range(RANKS))
-        for r in range(RANKS):
-            idle[r].append(1 - timeline[r][step][2] / (end - start))
-    measured = [sum(v) / len(v) for v in idle.values()]
+    # The window: steady-state steps first..last (0-based), whole periods: from
+    # the end of the step before it (its last rank's) to the end of its last.
+    first, last = 2, steps - 3
+    span = max(timeline[r][last][1] for r in range(RANKS)) - max(timeline[r][first - 1][1] for r in range(RANKS))
+    measured = [1 - sum(timeline[r][k][2] for k in range(first, last + 1)) / span for r in range(RANKS)]
+    if post_validation:
+        assert "0 rolled back" in (run_dir / "logs" / "rank0.log").read_text(), "a step was rolled back"
     return measured, predicted
 
 
@@ -84,19 +95,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--ms", type=float, default=20.0, help="milliseconds per layer of each F, I and W")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for scheduler, stages, micros, published in CASES:
-            measured, predicted = run_case(a.nnstrain, scheduler, stages, micros, a.ms, a.steps, tmp)
-            rows.append({"scheduler": scheduler, "pp": RANKS, "stages": stages, "micros": micros,
-                         "measured": measured, "simulated": predicted, "published": published})
-            print(scheduler, "measured", [f"{m:.3f}" for m in measured], "simulated", predicted, flush=True)
+            for pv in (False, True):
+                measured, predicted = run_case(a.nnstrain, scheduler, stages, micros, a.ms, a.steps, tmp, pv)
+                rows.append({"scheduler": scheduler, "pp": RANKS, "stages": stages, "micros": micros,
+                             "post_validation": pv, "measured": measured, "simulated": predicted,
+                             "published": published})
+                print(scheduler, micros, "post-validation" if pv else "synchronous", "measured",
+                      [f"{m:.3f}" for m in measured], "simulated", predicted, flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {"date": now.isoformat(timespec="seconds"), "device": "cpu: " + cpu_model(),
             "libtorch": libtorch_version(a.nnstrain), "commit": git_commit(), "load_average": os.getloadavg(),
-            "ms_per_layer": a.ms, "steps_timed": a.steps - 1, "layers": LAYERS}
+            "ms_per_layer": a.ms, "steps_timed": a.steps - 4, "layers": LAYERS,
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
     stem = ROOT / "bench" / "results" / f"pipeline_bubble_{now.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     pct = lambda v: f"{100 * v:.1f}%"
@@ -104,12 +119,15 @@ def main():
              f"{meta['device']}, LibTorch {meta['libtorch']}, commit {meta['commit']}, load average "
              f"{' '.join(f'{x:.1f}' for x in meta['load_average'])}. {RANKS} pipeline ranks (Gloo, one machine), "
              f"an {LAYERS}-layer model, F = I = W = {a.ms:g} ms per layer "
-             f"(synthetic costs: waits, not compute), mean over {a.steps - 1} steps after the first.", "",
-             "| schedule | stages | micro-batches | idle per rank, measured | mean | simulated per rank | mean | formula |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"(synthetic costs: waits, not compute), over a window of {a.steps - 4} consecutive steps of {a.steps} "
+             f"(the first two and the last two left out). uptime before: {meta['uptime']}", "",
+             "| schedule | stages | micro-batches | post-validation | idle per rank, measured | mean | "
+             "simulated per rank | mean | formula |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mean = lambda v: sum(v) / len(v)
-        lines.append(f"| {r['scheduler']} | {r['stages']} | {r['micros']} | {' '.join(pct(v) for v in r['measured'])} | "
+        lines.append(f"| {r['scheduler']} | {r['stages']} | {r['micros']} | {'on' if r['post_validation'] else 'off'} | "
+                     f"{' '.join(pct(v) for v in r['measured'])} | "
                      f"{pct(mean(r['measured']))} | {' '.join(pct(v) for v in r['simulated'])} | "
                      f"{pct(mean(r['simulated']))} | {pct(r['published']) if r['published'] else '-'} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

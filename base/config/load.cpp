@@ -502,6 +502,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     }
     q.nmicros = static_cast<int>(pas->get_int("pipeline_nmicros", 0, 0, 1 << 20));
     q.scheduler = pas->get_string("pipeline_scheduler", "1f1b", {"gpipe", "1f1b", "1f1b_interleaved", "zb1p", "zbv"});
+    q.post_validation = pas->get_bool("pipeline_post_validation", false);
     if (pas->has("pipeline_layers")) {
       for (double v : pas->get_float_list("pipeline_layers")) {
         if (v < 1 || v != static_cast<double>(static_cast<int>(v)))
@@ -839,6 +840,17 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   top_impl->record("global_batch_size", YAML::Node(std::to_string(t.global_batch_size)));
   // Under autodist the planner checks the micro-batches and the schedule per candidate.
   if (pp > 1) check_pipeline(*pas, c, autodist ? 0 : t.grad_accumulation_steps, dp_text);
+  if (c.pipeline.post_validation) {
+    // What the speculative step cannot follow: no pipeline to overlap, a host
+    // step already delayed, a captured step, parameters gathered once per step.
+    const auto refuse = [&](const std::string& why) {
+      pas->fail("pipeline_post_validation", "true " + why + "; set pipeline_post_validation: false");
+    };
+    if (pp < 2) refuse("overlaps pipeline steps, so it needs pas_config.pp_size of 2 or more");
+    if (c.offload.optimizer || c.offload.params) refuse("cannot back up an offloaded optimizer (compute_config.offload)");
+    if (c.use_zero == 3) refuse("is not supported with compute_config.use_zero: 3 (its parameters are gathered once per step)");
+    if (c.cuda_graphs == "true") refuse("cannot be captured in a CUDA graph (compute_config.cuda_graphs: true)");
+  }
 
   if (t.max_train_steps == 0 && t.max_epochs == 0)
     top.fail("max_train_steps", "one of max_train_steps or max_epochs must be > 0");

@@ -43,6 +43,11 @@ struct PipelineArgs {
   int nmicros = 0;                 // 0: the step's micro-batches (grad_accumulation_steps)
   std::string scheduler = "1f1b";  // gpipe | 1f1b | 1f1b_interleaved | zb1p | zbv
   std::vector<int> layers;         // model layers per stage, given by the user; empty: balanced by the cost model
+  // Optimizer post-validation (docs/parallelism.md): step t + 1's leading
+  // forwards run before step t's global gradient norm is known, on a
+  // speculative optimizer step rolled back when clipping or a non-finite step
+  // says otherwise.
+  bool post_validation = false;
   // Whether the config names pp_size / pipeline_scheduler: under autodist a
   // named one is kept, an unnamed one is the planner's to choose.
   bool pp_size_given = false, scheduler_given = false;

@@ -800,6 +800,33 @@ TEST_CASE("planner: a pipeline's bubble and memory come from the schedule simula
   CHECK(ez.pp_bubble < pipe.pp_bubble);
 }
 
+TEST_CASE("planner: optimizer post-validation adds its backup to memory, the steady state to time",
+          "[planner][pp][post_validation]") {
+  // The backup copies what the optimizer updates, its weights (fp32 masters
+  // under *-mixed) and both moments: 12 bytes per element where the state
+  // holds 8 (fp32: moments only) or 12 (masters and moments); under fp16 loss
+  // scaling also the reduced gradients. 1F1B's steady period is one step's
+  // makespan (tests/base/test_post_validation): bubble and step time unchanged.
+  auto model = meta_llama(8, 1024, 3584, 8, 8, 32, 2048);
+  Candidate c{1, 1, 0, 0};
+  c.pp = c.stages = 4;
+  c.scheduler = "1f1b";
+  c.stage_layers = {2, 2, 2, 2};
+  for (const std::string precision : {"32-true", "bf16-mixed", "16-mixed"}) {
+    INFO(precision);
+    auto args = args_for(4, 1, 1, 8, 2048);
+    args.precision = precision;
+    PlanRequest req{&args, model.get(), 4, h100(), 0};
+    const auto off = parallel::estimate(req, c);
+    args.compute_config.pipeline.post_validation = true;
+    const auto on = parallel::estimate(req, c);
+    CHECK(on.optim_bytes == Approx(off.optim_bytes * (precision == "32-true" ? (8.0 + 12) / 8 : 2.0)));
+    CHECK(on.grad_bytes == Approx(off.grad_bytes * (precision == "16-mixed" ? 2.0 : 1.0)));
+    CHECK(on.pp_bubble == Approx(off.pp_bubble));
+    CHECK(on.step_s == Approx(off.step_s));
+  }
+}
+
 TEST_CASE("planner: Llama 3 70B on 128 H100 is planned with pipeline stages", "[planner][pp]") {
   auto model = meta_llama(80, 8192, 28672, 64, 8, 128256, 8192);
   auto args = args_for(128, 8, 1, 256, 8192);

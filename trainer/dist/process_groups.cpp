@@ -177,6 +177,9 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   };
   cp = along("cp", true, cp_size, pp_size);
   pp = along("pp", false, pp_size, cp_size);
+  // Optimizer post-validation's gradient-norm sum, in flight while the next
+  // step's forwards use pp: a communicator of its own, so neither waits on the other.
+  if (opts.pp_validation) pp_validation = along("ppv", false, pp_size, cp_size);
   // Parameters are replicated over dp x cp (a stage's, under pp): its members at
   // this pp and tp index, e = dp index x cp + cp index. ZeRO groups are slices of
   // it; at cp 1 it is dp and every name is as before cp.

@@ -84,6 +84,7 @@ struct RuntimeOptions {
   // One process with real (one-rank) backends, so that its collectives run the
   // code of many ranks (ZeRO-2/3 at one rank: NCCL's streams on one GPU).
   bool one_rank_backend = false;
+  bool pp_validation = false;  // make pp_validation (optimizer post-validation)
 };
 
 // Connects this rank to the job's rendezvous store (rank 0 serves it), waiting
@@ -121,6 +122,7 @@ class Runtime {
   Group zero;        // ZeRO shard group: a slice of dp_cp of size dp x cp / zero_ngroups
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement
+  Group pp_validation;  // the pp group's ranks again (RuntimeOptions::pp_validation)
 
   // Collectives on the Runtime's own groups (the monitor keeps a pointer to
   // `g`). `what` names the operation in error messages. Async ones return a

@@ -40,6 +40,35 @@ void AdamW::set_step_count(int64_t s) {
   for (auto& t : state_steps_) t.fill_(static_cast<double>(s));
 }
 
+void AdamW::back_up(Backup& into) const {
+  torch::NoGradGuard no_grad;
+  auto copy = [](const std::vector<at::Tensor>& from, std::vector<at::Tensor>& to) {
+    if (to.size() != from.size()) {
+      to.clear();
+      for (const auto& t : from) to.push_back(torch::empty_like(t, at::MemoryFormat::Contiguous));
+    }
+    for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+  };
+  std::vector<at::Tensor> params;
+  for (const auto& s : segments_) params.push_back(s.param);
+  copy(params, into.param);
+  copy(exp_avg_, into.exp_avg);
+  copy(exp_avg_sq_, into.exp_avg_sq);
+  copy(state_steps_, into.steps);
+  into.step = step_;
+}
+
+void AdamW::restore(const Backup& from) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    segments_[i].param.copy_(from.param[i]);
+    exp_avg_[i].copy_(from.exp_avg[i]);
+    exp_avg_sq_[i].copy_(from.exp_avg_sq[i]);
+    state_steps_[i].copy_(from.steps[i]);
+  }
+  step_ = from.step;
+}
+
 int64_t AdamW::step_count() const {
   return state_steps_.empty() ? step_ : static_cast<int64_t>(state_steps_.front().item<double>());
 }

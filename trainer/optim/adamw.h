@@ -50,6 +50,16 @@ class AdamW {
   at::Tensor& exp_avg_sq(size_t i) { return exp_avg_sq_[i]; }
   const std::string& impl() const { return impl_; }
 
+  // Optimizer post-validation (a step taken before it is known to stand):
+  // everything step() changes, each segment's parameter, moments and step
+  // count, copied into `into` (its buffers made on first use) and back.
+  struct Backup {
+    std::vector<at::Tensor> param, exp_avg, exp_avg_sq, steps;
+    int64_t step = 0;
+  };
+  void back_up(Backup& into) const;
+  void restore(const Backup& from);
+
  private:
   void step_loop(double lr, const std::vector<size_t>& idx);
   void step_foreach(double lr, const std::vector<size_t>& idx);

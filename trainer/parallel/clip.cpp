@@ -10,7 +10,7 @@
 
 namespace nnstrain::parallel {
 
-at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
+at::Tensor stage_grad_norm_sq(TrainingState& state, dist::Runtime* rt) {
   // Sum of squares per optimizer segment (a parameter, or a ZeRO chunk of one),
   // weighted so tensor-parallel replicas count once. On CPU each segment's sum
   // is accumulated in fp64: LibTorch's fp32 CPU norm of a 38M-element tensor is
@@ -41,6 +41,11 @@ at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
   // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
   if (rt && state.options().zero() && rt->zero.size() > 1) rt->all_reduce(rt->zero, sq, "gradient norm all-reduce (ZeRO)");
   if (rt && rt->tp.size() > 1) rt->all_reduce(rt->tp, sq, "gradient norm all-reduce (TP)");
+  return sq;
+}
+
+at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt) {
+  auto sq = stage_grad_norm_sq(state, rt);
   // Pipeline stages hold disjoint layers (a tied piece is weighted 1 / its holders).
   if (rt && rt->pp.size() > 1) rt->all_reduce(rt->pp, sq, "gradient norm all-reduce (pipeline)");
   return sq.sqrt().reshape({});

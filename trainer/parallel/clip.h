@@ -17,6 +17,11 @@ class TrainingState;
 // TP group, stages over the pipeline group, and a piece every TP rank (or both
 // ends of a pipeline, a tied embedding) replicates counts once. rt may be null.
 at::Tensor global_grad_norm(TrainingState& state, dist::Runtime* rt);
+// Its square before the sum over pipeline stages (float32 [1]): what this
+// pipeline rank's tp x ZeRO group holds. global_grad_norm is the square root
+// of its sum over the pipeline group; optimizer post-validation issues that
+// sum asynchronously.
+at::Tensor stage_grad_norm_sq(TrainingState& state, dist::Runtime* rt);
 
 // torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1.
 at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm);

@@ -693,10 +693,21 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
   return out;
 }
 
+// Optimizer post-validation: the backup of what the speculative step changes,
+// the optimizer's weights (masters, or the parameters) and moments, and under
+// a loss scaler the reduced gradients (the step unscales them in place).
+void post_validation_term(const Setting& x, PlanEstimate& e) {
+  if (!x.a.compute_config.pipeline.post_validation) return;
+  const double n = x.c.zero_stage ? x.st.padded / x.st.z : x.st.padded;
+  e.optim_bytes += n * (update_bytes(x.pb) + x.pb.moments);
+  if (optim::precision_setup(x.a.precision, x.a.compute_config.reduce_dtype).loss_scaling) e.grad_bytes += n * x.pb.grad;
+}
+
 // What a rank holds between steps and at the step's peak.
 void memory_terms(const Setting& x, PlanEstimate& e) {
   state_term(x, e);
   offload_memory_term(x, e);
+  post_validation_term(x, e);
   peak_term(x, activation_term(x), e);
 }
 
@@ -715,6 +726,7 @@ struct ScheduleCache::Impl {
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
   std::map<std::tuple<ShapeKey, double, double, double, double>, pipeline::Simulation> runs;
+  std::map<std::tuple<ShapeKey, double, double, double, double>, pipeline::SteadyState> steady_runs;
 
   const Shape& shape(const std::string& scheduler, int ranks, int stages, int micros) {
     const ShapeKey key{scheduler, ranks, stages, micros};
@@ -781,6 +793,15 @@ struct ScheduleCache::Impl {
     auto it = runs.find(key);
     if (it != runs.end()) return it->second;
     return runs.emplace(key, pipeline::simulate(shape(scheduler, ranks, stages, micros).schedule, c)).first->second;
+  }
+  // Consecutive steps overlapping under optimizer post-validation.
+  const pipeline::SteadyState& steady(const std::string& scheduler, int ranks, int stages, int micros,
+                                      const pipeline::Costs& c) {
+    const auto key = std::make_tuple(ShapeKey{scheduler, ranks, stages, micros}, c.f, c.i, c.w, c.comm);
+    auto it = steady_runs.find(key);
+    if (it != steady_runs.end()) return it->second;
+    return steady_runs.emplace(key, pipeline::simulate_steady(shape(scheduler, ranks, stages, micros).schedule, c))
+        .first->second;
   }
 };
 
@@ -926,14 +947,22 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   costs.comm = dev.collective_latency_s + act_bytes / link_bw(dev, x.t * x.cp * P);
   auto quiet = costs;
   quiet.comm = 0;
-  const auto& with_comm = im.run(c.scheduler, P, S, m_sim, costs);
-  const auto& without = im.run(c.scheduler, P, S, m_sim, quiet);
   const double per_rank = double(S) / P;  // stages each rank runs per micro-batch
   const double extra = double(micros - m_sim) * per_rank * (costs.f + costs.i + costs.w);
-  double busy = 0;
-  for (double b : without.busy) busy += b;
+  double busy = 0, makespan0 = 0, makespan = 0;
+  if (a.compute_config.pipeline.post_validation) {
+    // Steps overlap: the step time is the steady state's period.
+    const auto& with_comm = im.steady(c.scheduler, P, S, m_sim, costs);
+    const auto& without = im.steady(c.scheduler, P, S, m_sim, quiet);
+    for (double b : without.busy) busy += b;
+    makespan0 = without.period + extra, makespan = with_comm.period + extra;
+  } else {
+    const auto& with_comm = im.run(c.scheduler, P, S, m_sim, costs);
+    const auto& without = im.run(c.scheduler, P, S, m_sim, quiet);
+    for (double b : without.busy) busy += b;
+    makespan0 = without.makespan + extra, makespan = with_comm.makespan + extra;
+  }
   busy = busy / double(P) + extra;
-  const double makespan0 = without.makespan + extra, makespan = with_comm.makespan + extra;
   e.pp_bubble = makespan0 > 0 ? 1 - busy / makespan0 : 0.0;
   e.pp_comm_s = std::max(0.0, makespan - makespan0);
   e.compute_s = micros * per_rank * worst_stage.compute;

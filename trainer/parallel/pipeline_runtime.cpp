@@ -189,6 +189,12 @@ struct PipelineExecutor::Impl {
   std::optional<KillAt> kill_at;
   int steps_run = 0;
   double busy_s = 0;
+  std::chrono::steady_clock::time_point start;  // synthetic: when this step began on this rank
+  // The step in progress: the next action of the row, the phase callback and
+  // where it stands; post-validation's prefix (pipeline::post_validation_prefix).
+  size_t next = 0, prefix = 0;
+  std::function<void(bool)> phase;
+  bool in_backward = false;
 
   Impl(models::CausalLM& m, const PipelinePlan& p, dist::Runtime& r, TrainingState& st, GradientReducer& red,
        const Options& o)
@@ -206,6 +212,7 @@ struct PipelineExecutor::Impl {
     }
     if (state.options().zero_stage >= 2) plan_zero();
     retire = pipeline::retired_sends(lowered, me);
+    if (opts.post_validation) prefix = static_cast<size_t>(pipeline::post_validation_prefix(lowered)[me]);
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
     weight_grads.resize(n);
@@ -454,6 +461,29 @@ struct PipelineExecutor::Impl {
     throw dist::CollectiveError(std::string(e.what()) + "; " + where);
   }
 
+  // Runs this rank's row from `next` up to (not including) action `end`.
+  void run_until(size_t end) {
+    const auto& row = lowered.actions[me];
+    for (; next < end; ++next) {
+      const size_t k = next;
+      const auto& a = row[k];
+      if (kill_at && kill_at->step == steps_run && kill_at->action == k) std::raise(SIGKILL);
+      const bool backward = a.op == Op::B || a.op == Op::I || a.op == Op::W || (a.op != Op::F && a.grad);
+      if (phase && backward != in_backward) phase(in_backward = backward);
+      const bool reduce = zero_schedule && weight_backward(a);
+      try {
+        if (zero_schedule) reducer.gather_buckets(wait_before[k], true);
+        if (reduce) reducer.begin_backward(stage_buckets[a.stage]);
+        run(a, k);
+        retire_sends(k);
+        if (reduce) reducer.end_backward();
+        if (zero_schedule) reducer.free_buckets(free_after[k]);
+      } catch (const dist::CollectiveError& e) {
+        fail_at(k, e);
+      }
+    }
+  }
+
   void sum_tied() {
     if (tied.empty()) return;
     torch::NoGradGuard no_grad;
@@ -491,7 +521,8 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
     const double layers = static_cast<double>(plan.stage_layers.front());
     c.f *= layers, c.i *= layers, c.w *= layers;
     if (!opts.split_backward) c.i += c.w, c.w = 0;
-    const auto sim = pipeline::simulate(impl_->sched, c);
+    // Consecutive steps: synchronous (as one step alone) or overlapping under post-validation.
+    const auto sim = pipeline::simulate_steady(impl_->sched, c, opts.post_validation);
     std::string bubbles;
     for (int r = 0; r < plan.pp; ++r) bubbles += (r ? " " : "") + std::to_string(sim.bubble(r));
     log::info("pipeline synthetic costs F " + std::to_string(c.f) + " I " + std::to_string(c.i) + " W " +
@@ -504,6 +535,13 @@ PipelineExecutor::~PipelineExecutor() = default;
 at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
                                         const at::Tensor& loss_scale, bool poison,
                                         const std::function<void(bool backward)>& phase) {
+  start_step(micro_batches, weights, loss_scale, poison, phase, false);
+  return finish_step();
+}
+
+void PipelineExecutor::start_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
+                                  const at::Tensor& loss_scale, bool poison,
+                                  const std::function<void(bool backward)>& phase, bool prefix) {
   auto& I = *impl_;
   TORCH_CHECK(static_cast<int>(micro_batches.size()) == I.M, "pipeline: ", micro_batches.size(),
               " micro-batches for a schedule of ", I.M);
@@ -511,34 +549,41 @@ at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_ba
   I.weights = weights;
   I.loss_scale = loss_scale;
   I.poison = poison;
+  I.phase = phase;
+  I.in_backward = false;
+  I.next = 0;
   I.loss_sum = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
-  const auto& row = I.lowered.actions[I.me];
-  std::chrono::steady_clock::time_point start;
-  if (I.synthetic) {  // every rank starts the timed step together
+  // Every rank starts the timed step together, but under post-validation,
+  // whose steps overlap by design (the bench measures over a window of them).
+  if (I.synthetic && !I.opts.post_validation)
     I.rt.all_reduce(I.rt.pp, torch::zeros({1}, torch::TensorOptions().device(I.opts.device)), "pipeline synthetic start");
-    start = I.last_end = std::chrono::steady_clock::now();
+  if (I.synthetic) {
+    I.start = I.last_end = std::chrono::steady_clock::now();
     I.busy_s = 0;
   }
-  bool in_backward = false;
   ++I.steps_run;
   if (I.zero_schedule) I.reducer.gather_buckets(I.gather_order, false);  // ZeRO-3: once per step
-  for (size_t k = 0; k < row.size(); ++k) {
-    const auto& a = row[k];
-    if (I.kill_at && I.kill_at->step == I.steps_run && I.kill_at->action == k) std::raise(SIGKILL);
-    const bool backward = a.op == Op::B || a.op == Op::I || a.op == Op::W || (a.op != Op::F && a.grad);
-    if (phase && backward != in_backward) phase(in_backward = backward);
-    const bool reduce = I.zero_schedule && I.weight_backward(a);
-    try {
-      if (I.zero_schedule) I.reducer.gather_buckets(I.wait_before[k], true);
-      if (reduce) I.reducer.begin_backward(I.stage_buckets[a.stage]);
-      I.run(a, k);
-      I.retire_sends(k);
-      if (reduce) I.reducer.end_backward();
-      if (I.zero_schedule) I.reducer.free_buckets(I.free_after[k]);
-    } catch (const dist::CollectiveError& e) {
-      I.fail_at(k, e);
-    }
-  }
+  if (prefix) I.run_until(I.prefix);
+}
+
+void PipelineExecutor::redo_prefix() {
+  auto& I = *impl_;
+  // Every message sent inside a prefix was received inside its receiver's, so
+  // these sends are delivered once the receivers reach validation: no wait on
+  // work that is not already posted.
+  I.finish_sends();
+  for (size_t k = 0; k < I.input.size(); ++k) I.input[k] = I.output[k] = I.act_in[k] = at::Tensor();
+  I.loss_sum.zero_();
+  I.next = 0;
+  I.in_backward = false;
+  I.run_until(I.prefix);
+}
+
+size_t PipelineExecutor::prefix_length() const { return impl_->prefix; }
+
+at::Tensor PipelineExecutor::finish_step() {
+  auto& I = *impl_;
+  I.run_until(I.lowered.actions[I.me].size());
   I.finish_sends();
   if (I.zero_schedule) I.reducer.complete_reductions();  // the shard is whole before the tied sum
   if (I.synthetic) {
@@ -547,12 +592,13 @@ at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_ba
     auto ns = [](std::chrono::steady_clock::time_point t) {
       return std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
     };
-    log::info("pipeline synthetic step: pipeline rank " + std::to_string(I.me) + " start_ns " + ns(start) +
+    log::info("pipeline synthetic step: pipeline rank " + std::to_string(I.me) + " start_ns " + ns(I.start) +
               " end_ns " + ns(I.last_end) + " busy_ns " + std::to_string(static_cast<int64_t>(I.busy_s * 1e9)));
   }
   I.sum_tied();
   I.batches = nullptr;
   I.loss_scale = at::Tensor();
+  I.phase = nullptr;
   return I.loss_sum;
 }
 

@@ -75,6 +75,7 @@ class PipelineExecutor {
     int64_t hidden = 0;                                         // the blocks' width
     int64_t sequence_divisor = 1;  // activation tokens: the batch's (under cp its slice) / this (SP: tp)
     bool split_backward = true;    // I and W as two passes (false: I runs the whole backward, W nothing)
+    bool post_validation = false;  // pas_config.pipeline_post_validation: start_step may run the prefix
   };
   // `state`: this rank's training state (the tied parameters' gradients are
   // summed between the first and last stage from it). `reducer`: under ZeRO 2
@@ -99,6 +100,20 @@ class PipelineExecutor {
   // last stage, 0 elsewhere. Then the tied gradients are summed.
   at::Tensor train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
                         const at::Tensor& loss_scale, bool poison, const std::function<void(bool backward)>& phase = {});
+  // The same step in parts, for optimizer post-validation (docs/parallelism.md):
+  // start_step sets the step up as train_step does and, with `prefix`, runs
+  // this rank's leading forwards (pipeline::post_validation_prefix) while the
+  // previous step's optimizer step is still being validated; redo_prefix drops
+  // what they made (activations, loss, their sends, all delivered by then)
+  // and runs them again on the weights a rollback restored; finish_step runs
+  // the rest and returns what train_step does. `micro_batches` must outlive it.
+  void start_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
+                  const at::Tensor& loss_scale, bool poison, const std::function<void(bool backward)>& phase,
+                  bool prefix);
+  void redo_prefix();
+  at::Tensor finish_step();
+  size_t prefix_length() const;  // actions of this rank's lowered row the prefix holds
+
   // Forward only, stage after stage (evaluation): the batch's loss on the
   // rank holding the last stage, 0 elsewhere.
   at::Tensor eval_loss(const data::Batch& batch);

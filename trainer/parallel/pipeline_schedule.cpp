@@ -360,63 +360,89 @@ std::vector<std::vector<int>> retired_sends(const Schedule& s, int rank) {
   return out;
 }
 
-double Simulation::mean_bubble() const {
-  if (busy.empty()) return 0;
+namespace {
+
+// The mean over ranks of a simulation's (or steady state's) idle fractions.
+template <typename Sim>
+double mean_over_ranks(const Sim& sim) {
+  if (sim.busy.empty()) return 0;
   double sum = 0;
-  for (size_t r = 0; r < busy.size(); ++r) sum += bubble(static_cast<int>(r));
-  return sum / double(busy.size());
+  for (size_t r = 0; r < sim.busy.size(); ++r) sum += sim.bubble(static_cast<int>(r));
+  return sum / double(sim.busy.size());
 }
 
-Simulation simulate(const Schedule& s, const Costs& c) {
+}  // namespace
+
+double Simulation::mean_bubble() const { return mean_over_ranks(*this); }
+
+namespace {
+
+// The simulation of `steps` consecutive steps: each rank runs its row once per
+// step, in order. Step n > 0's actions at or after prefix[r] in rank r's row
+// also wait for every rank to have finished step n - 1 (the optimizer step
+// between them takes no time here); its first prefix[r] actions only for rank
+// r itself (post-validation's leading forwards). Empty prefix: every action.
+struct Run {
+  Simulation sim;
+  std::vector<double> step_end;  // per step: when its last rank finished it
+};
+
+Run run_steps(const Schedule& s, const Costs& c, int steps, const std::vector<int>& prefix) {
   const bool lowered = has_transfers(s);
   const int S = s.stages, m = s.micros;
-  // Finish times: compute actions by (op, stage, micro); sends by (grad, consumer stage, micro).
-  std::vector<std::vector<double>> f_done(S, std::vector<double>(m, kInf)), back_done = f_done, w_done = f_done;
-  std::map<std::tuple<bool, int, int>, double> sent, received;
-  std::vector<size_t> next(s.ranks, 0);
+  auto idx = [&](int n, int st, int j) { return (static_cast<size_t>(n) * S + st) * m + j; };
+  // Finish times: compute actions by (step, stage, micro); messages by (step, grad, consumer stage, micro).
+  std::vector<double> f_done(static_cast<size_t>(steps) * S * m, kInf), back_done = f_done, w_done = f_done;
+  std::map<std::tuple<int, bool, int, int>, double> sent, received;
+  std::vector<size_t> next(s.ranks, 0);  // over the row repeated `steps` times
   std::vector<double> free_at(s.ranks, 0.0);
-  Simulation sim;
+  std::vector<int> finished(steps, 0);   // ranks done with each step
+  Run out;
+  out.step_end.assign(steps, 0.0);
+  Simulation& sim = out.sim;
   sim.busy.assign(s.ranks, 0.0);
   sim.peak_live.assign(s.ranks, 0);
   std::vector<int> live(s.ranks, 0);
   size_t left = 0;
-  for (const auto& row : s.actions) left += row.size();
+  for (const auto& row : s.actions) left += row.size() * steps;
 
-  // When rank r's next action could start (kInf: what it needs is not done yet).
-  auto ready_at = [&](int r, const Action& a) -> double {
+  // When rank r's action a of step n could start (kInf: what it needs is not done yet).
+  auto ready_at = [&](int r, int n, size_t k, const Action& a) -> double {
     auto cross = [&](int producer_stage, double done) {  // a dependency, maybe on another rank
       if (s.stage_rank[producer_stage] == s.stage_rank[a.stage] || done == kInf) return done;
       if (!lowered) return done + c.comm;
       const bool grad = producer_stage > a.stage;
-      auto it = received.find({grad, a.stage, a.micro});
+      auto it = received.find({n, grad, a.stage, a.micro});
       return it == received.end() ? kInf : it->second;
     };
     double dep = 0;
     switch (a.op) {
       case Op::F:
-        if (a.stage > 0) dep = cross(a.stage - 1, f_done[a.stage - 1][a.micro]);
+        if (a.stage > 0) dep = cross(a.stage - 1, f_done[idx(n, a.stage - 1, a.micro)]);
         break;
       case Op::B:
       case Op::I:
-        dep = f_done[a.stage][a.micro];
-        if (a.stage + 1 < S) dep = std::max(dep, cross(a.stage + 1, back_done[a.stage + 1][a.micro]));
+        dep = f_done[idx(n, a.stage, a.micro)];
+        if (a.stage + 1 < S) dep = std::max(dep, cross(a.stage + 1, back_done[idx(n, a.stage + 1, a.micro)]));
         break;
       case Op::W:
-        dep = back_done[a.stage][a.micro];
+        dep = back_done[idx(n, a.stage, a.micro)];
         break;
       case Op::Send: {
         // What is sent was produced by this rank: the forward of the stage before
         // the consumer, or the backward of the stage after it.
         const int producer = a.grad ? a.stage + 1 : a.stage - 1;
-        dep = a.grad ? back_done[producer][a.micro] : f_done[producer][a.micro];
+        dep = a.grad ? back_done[idx(n, producer, a.micro)] : f_done[idx(n, producer, a.micro)];
         break;
       }
       case Op::Recv: {
-        auto it = sent.find({a.grad, a.stage, a.micro});
+        auto it = sent.find({n, a.grad, a.stage, a.micro});
         dep = it == sent.end() ? kInf : it->second + c.comm;
         break;
       }
     }
+    if (n > 0 && (prefix.empty() || static_cast<int>(k) >= prefix[r]))
+      dep = std::max(dep, finished[n - 1] == s.ranks ? out.step_end[n - 1] : kInf);
     return std::max(dep, free_at[r]);
   };
 
@@ -424,22 +450,30 @@ Simulation simulate(const Schedule& s, const Costs& c) {
     int best = -1;
     double best_t = kInf;
     for (int r = 0; r < s.ranks; ++r) {
-      if (next[r] >= s.actions[r].size()) continue;
-      const double t = ready_at(r, s.actions[r][next[r]]);
+      const size_t len = s.actions[r].size();
+      if (next[r] >= len * steps) continue;
+      const int n = static_cast<int>(next[r] / len);
+      const size_t k = next[r] % len;
+      const double t = ready_at(r, n, k, s.actions[r][k]);
       if (t < best_t) best_t = t, best = r;
     }
     if (best < 0) {
       std::vector<int> waiting(s.ranks, -1);
       std::string who;
-      for (int r = 0; r < s.ranks; ++r)
-        if (next[r] < s.actions[r].size()) {
-          waiting[r] = static_cast<int>(next[r]);
+      for (int r = 0; r < s.ranks; ++r) {
+        const size_t len = s.actions[r].size();
+        if (next[r] < len * steps) {
+          waiting[r] = static_cast<int>(next[r] % len);
           who += (who.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " on " +
-                 token(s.actions[r][next[r]]);
+                 token(s.actions[r][next[r] % len]);
         }
+      }
       throw ScheduleError(fail_text(s, "deadlock: no rank can go on (" + who + ")", waiting));
     }
-    const auto& a = s.actions[best][next[best]++];
+    const size_t len = s.actions[best].size();
+    const int n = static_cast<int>(next[best] / len);
+    const auto& a = s.actions[best][next[best] % len];
+    ++next[best];
     --left;
     double dur = 0;
     switch (a.op) {
@@ -453,26 +487,88 @@ Simulation simulate(const Schedule& s, const Costs& c) {
     free_at[best] = end;
     sim.busy[best] += dur;
     sim.makespan = std::max(sim.makespan, end);
+    const size_t i = idx(n, a.stage, a.micro);
     switch (a.op) {
       case Op::F:
-        f_done[a.stage][a.micro] = end;
+        f_done[i] = end;
         sim.peak_live[best] = std::max(sim.peak_live[best], ++live[best]);
         break;
       case Op::B:
-        back_done[a.stage][a.micro] = w_done[a.stage][a.micro] = end;
+        back_done[i] = w_done[i] = end;
         --live[best];
         break;
-      case Op::I: back_done[a.stage][a.micro] = end; break;
+      case Op::I: back_done[i] = end; break;
       case Op::W:
-        w_done[a.stage][a.micro] = end;
+        w_done[i] = end;
         --live[best];
         break;
-      case Op::Send: sent[{a.grad, a.stage, a.micro}] = end; break;
-      case Op::Recv: received[{a.grad, a.stage, a.micro}] = end; break;
+      case Op::Send: sent[{n, a.grad, a.stage, a.micro}] = end; break;
+      case Op::Recv: received[{n, a.grad, a.stage, a.micro}] = end; break;
+    }
+    if (next[best] % len == 0) {  // this rank finished step n
+      ++finished[n];
+      out.step_end[n] = std::max(out.step_end[n], end);
     }
   }
-  return sim;
+  return out;
 }
+
+}  // namespace
+
+Simulation simulate(const Schedule& s, const Costs& c) { return run_steps(s, c, 1, {}).sim; }
+
+std::vector<int> post_validation_prefix(const Schedule& lowered) {
+  const auto& rows = lowered.actions;
+  const int R = lowered.ranks;
+  // Each rank's row up to its first backward work (B, I, W or a gradient transfer).
+  std::vector<int> cut(R, 0);
+  for (int r = 0; r < R; ++r) {
+    const auto& row = rows[r];
+    while (cut[r] < static_cast<int>(row.size()) &&
+           (row[cut[r]].op == Op::F || ((row[cut[r]].op == Op::Send || row[cut[r]].op == Op::Recv) && !row[cut[r]].grad)))
+      ++cut[r];
+  }
+  // Where each activation message is sent and received: (consumer stage, micro) -> (rank, position).
+  std::map<std::pair<int, int>, std::pair<int, int>> send_at, recv_at;
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < static_cast<int>(rows[r].size()); ++k) {
+      const auto& a = rows[r][k];
+      if (a.grad) continue;
+      if (a.op == Op::Send) send_at[{a.stage, a.micro}] = {r, k};
+      if (a.op == Op::Recv) recv_at[{a.stage, a.micro}] = {r, k};
+    }
+  // Shrink to the largest cut every message crosses whole: sent inside one
+  // prefix iff received inside the other (cuts only shrink, so this ends).
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < cut[r]; ++k) {
+        const auto& a = rows[r][k];
+        if (a.op != Op::Send && a.op != Op::Recv) continue;
+        const auto& other = (a.op == Op::Send ? recv_at : send_at)[{a.stage, a.micro}];
+        if (other.second >= cut[other.first]) {
+          cut[r] = k;
+          changed = true;
+          break;
+        }
+      }
+  }
+  return cut;
+}
+
+SteadyState simulate_steady(const Schedule& s, const Costs& c, bool post_validation) {
+  const auto lowered = has_transfers(s) ? s : lower(s);
+  // Enough steps for the pattern to repeat; the period from the later ones.
+  constexpr int kSteps = 8, kTimed = 4;
+  const auto run = run_steps(lowered, c, kSteps, post_validation ? post_validation_prefix(lowered) : std::vector<int>(s.ranks, 0));
+  SteadyState st;
+  st.period = (run.step_end[kSteps - 1] - run.step_end[kSteps - 1 - kTimed]) / kTimed;
+  for (double b : run.sim.busy) st.busy.push_back(b / kSteps);
+  st.peak_live = run.sim.peak_live;
+  return st;
+}
+
+double SteadyState::mean_bubble() const { return mean_over_ranks(*this); }
 
 std::string grid(const Schedule& s, const std::vector<int>& waiting) {
   std::ostringstream o;

@@ -103,6 +103,32 @@ struct Simulation {
 // deadlock), the grid marking each rank's action that waits.
 Simulation simulate(const Schedule& s, const Costs& c = {});
 
+// Optimizer post-validation (docs/parallelism.md): a rank runs the leading
+// forwards of step t + 1 before step t's optimizer step is validated. Per rank
+// of a lowered schedule, how many actions of its row that prefix holds: only
+// forwards and activation transfers, up to the first backward work, cut so
+// that every message sent inside a prefix is received inside its receiver's
+// and every one received inside was sent inside (a rollback reruns all the
+// prefixes, message for message). A forward whose send the receiver's prefix
+// does not take ends its prefix before that send: it goes after validation.
+// Every rank computes the same cuts.
+std::vector<int> post_validation_prefix(const Schedule& lowered);
+
+// Consecutive steps in steady state. Synchronous (post_validation false):
+// every step starts once every rank finished the one before (the global norm
+// all-reduce before the optimizer), so the period is one step's makespan.
+// Post-validation: rank r's prefix of step t + 1 starts once r finished step
+// t, the rest of it once every rank did. Optimizer and validation take no time.
+struct SteadyState {
+  double period = 0;         // time from one step's end to the next's
+  std::vector<double> busy;  // per rank and step: time spent computing
+  std::vector<int> peak_live;
+  double bubble(int rank) const { return period > 0 ? 1 - busy[rank] / period : 0; }
+  double mean_bubble() const;
+};
+// `s` compute lists or lowered ones (lowered here when not).
+SteadyState simulate_steady(const Schedule& s, const Costs& c = {}, bool post_validation = true);
+
 // One row per rank: "rank 0 | F0.0 F0.1 B0.0 ..." (stage.micro); `waiting[r]`,
 // when given, is the index of rank r's action to mark as [waited on] (-1: none).
 std::string grid(const Schedule& s, const std::vector<int>& waiting = {});

@@ -13,6 +13,7 @@ PipelinePlan pipeline_plan(const config::PipelineArgs& a, int64_t grad_accumulat
   PipelinePlan p;
   p.pp = a.pp_size;
   p.scheduler = a.scheduler;
+  p.post_validation = a.post_validation;
   p.nmicros = a.nmicros > 0 ? a.nmicros : grad_accumulation_steps;
   p.stages = a.nstages > 0                ? a.nstages
              : !a.layers.empty()          ? static_cast<int>(a.layers.size())

@@ -60,7 +60,8 @@ void to_json(nlohmann::json& j, const Plan& p) {
                      {"stages", p.pipeline.stages},
                      {"scheduler", p.pipeline.scheduler},
                      {"nmicros", p.pipeline.nmicros},
-                     {"stage_layers", p.pipeline.stage_layers}};
+                     {"stage_layers", p.pipeline.stage_layers},
+                     {"post_validation", p.pipeline.post_validation}};
 }
 
 void from_json(const nlohmann::json& j, Plan& p) {
@@ -132,6 +133,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       p.pipeline.scheduler = q.at("scheduler").get<std::string>();
       p.pipeline.nmicros = q.at("nmicros").get<int64_t>();
       p.pipeline.stage_layers = q.at("stage_layers").get<std::vector<int>>();
+      p.pipeline.post_validation = q.value("post_validation", false);
     }
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(std::string("invalid plan JSON: ") + e.what());
@@ -244,7 +246,10 @@ std::string describe(const Plan& p, bool explain) {
     o << "  pipeline: " << q.stages << " stages over " << q.pp << " ranks"
       << (q.stages > q.pp ? " (" + std::to_string(q.stages / q.pp) + " per rank)" : std::string()) << ", schedule "
       << q.scheduler << ", " << q.nmicros << " micro-batches per step; predicted bubble "
-      << fixed(100 * p.estimate.pp_bubble, 1) << "%\n"
+      << fixed(100 * p.estimate.pp_bubble, 1) << "%"
+      << (q.post_validation ? " (optimizer post-validation: consecutive steps overlapping, in steady state)"
+                            : std::string())
+      << "\n"
       << "  stage layers: " << split << " (embedding on stage 0, final norm and head on stage " << q.stages - 1
       << ")\n";
   }

@@ -52,6 +52,7 @@ struct PipelinePlan {
   std::string scheduler = "1f1b";   // gpipe | 1f1b | 1f1b_interleaved | zb1p | zbv
   int64_t nmicros = 1;              // micro-batches in flight per step (one pipeline flush)
   std::vector<int> stage_layers;    // model layers per stage (sums to the layer count)
+  bool post_validation = false;     // pas_config.pipeline_post_validation: steps overlap (the estimate's steady state)
 };
 
 struct Plan {

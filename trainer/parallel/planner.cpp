@@ -435,7 +435,8 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.offload_params = best.c.offload_params;
   p.context = {best.c.cp, best.c.cp_comm, best.c.cp_balance};
   p.pipeline = {best.c.pp, best.c.stages, best.c.scheduler,
-                a.global_batch_size / (a.micro_batch_size * best.c.dp), best.c.stage_layers};
+                a.global_batch_size / (a.micro_batch_size * best.c.dp), best.c.stage_layers,
+                a.compute_config.pipeline.post_validation};
   p.recompute.assign(L, false);
   // The first k layers of the model, or under pp of every stage.
   const auto stages = p.pipeline.stage_layers.empty() ? std::vector<int>{L} : p.pipeline.stage_layers;

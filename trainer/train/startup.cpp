@@ -73,6 +73,7 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   o.activation_dtype = optim::precision_setup(args.precision, args.compute_config.reduce_dtype).param;
   o.hidden = model.dims().hidden;
   o.sequence_divisor = plan.tp > 1 && args.compute_config.sequence_parallel ? plan.tp : 1;
+  o.post_validation = args.compute_config.pipeline.post_validation;
   auto p = std::make_unique<parallel::PipelineExecutor>(model, plan.pipeline, rt, state, reducer, o);
   std::string layers;
   for (size_t s = 0; s < plan.pipeline.stage_layers.size(); ++s)
@@ -80,7 +81,10 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   log::info("pipeline: " + plan.pipeline.scheduler + ", " + std::to_string(plan.pipeline.stages) + " stages over pp " +
             std::to_string(plan.pipeline.pp) + " ranks, " + std::to_string(plan.pipeline.nmicros) +
             " micro-batches per step, layers per stage " + layers + "; this rank is pipeline rank " +
-            std::to_string(rt.pp.rank));
+            std::to_string(rt.pp.rank) +
+            (o.post_validation ? "; optimizer post-validation: " + std::to_string(p->prefix_length()) +
+                                     " actions of the next step before validating"
+                               : std::string()));
   return p;
 }
 
@@ -298,6 +302,7 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   o.one_rank_backend = env.world_size == 1;
   o.tp = a.plan.tp;
   o.pp = a.plan.pipeline.pp;
+  o.pp_validation = args.compute_config.pipeline.post_validation && o.pp > 1;
   o.cp = a.plan.context.cp;
   o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
   o.backend = args.compute_config.backend;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <limits>
@@ -104,6 +105,9 @@ class Trainer {
 
  private:
   void step(const std::vector<data::Batch>& batches);
+  void optimizer_update(const at::Tensor& norm, double lr);
+  void speculate();
+  void validate();
   void log_progress();
   void evaluate();
   void save();
@@ -152,6 +156,26 @@ class Trainer {
   int64_t replayed_comm_bytes_ = 0;  // ... times the replays since (the reducer's host code did not run)
   dist::Traffic interval_tp_;        // the tensor-parallel group's at the interval's start (training only)
   dist::Traffic interval_cp_;        // the context-parallel group's, likewise
+
+  // Optimizer post-validation (pas_config.pipeline_post_validation,
+  // docs/parallelism.md): an ordinary step's optimizer step is taken before
+  // the global gradient norm is known, and the next step's leading forwards
+  // run while its sum over the pipeline is in flight.
+  struct Speculation {
+    at::Tensor sq;    // this pipeline rank's norm^2, summed over the pipeline in flight
+    at::Tensor stop;  // stop requests (host), summed over the world in flight
+    c10::intrusive_ptr<c10d::Work> sq_work, stop_work;
+    optim::AdamW::Backup optimizer;  // what the speculative step changed, as it was
+    at::Tensor grads, scale, growth;  // fp16: the gradients (the step unscaled them) and the scaler
+    double lr = 0;
+    std::vector<at::Tensor> rng;  // generator states before the next step's prefix (dropout)
+  };
+  const bool post_validation_;
+  bool speculate_ = false;      // this step may end speculatively (an ordinary step)
+  bool pending_ = false;        // a speculative step awaits validation
+  bool stop_pending_ = false;   // the last validation carried a stop request
+  Speculation spec_;
+  int64_t speculated_ = 0, rolled_back_ = 0;
 };
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
@@ -175,7 +199,8 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       fopts_(torch::TensorOptions().device(device).dtype(torch::kFloat32)),
       timer_(device),
       profiler_(args.profile, device, env.rank),
-      step_(start_step) {
+      step_(start_step),
+      post_validation_(args.compute_config.pipeline.post_validation && tr_.pipeline != nullptr) {
   if (device.is_cuda()) peak_flops_ = parallel::peak_flops_for(agreed.device, args.precision, args.compute_config.allow_tf32);
 
   // Logging sinks (rank 0 writes them).
@@ -303,7 +328,9 @@ void Trainer::announce(int64_t start_step) {
 // it is recorded once and replayed (step_graph.h); the learning rate then
 // comes from lr_dev_.
 void Trainer::step(const std::vector<data::Batch>& batches) {
-  tr_.state->zero_grad();
+  // Post-validation: the previous step's gradients stay until it is validated
+  // (a rollback redoes its optimizer step from them).
+  if (!pending_) tr_.state->zero_grad();
   loss_sum_.zero_();
   // The loss is the mean over every counted target of the step: all micro-batches
   // of every dp x cp rank. Each micro-batch's mean is weighted by its share of
@@ -320,11 +347,23 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     // The schedule runs every micro-batch's forward and backward; the gradients
     // are reduced over dp once they are all in (finish_gradients below).
     tr_.reducer->begin_micro_step(false);
-    loss_sum_ = tr_.pipeline->train_step(batches, torch::stack(counts).to(torch::kFloat32) * inv_total,
-                                         tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
-                                         [this](bool backward) {
-                                           timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
-                                         });
+    const bool prefix = pending_;
+    if (prefix) {  // what the prefix's dropout draws, for a rerun
+      spec_.rng = {at::detail::getDefaultCPUGenerator().get_state()};
+      if (device_.is_cuda()) spec_.rng.push_back(at::globalContext().defaultGenerator(device_).get_state());
+      if (tr_.tp_rng) spec_.rng.push_back(tr_.tp_rng->state(device_));
+    }
+    tr_.pipeline->start_step(batches, torch::stack(counts).to(torch::kFloat32) * inv_total,
+                             tr_.scaler ? tr_.scaler->scale() : at::Tensor(), poison_,
+                             [this](bool backward) {
+                               timer_.enter(backward ? StepTimer::kBackward : StepTimer::kForward);
+                             },
+                             prefix);
+    if (prefix) {
+      validate();
+      tr_.state->zero_grad();
+    }
+    loss_sum_ = tr_.pipeline->finish_step();
     tr_.reducer->begin_micro_step(true);
   }
   for (int64_t a = 0; a < accum_ && !tr_.pipeline; ++a) {
@@ -347,7 +386,14 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   tr_.reducer->finish_gradients();
   timer_.enter(StepTimer::kOptimizer);
   tr_.before_norm();  // delayed update: the previous host step lands on the device now
-  grad_norm_ = parallel::global_grad_norm(*tr_.state, rt_.get());  // identical on every rank
+  if (speculate_ && !stop_pending_) return speculate();
+  optimizer_update(parallel::global_grad_norm(*tr_.state, rt_.get()), lr_);  // the norm identical on every rank
+}
+
+// From the global gradient norm on: unscale and clip, AdamW (skipped whole
+// where the norm is not finite), the loss scaler, the counters.
+void Trainer::optimizer_update(const at::Tensor& norm, double lr) {
+  grad_norm_ = norm;
   auto found_inf = torch::isfinite(grad_norm_).logical_not().to(torch::kFloat32).reshape({1});
   at::Tensor coef;
   if (tr_.scaler) {
@@ -361,11 +407,86 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   }
   if (coef.defined()) tr_.state->scale_gradients(coef);
   // Skipped whole where found_inf; ZeRO-1/2's gather of the updated chunks is inside.
-  tr_.optimizer_step(lr_, found_inf, graph_ ? lr_dev_ : at::Tensor());
+  tr_.optimizer_step(lr, found_inf, graph_ ? lr_dev_ : at::Tensor());
   if (tr_.scaler) tr_.scaler->update(found_inf);
   step_dev_.add_(1);
   first_bad_.copy_(torch::where(found_inf.gt(0) & first_bad_.lt(0), step_dev_, first_bad_));
   skipped_.add_(found_inf);
+}
+
+// Post-validation, at the end of an ordinary step: the sum of the norm over
+// the pipeline (and of stop requests over the world) leaves asynchronously,
+// on groups the next step's transfers do not use; the optimizer's state is
+// backed up and the step taken as optimizer_update takes it when the norm is
+// finite and not clipped: then the coefficient is the loss scaler's 1 / scale
+// (clip 1.0 multiplies by exactly one), found_inf is 0, and the scaler grows.
+void Trainer::speculate() {
+  auto& s = spec_;
+  s.sq = parallel::stage_grad_norm_sq(*tr_.state, rt_.get());
+  s.sq_work = rt_->all_reduce_async(rt_->pp_validation, s.sq, "gradient norm all-reduce (pipeline, post-validation)");
+  s.stop = torch::full({1}, g_stop_signal.load() != 0 ? 1.0f : 0.0f);
+  s.stop_work = rt_->all_reduce_async(rt_->control, s.stop, "stop request (post-validation)");
+  tr_.optimizer->back_up(s.optimizer);
+  const auto no_inf = torch::zeros({1}, fopts_);
+  if (tr_.scaler) {
+    auto& g = tr_.state->reduced_grads();
+    if (!s.grads.defined()) s.grads = torch::empty_like(g);
+    s.grads.copy_(g);
+    s.scale = tr_.scaler->scale().clone();
+    s.growth = tr_.scaler->growth_tracker().clone();
+    tr_.state->scale_gradients(tr_.scaler->scale().reciprocal().reshape({}));
+  }
+  s.lr = lr_;
+  tr_.optimizer_step(lr_, no_inf, at::Tensor());
+  if (tr_.scaler) tr_.scaler->update(no_inf);
+  pending_ = true;
+  ++speculated_;
+}
+
+// Post-validation, after the next step's prefix: the speculative step stands
+// if the norm is finite and the clip coefficient exactly 1 (every rank sees
+// the same sum, so all decide alike); otherwise every rank restores the state,
+// takes the step as the synchronous path does, and reruns the prefix from the
+// same generator states on the weights that stand.
+void Trainer::validate() {
+  auto& s = spec_;
+  rt_->wait(s.sq_work, rt_->pp_validation, "gradient norm all-reduce (pipeline, post-validation)");
+  rt_->wait(s.stop_work, rt_->control, "stop request (post-validation)");
+  pending_ = false;
+  stop_pending_ = s.stop.item<float>() > 0;
+  const auto norm = s.sq.sqrt().reshape({});
+  // Unscaled by the scale the step was taken with (s.scale: the scaler has grown since).
+  const auto unscaled = tr_.scaler ? norm * s.scale.reciprocal().reshape({}) : norm;
+  const bool finite = std::isfinite(norm.item<double>());
+  const bool clipped = finite && args_.optimizer.clip_gnorm > 0 &&
+                       parallel::clip_coefficient(unscaled, args_.optimizer.clip_gnorm).item<float>() != 1.0f;
+  if (finite && !clipped) {
+    grad_norm_ = unscaled;
+    step_dev_.add_(1);  // the counters as optimizer_update leaves them with found_inf 0
+    return;
+  }
+  ++rolled_back_;
+  log::info("step " + std::to_string(step_) + ": optimizer post-validation rolled back (" +
+            (finite ? "the gradient norm was clipped" : "the gradient norm was not finite") +
+            "): the step redone as without speculation, the next step's " +
+            std::to_string(tr_.pipeline->prefix_length()) + " leading actions rerun");
+  saver_->state_may_change();
+  tr_.optimizer->restore(s.optimizer);
+  if (tr_.scaler) {
+    tr_.state->reduced_grads().copy_(s.grads);
+    tr_.scaler->scale().copy_(s.scale);
+    tr_.scaler->growth_tracker().copy_(s.growth);
+  }
+  optimizer_update(norm, s.lr);
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();  // a handle to the default one
+  cpu.set_state(s.rng[0]);
+  size_t i = 1;
+  if (device_.is_cuda()) {
+    at::Generator gen = at::globalContext().defaultGenerator(device_);
+    gen.set_state(s.rng[i++]);
+  }
+  if (tr_.tp_rng) tr_.tp_rng->set_state(device_, s.rng[i++]);
+  tr_.pipeline->redo_prefix();
 }
 
 // Without a loss scaler a non-finite step stops the run at the next logging
@@ -557,6 +678,11 @@ int Trainer::run() {
     profiler_.before_step(step_ + 1);
     const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
     logs_ = logs;
+    // Post-validation speculates at ordinary steps only: not where the step is
+    // logged, evaluated or saved, nor the last (their state must stand).
+    speculate_ = post_validation_ && !logs && step_ + 1 < max_steps &&
+                 !(args_.val_every_n_train_steps > 0 && (step_ + 1) % args_.val_every_n_train_steps == 0) &&
+                 !(args_.checkpoint.every_n_train_steps > 0 && (step_ + 1) % args_.checkpoint.every_n_train_steps == 0);
     if (logs) reset_step_peak(device_);  // peak_tensor_mb: what this step holds at most
     // A step being captured records no timing events (they would join the graph);
     // a replayed one is timed as data, then the graph as a whole.
@@ -606,7 +732,11 @@ int Trainer::run() {
     }
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
-    const bool stop = stop_decision_->after_step(step_, g_stop_signal.load() != 0, periodic || last);
+    // Post-validation: a speculative step's requests travel with its norm and
+    // stop the run after the next step (synchronous then), with no barrier here.
+    const bool stop = pending_          ? false
+                      : stop_pending_   ? true
+                                        : stop_decision_->after_step(step_, g_stop_signal.load() != 0, periodic || last);
     if (stop) {
       log::warn("stop requested (SIGTERM/SIGUSR1): saving and stopping at step " + std::to_string(step_));
       stopped_by_signal = true;
@@ -639,6 +769,9 @@ int Trainer::run() {
               " bytes; in the last step " + std::to_string(tr_.reducer->offloaded_in_backward()) + " of " +
               std::to_string(tr_.state->host_buckets()) + " offloaded buckets' gradients left during backward");
   }
+  if (post_validation_)
+    log::info("optimizer post-validation: " + std::to_string(speculated_) + " steps taken speculatively, " +
+              std::to_string(rolled_back_) + " rolled back");
   if (rank_ == 0) log::info(stopped_by_signal ? "stopped early on request" : "training done");
   // A graph that captured NCCL collectives holds their communicators: destroying
   // (or aborting) one first waits for the graph forever (pytorch/pytorch#115388).
