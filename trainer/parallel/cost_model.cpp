@@ -23,6 +23,7 @@
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/param_units.h"
 #include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/parallel/pipeline_stages.h"
 #include "trainer/parallel/training_state.h"
 
 namespace nnstrain::parallel {
@@ -714,7 +715,7 @@ struct ScheduleCache::Impl {
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
-  std::map<std::tuple<ShapeKey, double, double, double, double>, pipeline::Simulation> runs;
+  std::map<std::pair<ShapeKey, std::vector<double>>, pipeline::Simulation> runs;  // by the costs
 
   const Shape& shape(const std::string& scheduler, int ranks, int stages, int micros) {
     const ShapeKey key{scheduler, ranks, stages, micros};
@@ -777,7 +778,9 @@ struct ScheduleCache::Impl {
   }
   const pipeline::Simulation& run(const std::string& scheduler, int ranks, int stages, int micros,
                                   const pipeline::Costs& c) {
-    const auto key = std::make_tuple(ShapeKey{scheduler, ranks, stages, micros}, c.f, c.i, c.w, c.comm);
+    std::vector<double> costs{c.f, c.i, c.w, c.comm};
+    for (const auto& st : c.stage) costs.insert(costs.end(), {st.f, st.i, st.w});
+    const auto key = std::make_pair(ShapeKey{scheduler, ranks, stages, micros}, std::move(costs));
     auto it = runs.find(key);
     if (it != runs.end()) return it->second;
     return runs.emplace(key, pipeline::simulate(shape(scheduler, ranks, stages, micros).schedule, c)).first->second;
@@ -789,11 +792,17 @@ ScheduleCache::~ScheduleCache() = default;
 
 namespace {
 
+// The micro-batches of one pipeline flush: the step's, global batch / (micro x dp).
+int pipeline_micros(const config::TrainerArgs& a, const Candidate& c) {
+  return static_cast<int>(std::max<int64_t>(1, a.global_batch_size / (a.micro_batch_size * std::max(1, c.dp))));
+}
+
 // Micro-batches the pipeline simulator runs: beyond 4 x stages (a multiple of
 // pp, as interleaving needs) the schedule is in its steady state, where every
 // further micro-batch adds one F + B to every rank. The zero-bubble
 // schedules are simulated in full (their W now waits a bounded time, but
 // their steady state has not been checked against a cap).
+
 int simulated_micros(const std::string& scheduler, int micros, int pp, int stages) {
   const int cap = std::max(4 * stages, 2 * pp);
   if (scheduler == "zb1p" || scheduler == "zbv" || micros <= cap) return micros;
@@ -805,18 +814,19 @@ int simulated_micros(const std::string& scheduler, int micros, int pp, int stage
 // the last; a tied embedding on both) with their gradients and optimizer
 // state (ZeRO over dp x cp), and the activations of the micro-batches in flight
 // at its peak (pipeline::simulate's peak_live: p - r under 1F1B on rank r);
-// the busiest rank is the estimate. Time: pipeline::simulate with per-stage
-// F, B (zero-bubble: I and W) times from the compute, tensor- and
-// context-parallel terms, the slowest stage's for all, and the activation
-// (or gradient) transfer between ranks; pp_bubble is the schedule's idle
-// fraction, pp_comm_s what the transfers add to the makespan.
+// the busiest rank is the estimate. Time: pipeline::simulate with each
+// stage's own F, B (zero-bubble: I and W) times from the compute, tensor- and
+// context-parallel terms, and the activation (or gradient) transfer between
+// ranks; compute is the busiest rank's (the sum of the stages it holds),
+// pp_bubble the schedule's idle fraction (a lighter rank's idle time counts),
+// pp_comm_s what the transfers add to the makespan.
 PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c, ScheduleCache* cache) {
   ScheduleCache local;
   auto& im = *(cache ? cache : &local)->impl;
   const auto& a = *req.args;
   const int S = c.stages, P = c.pp;
-  const auto layers = c.stage_layers.empty() ? stage_split(req, f, S) : c.stage_layers;
-  const int micros = static_cast<int>(std::max<int64_t>(1, a.global_batch_size / (a.micro_batch_size * std::max(1, c.dp))));
+  const auto layers = c.stage_layers.empty() ? stage_split(req, f, c) : c.stage_layers;
+  const int micros = pipeline_micros(a, c);
   const int m_sim = simulated_micros(c.scheduler, micros, P, S);
   const auto& shape = im.shape(c.scheduler, P, S, m_sim);
   const auto& stage_rank = shape.schedule.stage_rank;
@@ -898,8 +908,9 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   struct StageCost {
     double f = 0, i = 0, w = 0, compute = 0, tp = 0, cp = 0;
   };
-  StageCost worst_stage;
+  std::vector<StageCost> rank_cost(P);  // per micro-batch: the sum of the rank's stages
   pipeline::Costs costs{0, 0, 0, 0};
+  costs.stage.resize(S);
   for (int st = 0; st < S; ++st) {
     const double n = layers[st], k = std::min<double>(c.recompute_layers, n);
     const bool head = st == S - 1, embed = st == 0;
@@ -917,10 +928,16 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     sc.compute = 3 * fwd + rec;
     sc.tp = tp_f + tp_b;
     sc.cp = cp_f + cp_b;
-    costs.f = std::max(costs.f, sc.f);
-    costs.i = std::max(costs.i, sc.i);
-    costs.w = std::max(costs.w, sc.w);
-    if (sc.f + sc.i + sc.w > worst_stage.f + worst_stage.i + worst_stage.w) worst_stage = sc;
+    costs.stage[st] = {sc.f, sc.i, sc.w};
+    auto& rc = rank_cost[stage_rank[st]];
+    rc.f += sc.f, rc.i += sc.i, rc.w += sc.w, rc.compute += sc.compute, rc.tp += sc.tp, rc.cp += sc.cp;
+  }
+  // The busiest rank bounds the steady state; its work is the step's compute.
+  double mean_load = 0;
+  const StageCost* busiest = &rank_cost[0];
+  for (const auto& rc : rank_cost) {
+    mean_load += (rc.f + rc.i + rc.w) / P;
+    if (rc.f + rc.i + rc.w > busiest->f + busiest->i + busiest->w) busiest = &rc;
   }
   const double act_bytes = x.tokens * x.h * x.pb.act * (x.sp ? 1 / x.t : 1.0);  // each tp rank sends its share
   costs.comm = dev.collective_latency_s + act_bytes / link_bw(dev, x.t * x.cp * P);
@@ -928,17 +945,17 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   quiet.comm = 0;
   const auto& with_comm = im.run(c.scheduler, P, S, m_sim, costs);
   const auto& without = im.run(c.scheduler, P, S, m_sim, quiet);
-  const double per_rank = double(S) / P;  // stages each rank runs per micro-batch
-  const double extra = double(micros - m_sim) * per_rank * (costs.f + costs.i + costs.w);
+  const double beyond = double(micros - m_sim);  // micro-batches past the simulated ones
+  const double extra = beyond * (busiest->f + busiest->i + busiest->w);
   double busy = 0;
   for (double b : without.busy) busy += b;
-  busy = busy / double(P) + extra;
+  busy = busy / double(P) + beyond * mean_load;
   const double makespan0 = without.makespan + extra, makespan = with_comm.makespan + extra;
   e.pp_bubble = makespan0 > 0 ? 1 - busy / makespan0 : 0.0;
   e.pp_comm_s = std::max(0.0, makespan - makespan0);
-  e.compute_s = micros * per_rank * worst_stage.compute;
-  e.tp_comm_s = micros * per_rank * worst_stage.tp;
-  e.cp_comm_s = micros * per_rank * worst_stage.cp;
+  e.compute_s = micros * busiest->compute;
+  e.tp_comm_s = micros * busiest->tp;
+  e.cp_comm_s = micros * busiest->cp;
   PlanEstimate scratch;
   const auto cm = compute_term(x, scratch);  // the forward/backward shares dp_comm_term overlaps with
   dp_comm_term(x, cm, e);
@@ -1157,7 +1174,8 @@ std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_e
   return n;
 }
 
-std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int stages) {
+std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
+  const int stages = c.stages;
   const auto& given = req.args->compute_config.pipeline.layers;
   if (!given.empty() && static_cast<int>(given.size()) == stages) {
     int64_t sum = 0;
@@ -1173,7 +1191,11 @@ std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int st
   const double head = 6 * double(f.dims.vocab) * double(f.dims.hidden);
   const double layer = std::max(1.0, (flops - head) / std::max<double>(1, f.layers));
   // The embedding is a lookup (no matmul): its stage has no extra time.
-  return balanced_stage_split(f.layers, stages, 0.0, head / layer);
+  const auto balanced = balanced_stage_split(f.layers, stages, 0.0, head / layer);
+  if (stages <= c.pp) return balanced;
+  std::vector<double> extra(stages, 0.0);
+  extra.back() = head / layer;
+  return fastest_split(c.scheduler, c.pp, stages, pipeline_micros(*req.args, c), balanced, extra);
 }
 
 void check_tp_feasible(const models::CausalLM& model, int tp) {

@@ -85,6 +85,12 @@ std::vector<std::vector<int>> retired_sends(const Schedule& lowered, int rank);
 struct Costs {
   double f = 1, i = 1, w = 1;
   double comm = 0;  // a transfer between ranks
+  // Per stage when not empty (one entry each): its own F, I and W in place of
+  // f, i and w, for stages that differ (uneven layers, the head's stage).
+  struct Stage {
+    double f = 1, i = 1, w = 1;
+  };
+  std::vector<Stage> stage;
 };
 
 struct Simulation {
