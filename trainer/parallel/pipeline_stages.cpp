@@ -65,9 +65,13 @@ std::vector<int> fastest_split(const std::string& scheduler, int ranks, int stag
   // busiest rank's work, as the cost model extrapolates.
   const int simulated = std::min(micros, 2 * stages);
   const auto s = pipeline::make_schedule(scheduler, ranks, stages, simulated);
-  auto busiest = [&](const std::vector<int>& n) {
+  auto rank_load = [&](const std::vector<int>& n) {  // per micro-batch: F + I + W of its stages
     std::vector<double> load(ranks, 0.0);
     for (int st = 0; st < stages; ++st) load[s.stage_rank[st]] += 3 * (n[st] + extra[st]);
+    return load;
+  };
+  auto busiest = [&](const std::vector<int>& n) {
+    const auto load = rank_load(n);
     return *std::max_element(load.begin(), load.end());
   };
   auto step = [&](const std::vector<int>& n) {
@@ -103,16 +107,22 @@ std::vector<int> fastest_split(const std::string& scheduler, int ranks, int stag
     if (const double t = step(ranked); faster(t, best_t)) best = ranked, best_t = t;
   // Neighbours: one layer from one stage to another, the best move per
   // round. The busiest rank's work bounds a step from below: a move whose
-  // bound is no faster is not simulated.
-  for (int64_t round = 0; round < layers; ++round) {
+  // bound is no faster is not simulated. The search stops once it has
+  // simulated kSearchWork rank-actions (a pipeline of 64 stages affords part
+  // of one round; 16 stages at 32 micro-batches, three).
+  constexpr double kSearchWork = 1e7;
+  const double per_step = double(ranks) * 3 * stages * simulated;
+  double work = 2 * per_step;
+  for (int64_t round = 0; round < layers && work < kSearchWork; ++round) {
     std::vector<int> next;
     double next_t = best_t;
-    for (int from = 0; from < stages; ++from)
-      for (int to = 0; to < stages; ++to) {
+    for (int from = 0; from < stages && work < kSearchWork; ++from)
+      for (int to = 0; to < stages && work < kSearchWork; ++to) {
         if (from == to || best[from] <= 1 || best[to] >= most) continue;
         auto c = best;
         --c[from], ++c[to];
         if (!faster(micros * busiest(c), next_t)) continue;
+        work += per_step;
         if (const double t = step(c); faster(t, next_t)) next = c, next_t = t;
       }
     if (next.empty()) break;
