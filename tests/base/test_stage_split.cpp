@@ -86,15 +86,8 @@ TEST_CASE("the split is the fastest an exhaustive search finds on small pipeline
       for (double head : {0.0, 1.5, 2.5}) {
         INFO(scheduler << " layers " << layers << " head " << head);
         const int stages = 4, micros = 8;
-        // balanced_stage_split's rule: one layer at a time to the stage it leaves cheapest.
-        std::vector<int> per_stage(stages, 1);
         const auto extra = head_on_last(stages, head);
-        for (int left = layers - stages; left > 0; --left) {
-          int best = 0;
-          for (int st = 1; st < stages; ++st)
-            if (per_stage[st] + 1 + extra[st] < per_stage[best] + 1 + extra[best] - 1e-12) best = st;
-          ++per_stage[best];
-        }
+        const auto per_stage = deal_layers(layers, extra, std::vector<int>(stages, 1));  // balanced_stage_split's
         const int most = *std::max_element(per_stage.begin(), per_stage.end());
         const auto s = make_schedule(scheduler, 2, stages, micros);
         double optimum = 1e300;

@@ -802,7 +802,6 @@ int pipeline_micros(const config::TrainerArgs& a, const Candidate& c) {
 // further micro-batch adds one F + B to every rank. The zero-bubble
 // schedules are simulated in full (their W now waits a bounded time, but
 // their steady state has not been checked against a cap).
-
 int simulated_micros(const std::string& scheduler, int micros, int pp, int stages) {
   const int cap = std::max(4 * stages, 2 * pp);
   if (scheduler == "zb1p" || scheduler == "zbv" || micros <= cap) return micros;
@@ -1159,19 +1158,10 @@ std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_e
   if (stages < 1 || layers < stages)
     throw PlanError(std::to_string(layers) + " layers cannot fill " + std::to_string(stages) +
                     " pipeline stages (each needs at least one)");
-  std::vector<int> n(stages, 1);
-  auto cost = [&](int st, int count) {
-    return count + (st == 0 ? first_extra : 0.0) + (st == stages - 1 ? last_extra : 0.0);
-  };
-  // One layer at a time to the stage it leaves cheapest: with equal layers
-  // this minimises the most expensive stage.
-  for (int64_t left = layers - stages; left > 0; --left) {
-    int best = 0;
-    for (int st = 1; st < stages; ++st)
-      if (cost(st, n[st] + 1) < cost(best, n[best] + 1) - 1e-12) best = st;
-    ++n[best];
-  }
-  return n;
+  std::vector<double> extra(stages, 0.0);
+  extra.front() += first_extra;
+  extra.back() += last_extra;
+  return deal_layers(layers, extra, std::vector<int>(stages, 1));
 }
 
 std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {

@@ -39,11 +39,7 @@ PipelinePlan pipeline_plan(const config::PipelineArgs& a, int64_t grad_accumulat
   return p;
 }
 
-namespace {
-
-// Layers dealt one at a time to whichever part (`fixed`: its other work, in
-// layers) it leaves cheapest, ties to the earlier; each starts with `least`.
-std::vector<int> deal(int64_t layers, const std::vector<double>& fixed, std::vector<int> n) {
+std::vector<int> deal_layers(int64_t layers, const std::vector<double>& fixed, std::vector<int> n) {
   for (int64_t left = layers - std::accumulate(n.begin(), n.end(), int64_t{0}); left > 0; --left) {
     size_t best = 0;
     for (size_t k = 1; k < n.size(); ++k)
@@ -52,8 +48,6 @@ std::vector<int> deal(int64_t layers, const std::vector<double>& fixed, std::vec
   }
   return n;
 }
-
-}  // namespace
 
 std::vector<int> fastest_split(const std::string& scheduler, int ranks, int stages, int micros,
                                const std::vector<int>& start, const std::vector<double>& extra) {
@@ -87,14 +81,14 @@ std::vector<int> fastest_split(const std::string& scheduler, int ranks, int stag
   std::vector<double> rank_extra(ranks, 0.0);
   std::vector<int> rank_least(ranks, 0);
   for (int st = 0; st < stages; ++st) rank_extra[s.stage_rank[st]] += extra[st], ++rank_least[s.stage_rank[st]];
-  const auto per_rank = deal(layers, rank_extra, rank_least);
+  const auto per_rank = deal_layers(layers, rank_extra, rank_least);
   std::vector<int> ranked(stages, 1);
   for (int r = 0; r < ranks; ++r) {
     std::vector<int> mine;
     std::vector<double> fixed;
     for (int st = 0; st < stages; ++st)
       if (s.stage_rank[st] == r) mine.push_back(st), fixed.push_back(extra[st]);
-    const auto n = deal(per_rank[r], fixed, std::vector<int>(mine.size(), 1));
+    const auto n = deal_layers(per_rank[r], fixed, std::vector<int>(mine.size(), 1));
     for (size_t k = 0; k < mine.size(); ++k) ranked[mine[k]] = n[k];
   }
   // No stage above start's largest: a stage's activations, and the recompute

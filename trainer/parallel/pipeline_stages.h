@@ -23,6 +23,12 @@ namespace nnstrain::parallel {
 // keys when the split or the schedule cannot work.
 PipelinePlan pipeline_plan(const config::PipelineArgs& args, int64_t grad_accumulation_steps, int64_t layers);
 
+// `layers` dealt one at a time to whichever part (stage or rank) it leaves
+// cheapest, a part costing its layers plus fixed[part] (other work, in
+// layers), ties to the earlier; each part starts with least[part]. With equal
+// layers this makes the most expensive part the cheapest it can be.
+std::vector<int> deal_layers(int64_t layers, const std::vector<double>& fixed, std::vector<int> least);
+
 // The split of the layers of `start` (the per-stage balance) over the stages
 // of `scheduler`'s schedule whose simulated step (pipeline::simulate) is the
 // shortest, a stage of n layers costing n + extra[stage] for each of F, I and W
