@@ -134,7 +134,8 @@ Schedule zb_h1(int p, int m) {
 // (1F1B's rank 0 in half-size stages). Its steady state runs every W right
 // after its I, so it keeps its timing when F, I and W (or the stages) differ:
 // the list-scheduled order this replaces had no slack at equal costs and idled
-// 5% at p 2 with I = 1.1 W (8.6% at p 4 with the 70B plan's costs).
+// 5% at p 2, m 64 with I = 1.1 F and W = 0.9 F (4.5% at the 70B plan's pp 2
+// costs, F = I = 1.3 W; 8.6% at p 4).
 // Fewer than 2p - 1 micro-batches: the lists for 2p - 1 with the others'
 // actions removed (dropping whole micro-batches from every rank keeps an order
 // that could run, since actions wait only on their own micro-batch's).
