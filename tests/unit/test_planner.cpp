@@ -750,7 +750,10 @@ TEST_CASE("planner: stage splits keep every layer once and balance the head", "[
 
 TEST_CASE("planner: a pipeline's bubble and memory come from the schedule simulator", "[planner][pp]") {
   // Equal stages (no head cost to speak of: a tiny vocabulary), no transfers
-  // to speak of: 1F1B's bubble is (p - 1) / (m + p - 1).
+  // to speak of: 1F1B's bubble is (p - 1) / (m + p - 1). The head still makes
+  // the last stage 0.1% heavier, and each stage is simulated at its own cost,
+  // so the three lighter ranks idle that much of every micro-batch: +0.07
+  // points at m 100.
   auto model = meta_llama(8, 1024, 3584, 8, 8, 32, 2048);
   for (int m : {4, 8, 32, 100}) {
     auto args = args_for(4, 1, 1, m, 2048);
@@ -763,7 +766,7 @@ TEST_CASE("planner: a pipeline's bubble and memory come from the schedule simula
     const auto e = parallel::estimate(req, c);
     INFO("m " << m);
     const double p = 4;
-    CHECK(e.pp_bubble == Approx((p - 1) / (m + p - 1)).epsilon(0.02));
+    CHECK(e.pp_bubble == Approx((p - 1) / (m + p - 1)).epsilon(0.03));
     CHECK(e.pp_comm_s > 0);
     CHECK(e.step_s > e.compute_s);
     // GPipe holds every micro-batch, 1F1B's stage 0 holds p of them: its

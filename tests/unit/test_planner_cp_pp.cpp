@@ -119,7 +119,11 @@ TEST_CASE("cost model: a cp x pp stage's time includes the ring's exposed commun
   // (m + p - 1) forward-backward pairs, each longer by the ring's time.
   CHECK(gathered.step_s - hidden.step_s == Approx((m + p - 1) * per_micro).epsilon(1e-6));
   CHECK(gathered.compute_s == hidden.compute_s);
-  CHECK(gathered.pp_bubble == Approx(double(p - 1) / (m + p - 1)).epsilon(0.05));
+  // The bubble: 1F1B's at equal stages, plus what the lighter stage idles
+  // behind the head's (vocab 4096: 0.14 of a layer's FLOPs at this sequence,
+  // 3.5% of a 4-layer stage; each stage is simulated at its own cost).
+  CHECK(gathered.pp_bubble > double(p - 1) / (m + p - 1));
+  CHECK(gathered.pp_bubble < double(p - 1) / (m + p - 1) + 0.035 / 2 + 1e-9);
 }
 
 TEST_CASE("planner: cp x pp is planned as the config names it, and searched and explained under autodist",

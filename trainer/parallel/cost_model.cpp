@@ -23,6 +23,7 @@
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/param_units.h"
 #include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/parallel/pipeline_stages.h"
 #include "trainer/parallel/training_state.h"
 
 namespace nnstrain::parallel {
@@ -725,8 +726,14 @@ struct ScheduleCache::Impl {
   };
   using ShapeKey = std::tuple<std::string, int, int, int>;  // scheduler, ranks, stages, micros
   std::map<ShapeKey, Shape> shapes;
-  std::map<std::tuple<ShapeKey, double, double, double, double>, pipeline::Simulation> runs;
-  std::map<std::tuple<ShapeKey, double, double, double, double>, pipeline::SteadyState> steady_runs;
+  using CostKey = std::pair<ShapeKey, std::vector<double>>;  // the shape and the costs
+  std::map<CostKey, pipeline::Simulation> runs;
+  std::map<CostKey, pipeline::SteadyState> steady_runs;
+  static CostKey cost_key(const std::string& scheduler, int ranks, int stages, int micros, const pipeline::Costs& c) {
+    std::vector<double> costs{c.f, c.i, c.w, c.comm};
+    for (const auto& st : c.stage) costs.insert(costs.end(), {st.f, st.i, st.w});
+    return {ShapeKey{scheduler, ranks, stages, micros}, std::move(costs)};
+  }
 
   const Shape& shape(const std::string& scheduler, int ranks, int stages, int micros) {
     const ShapeKey key{scheduler, ranks, stages, micros};
@@ -789,7 +796,7 @@ struct ScheduleCache::Impl {
   }
   const pipeline::Simulation& run(const std::string& scheduler, int ranks, int stages, int micros,
                                   const pipeline::Costs& c) {
-    const auto key = std::make_tuple(ShapeKey{scheduler, ranks, stages, micros}, c.f, c.i, c.w, c.comm);
+    const auto key = cost_key(scheduler, ranks, stages, micros, c);
     auto it = runs.find(key);
     if (it != runs.end()) return it->second;
     return runs.emplace(key, pipeline::simulate(shape(scheduler, ranks, stages, micros).schedule, c)).first->second;
@@ -797,7 +804,7 @@ struct ScheduleCache::Impl {
   // Consecutive steps overlapping under optimizer post-validation.
   const pipeline::SteadyState& steady(const std::string& scheduler, int ranks, int stages, int micros,
                                       const pipeline::Costs& c) {
-    const auto key = std::make_tuple(ShapeKey{scheduler, ranks, stages, micros}, c.f, c.i, c.w, c.comm);
+    const auto key = cost_key(scheduler, ranks, stages, micros, c);
     auto it = steady_runs.find(key);
     if (it != steady_runs.end()) return it->second;
     return steady_runs.emplace(key, pipeline::simulate_steady(shape(scheduler, ranks, stages, micros).schedule, c))
@@ -809,6 +816,11 @@ ScheduleCache::ScheduleCache() : impl(std::make_unique<Impl>()) {}
 ScheduleCache::~ScheduleCache() = default;
 
 namespace {
+
+// The micro-batches of one pipeline flush: the step's, global batch / (micro x dp).
+int pipeline_micros(const config::TrainerArgs& a, const Candidate& c) {
+  return static_cast<int>(std::max<int64_t>(1, a.global_batch_size / (a.micro_batch_size * std::max(1, c.dp))));
+}
 
 // Micro-batches the pipeline simulator runs: beyond 4 x stages (a multiple of
 // pp, as interleaving needs) the schedule is in its steady state, where every
@@ -826,18 +838,19 @@ int simulated_micros(const std::string& scheduler, int micros, int pp, int stage
 // the last; a tied embedding on both) with their gradients and optimizer
 // state (ZeRO over dp x cp), and the activations of the micro-batches in flight
 // at its peak (pipeline::simulate's peak_live: p - r under 1F1B on rank r);
-// the busiest rank is the estimate. Time: pipeline::simulate with per-stage
-// F, B (zero-bubble: I and W) times from the compute, tensor- and
-// context-parallel terms, the slowest stage's for all, and the activation
-// (or gradient) transfer between ranks; pp_bubble is the schedule's idle
-// fraction, pp_comm_s what the transfers add to the makespan.
+// the busiest rank is the estimate. Time: pipeline::simulate with each
+// stage's own F, B (zero-bubble: I and W) times from the compute, tensor- and
+// context-parallel terms, and the activation (or gradient) transfer between
+// ranks; compute is the busiest rank's (the sum of the stages it holds),
+// pp_bubble the schedule's idle fraction (a lighter rank's idle time counts),
+// pp_comm_s what the transfers add to the makespan.
 PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c, ScheduleCache* cache) {
   ScheduleCache local;
   auto& im = *(cache ? cache : &local)->impl;
   const auto& a = *req.args;
   const int S = c.stages, P = c.pp;
-  const auto layers = c.stage_layers.empty() ? stage_split(req, f, S) : c.stage_layers;
-  const int micros = static_cast<int>(std::max<int64_t>(1, a.global_batch_size / (a.micro_batch_size * std::max(1, c.dp))));
+  const auto layers = c.stage_layers.empty() ? stage_split(req, f, c) : c.stage_layers;
+  const int micros = pipeline_micros(a, c);
   const int m_sim = simulated_micros(c.scheduler, micros, P, S);
   const auto& shape = im.shape(c.scheduler, P, S, m_sim);
   const auto& stage_rank = shape.schedule.stage_rank;
@@ -919,8 +932,9 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   struct StageCost {
     double f = 0, i = 0, w = 0, compute = 0, tp = 0, cp = 0;
   };
-  StageCost worst_stage;
+  std::vector<StageCost> rank_cost(P);  // per micro-batch: the sum of the rank's stages
   pipeline::Costs costs{0, 0, 0, 0};
+  costs.stage.resize(S);
   for (int st = 0; st < S; ++st) {
     const double n = layers[st], k = std::min<double>(c.recompute_layers, n);
     const bool head = st == S - 1, embed = st == 0;
@@ -938,17 +952,23 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     sc.compute = 3 * fwd + rec;
     sc.tp = tp_f + tp_b;
     sc.cp = cp_f + cp_b;
-    costs.f = std::max(costs.f, sc.f);
-    costs.i = std::max(costs.i, sc.i);
-    costs.w = std::max(costs.w, sc.w);
-    if (sc.f + sc.i + sc.w > worst_stage.f + worst_stage.i + worst_stage.w) worst_stage = sc;
+    costs.stage[st] = {sc.f, sc.i, sc.w};
+    auto& rc = rank_cost[stage_rank[st]];
+    rc.f += sc.f, rc.i += sc.i, rc.w += sc.w, rc.compute += sc.compute, rc.tp += sc.tp, rc.cp += sc.cp;
+  }
+  // The busiest rank bounds the steady state; its work is the step's compute.
+  double mean_load = 0;
+  const StageCost* busiest = &rank_cost[0];
+  for (const auto& rc : rank_cost) {
+    mean_load += (rc.f + rc.i + rc.w) / P;
+    if (rc.f + rc.i + rc.w > busiest->f + busiest->i + busiest->w) busiest = &rc;
   }
   const double act_bytes = x.tokens * x.h * x.pb.act * (x.sp ? 1 / x.t : 1.0);  // each tp rank sends its share
   costs.comm = dev.collective_latency_s + act_bytes / link_bw(dev, x.t * x.cp * P);
   auto quiet = costs;
   quiet.comm = 0;
-  const double per_rank = double(S) / P;  // stages each rank runs per micro-batch
-  const double extra = double(micros - m_sim) * per_rank * (costs.f + costs.i + costs.w);
+  const double beyond = double(micros - m_sim);  // micro-batches past the simulated ones
+  const double extra = beyond * (busiest->f + busiest->i + busiest->w);
   double busy = 0, makespan0 = 0, makespan = 0;
   if (a.compute_config.pipeline.post_validation) {
     // Steps overlap: the step time is the steady state's period.
@@ -962,12 +982,12 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     for (double b : without.busy) busy += b;
     makespan0 = without.makespan + extra, makespan = with_comm.makespan + extra;
   }
-  busy = busy / double(P) + extra;
+  busy = busy / double(P) + beyond * mean_load;
   e.pp_bubble = makespan0 > 0 ? 1 - busy / makespan0 : 0.0;
   e.pp_comm_s = std::max(0.0, makespan - makespan0);
-  e.compute_s = micros * per_rank * worst_stage.compute;
-  e.tp_comm_s = micros * per_rank * worst_stage.tp;
-  e.cp_comm_s = micros * per_rank * worst_stage.cp;
+  e.compute_s = micros * busiest->compute;
+  e.tp_comm_s = micros * busiest->tp;
+  e.cp_comm_s = micros * busiest->cp;
   PlanEstimate scratch;
   const auto cm = compute_term(x, scratch);  // the forward/backward shares dp_comm_term overlaps with
   dp_comm_term(x, cm, e);
@@ -1171,22 +1191,14 @@ std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_e
   if (stages < 1 || layers < stages)
     throw PlanError(std::to_string(layers) + " layers cannot fill " + std::to_string(stages) +
                     " pipeline stages (each needs at least one)");
-  std::vector<int> n(stages, 1);
-  auto cost = [&](int st, int count) {
-    return count + (st == 0 ? first_extra : 0.0) + (st == stages - 1 ? last_extra : 0.0);
-  };
-  // One layer at a time to the stage it leaves cheapest: with equal layers
-  // this minimises the most expensive stage.
-  for (int64_t left = layers - stages; left > 0; --left) {
-    int best = 0;
-    for (int st = 1; st < stages; ++st)
-      if (cost(st, n[st] + 1) < cost(best, n[best] + 1) - 1e-12) best = st;
-    ++n[best];
-  }
-  return n;
+  std::vector<double> extra(stages, 0.0);
+  extra.front() += first_extra;
+  extra.back() += last_extra;
+  return deal_layers(layers, extra, std::vector<int>(stages, 1));
 }
 
-std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int stages) {
+std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
+  const int stages = c.stages;
   const auto& given = req.args->compute_config.pipeline.layers;
   if (!given.empty() && static_cast<int>(given.size()) == stages) {
     int64_t sum = 0;
@@ -1202,7 +1214,11 @@ std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int st
   const double head = 6 * double(f.dims.vocab) * double(f.dims.hidden);
   const double layer = std::max(1.0, (flops - head) / std::max<double>(1, f.layers));
   // The embedding is a lookup (no matmul): its stage has no extra time.
-  return balanced_stage_split(f.layers, stages, 0.0, head / layer);
+  const auto balanced = balanced_stage_split(f.layers, stages, 0.0, head / layer);
+  if (stages <= c.pp) return balanced;
+  std::vector<double> extra(stages, 0.0);
+  extra.back() = head / layer;
+  return fastest_split(c.scheduler, c.pp, stages, pipeline_micros(*req.args, c), balanced, extra);
 }
 
 void check_tp_feasible(const models::CausalLM& model, int tp) {

@@ -159,10 +159,13 @@ int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f);
 // The counts sum to `layers`; throws PlanError when stages > layers.
 std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_extra, double last_extra);
 
-// The split the cost model uses for a candidate with c.stages stages: the
+// The split the cost model uses for a candidate's c.stages stages: the
 // config's pipeline_layers when given, else balanced_stage_split with the
-// head's FLOPs (and the embedding's, none) in layers.
-std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, int stages);
+// head's FLOPs (and the embedding's, none) in layers; when a rank holds several
+// stages (1f1b_interleaved, zbv), the split among that one and its per-rank
+// balanced neighbours whose c.scheduler step simulates shortest
+// (pipeline_stages.h fastest_split), at the candidate's micro-batches.
+std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, const Candidate& c);
 
 // Pipeline schedules already generated and simulated, shared by the
 // estimates of one search (the same schedule recurs with every tp, ZeRO stage

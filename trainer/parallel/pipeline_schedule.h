@@ -49,8 +49,9 @@ struct Schedule {
 //                     (stage s on rank s % ranks), micros a multiple of ranks
 //   zb1p              ZB-H1: backward split into I and W, W delayed by r micro-batches
 //                     on rank r to fill 1F1B's bubbles; p live micro-batches at most
-//   zbv               zero-bubble V: stages = 2 x ranks, rank r holding stages r
-//                     and 2 x ranks - 1 - r, backward split, W filling bubbles, at
+//   zbv               zero-bubble V (the paper's): stages = 2 x ranks, rank r holding
+//                     stages r and 2 x ranks - 1 - r, backward split, W filling the
+//                     fill and drain, each W right after its I in the steady state; at
 //                     most 2 p stage-activations live (1F1B's rank 0: p whole stages)
 // Throws ScheduleError naming the constraint a combination breaks.
 Schedule make_schedule(const std::string& scheduler, int ranks, int stages, int micros);
@@ -85,6 +86,12 @@ std::vector<std::vector<int>> retired_sends(const Schedule& lowered, int rank);
 struct Costs {
   double f = 1, i = 1, w = 1;
   double comm = 0;  // a transfer between ranks
+  // Per stage when not empty (one entry each): its own F, I and W in place of
+  // f, i and w, for stages that differ (uneven layers, the head's stage).
+  struct Stage {
+    double f = 1, i = 1, w = 1;
+  };
+  std::vector<Stage> stage;
 };
 
 struct Simulation {

@@ -244,7 +244,7 @@ class Search {
     if (sp.pp > 1) {
       const int64_t micros = a_.global_batch_size / (a_.micro_batch_size * dp);
       try {
-        base.stage_layers = stage_split(req_, f_, sp.stages);
+        base.stage_layers = stage_split(req_, f_, base);
         pipeline::make_schedule(sp.scheduler, sp.pp, sp.stages, static_cast<int>(micros));
       } catch (const std::exception& e) {
         std::string why = e.what();
