@@ -316,9 +316,11 @@ std::string describe(const Plan& p, bool explain) {
     << (cx.cp > 1 ? ", context parallel exposed " + fixed(e.cp_comm_s, 4) + " s" : std::string())
     << (q.pp > 1 ? ", pipeline transfers " + fixed(e.pp_comm_s, 4) + " s" : std::string()) << ")\n";
   if (q.pp > 1) {
-    const double bubble_s = e.step_s - e.compute_s - e.comm_s - e.offload_s;
-    o << "  " << pad("bubble", 12) << fixed(bubble_s, 4) << " s (" << fixed(100 * e.pp_bubble, 1)
-      << "% of the pipeline idle, simulated)\n";
+    // The busiest rank's idle (the step waits for it); lighter ranks idle more,
+    // which the mean over ranks counts. max: rounding leaves -0.0000.
+    const double bubble_s = std::max(0.0, e.step_s - e.compute_s - e.comm_s - e.offload_s);
+    o << "  " << pad("bubble", 12) << fixed(bubble_s, 4) << " s (the busiest rank's idle; "
+      << fixed(100 * e.pp_bubble, 1) << "% of the pipeline idle on average over ranks, simulated)\n";
   }
   if (p.offload_ratio > 0 || p.offload_params)
     o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
