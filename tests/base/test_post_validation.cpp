@@ -87,7 +87,7 @@ TEST_CASE("post-validation prefix: a forward whose receiver's prefix ends earlie
   CHECK(r0[cut[0]].op == Op::Send);
 }
 
-TEST_CASE("steady state: synchronous steps repeat one step's makespan; post-validation changes nothing where "
+TEST_CASE("steady state: synchronous steps repeat one step's makespan, post-validation changes nothing where "
           "rank 0 closes every step, and removes zbv's bubble",
           "[pipeline][post_validation]") {
   for (const auto& [name, stages, micros] : std::vector<std::tuple<std::string, int, int>>{
