@@ -532,13 +532,6 @@ PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& 
 
 PipelineExecutor::~PipelineExecutor() = default;
 
-at::Tensor PipelineExecutor::train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
-                                        const at::Tensor& loss_scale, bool poison,
-                                        const std::function<void(bool backward)>& phase) {
-  start_step(micro_batches, weights, loss_scale, poison, phase, false);
-  return finish_step();
-}
-
 void PipelineExecutor::start_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
                                   const at::Tensor& loss_scale, bool poison,
                                   const std::function<void(bool backward)>& phase, bool prefix) {

@@ -96,17 +96,15 @@ class PipelineExecutor {
   // `loss_scale` (undefined: none) multiplies what backward starts from (the
   // fp16 loss scaler), `poison` makes the loss non-finite (test switch).
   // `phase(backward)` is told when the work turns from forward to backward and
-  // back. Returns this rank's share of the step's loss on the rank holding the
-  // last stage, 0 elsewhere. Then the tied gradients are summed.
-  at::Tensor train_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
-                        const at::Tensor& loss_scale, bool poison, const std::function<void(bool backward)>& phase = {});
-  // The same step in parts, for optimizer post-validation (docs/parallelism.md):
-  // start_step sets the step up as train_step does and, with `prefix`, runs
-  // this rank's leading forwards (pipeline::post_validation_prefix) while the
+  // back. The step is run in parts, for optimizer post-validation
+  // (docs/parallelism.md): start_step sets it up and, with `prefix`, runs this
+  // rank's leading forwards (pipeline::post_validation_prefix) while the
   // previous step's optimizer step is still being validated; redo_prefix drops
-  // what they made (activations, loss, their sends, all delivered by then)
-  // and runs them again on the weights a rollback restored; finish_step runs
-  // the rest and returns what train_step does. `micro_batches` must outlive it.
+  // what they made (activations, loss, their sends, all delivered by then) and
+  // runs them again on the weights a rollback restored; finish_step runs the
+  // rest, sums the tied gradients and returns this rank's share of the step's
+  // loss on the rank holding the last stage, 0 elsewhere. `micro_batches` must
+  // outlive the step.
   void start_step(const std::vector<data::Batch>& micro_batches, const at::Tensor& weights,
                   const at::Tensor& loss_scale, bool poison, const std::function<void(bool backward)>& phase,
                   bool prefix);

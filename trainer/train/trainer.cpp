@@ -457,9 +457,13 @@ void Trainer::validate() {
   const auto norm = s.sq.sqrt().reshape({});
   // Unscaled by the scale the step was taken with (s.scale: the scaler has grown since).
   const auto unscaled = tr_.scaler ? norm * s.scale.reciprocal().reshape({}) : norm;
-  const bool finite = std::isfinite(norm.item<double>());
-  const bool clipped = finite && args_.optimizer.clip_gnorm > 0 &&
-                       parallel::clip_coefficient(unscaled, args_.optimizer.clip_gnorm).item<float>() != 1.0f;
+  // The host decides on a rollback: one read of the device per validated step
+  // (the norm and the clip coefficient together; float to double is exact).
+  const bool clip = args_.optimizer.clip_gnorm > 0;
+  const auto coef = clip ? parallel::clip_coefficient(unscaled, args_.optimizer.clip_gnorm).reshape({}) : norm;
+  const auto read = torch::stack({norm.to(torch::kFloat64), coef.to(torch::kFloat64)}).cpu();
+  const bool finite = std::isfinite(read[0].item<double>());
+  const bool clipped = finite && clip && static_cast<float>(read[1].item<double>()) != 1.0f;
   if (finite && !clipped) {
     grad_norm_ = unscaled;
     step_dev_.add_(1);  // the counters as optimizer_update leaves them with found_inf 0
