@@ -9,8 +9,7 @@
   finds a plan that fits its memory budget under the file's bf16-mixed;
   configs/llama3_8b_128k.yaml on 8 (and at 1M tokens on 8, within 78 GiB, and
   on 32) with context parallelism where a sequence needs it,
-  configs/llama3_70b.yaml on 128 with pipeline stages (on 64 pipelines fit but
-  ZeRO-2 is estimated faster).
+  configs/llama3_70b.yaml on 64 and 128 with pipeline stages.
 """
 import json
 import math
@@ -195,20 +194,23 @@ def test_llama3_8b_long_context_plans_fit_80gb_gpus(ngpus, seq, budget):
         assert p.returncode == 1 and "the least any candidate needs is" in p.stderr, p.stdout + p.stderr
 
 
-def test_llama3_70b_plans_with_pipeline_stages():
-    # 128 ranks: pipeline stages are the fastest plan that fits.
-    _, _, pipe = plan_json(CONFIG_DIR / "llama3_70b.yaml", 128)
-    assert pipe["pp"] > 1, pipe
-    assert sum(pipe["stage_layers"]) == 80 and len(pipe["stage_layers"]) == pipe["stages"], pipe
-    # 64 ranks: pipelines fit too, and each one the search did not take says why
-    # (the cost model finds ZeRO-2 over dp 8 about 0.9% faster than the best pipeline, pp2 zbv).
-    p = nnstrain("plan", "--config", CONFIG_DIR / "llama3_70b.yaml", "--runtime-ngpus", 64, "--device", "H100",
+@pytest.mark.parametrize("ngpus", [64, 128])
+def test_llama3_70b_plans_with_pipeline_stages(ngpus):
+    # Pipeline stages are the fastest plan that fits, on 128 ranks and on 64,
+    # where ZeRO-2 over dp 8 without stages fits too but reduce-scatters every
+    # micro-batch beside the backward it slows (docs/plans/).
+    p = nnstrain("plan", "--config", CONFIG_DIR / "llama3_70b.yaml", "--runtime-ngpus", ngpus, "--device", "H100",
                  "--json", "--explain", timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     out = json.loads(p.stdout)
     plan = out["plan"]
+    pipe = plan.get("pipeline", {"pp": 1})
+    assert pipe["pp"] > 1, plan
+    assert sum(pipe["stage_layers"]) == 80 and len(pipe["stage_layers"]) == pipe["stages"], pipe
     assert plan["estimate"]["total_bytes"] <= plan["memory_budget_bytes"]
-    fitting_pipelines = [r for r in out["rejected"] if r["pp"] > 1 and r["kind"] in ("slower", "sharding")]
-    assert fitting_pipelines and all(r["reason"] for r in fitting_pipelines)
-    if plan.get("pipeline", {}).get("pp", 1) == 1:
-        assert all(r["step_s"] >= plan["estimate"]["step_s"] for r in fitting_pipelines)
+    # What fits without stages was weighed and is slower, with its reason given.
+    flat = [r for r in out["rejected"] if r["pp"] == 1 and r["kind"] == "slower"]
+    if ngpus == 64:
+        assert flat, "no plan without pipeline stages fits on 64 ranks"
+    assert all(r["reason"] and r["step_s"] >= plan["estimate"]["step_s"] for r in flat), flat
+

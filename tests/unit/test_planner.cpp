@@ -652,8 +652,10 @@ TEST_CASE("planner: context parallelism divides activations by cp and adds the r
   }
   CHECK(by_cp[1].cp_comm_s == 0);
   // p2p hides transfers behind each block's attention: at 65536 tokens a block
-  // computes far longer than its K/V take to move within a node.
-  CHECK(by_cp[2].cp_comm_s == 0);
+  // computes far longer than its K/V take to move within a node, so all that
+  // is charged is the blocks' slowdown beside the transfers (no dp here).
+  CHECK(by_cp[2].cp_comm_s > 0);
+  CHECK(by_cp[2].cp_comm_s <= parallel::kOverlapContention * by_cp[2].compute_s);
   // all_gather exposes its gathers and the gradients' reduce-scatter in full.
   Candidate g{1, 1, 0, 0};
   g.cp = 4;
@@ -830,13 +832,37 @@ TEST_CASE("planner: optimizer post-validation adds its backup to memory, the ste
   }
 }
 
-TEST_CASE("planner: Llama 3 70B on 128 H100 is planned with pipeline stages", "[planner][pp]") {
+// The gradient reduction hidden behind backward still costs: the backward
+// beside it runs kOverlapContention slower for as long as they overlap.
+// ZeRO-2 reduce-scatters every micro-batch, ZeRO-1 once per step.
+TEST_CASE("planner: overlapped collectives charge compute their contention", "[planner]") {
+  auto model = gpt(4, 4, 256, 512, 64);
+  const int m = 8;
+  auto args = args_for(2, 1, 1, 2 * m, 64);
+  args.compute_config.reducer_bucket_cap_mb = 1;  // ~13 MB of gradients: all but the last bucket overlap
+  PlanRequest req{&args, model.get(), 2, test_device(), 1e12};
+  const auto z1 = parallel::estimate(req, {1, 2, 1, 0}), z2 = parallel::estimate(req, {1, 2, 2, 0});
+  const auto one = parallel::estimate(PlanRequest{&args, model.get(), 1, test_device(), 1e12}, {1, 1, 0, 0});
+  CHECK(one.contention_s == 0);  // nothing to reduce
+  REQUIRE(z1.contention_s > 0);
+  // The same reduce-scatter under both, once per step or once per micro-batch.
+  CHECK(z2.contention_s == Approx(m * z1.contention_s));
+  // It slows only the backward it overlaps: at most that fraction of it.
+  CHECK(z2.contention_s <= parallel::kOverlapContention * z2.compute_s * 2 / 3);
+  // It is part of the exposed data-parallel time, and so of the step.
+  CHECK(z2.dp_comm_s >= z2.contention_s);
+  CHECK(z2.step_s == Approx(z2.compute_s + z2.tp_comm_s + z2.dp_comm_s));
+}
+
+TEST_CASE("planner: Llama 3 70B on 64 and 128 H100 is planned with pipeline stages", "[planner][pp]") {
+  const int world = GENERATE(64, 128);
+  INFO("world " << world);
   auto model = meta_llama(80, 8192, 28672, 64, 8, 128256, 8192);
-  auto args = args_for(128, 8, 1, 256, 8192);
+  auto args = args_for(world, 8, 1, 256, 8192);
   args.precision = "bf16-mixed";
   args.model.loss = "fused";
   args.compute_config.reducer_bucket_cap_mb = 100;
-  PlanRequest req{&args, model.get(), 128, h100(), 0};
+  PlanRequest req{&args, model.get(), world, h100(), 0};
   req.search_pipeline = true;
   std::vector<parallel::Rejected> rejected;
   const auto plan = parallel::make_plan(req, &rejected);

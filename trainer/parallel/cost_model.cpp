@@ -361,7 +361,8 @@ double loss_term(const Setting& x, bool fp32_compute) {
 // backward, the gradients reduce-scattered, exposed in full). The bytes in
 // flight are what the ring holds beside the layer's activations.
 struct CpLayer {
-  double forward_s = 0, backward_s = 0;  // exposed
+  double forward_s = 0, backward_s = 0;  // exposed, with the contention below
+  double forward_contention_s = 0, backward_contention_s = 0;  // the blocks slowed by the transfers they hide
   double kv_backward = 0;                // bytes in flight during a layer's backward
 };
 
@@ -385,8 +386,11 @@ CpLayer cp_layer(const Setting& x) {
     r.kv_backward = x.cp * (kv + dkv);
   } else {
     const double block = attn_forward / x.cp, steps = x.cp - 1;
-    r.forward_s = steps * std::max(0.0, alpha + kv / bw - block);
-    r.backward_s = steps * std::max(0.0, alpha + (kv + dkv) / bw - 2 * block);
+    const double send_f = alpha + kv / bw, send_b = alpha + (kv + dkv) / bw;
+    r.forward_contention_s = steps * kOverlapContention * std::min(send_f, block);
+    r.backward_contention_s = steps * kOverlapContention * std::min(send_b, 2 * block);
+    r.forward_s = steps * std::max(0.0, send_f - block) + r.forward_contention_s;
+    r.backward_s = steps * std::max(0.0, send_b - 2 * block) + r.backward_contention_s;
     r.kv_backward = 2 * (kv + dkv);  // the block computing and the next one arriving
   }
   return r;
@@ -580,6 +584,8 @@ Compute compute_term(const Setting& x, PlanEstimate& e) {
 void cp_comm_term(const Setting& x, PlanEstimate& e) {
   const auto r = cp_layer(x);
   e.cp_comm_s = x.micro_steps * (x.L * (r.forward_s + r.backward_s) + x.k * r.forward_s);
+  e.contention_s += x.micro_steps * (x.L * (r.forward_contention_s + r.backward_contention_s) +
+                                     x.k * r.forward_contention_s);
 }
 
 // The link a collective over `span` consecutive ranks uses: NVLink while they
@@ -634,13 +640,19 @@ void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
       // gradients reduce-scatter after each micro-batch's backward, the
       // shard's all-reduce across ZeRO groups once at the step's end.
       const double rs = scatter - cross;
+      const double contention =
+          kOverlapContention * (std::min(gather, forward) + micro_steps * std::min(rs, backward));
       e.dp_comm_s = gather / units + std::max(0.0, gather - forward) +
-                    micro_steps * (rs / units + std::max(0.0, rs - backward)) + cross;
+                    micro_steps * (rs / units + std::max(0.0, rs - backward)) + cross + contention;
+      e.contention_s += contention;
       return;
     }
     const double per_micro = gather / units + std::max(0.0, gather - forward) +
                              std::max(0.0, gather + scatter - backward) + scatter / units;
-    e.dp_comm_s = micro_steps * per_micro;
+    const double contention =
+        micro_steps * kOverlapContention * (std::min(gather, forward) + std::min(gather + scatter, backward));
+    e.dp_comm_s = micro_steps * per_micro + contention;
+    e.contention_s += contention;
     return;
   }
   double overlappable;  // launched bucket by bucket during the last micro-batch's backward
@@ -656,7 +668,9 @@ void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
   const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
   // ZeRO-2 has no buffer to accumulate whole gradients in: it reduce-scatters every micro-batch.
   const double rounds = x.c.zero_stage == 2 ? micro_steps : 1;
-  e.dp_comm_s = rounds * (last_bucket + std::max(0.0, overlappable - last_bucket - backward)) + after;
+  const double contention = rounds * kOverlapContention * std::min(overlappable - last_bucket, backward);
+  e.dp_comm_s = rounds * (last_bucket + std::max(0.0, overlappable - last_bucket - backward)) + after + contention;
+  e.contention_s += contention;
 }
 
 // Offload's time: the host step reads and writes weights and moments and
@@ -930,7 +944,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   const auto ring = cp_layer(x);
   const bool split_backward = c.scheduler == "zb1p" || c.scheduler == "zbv";
   struct StageCost {
-    double f = 0, i = 0, w = 0, compute = 0, tp = 0, cp = 0;
+    double f = 0, i = 0, w = 0, compute = 0, tp = 0, cp = 0, cp_contention = 0;
   };
   std::vector<StageCost> rank_cost(P);  // per micro-batch: the sum of the rank's stages
   pipeline::Costs costs{0, 0, 0, 0};
@@ -952,9 +966,11 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
     sc.compute = 3 * fwd + rec;
     sc.tp = tp_f + tp_b;
     sc.cp = cp_f + cp_b;
+    sc.cp_contention = n * (ring.forward_contention_s + ring.backward_contention_s) + k * ring.forward_contention_s;
     costs.stage[st] = {sc.f, sc.i, sc.w};
     auto& rc = rank_cost[stage_rank[st]];
     rc.f += sc.f, rc.i += sc.i, rc.w += sc.w, rc.compute += sc.compute, rc.tp += sc.tp, rc.cp += sc.cp;
+    rc.cp_contention += sc.cp_contention;
   }
   // The busiest rank bounds the steady state; its work is the step's compute.
   double mean_load = 0;
@@ -988,6 +1004,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   e.compute_s = micros * busiest->compute;
   e.tp_comm_s = micros * busiest->tp;
   e.cp_comm_s = micros * busiest->cp;
+  e.contention_s = micros * busiest->cp_contention;
   PlanEstimate scratch;
   const auto cm = compute_term(x, scratch);  // the forward/backward shares dp_comm_term overlaps with
   dp_comm_term(x, cm, e);

@@ -84,6 +84,13 @@ struct PlanRequest {
 
 constexpr double kDefaultMemoryFraction = 0.9;
 constexpr double kAssumedEfficiency = 0.5;  // achieved / peak FLOP/s
+// Compute running beside a collective is slower than alone: the collective's
+// kernels hold SMs (on cpu, Gloo's threads hold cores) and share memory
+// bandwidth. Overlapped communication is charged this fraction of the time it
+// overlaps (the compute slowdown Lee et al. measured, arXiv 2507.03114: 18.9%
+// on average over H100, A100, MI250 and MI210). Copies to and from the host
+// run on copy engines and are not charged.
+constexpr double kOverlapContention = 0.189;
 
 // The budget a request resolves to, bytes per rank.
 double memory_budget(const PlanRequest& req);

@@ -39,6 +39,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"tp_comm_s", e.tp_comm_s},
          {"dp_comm_s", e.dp_comm_s},
          {"cp_comm_s", e.cp_comm_s},
+         {"contention_s", e.contention_s},
          {"pp_comm_s", e.pp_comm_s},
          {"pp_bubble", e.pp_bubble},
          {"host_bytes", e.host_bytes},
@@ -106,6 +107,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.tp_comm_s = ej.value("tp_comm_s", 0.0);
       e.dp_comm_s = ej.value("dp_comm_s", 0.0);
       e.cp_comm_s = ej.value("cp_comm_s", 0.0);
+      e.contention_s = ej.value("contention_s", 0.0);
       e.pp_comm_s = ej.value("pp_comm_s", 0.0);
       e.pp_bubble = ej.value("pp_bubble", 0.0);
       e.pp_rank_bytes = ej.value("pp_rank_bytes", std::vector<double>{});
@@ -315,6 +317,9 @@ std::string describe(const Plan& p, bool explain) {
     << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s"
     << (cx.cp > 1 ? ", context parallel exposed " + fixed(e.cp_comm_s, 4) + " s" : std::string())
     << (q.pp > 1 ? ", pipeline transfers " + fixed(e.pp_comm_s, 4) + " s" : std::string()) << ")\n";
+  if (e.contention_s > 0)
+    o << "  " << pad("", 12) << "of which contention " << fixed(e.contention_s, 4)
+      << " s (compute slowed by the collectives it overlaps)\n";
   if (q.pp > 1) {
     // The busiest rank's idle (the step waits for it); lighter ranks idle more,
     // which the mean over ranks counts. max: rounding leaves -0.0000.
@@ -342,6 +347,8 @@ std::string describe(const Plan& p, bool explain) {
       << "    backward except the last bucket; ZeRO-1/2 add the parameter all-gather after the optimizer step\n"
       << "    (ZeRO-2 reduce-scatters every micro-batch); ZeRO-3 gathers every unit for forward and again for\n"
       << "    backward, overlapped except the first gather and the last reduce-scatter\n"
+      << "  contention: compute beside a collective (data parallel, ZeRO, the context-parallel ring) is\n"
+      << "    slowed by " << fixed(100 * kOverlapContention, 1) << "% of the time they overlap (arXiv 2507.03114)\n"
       << "  memory: state by ZeRO stage + activations at the step's peak (backward's start or the last block's\n"
       << "    backward) + what lives only around it (a parameter's gradient, ZeRO-2 buckets, ZeRO-3 units)\n"
       << "  offload: host step = optimizer bytes / host AdamW rate, exposed in full; gradients to the host\n"

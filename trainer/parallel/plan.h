@@ -26,6 +26,9 @@ struct PlanEstimate {
   double tp_comm_s = 0, dp_comm_s = 0;  // comm_s = tp_comm_s + dp_comm_s (exposed part of DP/ZeRO)
                                         //   + cp_comm_s + pp_comm_s
   double cp_comm_s = 0;                 // context parallel: the ring's exposed transfers
+  // Of dp_comm_s and cp_comm_s: the compute slowed by the collectives it
+  // overlaps (kOverlapContention of their overlapped time).
+  double contention_s = 0;
   double pp_comm_s = 0;                 // pipeline: activation and gradient transfers between stages
   double pp_bubble = 0;                 // pipeline: the schedule's idle fraction (simulated)
   // Pipeline: each pipeline rank's total_bytes (the figures above are the
