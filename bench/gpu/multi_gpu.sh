@@ -19,6 +19,12 @@
 #                bitwise equal over 20 steps, and every rank's log says it captured
 #   resume       a dp N ZeRO-3 checkpoint resumes at tp 2 and at one GPU
 #   shutdown     no "destroy_process_group() was not called" in any NCCL log
+#   pipeline     pp 2 over NCCL, 1f1b and zbv, the tied GPT at real sizes (hidden
+#                4096, sequence 4096, 4 layers, 4 micro-batches of 1): every
+#                activation is 64 MiB (fp32), far above NCCL's connection buffer,
+#                so a transfer order that breaks NCCL's rules hangs here
+#                (collective_timeout_s 120); losses and grad norms within 1e-4 of
+#                one GPU over 6 steps, fp32 and TF32 off
 #   rank_lost    SIGKILL to rank 1 mid-run: every other rank exits non-zero within
 #                collective_timeout_s + 30 s, naming the collective and rank 1 (dp N
 #                ZeRO-0 captures its step by default, so this is a replay hung on a
@@ -109,6 +115,22 @@ done
 if grep -l "destroy_process_group() was not called" "$out"/*.log "$out"/*/logs/*.log 2>/dev/null; then
   result "NCCL shutdown (no warning)" FAIL
 else result "NCCL shutdown (no warning)" PASS; fi
+
+# pipeline: pp 2 at real sizes (two ranks; the rest of the GPUs idle)
+big=(--vars.block_size 4096 --model.args.n_embd 4096 --model.args.n_head 32 --model.args.n_layer 4
+     --model.args.block_size 4096 --max_train_steps 6 --global_batch_size 4 --checkpoint.save_dir=
+     --compute_config.collective_timeout_s 120)
+"$bin" launch --nproc-per-node 1 -- "${common[@]}" "${big[@]}" --micro_batch_size 1 --grad_accumulation_steps 4 \
+  --run_dir "$out/pp_one" > "$out/pp_one.log" 2>&1 || result "pipeline reference on one GPU (exit)" FAIL
+for sched in 1f1b zbv; do
+  name="pipeline pp2 $sched, hidden 4096, sequence 4096"
+  if timeout 900 "$bin" launch --nproc-per-node 2 -- "${common[@]}" "${big[@]}" --micro_batch_size 1 \
+       --grad_accumulation_steps 4 --compute_config.pas_config.pp_size 2 \
+       --compute_config.pas_config.pipeline_scheduler "$sched" --run_dir "$out/pp2_$sched" > "$out/pp2_$sched.log" 2>&1; then
+    d=$(compare "pp2_$sched" pp_one); python3 -c "import sys; sys.exit(0 if $d < 1e-4 else 1)" \
+      && result "$name ($d)" PASS || result "$name ($d)" FAIL
+  else result "$name (exit or hang)" FAIL; fi
+done
 
 # rank lost
 "$bin" launch --nproc-per-node "$n" -- "${common[@]}" --micro_batch_size 4 --max_train_steps 100000 --run_dir "$out/rank_lost" \

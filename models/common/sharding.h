@@ -82,7 +82,9 @@ class CpComm : public torch::CustomClassHolder {
   // The ring step: sends t to the next rank (rank + 1 mod size) and receives
   // the previous rank's tensor of the same shape and dtype; started now,
   // finished by calling the result, so the current block computes meanwhile.
-  // `channel` keeps two shifts in flight at once apart (K/V and their gradients).
+  // `channel` names which of two shifts in flight at once this is (K/V, their
+  // gradients), for in-process implementations; between processes they are
+  // told apart by the order every rank starts them in (NCCL ignores tags).
   virtual Pending ring_shift_start(const at::Tensor& t, int channel) = 0;
   // [size, *t.shape]: every rank's t in rank order.
   virtual at::Tensor all_gather(const at::Tensor& t) = 0;

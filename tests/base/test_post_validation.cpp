@@ -66,25 +66,37 @@ TEST_CASE("post-validation prefix: forwards only, every message inside both pref
   }
 }
 
-TEST_CASE("post-validation prefix: a forward whose receiver's prefix ends earlier sends after validation",
+TEST_CASE("post-validation prefix: the warm-up forwards, their sends, the receives posted early",
           "[pipeline][post_validation]") {
-  // 1F1B at p 4: rank 3's prefix is ra3.0 F3.0 (its B3.0 follows), so rank 2
-  // may send it micro-batch 0 only; rank 2 runs its warm-up F2.0 F2.1 but its
-  // second send waits: its prefix ends between F2.1 and sa3.1. Likewise up
-  // the pipeline: rank 1 sends two, rank 0 three of its four warm-up forwards.
+  // 1F1B at p 4: a rank posts a receive at the time its sender produces the
+  // message (pipeline::lower), so rank 3's prefix is ra3.0 F3.0 ra3.1 (then
+  // B3.0): it takes micro-batches 0 and 1 from rank 2, whose prefix sends both
+  // and posts ra2.2 before its first gradient receive; rank 1 sends three and
+  // posts ra1.3; rank 0 runs all four warm-up forwards and sends them.
   const auto lowered = lower(make_schedule("1f1b", 4, 4, 8));
   const auto cut = post_validation_prefix(lowered);
   check_consistent(lowered, cut);
-  CHECK(cut == std::vector<int>{7, 8, 5, 2});
-  const auto& r2 = lowered.actions[2];
-  CHECK(r2[cut[2] - 1].op == Op::F);  // F2.1 inside ...
-  CHECK(r2[cut[2] - 1].micro == 1);
-  CHECK(r2[cut[2]].op == Op::Send);  // ... its send outside
-  CHECK(r2[cut[2]].micro == 1);
-  const auto& r0 = lowered.actions[0];  // F0.3 inside, sa1.3 deferred
-  CHECK(r0[cut[0] - 1].op == Op::F);
-  CHECK(r0[cut[0] - 1].micro == 3);
-  CHECK(r0[cut[0]].op == Op::Send);
+  CHECK(cut == std::vector<int>{8, 10, 7, 3});
+  const auto& r3 = lowered.actions[3];
+  CHECK((r3[cut[3] - 1].op == Op::Recv && r3[cut[3] - 1].micro == 1));  // ra3.1 inside ...
+  CHECK(r3[cut[3]].op == Op::B);                                         // ... B3.0 after validation
+  const auto& r0 = lowered.actions[0];
+  CHECK((r0[cut[0] - 1].op == Op::Send && r0[cut[0] - 1].micro == 3));  // sa1.3 inside
+  CHECK((r0[cut[0]].op == Op::Recv && r0[cut[0]].grad));                 // rg0.0 outside
+}
+
+TEST_CASE("post-validation prefix: a forward whose send shares a group with backward work sends after validation",
+          "[pipeline][post_validation]") {
+  // The two-rank tail schedule: rank 0's F0.2 ends when rank 1's I1.0 does, so
+  // its send sa1.2 is posted in one group with the gradient receive rg0.0.
+  // The group is whole or not at all: F0.2 runs early, sa1.2 after validation.
+  const auto lowered = lower(two_rank_tail());
+  const auto cut = post_validation_prefix(lowered);
+  check_consistent(lowered, cut);
+  CHECK(cut == std::vector<int>{5, 3});  // F0.0 sa1.0 F0.1 sa1.1 F0.2 | sa1.2+rg0.0; ra1.0 F1.0 ra1.1 | I1.0
+  const auto& r0 = lowered.actions[0];
+  CHECK((r0[cut[0] - 1].op == Op::F && r0[cut[0] - 1].micro == 2));
+  CHECK((r0[cut[0]].op == Op::Send && r0[cut[0]].micro == 2 && r0[cut[0] + 1].grad && r0[cut[0] + 1].group == r0[cut[0]].group));
 }
 
 TEST_CASE("steady state: synchronous steps repeat one step's makespan, post-validation changes nothing where "
@@ -140,5 +152,5 @@ TEST_CASE("steady state: a last rank finishing after rank 0 lets the next step s
   CHECK(pv.bubble(1) == Approx(0).margin(1e-12));
   const auto cut = post_validation_prefix(lower(s));
   check_consistent(lower(s), cut);
-  CHECK(cut == std::vector<int>{3, 2});  // F0.0 sa1.0 F0.1 | sa1.1 deferred; ra1.0 F1.0
+  CHECK(cut == std::vector<int>{5, 3});  // F0.0 sa1.0 F0.1 sa1.1 F0.2 | sa1.2+rg0.0 deferred; ra1.0 F1.0 ra1.1
 }

@@ -115,6 +115,15 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistEnv& env, std::chrono::mill
 Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_ptr<c10d::Store> store)
     : rank_(env.rank), world_(env.world_size), opts_(opts), store_(std::move(store)) {
   backend_name_ = opts.backend == "auto" ? (opts.cuda ? "nccl" : "gloo") : opts.backend;
+  if (const char* e = std::getenv("NNSTRAIN_P2P_SEMANTICS")) {
+    const std::string v = e;
+    if (v == "nccl") opts_.nccl_p2p_rules = true;
+    else if (!v.empty() && v != "native")
+      throw DistEnvError("NNSTRAIN_P2P_SEMANTICS='" + v + "': expected nccl (Gloo's point-to-point under NCCL's rules) or native");
+  }
+  if (opts_.nccl_p2p_rules && backend_name_ != "nccl" && world_ > 1)
+    log::info("point-to-point on Gloo under NCCL's rules (NNSTRAIN_P2P_SEMANTICS=nccl): tags ignored, a send completes "
+              "once its receive is posted, a communicator's groups run in issue order");
   const int tp_size = opts.tp, cp_size = opts.cp, pp_size = opts.pp, dp_size = world_ / (tp_size * cp_size * pp_size);
   if (world_ % (tp_size * cp_size * pp_size) != 0)
     throw std::runtime_error("world size " + std::to_string(world_) + " is not a multiple of plan_ngpus " +
@@ -230,6 +239,9 @@ void Runtime::shutdown() {
   if (shut_down_) return;
   stop_threads();
   shut_down_ = true;
+  // The NCCL-rules streams first: each ends once its queue is empty (one
+  // stuck on a lost peer ends at its timeout, holding its backend till then).
+  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &zero, &zero_cross, &control, &pp_validation}) g->nccl_rules.reset();
   for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
     try {
       (*it)->shutdown();
@@ -527,33 +539,45 @@ c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor ou
                [&] { return g.backend->_allgather_base(out, in); });
 }
 
-c10::intrusive_ptr<c10d::Work> Runtime::send_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
-  const auto add = one(&Traffic::sends, static_cast<int64_t>(t.nbytes()));
-  std::vector<at::Tensor> v{std::move(t)};
-  return issue(g, what, add, [&] { return g.backend->send(v, peer, tag); });
+c10::intrusive_ptr<c10d::Work> Runtime::p2p_async(Group& g, std::vector<P2POp> ops, const char* what) {
+  Traffic add;
+  for (const auto& op : ops)
+    if (op.send) ++add.sends, add.bytes += static_cast<int64_t>(op.tensor.nbytes());
+  return coalesced(g, std::move(ops), what, add);
 }
 
-c10::intrusive_ptr<c10d::Work> Runtime::recv_async(Group& g, at::Tensor t, int peer, int tag, const char* what) {
-  std::vector<at::Tensor> v{std::move(t)};
-  return issue(g, what, {}, [&] { return g.backend->recv(v, peer, tag); });
-}
-
-std::vector<c10::intrusive_ptr<c10d::Work>> Runtime::ring_shift_async(Group& g, at::Tensor send, at::Tensor recv,
-                                                                       int tag, const char* what) {
-  const auto add = one(&Traffic::send_recv, static_cast<int64_t>(send.nbytes()));
-  const int next = (g.rank + 1) % g.size(), prev = (g.rank + g.size() - 1) % g.size();
-  std::vector<at::Tensor> s{std::move(send)}, r{std::move(recv)};
-  if (g.backend->supportsCoalescing()) {
-    // NCCL: one group, as batch_isend_irecv, so two ranks sending to each other never wait on one another.
-    return {issue(g, what, add, [&] {
+c10::intrusive_ptr<c10d::Work> Runtime::coalesced(Group& g, std::vector<P2POp> ops, const char* what, const Traffic& add) {
+  if (opts_.nccl_p2p_rules && !g.nccl && !g.nccl_rules)  // this communicator's "stream", made at its first transfer
+    g.nccl_rules = std::make_shared<NcclRulesP2P>(g.backend, opts_.timeout);
+  if (g.nccl_rules) return issue(g, what, add, [&] { return g.nccl_rules->post(std::move(ops)); });
+  if (g.nccl || g.backend->supportsCoalescing()) {
+    // One NCCL group: c10d gives a coalesced batch the group's own
+    // communicator and stream, as batch_isend_irecv does; the tag is ignored.
+    return issue(g, what, add, [&] {
       g.backend->startCoalescing();
-      g.backend->send(s, next, tag);
-      g.backend->recv(r, prev, tag);
+      for (auto& op : ops) {
+        std::vector<at::Tensor> v{op.tensor};
+        if (op.send) g.backend->send(v, op.peer, 0);
+        else g.backend->recv(v, op.peer, 0);
+      }
       return g.backend->endCoalescing();
-    })};
+    });
   }
-  auto sent = issue(g, what, add, [&] { return g.backend->send(s, next, tag); });
-  return {issue(g, what, {}, [&] { return g.backend->recv(r, prev, tag); }), sent};
+  // Gloo: issued together, one tag, so the pairing is by order as on NCCL.
+  return issue(g, what, add, [&] {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (auto& op : ops) {
+      std::vector<at::Tensor> v{op.tensor};
+      works.push_back(op.send ? g.backend->send(v, op.peer, 0) : g.backend->recv(v, op.peer, 0));
+    }
+    return c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<WorkList>(std::move(works)));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::ring_shift_async(Group& g, at::Tensor send, at::Tensor recv, const char* what) {
+  const int next = (g.rank + 1) % g.size(), prev = (g.rank + g.size() - 1) % g.size();
+  const auto add = one(&Traffic::send_recv, static_cast<int64_t>(send.nbytes()));
+  return coalesced(g, {{true, std::move(send), next}, {false, std::move(recv), prev}}, what, add);
 }
 
 void Runtime::all_reduce(Group& g, at::Tensor t, const char* what) {

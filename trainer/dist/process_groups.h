@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "trainer/dist/dist_env.h"
+#include "trainer/dist/nccl_rules.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -69,6 +70,9 @@ struct Group {
   int rank = 0;                              // this process's index in `ranks`
   c10::intrusive_ptr<c10d::Backend> backend; // null when size() == 1
   bool nccl = false;                         // backend is NCCL: waits go on the stream
+  // Gloo under NCCL's point-to-point rules (NNSTRAIN_P2P_SEMANTICS=nccl): its
+  // groups go through this communicator's own "stream" (nccl_rules.h).
+  std::shared_ptr<NcclRulesP2P> nccl_rules;
   Traffic traffic;
   int size() const { return static_cast<int>(ranks.size()); }
 };
@@ -85,6 +89,9 @@ struct RuntimeOptions {
   // code of many ranks (ZeRO-2/3 at one rank: NCCL's streams on one GPU).
   bool one_rank_backend = false;
   bool pp_validation = false;  // make pp_validation (optimizer post-validation)
+  // Gloo's point-to-point under NCCL's rules (nccl_rules.h); read from
+  // NNSTRAIN_P2P_SEMANTICS=nccl by the Runtime when not set here.
+  bool nccl_p2p_rules = false;
 };
 
 // Connects this rank to the job's rendezvous store (rank 0 serves it), waiting
@@ -131,12 +138,23 @@ class Runtime {
   c10::intrusive_ptr<c10d::Work> all_reduce_async(Group& g, at::Tensor t, const char* what);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
   c10::intrusive_ptr<c10d::Work> all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
+  // Point to point, always as one group (p2p_async): NCCL's rules hold on
+  // every backend (docs/parallelism.md, "Point to point under NCCL's rules"):
+  //   - no tags: between two ranks of `g` the n-th send meets the n-th receive,
+  //     so both sides must issue their transfers in the same order;
+  //   - a send may not complete before its receive is posted, unless both sit
+  //     in groups that are in flight together;
+  //   - the groups of one communicator run one after another.
+  // NCCL: one coalesced group (ncclGroupStart/End, batch_isend_irecv's
+  // communicator); Gloo: the operations issued together (tag 0), or, with
+  // NNSTRAIN_P2P_SEMANTICS=nccl, through the communicator's NcclRulesP2P.
+  // Peers are indices into g.ranks; wait on the work returned.
+  c10::intrusive_ptr<c10d::Work> p2p_async(Group& g, std::vector<P2POp> ops, const char* what);
   // One ring step on `g`: `send` to the next rank of the group (rank + 1 mod
-  // size) and `recv` (same shape) from the previous one, `tag` keeping
-  // concurrent steps apart. Wait on every work returned (one batched NCCL
-  // group, or Gloo's send and receive).
-  std::vector<c10::intrusive_ptr<c10d::Work>> ring_shift_async(Group& g, at::Tensor send, at::Tensor recv, int tag,
-                                                               const char* what);
+  // size) and `recv` (same shape) from the previous one, as one group. Steps in
+  // flight together are told apart by their order alone: every rank of `g`
+  // must start them in the same order.
+  c10::intrusive_ptr<c10d::Work> ring_shift_async(Group& g, at::Tensor send, at::Tensor recv, const char* what);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, const char* what);
   // After a captured step's graph was launched on the current stream: its
   // collectives counted as if issued again, and the monitor watches an event
@@ -144,10 +162,6 @@ class Runtime {
   // world, so a replay hung on a lost peer ends in the same diagnosis after
   // collective_timeout_s. A no-op without NCCL.
   void watch_replay(const char* what);
-  // Point to point within `g` (pipeline transfers): `peer` is an index into
-  // g.ranks; sender and receiver name the same tag.
-  c10::intrusive_ptr<c10d::Work> send_async(Group& g, at::Tensor t, int peer, int tag, const char* what);
-  c10::intrusive_ptr<c10d::Work> recv_async(Group& g, at::Tensor t, int peer, int tag, const char* what);
   void all_reduce(Group& g, at::Tensor t, const char* what);   // sum
   void all_reduce_max(Group& g, at::Tensor t, const char* what);
   void barrier(const char* what);
@@ -161,6 +175,8 @@ class Runtime {
   // Runs `issue` (a backend call returning work) as collective `what` on `g`,
   // counted and, on NCCL, watched by the monitor until it completes.
   // `add` is the collective's traffic, counted on `g`.
+  // p2p_async's group, counted as `add`.
+  c10::intrusive_ptr<c10d::Work> coalesced(Group& g, std::vector<P2POp> ops, const char* what, const Traffic& add);
   template <typename F>
   c10::intrusive_ptr<c10d::Work> issue(Group& g, const char* what, const Traffic& add, F&& issue);
   [[noreturn]] void fail(const Group& g, const char* what, const std::string& cause);

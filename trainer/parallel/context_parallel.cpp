@@ -31,15 +31,18 @@ class RuntimeCpComm : public models::common::CpComm {
   int size() const override { return rt_.cp.size(); }
   int rank() const override { return rt_.cp.rank; }
 
-  Pending ring_shift_start(const at::Tensor& t, int channel) override {
+  // `channel` tells concurrent steps apart for the model's code only: on the
+  // wire (NCCL's rules on every backend) their order does, and every rank of
+  // the cp group starts them in the same order (docs/parallelism.md).
+  Pending ring_shift_start(const at::Tensor& t, int /*channel*/) override {
     static const char* what = "context-parallel ring send/recv";
     auto in = t.contiguous();
     if (size() == 1) return [in] { return in; };
     maybe_die_in_ring(rt_.rank());
     auto out = at::empty_like(in);
-    auto works = rt_.ring_shift_async(rt_.cp, in, out, channel, what);
-    return [this, works, in, out] {  // `in` lives until it is sent
-      for (const auto& w : works) rt_.wait(w, rt_.cp, what);
+    auto work = rt_.ring_shift_async(rt_.cp, in, out, what);
+    return [this, work, in, out] {  // `in` lives until it is sent
+      rt_.wait(work, rt_.cp, what);
       return out;
     };
   }

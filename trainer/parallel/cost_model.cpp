@@ -467,9 +467,9 @@ Activations activation_term(const Setting& x) {
   // A tied embedding's gradient from the head waits in autograd until the
   // embedding's own part is added at the end of backward.
   act.tied_head_grad = x.f.dims.tied_embeddings && x.first && x.last ? x.v_local * h * x.pb.param : 0.0;
-  // The pipeline's executor keeps a tensor it sends until a receive proves it
-  // delivered (pipeline::retired_sends), and a received one until it is used:
-  // each one micro-batch's hidden states.
+  // The pipeline's executor keeps a tensor it sends until a wait completes its
+  // group (pipeline::retired_sends), and a received one from its group's post
+  // until it is used: each one micro-batch's hidden states.
   act.sent_per_tensor = tokens * h * rep * ea;
   act.sent = x.sends * act.sent_per_tensor;
   return act;
@@ -758,12 +758,12 @@ struct ScheduleCache::Impl {
     // A micro-batch's activations live from its F until its B or I (I frees
     // the graph); from its I until its W it keeps only what W needs
     // (pending_w_bytes). The order alone decides it. In the lowered order
-    // (what runs), a sent tensor is kept until the receive that retires it
+    // (what runs), a sent tensor is kept until the wait that retires it
     // (the executor's own pipeline::retired_sends; the rest to the step's
     // end), a sent activation also until its stage's B or I (it is the
-    // stage's output, backward's root), a received activation until its F
-    // (then it is the stage's saved input), a received gradient until the
-    // micro-batch's B or I.
+    // stage's output, backward's root), a received activation from its
+    // group's post until its F (then it is the stage's saved input), a
+    // received gradient until the micro-batch's B or I.
     const auto lowered = pipeline::lower(sh.schedule);
     sh.moments.assign(ranks, {});
     for (int r = 0; r < ranks; ++r) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <deque>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -73,6 +74,24 @@ std::string describe(const Action& a) {
 }  // namespace
 
 int pipeline_rank_of(int rank, int tp, int cp, int pp) { return (rank / (tp * cp)) % pp; }
+
+void check_transfers(const PipelinePlan& plan, bool tied, bool post_validation) {
+  const auto sched = make(plan);
+  auto lowered = pipeline::lower(sched);
+  // Test hook (NNSTRAIN_TEST_P2P_UNGROUPED=1): every transfer a group of its
+  // own, as before the lowering grouped them, so that tests see the refusal.
+  if (const char* e = std::getenv("NNSTRAIN_TEST_P2P_UNGROUPED"); e && std::string(e) == "1")
+    for (auto& row : lowered.actions) {
+      int group = 0;
+      for (auto& a : row)
+        if (a.op == Op::Send || a.op == Op::Recv) a.group = group++;
+    }
+  pipeline::BackendCheck check;
+  check.tied = tied;
+  if (post_validation) check.prefix = pipeline::post_validation_prefix(lowered);
+  pipeline::check_backend_rules(lowered, check);
+  pipeline::check_backend_rules(pipeline::lower_forward(sched));
+}
 
 void hold_stages(models::CausalLM& model, const PipelinePlan& plan, int pp_rank) {
   model.hold_only(stage_pieces(plan, stage_blocks(plan), stages_on(make(plan), pp_rank)));
@@ -158,16 +177,22 @@ struct PipelineExecutor::Impl {
   // Per (stage, micro): what a forward left for its backward, and the
   // tensors between stages.
   std::vector<at::Tensor> input, output, act_in, grad_out, grad_send;
-  // Sends in flight, their tensors alive: each until a receive proves it
-  // delivered (retire: per action of the lowered row, the positions of the
-  // sends it retires, pipeline::retired_sends), the rest to the step's end.
-  struct InFlight {
+  // Groups of transfers posted and not yet waited on, in row order (their ids
+  // ascending): each keeps its sent tensors alive and its receive buffers
+  // until a wait (group_waits: before the action consuming one of its
+  // receives) completes it and every group before it, as a communicator's
+  // groups complete in order.
+  struct Posted {
+    int group = -1;
+    size_t first = 0;  // its first action's position in the row (named on a failure)
     c10::intrusive_ptr<c10d::Work> work;
-    at::Tensor tensor;
-    int action = -1;  // its Send's position in the row (-1: outside the schedule)
+    std::vector<at::Tensor> sent;
+    std::vector<std::pair<Action, at::Tensor>> received;
   };
-  std::vector<InFlight> sends;
-  std::vector<std::vector<int>> retire;
+  std::deque<Posted> posted;
+  std::vector<int> waits;  // group_waits of this rank's row
+  pipeline::Schedule eval_lowered;  // evaluation: each stage's forward of one batch
+  std::vector<int> eval_waits;
   // Split backward: the linears defer their weight gradients while this rank
   // runs I, into the (stage, micro)'s store, which its W empties.
   std::optional<models::common::SplitLinears> split_linears;
@@ -211,7 +236,9 @@ struct PipelineExecutor::Impl {
         if (std::find(ties.begin(), ties.end(), state.params()[k].name) != ties.end()) tied.push_back(k);
     }
     if (state.options().zero_stage >= 2) plan_zero();
-    retire = pipeline::retired_sends(lowered, me);
+    waits = pipeline::group_waits(lowered, me);
+    eval_lowered = pipeline::lower_forward(sched);
+    eval_waits = pipeline::group_waits(eval_lowered, me);
     if (opts.post_validation) prefix = static_cast<size_t>(pipeline::post_validation_prefix(lowered)[me]);
     const size_t n = static_cast<size_t>(S) * M;
     input.resize(n), output.resize(n), act_in.resize(n), grad_out.resize(n), grad_send.resize(n);
@@ -315,43 +342,65 @@ struct PipelineExecutor::Impl {
     return {b.x.size(0), b.x.size(1) / opts.sequence_divisor, opts.hidden};
   }
 
-  // Gloo moves host memory: a CUDA tensor goes through the host.
-  void send(const at::Tensor& t, int peer, int tag_, const char* what = "pipeline send", int action = -1) {
-    auto c = t.detach().contiguous();
-    if (c.is_cuda() && !rt.pp.nccl) c = c.to(torch::kCPU);
-    sends.push_back({rt.send_async(rt.pp, c, peer, tag_, what), c, action});
+  // Posts the group starting at row[k] (its transfers are consecutive) as one
+  // coalesced point-to-point group; returns the position after it. `sending`
+  // gives what a Send carries, `shape` a receive's buffer. Gloo moves host
+  // memory: a CUDA tensor goes through the host.
+  template <typename Sending, typename Shape>
+  size_t post(const std::vector<Action>& row, size_t k, const Sending& sending, const Shape& shape, const char* what) {
+    const bool host = !rt.pp.nccl && opts.device.is_cuda();
+    Posted g;
+    g.group = row[k].group;
+    g.first = k;
+    std::vector<dist::P2POp> ops;
+    size_t end = k;
+    for (; end < row.size() && (row[end].op == Op::Send || row[end].op == Op::Recv) && row[end].group == g.group; ++end) {
+      const auto& a = row[end];
+      if (a.op == Op::Send) {
+        auto t = sending(a).detach().to(opts.activation_dtype).contiguous();
+        if (host) t = t.to(torch::kCPU);
+        g.sent.push_back(t);
+        ops.push_back({true, t, a.peer});
+      } else {
+        auto buf = torch::empty(shape(a), torch::TensorOptions()
+                                              .dtype(opts.activation_dtype)
+                                              .device(host ? c10::Device(c10::kCPU) : opts.device));
+        g.received.emplace_back(a, buf);
+        ops.push_back({false, buf, a.peer});
+      }
+    }
+    g.work = rt.p2p_async(rt.pp, std::move(ops), what);
+    posted.push_back(std::move(g));
+    return end;
   }
 
-  at::Tensor recv(const std::vector<int64_t>& shape, c10::ScalarType dtype, int peer, int tag_,
-                  const char* what = "pipeline receive") {
-    const bool host = !rt.pp.nccl;
-    auto buf = torch::empty(shape, torch::TensorOptions().dtype(dtype).device(host ? c10::Device(c10::kCPU) : opts.device));
-    rt.wait(rt.recv_async(rt.pp, buf, peer, tag_, what), rt.pp, what);
-    return host && opts.device.is_cuda() ? buf.to(opts.device) : buf;
+  // Completes every posted group up to `group`, handing each receive to
+  // `place(action, tensor)`. The wait orders this rank's compute after them
+  // (NCCL: the stream; Gloo: the host), and only the sends' peers' progress
+  // could hold it: the lowering's keys make that progress come first.
+  template <typename Place>
+  void wait_through(int group, const std::vector<Action>& row, const Place& place) {
+    while (!posted.empty() && posted.front().group <= group) {
+      auto& g = posted.front();
+      try {
+        rt.wait(g.work, rt.pp, "pipeline transfer");
+      } catch (const dist::CollectiveError& e) {
+        // Name a receive of the group when it has one: that is what this rank waited for.
+        size_t k = g.first;
+        for (size_t i = g.first; i < row.size() && row[i].group == g.group; ++i)
+          if (row[i].op == Op::Recv) { k = i; break; }
+        fail_at(k, row, e);
+      }
+      for (auto& [a, t] : g.received) place(a, opts.device.is_cuda() && !t.is_cuda() ? t.to(opts.device) : t);
+      posted.pop_front();
+    }
   }
+
+  void place_received(const Action& a, const at::Tensor& t) { (a.grad ? grad_out : act_in)[at(a.stage, a.micro)] = t; }
 
   void finish_sends() {
-    for (auto& f : sends) rt.wait(f.work, rt.pp, "pipeline send");
-    sends.clear();
-  }
-
-  // After the receive at position k: wait for the sends it proves delivered
-  // and drop their tensors. Deadlock-free: the receive completed, so its
-  // sender q had posted that send, and q runs its row in order with blocking
-  // receives, so every receive of q's row before that send, among them those
-  // of the retired sends, had completed. A delivered send's wait depends on no
-  // rank's progress (Gloo: the peer consumed its buffer; NCCL: the wait only
-  // orders this rank's stream after the send, which the pair's stream ran
-  // before the receive just waited), so it adds no edge to the wait-for graph
-  // the dry run (pipeline::simulate) checks with sends taken as never
-  // blocking: a schedule it passes still cannot hang.
-  void retire_sends(size_t k) {
-    for (int i : retire[k]) {
-      auto it = std::find_if(sends.begin(), sends.end(), [&](const InFlight& f) { return f.action == i; });
-      TORCH_CHECK(it != sends.end(), "pipeline: no send in flight at action ", i, " to retire");
-      rt.wait(it->work, rt.pp, "pipeline send");
-      sends.erase(it);
-    }
+    wait_through(std::numeric_limits<int>::max(), lowered.actions[me],
+                 [this](const Action& a, const at::Tensor& t) { place_received(a, t); });
   }
 
   models::Documents docs(const data::Batch& b) const { return {b.positions, b.segments}; }
@@ -428,59 +477,77 @@ struct PipelineExecutor::Impl {
     weight_grads[at(s, j)].flush();
   }
 
-  void run(const Action& a, size_t k) {
-    if (synthetic && a.op != Op::Send && a.op != Op::Recv) return run_synthetic(a);
+  void run(const Action& a) {
+    if (synthetic) return run_synthetic(a);
     switch (a.op) {
       case Op::F: return run_f(a.stage, a.micro);
       case Op::B: return run_b(a.stage, a.micro);
       case Op::I: return run_i(a.stage, a.micro);
       case Op::W: return run_w(a.stage, a.micro);
-      case Op::Send: {
-        const auto& t = a.grad ? grad_send[at(a.stage + 1, a.micro)] : output[at(a.stage - 1, a.micro)];
-        send(t.to(opts.activation_dtype), a.peer, tag(a.grad, a.stage, a.micro), "pipeline send", static_cast<int>(k));
-        if (a.grad) grad_send[at(a.stage + 1, a.micro)] = at::Tensor();
-        return;
-      }
-      case Op::Recv: {
-        auto t = recv(activation_shape((*batches)[a.micro]), opts.activation_dtype, a.peer, tag(a.grad, a.stage, a.micro));
-        (a.grad ? grad_out : act_in)[at(a.stage, a.micro)] = t;
-        return;
-      }
+      default: return;  // transfers: posted by run_until
     }
   }
 
+  // What a Send of the training step carries: the forward's output, or the
+  // input's gradient (dropped once posted: the group keeps it).
+  at::Tensor sending(const Action& a) {
+    if (!a.grad) return output[at(a.stage - 1, a.micro)];
+    auto t = grad_send[at(a.stage + 1, a.micro)];
+    grad_send[at(a.stage + 1, a.micro)] = at::Tensor();
+    return t;
+  }
+
   // A transfer that failed or timed out: this rank's grid, the action marked.
-  [[noreturn]] void fail_at(size_t k, const std::exception& e) {
+  [[noreturn]] void fail_at(size_t k, const std::vector<Action>& row, const std::exception& e) {
     std::vector<int> waiting(sched.ranks, -1);
     waiting[me] = static_cast<int>(k);
-    const auto& a = lowered.actions[me][k];
+    const auto& a = row[k];
     const std::string where = "pipeline rank " + std::to_string(me) + " (global rank " + std::to_string(rt.rank()) +
                               ") failed " + describe(a);
-    log::error(where + "; the schedule " + sched.name + ", the action waited on in [brackets]:\n" +
-               pipeline::grid(lowered, waiting));
+    const bool eval = &row == &eval_lowered.actions[me];
+    log::error(where + "; the schedule " + sched.name + (eval ? " (evaluation)" : "") +
+               ", the action waited on in [brackets]:\n" + pipeline::grid(eval ? eval_lowered : lowered, waiting));
     throw dist::CollectiveError(std::string(e.what()) + "; " + where);
   }
 
-  // Runs this rank's row from `next` up to (not including) action `end`.
+  // Runs this rank's row from `next` up to (not including) action `end`: a
+  // group of transfers is posted at its first action, a compute action first
+  // waits for the group holding what it receives (group_waits).
   void run_until(size_t end) {
     const auto& row = lowered.actions[me];
-    for (; next < end; ++next) {
+    auto place = [this](const Action& a, const at::Tensor& t) { place_received(a, t); };
+    auto shape = [this](const Action& a) { return activation_shape((*batches)[a.micro]); };
+    auto send = [this](const Action& a) { return sending(a); };
+    while (next < end) {
       const size_t k = next;
       const auto& a = row[k];
       if (kill_at && kill_at->step == steps_run && kill_at->action == k) std::raise(SIGKILL);
-      const bool backward = a.op == Op::B || a.op == Op::I || a.op == Op::W || (a.op != Op::F && a.grad);
+      if (a.op == Op::Send || a.op == Op::Recv) {
+        if (k == 0 || row[k - 1].group != a.group || (row[k - 1].op != Op::Send && row[k - 1].op != Op::Recv)) {
+          try {
+            next = post(row, k, send, shape, "pipeline transfer");
+          } catch (const dist::CollectiveError& e) {
+            fail_at(k, row, e);
+          }
+        } else {
+          ++next;
+        }
+        continue;
+      }
+      const bool backward = a.op != Op::F;
       if (phase && backward != in_backward) phase(in_backward = backward);
       const bool reduce = zero_schedule && weight_backward(a);
+      if (waits[k] >= 0) wait_through(waits[k], row, place);
       try {
         if (zero_schedule) reducer.gather_buckets(wait_before[k], true);
         if (reduce) reducer.begin_backward(stage_buckets[a.stage]);
-        run(a, k);
-        retire_sends(k);
+        run(a);
         if (reduce) reducer.end_backward();
         if (zero_schedule) reducer.free_buckets(free_after[k]);
       } catch (const dist::CollectiveError& e) {
-        fail_at(k, e);
+        fail_at(k, row, e);
       }
+      ++next;
     }
   }
 
@@ -488,30 +555,36 @@ struct PipelineExecutor::Impl {
     if (tied.empty()) return;
     torch::NoGradGuard no_grad;
     const auto& L = state.layout();
-    // Both ranks send, then receive (sends do not block), then add: a + b and
-    // b + a are the same floats, so the two copies stay identical. ZeRO 2, 3:
-    // the reduced chunk of the tied parameter's own bucket, the same elements
-    // on both ranks (same size, same place in the ZeRO group).
+    // Both ranks send and receive in one group (two lone sends of a whole
+    // gradient would wait on each other under NCCL), then add: a + b and b + a
+    // are the same floats, so the two copies stay identical. ZeRO 2, 3: the
+    // reduced chunk of the tied parameter's own bucket, the same elements on
+    // both ranks (same size, same place in the ZeRO group).
+    const bool host = !rt.pp.nccl && opts.device.is_cuda();
     std::vector<at::Tensor> mine, other;
+    std::vector<dist::P2POp> ops;
     for (size_t i = 0; i < tied.size(); ++i) {
       const auto b = L.bucket_of[tied[i]];
       mine.push_back(zero_schedule
                          ? state.shard_grad().narrow(0, L.shard_offset[b], L.chunk_size(L.buckets[b]))
                          : state.flat_grad().narrow(0, L.offset[tied[i]], state.params()[tied[i]].tensor.numel()));
-      send(mine.back().clone(), tie_peer, 2 * S * M + static_cast<int>(i), "tied embedding gradient");
+      auto copy = mine.back().clone();
+      ops.push_back({true, host ? copy.to(torch::kCPU) : copy, tie_peer});
     }
-    for (size_t i = 0; i < tied.size(); ++i)
-      other.push_back(recv({mine[i].numel()}, mine[i].scalar_type(), tie_peer, 2 * S * M + static_cast<int>(i),
-                           "tied embedding gradient"));
-    finish_sends();
-    for (size_t i = 0; i < tied.size(); ++i) mine[i].add_(other[i]);
+    for (size_t i = 0; i < tied.size(); ++i) {
+      other.push_back(torch::empty({mine[i].numel()}, mine[i].options().device(host ? c10::Device(c10::kCPU) : opts.device)));
+      ops.push_back({false, other.back(), tie_peer});
+    }
+    rt.wait(rt.p2p_async(rt.pp, std::move(ops), "tied embedding gradient"), rt.pp, "tied embedding gradient");
+    for (size_t i = 0; i < tied.size(); ++i) mine[i].add_(other[i].to(mine[i].device()));
   }
 };
 
 PipelineExecutor::PipelineExecutor(models::CausalLM& model, const PipelinePlan& plan, dist::Runtime& rt,
                                    TrainingState& state, GradientReducer& reducer, const Options& opts)
     : impl_(std::make_unique<Impl>(model, plan, rt, state, reducer, opts)) {
-  pipeline::simulate(impl_->lowered);  // the dry run: throws, with the grid, on a deadlock
+  // The dry run under NCCL's rules (the same check refused the plan at load if it failed).
+  check_transfers(plan, !model.head_ties().empty(), opts.post_validation);
   if (impl_->split_linears)
     log::info("pipeline: backward split into I and W (W: the linears' weight gradients only, from the inputs and "
               "output gradients I left)");
@@ -562,8 +635,7 @@ void PipelineExecutor::start_step(const std::vector<data::Batch>& micro_batches,
 void PipelineExecutor::redo_prefix() {
   auto& I = *impl_;
   // Every message sent inside a prefix was received inside its receiver's, so
-  // these sends are delivered once the receivers reach validation: no wait on
-  // work that is not already posted.
+  // these groups complete once every rank reached validation.
   I.finish_sends();
   for (size_t k = 0; k < I.input.size(); ++k) I.input[k] = I.output[k] = I.act_in[k] = at::Tensor();
   I.loss_sum.zero_();
@@ -602,20 +674,31 @@ at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
   // ZeRO-3: this rank's units, gathered once (already so after the first
   // batch); the trainer frees them after evaluating (release_params).
   if (I.zero_schedule) I.reducer.gather_buckets(I.gather_order, true);
-  at::Tensor x;  // the activation handed from the stage before, on this rank
-  for (int s : stages_on(I.sched, I.me)) {
-    if (s > 0 && I.sched.stage_rank[s - 1] != I.me)
-      x = I.recv(I.activation_shape(batch), I.opts.activation_dtype, I.sched.stage_rank[s - 1], I.tag(false, s, 0));
-    auto y = I.forward(s, batch, x);
-    if (s == I.S - 1) {
-      loss = I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
-    } else if (I.sched.stage_rank[s + 1] != I.me) {
-      I.send(y.to(I.opts.activation_dtype), I.sched.stage_rank[s + 1], I.tag(false, s + 1, 0));
-    } else {
-      x = y;
+  // Each stage's output while it waits to be sent, and what arrives, by stage.
+  std::map<int, at::Tensor> out, in;
+  const auto& row = I.eval_lowered.actions[I.me];
+  auto place = [&](const Action& a, const at::Tensor& t) { in[a.stage] = t; };
+  auto shape = [&](const Action&) { return I.activation_shape(batch); };
+  auto send = [&](const Action& a) { return out.at(a.stage - 1); };
+  for (size_t k = 0; k < row.size();) {
+    const auto& a = row[k];
+    if (a.op == Op::Send || a.op == Op::Recv) {
+      try {
+        k = I.post(row, k, send, shape, "pipeline transfer (evaluation)");
+      } catch (const dist::CollectiveError& e) {
+        I.fail_at(k, row, e);
+      }
+      continue;
     }
+    if (I.eval_waits[k] >= 0) I.wait_through(I.eval_waits[k], row, place);
+    const int s = a.stage;
+    const bool local = s > 0 && I.sched.stage_rank[s - 1] == I.me;  // handed over on this rank
+    auto y = I.forward(s, batch, s == 0 ? at::Tensor() : local ? out.at(s - 1) : in.at(s));
+    if (s == I.S - 1) loss = I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
+    else out[s] = y;
+    ++k;
   }
-  I.finish_sends();
+  I.wait_through(std::numeric_limits<int>::max(), row, place);
   return loss;
 }
 

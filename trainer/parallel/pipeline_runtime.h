@@ -9,14 +9,16 @@
 //   I  the backward, sent back at once, but for the linears' weight gradients:
 //      each leaves its input and output gradient (models/common/weight_grad.h);
 //   W  those weight gradients only (dW = dY^T X per linear), no chain re-run.
-// Transfers go over the pipeline group (c10d send/recv, tagged by direction,
-// stage and micro-batch); a stage's neighbour on the same rank (V schedules,
-// virtual stages) gets its tensors handed over directly. Sends are
-// asynchronous, each kept (with its tensor) until a later receive of this
-// rank proves it delivered (pipeline::retired_sends), the last ones until the
-// step's end; receives are waited for where the schedule puts them, and a
-// failed or timed-out one prints this rank's action grid with the action
-// waited on marked.
+// Transfers go over the pipeline group in coalesced groups the lowering
+// places (pipeline::lower) so that they hold under NCCL's point-to-point rules
+// (no tags, first in first out per rank pair, a send blocked until its receive
+// is posted unless both are in flight together); a stage's neighbour on the
+// same rank (V schedules, virtual stages) gets its tensors handed over
+// directly. A group is posted at its place in the row and waited on before the
+// action that consumes one of its receives (pipeline::group_waits), which also
+// completes, and drops the sent tensors of, every group before it; the last
+// ones wait for the step's end. A failed or timed-out wait prints this rank's
+// action grid with the action waited on marked.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,6 +51,12 @@ class GradientReducer;
 
 // The pipeline rank of a global rank under the layout [TP, CP, PP, DP].
 int pipeline_rank_of(int rank, int tp, int cp, int pp);
+
+// The dry run of `plan`'s transfers under NCCL's point-to-point rules
+// (pipeline::check_backend_rules): the training step's lists (with the tied
+// embedding's exchange when `tied`, and post-validation's prefixes when
+// `post_validation`) and evaluation's. Throws pipeline::BackendRuleError.
+void check_transfers(const PipelinePlan& plan, bool tied, bool post_validation);
 
 // Makes `model` hold only what pipeline rank `pp_rank`'s stages need; call
 // before materialising it.

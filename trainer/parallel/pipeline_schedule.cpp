@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -18,6 +19,8 @@ std::string fail_text(const Schedule& s, const std::string& why, const std::vect
 }
 
 std::string token(const Action& a) {
+  if ((a.op == Op::Send || a.op == Op::Recv) && a.stage < 0)  // the tied embedding's gradient
+    return a.op == Op::Send ? "st>" + std::to_string(a.peer) : "rt<" + std::to_string(a.peer);
   const std::string at = std::to_string(a.stage) + "." + std::to_string(a.micro);
   switch (a.op) {
     case Op::F: return "F" + at;
@@ -164,11 +167,127 @@ Schedule zero_bubble_v(Schedule s) {
   return s;
 }
 
+bool is_transfer(const Action& a) { return a.op == Op::Send || a.op == Op::Recv; }
+
 bool has_transfers(const Schedule& s) {
   for (const auto& row : s.actions)
     for (const auto& a : row)
-      if (a.op == Op::Send || a.op == Op::Recv) return true;
+      if (is_transfer(a)) return true;
   return false;
+}
+
+// One row as text: transfers of one group joined by '+'; `mark` in [brackets].
+std::string row_text(const std::vector<Action>& row, int mark = -1) {
+  std::string o;
+  for (size_t k = 0; k < row.size(); ++k) {
+    const bool joined = k > 0 && is_transfer(row[k]) && is_transfer(row[k - 1]) && row[k].group >= 0 &&
+                        row[k].group == row[k - 1].group;
+    const bool m = static_cast<int>(k) == mark;
+    o += (joined ? "+" : " ") + std::string(m ? "[" : "") + token(row[k]) + (m ? "]" : "");
+  }
+  return o;
+}
+
+std::vector<int> stages_of(const Schedule& s, int rank) {
+  std::vector<int> out;
+  for (int st = 0; st < s.stages; ++st)
+    if (s.stage_rank[st] == rank) out.push_back(st);
+  return out;
+}
+
+// Start and end of every action of compute lists when each rank runs its list
+// in order at F = I = W = 1 (B = 2) and transfers are free: the order of keys
+// lower() posts transfers by. Whole numbers, so every rank computes the same.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_times(const Schedule& s) {
+  const int S = s.stages, m = s.micros;
+  std::vector<int64_t> f_end(static_cast<size_t>(S) * m, -1), back_end = f_end;
+  auto at = [&](int st, int j) { return static_cast<size_t>(st) * m + j; };
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> out(s.ranks);
+  std::vector<int64_t> free_at(s.ranks, 0);
+  for (int r = 0; r < s.ranks; ++r) out[r].reserve(s.actions[r].size());
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < s.ranks; ++r) {
+      for (auto& row = s.actions[r]; out[r].size() < row.size();) {
+        const auto& a = row[out[r].size()];
+        int64_t dep = 0;
+        if (a.op == Op::F && a.stage > 0) dep = f_end[at(a.stage - 1, a.micro)];
+        if (a.op == Op::B || a.op == Op::I) {
+          dep = f_end[at(a.stage, a.micro)];
+          if (dep >= 0 && a.stage + 1 < S) {
+            const int64_t g = back_end[at(a.stage + 1, a.micro)];
+            dep = g < 0 ? -1 : std::max(dep, g);
+          }
+        }
+        if (a.op == Op::W) dep = back_end[at(a.stage, a.micro)];
+        if (dep < 0) break;  // waits on another rank's action not yet timed
+        const int64_t start = std::max(dep, free_at[r]), end = start + (a.op == Op::B ? 2 : 1);
+        if (a.op == Op::F) f_end[at(a.stage, a.micro)] = end;
+        if (a.op == Op::B || a.op == Op::I) back_end[at(a.stage, a.micro)] = end;
+        free_at[r] = end;
+        out[r].emplace_back(start, end);
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < s.ranks; ++r)
+    if (out[r].size() < s.actions[r].size()) {
+      std::vector<int> waiting(s.ranks, -1);
+      for (int q = 0; q < s.ranks; ++q)
+        if (out[q].size() < s.actions[q].size()) waiting[q] = static_cast<int>(out[q].size());
+      throw ScheduleError(fail_text(s, "deadlock: no rank can go on", waiting));
+    }
+  return out;
+}
+
+// lower() and lower_forward(): every crossing message keyed by its producer's
+// end (unit_times), posted at that key on both ends (lower()'s comment).
+Schedule lower_keyed(const Schedule& s, bool forward_only) {
+  const auto times = unit_times(s);
+  struct Keyed {
+    int64_t key;
+    Action a;
+  };
+  std::vector<std::vector<Keyed>> xfer(s.ranks);
+  auto cross = [&](int r, int64_t key, int stage, int micro, bool grad) {
+    const int q = s.stage_rank[stage];
+    xfer[r].push_back({key, {Op::Send, stage, micro, q, grad}});
+    xfer[q].push_back({key, {Op::Recv, stage, micro, r, grad}});
+  };
+  for (int r = 0; r < s.ranks; ++r)
+    for (size_t k = 0; k < s.actions[r].size(); ++k) {
+      const auto& a = s.actions[r][k];
+      const int64_t end = times[r][k].second;
+      if (a.op == Op::F && a.stage + 1 < s.stages && s.stage_rank[a.stage + 1] != r)
+        cross(r, end, a.stage + 1, a.micro, false);
+      if (!forward_only && (a.op == Op::B || a.op == Op::I) && a.stage > 0 && s.stage_rank[a.stage - 1] != r)
+        cross(r, end, a.stage - 1, a.micro, true);
+    }
+  Schedule out = s;
+  for (int r = 0; r < s.ranks; ++r) {
+    auto& x = xfer[r];
+    std::sort(x.begin(), x.end(), [](const Keyed& u, const Keyed& v) {
+      return std::make_tuple(u.key, u.a.op == Op::Recv, u.a.peer, u.a.grad, u.a.stage, u.a.micro) <
+             std::make_tuple(v.key, v.a.op == Op::Recv, v.a.peer, v.a.grad, v.a.stage, v.a.micro);
+    });
+    auto& row = out.actions[r];
+    row.clear();
+    size_t i = 0;
+    int group = -1;
+    auto post_through = [&](int64_t key) {  // the groups keyed at or before `key`
+      for (; i < x.size() && x[i].key <= key; ++i) {
+        if (i == 0 || x[i].key != x[i - 1].key) ++group;
+        row.push_back(x[i].a);
+        row.back().group = group;
+      }
+    };
+    for (size_t k = 0; k < s.actions[r].size(); ++k) {
+      post_through(times[r][k].first);
+      row.push_back(s.actions[r][k]);
+    }
+    post_through(std::numeric_limits<int64_t>::max());
+  }
+  return out;
 }
 
 }  // namespace
@@ -277,61 +396,48 @@ void validate(const Schedule& s) {
 
 Schedule lower(const Schedule& s) {
   validate(s);
-  Schedule out = s;
+  if (has_transfers(s)) throw ScheduleError(fail_text(s, "already lowered (it holds transfers)"));
+  return lower_keyed(s, false);
+}
+
+Schedule lower_forward(const Schedule& s) {
+  Schedule f = s;
+  f.name = s.name + " (evaluation)";
+  f.micros = 1;
   for (int r = 0; r < s.ranks; ++r) {
-    auto& row = out.actions[r];
-    row.clear();
-    for (const auto& a : s.actions[r]) {
-      const bool fwd = a.op == Op::F, bwd = a.op == Op::B || a.op == Op::I;
-      if (fwd && a.stage > 0 && s.stage_rank[a.stage - 1] != r)
-        row.push_back({Op::Recv, a.stage, a.micro, s.stage_rank[a.stage - 1], false});
-      if (bwd && a.stage + 1 < s.stages && s.stage_rank[a.stage + 1] != r)
-        row.push_back({Op::Recv, a.stage, a.micro, s.stage_rank[a.stage + 1], true});
-      row.push_back(a);
-      if (fwd && a.stage + 1 < s.stages && s.stage_rank[a.stage + 1] != r)
-        row.push_back({Op::Send, a.stage + 1, a.micro, s.stage_rank[a.stage + 1], false});
-      if (bwd && a.stage > 0 && s.stage_rank[a.stage - 1] != r)
-        row.push_back({Op::Send, a.stage - 1, a.micro, s.stage_rank[a.stage - 1], true});
-    }
+    f.actions[r].clear();
+    for (int st : stages_of(s, r)) f.actions[r].push_back({Op::F, st, 0});
+  }
+  return lower_keyed(f, true);
+}
+
+std::vector<int> group_waits(const Schedule& s, int rank) {
+  const auto& row = s.actions.at(rank);
+  std::map<std::tuple<bool, int, int>, int> recv_group;  // (gradient, consumer stage, micro) -> its group
+  for (const auto& a : row)
+    if (a.op == Op::Recv) recv_group[{a.grad, a.stage, a.micro}] = a.group;
+  std::vector<int> out(row.size(), -1);
+  for (size_t k = 0; k < row.size(); ++k) {
+    const auto& a = row[k];
+    const bool backward = a.op == Op::B || a.op == Op::I;
+    if (a.op != Op::F && !backward) continue;
+    const auto it = recv_group.find({backward, a.stage, a.micro});
+    if (it != recv_group.end()) out[k] = it->second;
   }
   return out;
 }
 
 std::vector<std::vector<int>> retired_sends(const Schedule& s, int rank) {
-  using Key = std::tuple<bool, int, int>;  // (gradient, consumer stage, micro-batch): the message, as its tag
   const auto& row = s.actions.at(rank);
+  const auto waits = group_waits(s, rank);
   std::vector<std::vector<int>> out(row.size());
-  std::map<Key, int> my_send;  // our sends, by message
-  for (int k = 0; k < static_cast<int>(row.size()); ++k)
-    if (row[k].op == Op::Send) my_send[{row[k].grad, row[k].stage, row[k].micro}] = k;
-  // Per peer q: the messages q receives from us, in q's order; and for each
-  // message q sends us, how many of those precede it in q's row.
-  std::vector<std::vector<Key>> their_recvs(s.ranks);
-  std::map<std::pair<int, Key>, size_t> before_send;
-  for (int q = 0; q < s.ranks; ++q) {
-    if (q == rank) continue;
-    for (const auto& a : s.actions[q]) {
-      if (a.peer != rank) continue;
-      if (a.op == Op::Recv) their_recvs[q].push_back({a.grad, a.stage, a.micro});
-      if (a.op == Op::Send) before_send[{q, {a.grad, a.stage, a.micro}}] = their_recvs[q].size();
-    }
-  }
-  std::vector<size_t> done(s.ranks, 0);  // per peer: the prefix of its receives already retired
-  for (int k = 0; k < static_cast<int>(row.size()); ++k) {
-    const auto& a = row[k];
-    if (a.op != Op::Recv) continue;
-    const auto it = before_send.find({a.peer, {a.grad, a.stage, a.micro}});
-    if (it == before_send.end())
-      throw ScheduleError(fail_text(s, "rank " + std::to_string(rank) + "'s " + token(a) + " has no matching send"));
-    for (; done[a.peer] < it->second; ++done[a.peer]) {
-      const auto& key = their_recvs[a.peer][done[a.peer]];
-      const auto mine = my_send.find(key);
-      if (mine == my_send.end() || mine->second > k)
-        throw ScheduleError(fail_text(s, "rank " + std::to_string(a.peer) + " receives from rank " +
-                                             std::to_string(rank) + " what it has not sent before " + token(a)));
-      out[k].push_back(mine->second);
-    }
-  }
+  std::vector<int> sends;  // positions, in row order (their groups ascending)
+  for (size_t k = 0; k < row.size(); ++k)
+    if (row[k].op == Op::Send) sends.push_back(static_cast<int>(k));
+  size_t next = 0;
+  for (size_t k = 0; k < row.size(); ++k)
+    for (; waits[k] >= 0 && next < sends.size() && row[sends[next]].group <= waits[k]; ++next)
+      out[k].push_back(sends[next]);
   return out;
 }
 
@@ -370,7 +476,7 @@ Run run_steps(const Schedule& s, const Costs& c, int steps, const std::vector<in
   auto idx = [&](int n, int st, int j) { return (static_cast<size_t>(n) * S + st) * m + j; };
   // Finish times: compute actions by (step, stage, micro); messages by (step, grad, consumer stage, micro).
   std::vector<double> f_done(static_cast<size_t>(steps) * S * m, kInf), back_done = f_done, w_done = f_done;
-  std::map<std::tuple<int, bool, int, int>, double> sent, received;
+  std::map<std::tuple<int, bool, int, int>, double> sent;
   std::vector<size_t> next(s.ranks, 0);  // over the row repeated `steps` times
   std::vector<double> free_at(s.ranks, 0.0);
   std::vector<int> finished(steps, 0);   // ranks done with each step
@@ -389,8 +495,8 @@ Run run_steps(const Schedule& s, const Costs& c, int steps, const std::vector<in
       if (s.stage_rank[producer_stage] == s.stage_rank[a.stage] || done == kInf) return done;
       if (!lowered) return done + c.comm;
       const bool grad = producer_stage > a.stage;
-      auto it = received.find({n, grad, a.stage, a.micro});
-      return it == received.end() ? kInf : it->second;
+      auto it = sent.find({n, grad, a.stage, a.micro});
+      return it == sent.end() ? kInf : it->second + c.comm;
     };
     double dep = 0;
     switch (a.op) {
@@ -408,15 +514,12 @@ Run run_steps(const Schedule& s, const Costs& c, int steps, const std::vector<in
       case Op::Send: {
         // What is sent was produced by this rank: the forward of the stage before
         // the consumer, or the backward of the stage after it.
+        if (a.stage < 0) break;  // the tied gradient: after the step
         const int producer = a.grad ? a.stage + 1 : a.stage - 1;
         dep = a.grad ? back_done[idx(n, producer, a.micro)] : f_done[idx(n, producer, a.micro)];
         break;
       }
-      case Op::Recv: {
-        auto it = sent.find({n, a.grad, a.stage, a.micro});
-        dep = it == sent.end() ? kInf : it->second + c.comm;
-        break;
-      }
+      case Op::Recv: break;  // posted; its consumer waits for the message
     }
     if (n > 0 && (prefix.empty() || static_cast<int>(k) >= prefix[r]))
       dep = std::max(dep, finished[n - 1] == s.ranks ? out.step_end[n - 1] : kInf);
@@ -467,8 +570,8 @@ Run run_steps(const Schedule& s, const Costs& c, int steps, const std::vector<in
     free_at[best] = end;
     sim.busy[best] += dur;
     sim.makespan = std::max(sim.makespan, end);
-    const size_t i = idx(n, a.stage, a.micro);
-    switch (a.op) {
+    const size_t i = a.stage < 0 ? 0 : idx(n, a.stage, a.micro);  // stage -1: the tied gradient, waited on by nothing here
+    switch (a.stage < 0 ? Op::Recv : a.op) {
       case Op::F:
         f_done[i] = end;
         sim.peak_live[best] = std::max(sim.peak_live[best], ++live[best]);
@@ -483,7 +586,7 @@ Run run_steps(const Schedule& s, const Costs& c, int steps, const std::vector<in
         --live[best];
         break;
       case Op::Send: sent[{n, a.grad, a.stage, a.micro}] = end; break;
-      case Op::Recv: received[{n, a.grad, a.stage, a.micro}] = end; break;
+      case Op::Recv: break;
     }
     if (next[best] % len == 0) {  // this rank finished step n
       ++finished[n];
@@ -500,13 +603,28 @@ Simulation simulate(const Schedule& s, const Costs& c) { return run_steps(s, c, 
 std::vector<int> post_validation_prefix(const Schedule& lowered) {
   const auto& rows = lowered.actions;
   const int R = lowered.ranks;
-  // Each rank's row up to its first backward work (B, I, W or a gradient transfer).
+  // The first position of the group holding action k of `row` (k itself for a compute action).
+  auto group_start = [](const std::vector<Action>& row, int k) {
+    while (k > 0 && is_transfer(row[k]) && is_transfer(row[k - 1]) && row[k - 1].group == row[k].group) --k;
+    return k;
+  };
+  // Each rank's row up to its first backward work (B, I, W, or a group with a gradient transfer).
   std::vector<int> cut(R, 0);
   for (int r = 0; r < R; ++r) {
     const auto& row = rows[r];
-    while (cut[r] < static_cast<int>(row.size()) &&
-           (row[cut[r]].op == Op::F || ((row[cut[r]].op == Op::Send || row[cut[r]].op == Op::Recv) && !row[cut[r]].grad)))
-      ++cut[r];
+    const int n = static_cast<int>(row.size());
+    for (int k = 0; k < n;) {
+      if (row[k].op == Op::F) {
+        cut[r] = ++k;
+        continue;
+      }
+      if (!is_transfer(row[k])) break;
+      int end = k;
+      bool forward = true;
+      for (; end < n && is_transfer(row[end]) && row[end].group == row[k].group; ++end) forward = forward && !row[end].grad;
+      if (!forward) break;
+      cut[r] = k = end;
+    }
   }
   // Where each activation message is sent and received: (consumer stage, micro) -> (rank, position).
   std::map<std::pair<int, int>, std::pair<int, int>> send_at, recv_at;
@@ -517,23 +635,281 @@ std::vector<int> post_validation_prefix(const Schedule& lowered) {
       if (a.op == Op::Send) send_at[{a.stage, a.micro}] = {r, k};
       if (a.op == Op::Recv) recv_at[{a.stage, a.micro}] = {r, k};
     }
-  // Shrink to the largest cut every message crosses whole: sent inside one
-  // prefix iff received inside the other (cuts only shrink, so this ends).
+  // Shrink to the largest cuts, between groups, every message crosses whole:
+  // sent inside one prefix iff received inside the other (cuts only shrink,
+  // so this ends).
   for (bool changed = true; changed;) {
     changed = false;
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < cut[r]; ++k) {
         const auto& a = rows[r][k];
-        if (a.op != Op::Send && a.op != Op::Recv) continue;
+        if (!is_transfer(a)) continue;
         const auto& other = (a.op == Op::Send ? recv_at : send_at)[{a.stage, a.micro}];
         if (other.second >= cut[other.first]) {
-          cut[r] = k;
+          cut[r] = group_start(rows[r], k);
           changed = true;
           break;
         }
       }
   }
   return cut;
+}
+
+namespace {
+
+// check_backend_rules: what each rank issues, in order, over the steps checked.
+struct Item {
+  enum Kind { Compute, Group, Sync } kind = Compute;
+  int step = 0;              // which step's message this is (a rerun prefix: a step of its own)
+  std::vector<Action> acts;  // Compute: the one action (none: the step's end, waiting for every group); Group: its transfers
+  int waits = -1;            // Compute: the item index of the group it waits on
+  int pos = -1;              // the row position of its first action (-1: not in the row)
+};
+using Program = std::vector<Item>;
+
+std::string label(const Item& it, const Action& a) {
+  return token(a) + (it.step == 1 ? " of the next step" : it.step == 2 ? " of the next step's rerun prefix" : "");
+}
+
+std::string label(const Item& it) {
+  if (it.kind == Item::Sync) return "host sync (the validation)";
+  if (it.acts.empty()) return std::string("wait for every group at the step's end") + (it.step ? " (next step)" : "");
+  return label(it, it.acts.front());
+}
+
+// The finish of a step (or before a rerun prefix): the compute stream waits
+// for every group posted so far, as the executor's finish_sends does.
+void append_wait_all(Program& prog, int step) {
+  int last = -1;
+  for (int i = 0; i < static_cast<int>(prog.size()); ++i)
+    if (prog[i].kind == Item::Group) last = i;
+  prog.push_back({Item::Compute, step, {}, last, -1});
+}
+
+// Rank r's program: row[from, to) of `step` appended; waits resolved to the
+// latest instance of each group posted so far (`posted`: row group -> item).
+void append(Program& prog, const std::vector<Action>& row, const std::vector<int>& waits, size_t from, size_t to,
+            int step, std::map<int, int>& posted) {
+  for (size_t k = from; k < to;) {
+    if (is_transfer(row[k])) {
+      Item g{Item::Group, step, {}, -1, static_cast<int>(k)};
+      const int id = row[k].group;
+      for (; k < to && is_transfer(row[k]) && row[k].group == id; ++k) g.acts.push_back(row[k]);
+      posted[id] = static_cast<int>(prog.size());
+      prog.push_back(std::move(g));
+      continue;
+    }
+    Item c{Item::Compute, step, {row[k]}, -1, static_cast<int>(k)};
+    if (waits[k] >= 0) {
+      const auto it = posted.find(waits[k]);
+      if (it == posted.end())
+        throw ScheduleError("rank's " + token(row[k]) + " waits on a group not posted before it");
+      c.waits = it->second;
+    }
+    prog.push_back(std::move(c));
+    ++k;
+  }
+}
+
+void append_tied(Program& prog, const Schedule& s, int r, int step) {
+  const int first = s.stage_rank.front(), last = s.stage_rank.back();
+  if (first == last || (r != first && r != last)) return;
+  const int peer = r == first ? last : first;
+  prog.push_back({Item::Group, step, {{Op::Send, -1, 0, peer, true}, {Op::Recv, -1, 0, peer, true}}, -1, -1});
+}
+
+// Runs the programs under NCCL's rules; throws BackendRuleError.
+void run_programs(const Schedule& s, const std::vector<Program>& prog, const std::string& what) {
+  const int R = s.ranks;
+  auto fail = [&](const std::string& why, const std::vector<int>& waiting = {}) {
+    throw BackendRuleError("pipeline schedule " + s.name + " (pp " + std::to_string(s.ranks) + ", " +
+                               std::to_string(s.micros) + " micro-batches" + what +
+                               ") breaks NCCL's point-to-point rules: " + why,
+                           grid(s, waiting));
+  };
+  // Pairing, first in first out per (sender, receiver), tags ignored.
+  struct End {
+    int item;
+    size_t op;
+  };
+  std::map<std::pair<int, int>, std::vector<End>> sends, recvs;  // (sender, receiver) -> in issue order
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < static_cast<int>(prog[r].size()); ++i) {
+      const auto& it = prog[r][i];
+      if (it.kind != Item::Group) continue;
+      for (size_t o = 0; o < it.acts.size(); ++o) {
+        const auto& a = it.acts[o];
+        if (a.peer < 0 || a.peer >= R || a.peer == r) fail("rank " + std::to_string(r) + "'s " + label(it, a) + " names no other rank");
+        if (a.op == Op::Send) sends[{r, a.peer}].push_back({i, o});
+        else recvs[{a.peer, r}].push_back({i, o});
+      }
+    }
+  // partner[r][item][op] = (rank, item) of the matching operation.
+  std::vector<std::vector<std::vector<std::pair<int, int>>>> partner(R);
+  for (int r = 0; r < R; ++r) {
+    partner[r].resize(prog[r].size());
+    for (size_t i = 0; i < prog[r].size(); ++i) partner[r][i].assign(prog[r][i].acts.size(), {-1, -1});
+  }
+  std::set<std::pair<int, int>> pairs;
+  for (const auto& [k, v] : sends) pairs.insert(k);
+  for (const auto& [k, v] : recvs) pairs.insert(k);
+  for (const auto& [from, to] : pairs) {
+    const auto& out = sends[{from, to}];
+    const auto& in = recvs[{from, to}];
+    for (size_t n = 0; n < std::min(out.size(), in.size()); ++n) {
+      const auto& si = prog[from][out[n].item];
+      const auto& ri = prog[to][in[n].item];
+      const auto& a = si.acts[out[n].op];
+      const auto& b = ri.acts[in[n].op];
+      if (si.step != ri.step || a.grad != b.grad || a.stage != b.stage || a.micro != b.micro) {
+        const std::string nth = std::to_string(n + 1);
+        fail("mis-paired: rank " + std::to_string(from) + "'s send #" + nth + " to rank " + std::to_string(to) + " is " +
+             label(si, a) + ", but rank " + std::to_string(to) + "'s receive #" + nth + " from rank " +
+             std::to_string(from) + " is " + label(ri, b) + " (tags are ignored: the n-th send meets the n-th receive)");
+      }
+      partner[from][out[n].item][out[n].op] = {to, in[n].item};
+      partner[to][in[n].item][in[n].op] = {from, out[n].item};
+    }
+    if (out.size() != in.size())
+      fail("rank " + std::to_string(from) + " sends " + std::to_string(out.size()) + " messages to rank " +
+           std::to_string(to) + ", which receives " + std::to_string(in.size()));
+  }
+
+  // Streams. state: 0 waiting, 1 in flight (groups), 2 done.
+  std::vector<std::vector<int>> state(R);
+  std::vector<size_t> comp(R, 0), comm(R, 0);  // next compute/sync item, next group item
+  for (int r = 0; r < R; ++r) state[r].assign(prog[r].size(), 0);
+  auto skip = [&](int r, size_t& i, bool groups) {
+    while (i < prog[r].size() && ((prog[r][i].kind == Item::Group) != groups || state[r][i] == 2)) ++i;
+  };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < R; ++r) {
+      // Compute stream: each action once the group it waits on is done.
+      for (skip(r, comp[r], false); comp[r] < prog[r].size(); skip(r, comp[r], false)) {
+        const auto& it = prog[r][comp[r]];
+        if (it.kind == Item::Sync) break;  // all ranks together, below
+        if (it.waits >= 0 && state[r][it.waits] != 2) break;
+        state[r][comp[r]] = 2;
+        progress = true;
+      }
+      // Communication stream: the next group starts once the compute issued
+      // before it is done (and with it any sync before it), and completes once
+      // every partner's group is in flight.
+      skip(r, comm[r], true);
+      if (comm[r] < prog[r].size()) {
+        const size_t g = comm[r];
+        if (state[r][g] == 0 && comp[r] > g) state[r][g] = 1, progress = true;
+        if (state[r][g] == 1) {
+          bool all = true;
+          for (const auto& [q, i] : partner[r][g]) all = all && state[q][i] >= 1;
+          if (all) state[r][g] = 2, progress = true;
+        }
+      }
+    }
+    // A host sync (post-validation's) completes when every rank's compute reached it.
+    bool at_sync = true;
+    for (int r = 0; r < R; ++r) {
+      skip(r, comp[r], false);
+      at_sync = at_sync && comp[r] < prog[r].size() && prog[r][comp[r]].kind == Item::Sync;
+    }
+    if (at_sync) {
+      for (int r = 0; r < R; ++r) state[r][comp[r]] = 2;
+      progress = true;
+    }
+  }
+  // Done, or a deadlock: name the first rank whose group waits on a partner
+  // that is not in flight, and what holds that partner back.
+  for (int r = 0; r < R; ++r) {
+    skip(r, comm[r], true);
+    skip(r, comp[r], false);
+  }
+  std::vector<int> stuck, waiting(R, -1);  // waiting: the row position each rank is held at, for the grid
+  for (int r = 0; r < R; ++r) {
+    if (comm[r] == prog[r].size() && comp[r] == prog[r].size()) continue;
+    stuck.push_back(r);
+    const bool on_group = comm[r] < prog[r].size() && (comp[r] == prog[r].size() || state[r][comm[r]] == 1);
+    waiting[r] = prog[r][on_group ? comm[r] : comp[r]].pos;
+  }
+  if (stuck.empty()) return;
+  // Rank q's side of the operation `a` of rank p.
+  auto other_end = [&](int q, int item, int p, const Action& a) {
+    for (const auto& b : prog[q][item].acts)
+      if (b.peer == p && (b.op == Op::Recv) == (a.op == Op::Send)) return label(prog[q][item], b);
+    return label(prog[q][item]);
+  };
+  // Why q's group `item` is not in flight.
+  auto held_back = [&](int q, int item) -> std::string {
+    if (comm[q] < static_cast<size_t>(item)) {
+      const auto& h = prog[q][comm[q]];
+      for (size_t o = 0; o < h.acts.size(); ++o) {
+        const auto& [p, pi] = partner[q][comm[q]][o];
+        if (p >= 0 && state[p][pi] == 0)
+          return ", queued behind rank " + std::to_string(q) + "'s " + label(h, h.acts[o]) + ", which waits for rank " +
+                 std::to_string(p) + "'s " + other_end(p, pi, q, h.acts[o]);
+      }
+      return ", queued behind rank " + std::to_string(q) + "'s " + label(h);
+    }
+    if (comp[q] < prog[q].size() && comp[q] <= static_cast<size_t>(item)) {
+      const auto& c = prog[q][comp[q]];
+      return ", posted after rank " + std::to_string(q) + "'s " + label(c) +
+             (c.waits >= 0 ? ", which waits for its group " + label(prog[q][c.waits]) : "");
+    }
+    return "";
+  };
+  for (int r : stuck) {
+    if (comm[r] >= prog[r].size() || state[r][comm[r]] != 1) continue;
+    const auto& g = prog[r][comm[r]];
+    for (size_t o = 0; o < g.acts.size(); ++o) {
+      const auto& [q, i] = partner[r][comm[r]][o];
+      if (state[q][i] >= 1) continue;
+      fail("deadlock: rank " + std::to_string(r) + "'s " + label(g, g.acts[o]) + " waits for rank " + std::to_string(q) +
+               "'s " + other_end(q, i, r, g.acts[o]) + held_back(q, i),
+           waiting);
+    }
+  }
+  const int r = stuck.front();
+  fail("deadlock: rank " + std::to_string(r) + " cannot go on at " +
+           label(prog[r][comp[r] < prog[r].size() ? comp[r] : comm[r]]),
+       waiting);
+}
+
+}  // namespace
+
+void check_backend_rules(const Schedule& lowered, const BackendCheck& check) {
+  const int R = lowered.ranks;
+  std::vector<std::vector<int>> waits(R);
+  for (int r = 0; r < R; ++r) waits[r] = group_waits(lowered, r);
+  auto build = [&](bool two_steps, bool rerun) {
+    std::vector<Program> prog(R);
+    for (int r = 0; r < R; ++r) {
+      const auto& row = lowered.actions[r];
+      std::map<int, int> posted;
+      append(prog[r], row, waits[r], 0, row.size(), 0, posted);
+      append_wait_all(prog[r], 0);
+      if (check.tied) append_tied(prog[r], lowered, r, 0);
+      if (!two_steps) continue;
+      const size_t cut = static_cast<size_t>(check.prefix.at(r));
+      posted.clear();
+      append(prog[r], row, waits[r], 0, cut, 1, posted);
+      prog[r].push_back({Item::Sync, 1, {}, -1, -1});
+      if (rerun) {
+        append_wait_all(prog[r], 1);
+        append(prog[r], row, waits[r], 0, cut, 2, posted);
+      }
+      append(prog[r], row, waits[r], cut, row.size(), 1, posted);
+      append_wait_all(prog[r], 1);
+      if (check.tied) append_tied(prog[r], lowered, r, 1);
+    }
+    return prog;
+  };
+  run_programs(lowered, build(false, false), "");
+  if (check.prefix.empty()) return;
+  if (static_cast<int>(check.prefix.size()) != R)
+    throw ScheduleError(fail_text(lowered, "post-validation prefixes for " + std::to_string(check.prefix.size()) +
+                                               " ranks, not " + std::to_string(R)));
+  run_programs(lowered, build(true, false), ", post-validation");
+  run_programs(lowered, build(true, true), ", post-validation with a rollback");
 }
 
 SteadyState simulate_steady(const Schedule& s, const Costs& c, bool post_validation) {
@@ -552,14 +928,8 @@ double SteadyState::mean_bubble() const { return mean_over_ranks(*this); }
 
 std::string grid(const Schedule& s, const std::vector<int>& waiting) {
   std::ostringstream o;
-  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r) {
-    o << "  rank " << r << " |";
-    for (int k = 0; k < static_cast<int>(s.actions[r].size()); ++k) {
-      const bool mark = r < static_cast<int>(waiting.size()) && waiting[r] == k;
-      o << ' ' << (mark ? "[" : "") << token(s.actions[r][k]) << (mark ? "]" : "");
-    }
-    o << '\n';
-  }
+  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r)
+    o << "  rank " << r << " |" << row_text(s.actions[r], r < static_cast<int>(waiting.size()) ? waiting[r] : -1) << '\n';
   return o.str();
 }
 
@@ -569,11 +939,7 @@ std::string to_text(const Schedule& s) {
   o << "placement";
   for (int r : s.stage_rank) o << ' ' << r;
   o << "\n";
-  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r) {
-    o << "rank " << r << ":";
-    for (const auto& a : s.actions[r]) o << ' ' << token(a);
-    o << "\n";
-  }
+  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r) o << "rank " << r << ":" << row_text(s.actions[r]) << "\n";
   return o.str();
 }
 
@@ -623,20 +989,55 @@ Schedule from_text(const std::string& text, const std::string& what) {
       if (r_text.empty() || r_text.back() != ':') throw bad("expected 'rank R: ACTION ...'");
       const int r = parse_int(r_text.substr(0, r_text.size() - 1));
       if (r < 0 || r >= s.ranks) throw bad("rank " + std::to_string(r) + " outside 0.." + std::to_string(s.ranks - 1));
-      std::string t;
-      while (words >> t) {
-        Action a;
-        const char c = t[0];
-        if (c == 'F') a.op = Op::F;
-        else if (c == 'B') a.op = Op::B;
-        else if (c == 'I') a.op = Op::I;
-        else if (c == 'W') a.op = Op::W;
-        else throw bad("'" + t + "' is not an action (F, B, I or W followed by STAGE.MICRO)");
-        const auto dot = t.find('.');
-        if (dot == std::string::npos) throw bad("'" + t + "': expected STAGE.MICRO after the letter");
-        a.stage = parse_int(t.substr(1, dot - 1));
-        a.micro = parse_int(t.substr(dot + 1));
-        s.actions[r].push_back(a);
+      std::string word;
+      int group = static_cast<int>(std::count_if(s.actions[r].begin(), s.actions[r].end(), is_transfer));  // > any id so far
+      while (words >> word) {
+        std::vector<std::string> parts;
+        for (size_t from = 0;;) {
+          const auto plus = word.find('+', from);
+          parts.push_back(word.substr(from, plus == std::string::npos ? std::string::npos : plus - from));
+          if (plus == std::string::npos) break;
+          from = plus + 1;
+        }
+        ++group;
+        for (const auto& t : parts) {
+          if (t.empty()) throw bad("'" + word + "': an empty action");
+          Action a;
+          const char c = t[0];
+          if (c == 's' || c == 'r') {
+            // A transfer: s|r, then a|g|t, then STAGE.MICRO (not for t), then >PEER or <PEER.
+            if (t.size() < 4 || (t[1] != 'a' && t[1] != 'g' && t[1] != 't'))
+              throw bad("'" + t + "' is not a transfer (sa, sg, ra, rg, st or rt)");
+            a.op = c == 's' ? Op::Send : Op::Recv;
+            a.grad = t[1] != 'a';
+            const auto arrow = t.find(c == 's' ? '>' : '<');
+            if (arrow == std::string::npos) throw bad("'" + t + "': expected " + (c == 's' ? ">PEER" : "<PEER"));
+            a.peer = parse_int(t.substr(arrow + 1));
+            if (t[1] == 't') {
+              if (arrow != 2) throw bad("'" + t + "': the tied gradient takes no stage");
+              a.stage = -1;
+            } else {
+              const auto dot = t.find('.');
+              if (dot == std::string::npos || dot > arrow) throw bad("'" + t + "': expected STAGE.MICRO");
+              a.stage = parse_int(t.substr(2, dot - 2));
+              a.micro = parse_int(t.substr(dot + 1, arrow - dot - 1));
+            }
+            a.group = group;
+            s.actions[r].push_back(a);
+            continue;
+          }
+          if (parts.size() > 1) throw bad("'" + word + "': only transfers are joined by '+'");
+          if (c == 'F') a.op = Op::F;
+          else if (c == 'B') a.op = Op::B;
+          else if (c == 'I') a.op = Op::I;
+          else if (c == 'W') a.op = Op::W;
+          else throw bad("'" + t + "' is not an action (F, B, I or W followed by STAGE.MICRO, or a transfer)");
+          const auto dot = t.find('.');
+          if (dot == std::string::npos) throw bad("'" + t + "': expected STAGE.MICRO after the letter");
+          a.stage = parse_int(t.substr(1, dot - 1));
+          a.micro = parse_int(t.substr(dot + 1));
+          s.actions[r].push_back(a);
+        }
       }
     } else {
       throw bad("unknown line '" + key + "' (schedule, placement or rank)");

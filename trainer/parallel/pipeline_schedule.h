@@ -21,12 +21,14 @@ enum class Op { F, B, I, W, Send, Recv };
 
 struct Action {
   Op op = Op::F;
-  int stage = 0;
+  int stage = 0;      // Send / Recv: the stage that consumes the message (-1: the tied embedding's gradient)
   int micro = 0;
   int peer = -1;      // Send / Recv: the other rank
   bool grad = false;  // Send / Recv: a gradient going back rather than an activation going forward
+  int group = -1;     // Send / Recv: its group in the row; a group's transfers are posted together
   bool operator==(const Action& o) const {
-    return op == o.op && stage == o.stage && micro == o.micro && peer == o.peer && grad == o.grad;
+    return op == o.op && stage == o.stage && micro == o.micro && peer == o.peer && grad == o.grad &&
+           group == o.group;
   }
 };
 
@@ -65,22 +67,59 @@ const std::vector<std::string>& scheduler_names();
 // at most ranks x (stages it holds) W's pending after their I on a rank.
 void validate(const Schedule& s);
 
-// Inserts the transfers: after a forward whose next stage lives on another rank a
-// Send of the activation, before the consuming forward a Recv; the same for the
-// gradient going back. Adjacent stages on one rank hand off locally (nothing inserted).
+// Inserts the transfers, in groups that hold under NCCL's point-to-point
+// rules (docs/parallelism.md, "Point to point under NCCL's rules"): tags are
+// ignored (the n-th send of a rank pair meets the n-th receive), a send does
+// not complete before its receive is posted unless both are in groups in
+// flight together, and a rank's groups run one after another. Every message
+// gets a key, the time its producer ends when each rank runs its list at F = I
+// = W = 1 with free transfers; both ends post it in their group of that key,
+// the sender right after the producer, the receiver before its first action
+// starting at or after the key. Groups and the actions waiting on them then
+// follow one order of keys on every rank, so no cycle of waits can form, and
+// the same message order holds on both ends of every pair. Adjacent stages on
+// one rank hand off locally (nothing inserted). In a group: sends first, then
+// receives, each by (peer, gradient, stage, micro-batch).
 Schedule lower(const Schedule& s);
+// Evaluation: every stage's forward of one micro-batch, in stage order, each
+// rank its own stages; lowered as lower() does.
+Schedule lower_forward(const Schedule& s);
 
-// When the sends of lowered row `rank` are certainly delivered, so that
-// their tensors can go: per action of the row, the positions (in the row) of
-// the sends whose delivery its completion proves; only a Recv retires any.
-// Our Recv of a message from q completes once q has posted its Send, and q
-// runs its row in order with blocking receives, so every receive of q's row
-// from us before that Send has completed: the matching sends of ours are
-// delivered and waiting for them returns without any rank's help.
-// Whatever no receive retires (a row's last sends) waits for the step's end.
-// Throws ScheduleError when a Recv has no matching Send or a retired send
-// comes after its retiring Recv (a schedule the dry run refuses).
+// Per action of lowered row `rank`: the group to have completed before it
+// (-1: none), the one holding a receive it consumes. Waiting on a group waits
+// on every group before it too: a communicator's groups complete in order.
+std::vector<int> group_waits(const Schedule& lowered, int rank);
+
+// When the pipeline executor may drop a sent tensor: per action of lowered
+// row `rank`, the positions (in the row) of the sends whose groups the wait
+// before it completes (group_waits), each once. Whatever no wait retires (a
+// row's last sends) waits for the step's end.
 std::vector<std::vector<int>> retired_sends(const Schedule& lowered, int rank);
+
+// The dry run under the backend's rules: the lowered lists run as NCCL runs
+// them. Per rank a compute stream (F, B, I, W in order, each after the groups
+// group_waits names) and one communication stream (the groups in order, each
+// after the compute before it, as c10d orders a collective after the current
+// stream); messages paired first in, first out per (sender, receiver), tags
+// ignored; a group completes once every partner's group is in flight. Throws
+// BackendRuleError on a pair whose order differs at its two ends or on a
+// state where nothing can run.
+struct BackendRuleError : ScheduleError {
+  BackendRuleError(const std::string& line, const std::string& grid)
+      : ScheduleError(line + "\n" + grid), line(line) {}
+  std::string line;  // one line: the schedule, pp, micro-batches and the first conflicting pair of actions
+};
+struct BackendCheck {
+  // The tied embedding's gradient exchange after the step (first and last
+  // stage on different ranks): one group of a send and a receive on each.
+  bool tied = false;
+  // Optimizer post-validation: per rank, the prefix of its row run before the
+  // previous step is validated (post_validation_prefix). Checked over two
+  // steps, with a host sync (the validation) after the second step's
+  // prefixes, and again with the prefixes rerun after it (a rollback).
+  std::vector<int> prefix;
+};
+void check_backend_rules(const Schedule& lowered, const BackendCheck& check = {});
 
 // Durations of one action of one stage; B = I + W.
 struct Costs {
@@ -106,19 +145,21 @@ struct Simulation {
 
 // Runs the schedule (compute lists, or lowered ones with sends and receives) in
 // time: each rank in its order, an action starting once its rank is free and
-// what it consumes is done. Throws ScheduleError if no rank can go on (a
-// deadlock), the grid marking each rank's action that waits.
+// what it consumes is done (a posted receive waits at its consumer, as the
+// executor does). Throws ScheduleError if no rank can go on (a deadlock), the
+// grid marking each rank's action that waits. Timing only: the backend's
+// rules are check_backend_rules'.
 Simulation simulate(const Schedule& s, const Costs& c = {});
 
 // Optimizer post-validation (docs/parallelism.md): a rank runs the leading
 // forwards of step t + 1 before step t's optimizer step is validated. Per rank
 // of a lowered schedule, how many actions of its row that prefix holds: only
-// forwards and activation transfers, up to the first backward work, cut so
-// that every message sent inside a prefix is received inside its receiver's
-// and every one received inside was sent inside (a rollback reruns all the
-// prefixes, message for message). A forward whose send the receiver's prefix
-// does not take ends its prefix before that send: it goes after validation.
-// Every rank computes the same cuts.
+// forwards and groups of activation transfers, up to the first backward work,
+// cut between groups so that every message sent inside a prefix is received
+// inside its receiver's and every one received inside was sent inside (a
+// rollback reruns all the prefixes, message for message). A forward whose send
+// the receiver's prefix does not take ends its prefix before that send: it
+// goes after validation. Every rank computes the same cuts.
 std::vector<int> post_validation_prefix(const Schedule& lowered);
 
 // Consecutive steps in steady state. Synchronous (post_validation false):
@@ -144,6 +185,10 @@ std::string grid(const Schedule& s, const std::vector<int>& waiting = {});
 //   schedule NAME ranks R stages S micros M
 //   placement RANK_OF_STAGE_0 RANK_OF_STAGE_1 ...
 //   rank 0: F0.0 F0.1 I0.0 W0.0 ...
+// Lowered rows add transfers: sa1.0>1 (send the activation for stage 1,
+// micro-batch 0, to rank 1), sg / ra / rg alike (g: gradient, r: receive from
+// <RANK), st>1 and rt<1 for the tied embedding's gradient; a group's
+// transfers joined by '+' (sa1.0>1+rg0.0<1).
 std::string to_text(const Schedule& s);
 // Throws ScheduleError naming `what` (a file name) and the line at fault.
 Schedule from_text(const std::string& text, const std::string& what = "schedule");

@@ -289,6 +289,18 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
     if (e.config) throw config::ConfigError(e.what());  // the batch arithmetic: exit 2 as at load
     throw;
   }
+  if (a.plan.pipeline.pp > 1) {
+    // The dry run under the rules of the backend users run (NCCL): a schedule
+    // that would hang or mis-pair its messages there is refused here, on every
+    // rank alike, before any process group exists.
+    try {
+      parallel::check_transfers(a.plan.pipeline, !model.head_ties().empty(),
+                                args.compute_config.pipeline.post_validation);
+    } catch (const parallel::pipeline::BackendRuleError& e) {
+      log::error(e.what());  // the line and the grid
+      throw config::ConfigError("compute_config.pas_config.pipeline_scheduler: " + e.line);
+    }
+  }
   log::info("plan (" + args.pas_policy + "): " + parallel::plan_summary(a.plan));
   return a;
 }
