@@ -521,7 +521,12 @@ struct PipelineExecutor::Impl {
     while (next < end) {
       const size_t k = next;
       const auto& a = row[k];
-      if (kill_at && kill_at->step == steps_run && kill_at->action == k) std::raise(SIGKILL);
+      // The kill hook fires at its action, also inside a group (posted whole at its first).
+      size_t last = k;
+      while (last + 1 < row.size() && (row[last + 1].op == Op::Send || row[last + 1].op == Op::Recv) &&
+             (a.op == Op::Send || a.op == Op::Recv) && row[last + 1].group == a.group)
+        ++last;
+      if (kill_at && kill_at->step == steps_run && kill_at->action >= k && kill_at->action <= last) std::raise(SIGKILL);
       if (a.op == Op::Send || a.op == Op::Recv) {
         if (k == 0 || row[k - 1].group != a.group || (row[k - 1].op != Op::Send && row[k - 1].op != Op::Recv)) {
           try {
