@@ -124,7 +124,7 @@ TEST_CASE("the checker refuses the old lowering: deadlocks and mis-pairs, as on 
   CHECK(zbv.find("mis-paired") != std::string::npos);
 }
 
-TEST_CASE("a tied-gradient exchange of two lone sends deadlocks; as one group it holds", "[pipeline][nccl]") {
+TEST_CASE("a tied-gradient exchange of two lone sends deadlocks, as one group it holds", "[pipeline][nccl]") {
   // The old sum_tied: both ranks send the whole gradient, then receive.
   const auto old_text = "schedule gpipe ranks 2 stages 2 micros 1\n"
                         "placement 0 1\n"

@@ -69,7 +69,7 @@ TEST_CASE("NCCL rules on Gloo: messages pair by order, whatever the receiver mea
   CHECK(got == std::vector<float>{1, 2});
 }
 
-TEST_CASE("NCCL rules on Gloo: two lone sends toward each other hang; in one group they complete", "[nccl_rules]") {
+TEST_CASE("NCCL rules on Gloo: two lone sends toward each other hang, in one group they complete", "[nccl_rules]") {
   // The old tied-gradient exchange: each rank sends, then receives, as two
   // groups. Each send waits for a receive queued behind the other's send, so
   // neither completes: both waits end at the collective timeout.
