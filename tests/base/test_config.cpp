@@ -13,6 +13,8 @@
 
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
+#include "data/indexed/config_check.h"
+#include "trainer/parallel/pipeline_config_check.h"
 
 namespace fs = std::filesystem;
 using namespace nnstrain::config;
@@ -77,6 +79,7 @@ ModelCatalog fake_catalog() {
 LoadOptions options() {
   LoadOptions o;
   o.models = fake_catalog();
+  o.checks = {nnstrain::parallel::pipeline::check_config_schedule, nnstrain::indexed::check_config_datasets};
   return o;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "data/indexed/config_check.h"
 #include "data/prepare.h"
 #include "data/tokenizer/tokenize_command.h"
 #include "models/common/kernels/kernels.h"
@@ -22,6 +23,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/interop/generate_command.h"
 #include "trainer/interop/merge_command.h"
+#include "trainer/parallel/pipeline_config_check.h"
 #include "trainer/cli/plan_command.h"
 #include "trainer/cli/report.h"
 #include "trainer/train/trainer.h"
@@ -100,6 +102,7 @@ int train_main(const std::vector<std::string>& argv) {
     config::LoadOptions lo;
     lo.overrides = config::parse_overrides(rest);
     lo.models = models::model_catalog();
+    lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.world_size = env.world_size;
     lo.check_files = !print_config;
     const auto args = config::load_trainer_args(config_file, lo);
