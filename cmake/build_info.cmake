@@ -25,7 +25,8 @@ if(GIT)
                     OUTPUT_VARIABLE head RESULT_VARIABLE rc OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
     if(rc EQUAL 0 AND head MATCHES "^[0-9a-f]+$")
       set(commit "${head}")
-      execute_process(COMMAND "${GIT}" -C "${SOURCE_DIR}" status --porcelain --untracked-files=no
+      # --no-optional-locks: a build never writes the index a user's git command may hold.
+      execute_process(COMMAND "${GIT}" --no-optional-locks -C "${SOURCE_DIR}" status --porcelain --untracked-files=no
                       OUTPUT_VARIABLE changes RESULT_VARIABLE rc ERROR_QUIET)
       if(rc EQUAL 0)
         if(changes STREQUAL "")

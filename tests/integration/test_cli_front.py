@@ -10,6 +10,9 @@
 - `--help` lists every subcommand the dispatcher (trainer/cli/cli.cpp) and
   `prepare`'s (data/prepare.cpp) accept, read from their source, so a new one that
   is not listed fails here; README.md's command list too; and each answers --help.
+- The config checks that live above base/ (handed to the loader in
+  LoadOptions::checks) stop `nnstrain train` and `nnstrain plan` at load: exit 2,
+  one line naming the key and its line, nothing started.
 """
 import json
 import os
@@ -21,7 +24,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import SOURCE, nnstrain_bin_path
+from conftest import SOURCE, nnstrain_bin_path, single_process_env
 
 BUILD = pathlib.Path(os.environ.get("NNSTRAIN_BUILD_DIR", ""))
 
@@ -189,3 +192,56 @@ def test_the_check_sees_a_missing_line():
     assert listed(full, commands, flags, kinds) == []
     short = "\n".join(line for line in full.splitlines() if "corpus" not in line and "--version" not in line)
     assert listed(short, commands, flags, kinds) == ["--version", "prepare corpus"]
+
+
+# A pipeline 1f1b_interleaved cannot run (3 micro-batches on 2 ranks), and an indexed
+# dataset with no manifest; the line numbers are the ones the errors must name.
+PIPELINE = """\
+model: {type: gpt, args: {vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}
+dataset: {train_args: {path: TOKENS, seq_len: 16}}
+micro_batch_size: 2
+max_train_steps: 1
+run_dir: RUN
+pas_policy: hybrid
+grad_accumulation_steps: 3
+compute_config:
+  device: cpu
+  runtime_ngpus: 2
+  pas_config:
+    pp_size: 2
+    pipeline_scheduler: 1f1b_interleaved
+"""
+INDEXED = """\
+model: {type: gpt, args: {vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}
+micro_batch_size: 2
+max_train_steps: 1
+run_dir: RUN
+compute_config: {device: cpu}
+dataset:
+  type: indexed
+  train_args:
+    datasets:
+      - path: MISSING
+    seq_len: 16
+"""
+
+
+@pytest.mark.parametrize("config,commands,expected", [
+    (PIPELINE, ("train", "plan"), ("compute_config.pas_config.pipeline_scheduler (line 13): ",
+                                   "needs pipeline_nmicros a multiple of pp_size")),
+    (INDEXED, ("train",), ("dataset.train_args.datasets[0].path (line 10): ", "no dataset manifest")),
+], ids=["pipeline_schedule", "indexed_datasets"])
+def test_module_checks_stop_the_command_at_load(tmp_path, tiny_tokens, config, commands, expected):
+    run_dir = tmp_path / "run"
+    text = config.replace("TOKENS", str(tiny_tokens)).replace("RUN", str(run_dir))
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace("MISSING", str(tmp_path / "missing")))
+    for command in commands:
+        p = subprocess.run([nnstrain_bin_path(), command, "--config", str(path)], capture_output=True, text=True,
+                           timeout=120, env=single_process_env())
+        lines = p.stderr.splitlines()
+        assert p.returncode == 2 and len(lines) == 1, (command, p.returncode, p.stdout, p.stderr)
+        prefix = "nnstrain: config error: " if command == "train" else "nnstrain plan: config error: "
+        assert lines[0].startswith(prefix + str(path) + ": "), lines[0]
+        assert all(e in lines[0] for e in expected), (expected, lines[0])
+        assert not run_dir.exists(), f"{command}: the run started ({run_dir} exists) before the config was refused"
