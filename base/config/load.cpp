@@ -10,8 +10,6 @@
 
 #include "base/config/arg_map_impl.h"
 #include "base/text.h"
-#include "data/indexed/sample_stream.h"
-#include "trainer/parallel/pipeline_schedule.h"
 
 namespace nnstrain::config {
 
@@ -330,45 +328,6 @@ IndexedArgs read_indexed(const std::shared_ptr<Impl>& impl, const IndexedArgs* d
   return a;
 }
 
-// Each dataset's manifest and files; one tokenizer for all (train and val); the
-// join token exists; mask_prompt has instruction data to act on.
-void check_indexed(const ArgMap& train, const std::vector<ArgMap>& train_sources, const IndexedArgs& tr,
-                   const ArgMap* val, const std::vector<ArgMap>& val_sources, const IndexedArgs* va) {
-  std::string sha, sha_from;
-  auto check = [&](const ArgMap& m, const std::vector<ArgMap>& items, const IndexedArgs& a) {
-    bool prompts = false;
-    for (size_t i = 0; i < a.datasets.size(); ++i) {
-      indexed::Manifest man;
-      try {
-        man = indexed::read_manifest(a.datasets[i].path);
-        for (const char* ext : {".bin", ".idx"})
-          if (!fs::is_regular_file(man.prefix + ext))
-            throw std::runtime_error("'" + man.prefix + ext + "' (named by " + man.path + ") not found");
-      } catch (const std::exception& e) {
-        items[i].fail("path", e.what());
-      }
-      if (sha.empty()) sha = man.tokenizer_sha256, sha_from = man.path;
-      else if (man.tokenizer_sha256 != sha)
-        items[i].fail("path", man.path + " was tokenised by tokenizer " + man.tokenizer_sha256.substr(0, 16) +
-                                  "..., but " + sha_from + " by " + sha.substr(0, 16) +
-                                  "...; every dataset of a run needs the same tokenizer");
-      if (a.join != "none") {
-        const auto& id = a.join == "eos" ? man.eos_id : man.bos_id;
-        if (!id)
-          m.fail("join", a.join + ": the tokenizer of " + man.path + " (" + man.tokenizer_path + ") has no " +
-                             (a.join == "eos" ? "EOS" : "BOS") + " token; use " +
-                             (a.join == "eos" ? "bos" : "eos") + " or none");
-      }
-      prompts = prompts || man.sequences_per_document == 2;
-    }
-    if (a.mask_prompt && !prompts)
-      m.fail("mask_prompt", "true, but no dataset holds instruction data (prompt, response) to mask; "
-                            "prepare it with nnstrain prepare corpus --format alpaca, or set false");
-  };
-  check(train, train_sources, tr);
-  if (val) check(*val, val_sources, *va);
-}
-
 // Canonical precision names, then the nnScaler spellings they also accept.
 const std::vector<std::pair<std::string, std::string>> kPrecisionAliases = {
     {"fp32", "32-true"}, {"fp16", "16-true"}, {"bf16", "bf16-true"}};
@@ -384,23 +343,26 @@ void compact_empty(const YAML::Node& n) {
   for (const auto& item : n) compact_empty(n.IsMap() ? item.second : item);
 }
 
+// A module's check the config needs (LoadOptions::checks). Unset is the caller's
+// bug, not the user's: it is never skipped silently.
+template <typename Check>
+Check required(Check check, const char* name) {
+  if (!check) throw std::logic_error(std::string("config::LoadOptions::checks.") + name + " is not set");
+  return check;
+}
+
 // What the pipeline's keys must agree on: global_batch = micro x nmicros x dp,
 // and a scheduler that can run pp ranks, the stages and the micro-batches
 // (accumulation 0: dp is the plan's, so those two are the planner's to check).
-void check_pipeline(const ArgMap& pas, const ComputeConfig& c, int64_t accumulation, const std::string& dp_text) {
+void check_pipeline(const ArgMap& pas, const ComputeConfig& c, int64_t accumulation, const std::string& dp_text,
+                    const ModuleChecks& checks) {
   const auto& q = c.pipeline;
   if (accumulation > 0 && q.nmicros > 0 && q.nmicros != accumulation)
     pas.fail("pipeline_nmicros", std::to_string(q.nmicros) + " micro-batches per pipeline flush, but the step has " +
                                      std::to_string(accumulation) + " (grad_accumulation_steps; global_batch_size = "
                                      "micro_batch_size x pipeline_nmicros x " + dp_text + ")");
-  const int stages = q.nstages > 0 ? q.nstages : !q.layers.empty() ? static_cast<int>(q.layers.size())
-                                                                    : parallel::pipeline::default_stages(q.scheduler, q.pp_size);
   if (accumulation == 0) return;
-  try {
-    parallel::pipeline::make_schedule(q.scheduler, q.pp_size, stages, static_cast<int>(accumulation));
-  } catch (const parallel::pipeline::ScheduleError& e) {
-    pas.fail("pipeline_scheduler", e.what());
-  }
+  required(checks.pipeline_schedule, "pipeline_schedule")(pas, q, static_cast<int>(accumulation));
 }
 
 }  // namespace
@@ -839,7 +801,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   }
   top_impl->record("global_batch_size", YAML::Node(std::to_string(t.global_batch_size)));
   // Under autodist the planner checks the micro-batches and the schedule per candidate.
-  if (pp > 1) check_pipeline(*pas, c, autodist ? 0 : t.grad_accumulation_steps, dp_text);
+  if (pp > 1) check_pipeline(*pas, c, autodist ? 0 : t.grad_accumulation_steps, dp_text, opts.checks);
   if (c.pipeline.post_validation) {
     // What the speculative step cannot follow: no pipeline to overlap, a host
     // step already delayed, a captured step, parameters gathered once per step.
@@ -879,8 +841,10 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                                      "compute_config.cuda_graphs: false or document_mask: false");
   if (opts.check_files) {
     if (indexed) {
-      check_indexed(train_args, train_sources, t.dataset.indexed_train, val_args ? &*val_args : nullptr,
-                    val_sources, t.dataset.indexed_val ? &*t.dataset.indexed_val : nullptr);
+      const IndexedKeys train{train_args, train_sources, t.dataset.indexed_train};
+      std::optional<IndexedKeys> val;
+      if (val_args) val.emplace(IndexedKeys{*val_args, val_sources, *t.dataset.indexed_val});
+      required(opts.checks.indexed_datasets, "indexed_datasets")(train, val ? &*val : nullptr);
     } else {
       check_token_file(train_args, t.dataset.train_args);
       if (val_args) check_token_file(*val_args, *t.dataset.val_args);

@@ -23,9 +23,34 @@ struct ModelCatalog {
   std::function<std::shared_ptr<const ModelConfig>(const std::string& type, ArgMap& args)> parse;
 };
 
+// One side of dataset.type indexed (train_args or val_args) as read: the mapping,
+// each `datasets` item (errors about a dataset name its path's line) and the values.
+struct IndexedKeys {
+  const ArgMap& args;
+  const std::vector<ArgMap>& datasets;
+  const IndexedArgs& values;
+};
+
+// The checks that need a module above base/ (base/ includes nothing from trainer/,
+// data/ or models/; tests/suite/test_layering.py holds it to that). Each module
+// hands the loader its own, as models/ hands it the catalog, and the loader calls
+// it where it always checked that key, so the error is the same ConfigError naming
+// the key and its line. A config that needs an unset one throws std::logic_error.
+struct ModuleChecks {
+  // pas_config with pp_size > 1 and the step's micro-batches known: can the
+  // scheduler run pp_size ranks, the stages and `micros` micro-batches?
+  // parallel::pipeline::check_config_schedule (trainer/parallel/pipeline_config_check.h).
+  void (*pipeline_schedule)(const ArgMap& pas, const PipelineArgs& pipeline, int micros) = nullptr;
+  // dataset.type indexed with check_files: each dataset's manifest and files, one
+  // tokenizer for all, the join token, instruction data for mask_prompt.
+  // indexed::check_config_datasets (data/indexed/config_check.h). `val` may be null.
+  void (*indexed_datasets)(const IndexedKeys& train, const IndexedKeys* val) = nullptr;
+};
+
 struct LoadOptions {
   std::vector<std::pair<std::string, std::string>> overrides;  // {"optimizer.args.lr", "3e-4"}
   ModelCatalog models;
+  ModuleChecks checks;
   int world_size = 1;              // from the launcher; runtime_ngpus defaults to it
   bool check_files = true;         // data files must exist
   bool reject_unimplemented = true;  // call check_implemented() (off: `nnstrain plan` for future setups)

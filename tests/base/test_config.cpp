@@ -13,6 +13,8 @@
 
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
+#include "data/indexed/config_check.h"
+#include "trainer/parallel/pipeline_config_check.h"
 
 namespace fs = std::filesystem;
 using namespace nnstrain::config;
@@ -77,6 +79,7 @@ ModelCatalog fake_catalog() {
 LoadOptions options() {
   LoadOptions o;
   o.models = fake_catalog();
+  o.checks = {nnstrain::parallel::pipeline::check_config_schedule, nnstrain::indexed::check_config_datasets};
   return o;
 }
 
@@ -604,7 +607,7 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
                              "x pipeline_nmicros x dp 2"));
   CHECK_THAT(load_error(tmp, base + "grad_accumulation_steps: 3\ncompute_config: {pas_config: {pp_size: 2, "
                                     "pipeline_scheduler: 1f1b_interleaved}}\n", four),
-             Catch::Contains("compute_config.pas_config.pipeline_scheduler") &&
+             Catch::Contains("compute_config.pas_config.pipeline_scheduler (line 15): ") &&
                  Catch::Contains("needs pipeline_nmicros a multiple of pp_size"));
   CHECK_THAT(load_error(tmp, base + "compute_config: {pas_config: {pp_size: 2, pipeline_nstages: 3}}\n", four),
              Catch::Contains("pipeline_scheduler 1f1b with pp_size 2, pipeline_nstages 3") &&
@@ -612,4 +615,29 @@ TEST_CASE("config: the pipeline's batch and schedule are checked at load", "[con
   // ZeRO-2/3 compose with the pipeline (each stage shards over its dp group).
   CHECK(load_error(tmp, base + "compute_config: {use_zero: 2, pas_config: {pp_size: 2}}\n", four).empty());
   CHECK(load_error(tmp, base + "compute_config: {use_zero: 3, pas_config: {pp_size: 2}}\n", four).empty());
+}
+
+TEST_CASE("config: a module's check the config needs is never skipped", "[config][pipeline]") {
+  // The schedule and manifest checks come from trainer/ and data/ through LoadOptions::checks
+  // (base/ names neither). Left unset where a config needs one, loading is a programming
+  // error, not a silent pass.
+  TempDir tmp;
+  LoadOptions bare = options();
+  bare.checks = {};
+  bare.world_size = 2;
+  const std::string base = minimal(tmp.data("t.bin")) + "pas_policy: hybrid\n";
+  const auto pp = tmp.write("pp.yaml", base + "compute_config: {pas_config: {pp_size: 2}}\n");
+  CHECK_THROWS_WITH(load_trainer_args(pp, bare), Catch::Contains("checks.pipeline_schedule is not set"));
+  const std::string indexed = "model: {type: gpt}\nmax_train_steps: 1\ndataset:\n  type: indexed\n"
+                              "  train_args: {datasets: [{path: " + (tmp.dir / "none").string() + "}], seq_len: 8}\n";
+  CHECK_THROWS_WITH(load_trainer_args(tmp.write("ix.yaml", indexed), bare),
+                    Catch::Contains("checks.indexed_datasets is not set"));
+  // Handed in, the same configs reach the checks (the manifest is missing here).
+  LoadOptions full = options();
+  full.world_size = 2;
+  CHECK(load_trainer_args(pp, full).compute_config.pipeline.pp_size == 2);
+  CHECK_THAT(load_error(tmp, indexed), Catch::Contains("dataset.train_args.datasets[0].path"));
+  // A config that needs neither loads without them.
+  bare.world_size = 1;
+  CHECK(load_trainer_args(tmp.write("plain.yaml", minimal(tmp.data("t.bin"))), bare).max_train_steps == 10);
 }

@@ -15,6 +15,8 @@
 
 #include "trainer/checkpoint/manifest.h"
 #include "base/config/load.h"
+#include "data/indexed/config_check.h"
+#include "trainer/parallel/pipeline_config_check.h"
 #include "base/text.h"
 
 namespace fs = std::filesystem;
@@ -49,6 +51,7 @@ constexpr const char* kMinimal =
 std::pair<std::string, double> load(const Scratch& s, const std::string& text) {
   config::LoadOptions opts;
   opts.check_files = false;
+  opts.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
   const auto path = s.write("c.yaml", text);
   const auto t0 = std::chrono::steady_clock::now();
   std::string msg;
@@ -140,6 +143,7 @@ TEST_CASE("yaml: variables substituted into a bomb are refused by the node and l
   SECTION("under the limit, the same construction resolves") {
     config::LoadOptions opts;
     opts.check_files = false;
+    opts.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     const auto args = config::load_trainer_args_from_text(
         std::string(kMinimal) + vars_bomb(8) + "  name: $(vars.base)-b\n  base: a\nrun_dir: $(vars.name)\n",
         "vars.yaml", opts);

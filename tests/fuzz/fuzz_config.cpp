@@ -7,6 +7,8 @@
 #include <string>
 
 #include "base/config/load.h"
+#include "data/indexed/config_check.h"
+#include "trainer/parallel/pipeline_config_check.h"
 
 using namespace nnstrain::config;
 
@@ -16,6 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const LoadOptions opts = [] {
     LoadOptions o;
     o.check_files = false;
+    o.checks = {nnstrain::parallel::pipeline::check_config_schedule, nnstrain::indexed::check_config_datasets};
     o.models.names = {"gpt", "llama"};
     return o;
   }();

@@ -7,10 +7,16 @@ exits 0, and CTest reports a pass for a test that never ran. This file checks
 the registry CTest actually holds (`ctest --show-only=json-v1`) against the
 test cases each Catch2 executable lists, and that a filter matching nothing
 fails.
+
+ctest writes Testing/Temporary/LastTest.log wherever it runs, even for
+--show-only, so it runs on a scratch copy of the build's CTestTestfile.cmake
+files: the full run that is running this test keeps its own log.
 """
+import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -27,12 +33,40 @@ def unescape(spec):
     return spec
 
 
+def file_state(path):
+    """What would show a rewrite of `path`: None if absent, else (size, mtime_ns, sha256)."""
+    if not path.exists():
+        return None
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def scratch_test_files(build, scratch):
+    """Copies every CTestTestfile.cmake of `build` to the same place under `scratch`.
+    Their subdirs() are relative, so they lead to the copies; their include()s and
+    test commands are absolute, so they still name the real build's files and binaries."""
+    copied = []
+    for f in build.rglob("CTestTestfile.cmake"):
+        dst = scratch / f.relative_to(build)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst)
+        copied.append(dst)
+    return copied
+
+
 @pytest.fixture(scope="module")
-def registry():
+def registry(tmp_path_factory):
     if not (BUILD / "CTestTestfile.cmake").exists():
         pytest.fail(f"NNSTRAIN_BUILD_DIR={str(BUILD)!r} is not a configured build folder")
-    p = subprocess.run([CTEST, "--show-only=json-v1"], cwd=BUILD, capture_output=True, text=True, timeout=120)
+    live_log = BUILD / "Testing" / "Temporary" / "LastTest.log"
+    before = file_state(live_log)
+    scratch = tmp_path_factory.mktemp("ctest_scratch")
+    assert scratch_test_files(BUILD, scratch), BUILD
+    p = subprocess.run([CTEST, "--show-only=json-v1"], cwd=scratch, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+    # ctest logged in the scratch folder (so it would have in the live one), and the live log is as it was.
+    assert (scratch / "Testing" / "Temporary" / "LastTest.log").exists(), sorted(scratch.rglob("*"))
+    assert file_state(live_log) == before, f"{live_log} was rewritten by this test's ctest"
     entries = {}
     for t in json.loads(p.stdout)["tests"]:
         cmd = t.get("command") or []

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "data/indexed/config_check.h"
 #include "data/prepare.h"
 #include "data/tokenizer/tokenize_command.h"
 #include "models/common/kernels/kernels.h"
@@ -22,8 +23,10 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/interop/generate_command.h"
 #include "trainer/interop/merge_command.h"
+#include "trainer/parallel/pipeline_config_check.h"
 #include "trainer/cli/plan_command.h"
 #include "trainer/cli/report.h"
+#include "trainer/cli/version.h"
 #include "trainer/train/trainer.h"
 
 namespace nnstrain::cli {
@@ -39,9 +42,13 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
+  nnstrain prepare corpus --tokenizer PATH --input PATH [--input ...] --out PREFIX [--format jsonl|text|alpaca] ...
   nnstrain tokenize --tokenizer PATH [--info] [--input FILE] [--jsonl] [--threads N] ...
   nnstrain report RUN_DIR [--out PNG] [--no-plot]   summary of a run folder and a PNG of its loss curves
   nnstrain env                     print the rank/world this process would use
+  nnstrain --version               version, git commit, LibTorch, CUDA/NCCL, CPU capability
+
+Each command takes --help (nnstrain prepare corpus --help too).
 
 --debug keeps LibTorch's C++ backtrace in errors raised while training.
 Overrides follow nnScaler: --optimizer.args.lr 3e-4 or --optimizer.args.lr=3e-4.
@@ -100,6 +107,7 @@ int train_main(const std::vector<std::string>& argv) {
     config::LoadOptions lo;
     lo.overrides = config::parse_overrides(rest);
     lo.models = models::model_catalog();
+    lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.world_size = env.world_size;
     lo.check_files = !print_config;
     const auto args = config::load_trainer_args(config_file, lo);
@@ -149,6 +157,10 @@ int main(int argc, char** argv) {
   if (cmd == "merge") return interop::merge_main(tail());
   if (cmd == "generate") return interop::generate_main(tail());
   if (cmd == "report") return report_main(tail());
+  if (cmd == "--version") {
+    print_version(std::cout);
+    return 0;
+  }
   if (cmd == "-h" || cmd == "--help" || cmd == "help" || cmd.empty()) {
     std::cout << kUsage;
     return cmd.empty() ? 2 : 0;

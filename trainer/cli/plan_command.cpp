@@ -11,11 +11,13 @@
 #include <iostream>
 #include <sstream>
 
+#include "data/indexed/config_check.h"
 #include "models/model.h"
 #include "models/common/sharding.h"
 #include "models/registry.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
+#include "trainer/parallel/pipeline_config_check.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/pipeline_schedule.h"
 #include "trainer/parallel/planner.h"
@@ -154,6 +156,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     lo.overrides = config::parse_overrides(rest);
     if (runtime_ngpus > 0) lo.overrides.push_back({"compute_config.runtime_ngpus", std::to_string(runtime_ngpus)});
     lo.models = models::model_catalog();
+    lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.world_size = runtime_ngpus > 0 ? runtime_ngpus : 1;
     lo.check_files = false;            // planning reads no data
     lo.reject_unimplemented = false;   // plan setups the trainer cannot run yet

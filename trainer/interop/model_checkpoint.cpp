@@ -4,11 +4,13 @@
 
 #include <filesystem>
 
+#include "data/indexed/config_check.h"
 #include "models/model.h"
 #include "models/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "base/config/load.h"
+#include "trainer/parallel/pipeline_config_check.h"
 
 namespace fs = std::filesystem;
 
@@ -23,6 +25,7 @@ config::TrainerArgs saved_args(const checkpoint::Checkpoint& ck) {
   try {
     config::LoadOptions lo;
     lo.models = models::model_catalog();
+    lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.check_files = false;            // the run's data need not be here
     lo.reject_unimplemented = false;   // only the model section matters
     args = config::load_trainer_args_from_text(yaml, where + " (saved config)", lo);
