@@ -55,6 +55,7 @@ def tokens_file(folder):
 
 
 def run_case(binary, scheduler, stages, micros, ms, steps, folder, post_validation):
+    pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
     run_dir = pathlib.Path(folder) / f"{scheduler}_m{micros}_pv{int(post_validation)}"
     args = [binary, "launch", "--nproc-per-node", str(RANKS), "--",
             "--config", ROOT / "tests/integration/configs/tiny_dp.yaml", "--run_dir", run_dir,
@@ -96,21 +97,32 @@ def main():
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--ms", type=float, default=20.0, help="milliseconds per layer of each F, I and W")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--baseline", help="another nnstrain binary (the one before a change): each case runs it too, "
+                                       "right before this one, so both see the same machine")
+    ap.add_argument("--only", help="comma-separated schedulers to run (default: every case)")
     a = ap.parse_args()
+    only = set(a.only.split(",")) if a.only else None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for scheduler, stages, micros, published in CASES:
+            if only and scheduler not in only:
+                continue
             for pv in (False, True):
+                base = None
+                if a.baseline:
+                    base, _ = run_case(a.baseline, scheduler, stages, micros, a.ms, a.steps,
+                                       pathlib.Path(tmp) / "baseline", pv)
                 measured, predicted = run_case(a.nnstrain, scheduler, stages, micros, a.ms, a.steps, tmp, pv)
                 rows.append({"scheduler": scheduler, "pp": RANKS, "stages": stages, "micros": micros,
                              "post_validation": pv, "measured": measured, "simulated": predicted,
-                             "published": published})
+                             "published": published, "baseline": base})
                 print(scheduler, micros, "post-validation" if pv else "synchronous", "measured",
-                      [f"{m:.3f}" for m in measured], "simulated", predicted, flush=True)
+                      [f"{m:.3f}" for m in measured], "simulated", predicted,
+                      *(["baseline", [f"{m:.3f}" for m in base]] if base else []), flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {"date": now.isoformat(timespec="seconds"), "device": "cpu: " + cpu_model(),
             "libtorch": libtorch_version(a.nnstrain), "commit": git_commit(), "load_average": os.getloadavg(),
-            "ms_per_layer": a.ms, "steps_timed": a.steps - 4, "layers": LAYERS,
+            "ms_per_layer": a.ms, "steps_timed": a.steps - 4, "layers": LAYERS, "baseline": a.baseline,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
     stem = ROOT / "bench" / "results" / f"pipeline_bubble_{now.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -121,15 +133,17 @@ def main():
              f"an {LAYERS}-layer model, F = I = W = {a.ms:g} ms per layer "
              f"(synthetic costs: waits, not compute), over a window of {a.steps - 4} consecutive steps of {a.steps} "
              f"(the first two and the last two left out). uptime before: {meta['uptime']}", "",
+             *([f"Baseline: {a.baseline}, each case run right before this binary's.", ""] if a.baseline else []),
              "| schedule | stages | micro-batches | post-validation | idle per rank, measured | mean | "
-             "simulated per rank | mean | formula |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "simulated per rank | mean | formula |" + (" baseline mean |" if a.baseline else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if a.baseline else "")]
     for r in rows:
         mean = lambda v: sum(v) / len(v)
         lines.append(f"| {r['scheduler']} | {r['stages']} | {r['micros']} | {'on' if r['post_validation'] else 'off'} | "
                      f"{' '.join(pct(v) for v in r['measured'])} | "
                      f"{pct(mean(r['measured']))} | {' '.join(pct(v) for v in r['simulated'])} | "
-                     f"{pct(mean(r['simulated']))} | {pct(r['published']) if r['published'] else '-'} |")
+                     f"{pct(mean(r['simulated']))} | {pct(r['published']) if r['published'] else '-'} |" +
+                     (f" {pct(mean(r['baseline']))} |" if r["baseline"] else ""))
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("wrote", stem.with_suffix(".md"))
 

@@ -374,25 +374,34 @@ struct PipelineExecutor::Impl {
     return end;
   }
 
-  // Completes every posted group up to `group`, handing each receive to
-  // `place(action, tensor)`. The wait orders this rank's compute after them
-  // (NCCL: the stream; Gloo: the host), and only the sends' peers' progress
-  // could hold it: the lowering's keys make that progress come first.
+  // Waits for posted group `group` (every group: INT_MAX) and hands each
+  // receive to `place(action, tensor)`; the groups before it that are
+  // complete go too, their sent tensors with them. The wait orders this
+  // rank's compute after the group (NCCL: the stream, on which the groups
+  // before it complete first; Gloo: the host), and only its partners' progress
+  // could hold it: the lowering's keys make that progress come first. A group
+  // before it still in flight (Gloo: a send whose peer has not consumed it)
+  // is left to its own consumer or the step's end, so the host never waits on
+  // a transfer this action does not need.
   template <typename Place>
   void wait_through(int group, const std::vector<Action>& row, const Place& place) {
-    while (!posted.empty() && posted.front().group <= group) {
-      auto& g = posted.front();
+    const bool all = group == std::numeric_limits<int>::max();
+    for (auto it = posted.begin(); it != posted.end() && it->group <= group;) {
+      if (!all && it->group != group && !it->work->isCompleted()) {
+        ++it;
+        continue;
+      }
       try {
-        rt.wait(g.work, rt.pp, "pipeline transfer");
+        rt.wait(it->work, rt.pp, "pipeline transfer");
       } catch (const dist::CollectiveError& e) {
         // Name a receive of the group when it has one: that is what this rank waited for.
-        size_t k = g.first;
-        for (size_t i = g.first; i < row.size() && row[i].group == g.group; ++i)
+        size_t k = it->first;
+        for (size_t i = it->first; i < row.size() && row[i].group == it->group; ++i)
           if (row[i].op == Op::Recv) { k = i; break; }
         fail_at(k, row, e);
       }
-      for (auto& [a, t] : g.received) place(a, opts.device.is_cuda() && !t.is_cuda() ? t.to(opts.device) : t);
-      posted.pop_front();
+      for (auto& [a, t] : it->received) place(a, opts.device.is_cuda() && !t.is_cuda() ? t.to(opts.device) : t);
+      it = posted.erase(it);
     }
   }
 
