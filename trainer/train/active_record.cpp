@@ -102,7 +102,7 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
     r["offload"] = nullptr;
   }
   if (tr.pipeline) {
-    const auto& p = plan.pipeline;
+    const auto& p = tr.pipeline_plan;
     r["pipeline"] = {{"pp_rank", rt->pp.rank},    {"scheduler", p.scheduler},       {"stages", p.stages},
                      {"nmicros", p.nmicros},      {"stage_layers", p.stage_layers}, {"post_validation", p.post_validation}};
   } else {
