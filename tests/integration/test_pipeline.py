@@ -253,19 +253,19 @@ def test_bf16_mixed_untied_llama_is_exact(tmp_path, tiny_tokens):
     one, _ = run(1, tmp_path / "one", tiny_tokens, "llama", *bf16, layers=4)
     got, out = run(2, tmp_path / "pp2", tiny_tokens, "llama", *bf16, *pp, layers=4)
     assert_active(tmp_path / "pp2", out, 2, [*bf16, *pp])
-    assert_bitwise_on_cpu(one, got, BF16_RTOL, "bf16-mixed llama pp2")
+    assert_close_on_cpu(one, got, 0, BF16_RTOL, "bf16-mixed llama pp2")
 
 
-def assert_bitwise_on_cpu(ref, got, cuda_rtol, label):
-    """Every step's loss and gradient norm bitwise equal on CPU, within cuda_rtol on CUDA."""
+def assert_close_on_cpu(ref, got, cpu_rtol, cuda_rtol, label):
+    """Every step's loss and gradient norm within cpu_rtol on CPU (0: bitwise), within cuda_rtol on CUDA."""
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
-    if TEST_DEVICE == "cpu":
+    rtol = cpu_rtol if TEST_DEVICE == "cpu" else cuda_rtol
+    worst = max(max(rel(got[s][0], ref[s][0]), rel(got[s][1], ref[s][1])) for s in ref)
+    print(f"{label}: largest relative difference {worst:.2e} to one process (allowed {rtol})")
+    if rtol == 0:
         diff = {s: (got[s], ref[s]) for s in ref if got[s] != ref[s]}
         assert not diff, f"{label}: not bitwise one process's at steps {sorted(diff)}: {diff}"
-    else:
-        worst = max(max(rel(got[s][0], ref[s][0]), rel(got[s][1], ref[s][1])) for s in ref)
-        assert worst <= cuda_rtol, f"{label}: {worst:.3g} relative > {cuda_rtol}"
-    print(f"{label}: {'bitwise equal' if TEST_DEVICE == 'cpu' else 'within ' + str(cuda_rtol)} to one process")
+    assert worst <= rtol, f"{label}: {worst:.3g} relative > {rtol}: {got} vs {ref}"
 
 
 def test_checkpoints_move_between_plans(reference, tmp_path, tiny_tokens):

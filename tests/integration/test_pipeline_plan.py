@@ -88,8 +88,8 @@ def assert_ran(run_dir, printed):
     want = {"tp": printed["tp"], "cp": ctx["cp"], "pp": pipe["pp"], "dp": printed["dp"]}
     for r, rec in records.items():
         got = {k: rec["groups"][k]["size"] for k in want}
-        assert got == want and rec["zero_stage"] == printed["zero_stage"], \
-            f"rank {r} ran {got}, ZeRO-{rec['zero_stage']}; the plan printed {want}, ZeRO-{printed['zero_stage']}"
+        assert got == want and rec["zero_stage"] == printed["zero"], \
+            f"rank {r} ran {got}, ZeRO-{rec['zero_stage']}; the plan printed {want}, ZeRO-{printed['zero']}"
         step = rec["first_step"]
         if pipe["pp"] > 1:
             ran = rec["pipeline"]
