@@ -244,8 +244,10 @@ def test_bf16_mixed(reference, tmp_path, tiny_tokens):
 
 def test_bf16_mixed_untied_llama_is_exact(tmp_path, tiny_tokens):
     """The exact companion of test_bf16_mixed, whose GPT sits at 1.2e-2 of its 1.56e-2 norm tolerance
-    (the tied embedding's two stages add their gradients in another order), where a dropped
-    micro-batch would pass: the untied Llama (4 layers) under pp2 is bitwise one process's on CPU.
+    (the tied embedding's two stages add their gradients in another order): the untied Llama
+    (4 layers) under pp2 matches one process to the last bit on CPU. Its losses are bitwise; the
+    gradient norm, summed over the stages in another order, may differ in its last bit (6e-8
+    relative seen), hence 1e-6. A micro-batch dropped or counted twice moves both by percents.
     On CUDA (NNSTRAIN_TEST_DEVICE=cuda) backward is not bitwise repeatable: test_precision's bf16 tolerance."""
     from test_precision import BF16_RTOL
     bf16 = ["--precision", "bf16-mixed"]
@@ -253,7 +255,8 @@ def test_bf16_mixed_untied_llama_is_exact(tmp_path, tiny_tokens):
     one, _ = run(1, tmp_path / "one", tiny_tokens, "llama", *bf16, layers=4)
     got, out = run(2, tmp_path / "pp2", tiny_tokens, "llama", *bf16, *pp, layers=4)
     assert_active(tmp_path / "pp2", out, 2, [*bf16, *pp])
-    assert_close_on_cpu(one, got, 0, BF16_RTOL, "bf16-mixed llama pp2")
+    assert all(got[s][0] == one[s][0] for s in one) or TEST_DEVICE != "cpu", (got, one)  # the losses bitwise
+    assert_close_on_cpu(one, got, 1e-6, BF16_RTOL, "bf16-mixed llama pp2")
 
 
 def assert_close_on_cpu(ref, got, cpu_rtol, cuda_rtol, label):
