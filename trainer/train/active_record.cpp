@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "models/common/lm_loss.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/train/startup.h"
@@ -45,7 +46,10 @@ std::string dtype_label(c10::ScalarType t) {
 RunCounts RunCounts::now(const dist::Runtime* rt) {
   RunCounts c;
   c.kernels = models::common::kernels::kernel_calls();
-  c.loss = models::common::loss_forwards();
+  const auto loss = models::common::loss_forwards();
+  c.plain_loss = loss.plain;
+  c.chunked_loss = loss.chunked;
+  c.fused_loss = loss.fused;
   if (rt) {
     c.pp_sends = rt->pp.traffic.sends;
     c.pp_bytes = rt->pp.traffic.bytes;
@@ -61,14 +65,14 @@ nlohmann::json RunCounts::since(const RunCounts& b) const {
                                              {"composite", this->kernels.composite[i] - b.kernels.composite[i]}};
   return {{"kernels", kernels},
           {"loss_forwards",
-           {{"plain", loss.plain - b.loss.plain}, {"chunked", loss.chunked - b.loss.chunked},
-            {"fused", loss.fused - b.loss.fused}}},
+           {{"plain", plain_loss - b.plain_loss}, {"chunked", chunked_loss - b.chunked_loss},
+            {"fused", fused_loss - b.fused_loss}}},
           {"pp_sends", pp_sends - b.pp_sends},
           {"pp_bytes", pp_bytes - b.pp_bytes}};
 }
 
-nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr,
-                              const parallel::Plan& plan, int rank, int world) {
+nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr, int rank,
+                              int world) {
   auto& st = *tr.state;
   const auto& so = st.options();
   const auto& ro = model.runtime_options();

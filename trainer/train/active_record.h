@@ -19,16 +19,12 @@
 #include <nlohmann/json.hpp>
 
 #include "models/common/kernels/kernels.h"
-#include "models/common/lm_loss.h"
 
 namespace nnstrain::dist {
 class Runtime;
 }
 namespace nnstrain::models {
 class CausalLM;
-}
-namespace nnstrain::parallel {
-struct Plan;
 }
 
 namespace nnstrain::train {
@@ -41,13 +37,13 @@ std::string dtype_label(c10::ScalarType t);
 // The start-up part, from the objects built: the process groups (sizes and
 // this rank's place), ZeRO stage, dtypes, the model's loss and recompute, the
 // kernel form asked for, the offload tiers, the pipeline this rank runs.
-nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr,
-                              const parallel::Plan& plan, int rank, int world);
+nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr, int rank,
+                              int world);
 
 // The process-wide counters a part of the run moves (kernels, losses, the pipeline's sends).
 struct RunCounts {
   models::common::kernels::KernelCalls kernels;
-  models::common::LossForwards loss;
+  int64_t plain_loss = 0, chunked_loss = 0, fused_loss = 0;  // models/common/lm_loss.h's LossForwards
   int64_t pp_sends = 0, pp_bytes = 0;
 
   static RunCounts now(const dist::Runtime* rt);

@@ -284,7 +284,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       log::info("compute_config.cuda_graphs auto: the step runs eagerly, since a graph " + blocker);
   }
   announce(start_step);
-  nlohmann::json startup = startup_record(*model_, rt_.get(), tr_, plan_, rank_, world_);
+  nlohmann::json startup = startup_record(*model_, rt_.get(), tr_, rank_, world_);
   startup["micro_batches_per_step"] = accum_;
   record_ = std::make_unique<ActiveRecord>(args.run_dir, rank_, std::move(startup));
 }
