@@ -291,6 +291,7 @@ torch::Tensor LmHead::loss(const torch::Tensor& hidden, const torch::Tensor& wei
   auto h = hidden.reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
   if (chunk_size > 0) return chunked_linear_cross_entropy(h, weight, t, chunk_size);
+  count_plain_loss_forward();
   return cross_entropy(deferrable_linear(h, weight), t);
 }
 
@@ -323,6 +324,7 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
   if (!ctx_.parallel()) {
     if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    count_plain_loss_forward();
     return torch::nn::functional::cross_entropy(
         deferrable_linear(h, w).to(torch::kFloat32), t,
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));

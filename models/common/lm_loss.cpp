@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "models/common/tp_ops.h"
 
@@ -11,6 +12,8 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+std::atomic<int64_t> g_plain{0}, g_chunked{0}, g_fused{0};  // LossForwards
 
 // The head's matmul runs in the dtype autocast would pick (it casts every
 // floating type but fp64), else in the inputs' common dtype. Fixed at forward
@@ -31,6 +34,7 @@ class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallel
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
                                int64_t vocab_start, int64_t held, int64_t ignore_index,
                                const c10::intrusive_ptr<TpComm>& comm) {
+    g_plain.fetch_add(1, std::memory_order_relaxed);
     ctx->saved_data["comm"] = comm_capsule(comm);
     auto& c = comm_from(ctx->saved_data["comm"]);
     // Reduced in fp32 (fp64 for fp64 logits); padding columns never count.
@@ -76,6 +80,7 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
                                const torch::Tensor& targets, int64_t vocab_start, int64_t held, int64_t chunk,
                                int64_t ignore_index, const c10::intrusive_ptr<TpComm>& comm) {
+    g_chunked.fetch_add(1, std::memory_order_relaxed);
     ctx->saved_data["comm"] = comm_capsule(comm);
     auto& c = comm_from(ctx->saved_data["comm"]);
     const auto mm = matmul_dtype(hidden, weight);
@@ -160,6 +165,7 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
                                const torch::Tensor& targets, int64_t vocab_start, int64_t held, int64_t chunk,
                                int64_t ignore_index, bool need_h, bool need_w, const c10::intrusive_ptr<TpComm>& comm) {
+    g_fused.fetch_add(1, std::memory_order_relaxed);
     auto& c = *comm;
     const auto mm = matmul_dtype(hidden, weight);
     const auto acc = mm == torch::kDouble ? torch::kDouble : torch::kFloat;
@@ -257,6 +263,13 @@ void check_head_inputs(const char* what, const torch::Tensor& hidden, const torc
 }
 
 }  // namespace
+
+LossForwards loss_forwards() {
+  return {g_plain.load(std::memory_order_relaxed), g_chunked.load(std::memory_order_relaxed),
+          g_fused.load(std::memory_order_relaxed)};
+}
+
+void count_plain_loss_forward() { g_plain.fetch_add(1, std::memory_order_relaxed); }
 
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t chunk_size,

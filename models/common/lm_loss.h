@@ -9,6 +9,17 @@
 
 namespace nnstrain::models::common {
 
+// Forwards of each kind of loss since the process started, counted in the
+// losses' forwards below (and in the one-rank plain head's cross-entropy,
+// count_plain_loss_forward): the run's record of which loss actually ran
+// (trainer/train/active_record.h); the kinds agree to fp32 rounding, so the
+// losses alone cannot tell them apart.
+struct LossForwards {
+  int64_t plain = 0, chunked = 0, fused = 0;
+};
+LossForwards loss_forwards();
+void count_plain_loss_forward();
+
 // hidden [N, C], weight [V, C], targets [N] -> mean cross-entropy over N, equal
 // (loss and gradients) to cross_entropy(linear(hidden, weight), targets).
 // Targets equal to ignore_index count neither in the sum nor in the mean, as in

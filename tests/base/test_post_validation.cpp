@@ -41,6 +41,20 @@ void check_consistent(const Schedule& lowered, const std::vector<int>& cut) {
   }
 }
 
+// Per rank, how many actions lead its row before the first that is neither a
+// forward nor an activation transfer.
+std::vector<int> forward_phase(const Schedule& lowered) {
+  std::vector<int> n;
+  for (const auto& row : lowered.actions) {
+    int k = 0;
+    while (k < static_cast<int>(row.size()) &&
+           (row[k].op == Op::F || ((row[k].op == Op::Send || row[k].op == Op::Recv) && !row[k].grad)))
+      ++k;
+    n.push_back(k);
+  }
+  return n;
+}
+
 Schedule two_rank_tail() {
   // Rank 0 runs its forwards first; rank 1 keeps two W's to the end, so with
   // W twice I it finishes after rank 0.
@@ -62,7 +76,10 @@ TEST_CASE("post-validation prefix: forwards only, every message inside both pref
     const auto cut = post_validation_prefix(lowered);
     check_consistent(lowered, cut);
     for (int r = 0; r < 4; ++r) CHECK(cut[r] > 0);  // every rank has some forward to run early
-    CHECK(post_validation_prefix(lowered) == cut);  // a function of the schedule alone
+    // GPipe runs every forward before any backward, and each activation it sends
+    // is received within the receiver's forward phase: the prefix is that whole
+    // phase, counted here by a scan of the actions.
+    if (name == "gpipe") CHECK(cut == forward_phase(lowered));
   }
 }
 

@@ -175,10 +175,13 @@ def nnstrain():
 # A parity test compares a parallel run with one process; it means something
 # only if the parallel side really ran what it was asked to (a use_zero: 2 run
 # silently as stage 1 would match one process just as well). assert_active()
-# checks that from the direct evidence each feature leaves: the bytes each rank
-# holds between steps (ZeRO stages), the collectives counted on the
-# tensor-parallel group (TP, and SP by its reduce-scatters), plan.json
-# (recompute), and the element sizes of the state (precision).
+# checks that from the direct evidence each feature leaves: the run's record of
+# what ran (run_dir/active/rank<R>.json, written by each rank from the objects
+# it built and completed with counts taken in the code that ran its first step:
+# process groups, ZeRO stage, pipeline, loss, kernels, reduce dtype;
+# docs/observability.md), the bytes each rank holds between steps (ZeRO
+# stages), the collectives counted on the tensor-parallel group (TP, and SP by
+# its reduce-scatters), and the element sizes of the state (precision).
 
 # Bytes per parameter element before any sharding: (param, grad, master, moments),
 # compute_config.reduce_dtype left at auto. docs/precision.md.
@@ -188,6 +191,41 @@ STATE_ELEMENT_BYTES = {
     "bf16-true": (2, 2, 0, 4), "16-true": (2, 2, 0, 4),
 }
 _PRECISION_ALIASES = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+# The record's dtype names: a precision's parameters, and a reduce_dtype's.
+PARAM_DTYPE = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16", "bf16-true": "bfloat16",
+               "16-true": "float16"}
+REDUCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def active_records(run_dir, nproc):
+    """{rank: record}: what each of the `nproc` ranks recorded it ran (run_dir/active/rank<R>.json,
+    trainer/train/active_record.h), every rank's file present and completed by a first step."""
+    out = {}
+    for rank in range(nproc):
+        path = pathlib.Path(run_dir) / "active" / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no record of what ran ({path})"
+        rec = json.loads(path.read_text())
+        assert rec["rank"] == rank and rec["world_size"] == nproc, f"{path}: rank {rec['rank']} of {rec['world_size']}"
+        assert "first_step" in rec, f"{path}: no first step recorded: {rec}"
+        out[rank] = rec
+    return out
+
+
+def loss_ran(records, kind):
+    """Asserts that in the first step only the `kind` loss ran forward, on every rank that computed a loss
+    (under pp the last stage's), once per micro-batch; returns how many ranks ran it."""
+    ran = 0
+    for rank, rec in records.items():
+        fwd = rec["first_step"]["loss_forwards"]
+        if not any(fwd.values()):
+            continue
+        ran += 1
+        micros = rec["pipeline"]["nmicros"] if rec["pipeline"] else rec["micro_batches_per_step"]
+        want = {k: (micros if k == kind else 0) for k in fwd}
+        assert rec["loss"]["kind"] == kind and fwd == want, \
+            f"rank {rank}: asked for the {kind} loss, built {rec['loss']['kind']!r}, its forwards ran {fwd}"
+    assert ran, f"no rank ran a loss forward: {records}"
+    return ran
 
 
 def rank_log_numbers(run_dir, nproc, pattern):
@@ -221,22 +259,27 @@ def _override(overrides, key, default=None):
 
 
 def expected_plan(nproc, overrides):
-    """What the command line asks for: tp, cp (and its comm type), dp, ZeRO stage, ZeRO shard group size
-    (a slice of dp x cp), SP, recompute, precision."""
+    """What the command line asks for: tp, cp (and its comm type), pp (and its scheduler), dp, ZeRO stage,
+    ZeRO shard group size (a slice of dp x cp), SP, recompute, precision, reduce dtype."""
     tp = int(_override(overrides, "--compute_config.plan_ngpus", 1))
     if _override(overrides, "--pas_policy") == "dp":
         tp = 1
     cp = int(_override(overrides, "--compute_config.context_parallel_size", 1))
+    pp = int(_override(overrides, "--compute_config.pas_config.pp_size", 1))
     zero = _override(overrides, "--compute_config.use_zero", "0")
     zero = {"true": 1, "false": 0}.get(zero, zero)
-    dp = nproc // (tp * cp * int(_override(overrides, "--compute_config.pas_config.pp_size", 1)))
+    dp = nproc // (tp * cp * pp)
     ngroups = int(_override(overrides, "--compute_config.zero_ngroups", 1))
     precision = _override(overrides, "--precision", "32-true")
+    precision = _PRECISION_ALIASES.get(precision, precision)
+    reduce = _override(overrides, "--compute_config.reduce_dtype", "auto")
+    reduce = REDUCE_DTYPE.get(reduce) or ("float32" if precision.endswith("-mixed") else PARAM_DTYPE[precision])
     return {"tp": tp, "cp": cp, "cp_comm": _override(overrides, "--compute_config.cp_comm_type", "p2p"),
+            "pp": pp, "scheduler": _override(overrides, "--compute_config.pas_config.pipeline_scheduler", "1f1b"),
             "dp": dp, "zero": int(zero), "zero_group": dp * cp // ngroups,
             "sp": tp > 1 and _override(overrides, "--compute_config.sequence_parallel", "true") == "true",
             "recompute": _override(overrides, "--model.activation_checkpointing", "false") == "true",
-            "precision": _PRECISION_ALIASES.get(precision, precision)}
+            "precision": precision, "reduce_dtype": reduce}
 
 
 def assert_active(run_dir, output, nproc, overrides):
@@ -244,14 +287,34 @@ def assert_active(run_dir, output, nproc, overrides):
     ran the parallelism and precision its `overrides` asked for, from direct evidence."""
     want = expected_plan(nproc, overrides)
     run_dir = pathlib.Path(run_dir)
-    plan = json.loads((run_dir / "plan.json").read_text())
-    got = {k: plan[k] for k in ("tp", "dp", "zero")}
-    got["cp"] = plan.get("context", {}).get("cp", 1)
-    assert got == {k: want[k] for k in got}, f"plan.json says {got}, the command line asked for {want}"
-    if want["recompute"]:
-        assert plan["recompute"] and all(plan["recompute"]), f"recompute asked, plan.json: {plan['recompute']}"
-    else:
-        assert not any(plan["recompute"]), f"recompute not asked, plan.json: {plan['recompute']}"
+    records = active_records(run_dir, nproc)
+    layers = len(json.loads((run_dir / "plan.json").read_text())["recompute"])
+    for rank, rec in records.items():
+        got = {k: rec["groups"][k]["size"] for k in ("tp", "cp", "pp", "dp")}
+        got["zero"] = rec["zero_stage"]
+        assert got == {k: want[k] for k in got}, f"rank {rank} ran {got}, the command line asked for {want}"
+        if want["zero"] and want["zero_group"] > 1:
+            assert rec["groups"]["zero"]["size"] == want["zero_group"], f"rank {rank}: ZeRO group {rec['groups']}"
+        assert rec["dtypes"]["params"] == PARAM_DTYPE[want["precision"]], f"rank {rank}: {rec['dtypes']}"
+        assert rec["recompute_layers"] == (layers if want["recompute"] else 0), \
+            f"rank {rank}: recompute {'asked' if want['recompute'] else 'not asked'}, the model recomputes " \
+            f"{rec['recompute_layers']} of {layers} layers"
+        step = rec["first_step"]
+        # The gradients were reduced over dp x cp, in the dtype asked for (none is reduced without replicas).
+        reduced = want["reduce_dtype"] if want["dp"] * want["cp"] > 1 else None
+        assert step["reduce_dtype"] == reduced, f"rank {rank}: gradients reduced in {step['reduce_dtype']}, want {reduced}"
+        if want["pp"] > 1:
+            pipe = rec["pipeline"]
+            assert pipe and pipe["scheduler"] == want["scheduler"] and pipe["pp_rank"] == rec["groups"]["pp"]["rank"], \
+                f"rank {rank}: pp {want['pp']} {want['scheduler']} asked, its pipeline: {pipe}"
+            assert step["micro_batches"] == pipe["nmicros"] and step["pp_sends"] > 0, \
+                f"rank {rank}: no pipeline transfers in its first step: {step}"
+        else:
+            assert rec["pipeline"] is None, f"rank {rank}: pp 1 asked, it ran a pipeline: {rec['pipeline']}"
+    # Every micro-batch reached the loss: once per micro-batch on each rank holding the last stage
+    # (every rank without pp), and on no other.
+    holders = loss_ran(records, records[0]["loss"]["kind"])
+    assert holders == nproc // want["pp"], f"{holders} ranks computed the loss, want {nproc // want['pp']}"
 
     # Bytes held: what each stage shards over its group of z ranks (padding: a few elements per unit).
     eb = dict(zip(("param", "grad", "master", "moments"), STATE_ELEMENT_BYTES[want["precision"]]))

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from conftest import CONFIGS, device_args, read_metrics, run_ranks
+from conftest import CONFIGS, active_records, device_args, loss_ran, read_metrics, run_ranks
 from test_collective_failure import Ranks, killed_in_ring
 from test_precision import BF16_RTOL
 
@@ -125,6 +125,10 @@ def test_composition(tmp_path, tiny_tokens, model, name):
     ranks, ov, shared, tol = COMPOSED[name]
     ref = run(model, 1, tmp_path / "one", tiny_tokens, *PLANS["one"][1], *shared)
     got = run(model, ranks, tmp_path / name, tiny_tokens, *ov, *shared)
+    if "--model.loss" in shared:  # both sides ran that loss's forward on each micro-batch (their records)
+        kind = shared[shared.index("--model.loss") + 1]
+        assert loss_ran(active_records(tmp_path / name, ranks), kind) == ranks
+        loss_ran(active_records(tmp_path / "one", 1), kind)
     worst_loss, worst_norm = compare(ref, got, f"{model} cp2 {name} vs one process")
     assert worst_loss < tol and worst_norm < (tol if tol == TOL else 4 * tol)  # 16-bit: test_precision's rule
     assert ref[10][0] < ref[1][0] - 0.1 and any(ref[s][1] > CLIP for s in ref), ref

@@ -2,11 +2,19 @@
 linear + cross-entropy equal the plain loss run (loss and gradient norm of
 every step within 1e-5), untied heads and recompute included; `auto` picks the
 fused loss once a micro-batch's tokens exceed loss_chunk_size and the plain
-loss below; the log names the loss that ran.
+loss below. Which loss ran is read from the run's record of its first step
+(run_dir/active/rank0.json: the forwards each loss counted), not from the log
+line that names the configured one.
 """
+import json
+
 import pytest
 
-from conftest import assert_active
+from conftest import assert_active, loss_ran
+
+
+def assert_loss(run_dir, kind):
+    loss_ran({0: json.loads((run_dir / "active" / "rank0.json").read_text())}, kind)
 
 STEPS = 20
 TOL = 1e-5
@@ -35,10 +43,10 @@ def test_fused_loss_run_equals_plain(nnstrain, tiny_tokens, tmp_path, model, ext
     # 4 x 16 tokens per step in chunks of 24: 24, 24, 16.
     fused = nnstrain("tiny_gpt.yaml", *common, "--model.loss", "fused", "--model.loss_chunk_size", 24,
                      run_dir=tmp_path / "fused")
-    assert "LM head loss: plain" in plain.output, plain.output
     assert "LM head loss: fused (chunks of 24 tokens)" in fused.output, fused.output
-    if "recompute" in model:
-        assert_active(tmp_path / "fused", fused.output, 1, extra)
+    assert_loss(tmp_path / "plain", "plain")
+    assert_active(tmp_path / "fused", fused.output, 1, extra)  # the fused loss's forwards, recompute
+    assert_loss(tmp_path / "fused", "fused")
     a, b = per_step(plain), per_step(fused)
     worst_loss = max(rel(b[s][0], a[s][0]) for s in a)
     worst_norm = max(rel(b[s][1], a[s][1]) for s in a)
@@ -53,6 +61,8 @@ def test_auto_picks_fused_above_the_chunk_and_plain_below(nnstrain, tiny_tokens,
     below = nnstrain("tiny_gpt.yaml", *common, "--model.loss_chunk_size", 64, run_dir=tmp_path / "below")
     assert "LM head loss: fused (chunks of 63 tokens), chosen by model.loss: auto" in above.output, above.output
     assert "LM head loss: plain, chosen by model.loss: auto" in below.output, below.output
+    assert_loss(tmp_path / "above", "fused")
+    assert_loss(tmp_path / "below", "plain")
 
 
 def test_unknown_loss_is_refused(nnstrain, tiny_tokens, tmp_path):

@@ -96,8 +96,7 @@ def train(plan, data, d, *more, resume=None, check=True):
     run = Run(args, p.returncode, p.stdout, p.stderr, tr, val)
     if check:
         assert p.returncode == 0, run.output
-        if (d / "plan.json").exists():
-            assert_active(d, run.output, nproc, extra)
+        assert_active(d, run.output, nproc, extra)
     return run
 
 

@@ -3,7 +3,12 @@ kernel's fused form forced (NNSTRAIN_KERNELS=fused: ATen's _fused_rms_norm,
 native LayerNorm and GELU, silu + mul_, rotary in place) equals the run with
 every composite forced (NNSTRAIN_KERNELS=composite) on CPU: loss and gradient
 norm of every step within 1e-5; an unknown value is refused with status 2.
+
+The two runs are bitwise equal on CPU, so the losses cannot show which forms
+ran: each run's record (run_dir/active/rank0.json) counts the forms its
+kernels dispatched in the first step, and the test reads that.
 """
+import json
 import subprocess
 
 import pytest
@@ -26,7 +31,26 @@ def run(tmp_path, name, kernels, tokens, extra):
     assert p.returncode == 0, p.stdout + p.stderr
     train, _ = read_metrics(d / "metrics.jsonl")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert_kernels_ran(d, kernels, KERNELS[model_of(extra)])
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in train}
+
+
+# The kernels each model calls (models/common/kernels/kernels.h).
+KERNELS = {"gpt": ("layer_norm", "gelu"), "llama": ("rms_norm", "swiglu", "rotary")}
+
+
+def model_of(extra):
+    return "llama" if "llama" in extra else "gpt"
+
+
+def assert_kernels_ran(run_dir, form, used):
+    """The record says every kernel call of the first step dispatched `form`, and each kernel the model uses ran."""
+    rec = json.loads((run_dir / "active" / "rank0.json").read_text())
+    assert rec["kernels"] == form, rec["kernels"]
+    calls = rec["first_step"]["kernels"]
+    other = "composite" if form == "fused" else "fused"
+    assert all(c[other] == 0 for c in calls.values()), f"NNSTRAIN_KERNELS={form}, yet {other} forms ran: {calls}"
+    assert all(calls[k][form] > 0 for k in used), f"NNSTRAIN_KERNELS={form}: {used} did not all run: {calls}"
 
 
 def rel(a, b):

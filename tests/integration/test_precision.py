@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import STATE_ELEMENT_BYTES, TEST_DEVICE, assert_active, device_args
+from conftest import PARAM_DTYPE, REDUCE_DTYPE, STATE_ELEMENT_BYTES, TEST_DEVICE, active_records, assert_active, device_args
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "configs" / "tiny_dp.yaml"
@@ -324,3 +324,8 @@ def test_every_precision_and_reduce_dtype_trains_or_is_refused(train, precision,
     assert p.returncode == 0, out
     losses = by_step(records(d), "loss")
     assert sorted(losses) == [1, 2] and all(np.isfinite(v) for v in losses.values()), out
+    # The gradients went into their reduce-scatters in that dtype (auto: fp32 under *-mixed, else the
+    # parameters'), on both ranks: read from the reducer's record of its first step.
+    want = REDUCE_DTYPE.get(reduce_dtype) or ("float32" if precision.endswith("-mixed") else PARAM_DTYPE[precision])
+    ran = {r: rec["first_step"]["reduce_dtype"] for r, rec in active_records(d, 2).items()}
+    assert ran == {0: want, 1: want}, f"{precision} reduce_dtype {reduce_dtype}: gradients reduced in {ran}, want {want}"

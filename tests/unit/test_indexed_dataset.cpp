@@ -88,8 +88,15 @@ TEST_CASE("indexed batches: prompt targets -100, documents restart positions", "
   CHECK(!a.positions.defined());
   CHECK(torch::equal(a.x, m.x));  // the same stream
   CHECK(torch::equal(a.y.narrow(1, 0, 7), a.x.narrow(1, 1, 7)));
-  // Validation batch k: the same at every call, and its slices are its rows.
-  CHECK(torch::equal(plain.val_batch(3, 0, 4).x, plain.val_batch(3, 0, 4).x));
+  // Validation batch k: the samples of its stream from floor(radical_inverse_2(k) x N)
+  // on (docs/data.md), here k 3 from 3N/4, each the stream's sample at that index
+  // (step 0's batch slices); and its slices are its rows.
+  const auto v3 = plain.val_batch(3, 0, 4);
+  const int64_t n = plain.samples_per_epoch();
+  for (int64_t p = 0; p < 4; ++p) {
+    INFO("row " << p << " of " << n << " samples");
+    CHECK(torch::equal(v3.x[p], plain.train_batch(0, (3 * n / 4 + p) % n, 1).x[0]));
+  }
   CHECK(torch::equal(plain.val_batch(3, 2, 2).x, plain.val_batch(3, 0, 4).x.narrow(0, 2, 2)));
   // Another seed, another training stream.
   const nnstrain::data::IndexedDataset other(args, 99, 4, "dataset.train_args");

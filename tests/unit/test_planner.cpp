@@ -234,7 +234,15 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   CHECK(e1.tp_comm_s == 0);
   CHECK(e2.tp_comm_s > 0);
   CHECK(e2.dp_comm_s == 0);
-  CHECK(e1.step_s == Approx(e1.compute_s + e1.tp_comm_s + e1.dp_comm_s));
+  // The step from first principles: a GPT's 6 FLOPs per matmul parameter per
+  // token (12 C^2 a layer, the head's V C) plus causal attention's half of
+  // 12 L C T, over this rank's 2 sequences of T tokens (global 4 over dp 2), at
+  // kAssumedEfficiency (1/2) of the device's 1e12 FLOP/s; the rest of e1's step
+  // is its exposed gradient reduction.
+  const double flops_per_token = 6 * (L * 12 * C * C + V * C) + 6 * L * C * T;
+  const double compute = 2 * T * flops_per_token / (0.5 * 1e12);
+  CHECK(e1.compute_s == Approx(compute));
+  CHECK(e1.step_s == Approx(compute + e1.dp_comm_s));
 }
 
 // The selection rule by brute force over the same estimates: per (tp, k) the
@@ -849,9 +857,16 @@ TEST_CASE("planner: overlapped collectives charge compute their contention", "[p
   CHECK(z2.contention_s == Approx(m * z1.contention_s));
   // It slows only the backward it overlaps: at most that fraction of it.
   CHECK(z2.contention_s <= parallel::kOverlapContention * z2.compute_s * 2 / 3);
-  // It is part of the exposed data-parallel time, and so of the step.
+  // It is part of the exposed data-parallel time, and so of the step: the step is
+  // the compute from first principles (6 FLOPs per matmul parameter per token
+  // plus causal attention's 6 L C T, m micro-batches of 64 tokens, at half the
+  // device's 1e12 FLOP/s), which carries no contention, plus that time.
   CHECK(z2.dp_comm_s >= z2.contention_s);
-  CHECK(z2.step_s == Approx(z2.compute_s + z2.tp_comm_s + z2.dp_comm_s));
+  const double flops_per_token = 6 * (4 * 12 * 256.0 * 256 + 512 * 256) + 6 * 4 * 256 * 64;
+  const double compute = m * 64 * flops_per_token / (0.5 * 1e12);
+  CHECK(z2.compute_s == Approx(compute));
+  CHECK(z2.step_s == Approx(compute + z2.dp_comm_s));
+  CHECK(z2.step_s >= compute + z2.contention_s);
 }
 
 TEST_CASE("planner: Llama 3 70B on 64 and 128 H100 is planned with pipeline stages", "[planner][pp]") {

@@ -75,6 +75,7 @@ void GradientReducer::launch(size_t i) {
   if (stage_ <= 1) {
     auto in = state_.flat_grad().narrow(0, b.begin, b.end - b.begin);
     sent_bytes_ += in.numel() * in.element_size();
+    reduced_dtype_ = in.scalar_type();
     if (stage_ == 1) {
       auto out = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
       p.work = rt_->reduce_scatter_async(rt_->zero, out, in, "gradient reduce-scatter");
@@ -91,6 +92,7 @@ void GradientReducer::launch(size_t i) {
   const bool add = accumulated_ || scheduled_;
   if (zero_live()) {
     sent_bytes_ += in.numel() * in.element_size();
+    reduced_dtype_ = in.scalar_type();
     auto shard = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
     if (add) p.chunk = torch::empty({L.chunk_size(b)}, in.options());
     p.work = rt_->reduce_scatter_async(rt_->zero, add ? p.chunk : shard, in, "gradient reduce-scatter");
@@ -159,6 +161,7 @@ void GradientReducer::finish_gradients() {
   if (units_) units_->release_all();
   if (stage_ >= 1 && cross_live()) {
     sent_bytes_ += state_.shard_grad().numel() * state_.shard_grad().element_size();
+    reduced_dtype_ = state_.shard_grad().scalar_type();
     rt_->all_reduce(rt_->zero_cross, state_.shard_grad(), "gradient all-reduce across ZeRO groups");
   }
   hand_over_offloaded();

@@ -44,6 +44,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "trainer/dist/process_groups.h"
@@ -107,6 +108,10 @@ class GradientReducer {
   // Offload: how many offloaded buckets' gradients left for the host while the
   // last step's backward was still running (the rest left after it).
   int64_t offloaded_in_backward() const { return offloaded_in_backward_; }
+  // The dtype of the gradients last put into a reduction collective: the
+  // reduction as it ran (compute_config.reduce_dtype), for the run's record
+  // (trainer/train/active_record.h). Empty until one ran (one process has none).
+  std::optional<c10::ScalarType> reduced_dtype() const { return reduced_dtype_; }
 
  private:
   struct Progress {  // per bucket, during one reducing backward
@@ -145,6 +150,7 @@ class GradientReducer {
   bool accumulated_ = false;       // stages 2, 3: a micro-step of this step already reduced into the shard
   std::shared_ptr<ParameterUnits> units_;
   int64_t sent_bytes_ = 0;
+  std::optional<c10::ScalarType> reduced_dtype_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep hooks alive
 };
 

@@ -60,6 +60,7 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
 
 // The pipeline's executor for this rank, after refusing what it cannot run yet.
 std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerArgs& args, const parallel::Plan& plan,
+                                                          const parallel::PipelinePlan& pipe,
                                                           models::CausalLM& model, dist::Runtime& rt,
                                                           parallel::TrainingState& state,
                                                           parallel::GradientReducer& reducer,
@@ -74,12 +75,12 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   o.hidden = model.dims().hidden;
   o.sequence_divisor = plan.tp > 1 && args.compute_config.sequence_parallel ? plan.tp : 1;
   o.post_validation = args.compute_config.pipeline.post_validation;
-  auto p = std::make_unique<parallel::PipelineExecutor>(model, plan.pipeline, rt, state, reducer, o);
+  auto p = std::make_unique<parallel::PipelineExecutor>(model, pipe, rt, state, reducer, o);
   std::string layers;
-  for (size_t s = 0; s < plan.pipeline.stage_layers.size(); ++s)
-    layers += (s ? " " : "") + std::to_string(plan.pipeline.stage_layers[s]);
-  log::info("pipeline: " + plan.pipeline.scheduler + ", " + std::to_string(plan.pipeline.stages) + " stages over pp " +
-            std::to_string(plan.pipeline.pp) + " ranks, " + std::to_string(plan.pipeline.nmicros) +
+  for (size_t s = 0; s < pipe.stage_layers.size(); ++s)
+    layers += (s ? " " : "") + std::to_string(pipe.stage_layers[s]);
+  log::info("pipeline: " + pipe.scheduler + ", " + std::to_string(pipe.stages) + " stages over pp " +
+            std::to_string(pipe.pp) + " ranks, " + std::to_string(pipe.nmicros) +
             " micro-batches per step, layers per stage " + layers + "; this rank is pipeline rank " +
             std::to_string(rt.pp.rank) +
             (o.post_validation ? "; optimizer post-validation: " + std::to_string(p->prefix_length()) +
@@ -357,7 +358,10 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   tr.delayed_update = so.offload_delayed;
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
   // Under pp the executor, not the block hooks, gathers ZeRO-3's units (once per step).
-  if (plan.pipeline.pp > 1) tr.pipeline = make_pipeline(args, plan, model, *rt, *tr.state, *tr.reducer, device);
+  if (plan.pipeline.pp > 1) {
+    tr.pipeline_plan = plan.pipeline;
+    tr.pipeline = make_pipeline(args, plan, tr.pipeline_plan, model, *rt, *tr.state, *tr.reducer, device);
+  }
   ro.block_hooks = tr.reducer->block_hooks();
   model.set_runtime_options(ro);
   return tr;

@@ -46,8 +46,10 @@ struct Trainable {
   // runs in the background until the next step's backward is done.
   bool delayed_update = false;
   std::future<void> pending_update;
-  // Pipeline parallelism (pp > 1): runs each step's forward and backward.
+  // Pipeline parallelism (pp > 1): runs each step's forward and backward,
+  // built with pipeline_plan (schedule, stages, micro-batches).
   std::unique_ptr<parallel::PipelineExecutor> pipeline;
+  parallel::PipelinePlan pipeline_plan;
 
   // Everything a checkpoint holds of it, as ShardSpec'd pieces.
   std::vector<sharding::StateTensor> state_tensors();

@@ -18,6 +18,7 @@
 #include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
 #include "base/log.h"
+#include "trainer/train/active_record.h"
 #include "trainer/train/cpu_memory.h"
 #include "trainer/train/memory_snapshot.h"
 #include "trainer/train/metrics.h"
@@ -138,6 +139,7 @@ class Trainer {
   MemorySnapshots* snapshots_ = nullptr;  // owned by the OomContext
   std::unique_ptr<StopDecision> stop_decision_;
   std::unique_ptr<StepGraph> graph_;  // after rt_: destroyed before its communicators (run()'s end)
+  std::unique_ptr<ActiveRecord> record_;  // run_dir/active/rank<R>.json: what ran
   bool timed_ = false;  // this step's time split is measured (step_timer.h)
 
   // On the device, read only at logging steps and saves (the one host sync).
@@ -282,6 +284,9 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       log::info("compute_config.cuda_graphs auto: the step runs eagerly, since a graph " + blocker);
   }
   announce(start_step);
+  nlohmann::json startup = startup_record(*model_, rt_.get(), tr_, rank_, world_);
+  startup["micro_batches_per_step"] = accum_;
+  record_ = std::make_unique<ActiveRecord>(args.run_dir, rank_, std::move(startup));
 }
 
 // The start-up summary (rank 0).
@@ -695,6 +700,9 @@ int Trainer::run() {
     timer_.begin_step(step_ + 1, timed_);
     std::vector<data::Batch> batches;
     for (int64_t a = 0; a < accum_; ++a) batches.push_back(loader_->next());
+    // This process's first step completes the record with what ran in it.
+    const bool first = !record_->has("first_step");
+    const auto counts = first ? RunCounts::now(rt_.get()) : RunCounts{};
     if (graph_) {
       lr_dev_.fill_(lr_);
       saver_->state_may_change();  // host side: a replayed step does not run step()'s call
@@ -720,6 +728,14 @@ int Trainer::run() {
     }
     timer_.end_step();
     ++step_;
+    if (first) {
+      auto ran = RunCounts::now(rt_.get()).since(counts);
+      ran["step"] = step_;
+      ran["micro_batches"] = batches.size();
+      const auto reduced = tr_.reducer->reduced_dtype();
+      ran["reduce_dtype"] = reduced ? nlohmann::json(dtype_label(*reduced)) : nlohmann::json(nullptr);
+      record_->complete("first_step", std::move(ran));
+    }
     ++interval_steps_;
     profiler_.after_step(step_);
     if (snapshots_) snapshots_->after_step(step_);
@@ -728,7 +744,14 @@ int Trainer::run() {
     if (logs) log_progress();
     if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) {
       const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{};
+      const bool first_eval = data_.val && args_.max_val_steps > 0 && !record_->has("first_evaluation");
+      const auto counts = first_eval ? RunCounts::now(rt_.get()) : RunCounts{};
       evaluate();
+      if (first_eval) {
+        auto ran = RunCounts::now(rt_.get()).since(counts);
+        ran["step"] = step_;
+        record_->complete("first_evaluation", std::move(ran));
+      }
       if (rt_) {  // the per-step tp and cp figures count training only
         interval_tp_ += rt_->tp.traffic - before;
         interval_cp_ += rt_->cp.traffic - before_cp;

@@ -10,13 +10,18 @@ namespace nnstrain::models::common::kernels {
 namespace {
 
 std::atomic<int> g_impl{-1};  // -1: not read from the environment yet
+std::array<std::atomic<int64_t>, kNumKernels> g_fused{}, g_composite{};
 
-bool use_fused(const at::Tensor& t, bool auto_on_every_device) {
+// Which form kernel k runs on t, counted.
+bool use_fused(Kernel k, const at::Tensor& t, bool auto_on_every_device) {
+  bool fused = false;
   switch (impl()) {
-    case Impl::Composite: return false;
-    case Impl::Fused: return true;
-    default: return auto_on_every_device || t.is_cuda();
+    case Impl::Composite: fused = false; break;
+    case Impl::Fused: fused = true; break;
+    default: fused = auto_on_every_device || t.is_cuda();
   }
+  (fused ? g_fused : g_composite)[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed);
+  return fused;
 }
 
 using torch::autograd::AutogradContext;
@@ -76,6 +81,28 @@ Impl impl() {
 
 void set_impl(Impl i) { g_impl.store(static_cast<int>(i)); }
 
+const char* impl_name(Impl i) {
+  switch (i) {
+    case Impl::Composite: return "composite";
+    case Impl::Fused: return "fused";
+    default: return "auto";
+  }
+}
+
+const char* kernel_name(Kernel k) {
+  static const char* const names[kNumKernels] = {"rms_norm", "layer_norm", "gelu", "swiglu", "rotary"};
+  return names[static_cast<int>(k)];
+}
+
+KernelCalls kernel_calls() {
+  KernelCalls c;
+  for (int k = 0; k < kNumKernels; ++k) {
+    c.fused[k] = g_fused[k].load(std::memory_order_relaxed);
+    c.composite[k] = g_composite[k].load(std::memory_order_relaxed);
+  }
+  return c;
+}
+
 namespace composite {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -116,7 +143,7 @@ at::Tensor rotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
 }  // namespace composite
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (!use_fused(x, false)) return composite::rms_norm(x, weight, eps);
+  if (!use_fused(Kernel::RmsNorm, x, false)) return composite::rms_norm(x, weight, eps);
   return std::get<0>(at::_fused_rms_norm(x, {x.size(-1)}, weight, eps));
 }
 
@@ -127,7 +154,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
 }
 
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  if (!use_fused(x, true)) return composite::layer_norm(x, weight, bias, eps);
+  if (!use_fused(Kernel::LayerNorm, x, true)) return composite::layer_norm(x, weight, bias, eps);
   return torch::layer_norm(x, {x.size(-1)}, weight, bias, eps);
 }
 
@@ -138,22 +165,22 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
 }
 
 at::Tensor gelu(const at::Tensor& x, bool tanh_approximation) {
-  if (!use_fused(x, true)) return composite::gelu(x, tanh_approximation);
+  if (!use_fused(Kernel::Gelu, x, true)) return composite::gelu(x, tanh_approximation);
   return torch::gelu(x, tanh_approximation ? "tanh" : "none");
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  if (!use_fused(gate, true)) return composite::swiglu(gate, up);
+  if (!use_fused(Kernel::Swiglu, gate, true)) return composite::swiglu(gate, up);
   return torch::silu(gate).mul_(up);
 }
 
 at::Tensor rotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
-  if (!use_fused(t, true)) return composite::rotary(t, cos, sin);
+  if (!use_fused(Kernel::Rotary, t, true)) return composite::rotary(t, cos, sin);
   return RotaryInPlace::apply(t.clone(), cos, sin);  // t itself is the caller's
 }
 
 at::Tensor rotary_(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
-  if (!use_fused(t, true)) return composite::rotary(t, cos, sin);
+  if (!use_fused(Kernel::Rotary, t, true)) return composite::rotary(t, cos, sin);
   return RotaryInPlace::apply(t, cos, sin);
 }
 

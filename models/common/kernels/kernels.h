@@ -28,6 +28,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -40,6 +42,19 @@ enum class Impl { Auto, Composite, Fused };
 Impl impl();
 void set_impl(Impl i);
 Impl parse_impl(const std::string& s);  // throws std::invalid_argument on anything else
+
+// How often each kernel ran in each form since the process started, counted
+// in the entry points below as they choose (the run's record of which forms
+// actually ran, trainer/train/active_record.h; NNSTRAIN_KERNELS=fused and
+// composite give bitwise-equal runs on CPU, so only this tells them apart).
+enum class Kernel { RmsNorm, LayerNorm, Gelu, Swiglu, Rotary };
+constexpr int kNumKernels = 5;
+const char* kernel_name(Kernel k);  // "rms_norm", ...
+struct KernelCalls {
+  std::array<int64_t, kNumKernels> fused{}, composite{};
+};
+KernelCalls kernel_calls();
+const char* impl_name(Impl i);  // "auto", "composite", "fused"
 
 // RMSNorm as Hugging Face's LlamaRMSNorm: normalised in fp32, cast back to x's
 // dtype, times weight. The fused form multiplies by the weight before the cast

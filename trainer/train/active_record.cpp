@@ -1,0 +1,132 @@
+#include "trainer/train/active_record.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "models/common/lm_loss.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/dist/process_groups.h"
+#include "trainer/train/startup.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::train {
+
+namespace {
+
+const char* loss_name(models::common::LossKind k) {
+  switch (k) {
+    case models::common::LossKind::Fused: return "fused";
+    case models::common::LossKind::Chunked: return "chunked";
+    default: return "plain";
+  }
+}
+
+// A group's size and this rank's index in it (size 1, index 0 where the run has none).
+nlohmann::json group(const dist::Runtime* rt, const dist::Group dist::Runtime::*g) {
+  if (!rt) return {{"size", 1}, {"rank", 0}};
+  const auto& x = rt->*g;
+  return {{"size", std::max(1, x.size())}, {"rank", x.rank}};
+}
+
+}  // namespace
+
+std::string dtype_label(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::Double: return "float64";
+    default: return c10::toString(t);
+  }
+}
+
+RunCounts RunCounts::now(const dist::Runtime* rt) {
+  RunCounts c;
+  c.kernels = models::common::kernels::kernel_calls();
+  const auto loss = models::common::loss_forwards();
+  c.plain_loss = loss.plain;
+  c.chunked_loss = loss.chunked;
+  c.fused_loss = loss.fused;
+  if (rt) {
+    c.pp_sends = rt->pp.traffic.sends;
+    c.pp_bytes = rt->pp.traffic.bytes;
+  }
+  return c;
+}
+
+nlohmann::json RunCounts::since(const RunCounts& b) const {
+  namespace k = models::common::kernels;
+  nlohmann::json kernels = nlohmann::json::object();
+  for (int i = 0; i < k::kNumKernels; ++i)
+    kernels[k::kernel_name(k::Kernel(i))] = {{"fused", this->kernels.fused[i] - b.kernels.fused[i]},
+                                             {"composite", this->kernels.composite[i] - b.kernels.composite[i]}};
+  return {{"kernels", kernels},
+          {"loss_forwards",
+           {{"plain", plain_loss - b.plain_loss}, {"chunked", chunked_loss - b.chunked_loss},
+            {"fused", fused_loss - b.fused_loss}}},
+          {"pp_sends", pp_sends - b.pp_sends},
+          {"pp_bytes", pp_bytes - b.pp_bytes}};
+}
+
+nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr, int rank,
+                              int world) {
+  auto& st = *tr.state;
+  const auto& so = st.options();
+  const auto& ro = model.runtime_options();
+  nlohmann::json r;
+  r["rank"] = rank;
+  r["world_size"] = world;
+  using dist::Runtime;
+  r["groups"] = {{"tp", group(rt, &Runtime::tp)},     {"cp", group(rt, &Runtime::cp)},
+                 {"pp", group(rt, &Runtime::pp)},     {"dp", group(rt, &Runtime::dp)},
+                 {"dp_cp", group(rt, &Runtime::dp_cp)}, {"zero", group(rt, &Runtime::zero)},
+                 {"zero_cross", group(rt, &Runtime::zero_cross)}};
+  r["zero_stage"] = so.zero_stage;
+  r["dtypes"] = {{"params", st.params().empty() ? "" : dtype_label(st.params()[0].tensor.scalar_type())},
+                 {"gradients", dtype_label(st.reduced_grads().defined() ? st.reduced_grads().scalar_type() : so.grad_dtype)},
+                 {"master_weights", so.master_weights}};
+  r["loss"] = {{"kind", loss_name(ro.loss)}, {"chunk_size", ro.loss_chunk_size}};
+  r["recompute_layers"] = int64_t(std::count(ro.recompute_layers.begin(), ro.recompute_layers.end(), true));
+  r["kernels"] = models::common::kernels::impl_name(models::common::kernels::impl());
+  if (st.offloaded()) {
+    const auto host = st.host_held_bytes();
+    r["offload"] = {{"host_buckets", st.host_buckets()},
+                    {"buckets", st.layout().buckets.size()},
+                    {"host_elements", st.host_elements()},
+                    {"optimizer_elements", st.optimizer_elements()},
+                    {"params_on_host", so.offload_params},
+                    {"delayed_update", tr.delayed_update},
+                    // 4 where the host keeps fp32 weights (masters under *-mixed)
+                    {"host_weight_bytes_per_element",
+                     st.host_elements() > 0 ? host.master / double(st.host_elements()) : 0.0}};
+  } else {
+    r["offload"] = nullptr;
+  }
+  if (tr.pipeline) {
+    const auto& p = tr.pipeline_plan;
+    r["pipeline"] = {{"pp_rank", rt->pp.rank},    {"scheduler", p.scheduler},       {"stages", p.stages},
+                     {"nmicros", p.nmicros},      {"stage_layers", p.stage_layers}, {"post_validation", p.post_validation}};
+  } else {
+    r["pipeline"] = nullptr;
+  }
+  return r;
+}
+
+ActiveRecord::ActiveRecord(const std::string& run_dir, int rank, nlohmann::json startup)
+    : path_((fs::path(run_dir) / "active" / ("rank" + std::to_string(rank) + ".json")).string()),
+      record_(std::move(startup)) {
+  fs::create_directories(fs::path(path_).parent_path());
+  write();
+}
+
+void ActiveRecord::complete(const std::string& key, nlohmann::json part) {
+  record_[key] = std::move(part);
+  write();
+}
+
+void ActiveRecord::write() const { checkpoint::write_file_durable(path_, record_.dump(2) + "\n"); }
+
+}  // namespace nnstrain::train
