@@ -1,6 +1,9 @@
 """The full tokenizer parity sweep (the CTest test runs a subset): 100,000 generated
-strings and a 10 MB corpus through nnstrain's tokenizer and the references, counting
-strings, bytes and mismatching ids, and checking decode(encode(x)) == x.
+strings, the machine's real multilingual text (tokenizer_cases.machine_text) and a
+10 MB corpus through nnstrain's tokenizer and the references (tokenizers and
+tiktoken for GPT-2 and Llama 3), counting strings, bytes and mismatching ids,
+checking decode(encode(x)) == x, and reporting the share of each vocabulary the
+machine's text reaches.
 
     python bench/tokenizer_parity.py --nnstrain build/nnstrain [--strings 100000] [--corpus-mb 10]
 
@@ -31,8 +34,6 @@ def main():
     ap.add_argument("--corpus-mb", type=float, default=10)
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
     from tokenizers import Tokenizer
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tok_parity_"))
@@ -49,19 +50,19 @@ def main():
         hf.save(str(p))
         trained[kind] = (hf, p, tc.with_string_merges(p, tmp / f"trained_{kind}_strings.json"))
 
+    def tiktoken_encoder(enc, policy):
+        if policy == "text":
+            return enc.encode_ordinary_batch
+        return lambda texts: enc.encode_batch(texts, allowed_special="all")
+
     def hf_encoder(hf, policy, add_special):
         def run(texts):
             hf.encode_special_tokens = policy == "text"
             return [e.ids for e in hf.encode_batch(texts, add_special_tokens=add_special)]
         return run
 
-    specials = {s: 128000 + i for i, s in enumerate(
-        ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-         "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>",
-         "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
-        + [f"<|reserved_special_token_{i}|>" for i in range(5, 251)])}
-    tk = tiktoken.Encoding("llama3", pat_str=tc.LLAMA3_REGEX, mergeable_ranks=load_tiktoken_bpe(str(lm)),
-                           special_tokens=specials)
+    tk = tc.tiktoken_llama3()       # tokenizer.model, the pattern its tokenizer.json records
+    tk_gpt2 = tc.tiktoken_gpt2()    # tiktoken's own GPT-2 pattern and file reader
     cases = []
     for policy in ("text", "special"):
         cases += [
@@ -69,9 +70,9 @@ def main():
              hf_encoder(tc.hf_gpt2_from_files(), policy, False), policy, False),
             (f"Llama 3 tokenizer.json vs tokenizers ({policy})", lj,
              hf_encoder(Tokenizer.from_file(str(lj)), policy, False), policy, False),
-            (f"Llama 3 tokenizer.model vs tiktoken ({policy})", lm,
-             (lambda t: tk.encode_ordinary_batch(t)) if policy == "text"
-             else (lambda t: tk.encode_batch(t, allowed_special="all")), policy, False),
+            (f"Llama 3 tokenizer.model vs tiktoken ({policy})", lm, tiktoken_encoder(tk, policy), policy, False),
+            (f"GPT-2 encoder.json+vocab.bpe vs tiktoken ({policy})", tc.gpt2_files()[0],
+             tiktoken_encoder(tk_gpt2, policy), policy, False),
         ]
     for kind, (hf, pairs, strs) in trained.items():
         cases.append((f"trained {kind}, merges as pairs (special, add_special)", pairs,
@@ -90,6 +91,28 @@ def main():
                      "first_mismatch": first})
         failed |= bad > 0
         print(f"{name}: {len(strings)} strings, {nbytes} bytes, {bad} mismatches", flush=True)
+    # The machine's real text (as the CTest test reads it), and the share of each
+    # vocabulary it reaches, alone and with the generated strings.
+    docs = tc.machine_documents()
+    docs_bytes = sum(len(d.encode()) for d in docs)
+    for name, path, ref, vocab in (
+            ("GPT-2 encoder.json+vocab.bpe vs tokenizers", tc.gpt2_files()[0],
+             hf_encoder(tc.hf_gpt2_from_files(), "text", False), 50257),
+            ("GPT-2 encoder.json+vocab.bpe vs tiktoken", tc.gpt2_files()[0], tk_gpt2.encode_ordinary_batch, 50257),
+            ("Llama 3 tokenizer.json vs tokenizers", lj, hf_encoder(Tokenizer.from_file(str(lj)), "text", False),
+             128256),
+            ("Llama 3 tokenizer.model vs tiktoken", lm, tk.encode_ordinary_batch, 128256)):
+        ours, _ = tc.nnstrain_encode(args.nnstrain, path, docs, tmp)
+        bad, first = tc.first_mismatch(docs, ours, ref(docs))
+        with_strings, _ = tc.nnstrain_encode(args.nnstrain, path, strings, tmp)
+        share, share_all = tc.vocabulary_share(ours, vocab), tc.vocabulary_share(ours + with_strings, vocab)
+        rows.append({"case": name, "input": f"the machine's text ({len(tc.machine_text())} sources)",
+                     "strings": len(docs), "bytes": docs_bytes, "ids": sum(map(len, ours)), "mismatches": bad,
+                     "roundtrip_failures": 0, "first_mismatch": first, "vocabulary_share": round(share, 4),
+                     "vocabulary_share_with_strings": round(share_all, 4)})
+        failed |= bad > 0
+        print(f"{name}: machine text, {len(docs)} documents, {docs_bytes} bytes, {bad} mismatches; "
+              f"{share:.1%} of the vocabulary ({share_all:.1%} with the generated strings)", flush=True)
     for name, path, hf in (("GPT-2 encoder.json+vocab.bpe vs tokenizers", tc.gpt2_files()[0], tc.hf_gpt2_from_files()),
                            ("Llama 3 tokenizer.json vs tokenizers", lj, Tokenizer.from_file(str(lj)))):
         hf.encode_special_tokens = True
@@ -120,9 +143,12 @@ def main():
              f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}",
              f"- versions: {record['versions']}",
              "- every nnstrain run also decoded its ids and compared the bytes (--roundtrip): 0 failures", "",
-             "| case | input | strings | bytes | ids | mismatches |", "|---|---|---|---|---|---|"]
+             "| case | input | strings | bytes | ids | mismatches | vocabulary reached |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['input']} | {r['strings']} | {r['bytes']} | {r['ids']} | {r['mismatches']} |")
+        share = (f"{r['vocabulary_share']:.1%} ({r['vocabulary_share_with_strings']:.1%} with the strings)"
+                 if "vocabulary_share" in r else "")
+        lines.append(f"| {r['case']} | {r['input']} | {r['strings']} | {r['bytes']} | {r['ids']} | {r['mismatches']} "
+                     f"| {share} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.md")
     sys.exit(1 if failed else 0)

@@ -160,13 +160,17 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& inputs) {
   return files;
 }
 
+// Straight into one string of the file's size: a stream copy would hold the text
+// twice at its peak, and one text may be many GiB.
 std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw std::runtime_error("cannot read '" + path + "': " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw std::runtime_error("read error in '" + path + "'");
-  return ss.str();
+  const std::streamoff size = f.tellg();
+  if (size < 0) throw std::runtime_error("cannot tell the size of '" + path + "'");
+  std::string data(static_cast<size_t>(size), '\0');
+  f.seekg(0);
+  if (!f.read(data.data(), size)) throw std::runtime_error("read error in '" + path + "'");
+  return data;
 }
 
 // The file's bytes, decompressed when it ends in .zst.
@@ -306,8 +310,15 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
           if (instruction) texts.push_back(r.response);
         }
         std::vector<std::vector<int32_t>> ids;
+        std::vector<const Record*> owners;  // owners[k]: the record of document k
         try {
-          ids = tokenizer.encode_batch(texts, policy, false, o.threads);
+          // One long text (a file without --separator) is cut at safe points so
+          // every thread shares it; the ids are the same as encoding it whole.
+          if (texts.size() == 1 && texts[0].size() >= kBatchBytes)
+            ids.push_back(tokenizer.encode_large(texts[0], policy, o.threads));
+          else
+            ids = tokenizer.encode_batch(texts, policy, false, o.threads);
+          for (const auto& r : batch) owners.push_back(&r);
         } catch (const tok::TokenizerError&) {
           // Find the record at fault, to name it (and skip it under --on-error skip).
           ids.clear();
@@ -325,12 +336,18 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
             }
             ids.push_back(std::move(a));
             if (instruction) ids.push_back(std::move(b));
+            owners.push_back(&r);
           }
         }
-        if (instruction) {
-          for (size_t i = 0; i + 1 < ids.size(); i += 2) writer.add_document(std::vector<const std::vector<int32_t>*>{&ids[i], &ids[i + 1]});
-        } else {
-          for (const auto& d : ids) writer.add_document(d);
+        const size_t per_doc = instruction ? 2 : 1;
+        for (size_t k = 0; k < owners.size(); ++k) {
+          std::vector<const std::vector<int32_t>*> seqs;
+          for (size_t j = 0; j < per_doc; ++j) seqs.push_back(&ids[k * per_doc + j]);
+          try {
+            writer.add_document(seqs);
+          } catch (const indexed::IndexLimitError& e) {  // a document the format cannot hold: name it
+            throw std::runtime_error(owners[k]->where + ": " + e.what());
+          }
         }
         batch.clear();
         batch_bytes = 0;
@@ -341,6 +358,8 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
         if (skipped_where.size() < 10) skipped_where.push_back(what);
       };
       auto add = [&](Record r) {
+        // A long text goes on its own, so flush can cut it for the threads.
+        if (r.text.size() + r.response.size() >= kBatchBytes && !batch.empty()) flush();
         batch_bytes += r.text.size() + r.response.size();
         progress.bytes += r.text.size() + r.response.size();
         progress.docs += 1;
@@ -349,10 +368,10 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
       };
       for (size_t fi = 0; fi < files.size(); ++fi) {
         const std::string& file = files[fi];
-        const std::string data = read_input(file);
+        std::string data = read_input(file);
         if (formats[fi] == "text") {
           if (!o.has_separator) {
-            add({data, "", file});
+            add({std::move(data), "", file});  // moved, not copied: the file may be many GiB
             continue;
           }
           size_t start = 0, lineno = 1;

@@ -51,21 +51,28 @@ Writer::~Writer() {
 
 void Writer::add_document(const std::vector<const std::vector<int32_t>*>& sequences) {
   const size_t sz = dtype_size(dtype_);
+  for (const auto* seq : sequences)
+    if (seq->size() > static_cast<size_t>(INT32_MAX))
+      throw IndexLimitError("a sequence of " + std::to_string(seq->size()) + " tokens: the .idx format stores a "
+                            "sequence's length as int32 (at most 2147483647 tokens); split the text into documents");
+  constexpr size_t kChunk = 1 << 20;  // tokens converted per write: no second copy of a long document
   for (const auto* seq : sequences) {
-    buf_.resize(seq->size() * sz);
-    for (size_t i = 0; i < seq->size(); ++i) {
-      const int32_t id = (*seq)[i];
-      if (id < 0 || (dtype_ == DType::uint16 && id > 0xFFFF))
-        throw std::runtime_error("token id " + std::to_string(id) + " does not fit " + dtype_name(dtype_));
-      if (dtype_ == DType::uint16) {
-        const uint16_t v = static_cast<uint16_t>(id);
-        std::memcpy(buf_.data() + 2 * i, &v, 2);  // little-endian hosts only (x86, ARM)
-      } else {
-        std::memcpy(buf_.data() + 4 * i, &id, 4);
+    for (size_t from = 0; from < seq->size(); from += kChunk) {
+      const size_t n = std::min(kChunk, seq->size() - from);
+      buf_.resize(n * sz);
+      for (size_t i = 0; i < n; ++i) {
+        const int32_t id = (*seq)[from + i];
+        if (id < 0 || (dtype_ == DType::uint16 && id > 0xFFFF))
+          throw std::runtime_error("token id " + std::to_string(id) + " does not fit " + dtype_name(dtype_));
+        if (dtype_ == DType::uint16) {
+          const uint16_t v = static_cast<uint16_t>(id);
+          std::memcpy(buf_.data() + 2 * i, &v, 2);  // little-endian hosts only (x86, ARM)
+        } else {
+          std::memcpy(buf_.data() + 4 * i, &id, 4);
+        }
       }
+      bin_.write(buf_.data(), static_cast<std::streamsize>(buf_.size()));
     }
-    bin_.write(buf_.data(), static_cast<std::streamsize>(buf_.size()));
-    if (seq->size() > static_cast<size_t>(INT32_MAX)) throw std::runtime_error("a sequence of over 2^31 tokens");
     lengths_.push_back(static_cast<int32_t>(seq->size()));
     tokens_ += static_cast<int64_t>(seq->size());
   }
@@ -106,13 +113,28 @@ void Writer::commit() {
 
 // ---------------------------------------------------------------- Reader
 
+// The index arrays start at byte 34 of the mapping (after the header), so they are
+// not aligned for their types: each element is read with memcpy, never through an
+// int32_t* or int64_t* (undefined behaviour, and a fault on some CPUs once vectorised).
+namespace {
+template <class T>
+T load_unaligned(const unsigned char* array, int64_t i) {
+  T v;
+  std::memcpy(&v, array + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+  return v;
+}
+}  // namespace
+
 struct Reader::Impl {
   std::string prefix;
   DType dtype = DType::uint16;
   int64_t seqs = 0, docs = 0, tokens = 0;
-  const int32_t* lengths = nullptr;
-  const int64_t* pointers = nullptr;
-  const int64_t* doc_index = nullptr;
+  const unsigned char* lengths = nullptr;    // int32[seqs]
+  const unsigned char* pointers = nullptr;   // int64[seqs]
+  const unsigned char* doc_index = nullptr;  // int64[docs + 1]
+  int32_t length(int64_t s) const { return load_unaligned<int32_t>(lengths, s); }
+  int64_t pointer(int64_t s) const { return load_unaligned<int64_t>(pointers, s); }
+  int64_t doc(int64_t d) const { return load_unaligned<int64_t>(doc_index, d); }
   void* idx_map = nullptr;
   size_t idx_size = 0;
   void* bin_map = nullptr;
@@ -170,24 +192,25 @@ Reader::Reader(const std::string& prefix) : impl_(std::make_shared<Impl>()) {
   if (kHeader + seqs * 12 + docs * 8 != r.idx_size) bad("file size does not match its counts (multimodal indices are not supported)");
   r.seqs = static_cast<int64_t>(seqs);
   r.docs = static_cast<int64_t>(docs) - 1;
-  r.lengths = reinterpret_cast<const int32_t*>(p + kHeader);
-  r.pointers = reinterpret_cast<const int64_t*>(p + kHeader + seqs * 4);
-  r.doc_index = reinterpret_cast<const int64_t*>(p + kHeader + seqs * 12);
+  r.lengths = p + kHeader;
+  r.pointers = p + kHeader + seqs * 4;
+  r.doc_index = p + kHeader + seqs * 12;
   r.bin_map = map_file(bin, r.bin_size);
   const int64_t item = static_cast<int64_t>(dtype_size(r.dtype));
   int64_t expect = 0;
   for (int64_t s = 0; s < r.seqs; ++s) {
-    if (r.lengths[s] < 0) bad("sequence " + std::to_string(s) + " has a negative length");
-    if (r.pointers[s] != expect) bad("sequence " + std::to_string(s) + " does not start where the previous ends");
-    expect += r.lengths[s] * item;
+    const int32_t len = r.length(s);
+    if (len < 0) bad("sequence " + std::to_string(s) + " has a negative length");
+    if (r.pointer(s) != expect) bad("sequence " + std::to_string(s) + " does not start where the previous ends");
+    expect += len * item;
   }
   if (expect != static_cast<int64_t>(r.bin_size))
     throw std::runtime_error("indexed dataset '" + bin + "': " + std::to_string(r.bin_size) + " bytes, its index says " +
                              std::to_string(expect));
   r.tokens = expect / item;
-  if (r.doc_index[0] != 0 || r.doc_index[r.docs] != r.seqs) bad("document indices do not span the sequences");
+  if (r.doc(0) != 0 || r.doc(r.docs) != r.seqs) bad("document indices do not span the sequences");
   for (int64_t d = 0; d < r.docs; ++d)
-    if (r.doc_index[d + 1] < r.doc_index[d]) bad("document indices are not increasing");
+    if (r.doc(d + 1) < r.doc(d)) bad("document indices are not increasing");
 }
 
 const std::string& Reader::prefix() const { return impl_->prefix; }
@@ -195,10 +218,10 @@ DType Reader::dtype() const { return impl_->dtype; }
 int64_t Reader::sequences() const { return impl_->seqs; }
 int64_t Reader::documents() const { return impl_->docs; }
 int64_t Reader::tokens() const { return impl_->tokens; }
-int64_t Reader::doc_begin(int64_t d) const { return impl_->doc_index[d]; }
-int32_t Reader::seq_length(int64_t s) const { return impl_->lengths[s]; }
+int64_t Reader::doc_begin(int64_t d) const { return impl_->doc(d); }
+int32_t Reader::seq_length(int64_t s) const { return impl_->length(s); }
 int64_t Reader::seq_offset(int64_t s) const {
-  return impl_->pointers[s] / static_cast<int64_t>(dtype_size(impl_->dtype));
+  return impl_->pointer(s) / static_cast<int64_t>(dtype_size(impl_->dtype));
 }
 
 void Reader::read(int64_t start, int64_t n, int64_t* out) const {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <fstream>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,11 @@ namespace nnstrain::indexed {
 enum class DType : uint8_t { int32 = 4, uint16 = 8 };
 DType dtype_for_vocab(int64_t vocab_size);  // Megatron's DType.optimal_dtype
 const char* dtype_name(DType d);
+
+// A sequence the format cannot hold (over 2^31 - 1 tokens: .idx lengths are int32).
+struct IndexLimitError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // Streams documents into PREFIX.bin.tmp and PREFIX.idx.tmp; commit() fsyncs and
 // renames them to PREFIX.bin / PREFIX.idx. Destroyed uncommitted: the temporaries go.
@@ -33,7 +39,8 @@ class Writer {
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
 
-  // One document made of the given sequences (ids must fit the dtype; throws if not).
+  // One document made of the given sequences (ids must fit the dtype; throws if not;
+  // IndexLimitError, before writing anything, for a sequence over 2^31 - 1 tokens).
   void add_document(const std::vector<const std::vector<int32_t>*>& sequences);
   void add_document(const std::vector<int32_t>& ids) { add_document({&ids}); }
   void commit();

@@ -2,6 +2,7 @@
 
 #include <limits>
 #include <queue>
+#include <stdexcept>
 
 namespace nnstrain::tok {
 
@@ -101,6 +102,7 @@ void BpeModel::encode_long(std::string_view piece, std::vector<int32_t>& out) co
     int32_t id;
     bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
+  if (piece.size() > kMaxPiece) throw std::length_error("BPE: a piece of over 2^31 - 1 bytes");
   const int32_t n = static_cast<int32_t>(piece.size());
   std::vector<Sym> s(n);
   for (int32_t i = 0; i < n; ++i) s[i] = {byte_ids_[static_cast<unsigned char>(piece[i])], i - 1, i + 1 < n ? i + 1 : -1, true};

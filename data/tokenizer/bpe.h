@@ -41,7 +41,10 @@ class BpeModel {
   int32_t max_id() const { return static_cast<int32_t>(id_bytes_.size()) - 1; }
   bool ignore_merges() const { return ignore_merges_; }
 
-  // Appends the ids of `piece` (non-empty) to out.
+  // The longest piece encode() takes: the merge loop numbers a piece's bytes with
+  // int32 (16 bytes of state per byte: a longer piece would need over 32 GiB).
+  static constexpr size_t kMaxPiece = 0x7FFFFFFF;
+  // Appends the ids of `piece` (non-empty, at most kMaxPiece bytes) to out.
   void encode(std::string_view piece, std::vector<int32_t>& out) const;
 
  private:

@@ -186,17 +186,18 @@ const char* pattern_regex(Pattern p) {
   }
 }
 
-void pretokenize(Pattern p, std::string_view text, std::vector<uint32_t>& ends) {
-  if (text.empty()) return;
-  if (p == Pattern::none) {
-    ends.push_back(static_cast<uint32_t>(text.size()));
-    return;
+size_t piece_end(Pattern p, std::string_view text, size_t i) {
+  switch (p) {
+    case Pattern::gpt2: return gpt2_piece(Text(text), i);
+    case Pattern::llama3: return llama3_piece(Text(text), i);
+    default: return text.size();
   }
-  const Text t(text);
-  size_t i = 0;
-  while (i < t.size()) {
-    i = p == Pattern::gpt2 ? gpt2_piece(t, i) : llama3_piece(t, i);
-    ends.push_back(static_cast<uint32_t>(i));
+}
+
+void pretokenize(Pattern p, std::string_view text, std::vector<size_t>& ends) {
+  for (size_t i = 0; i < text.size();) {
+    i = piece_end(p, text, i);
+    ends.push_back(i);
   }
 }
 

@@ -23,9 +23,15 @@ const char* pattern_name(Pattern p);
 // The regex source text of a pattern (as tokenizer.json spells it).
 const char* pattern_regex(Pattern p);
 
+// The end of the piece of `text` (valid UTF-8) that starts at `i` (< text.size()).
+// Pattern::none: the whole rest of the text is one piece. Offsets are size_t
+// throughout: a text may be larger than 4 GiB.
+size_t piece_end(Pattern p, std::string_view text, size_t i);
+
 // Appends to `ends` the end offset of every piece of `text` (valid UTF-8), in order;
-// the pieces cover the text. Pattern::none: the whole text is one piece.
-void pretokenize(Pattern p, std::string_view text, std::vector<uint32_t>& ends);
+// the pieces cover the text. (The encoder calls piece_end instead: no list of a
+// long text's pieces.)
+void pretokenize(Pattern p, std::string_view text, std::vector<size_t>& ends);
 
 // Offsets at which `text` may be cut into parts that `p` pre-tokenizes exactly as
 // the whole: at a '\n' followed by anything but whitespace, before it under gpt2

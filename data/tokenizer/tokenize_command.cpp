@@ -34,16 +34,27 @@ struct Usage : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A file of known size is read straight into one string (a stream copy would hold
+// the text twice at its peak, and a text may be many GiB); stdin and pipes through a stream.
 std::string read_all(const std::string& path) {
   std::ostringstream ss;
   if (path.empty() || path == "-") {
     ss << std::cin.rdbuf();
     return ss.str();
   }
-  std::ifstream f(path, std::ios::binary);
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw TokenizerError("cannot read '" + path + "'");
-  ss << f.rdbuf();
-  return ss.str();
+  const std::streamoff size = f.tellg();
+  if (size < 0) {  // not seekable
+    f.clear();
+    f.seekg(0);
+    ss << f.rdbuf();
+    return ss.str();
+  }
+  std::string text(static_cast<size_t>(size), '\0');
+  f.seekg(0);
+  if (!f.read(text.data(), size)) throw TokenizerError("cannot read '" + path + "'");
+  return text;
 }
 
 }  // namespace
@@ -140,18 +151,25 @@ int tokenize_main(const std::vector<std::string>& argv) {
       for (const auto& v : ids) f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int32_t));
       if (!f) throw TokenizerError("cannot write '" + out_path + "'");
     } else {
-      std::string buf;
-      for (const auto& v : ids) {
+      std::string buf;  // written every MiB: one text's ids may be billions
+      auto put = [&](bool last) {
+        if (!last && buf.size() < (1u << 20)) return;
+        if (std::fwrite(buf.data(), 1, buf.size(), stdout) != buf.size())
+          throw TokenizerError("cannot write the ids to stdout");
         buf.clear();
+      };
+      for (const auto& v : ids) {
         if (jsonl) buf += '[';
         for (size_t i = 0; i < v.size(); ++i) {
           if (i) buf += jsonl ? ',' : ' ';
           buf += std::to_string(v[i]);
+          put(false);
         }
         if (jsonl) buf += ']';
         buf += '\n';
-        std::fwrite(buf.data(), 1, buf.size(), stdout);
+        put(false);
       }
+      put(true);
     }
     // Encoding only (not loading, reading or writing); cpu: all threads' CPU time;
     // parts: the work items the threads shared; busiest thread: the most CPU time

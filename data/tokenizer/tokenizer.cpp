@@ -72,9 +72,10 @@ void Tokenizer::Impl::finish() {
 
 struct EncodeCache::Impl {
   const void* owner = nullptr;
-  StringMap<std::pair<uint32_t, uint32_t>> pieces;  // piece -> (offset, count) in ids
+  // piece -> (offset, count) in ids: 32 bits do, as the cache holds at most
+  // kCacheMaxPieces pieces of at most kCachedPieceMax bytes.
+  StringMap<std::pair<uint32_t, uint32_t>> pieces;
   std::vector<int32_t> ids;
-  std::vector<uint32_t> ends;
   std::string scratch;
 };
 
@@ -139,19 +140,26 @@ void split_added(std::string_view text, size_t base, const AddedMatcher& m, Spec
   if (start_offset < text.size()) out.push_back({start_offset, text.size(), nullptr});
 }
 
-void encode_text(const Tokenizer::Impl& t, std::string_view text, EncodeCache::Impl& c, std::vector<int32_t>& out) {
+// `base`: where `text` starts in the caller's text (for error messages).
+void encode_text(const Tokenizer::Impl& t, std::string_view text, size_t base, EncodeCache::Impl& c,
+                 std::vector<int32_t>& out) {
   if (text.empty()) return;
+  size_t shift = 0;  // the prefix space is not in the caller's text
   if (t.add_prefix_space && text[0] != ' ') {
     c.scratch.assign(1, ' ');
     c.scratch.append(text.data(), text.size());
     text = c.scratch;
+    shift = 1;
   }
-  c.ends.clear();
-  pretokenize(t.pattern, text, c.ends);
-  uint32_t begin = 0;
-  for (const uint32_t end : c.ends) {
+  // One piece at a time (size_t offsets, no list of the pieces): a text of any
+  // size, however many pieces it has.
+  for (size_t begin = 0, end; begin < text.size(); begin = end) {
+    end = piece_end(t.pattern, text, begin);
     const std::string_view piece = text.substr(begin, end - begin);
-    begin = end;
+    if (piece.size() > BpeModel::kMaxPiece)
+      throw TokenizerError("a pre-tokenized piece of " + std::to_string(piece.size()) + " bytes at byte " +
+                           std::to_string(base + begin - std::min(begin, shift)) + ": BPE encodes pieces of at most " +
+                           std::to_string(BpeModel::kMaxPiece) + " bytes (2^31 - 1)");
     if (piece.size() > kCachedPieceMax) {
       t.bpe.encode(piece, out);
       continue;
@@ -181,7 +189,7 @@ void encode_body(const Tokenizer::Impl& t, std::string_view text, size_t base, S
     c.owner = &t;
   }
   if (t.raw_matcher.empty() && t.normalized_matcher.empty()) {
-    encode_text(t, text, c, out);
+    encode_text(t, text, base, c, out);
     return;
   }
   std::vector<Segment> first, second;
@@ -196,7 +204,7 @@ void encode_body(const Tokenizer::Impl& t, std::string_view text, size_t base, S
     split_added(part, base + s.begin, t.normalized_matcher, policy, second);
     for (const Segment& s2 : second) {
       if (s2.token) out.push_back(s2.token->id);
-      else encode_text(t, part.substr(s2.begin, s2.end - s2.begin), c, out);
+      else encode_text(t, part.substr(s2.begin, s2.end - s2.begin), base + s.begin + s2.begin, c, out);
     }
   }
 }

@@ -1,7 +1,8 @@
-// sha256 and `nnstrain prepare` (torch-free).
+// sha256, `nnstrain prepare` and the Megatron index files it writes (torch-free).
 #include <unistd.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include "data/indexed/indexed_file.h"
 #include "data/prepare.h"
 #include "data/sha256.h"
 
@@ -219,4 +221,46 @@ TEST_CASE("prepare usage errors exit with status 2", "[prepare]") {
                               (tmp.path / "o").string(), "--val-fraction", "1.5"});
   CHECK(bad_frac.rc == 2);
   CHECK_THAT(bad_frac.err, Catch::Contains("--val-fraction"));
+}
+
+// The Megatron index arrays start at byte 34 (after the header), so none of them is
+// aligned for its type: every accessor reads them by value (data/indexed/indexed_file.cpp:
+// load_unaligned). Run under -fsanitize=undefined this test reports any read through
+// a misaligned int32_t* or int64_t*; it also checks what each accessor returns, for
+// both dtypes and 1 to 3 sequences (arrays at every offset mod 8).
+TEST_CASE("indexed files: every index array read back at its misaligned offset", "[prepare][indexed]") {
+  using namespace nnstrain::indexed;
+  TempDir tmp;
+  for (DType dtype : {DType::uint16, DType::int32}) {
+    for (int n_docs = 1; n_docs <= 3; ++n_docs) {
+      INFO(dtype_name(dtype) << ", " << n_docs << " documents");
+      const std::string prefix = (tmp.path / ("d" + std::to_string(n_docs) + dtype_name(dtype))).string();
+      std::vector<std::vector<int32_t>> docs;
+      {
+        Writer w(prefix, dtype);
+        for (int d = 0; d < n_docs; ++d) {
+          docs.push_back({});
+          for (int i = 0; i <= 2 * d + 1; ++i) docs.back().push_back(100 * (d + 1) + i);
+          w.add_document(docs.back());
+        }
+        w.commit();
+      }
+      const Reader r(prefix);
+      REQUIRE(r.sequences() == n_docs);
+      REQUIRE(r.documents() == n_docs);
+      int64_t offset = 0;
+      for (int d = 0; d < n_docs; ++d) {
+        CHECK(r.doc_begin(d) == d);
+        CHECK(r.seq_length(d) == static_cast<int32_t>(docs[d].size()));
+        CHECK(r.seq_offset(d) == offset);
+        std::vector<int64_t> got(docs[d].size());
+        r.read(offset, static_cast<int64_t>(got.size()), got.data());
+        CHECK(std::equal(got.begin(), got.end(), docs[d].begin()));
+        offset += static_cast<int64_t>(docs[d].size());
+      }
+      CHECK(r.doc_begin(n_docs) == n_docs);
+      CHECK(r.tokens() == offset);
+      CHECK(r.max_token() == docs.back().back());
+    }
+  }
 }

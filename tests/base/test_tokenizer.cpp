@@ -12,6 +12,8 @@
 #include <catch2/catch.hpp>
 
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -228,24 +230,24 @@ TEST_CASE("tokenizer: safe_cuts cut only where both patterns split anyway, in an
   for (size_t i = 0; i < 600; ++i) text += lines[(i * 7) % lines.size()] + ends[(i * 3 + i / 11) % ends.size()];
   for (Pattern p : {Pattern::gpt2, Pattern::llama3}) {
     INFO(nnstrain::tok::pattern_name(p));
-    std::vector<uint32_t> whole;
+    std::vector<size_t> whole;
     nnstrain::tok::pretokenize(p, text, whole);
     const auto cuts = nnstrain::tok::safe_cuts(p, text, 1);
     CHECK(cuts.size() > 300);
-    std::vector<uint32_t> parts;
+    std::vector<size_t> parts;
     size_t from = 0;
     for (size_t c : cuts) {
       REQUIRE(c > from);
       REQUIRE(text[p == Pattern::gpt2 ? c : c - 1] == '\n');
-      CHECK(std::binary_search(whole.begin(), whole.end(), static_cast<uint32_t>(c)));
-      std::vector<uint32_t> e;
+      CHECK(std::binary_search(whole.begin(), whole.end(), c));
+      std::vector<size_t> e;
       nnstrain::tok::pretokenize(p, std::string_view(text).substr(from, c - from), e);
-      for (uint32_t x : e) parts.push_back(static_cast<uint32_t>(from + x));
+      for (size_t x : e) parts.push_back(from + x);
       from = c;
     }
-    std::vector<uint32_t> e;
+    std::vector<size_t> e;
     nnstrain::tok::pretokenize(p, std::string_view(text).substr(from), e);
-    for (uint32_t x : e) parts.push_back(static_cast<uint32_t>(from + x));
+    for (size_t x : e) parts.push_back(from + x);
     CHECK(parts == whole);
     // Lines that start with no ASCII letter are cut too (the old rule's only points).
     const std::string cyrillic = "Привіт\nсвіт\nмир\n";
@@ -256,4 +258,133 @@ TEST_CASE("tokenizer: safe_cuts cut only where both patterns split anyway, in an
   // cut goes between them (after both would encode "\n\n" as one piece).
   CHECK(nnstrain::tok::safe_cuts(Pattern::gpt2, "para.\n\nNext", 1) == std::vector<size_t>{6});
   CHECK(nnstrain::tok::safe_cuts(Pattern::llama3, "para.\n\nNext", 1) == std::vector<size_t>{7});
+}
+
+// ---------------------------------------------------------------- texts over 4 GiB
+
+namespace {
+
+// A read-only text of (chunks) x 1 MiB in about three MiB of memory: each MiB of the
+// address range is a shared mapping of one of three regions of a memfd (the head,
+// the repeated middle, the tail). Nothing is copied: the tokenizer reads the
+// mapping through a string_view, as it reads any text.
+class RepeatedText {
+ public:
+  static constexpr size_t kChunk = size_t{1} << 20;
+  // middle: kChunk bytes, repeated `repeats` times between the last byte of `head_end`
+  // and the first bytes of `tail_start` (each shorter than kChunk).
+  RepeatedText(const std::string& middle, size_t repeats, const std::string& head_end, const std::string& tail_start)
+      : chunks_(repeats + 2) {
+    REQUIRE(middle.size() == kChunk);
+    fd_ = ::memfd_create("nnstrain_large_text", MFD_CLOEXEC);
+    REQUIRE(fd_ >= 0);
+    REQUIRE(::ftruncate(fd_, 3 * kChunk) == 0);
+    std::string head(kChunk - head_end.size(), '\0');
+    head += head_end;
+    std::string tail = tail_start;
+    tail.resize(kChunk, '\0');
+    for (const auto& [region, bytes] : {std::pair<size_t, const std::string*>{0, &head}, {1, &middle}, {2, &tail}})
+      REQUIRE(::pwrite(fd_, bytes->data(), kChunk, static_cast<off_t>(region * kChunk)) == static_cast<ssize_t>(kChunk));
+    // Reserve the range, then lay the chunks over it.
+    void* base = ::mmap(nullptr, chunks_ * kChunk, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    REQUIRE(base != MAP_FAILED);
+    base_ = static_cast<char*>(base);
+    size_t mapped = 0;
+    for (size_t c = 0; c < chunks_; ++c) {
+      const size_t region = c == 0 ? 0 : c + 1 == chunks_ ? 2 : 1;
+      void* at = ::mmap(base_ + c * kChunk, kChunk, PROT_READ, MAP_SHARED | MAP_FIXED, fd_,
+                        static_cast<off_t>(region * kChunk));
+      mapped += at == base_ + c * kChunk;
+    }
+    REQUIRE(mapped == chunks_);
+    text_ = std::string_view(base_ + kChunk - head_end.size(), head_end.size() + repeats * kChunk + tail_start.size());
+  }
+  ~RepeatedText() {
+    ::munmap(base_, chunks_ * kChunk);
+    ::close(fd_);
+  }
+  RepeatedText(const RepeatedText&) = delete;
+  RepeatedText& operator=(const RepeatedText&) = delete;
+  std::string_view text() const { return text_; }
+
+ private:
+  size_t chunks_;
+  int fd_ = -1;
+  char* base_ = nullptr;
+  std::string_view text_;
+};
+
+// Anonymous memory this process holds (a copy of the text would show here; the
+// shared mapping of the memfd does not).
+int64_t rss_anon_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8));
+  FAIL("no RssAnon in /proc/self/status");
+  return 0;
+}
+
+}  // namespace
+
+// The pieces of a text over 4 GiB and where they start are 64-bit (issue 36: 32-bit
+// offsets wrapped and the text past 4 GiB vanished). "x", then 4 GiB of lines of
+// 4095 'a's, then " y": its ids are the small text "x" + one MiB of those lines +
+// " y"'s, with the MiB's ids 4096 times. Through encode_large on one thread (the
+// path of `nnstrain tokenize --input FILE` and of `prepare corpus` for one long
+// text) and on two (cut at newlines, the cuts past 4 GiB).
+TEST_CASE("tokenizer: a text over 4 GiB encodes whole and its ends match a small text's", "[tokenizer][large_text]") {
+  TempDir d;
+  json j = tiny_tokenizer(false, false);
+  const std::string line(4095, 'a');
+  j["model"]["vocab"][line] = 263;          // a long piece that is one token: one id per 4 KiB
+  j["model"]["ignore_merges"] = true;       // (found whole in the vocabulary, as Llama 3 does)
+  const auto t = Tokenizer::load(write(d, "long.json", j));
+  std::string middle;
+  while (middle.size() < RepeatedText::kChunk) middle += "\n" + line;
+  constexpr size_t kRepeats = 4096;  // 4 GiB of middle
+  const RepeatedText big(middle, kRepeats, "x", " y");
+  REQUIRE(big.text().size() > (size_t{1} << 32));
+
+  const std::string small_text = "x" + middle + " y";
+  const std::vector<int32_t> small = t.encode(small_text);
+  const size_t per_middle = small.size() - 3;  // ids of one MiB of middle
+  // The small text's ids worked out by hand: x, then "\n" and the line 256 times, then Ġ y.
+  REQUIRE(per_middle == 512);
+  CHECK(small.front() == 'x');
+  CHECK(small[1] == '\n');
+  CHECK(small[2] == 263);
+  CHECK(small[small.size() - 2] == ' ');
+  CHECK(small.back() == 'y');
+
+  const int64_t anon_before = rss_anon_kib();
+  for (int threads : {1, 2}) {
+    INFO("threads " << threads);
+    const std::vector<int32_t> ids = t.encode_large(big.text(), SpecialPolicy::text, threads);
+    REQUIRE(ids.size() == small.size() + (kRepeats - 1) * per_middle);
+    const size_t k = 1 + per_middle;  // the head and one MiB; then the same from the end
+    CHECK(std::equal(small.begin(), small.begin() + k, ids.begin()));
+    CHECK(std::equal(small.end() - k, small.end(), ids.end() - k));
+    CHECK(std::count(ids.begin(), ids.end(), 263) == static_cast<std::ptrdiff_t>(kRepeats * 256));
+    // No copy of the text was made: the ids (8 MiB) and little else.
+    CHECK(rss_anon_kib() - anon_before < 256 * 1024);
+  }
+}
+
+// The text of issue 36, "x", 2^32 NUL bytes and " y", encoded to 3 ids. Its NUL run is
+// one pre-tokenized piece of 4 GiB, over what BPE takes (2^31 - 1 bytes: 16 bytes
+// of merge state per byte): refused, naming the piece, where it starts and the limit.
+TEST_CASE("tokenizer: a piece over the BPE limit is refused naming it (never cut short)", "[tokenizer][large_text]") {
+  TempDir d;
+  const auto t = Tokenizer::load(write(d, "tiny.json", tiny_tokenizer(false, false)));
+  const RepeatedText big(std::string(RepeatedText::kChunk, '\0'), 4096, "x", " y");
+  REQUIRE(big.text().size() == (size_t{1} << 32) + 3);
+  try {
+    const auto ids = t.encode_large(big.text(), SpecialPolicy::text, 1);
+    FAIL("encoded to " << ids.size() << " ids");
+  } catch (const TokenizerError& e) {
+    const std::string msg = e.what();
+    CHECK(msg == "a pre-tokenized piece of 4294967296 bytes at byte 1: BPE encodes pieces of at most 2147483647 bytes "
+                 "(2^31 - 1)");
+  }
 }

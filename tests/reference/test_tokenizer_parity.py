@@ -1,6 +1,12 @@
 """The native tokenizer (data/tokenizer/) against Hugging Face `tokenizers` and
 tiktoken: ids bit-identical, decode(encode(x)) == x (every run of `nnstrain
-tokenize` here passes --roundtrip, which fails on any difference).
+tokenize` here passes --roundtrip, which fails on any difference). GPT-2 is
+compared with both; Llama 3's tokenizer.json with `tokenizers`, its tokenizer.model
+with tiktoken. The real files' sha256 are pinned (tokenizer_cases.PINNED_SHA256).
+
+Inputs: generated strings over every Unicode category, and real text found on the
+machine (translated man pages, gettext catalogs, glibc locales, Python's sources:
+tokenizer_cases.machine_text, about 7.5 MB); a missing input fails.
 
 A representative subset keeps CI short; bench/tokenizer_parity.py runs the full
 sweep (100,000 strings, a 10 MB corpus) and prints the counts.
@@ -20,6 +26,9 @@ import tokenizer_cases as tc  # noqa: E402
 BIN = os.environ.get("NNSTRAIN_BIN")
 pytestmark = pytest.mark.skipif(not BIN, reason="NNSTRAIN_BIN not set (CTest sets it)")
 N_STRINGS = 20000
+# The least share of each vocabulary the machine's text must reach (it reaches about
+# 37% of Llama 3's and 40% of GPT-2's here): less means inputs went missing.
+MIN_MACHINE_SHARE = 0.30
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +40,40 @@ def tokenize(*args, input_bytes=None):
     return subprocess.run([BIN, "tokenize", *map(str, args)], input=input_bytes, capture_output=True)
 
 
-def compare(hf, tok_path, strings, tmp_path, policy="text", add_special=False, roundtrip=True):
-    """Ours vs `hf` on every string; returns the mismatch count (0) after asserting it."""
+def tiktoken_ids(enc, strings, policy):
+    """tiktoken's ids: special-token text as text (encode_ordinary) or as the special id."""
+    if policy == "text":
+        return enc.encode_ordinary_batch(strings)
+    return enc.encode_batch(strings, allowed_special="all")
+
+
+def compare(hf, tok_path, strings, tmp_path, policy="text", add_special=False, roundtrip=True, tiktoken=None):
+    """Ours vs `hf` (and vs the tiktoken encoding `tiktoken`, if given) on every
+    string; returns our ids after asserting they match."""
     hf.encode_special_tokens = policy == "text"
     ref = [e.ids for e in hf.encode_batch(strings, add_special_tokens=add_special)]
     extra = ["--special-tokens", policy] + (["--add-special"] if add_special else [])
     ours, _ = tc.nnstrain_encode(BIN, tok_path, strings, tmp_path, *extra, roundtrip=roundtrip)
     bad, first = tc.first_mismatch(strings, ours, ref)
-    assert bad == 0, f"{bad} of {len(strings)} strings differ; first: {first}"
+    assert bad == 0, f"{bad} of {len(strings)} strings differ from tokenizers; first: {first}"
+    if tiktoken is not None:
+        assert not add_special
+        bad, first = tc.first_mismatch(strings, ours, tiktoken_ids(tiktoken, strings, policy))
+        assert bad == 0, f"{bad} of {len(strings)} strings differ from tiktoken; first: {first}"
     assert sum(map(len, ours)) > len(strings)  # something was encoded
+    return ours
+
+
+def test_pinned_files_are_checked(tmp_path):
+    """A tokenizer file whose sha256 is not the pinned one is refused, naming it."""
+    enc_json, _ = tc.gpt2_files()
+    copy = tmp_path / "data" / "encoder.json"
+    copy.parent.mkdir()
+    copy.write_bytes(enc_json.read_bytes().replace(b'"!": 0', b'"!": 1', 1))
+    with pytest.raises(AssertionError, match=r"encoder\.json: sha256 [0-9a-f]{64}, pinned 19613966"):
+        tc.pinned(copy)
+    with pytest.raises(tc.MissingInput, match="missing"):
+        tc.pinned(tmp_path / "tinyshakespeare" / "input.txt")
 
 
 def test_unicode_table_is_what_the_generator_writes():
@@ -81,7 +115,7 @@ def test_every_code_point_in_context(tmp_path):
 
 @pytest.mark.parametrize("policy", ["text", "special"])
 def test_gpt2_encoder_json_and_vocab_bpe(strings, tmp_path, policy):
-    compare(tc.hf_gpt2_from_files(), tc.gpt2_files()[0], strings, tmp_path, policy)
+    compare(tc.hf_gpt2_from_files(), tc.gpt2_files()[0], strings, tmp_path, policy, tiktoken=tc.tiktoken_gpt2())
 
 
 @pytest.mark.parametrize("merges", ["pairs", "strings"])
@@ -135,25 +169,44 @@ def test_ignore_merges_matters_and_is_honoured(tmp_path):
 
 @pytest.mark.parametrize("policy", ["text", "special"])
 def test_llama3_tiktoken_file_against_tiktoken(strings, tmp_path, policy):
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
+    """tokenizer.model through tiktoken with the pattern Meta's tokenizer.json records
+    (not ours): the same ids as ours from that file."""
     _, model = tc.llama3_files()
-    ranks = load_tiktoken_bpe(str(model))
-    specials = {s: 128000 + i for i, s in enumerate(
-        ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-         "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>",
-         "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
-        + [f"<|reserved_special_token_{i}|>" for i in range(5, 251)])}
-    enc = tiktoken.Encoding("llama3", pat_str=tc.LLAMA3_REGEX.replace("\\s*[\\r\\n]+", "\\s*[\\r\\n]+"),
-                            mergeable_ranks=ranks, special_tokens=specials)
+    enc = tc.tiktoken_llama3()
     subset = strings[:5000]
-    if policy == "text":
-        ref = enc.encode_ordinary_batch(subset)
-    else:
-        ref = enc.encode_batch(subset, allowed_special="all")
     ours, _ = tc.nnstrain_encode(BIN, model, subset, tmp_path, "--special-tokens", policy)
-    bad, first = tc.first_mismatch(subset, ours, ref)
+    bad, first = tc.first_mismatch(subset, ours, tiktoken_ids(enc, subset, policy))
     assert bad == 0, f"{bad} of {len(subset)} strings differ; first: {first}"
+
+
+def test_llama3_pattern_is_the_files():
+    """The pattern these tests train and compare with is the one Llama 3's tokenizer.json records."""
+    assert tc.LLAMA3_REGEX == tc.llama3_split_regex()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3"])
+def test_real_multilingual_text_from_the_machine(tmp_path, kind):
+    """About 7.5 MB of real text in some 200 languages found on this machine (translated
+    man pages, gettext catalogs, glibc locale sources, Python's standard library):
+    GPT-2 against tokenizers and tiktoken, Llama 3's tokenizer.json against
+    tokenizers and its tokenizer.model against tiktoken. The text must reach a fair
+    share of each vocabulary (generated strings alone reach 18% of Llama 3's)."""
+    from tokenizers import Tokenizer
+    docs = tc.machine_documents()
+    if kind == "gpt2":
+        ours = compare(tc.hf_gpt2_from_files(), tc.gpt2_files()[0], docs, tmp_path, tiktoken=tc.tiktoken_gpt2())
+        vocab = 50257
+    else:
+        lj, model = tc.llama3_files()
+        ours = compare(Tokenizer.from_file(str(lj)), lj, docs, tmp_path)
+        from_model, _ = tc.nnstrain_encode(BIN, model, docs, tmp_path, "--special-tokens", "text")
+        bad, first = tc.first_mismatch(docs, from_model, tiktoken_ids(tc.tiktoken_llama3(), docs, "text"))
+        assert bad == 0, f"{bad} of {len(docs)} documents differ from tiktoken; first: {first}"
+        vocab = 128256
+    share = tc.vocabulary_share(ours, vocab)
+    print(f"{kind}: the machine's text ({sum(len(d.encode()) for d in docs)} bytes) reaches "
+          f"{share:.1%} of the vocabulary")
+    assert share >= MIN_MACHINE_SHARE, f"{kind}: the machine's text reaches only {share:.1%} of the vocabulary"
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama3"])

