@@ -28,7 +28,8 @@ say() { echo "[setup] $*" >&2; }
 #    clang + libclang-rt-dev: libFuzzer and the sanitizers for tests/fuzz (CTest's fuzz.libfuzzer).
 apt_pkgs=(cmake ninja-build ccache g++ pkg-config libyaml-cpp-dev nlohmann-json3-dev
           libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev clang libclang-rt-dev
-          libzstd-dev)  # libzstd-dev: `prepare corpus` reads .jsonl.zst
+          libzstd-dev locales)  # libzstd-dev: `prepare corpus` reads .jsonl.zst; locales: glibc's locale
+                                # sources, real multilingual text for the tokenizer tests (tokenizer_cases.py)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
