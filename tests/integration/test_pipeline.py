@@ -323,12 +323,16 @@ def test_layer_split_that_cannot_work_is_refused_on_every_rank(tmp_path, tiny_to
     cmdline = ["--config", str(CONFIG), "--run_dir", str(tmp_path), "--vars.data", str(tiny_tokens),
                *device_args(2), *model_args("gpt"), "--compute_config.pas_config.pp_size", "2",
                "--compute_config.pas_config.pipeline_layers", "[1, 2]"]
-    p = subprocess.run([nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", *cmdline], cwd=SOURCE,
-                       env=single_process_env(1), capture_output=True, text=True, timeout=120)
-    out = p.stdout + p.stderr
-    assert p.returncode != 0 and "exited with status 2" in out, out
+    # Each rank on its own (the refusal comes before the rendezvous): under `launch` the first
+    # rank's exit stops the other, which may not have printed its line yet.
     for rank in (0, 1):
-        assert (f"[rank {rank}] nnstrain: config error: compute_config.pas_config.pipeline_layers: the stages hold 3 "
+        env = single_process_env(1, RANK=rank, WORLD_SIZE=2, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2,
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=1)
+        p = subprocess.run([nnstrain_bin_path(), *cmdline], cwd=SOURCE, env=env, capture_output=True, text=True,
+                           timeout=120)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2, out
+        assert ("nnstrain: config error: compute_config.pas_config.pipeline_layers: the stages hold 3 "
                 "layers but the model has 8") in out, out
     assert "frame #" not in out, out
 
