@@ -52,6 +52,21 @@ struct Documents {
   }
 };
 
+// One Mixture-of-Experts layer's statistics since the trainer last took them
+// (CausalLM::take_moe_stats): forwards that build the graph (training), each
+// micro-batch once (a recomputed forward does not count again).
+struct MoeStats {
+  std::string layer;                       // its module, e.g. "layers.3.mlp"
+  std::vector<int64_t> tokens_per_expert;  // this rank's kept assignments per global expert
+  int64_t dropped = 0;                     // assignments dropped by capacity_factor
+  double aux_loss = 0;                     // balancing losses added (coefficients applied), summed
+  // DeepSeek-V3's aux-loss-free balancing: the router's selection bias [E]
+  // (undefined: none) and its speed; the trainer updates it in place after
+  // each step from the load summed over the data-parallel ranks.
+  at::Tensor expert_bias;
+  double bias_update_speed = 0;
+};
+
 class CausalLM : public torch::nn::Module {
  public:
   // Mean next-token cross-entropy over every position whose target is not -100.
@@ -106,6 +121,8 @@ class CausalLM : public torch::nn::Module {
   virtual double flops_per_token(int64_t seq_len) const = 0;
 
   virtual ModelDims dims() const { return {}; }
+  // Mixture-of-Experts layers' statistics since the last call, reset by it (none: a dense model).
+  virtual std::vector<MoeStats> take_moe_stats() { return {}; }
   // Every parameter as its layer declares it (split, global shape, this rank's
   // blocks, init), in named_parameters() order. Throws if a parameter does not
   // belong to a layer that declares it.

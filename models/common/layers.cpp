@@ -73,6 +73,21 @@ ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std:
   return l;
 }
 
+ParamLayout expert_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape,
+                          InitRule init) {
+  ParamLayout l = replicated_layout(name, shape, init);
+  l.split = {name, SplitStyle::Expert, 1, {}};
+  const int64_t experts = shape.at(0);
+  if (ctx.ep < 1 || experts % ctx.ep != 0)
+    throw std::invalid_argument("'" + name + "': " + std::to_string(experts) +
+                                " experts do not split over expert_parallel_size " + std::to_string(ctx.ep));
+  const int64_t local = experts / ctx.ep;
+  l.blocks[0].offsets[0] = ctx.ep_rank * local;
+  l.blocks[0].shape[0] = local;
+  l.local_shape[0] = local;
+  return l;
+}
+
 // Rows [rank x rows, +rows) of the padded vocabulary, rows = padded / tp: only
 // the true ones are allocated, so the last rank(s) may hold fewer rows and no
 // padding row ever exists (nothing to mask, save or keep at zero).

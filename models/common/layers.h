@@ -79,6 +79,10 @@ ParamLayout column_layout(const std::string& name, const ShardingContext& ctx, s
                           std::vector<int64_t> parts, int64_t unit, InitRule init);
 ParamLayout row_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape,
                        int64_t unit, InitRule init);
+// Stacked expert weights [E, ...]: this rank's E / ctx.ep whole experts (dim 0),
+// replicated over tensor-parallel ranks. Throws naming `name` unless ep divides E.
+ParamLayout expert_layout(const std::string& name, const ShardingContext& ctx, std::vector<int64_t> shape,
+                          InitRule init);
 
 // y = x W^T + b, W [out, in], replicated.
 class LinearImpl : public ShardedModule {

@@ -23,6 +23,7 @@ enum class SplitStyle {
   Column,     // output features split (dim 0 of a [out, in] weight, and its bias)
   Row,        // input features split (dim 1 of a [out, in] weight; bias replicated)
   Vocab,      // embedding / LM head rows split by vocabulary
+  Expert,     // MoE expert weights [E, ...]: whole experts split over expert-parallel ranks (dim 0)
 };
 
 struct ParamSplit {
@@ -92,6 +93,25 @@ class CpComm : public torch::CustomClassHolder {
   virtual at::Tensor reduce_scatter(const at::Tensor& t) = 0;
 };
 
+// Collectives over the expert-parallel group (the ranks one MoE layer's
+// experts are split over, carved out of dp x cp), as the token dispatcher
+// (models/common/moe_dispatch.h) calls them. Every rank of the group calls
+// them in the same order, whatever tokens it routed (NCCL's rule).
+class EpComm : public torch::CustomClassHolder {
+ public:
+  ~EpComm() override = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // counts: int64 [size, n] on the host, row d what this rank sends rank d.
+  // Returns [size, n] on the host, row s what rank s sends here. The host sync
+  // of expert parallelism: split sizes must be known on the host.
+  virtual at::Tensor exchange_counts(const at::Tensor& counts) = 0;
+  // Rows of t [sum(send), ...]: the first send[0] to rank 0, the next send[1]
+  // to rank 1, ...; returns [sum(recv), ...], recv[s] rows from rank s in rank order.
+  virtual at::Tensor all_to_all(const at::Tensor& t, const std::vector<int64_t>& send,
+                                const std::vector<int64_t>& recv) = 0;
+};
+
 struct ShardingContext {
   int tp = 1;    // tensor-parallel degree
   int rank = 0;  // this rank's position in its tensor-parallel group
@@ -116,6 +136,10 @@ struct ShardingContext {
   c10::intrusive_ptr<CpComm> cp_comm;
   CpCommType cp_comm_type = CpCommType::P2P;
   CpLayout cp_layout = CpLayout::Zigzag;
+  // Expert parallelism: MoE layers hold experts [ep_rank x E / ep, + E / ep)
+  // and route tokens to the others' through ep_comm (null at ep 1).
+  int ep = 1, ep_rank = 0;
+  c10::intrusive_ptr<EpComm> ep_comm;
 
   bool parallel() const { return tp > 1; }
   bool sp() const { return tp > 1 && sequence_parallel; }
