@@ -10,6 +10,10 @@ namespace nnstrain::models {
 struct ModelDims {
   int64_t hidden = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, max_seq = 0;
   bool tied_embeddings = true;
+  // Mixture-of-Experts (0 experts: dense): routed experts per MoE layer, each
+  // token's top-k of them, their width; the layers that are MoE (the rest
+  // dense, of width ffn); always-on shared experts' total width (0: none).
+  int64_t experts = 0, experts_per_token = 0, expert_ffn = 0, moe_layers = 0, shared_expert_ffn = 0;
 };
 
 }  // namespace nnstrain::models

@@ -83,6 +83,9 @@ struct ComputeConfig {
   std::string cp_comm_type = "p2p";     // p2p | all_gather
   std::string cp_load_balance = "zigzag";  // zigzag | none
   bool context_parallel_given = false;     // named in the config: autodist keeps it (else it may choose cp)
+  // Expert parallelism (MoE models): each MoE layer's experts split over this
+  // many ranks carved out of dp x cp; tokens reach them by all-to-all.
+  int expert_parallel_size = 1;
   PipelineArgs pipeline;                   // compute_config.pas_config
 };
 

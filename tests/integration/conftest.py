@@ -275,6 +275,7 @@ def expected_plan(nproc, overrides):
     reduce = _override(overrides, "--compute_config.reduce_dtype", "auto")
     reduce = REDUCE_DTYPE.get(reduce) or ("float32" if precision.endswith("-mixed") else PARAM_DTYPE[precision])
     return {"tp": tp, "cp": cp, "cp_comm": _override(overrides, "--compute_config.cp_comm_type", "p2p"),
+            "ep": int(_override(overrides, "--compute_config.expert_parallel_size", 1)),
             "pp": pp, "scheduler": _override(overrides, "--compute_config.pas_config.pipeline_scheduler", "1f1b"),
             "dp": dp, "zero": int(zero), "zero_group": dp * cp // ngroups,
             "sp": tp > 1 and _override(overrides, "--compute_config.sequence_parallel", "true") == "true",
@@ -300,6 +301,13 @@ def assert_active(run_dir, output, nproc, overrides):
             f"rank {rank}: recompute {'asked' if want['recompute'] else 'not asked'}, the model recomputes " \
             f"{rec['recompute_layers']} of {layers} layers"
         step = rec["first_step"]
+        if want["ep"] > 1:  # each rank held 1/ep of the experts and tokens travelled by all-to-all
+            experts = rec["experts"]
+            assert rec["groups"]["ep"]["size"] == want["ep"] and experts and experts["own_buckets"], \
+                f"rank {rank}: expert parallelism {want['ep']} asked, it ran {rec['groups']['ep']}, experts {experts}"
+            assert experts["held_elements"] * want["ep"] == experts["global_elements"], \
+                f"rank {rank}: holds {experts['held_elements']} of {experts['global_elements']} expert elements"
+            assert step["ep_all_to_all"] > 0 and step["ep_bytes"] > 0, f"rank {rank}: no all-to-all: {step}"
         # The gradients were reduced over dp x cp, in the dtype asked for (none is reduced without replicas).
         reduced = want["reduce_dtype"] if want["dp"] * want["cp"] > 1 else None
         assert step["reduce_dtype"] == reduced, f"rank {rank}: gradients reduced in {step['reduce_dtype']}, want {reduced}"
@@ -321,12 +329,15 @@ def assert_active(run_dir, output, nproc, overrides):
     stage, z = want["zero"], want["zero_group"]
     for rank, held in held_between_steps(run_dir, nproc).items():
         full = {k: held["elements"] * b for k, b in eb.items()}
+        # Under expert parallelism experts shard over the z / ep ranks holding the same ones.
+        experts = records[rank]["experts"]["held_elements"] if want["ep"] > 1 else 0
         def sharded(part, on):
             if not on or z == 1:  # whole, in the precision's dtype: exactly n elements of it
                 assert held[part] == full[part], f"rank {rank}: {part} {held[part]} bytes, whole is {full[part]} ({held})"
             else:
                 slack = 64 * z * eb[part]
-                assert held[part] <= full[part] / z + slack, \
+                share = ((held["elements"] - experts) / z + experts * want["ep"] / z) * eb[part]
+                assert held[part] <= share + slack, \
                     f"rank {rank}: ZeRO-{stage} over {z} ranks, {part} {held[part]} bytes, want 1/{z} of {full[part]}"
         sharded("param", stage >= 3)
         sharded("master", stage >= 1)

@@ -217,6 +217,32 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
       }
     }
   if (cp_size == 1) dp_cp = dp;
+  // Expert parallelism: slices of ep consecutive dp_cp members (e / ep), and
+  // the members at the same place in every slice (e mod ep).
+  const int ep_size = opts.ep;
+  if (ep_size < 1 || dpcp % ep_size != 0)
+    throw std::runtime_error("expert_parallel_size " + std::to_string(ep_size) + " does not divide dp x cp = " +
+                             std::to_string(dpcp));
+  ep.name = "ep";
+  ep.ranks = {rank_};
+  edp = dp_cp;
+  if (ep_size > 1) {
+    for (int p = 0; p < pp_size; ++p)
+      for (int t = 0; t < tp_size; ++t) {
+        for (int s = 0; s < dpcp / ep_size; ++s) {
+          std::vector<int> ranks;
+          for (int i = 0; i < ep_size; ++i) ranks.push_back(member(s * ep_size + i, p, t));
+          auto g = make_group("ep" + suffix_pt(p, t) + "_" + std::to_string(s), ranks, false);
+          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) ep = g;
+        }
+        for (int i = 0; i < ep_size; ++i) {
+          std::vector<int> ranks;
+          for (int s = 0; s < dpcp / ep_size; ++s) ranks.push_back(member(s * ep_size + i, p, t));
+          auto g = make_group("edp" + suffix_pt(p, t) + "_" + std::to_string(i), ranks, false);
+          if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) edp = g;
+        }
+      }
+  }
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
   if (backend_name_ == "nccl") {
     // The monitor queries CUDA events: on this rank's device, so that it never
@@ -241,7 +267,8 @@ void Runtime::shutdown() {
   shut_down_ = true;
   // The NCCL-rules streams first: each ends once its queue is empty (one
   // stuck on a lost peer ends at its timeout, holding its backend till then).
-  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &zero, &zero_cross, &control, &pp_validation}) g->nccl_rules.reset();
+  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &ep, &edp, &zero, &zero_cross, &control, &pp_validation})
+    g->nccl_rules.reset();
   for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
     try {
       (*it)->shutdown();
@@ -537,6 +564,13 @@ c10::intrusive_ptr<c10d::Work> Runtime::reduce_scatter_async(Group& g, at::Tenso
 c10::intrusive_ptr<c10d::Work> Runtime::all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what) {
   return issue(g, what, one(&Traffic::all_gather, static_cast<int64_t>(in.nbytes())),
                [&] { return g.backend->_allgather_base(out, in); });
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::all_to_all_async(Group& g, at::Tensor out, at::Tensor in,
+                                                         std::vector<int64_t> out_splits, std::vector<int64_t> in_splits,
+                                                         const char* what) {
+  return issue(g, what, one(&Traffic::all_to_all, static_cast<int64_t>(in.nbytes())),
+               [&] { return g.backend->alltoall_base(out, in, out_splits, in_splits); });
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::p2p_async(Group& g, std::vector<P2POp> ops, const char* what) {

@@ -53,13 +53,15 @@ struct Traffic {
   int64_t send_recv = 0;  // ring steps (context parallelism): one send and one receive each
   int64_t bytes = 0;
   int64_t sends = 0;  // point to point (pipeline stages); their bytes are in `bytes`
+  int64_t all_to_all = 0;  // expert parallelism's token dispatch (and its counts exchange)
   Traffic operator-(const Traffic& o) const {
     return {all_reduce - o.all_reduce, all_gather - o.all_gather, reduce_scatter - o.reduce_scatter,
-            send_recv - o.send_recv, bytes - o.bytes, sends - o.sends};
+            send_recv - o.send_recv,   bytes - o.bytes,           sends - o.sends,
+            all_to_all - o.all_to_all};
   }
   Traffic& operator+=(const Traffic& o) {
     all_reduce += o.all_reduce, all_gather += o.all_gather, reduce_scatter += o.reduce_scatter;
-    send_recv += o.send_recv, bytes += o.bytes, sends += o.sends;
+    send_recv += o.send_recv, bytes += o.bytes, sends += o.sends, all_to_all += o.all_to_all;
     return *this;
   }
 };
@@ -81,6 +83,7 @@ struct RuntimeOptions {
   int tp = 1;                                // tensor-parallel degree (plan_ngpus)
   int cp = 1;                                // context-parallel degree (ranks splitting one sequence)
   int pp = 1;                                // pipeline ranks (pas_config.pp_size)
+  int ep = 1;                                // expert-parallel degree (divides dp x cp)
   int zero_ngroups = 1;                      // ZeRO shards within dp / zero_ngroups ranks
   std::string backend = "auto";              // auto | nccl | gloo
   bool cuda = false;                         // tensors live on CUDA
@@ -126,6 +129,12 @@ class Runtime {
   // replicated over it, so gradients are reduced (and ZeRO shards) over dp x cp.
   // At cp 1 dp_cp is dp.
   Group world, dp, tp, cp, pp, dp_cp;
+  // Expert parallelism: dp_cp cut into consecutive slices of ep ranks (`ep`:
+  // each holds a different E / ep of every MoE layer's experts and routes tokens
+  // among them); `edp`: the dp_cp ranks at my place in my slice, which hold the
+  // same experts, so expert gradients are reduced and ZeRO-sharded over it.
+  // At ep 1: `ep` this rank alone (no backend), `edp` is dp_cp.
+  Group ep, edp;
   Group zero;        // ZeRO shard group: a slice of dp_cp of size dp x cp / zero_ngroups
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement
@@ -138,6 +147,9 @@ class Runtime {
   c10::intrusive_ptr<c10d::Work> all_reduce_async(Group& g, at::Tensor t, const char* what);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
   c10::intrusive_ptr<c10d::Work> all_gather_async(Group& g, at::Tensor out, at::Tensor in, const char* what);
+  // Rows of `in` (dim 0) in_splits[d] to rank d of g, `out` receiving out_splits[s] from rank s.
+  c10::intrusive_ptr<c10d::Work> all_to_all_async(Group& g, at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                                                  std::vector<int64_t> in_splits, const char* what);
   // Point to point, always as one group (p2p_async): NCCL's rules hold on
   // every backend (docs/parallelism.md, "Point to point under NCCL's rules"):
   //   - no tags: between two ranks of `g` the n-th send meets the n-th receive,

@@ -37,7 +37,20 @@ at::Tensor stage_grad_norm_sq(TrainingState& state, dist::Runtime* rt) {
       norms.index_copy_(0, torch::tensor(idx).to(dev), n.to(dev, acc));
     }
   }
-  auto sq = (norms.pow(2) * state.norm_weights().to(acc)).sum().reshape({1}).to(torch::kFloat32);
+  auto weighted = norms.pow(2) * state.norm_weights().to(acc);
+  auto sq = weighted.sum().reshape({1}).to(torch::kFloat32);
+  // Expert parallelism: the ep ranks hold different experts. Under ZeRO their
+  // chunks are disjoint over dp x cp (edp chunks of ep slices), as the ZeRO
+  // group's are; without it they are summed over the ep group here.
+  if (rt && rt->ep.size() > 1 && !state.options().zero()) {
+    std::vector<double> mask;
+    for (size_t i = 0; i < grads.size(); ++i) mask.push_back(state.segment_expert(i) ? 1.0 : 0.0);
+    const auto m = torch::tensor(mask, weighted.options());
+    auto experts = (weighted * m).sum().reshape({1}).to(torch::kFloat32);
+    auto others = (weighted * (1 - m)).sum().reshape({1}).to(torch::kFloat32);
+    rt->all_reduce(rt->ep, experts, "gradient norm all-reduce (experts)");
+    sq = others + experts;
+  }
   // ZeRO chunks are disjoint within the ZeRO group; TP pieces within the TP group.
   if (rt && state.options().zero() && rt->zero.size() > 1) rt->all_reduce(rt->zero, sq, "gradient norm all-reduce (ZeRO)");
   if (rt && rt->tp.size() > 1) rt->all_reduce(rt->tp, sq, "gradient norm all-reduce (TP)");

@@ -67,6 +67,12 @@ void GradientReducer::launch_ready_in_order() {
   while (next_launch_ < order_.size() && progress_[order_[next_launch_]].ready) launch(order_[next_launch_++]);
 }
 
+dist::Group& GradientReducer::group_of(size_t bucket) const {
+  const bool experts = state_.layout().buckets[bucket].expert && rt_->ep.size() > 1;
+  if (stage_ == 0) return experts ? rt_->edp : rt_->dp_cp;
+  return experts ? rt_->edp : rt_->zero;
+}
+
 void GradientReducer::launch(size_t i) {
   const auto& L = state_.layout();
   const auto& b = L.buckets[i];
@@ -74,13 +80,19 @@ void GradientReducer::launch(size_t i) {
   p.launched = true;
   if (stage_ <= 1) {
     auto in = state_.flat_grad().narrow(0, b.begin, b.end - b.begin);
+    auto& g = group_of(i);
+    if (!g.backend) {  // experts no other rank holds: reduced as they are
+      if (stage_ == 1) state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b)).copy_(in);
+      poll_offloaded();
+      return;
+    }
     sent_bytes_ += in.numel() * in.element_size();
     reduced_dtype_ = in.scalar_type();
     if (stage_ == 1) {
       auto out = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
-      p.work = rt_->reduce_scatter_async(rt_->zero, out, in, "gradient reduce-scatter");
+      p.work = rt_->reduce_scatter_async(g, out, in, "gradient reduce-scatter");
     } else {
-      p.work = rt_->all_reduce_async(rt_->dp_cp, in, "gradient all-reduce");
+      p.work = rt_->all_reduce_async(g, in, "gradient all-reduce");
     }
     poll_offloaded();
     return;
@@ -90,12 +102,12 @@ void GradientReducer::launch(size_t i) {
   // it when done (always under a schedule, whose buckets reduce several times a step).
   auto& in = state_.bucket_grad(i);
   const bool add = accumulated_ || scheduled_;
-  if (zero_live()) {
+  if (zero_live() && group_of(i).backend) {
     sent_bytes_ += in.numel() * in.element_size();
     reduced_dtype_ = in.scalar_type();
     auto shard = state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(b));
     if (add) p.chunk = torch::empty({L.chunk_size(b)}, in.options());
-    p.work = rt_->reduce_scatter_async(rt_->zero, add ? p.chunk : shard, in, "gradient reduce-scatter");
+    p.work = rt_->reduce_scatter_async(group_of(i), add ? p.chunk : shard, in, "gradient reduce-scatter");
   } else {
     p.chunk = in.narrow(0, L.chunk_begin(b) - b.begin, L.chunk_size(b));  // one rank: its chunk is all
   }
@@ -110,7 +122,7 @@ void GradientReducer::launch(size_t i) {
 void GradientReducer::complete(size_t i) {
   const auto& L = state_.layout();
   auto& p = progress_[i];
-  if (p.work) rt_->wait(p.work, rt_->zero, "gradient reduce-scatter");
+  if (p.work) rt_->wait(p.work, group_of(i), "gradient reduce-scatter");
   p.work.reset();
   if (p.chunk.defined()) state_.shard_grad().narrow(0, L.shard_offset[i], L.chunk_size(L.buckets[i])).add_(p.chunk);
   p.chunk = at::Tensor();
@@ -135,7 +147,8 @@ void GradientReducer::drain() {
     complete_in_flight();
     accumulated_ = true;
   } else {
-    for (auto& p : progress_) rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp_cp, "gradient reduction");
+    for (size_t i = 0; i < progress_.size(); ++i)
+      if (progress_[i].work) rt_->wait(progress_[i].work, group_of(i), "gradient reduction");
   }
   reducing_ = false;
 }
@@ -176,7 +189,7 @@ void GradientReducer::poll_offloaded() {
   for (size_t j = 0; j < n; ++j) {
     auto& p = progress_[j];
     if (state_.gradient_sent(j) || !p.work || !p.work->isCompleted()) continue;
-    rt_->wait(p.work, stage_ == 1 ? rt_->zero : rt_->dp_cp, "gradient reduction");
+    rt_->wait(p.work, group_of(j), "gradient reduction");
     send_offloaded(j);
   }
 }
@@ -194,13 +207,18 @@ void GradientReducer::gather_params() {
   auto& flat = state_.flat_param();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> inputs;  // kept alive until the gathers finish
-  for (const auto& b : L.buckets) {
+  std::vector<size_t> gathered;
+  for (size_t i = 0; i < L.buckets.size(); ++i) {
+    const auto& b = L.buckets[i];
+    auto& g = group_of(i);
+    if (!g.backend) continue;  // experts no other rank holds: whole here
     inputs.push_back(flat.narrow(0, L.chunk_begin(b), L.chunk_size(b)).clone());
     sent_bytes_ += (b.end - b.begin) * flat.element_size();
-    works.push_back(rt_->all_gather_async(rt_->zero, flat.narrow(0, b.begin, b.end - b.begin), inputs.back(),
+    works.push_back(rt_->all_gather_async(g, flat.narrow(0, b.begin, b.end - b.begin), inputs.back(),
                                           "parameter all-gather"));
+    gathered.push_back(i);
   }
-  for (auto& w : works) rt_->wait(w, rt_->zero, "parameter all-gather");
+  for (size_t w = 0; w < works.size(); ++w) rt_->wait(works[w], group_of(gathered[w]), "parameter all-gather");
 }
 
 void GradientReducer::begin_forward() {

@@ -133,6 +133,9 @@ class GradientReducer {
   bool dp_live() const { return rt_ && rt_->dp_cp.backend; }
   bool zero_live() const { return rt_ && rt_->zero.backend; }
   bool cross_live() const { return rt_ && rt_->zero_cross.backend; }
+  // The group bucket b is reduced over (stage 0) or sharded over (ZeRO): an
+  // expert bucket's under expert parallelism is Runtime::edp.
+  dist::Group& group_of(size_t bucket) const;
 
   TrainingState& state_;
   dist::Runtime* rt_;

@@ -54,6 +54,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"grad_accumulation_steps", p.grad_accumulation_steps}};
   // Only where used, so plans without them read as before.
   if (!e.pp_rank_bytes.empty()) j["estimate"]["pp_rank_bytes"] = e.pp_rank_bytes;
+  if (p.ep > 1) j["ep"] = p.ep;
   if (p.context.cp > 1)
     j["context"] = {{"cp", p.context.cp}, {"comm_type", p.context.comm_type}, {"load_balance", p.context.load_balance}};
   if (p.pipeline.pp > 1)
@@ -122,6 +123,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
     p.micro_batch_size = j.value("micro_batch_size", int64_t{1});
     p.seq_len = j.value("seq_len", int64_t{0});
     p.grad_accumulation_steps = j.value("grad_accumulation_steps", int64_t{1});
+    p.ep = j.value("ep", 1);
     if (j.contains("context")) {
       const auto& c = j.at("context");
       p.context.cp = c.at("cp").get<int>();
@@ -206,6 +208,7 @@ std::string plan_summary(const Plan& p) {
     << (q.pp > 1 ? " x pp " + std::to_string(q.pp) : std::string()) << " x dp " << p.dp << ", zero "
     << p.zero_stage;
   if (cx.cp > 1) o << ", cp " << cx.comm_type << " " << cx.load_balance;
+  if (p.ep > 1) o << ", experts over ep " << p.ep << " (of dp x cp " << p.dp * cx.cp << ")";
   if (q.pp > 1) {
     std::string layers;
     for (int n : q.stage_layers) layers += (layers.empty() ? "" : "+") + std::to_string(n);

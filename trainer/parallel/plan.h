@@ -66,6 +66,7 @@ struct Plan {
   PipelinePlan pipeline;
   int zero_stage = 0;            // ZeRO: 0 off, 1 optimizer, 2 + gradients, 3 + parameters
   int zero_ngroups = 1;
+  int ep = 1;                    // expert parallelism: MoE experts split over ep ranks of dp x cp
   // Offload to host memory (compute_config.offload, or chosen by autodist):
   // the optimizer's share on the host (0: none) and ZeRO-3's parameter chunks.
   double offload_ratio = 0;

@@ -480,7 +480,9 @@ Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   const Entry* best = search.run();
   if (!best) refuse(req, search, L);
   if (rejected) *rejected = rejections(search, *best, L);
-  return to_plan(req, f, *best, search.budget());
+  auto plan = to_plan(req, f, *best, search.budget());
+  plan.ep = req.args->compute_config.expert_parallel_size;
+  return plan;
 }
 
 std::string describe_rejected(const std::vector<Rejected>& rejected, int layers) {

@@ -47,7 +47,46 @@ class RuntimeTpComm : public models::common::TpComm {
   dist::Runtime& rt_;
 };
 
+// Expert parallelism's collectives on the Runtime's ep group: the counts
+// exchange (the host needs the split sizes, so on NCCL it round-trips through
+// the device and syncs) and the rows' all-to-all.
+class RuntimeEpComm : public models::common::EpComm {
+ public:
+  explicit RuntimeEpComm(dist::Runtime& rt, c10::Device device) : rt_(rt), device_(device) {}
+  int size() const override { return rt_.ep.size(); }
+  int rank() const override { return rt_.ep.rank; }
+  at::Tensor exchange_counts(const at::Tensor& counts) override {
+    static const char* what = "expert-parallel counts exchange";
+    TORCH_CHECK(counts.dim() == 2 && counts.size(0) == size(), "exchange_counts: expected [ep, n], got ", counts.sizes());
+    auto in = counts.to(device_, torch::kLong).contiguous();
+    auto out = torch::empty_like(in);
+    const std::vector<int64_t> each(size(), counts.size(1));
+    rt_.wait(rt_.all_to_all_async(rt_.ep, out, in, each, each, what), rt_.ep, what);
+    return out.to(torch::kCPU);  // the host sync
+  }
+  at::Tensor all_to_all(const at::Tensor& t, const std::vector<int64_t>& send,
+                        const std::vector<int64_t>& recv) override {
+    static const char* what = "expert-parallel all-to-all";
+    int64_t rows = 0;
+    for (auto r : recv) rows += r;
+    auto shape = t.sizes().vec();
+    shape[0] = rows;
+    auto out = torch::empty(shape, t.options());
+    const auto in = t.contiguous();
+    rt_.wait(rt_.all_to_all_async(rt_.ep, out, in, recv, send, what), rt_.ep, what);
+    return out;
+  }
+
+ private:
+  dist::Runtime& rt_;
+  c10::Device device_;
+};
+
 }  // namespace
+
+c10::intrusive_ptr<models::common::EpComm> make_ep_comm(dist::Runtime& rt, c10::Device device) {
+  return c10::make_intrusive<RuntimeEpComm>(rt, device);
+}
 
 c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt) {
   return c10::make_intrusive<RuntimeTpComm>(rt);
@@ -73,9 +112,12 @@ std::vector<ParamShard> tensor_parallel_shards(models::CausalLM& model, dist::Ru
   const int tp = rt ? rt->tp.size() : 1;
   std::vector<int> all(world_size);
   for (int r = 0; r < world_size; ++r) all[r] = r;
-  // Ranks at my tensor-parallel position hold the same pieces as I do (over dp x cp).
+  // Ranks at my tensor-parallel position hold the same pieces as I do (over dp x cp);
+  // the same experts, those at my place in every expert-parallel slice of it.
   std::vector<int> same_pos = rt ? rt->dp_cp.ranks : all;
   std::sort(same_pos.begin(), same_pos.end());
+  std::vector<int> same_experts = rt ? rt->edp.ranks : all;
+  std::sort(same_experts.begin(), same_experts.end());
 
   const auto layouts = model.param_layouts();
   const auto params = model.named_parameters();
@@ -93,6 +135,14 @@ std::vector<ParamShard> tensor_parallel_shards(models::CausalLM& model, dist::Ru
     spec.offsets = l.blocks[0].offsets;
     spec.shape = l.blocks[0].shape;
     for (size_t b = 1; b < l.blocks.size(); ++b) spec.more_blocks.push_back({l.blocks[b].offsets, l.blocks[b].shape});
+    if (l.split.style == models::SplitStyle::Expert && rt && rt->ep.size() > 1) {  // whole experts, the same on every tp rank
+      spec.replica_ranks.clear();
+      for (int r : same_experts)  // the edp ranks and their tensor-parallel peers
+        for (int t = 0; t < tp; ++t) spec.replica_ranks.push_back(r - (rt ? rt->tp.rank : 0) + t);
+      std::sort(spec.replica_ranks.begin(), spec.replica_ranks.end());
+      out.push_back({l.name, p, spec, tp > 1 ? 1.0 / tp : 1.0, /*expert=*/true});
+      continue;
+    }
     spec.replica_ranks = same_pos;
     out.push_back({l.name, p, spec, 1.0});
   }

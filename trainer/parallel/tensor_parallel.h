@@ -19,6 +19,8 @@ namespace nnstrain::parallel {
 
 // The tensor-parallel group's collectives, as the models' layers call them.
 c10::intrusive_ptr<models::common::TpComm> make_tp_comm(dist::Runtime& rt);
+// The expert-parallel group's collectives (counts exchange, all-to-all) on tensors of `device`.
+c10::intrusive_ptr<models::common::EpComm> make_ep_comm(dist::Runtime& rt, c10::Device device);
 
 // This rank's context: tp degree and position from rt (tp 1 without one),
 // parameters built on the meta device, to be materialised on the run's device;

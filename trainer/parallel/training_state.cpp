@@ -35,18 +35,22 @@ StateBytes state_bytes(c10::ScalarType param_dtype, c10::ScalarType grad_dtype, 
 }
 
 FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank,
-                            const std::vector<int>& units) {
+                            const std::vector<int>& units, const std::vector<bool>& expert, int ezsize, int ezrank) {
   FlatLayout l;
   l.zsize = zsize;
   l.zrank = zrank;
   l.offset.assign(numels.size(), 0);
   l.bucket_of.assign(numels.size(), 0);
+  auto is_expert = [&](size_t k) { return !expert.empty() && expert[k]; };
   int64_t pos = 0;
   Bucket cur;
   auto close = [&] {
     if (cur.params.empty()) return;
+    cur.expert = is_expert(cur.params.front());
+    cur.zsize = cur.expert ? ezsize : zsize;
+    cur.zrank = cur.expert ? ezrank : zrank;
     const int64_t used = pos - cur.begin;
-    pos = cur.begin + (used + zsize - 1) / zsize * zsize;
+    pos = cur.begin + (used + cur.zsize - 1) / cur.zsize * cur.zsize;
     cur.end = pos;
     l.buckets.push_back(cur);
     cur = Bucket{};
@@ -54,7 +58,8 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
   };
   for (size_t k = numels.size(); k-- > 0;) {
     if (!cur.params.empty() &&
-        (pos - cur.begin + numels[k] > cap || (!units.empty() && units[k] != units[cur.params.back()])))
+        (pos - cur.begin + numels[k] > cap || (!units.empty() && units[k] != units[cur.params.back()]) ||
+         is_expert(k) != is_expert(cur.params.back())))
       close();
     l.offset[k] = pos;
     l.bucket_of[k] = l.buckets.size();
@@ -83,6 +88,12 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
 
   std::vector<int64_t> numels;
   for (const auto& p : params_) numels.push_back(p.tensor.numel());
+  // Expert parameters get buckets of their own (the layout's, from the shards).
+  std::vector<bool> expert;
+  for (const auto& p : params_) expert.push_back(p.expert);
+  if (std::find(expert.begin(), expert.end(), true) == expert.end()) expert.clear();
+  TORCH_CHECK(opts_.expert.empty() || opts_.expert == expert, "TrainingState: options name other expert parameters");
+  opts_.expert = expert;
   const auto& units = opts_.units;
   TORCH_CHECK(stage < 3 || units.size() == params_.size(), "TrainingState: ZeRO-3 needs every parameter's unit");
   layout_ = layout_for(numels, opts_);
@@ -224,7 +235,8 @@ FlatLayout TrainingState::layout_for(const std::vector<int64_t>& numels, const T
   // buckets that never hold two units.
   return FlatLayout::make(numels, opts.zero_stage == 3 ? std::numeric_limits<int64_t>::max() : cap,
                           opts.zero() ? opts.zero_size : 1, opts.zero() ? opts.zero_rank : 0,
-                          opts.zero_stage >= 2 ? opts.units : no_units);
+                          opts.zero_stage >= 2 ? opts.units : no_units, opts.expert,
+                          opts.zero() ? opts.expert_zero_size : 1, opts.zero() ? opts.expert_zero_rank : 0);
 }
 
 void TrainingState::move_into_chunks(const FlatLayout& L, size_t k, at::Tensor& value, at::Tensor& chunks) {
@@ -352,7 +364,7 @@ std::vector<sharding::ShardSpec> TrainingState::segment_specs(const std::string&
     if (opts_.zero()) {
       spec.flat_begin = s.offset;
       spec.flat_end = s.offset + s.param.numel();
-      spec.replica_ranks = opts_.zero_replicas;
+      spec.replica_ranks = p.expert ? opts_.expert_zero_replicas : opts_.zero_replicas;
       std::sort(spec.replica_ranks.begin(), spec.replica_ranks.end());
     }
     specs.push_back(spec);

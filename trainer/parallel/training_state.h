@@ -65,6 +65,10 @@ struct ParamShard {
   // Share of this piece in the global gradient norm: 1 for a piece only this
   // rank's tensor-parallel group position holds, 1/tp for one every TP rank replicates.
   double norm_weight = 1.0;
+  // An MoE layer's experts (SplitStyle::Expert): replicated over the ranks that
+  // hold the same experts (Runtime::edp), not over dp x cp, so reduced and
+  // ZeRO-sharded there, in buckets of their own.
+  bool expert = false;
 };
 
 // Bytes a rank holds per parameter element, by part, for a precision setup:
@@ -81,6 +85,10 @@ struct FlatLayout {
   struct Bucket {
     int64_t begin = 0, end = 0;  // [begin, end) in the flat buffers, padding included
     std::vector<size_t> params;  // indices, in layout order
+    // Its ZeRO group's size and this rank's place in it: an expert bucket's
+    // group is the ranks holding the same experts (Runtime::edp), else the ZeRO group.
+    int zsize = 1, zrank = 0;
+    bool expert = false;
   };
   std::vector<int64_t> offset;    // per parameter
   std::vector<size_t> bucket_of;  // per parameter
@@ -92,11 +100,14 @@ struct FlatLayout {
 
   // numels: per parameter, in registration order. cap: elements per bucket.
   // units (optional, per parameter): a bucket never holds two units (ZeRO-3
-  // passes no cap: a bucket per unit).
+  // passes no cap: a bucket per unit). expert (optional, per parameter): nor
+  // experts and other parameters; expert buckets are cut for the group
+  // (ezsize, ezrank) that shards them.
   static FlatLayout make(const std::vector<int64_t>& numels, int64_t cap, int zsize, int zrank,
-                         const std::vector<int>& units = {});
-  int64_t chunk_size(const Bucket& b) const { return (b.end - b.begin) / zsize; }
-  int64_t chunk_begin(const Bucket& b) const { return b.begin + zrank * chunk_size(b); }
+                         const std::vector<int>& units = {}, const std::vector<bool>& expert = {}, int ezsize = 1,
+                         int ezrank = 0);
+  int64_t chunk_size(const Bucket& b) const { return (b.end - b.begin) / b.zsize; }
+  int64_t chunk_begin(const Bucket& b) const { return b.begin + b.zrank * chunk_size(b); }
 };
 
 struct TrainingStateOptions {
@@ -104,6 +115,11 @@ struct TrainingStateOptions {
   int zero_stage = 0;                  // 0: none; 1, 2, 3 (above)
   int zero_size = 1, zero_rank = 0;    // the ZeRO group (zero_stage > 0)
   std::vector<int> zero_replicas{0};   // ranks holding the same ZeRO chunks (checkpoint replicas)
+  // Expert parallelism: which parameters are experts (registration order;
+  // empty: none) and the group that shards them under ZeRO (Runtime::edp).
+  std::vector<bool> expert;
+  int expert_zero_size = 1, expert_zero_rank = 0;
+  std::vector<int> expert_zero_replicas{0};
   double weight_decay = 0.0;           // for tensors of two or more dims
   c10::ScalarType param_dtype = c10::ScalarType::Float;  // what the model computes with
   c10::ScalarType grad_dtype = c10::ScalarType::Float;   // gradient buffer and reduction dtype
@@ -207,6 +223,8 @@ class TrainingState {
   const std::vector<size_t>& bucket_segments(size_t b) const { return bucket_segments_[b]; }
   std::vector<size_t> device_segments() const;
   bool segment_on_host(size_t i) const;
+  // Segment i belongs to an expert bucket (FlatLayout::Bucket::expert).
+  bool segment_expert(size_t i) const { return layout_.buckets[segment_bucket_[i]].expert; }
   // Bucket b's reduced gradient is final on the device: an offloaded bucket's
   // copy leaves for the host now. The reducer calls it as each bucket
   // completes, or after backward.

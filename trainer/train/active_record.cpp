@@ -53,6 +53,8 @@ RunCounts RunCounts::now(const dist::Runtime* rt) {
   if (rt) {
     c.pp_sends = rt->pp.traffic.sends;
     c.pp_bytes = rt->pp.traffic.bytes;
+    c.ep_all_to_all = rt->ep.traffic.all_to_all;
+    c.ep_bytes = rt->ep.traffic.bytes;
   }
   return c;
 }
@@ -68,7 +70,9 @@ nlohmann::json RunCounts::since(const RunCounts& b) const {
            {{"plain", plain_loss - b.plain_loss}, {"chunked", chunked_loss - b.chunked_loss},
             {"fused", fused_loss - b.fused_loss}}},
           {"pp_sends", pp_sends - b.pp_sends},
-          {"pp_bytes", pp_bytes - b.pp_bytes}};
+          {"pp_bytes", pp_bytes - b.pp_bytes},
+          {"ep_all_to_all", ep_all_to_all - b.ep_all_to_all},
+          {"ep_bytes", ep_bytes - b.ep_bytes}};
 }
 
 nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr, int rank,
@@ -83,7 +87,22 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
   r["groups"] = {{"tp", group(rt, &Runtime::tp)},     {"cp", group(rt, &Runtime::cp)},
                  {"pp", group(rt, &Runtime::pp)},     {"dp", group(rt, &Runtime::dp)},
                  {"dp_cp", group(rt, &Runtime::dp_cp)}, {"zero", group(rt, &Runtime::zero)},
-                 {"zero_cross", group(rt, &Runtime::zero_cross)}};
+                 {"zero_cross", group(rt, &Runtime::zero_cross)}, {"ep", group(rt, &Runtime::ep)},
+                 {"edp", group(rt, &Runtime::edp)}};
+  // Experts as this rank holds them: whole experts of every MoE layer (the
+  // global count at ep 1), and whether they reduce in buckets of their own.
+  int64_t expert_elements = 0, expert_global = 0;
+  for (const auto& l : model.param_layouts())
+    if (l.split.style == models::SplitStyle::Expert) {
+      int64_t local = 1, global = 1;
+      for (auto d : l.local_shape) local *= d;
+      for (auto d : l.global_shape) global *= d;
+      expert_elements += local, expert_global += global;
+    }
+  r["experts"] = expert_global ? nlohmann::json{{"held_elements", expert_elements},
+                                                {"global_elements", expert_global},
+                                                {"own_buckets", !so.expert.empty()}}
+                               : nlohmann::json(nullptr);
   r["zero_stage"] = so.zero_stage;
   r["dtypes"] = {{"params", st.params().empty() ? "" : dtype_label(st.params()[0].tensor.scalar_type())},
                  {"gradients", dtype_label(st.reduced_grads().defined() ? st.reduced_grads().scalar_type() : so.grad_dtype)},

@@ -43,7 +43,13 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
     so.zero_size = rt->zero.size();
     so.zero_rank = rt->zero.rank;
     so.zero_replicas = rt->zero_cross.ranks;
+    // Experts: sharded over the ranks holding the same ones (at ep 1 as the rest).
+    so.expert_zero_size = plan.ep > 1 ? rt->edp.size() : so.zero_size;
+    so.expert_zero_rank = plan.ep > 1 ? rt->edp.rank : so.zero_rank;
+    so.expert_zero_replicas = plan.ep > 1 ? std::vector<int>{rt->rank()} : so.zero_replicas;  // (no HSDP under ep)
   }
+  if (plan.ep > 1)  // experts in buckets of their own (at ep 1 they are parameters like the rest)
+    for (const auto& l : model.param_layouts()) so.expert.push_back(l.split.style == models::SplitStyle::Expert);
   so.weight_decay = args.optimizer.weight_decay;
   so.param_dtype = prec.param;
   so.grad_dtype = prec.grad;
@@ -214,6 +220,11 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
     ctx.cp_comm_type = models::common::parse_cp_comm_type(plan.context.comm_type);
     ctx.cp_layout = models::common::parse_cp_layout(plan.context.load_balance);
   }
+  if (plan.ep > 1) {  // this rank's experts of every MoE layer; tokens to the others' by all-to-all
+    ctx.ep = plan.ep;
+    ctx.ep_rank = rt->ep.rank;
+    ctx.ep_comm = parallel::make_ep_comm(*rt, device);
+  }
   const int64_t padded = ctx.padded_vocab(vocab);
   if (ctx.tp > 1 && padded / ctx.tp * (ctx.tp - 1) >= vocab)
     throw config::ConfigError("model.make_vocab_size_divisible_by " + std::to_string(args.model.make_vocab_size_divisible_by) +
@@ -249,6 +260,33 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
     models::common::materialise_fresh(*local.model, device, args.seed, after);
   }
   return local;
+}
+
+// Expert parallelism against the model and the plan: one line naming the key.
+static void check_expert_parallel(const config::TrainerArgs& args, const parallel::Plan& plan, const models::CausalLM& model) {
+  const int ep = plan.ep;
+  int64_t experts = 0;
+  std::string where;
+  for (const auto& l : model.param_layouts())
+    if (l.split.style == models::SplitStyle::Expert && experts == 0) experts = l.global_shape.at(0), where = l.name;
+  if (ep == 1) return;
+  const std::string key = "compute_config.expert_parallel_size " + std::to_string(ep);
+  if (experts == 0)
+    throw config::ConfigError(key + ": model '" + args.model.type + "' has no experts (expert parallelism needs an MoE model)");
+  if (experts % ep != 0)
+    throw config::ConfigError(key + " does not divide the " + std::to_string(experts) + " experts of '" + where + "'");
+  const int dpcp = plan.dp * plan.context.cp;
+  if (dpcp % ep != 0)
+    throw config::ConfigError(key + " does not divide dp x cp = " + std::to_string(plan.dp) + " x " +
+                              std::to_string(plan.context.cp) + " (experts split over ranks that hold different samples)");
+  if (plan.zero_stage == 3)
+    throw config::ConfigError(key + ": not supported with ZeRO-3 (compute_config.use_zero 3) yet; use ZeRO 1 or 2");
+  if (plan.pipeline.pp > 1)
+    throw config::ConfigError(key + ": not supported with pipeline parallelism (pp_size " +
+                              std::to_string(plan.pipeline.pp) + ") yet");
+  if (plan.zero_stage && plan.zero_ngroups > 1)
+    throw config::ConfigError(key + ": not supported with compute_config.zero_ngroups " +
+                              std::to_string(plan.zero_ngroups) + " (HSDP) yet; set zero_ngroups: 1");
 }
 
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
@@ -290,6 +328,7 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
     if (e.config) throw config::ConfigError(e.what());  // the batch arithmetic: exit 2 as at load
     throw;
   }
+  check_expert_parallel(args, a.plan, model);
   if (a.plan.pipeline.pp > 1) {
     // The dry run under the rules of the backend users run (NCCL): a schedule
     // that would hang or mis-pair its messages there is refused here, on every
@@ -317,6 +356,7 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   o.pp = a.plan.pipeline.pp;
   o.pp_validation = args.compute_config.pipeline.post_validation && o.pp > 1;
   o.cp = a.plan.context.cp;
+  o.ep = a.plan.ep;
   o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
   o.backend = args.compute_config.backend;
   o.cuda = device.is_cuda();
