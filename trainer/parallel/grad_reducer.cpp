@@ -68,9 +68,9 @@ void GradientReducer::launch_ready_in_order() {
 }
 
 dist::Group& GradientReducer::group_of(size_t bucket) const {
-  const bool experts = state_.layout().buckets[bucket].expert && rt_->ep.size() > 1;
-  if (stage_ == 0) return experts ? rt_->edp : rt_->dp_cp;
-  return experts ? rt_->edp : rt_->zero;
+  const auto& b = state_.layout().buckets[bucket];
+  if (stage_ > 0) return zero_group_of(b, *rt_);
+  return b.expert && rt_->ep.size() > 1 ? rt_->edp : rt_->dp_cp;
 }
 
 void GradientReducer::launch(size_t i) {

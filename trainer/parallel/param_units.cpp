@@ -45,16 +45,21 @@ std::vector<int> parameter_units(const models::CausalLM& model) {
   return units;
 }
 
+dist::Group& zero_group_of(const FlatLayout::Bucket& bucket, dist::Runtime& rt) {
+  return bucket.expert && rt.ep.size() > 1 ? rt.edp : rt.zero;
+}
+
 ParameterUnits::ParameterUnits(TrainingState& state, dist::Runtime* rt, int blocks, int prefetch)
     : state_(state), rt_(rt), blocks_(blocks), prefetch_(prefetch) {
   slots_.resize(state_.layout().buckets.size());
 }
 
-bool ParameterUnits::communicates() const { return rt_ && rt_->zero.backend; }
+dist::Group& ParameterUnits::group(size_t b) const { return zero_group_of(state_.layout().buckets[b], *rt_); }
+
+bool ParameterUnits::communicates(size_t b) const { return rt_ && group(b).backend; }
 
 void ParameterUnits::gather(int unit, bool wait) {
-  const auto b = state_.unit_bucket(unit);
-  if (b >= 0) gather_bucket(static_cast<size_t>(b), wait);
+  for (auto b : state_.unit_buckets(unit)) gather_bucket(b, wait);
 }
 
 void ParameterUnits::gather_bucket(size_t b, bool wait) {
@@ -66,8 +71,8 @@ void ParameterUnits::gather_bucket(size_t b, bool wait) {
     gathered_bytes_ += full.numel() * full.element_size();
     // The chunk on the device (copied from the host under parameter offload), alive until the gather is done.
     slot.input = state_.gather_input(b);
-    if (communicates()) {
-      slot.work = rt_->all_gather_async(rt_->zero, full, slot.input, "parameter all-gather (ZeRO-3)");
+    if (communicates(b)) {
+      slot.work = rt_->all_gather_async(group(b), full, slot.input, "parameter all-gather (ZeRO-3)");
     } else {
       full.copy_(slot.input);  // one rank's chunk is the whole unit
       slot.input = at::Tensor();
@@ -75,7 +80,7 @@ void ParameterUnits::gather_bucket(size_t b, bool wait) {
     }
   }
   if (wait && slot.work) {
-    rt_->wait(slot.work, rt_->zero, "parameter all-gather (ZeRO-3)");
+    rt_->wait(slot.work, group(b), "parameter all-gather (ZeRO-3)");
     slot.work.reset();
     slot.input = at::Tensor();
     slot.ready = true;
@@ -84,7 +89,7 @@ void ParameterUnits::gather_bucket(size_t b, bool wait) {
 
 void ParameterUnits::free(size_t b) {
   auto& slot = slots_[b];
-  if (slot.work) rt_->wait(slot.work, rt_->zero, "parameter all-gather (ZeRO-3)");  // never free under a gather
+  if (slot.work) rt_->wait(slot.work, group(b), "parameter all-gather (ZeRO-3)");  // never free under a gather
   slot = Slot{};
   state_.free_unit(b);
 }
@@ -107,10 +112,8 @@ torch::Tensor ParameterUnits::before(size_t block, const torch::Tensor& x) {
 
 torch::Tensor ParameterUnits::after(size_t block, const torch::Tensor& y) {
   const int i = static_cast<int>(block);
-  if (!backward_) {
-    const auto b = state_.unit_bucket(i + 1);
-    if (b >= 0) free(static_cast<size_t>(b));
-  }
+  if (!backward_)
+    for (auto b : state_.unit_buckets(i + 1)) free(b);
   if (!torch::GradMode::is_enabled() || !y.requires_grad()) return y;
   return BeforeBlockBackward::apply(y, static_cast<int64_t>(block), c10::make_intrusive<UnitsRef>(this));
 }

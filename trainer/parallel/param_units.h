@@ -31,6 +31,10 @@ namespace nnstrain::parallel {
 // 0 before the blocks, 1 + i for block i's (CausalLM::block_of), blocks + 1 after.
 std::vector<int> parameter_units(const models::CausalLM& model);
 
+// The group a bucket's ZeRO chunks are cut over: under expert parallelism an
+// expert bucket's is Runtime::edp (the ranks holding the same experts), else Runtime::zero.
+dist::Group& zero_group_of(const FlatLayout::Bucket& bucket, dist::Runtime& rt);
+
 class ParameterUnits : public models::common::BlockHooks {
  public:
   // blocks: the model's block count (units 1..blocks); rt may be null (one process).
@@ -54,7 +58,8 @@ class ParameterUnits : public models::common::BlockHooks {
  private:
   void gather(int unit, bool wait);
   void free(size_t bucket);
-  bool communicates() const;
+  dist::Group& group(size_t bucket) const;  // the bucket's ZeRO group (zero_group_of)
+  bool communicates(size_t bucket) const;
 
   struct Slot {
     c10::intrusive_ptr<c10d::Work> work;  // a gather in flight

@@ -112,9 +112,11 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   if (stage == 3) {
     for (size_t b = 0; b < L.buckets.size(); ++b) {
       const int u = units[L.buckets[b].params.front()];
-      if (u >= static_cast<int>(unit_bucket_.size())) unit_bucket_.resize(u + 1, -1);
-      TORCH_CHECK(unit_bucket_[u] < 0, "TrainingState: the parameters of ZeRO-3 unit ", u, " are not consecutive");
-      unit_bucket_[u] = static_cast<int64_t>(b);
+      if (u >= static_cast<int>(unit_buckets_.size())) unit_buckets_.resize(u + 1);
+      auto& mine = unit_buckets_[u];
+      TORCH_CHECK(mine.empty() || mine.back() + 1 == b, "TrainingState: the parameters of ZeRO-3 unit ", u,
+                  " are not consecutive");
+      mine.push_back(b);
     }
   }
 

@@ -187,8 +187,11 @@ class TrainingState {
   void free_unit(size_t b);
   bool unit_allocated(size_t b) const;
   at::Tensor shard_chunk(size_t b) const;
-  // Stage 3: the bucket holding unit u's parameters (-1: the unit has none).
-  int64_t unit_bucket(int u) const { return u < static_cast<int>(unit_bucket_.size()) ? unit_bucket_[u] : -1; }
+  // Stage 3: the buckets holding unit u's parameters, consecutive (none: the
+  // unit has none; several: under expert parallelism a block's experts are a bucket apart).
+  std::vector<size_t> unit_buckets(int u) const {
+    return u < static_cast<int>(unit_buckets_.size()) ? unit_buckets_[u] : std::vector<size_t>{};
+  }
   bool grads_via_hook() const { return grads_via_hook_; }
   // After autograd accumulated parameter k's gradient (grads_via_hook): into its slot, then dropped.
   void accumulate_into_slot(size_t k);
@@ -264,7 +267,7 @@ class TrainingState {
   std::map<int64_t, std::vector<at::Tensor>> free_buffers_;  // by size class
   int64_t bucket_class(size_t b) const;
   int64_t pooled_class_ = 0;  // stage 2: the size every bucket within the cap is pooled at
-  std::vector<int64_t> unit_bucket_;
+  std::vector<std::vector<size_t>> unit_buckets_;
   at::Tensor flat_master_;              // *-mixed: fp32 masters (whole, or this rank's ZeRO chunks)
   std::vector<at::Tensor> grad_views_;  // each param's gradient slot in flat_grad_
   std::vector<optim::Segment> segments_;

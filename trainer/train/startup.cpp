@@ -108,6 +108,7 @@ std::vector<sharding::StateTensor> Trainable::state_tensors() {
     out.push_back(replicated("amp/scale", scaler->scale(), world));
     out.push_back(replicated("amp/growth_tracker", scaler->growth_tracker(), world));
   }
+  for (auto& t : moe->state(moe_holders)) out.push_back(std::move(t));
   return out;
 }
 
@@ -279,8 +280,6 @@ static void check_expert_parallel(const config::TrainerArgs& args, const paralle
   if (dpcp % ep != 0)
     throw config::ConfigError(key + " does not divide dp x cp = " + std::to_string(plan.dp) + " x " +
                               std::to_string(plan.context.cp) + " (experts split over ranks that hold different samples)");
-  if (plan.zero_stage == 3)
-    throw config::ConfigError(key + ": not supported with ZeRO-3 (compute_config.use_zero 3) yet; use ZeRO 1 or 2");
   if (plan.pipeline.pp > 1)
     throw config::ConfigError(key + ": not supported with pipeline parallelism (pp_size " +
                               std::to_string(plan.pipeline.pp) + ") yet");
@@ -395,6 +394,10 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
   tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
+  tr.moe = std::make_unique<MoeMonitor>(model, rt);
+  for (int r = 0; r < env.world_size; ++r)  // under pp: the ranks of this rank's stage
+    if (plan.pipeline.pp == 1 || (r / (plan.tp * plan.context.cp)) % plan.pipeline.pp == rt->pp.rank)
+      tr.moe_holders.push_back(r);
   tr.delayed_update = so.offload_delayed;
   if (prec.loss_scaling) tr.scaler.emplace(args.loss_scaler, torch::TensorOptions().device(device).dtype(torch::kFloat32));
   // Under pp the executor, not the block hooks, gathers ZeRO-3's units (once per step).

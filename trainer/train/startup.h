@@ -17,6 +17,7 @@
 #include "data/indexed_dataset.h"
 #include "data/token_bin.h"
 #include "models/common/parallel_rng.h"
+#include "trainer/train/moe_monitor.h"
 #include "models/model.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "base/config/trainer_args.h"
@@ -50,6 +51,9 @@ struct Trainable {
   // built with pipeline_plan (schedule, stages, micro-batches).
   std::unique_ptr<parallel::PipelineExecutor> pipeline;
   parallel::PipelinePlan pipeline_plan;
+  // Mixture-of-Experts layers' statistics and selection biases (a no-op for dense models).
+  std::unique_ptr<MoeMonitor> moe;
+  std::vector<int> moe_holders;  // the ranks holding this rank's layers (its pipeline stage's)
 
   // Everything a checkpoint holds of it, as ShardSpec'd pieces.
   std::vector<sharding::StateTensor> state_tensors();

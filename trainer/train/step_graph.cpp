@@ -59,6 +59,7 @@ std::string graph_blocker(const GraphFacts& f) {
   if (f.offload) return "cannot capture offload's host step (compute_config.offload)";
   if (f.cp > 1) return "cannot capture context parallelism's ring (compute_config.context_parallel_size)";
   if (f.pp > 1) return "cannot capture the pipeline's transfers (compute_config.pas_config.pp_size)";
+  if (f.moe) return "cannot route tokens to experts (the MoE dispatch reads each expert's token count on the host)";
   if (f.document_mask) return "cannot read per-token document masks (dataset.*_args.document_mask)";
   return "";
 }

@@ -41,6 +41,7 @@ struct GraphFacts {
   bool offload = false;
   int cp = 1, pp = 1;
   bool document_mask = false;
+  bool moe = false;  // Mixture-of-Experts layers: their dispatch reads token counts on the host
 };
 
 // What keeps the step from being captured, as the rest of a sentence after

@@ -158,6 +158,7 @@ class Trainer {
   int64_t replayed_comm_bytes_ = 0;  // ... times the replays since (the reducer's host code did not run)
   dist::Traffic interval_tp_;        // the tensor-parallel group's at the interval's start (training only)
   dist::Traffic interval_cp_;        // the context-parallel group's, likewise
+  dist::Traffic interval_ep_;        // the expert-parallel group's (all-to-alls), likewise
 
   // Optimizer post-validation (pas_config.pipeline_post_validation,
   // docs/parallelism.md): an ordinary step's optimizer step is taken before
@@ -275,6 +276,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
     f.cp = plan_.context.cp;
     f.pp = plan_.pipeline.pp;
     f.document_mask = args.dataset.document_mask();
+    f.moe = model_->dims().experts > 0;
     const auto blocker = graph_blocker(f);
     if (blocker.empty())
       graph_ = std::make_unique<StepGraph>([this](const std::vector<data::Batch>& b) { step(b); }, /*warmup=*/3);
@@ -389,6 +391,7 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   saver_->state_may_change();  // an asynchronous save may still be copying the state
   timer_.enter(StepTimer::kComm);
   tr_.reducer->finish_gradients();
+  tr_.moe->after_step();  // MoE: the load summed over dp x cp, DeepSeek's selection biases updated
   timer_.enter(StepTimer::kOptimizer);
   tr_.before_norm();  // delayed update: the previous host step lands on the device now
   if (speculate_ && !stop_pending_) return speculate();
@@ -563,11 +566,14 @@ void Trainer::log_progress() {
     rec[name + "_collectives_per_step"] = {{"all_reduce", double(t.all_reduce) / n},
                                            {"all_gather", double(t.all_gather) / n},
                                            {"reduce_scatter", double(t.reduce_scatter) / n},
-                                           {"send_recv", double(t.send_recv) / n}};
+                                           {"send_recv", double(t.send_recv) / n},
+                                           {"all_to_all", double(t.all_to_all) / n}};
     since = now;
   };
   if (rt_ && plan_.tp > 1) traffic("tp", rt_->tp.traffic, interval_tp_);
-  if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);  // ring steps or K/V gathers
+  if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);
+  if (rt_ && plan_.ep > 1) traffic("ep", rt_->ep.traffic, interval_ep_);  // tokens to their experts and back  // ring steps or K/V gathers
+  tr_.moe->report(rec);  // balancing loss, imbalance and dropped tokens per MoE layer
   activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
@@ -743,7 +749,8 @@ int Trainer::run() {
     const bool last = step_ == max_steps;
     if (logs) log_progress();
     if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) {
-      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{};
+      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{},
+                 before_ep = rt_ ? rt_->ep.traffic : dist::Traffic{};
       const bool first_eval = data_.val && args_.max_val_steps > 0 && !record_->has("first_evaluation");
       const auto counts = first_eval ? RunCounts::now(rt_.get()) : RunCounts{};
       evaluate();
@@ -755,6 +762,7 @@ int Trainer::run() {
       if (rt_) {  // the per-step tp and cp figures count training only
         interval_tp_ += rt_->tp.traffic - before;
         interval_cp_ += rt_->cp.traffic - before_cp;
+        interval_ep_ += rt_->ep.traffic - before_ep;
       }
     }
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;

@@ -1,0 +1,99 @@
+#include "trainer/train/moe_monitor.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "models/model.h"
+#include "trainer/checkpoint/tensor_io.h"
+#include "trainer/dist/process_groups.h"
+
+namespace nnstrain::train {
+
+MoeMonitor::MoeMonitor(models::CausalLM& model, dist::Runtime* rt) : model_(model), rt_(rt) {
+  // The layers (and biases, for a resume's load) before any step: nothing counted yet.
+  for (const auto& s : model_.take_moe_stats()) {
+    layers_.push_back(s.layer);
+    biases_.push_back(s.expert_bias);
+    speeds_.push_back(s.bias_update_speed);
+    expert_counts_.push_back(static_cast<int64_t>(s.tokens_per_expert.size()));
+  }
+}
+
+void MoeMonitor::after_step() {
+  if (layers_.empty()) return;
+  auto stats = model_.take_moe_stats();
+  TORCH_CHECK(stats.size() == layers_.size(), "MoeMonitor: the model reported ", stats.size(), " MoE layers, then ",
+              layers_.size());
+  // One vector: every layer's tokens per expert, then the dropped assignments
+  // per layer, then the balancing loss; summed over the ranks that see other tokens.
+  std::vector<double> v;
+  for (const auto& s : stats) v.insert(v.end(), s.tokens_per_expert.begin(), s.tokens_per_expert.end());
+  for (const auto& s : stats) v.push_back(double(s.dropped));
+  double aux = 0;
+  for (const auto& s : stats) aux += s.aux_loss;
+  v.push_back(aux);
+  auto device = model_.parameters().empty() ? c10::Device(c10::kCPU) : model_.parameters().front().device();
+  if (device.is_meta()) device = c10::Device(c10::kCPU);
+  auto t = torch::tensor(v, torch::kDouble).to(device);
+  if (rt_ && rt_->dp_cp.size() > 1) rt_->all_reduce(rt_->dp_cp, t, "MoE load all-reduce");
+  // DeepSeek-V3: an expert above the mean load is chosen less next step, one below more.
+  int64_t at = 0;
+  torch::NoGradGuard no_grad;
+  for (size_t l = 0; l < stats.size(); ++l) {
+    const auto E = static_cast<int64_t>(stats[l].tokens_per_expert.size());
+    const auto load = t.narrow(0, at, E);
+    at += E;
+    auto& bias = biases_[l];
+    if (bias.defined() && speeds_[l] > 0)
+      bias.add_((speeds_[l] * torch::sign(load.mean() - load)).to(bias.device(), bias.scalar_type()));
+  }
+  if (interval_.defined()) interval_.add_(t);
+  else interval_ = t.clone();
+  ++interval_steps_;
+}
+
+void MoeMonitor::report(nlohmann::json& rec) {
+  if (!interval_.defined() || interval_steps_ == 0) return;
+  const auto h = interval_.to(torch::kCPU).contiguous();  // logging steps sync anyway
+  const double* v = h.data_ptr<double>();
+  const double n = double(interval_steps_);
+  auto stats_sizes = expert_counts_;
+  nlohmann::json imbalance = nlohmann::json::object(), dropped = nlohmann::json::object();
+  double worst = 0;
+  int64_t at = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const int64_t E = stats_sizes[l];
+    double sum = 0, top = 0;
+    for (int64_t e = 0; e < E; ++e) sum += v[at + e], top = std::max(top, v[at + e]);
+    at += E;
+    const double ratio = sum > 0 ? top / (sum / double(E)) : 0.0;
+    imbalance[layers_[l]] = ratio;
+    worst = std::max(worst, ratio);
+  }
+  double dropped_total = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) dropped[layers_[l]] = v[at + l] / n, dropped_total += v[at + l];
+  at += static_cast<int64_t>(layers_.size());
+  rec["moe_aux_loss"] = v[at] / n;
+  rec["moe_imbalance"] = imbalance;
+  rec["moe_imbalance_max"] = worst;
+  rec["moe_dropped"] = dropped_total / n;
+  rec["moe_dropped_per_layer"] = dropped;
+  interval_ = at::Tensor();
+  interval_steps_ = 0;
+}
+
+std::vector<sharding::StateTensor> MoeMonitor::state(const std::vector<int>& holders) const {
+  std::vector<sharding::StateTensor> out;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (!biases_[l].defined()) continue;
+    const auto& b = biases_[l];
+    auto spec = sharding::ShardSpec::full("moe/" + layers_[l] + ".expert_bias",
+                                          checkpoint::dtype_name(checkpoint::to_dtype(b.scalar_type())), b.sizes().vec());
+    spec.replica_ranks = holders;
+    out.push_back({spec, b});
+  }
+  return out;
+}
+
+}  // namespace nnstrain::train
