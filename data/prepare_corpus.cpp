@@ -599,6 +599,11 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
             Record rec;
             try {
               rec = chat_record(j, where);
+              try {  // what the template refuses (no assistant turn, a role order), in input order
+                tmpl->render(rec.messages, false);
+              } catch (const ChatError& e) {
+                throw std::runtime_error(where + ": " + e.what());
+              }
             } catch (const std::runtime_error& e) {
               bad_record(e.what());
               continue;

@@ -59,10 +59,13 @@ def content_spans(rendered, messages, template):
         elif m["role"] == "system":
             continue  # mistral: inside the first user turn
         elif m["role"] == "user":
-            prefix = " [INST] " + (system + "\n\n" if system is not None and i == 1 else "")
+            prefix = " [INST] "
         else:
-            prefix = " "
+            prefix = " [/INST] "
         start = rendered.index(prefix, at) + len(prefix)
+        if template == "mistral" and m["role"] == "user" and system is not None and i == 1:
+            spans.append(("system", start, start + len(system)))  # the system turn opens the first user turn
+            start += len(system) + 2
         assert rendered.startswith(c, start), (rendered, c, start)
         spans.append((m["role"], start, start + len(c)))
         at = start + len(c)
