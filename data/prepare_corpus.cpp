@@ -265,9 +265,10 @@ Record chat_record(const json& j, const std::string& where) {
 }
 
 // A conversation's ids cut to at most max_tokens per document (0: no limit):
-// its first max_tokens (truncate), or pieces ending before a user turn (split),
-// an exchange longer than max_tokens on its own truncated. Pieces without a
-// target are dropped (counted).
+// its first max_tokens (truncate), or pieces ending before a user turn, each
+// the longest that fits and holds an assistant turn (split), an exchange longer
+// than max_tokens on its own truncated. Pieces left without a target are
+// dropped (counted).
 struct OverlongCounts {
   int64_t truncated = 0, split = 0, dropped = 0;
 };
@@ -285,20 +286,25 @@ std::vector<std::pair<size_t, size_t>> cut_conversation(const ChatTokens& c, int
     for (size_t t : c.turn_starts)
       if (t > 0 && t < n) cuts.push_back(t);
     cuts.push_back(n);
+    // Prefix sums of the targets: a piece must hold one (a cut before the first
+    // user turn, after the BOS or a system turn alone, is no cut).
+    std::vector<size_t> targets(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) targets[i + 1] = targets[i] + (c.target[i] ? 1 : 0);
     size_t s = 0;
     while (s < n) {
       size_t best = 0, next = n;
       for (size_t k : cuts) {
-        if (k <= s) continue;
+        if (k <= s || targets[k] == targets[s]) continue;
         next = std::min(next, k);
         if (k - s <= cap) best = std::max(best, k);
       }
       if (best) {
         pieces.emplace_back(s, best);
         s = best;
-      } else {
-        pieces.emplace_back(s, s + cap);
-        ++counts.truncated;
+      } else {  // the next exchange alone is over the cap (or no answer follows)
+        const size_t end = std::min(n, s + cap);
+        pieces.emplace_back(s, end);
+        if (end < next) ++counts.truncated;
         s = next;
       }
     }

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "models/common/cp_document_layout.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -217,6 +219,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor&
 
 // --- Document-masked tiles (fp32 composite, any device) --------------------
 
+// The global positions of `rank`'s tokens, ascending: under documents, zigzag
+// is the per-micro-batch balanced layout (cp_document_layout.h).
+std::vector<int64_t> rank_positions(const at::Tensor& segments, int cp, int rank, CpLayout layout) {
+  if (layout == CpLayout::Zigzag && cp > 1) return cp_document_layout(segments, cp)[size_t(rank)];
+  return cp_position_ids(segments.size(1), cp, rank, layout);
+}
+
 // The rows' document masks: the global positions of the two ranks' tokens and the segments on q's device.
 struct DocMask {
   at::Tensor seg, qpos, kpos;  // [B, T] int64; [Tl] int64 each
@@ -229,11 +238,9 @@ struct DocMask {
 
 DocMask doc_mask(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
                  const at::Device& device) {
-  const int64_t T = segments.size(1);
   auto long_on = at::TensorOptions().dtype(at::kLong);
-  return {segments.to(device, at::kLong),
-          at::tensor(cp_position_ids(T, cp, q_rank, layout), long_on).to(device),
-          at::tensor(cp_position_ids(T, cp, k_rank, layout), long_on).to(device)};
+  return {segments.to(device, at::kLong), at::tensor(rank_positions(segments, cp, q_rank, layout), long_on).to(device),
+          at::tensor(rank_positions(segments, cp, k_rank, layout), long_on).to(device)};
 }
 
 // Scores of one tile, [Hkv, g Lq, Lk] fp32, masked entries -inf; q [Hq, Lq, D]
@@ -384,12 +391,12 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
     o.comm_type = static_cast<CpCommType>(comm_type);
     o.layout = static_cast<CpLayout>(layout);
     o.scale = scale;
-    o.segments = segments;
+    if (segments.numel() > 0) o.segments = segments;  // empty: no documents (apply takes no undefined tensor)
     auto [out32, lse] = cp_forward(q, k, v, causal, comm.get(), o);
     auto out = out32.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, out, lse});
     if (comm) ctx->saved_data["comm"] = c10::IValue::make_capsule(comm);
-    if (segments.defined()) ctx->saved_data["segments"] = segments;
+    if (o.segments.defined()) ctx->saved_data["segments"] = o.segments;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["comm_type"] = comm_type;
     ctx->saved_data["layout"] = layout;
@@ -492,7 +499,8 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
                                       const c10::intrusive_ptr<CpComm>& comm, const CpAttentionOptions& options) {
   TORCH_CHECK(comm, "context-parallel attention without a communicator");
   return CpAttentionFn::apply(q, k, v, causal, comm, static_cast<int64_t>(options.comm_type),
-                              static_cast<int64_t>(options.layout), scale_of(options, q), options.segments);
+                              static_cast<int64_t>(options.layout), scale_of(options, q),
+                              options.segments.defined() ? options.segments : at::empty({0}, at::kLong));
 }
 
 at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -506,8 +514,8 @@ at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at
 std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
                                     int64_t tile) {
   const auto seg = segments.to(at::kCPU, at::kLong).contiguous();
-  const int64_t B = seg.size(0), T = seg.size(1), tl = T / cp, chunks = chunks_per_rank(layout);
-  const auto qpos = cp_position_ids(T, cp, q_rank, layout), kpos = cp_position_ids(T, cp, k_rank, layout);
+  const int64_t B = seg.size(0), T = seg.size(1), tl = T / cp;
+  const auto qpos = rank_positions(seg, cp, q_rank, layout), kpos = rank_positions(seg, cp, k_rank, layout);
   std::vector<DocTile> out;
   std::vector<int64_t> start(static_cast<size_t>(T));
   for (int64_t b = 0; b < B; ++b) {
@@ -518,13 +526,13 @@ std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_ra
                   " of batch row ", b);
       start[p] = p > 0 && s[p] == s[p - 1] ? start[p - 1] : p;
     }
-    // A query tile (within one chunk: contiguous global positions) sees the keys
-    // from its first query's document start to its last query: a contiguous
-    // range of the ascending local keys.
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t clen = tl / chunks;
-      for (int64_t q0 = c * clen; q0 < (c + 1) * clen; q0 += tile) {
-        const int64_t qn = std::min(tile, (c + 1) * clen - q0);
+    // A query tile (within one run of contiguous global positions) sees the
+    // keys from its first query's document start to its last query: a
+    // contiguous range of the ascending local keys.
+    for (int64_t i = 0, run = 1; i < tl; i += run, run = 1) {
+      while (i + run < tl && qpos[i + run] == qpos[i] + run) ++run;
+      for (int64_t q0 = i; q0 < i + run; q0 += tile) {
+        const int64_t qn = std::min(tile, i + run - q0);
         const int64_t lo = start[qpos[q0]], hi = qpos[q0 + qn - 1];
         const int64_t k0 = std::lower_bound(kpos.begin(), kpos.end(), lo) - kpos.begin();
         const int64_t k1 = std::upper_bound(kpos.begin(), kpos.end(), hi) - kpos.begin();

@@ -49,20 +49,17 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Conversations are rendered
         "Numbers 12345 and punctuation: (a), [b], {c}!\n\n  indented\tline\n")
 
 
+_TRAINED = {}
+
+
 def write_tokenizer(folder, template=None):
     """folder/tokenizer.json (BPE over TEXT, the SPECIALS added as special tokens) and, for a
     template, its tokenizer_config.json. Returns the folder."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    t.train_from_iterator([TEXT] * 4, trainer)
-    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
-    t.save(str(folder / "tokenizer.json"))
+    if "json" not in _TRAINED:
+        _TRAINED["json"] = _train().to_str()
+    (folder / "tokenizer.json").write_text(_TRAINED["json"], encoding="utf-8")
     if template:
         bos, eos, _ = TOKENS[template]
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATES[template],
@@ -70,6 +67,18 @@ def write_tokenizer(folder, template=None):
                "model_max_length": 4096}
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     return folder
+
+
+def _train():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    t.train_from_iterator([TEXT] * 4, trainer)
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return t
 
 
 CONVERSATIONS = [

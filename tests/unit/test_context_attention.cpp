@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "models/common/context_attention.h"
+#include "models/common/cp_document_layout.h"
 #include "models/llama/llama.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/context_parallel.h"
@@ -358,6 +359,14 @@ at::Tensor doc_segments(const std::vector<std::vector<int64_t>>& lengths) {
   return torch::stack(rows);
 }
 
+// Rank r's tokens (dim 2) as the trainer cuts a document-masked batch: zigzag is
+// the layout balanced for the batch's documents, contiguous as without documents.
+at::Tensor doc_shard(const at::Tensor& x, const at::Tensor& seg, int cp, int r, CpLayout layout) {
+  if (layout == CpLayout::Contiguous) return models::common::cp_shard(x, 2, cp, r, layout).contiguous();
+  const auto idx = torch::tensor(models::common::cp_document_layout(seg, cp)[size_t(r)], torch::kLong);
+  return x.index_select(2, idx).contiguous();
+}
+
 Reference doc_reference(const Inputs& in, const at::Tensor& seg, int64_t hq, int64_t hkv) {
   const auto T = seg.size(1);
   auto mask = (seg.unsqueeze(2) == seg.unsqueeze(1)).logical_and(at::ones({T, T}, at::kBool).tril()).unsqueeze(1);
@@ -398,7 +407,7 @@ TEST_CASE("document-masked context-parallel attention equals one rank's block-di
           o.comm_type = comm_type;
           o.layout = layout;
           o.segments = seg;  // every rank holds the whole batch's document numbers
-          auto shard = [&](const at::Tensor& x) { return models::common::cp_shard(x, 2, cp, r, layout).contiguous(); };
+          auto shard = [&](const at::Tensor& x) { return doc_shard(x, seg, cp, r, layout); };
           auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
           auto out = models::common::context_parallel_attention(q, k, v, true, comm, o);
           out.backward(shard(in.g));
@@ -409,7 +418,7 @@ TEST_CASE("document-masked context-parallel attention equals one rank's block-di
           INFO("cp " << cp << " " << to_string(comm_type) << " " << to_string(layout) << " rank " << r << ": "
                      << errors[r]);
           REQUIRE(errors[r].empty());
-          auto shard = [&](const at::Tensor& x) { return models::common::cp_shard(x, 2, cp, r, layout); };
+          auto shard = [&](const at::Tensor& x) { return doc_shard(x, seg, cp, r, layout); };
           CHECK(max_diff(got[r].out, shard(ref.out)) <= kTol);
           CHECK(max_diff(got[r].dq, shard(ref.dq)) <= kTol);
           CHECK(max_diff(got[r].dk, shard(ref.dk)) <= kTol);
@@ -428,8 +437,9 @@ TEST_CASE("document tiles skip masked blocks and balance the ranks' work on pack
   const int64_t T = 4096;
   const auto one = models::common::document_work(seg16, 1, CpLayout::Contiguous);
   CHECK(one[0] < T * (T + 1) / 2 / 4);
-  // Documents of 64 to 640 tokens (tenfold), packed into 8192-token samples: the
-  // busiest rank does at most 1.15 x the idlest's work.
+  // Documents of 64 to 640 tokens (tenfold), packed into 8192-token samples: under
+  // zigzag (the layout balanced per batch) the busiest rank does at most 1.15 x the
+  // idlest's work. (A static layout cannot promise it: contiguous is not checked.)
   auto gen = at::detail::createCPUGenerator(11);
   std::vector<std::vector<int64_t>> rows;
   for (int b = 0; b < 4; ++b) {
@@ -443,11 +453,10 @@ TEST_CASE("document tiles skip masked blocks and balance the ranks' work on pack
     rows.push_back(row);
   }
   const auto seg = doc_segments(rows);
-  for (int cp : {2, 4})
-    for (auto layout : {CpLayout::Zigzag, CpLayout::Contiguous}) {
-      const auto w = models::common::document_work(seg, cp, layout);
-      const double ratio = double(*std::max_element(w.begin(), w.end())) / double(*std::min_element(w.begin(), w.end()));
-      INFO("cp " << cp << " " << to_string(layout) << ": busiest / idlest " << ratio);
-      CHECK(ratio <= 1.15);
-    }
+  for (int cp : {2, 4}) {
+    const auto w = models::common::document_work(seg, cp, CpLayout::Zigzag);
+    const double ratio = double(*std::max_element(w.begin(), w.end())) / double(*std::min_element(w.begin(), w.end()));
+    INFO("cp " << cp << " zigzag: busiest / idlest " << ratio);
+    CHECK(ratio <= 1.15);
+  }
 }

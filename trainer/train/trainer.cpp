@@ -18,6 +18,7 @@
 #include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
 #include "base/log.h"
+#include "models/common/cp_document_layout.h"
 #include "trainer/train/active_record.h"
 #include "trainer/train/cpu_memory.h"
 #include "trainer/train/memory_snapshot.h"
@@ -72,10 +73,19 @@ bool inject_torch_error(int64_t step, int rank) {
 // Context parallelism: this rank's tokens of every sequence of `b` (inputs and
 // targets alike) in the plan's layout; the whole batch at cp 1. Under document
 // masking the positions are cut too, the segments stay whole: every rank masks
-// any block from them (models::Documents).
+// any block from them (models::Documents), and zigzag is the layout balanced
+// for the micro-batch's documents.
 data::Batch cp_slice(data::Batch b, const parallel::ContextPlan& c, int cp_rank) {
   if (c.cp == 1) return b;
   const auto layout = models::common::parse_cp_layout(c.load_balance);
+  if (b.segments.defined() && layout == models::common::CpLayout::Zigzag) {
+    // Packed documents: the layout balanced for this micro-batch (models/common/cp_document_layout.h).
+    const auto idx = torch::tensor(models::common::cp_document_layout(b.segments, c.cp)[size_t(cp_rank)], torch::kLong);
+    b.x = b.x.index_select(1, idx).contiguous();
+    b.y = b.y.index_select(1, idx).contiguous();
+    b.positions = b.positions.index_select(1, idx).contiguous();
+    return b;
+  }
   b.x = models::common::cp_shard(b.x, 1, c.cp, cp_rank, layout).contiguous();
   b.y = models::common::cp_shard(b.y, 1, c.cp, cp_rank, layout).contiguous();
   if (b.positions.defined()) b.positions = models::common::cp_shard(b.positions, 1, c.cp, cp_rank, layout).contiguous();
