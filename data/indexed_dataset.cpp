@@ -29,7 +29,7 @@ IndexedDataset::IndexedDataset(const config::IndexedArgs& args, uint64_t seed, i
       if (!id) throw config::ConfigError(key + ".join: " + args.join + ": the tokenizer of " + m.path + " has no such token");
       join_id = *id;
     }
-    sources.push_back({readers_.back(), args.datasets[i].weight, args.mask_prompt && m.sequences_per_document == 2});
+    sources.push_back({readers_.back(), args.datasets[i].weight, args.mask_prompt && m.sequences_per_document != 1});
   }
   try {
     stream_ = std::make_unique<indexed::SampleStream>(sources, args.seq_len, join, join_id, seed);

@@ -17,6 +17,7 @@
 #include <zstd.h>
 #endif
 
+#include "data/chat_template.h"
 #include "data/indexed/indexed_file.h"
 #include "data/prepare.h"
 #include "data/sha256.h"
@@ -38,11 +39,19 @@ constexpr const char* kUsage = R"(usage: nnstrain prepare corpus --tokenizer PAT
 Tokenizes documents into Megatron-compatible PREFIX.bin / PREFIX.idx and writes
 PREFIX.manifest.json (tokenizer hash, input hashes, settings) last.
 
-  --format F           auto (default: by extension), jsonl, text, alpaca
+  --format F           auto (default: by extension), jsonl, text, alpaca, chat
                          jsonl:  one JSON object per line, the document in --text-key (.zst too)
                          text:   each file one document, or split on --separator
                          alpaca: records {instruction, input, output} (a JSON array, or JSON lines);
                                  each document is two sequences, prompt then response
+                         chat:   JSON lines of conversations, OpenAI {"messages": [{role, content}]}
+                                 or ShareGPT {"conversations": [{from, value}]}; each document's
+                                 sequences alternate context, target (the assistant's turns)
+  --chat-template T    chat: llama3, chatml (Qwen2's) or mistral (required with --format chat)
+  --train-on W         chat: all (default: every assistant turn) or last (the last one only)
+  --max-tokens N       chat: a conversation longer than N tokens follows --overlong
+  --overlong R         chat: truncate (default: its first N tokens) or split (at user turns,
+                         pieces of at most N tokens; a single exchange over N is truncated)
   --text-key K         the JSONL field holding the text (default: text)
   --separator S        text: split each file on S ("\n\n" etc. as written; default: one document per file)
   --special-tokens P   special-token text in documents: text (default), special, error
@@ -59,6 +68,8 @@ struct UsageError : std::runtime_error {
 struct Options {
   std::string tokenizer, out, format = "auto", text_key = "text", separator, special = "text", on_error = "stop";
   std::string pattern;
+  std::string chat_template, train_on = "all", overlong = "truncate";
+  int64_t max_tokens = 0;  // 0: no limit
   bool has_separator = false;
   std::vector<std::string> inputs;
   int threads = 0;
@@ -103,6 +114,17 @@ Options parse(const std::vector<std::string>& args, bool& help) {
     else if (a == "--special-tokens") o.special = v;
     else if (a == "--on-error") o.on_error = v;
     else if (a == "--pattern") o.pattern = v;
+    else if (a == "--chat-template") o.chat_template = v;
+    else if (a == "--train-on") o.train_on = v;
+    else if (a == "--overlong") o.overlong = v;
+    else if (a == "--max-tokens") {
+      try {
+        o.max_tokens = std::stoll(v);
+      } catch (const std::exception&) {
+        o.max_tokens = -1;
+      }
+      if (o.max_tokens < 2) throw UsageError("--max-tokens: expected an integer of at least 2, got '" + v + "'");
+    }
     else if (a == "--threads") {
       try {
         o.threads = std::stoi(v);
@@ -117,8 +139,13 @@ Options parse(const std::vector<std::string>& args, bool& help) {
   if (o.tokenizer.empty()) throw UsageError("--tokenizer PATH is required");
   if (o.inputs.empty()) throw UsageError("--input PATH is required");
   if (o.out.empty()) throw UsageError("--out PREFIX is required");
-  if (o.format != "auto" && o.format != "jsonl" && o.format != "text" && o.format != "alpaca")
-    throw UsageError("--format: '" + o.format + "' (expected auto, jsonl, text or alpaca)");
+  if (o.format != "auto" && o.format != "jsonl" && o.format != "text" && o.format != "alpaca" && o.format != "chat")
+    throw UsageError("--format: '" + o.format + "' (expected auto, jsonl, text, alpaca or chat)");
+  if ((o.format == "chat") != !o.chat_template.empty())
+    throw UsageError(o.format == "chat" ? "--format chat needs --chat-template llama3|chatml|mistral"
+                                        : "--chat-template goes with --format chat");
+  if (o.train_on != "all" && o.train_on != "last") throw UsageError("--train-on: expected all or last");
+  if (o.overlong != "truncate" && o.overlong != "split") throw UsageError("--overlong: expected truncate or split");
   if (o.on_error != "stop" && o.on_error != "skip") throw UsageError("--on-error: expected stop or skip");
   if (o.has_separator && o.separator.empty()) throw UsageError("--separator must not be empty");
   if (o.threads == 0) o.threads = std::max(1u, std::thread::hardware_concurrency());
@@ -201,11 +228,108 @@ std::string read_input(const std::string& path) {
 #endif
 }
 
-// One document (or an instruction record's prompt and response) and where it came from.
+// One document (or an instruction record's prompt and response, or a
+// conversation) and where it came from.
 struct Record {
   std::string text, response;
   std::string where;  // file:line
+  std::vector<ChatMessage> messages;
 };
+
+// An OpenAI {"messages": [{role, content}]} or ShareGPT {"conversations":
+// [{from, value}]} record (ShareGPT's human and gpt are user and assistant).
+Record chat_record(const json& j, const std::string& where) {
+  if (!j.is_object()) throw std::runtime_error(where + ": a chat record must be a JSON object");
+  const bool openai = j.contains("messages");
+  if (!openai && !j.contains("conversations"))
+    throw std::runtime_error(where + ": no 'messages' (OpenAI) or 'conversations' (ShareGPT) field");
+  const char *list = openai ? "messages" : "conversations", *role_key = openai ? "role" : "from",
+             *text_key = openai ? "content" : "value";
+  if (!j[list].is_array() || j[list].empty())
+    throw std::runtime_error(where + ": '" + list + "' is not a non-empty array");
+  Record r{"", "", where, {}};
+  for (size_t i = 0; i < j[list].size(); ++i) {
+    const auto& m = j[list][i];
+    const std::string at = where + ": " + list + "[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains(role_key) || !m[role_key].is_string() || !m.contains(text_key) ||
+        !m[text_key].is_string())
+      throw std::runtime_error(at + ": expected {\"" + role_key + "\": string, \"" + text_key + "\": string}");
+    std::string role = m[role_key].get<std::string>();
+    if (!openai) role = role == "human" ? "user" : role == "gpt" ? "assistant" : role;
+    if (role != "system" && role != "user" && role != "assistant")
+      throw std::runtime_error(at + ": unknown role '" + m[role_key].get<std::string>() + "'" +
+                               (openai ? " (expected system, user or assistant)" : " (expected system, human or gpt)"));
+    r.messages.push_back({role, m[text_key].get<std::string>()});
+      }
+  return r;
+}
+
+// A conversation's ids cut to at most max_tokens per document (0: no limit):
+// its first max_tokens (truncate), or pieces ending before a user turn, each
+// the longest that fits and holds an assistant turn (split), an exchange longer
+// than max_tokens on its own truncated. Pieces left without a target are
+// dropped (counted).
+struct OverlongCounts {
+  int64_t truncated = 0, split = 0, dropped = 0;
+};
+std::vector<std::pair<size_t, size_t>> cut_conversation(const ChatTokens& c, int64_t max_tokens, bool split,
+                                                        OverlongCounts& counts) {
+  const size_t n = c.ids.size(), cap = size_t(max_tokens);
+  std::vector<std::pair<size_t, size_t>> pieces;
+  if (max_tokens <= 0 || n <= cap) {
+    pieces.emplace_back(0, n);
+  } else if (!split) {
+    pieces.emplace_back(0, cap);
+    ++counts.truncated;
+  } else {
+    std::vector<size_t> cuts;
+    for (size_t t : c.turn_starts)
+      if (t > 0 && t < n) cuts.push_back(t);
+    cuts.push_back(n);
+    // Prefix sums of the targets: a piece must hold one (a cut before the first
+    // user turn, after the BOS or a system turn alone, is no cut).
+    std::vector<size_t> targets(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) targets[i + 1] = targets[i] + (c.target[i] ? 1 : 0);
+    size_t s = 0;
+    while (s < n) {
+      size_t best = 0, next = n;
+      for (size_t k : cuts) {
+        if (k <= s || targets[k] == targets[s]) continue;
+        next = std::min(next, k);
+        if (k - s <= cap) best = std::max(best, k);
+      }
+      if (best) {
+        pieces.emplace_back(s, best);
+        s = best;
+      } else {  // the next exchange alone is over the cap (or no answer follows)
+        const size_t end = std::min(n, s + cap);
+        pieces.emplace_back(s, end);
+        if (end < next) ++counts.truncated;
+        s = next;
+      }
+    }
+    if (pieces.size() > 1) ++counts.split;
+  }
+  std::vector<std::pair<size_t, size_t>> kept;
+  for (const auto& [a, b] : pieces) {
+    if (std::any_of(c.target.begin() + long(a), c.target.begin() + long(b), [](uint8_t t) { return t != 0; }))
+      kept.emplace_back(a, b);
+    else
+      ++counts.dropped;
+  }
+  return kept;
+}
+
+// Ids [a, b) as sequences alternating context, target, context, ... (the first
+// possibly empty): how a chat document stores its loss mask.
+std::vector<std::vector<int32_t>> alternating_sequences(const ChatTokens& c, size_t a, size_t b) {
+  std::vector<std::vector<int32_t>> seqs(1);
+  for (size_t i = a; i < b; ++i) {
+    if (bool(c.target[i]) != (seqs.size() % 2 == 0)) seqs.emplace_back();
+    seqs.back().push_back(c.ids[i]);
+  }
+  return seqs;
+}
 
 // The Stanford Alpaca prompt (the template its training used), with and without input.
 std::string alpaca_prompt(const std::string& instruction, const std::string& input) {
@@ -247,6 +371,7 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
     const bool instruction = std::count(formats.begin(), formats.end(), "alpaca") > 0;
     if (instruction && std::count(formats.begin(), formats.end(), "alpaca") != static_cast<long>(formats.size()))
       throw UsageError("alpaca inputs cannot be mixed with plain documents in one dataset");
+    const bool chat = o.format == "chat";
     tok::SpecialPolicy policy;
     try {
       policy = tok::parse_special_policy(o.special);
@@ -256,6 +381,16 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
     tok::LoadOptions lo;
     lo.pattern = o.pattern;
     const tok::Tokenizer tokenizer = tok::Tokenizer::load(o.tokenizer, lo);
+    std::optional<ChatTemplate> tmpl;
+    if (chat) {
+      try {
+        tmpl.emplace(o.chat_template, tokenizer);
+      } catch (const ChatError& e) {
+        throw UsageError(std::string("--chat-template: ") + e.what());
+      }
+    }
+    const TrainOn train_on = o.train_on == "last" ? TrainOn::last_assistant : TrainOn::all_assistant;
+    OverlongCounts overlong;
 
     // What this output is a function of; a manifest recording the same needs no rerun.
     json inputs = json::array();
@@ -266,7 +401,13 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
       total_bytes += fs::file_size(files[i]);
     }
     json settings = {{"special_tokens", o.special}, {"on_error", o.on_error}};
-    if (!instruction) settings["text_key"] = o.text_key;
+    if (!instruction && !chat) settings["text_key"] = o.text_key;
+    if (chat) {
+      settings["chat_template"] = o.chat_template;
+      settings["train_on"] = o.train_on;
+      settings["max_tokens"] = o.max_tokens;
+      settings["overlong"] = o.overlong;
+    }
     if (o.has_separator) settings["separator"] = o.separator;
     if (instruction) settings["template"] = "alpaca";
     const json tok_info = {{"path", o.tokenizer}, {"kind", tokenizer.kind()}, {"sha256", tokenizer.sha256()},
@@ -304,6 +445,42 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
       std::vector<Record> batch;
       size_t batch_bytes = 0;
       auto flush = [&] {
+        if (chat) {
+          // Rendered and encoded on the threads, written in input order.
+          std::vector<ChatTokens> enc(batch.size());
+          std::vector<std::string> errors(batch.size());
+          std::vector<std::thread> pool;
+          const size_t nt = std::min<size_t>(size_t(o.threads), std::max<size_t>(batch.size(), 1));
+          for (size_t w = 0; w < nt; ++w)
+            pool.emplace_back([&, w] {
+              for (size_t k = w; k < batch.size(); k += nt) {
+                try {
+                  enc[k] = tmpl->encode(batch[k].messages, false, train_on);
+                } catch (const std::exception& e) {
+                  errors[k] = e.what();
+                }
+              }
+            });
+          for (auto& t : pool) t.join();
+          for (size_t k = 0; k < batch.size(); ++k) {
+            if (!errors[k].empty()) {
+              const std::string what = batch[k].where + ": " + errors[k];
+              if (o.on_error == "stop") throw std::runtime_error(what);
+              ++skipped;
+              if (skipped_where.size() < 10) skipped_where.push_back(what);
+              continue;
+            }
+            for (const auto& [a, b] : cut_conversation(enc[k], o.max_tokens, o.overlong == "split", overlong)) {
+              const auto seqs = alternating_sequences(enc[k], a, b);
+              std::vector<const std::vector<int32_t>*> ptrs;
+              for (const auto& q : seqs) ptrs.push_back(&q);
+              writer.add_document(ptrs);
+            }
+          }
+          batch.clear();
+          batch_bytes = 0;
+          return;
+        }
         std::vector<std::string_view> texts;
         for (const auto& r : batch) {
           texts.push_back(r.text);
@@ -358,10 +535,12 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
         if (skipped_where.size() < 10) skipped_where.push_back(what);
       };
       auto add = [&](Record r) {
+        size_t bytes = r.text.size() + r.response.size();
+        for (const auto& m : r.messages) bytes += m.content.size();
         // A long text goes on its own, so flush can cut it for the threads.
-        if (r.text.size() + r.response.size() >= kBatchBytes && !batch.empty()) flush();
-        batch_bytes += r.text.size() + r.response.size();
-        progress.bytes += r.text.size() + r.response.size();
+        if (bytes >= kBatchBytes && !batch.empty()) flush();
+        batch_bytes += bytes;
+        progress.bytes += bytes;
         progress.docs += 1;
         batch.push_back(std::move(r));
         if (batch_bytes >= kBatchBytes) flush();
@@ -422,6 +601,22 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
             bad_record(where + ": not a JSON object");
             continue;
           }
+          if (formats[fi] == "chat") {
+            Record rec;
+            try {
+              rec = chat_record(j, where);
+              try {  // what the template refuses (no assistant turn, a role order), in input order
+                tmpl->render(rec.messages, false);
+              } catch (const ChatError& e) {
+                throw std::runtime_error(where + ": " + e.what());
+              }
+            } catch (const std::runtime_error& e) {
+              bad_record(e.what());
+              continue;
+            }
+            add(std::move(rec));
+            continue;
+          }
           if (formats[fi] == "alpaca") {
             std::vector<Record> rec;
             try {
@@ -454,14 +649,19 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
         {"dtype", indexed::dtype_name(dtype)},
         {"documents", writer.documents()},
         {"tokens", writer.tokens()},
-        {"sequences_per_document", instruction ? 2 : 1},
-        {"kind", instruction ? "instruction (prompt, response)" : "documents"},
+        {"sequences_per_document", chat ? json("alternating") : json(instruction ? 2 : 1)},
+        {"kind", chat ? "chat (sequences alternate context, target)"
+                      : instruction ? "instruction (prompt, response)" : "documents"},
         {"skipped_records", skipped},
         {"tokenizer", tok_info},
         {"inputs", inputs},
         {"settings", settings},
     };
-    write_file_atomic(manifest_path, manifest.dump(1) + "\n");
+    json m = manifest;
+    if (chat)
+      m["overlong_conversations"] = {{"truncated", overlong.truncated}, {"split", overlong.split},
+                                     {"pieces_without_target_dropped", overlong.dropped}};
+    write_file_atomic(manifest_path, m.dump(1) + "\n");
     for (const auto& w : skipped_where) err << "prepare corpus: skipped " << w << "\n";
     out << "prepare corpus: " << writer.documents() << " documents, " << writer.tokens() << " tokens ("
         << indexed::dtype_name(dtype) << ") -> " << o.out << ".{bin,idx}";

@@ -39,7 +39,8 @@ struct RuntimeOptions {
 
 // Packed documents (dataset document_mask): per token, [B, T] int64, its position
 // within its document and its document's number within the sample. Undefined:
-// one document per sample, positions 0..T-1.
+// one document per sample, positions 0..T-1. Under context parallelism
+// positions are this rank's tokens' and segments the whole sequence's.
 struct Documents {
   torch::Tensor positions, segments;
   bool defined() const { return segments.defined(); }
@@ -50,6 +51,10 @@ struct Documents {
     auto causal = torch::ones({T, T}, segments.options().dtype(torch::kBool)).tril();
     return (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1);
   }
+  // What attention layers take: the segments themselves ([B, T]: masked by
+  // tiles in common::document_attention and context-parallel attention, which
+  // skip what is masked) when by_tiles, else the dense attention_mask().
+  torch::Tensor attention_input(bool by_tiles) const { return by_tiles ? segments : attention_mask(); }
 };
 
 // One Mixture-of-Experts layer's statistics since the trainer last took them

@@ -829,11 +829,6 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (k.resume_from == "last" && k.save_dir.empty())
     ck.fail("resume_from", "'last' looks in checkpoint.save_dir, which is not set");
 
-  if (cp > 1 && t.dataset.document_mask())
-    train_args.fail("document_mask", "true is not supported with compute_config.context_parallel_size " +
-                                         std::to_string(cp) +
-                                         " yet (context-parallel attention is causal over the whole sequence); set "
-                                         "document_mask: false or context_parallel_size: 1");
   if (cp > 1 && c.cuda_graphs == "true")
     cc.fail("cuda_graphs", "true is not supported with compute_config.context_parallel_size " + std::to_string(cp) +
                                " yet; set cuda_graphs: false or context_parallel_size: 1");

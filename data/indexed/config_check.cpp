@@ -35,10 +35,10 @@ void check_config_datasets(const config::IndexedKeys& train, const config::Index
                                   (a.join == "eos" ? "EOS" : "BOS") + " token; use " +
                                   (a.join == "eos" ? "bos" : "eos") + " or none");
       }
-      prompts = prompts || man.sequences_per_document == 2;
+      prompts = prompts || man.sequences_per_document != 1;
     }
     if (a.mask_prompt && !prompts)
-      k.args.fail("mask_prompt", "true, but no dataset holds instruction data (prompt, response) to mask; "
+      k.args.fail("mask_prompt", "true, but no dataset holds instruction or chat data (prompt, response) to mask; "
                                  "prepare it with nnstrain prepare corpus --format alpaca, or set false");
   };
   check(train);

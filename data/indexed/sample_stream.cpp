@@ -74,10 +74,15 @@ Manifest read_manifest(const std::string& path) {
     m.vocab_size = t.at("vocab_size").get<int64_t>();
     if (!t.at("eos_id").is_null()) m.eos_id = t.at("eos_id").get<int64_t>();
     if (!t.at("bos_id").is_null()) m.bos_id = t.at("bos_id").get<int64_t>();
-    m.sequences_per_document = j.at("sequences_per_document").get<int>();
-    if (m.sequences_per_document != 1 && m.sequences_per_document != 2)
-      throw std::runtime_error("sequences_per_document " + std::to_string(m.sequences_per_document) +
-                               " (1 or 2 expected)");
+    const auto& spd = j.at("sequences_per_document");
+    if (spd.is_string() && spd.get<std::string>() == "alternating") {
+      m.sequences_per_document = 0;
+    } else {
+      m.sequences_per_document = spd.get<int>();
+      if (m.sequences_per_document != 1 && m.sequences_per_document != 2)
+        throw std::runtime_error("sequences_per_document " + std::to_string(m.sequences_per_document) +
+                                 " (1, 2 or \"alternating\" expected)");
+    }
   } catch (const std::exception& e) {
     throw std::runtime_error("dataset manifest '" + m.path + "': " + e.what());
   }
@@ -123,16 +128,14 @@ SampleStream::SampleStream(std::vector<Source> sources, int64_t seq_len, Join jo
   if (seq_len <= 0) throw std::invalid_argument("indexed dataset: seq_len must be positive");
   std::vector<double> w;
   for (auto& s : sources) {
-    Src src{s.reader, s.weight, s.prompts, {}, {}, 0, 0};
+    Src src{s.reader, s.weight, s.prompts, {}, 0, 0};
     const auto& r = src.reader;
     const int64_t D = r.documents();
     src.doc_len.resize(size_t(D));
-    src.prompt_len.assign(size_t(D), 0);
     for (int64_t d = 0; d < D; ++d) {
       int64_t n = 0;
       for (int64_t q = r.doc_begin(d); q < r.doc_begin(d + 1); ++q) n += r.seq_length(q);
       src.doc_len[size_t(d)] = n;
-      if (s.prompts && r.doc_begin(d + 1) - r.doc_begin(d) >= 2) src.prompt_len[size_t(d)] = r.seq_length(r.doc_begin(d));
       src.epoch_tokens += n + (join == Join::none ? 0 : 1);
     }
     src.samples = src.epoch_tokens > 0 ? (src.epoch_tokens - 1) / seq_len : 0;
@@ -229,6 +232,7 @@ void SampleStream::read(size_t i, int64_t j, Sample* out) const {
   int64_t filled = 0;
   int32_t docno = 0;
   std::vector<int64_t> buf;
+  std::vector<uint8_t> context;
   while (filled < need) {
     if (p >= int64_t(s.doc_len.size())) throw std::logic_error("indexed dataset: sample past its epoch");
     const int64_t d = document_at(i, e, p);
@@ -238,12 +242,18 @@ void SampleStream::read(size_t i, int64_t j, Sample* out) const {
     // Document tokens [a, b) of this unit's piece, read sequence by sequence.
     const int64_t a = std::clamp<int64_t>(u - lead, 0, len), b = std::clamp<int64_t>(u_end - lead, 0, len);
     buf.resize(size_t(b - a));
+    context.assign(size_t(b - a), 0);
     {
       const auto& r = s.reader;
+      // Sequences 0, 2, ... of a document of two or more are context.
+      const bool alternating = s.prompts && r.doc_begin(d + 1) - r.doc_begin(d) >= 2;
       int64_t at = 0;  // document token index where sequence q starts
       for (int64_t q = r.doc_begin(d); q < r.doc_begin(d + 1) && at < b; ++q) {
         const int64_t ql = r.seq_length(q), lo = std::max(a, at), hi = std::min(b, at + ql);
-        if (hi > lo) r.read(r.seq_offset(q) + (lo - at), hi - lo, buf.data() + (lo - a));
+        if (hi > lo) {
+          r.read(r.seq_offset(q) + (lo - at), hi - lo, buf.data() + (lo - a));
+          if (alternating && (q - r.doc_begin(d)) % 2 == 0) std::fill_n(context.begin() + (lo - a), hi - lo, 1);
+        }
         at += ql;
       }
     }
@@ -251,7 +261,7 @@ void SampleStream::read(size_t i, int64_t j, Sample* out) const {
       const int64_t t = u - lead;  // document token index, or -1 / len for the join token
       const bool is_join = t < 0 || t >= len;
       out->tokens[size_t(filled)] = is_join ? join_id_ : buf[size_t(t - a)];
-      out->prompt[size_t(filled)] = !is_join && t < s.prompt_len[size_t(d)];
+      out->prompt[size_t(filled)] = !is_join && context[size_t(t - a)];
       out->doc[size_t(filled)] = docno;
     }
     ++docno;

@@ -34,7 +34,9 @@ struct Manifest {
   std::string tokenizer_sha256, tokenizer_path;
   int64_t vocab_size = 0;
   std::optional<int64_t> eos_id, bos_id;
-  int sequences_per_document = 1;  // 2: prompt then response (instruction data)
+  // 1: plain documents; 2: prompt then response (instruction data); 0: any
+  // number, alternating context and target (chat data, "alternating").
+  int sequences_per_document = 1;
 };
 // `path` is PREFIX or PREFIX.manifest.json. Throws std::runtime_error naming the file.
 Manifest read_manifest(const std::string& path);
@@ -50,7 +52,9 @@ void blend(const std::vector<double>& weights, int64_t n, std::vector<int>* data
            std::vector<int64_t>* dataset_sample);
 
 // One sample: seq_len + 1 tokens and, per token, whether it belongs to a
-// prompt (an instruction document's first sequence) and which document of
+// prompt (a context sequence: the even-numbered sequences 0, 2, ... of a
+// document of two or more, i.e. an instruction's prompt or a conversation's
+// text other than the assistant's) and which document of
 // the sample it belongs to (0, 1, ...; a join token belongs to the document it ends (EOS) or starts (BOS)).
 struct Sample {
   std::vector<int64_t> tokens;
@@ -63,7 +67,7 @@ class SampleStream {
   struct Source {
     Reader reader;
     double weight = 1.0;
-    bool prompts = false;  // documents are (prompt, response): flag the prompt's tokens
+    bool prompts = false;  // documents alternate (context, target, ...): flag the context tokens
   };
   // join_id: the token joining documents (ignored for Join::none). Throws
   // std::runtime_error naming the dataset if one epoch of it fills no sample.
@@ -89,7 +93,7 @@ class SampleStream {
     Reader reader;
     double weight;
     bool prompts;
-    std::vector<int64_t> doc_len, prompt_len;  // per document (prompt_len 0 without prompts)
+    std::vector<int64_t> doc_len;  // per document
     int64_t epoch_tokens = 0, samples = 0;
   };
   // Unit = a document with its join token; offsets of the units in epoch e's order (size D + 1).

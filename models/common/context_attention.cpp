@@ -2,6 +2,10 @@
 
 #include <torch/torch.h>
 
+#include "models/common/cp_document_layout.h"
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -27,6 +31,8 @@ const char* to_string(CpCommType t) { return t == CpCommType::P2P ? "p2p" : "all
 const char* to_string(CpLayout l) { return l == CpLayout::Zigzag ? "zigzag" : "none"; }
 
 namespace {
+
+std::atomic<int64_t> doc_tiles{0};
 
 int64_t chunks_per_rank(CpLayout layout) { return layout == CpLayout::Zigzag ? 2 : 1; }
 
@@ -211,6 +217,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor&
   return {unfold_groups(at::stack(dqs, 2).flatten(2, 3), hq), dk, dv};
 }
 
+// --- Document-masked tiles (fp32 composite, any device) --------------------
+
+// The global positions of `rank`'s tokens, ascending: under documents, zigzag
+// is the per-micro-batch balanced layout (cp_document_layout.h).
+std::vector<int64_t> rank_positions(const at::Tensor& segments, int cp, int rank, CpLayout layout) {
+  if (layout == CpLayout::Zigzag && cp > 1) return cp_document_layout(segments, cp)[size_t(rank)];
+  return cp_position_ids(segments.size(1), cp, rank, layout);
+}
+
+// The rows' document masks: the global positions of the two ranks' tokens and the segments on q's device.
+struct DocMask {
+  at::Tensor seg, qpos, kpos;  // [B, T] int64; [Tl] int64 each
+  at::Tensor operator()(const DocTile& t) const {
+    auto qp = qpos.narrow(0, t.q0, t.qn), kp = kpos.narrow(0, t.k0, t.kn);
+    auto qs = seg[t.b].index_select(0, qp), ks = seg[t.b].index_select(0, kp);
+    return qs.unsqueeze(1).eq(ks.unsqueeze(0)).logical_and(kp.unsqueeze(0).le(qp.unsqueeze(1)));
+  }
+};
+
+DocMask doc_mask(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
+                 const at::Device& device) {
+  auto long_on = at::TensorOptions().dtype(at::kLong);
+  return {segments.to(device, at::kLong), at::tensor(rank_positions(segments, cp, q_rank, layout), long_on).to(device),
+          at::tensor(rank_positions(segments, cp, k_rank, layout), long_on).to(device)};
+}
+
+// Scores of one tile, [Hkv, g Lq, Lk] fp32, masked entries -inf; q [Hq, Lq, D]
+// and k [Hkv, Lk, D] fp32 (a KV head serves its g query heads as they are).
+at::Tensor tile_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& mask, double scale) {
+  const int64_t hkv = k.size(0), g = q.size(0) / hkv, lq = q.size(1);
+  auto s = at::matmul(q.reshape({hkv, g * lq, q.size(2)}), k.transpose(1, 2)).mul_(scale);
+  return s.view({hkv, g, lq, k.size(1)})
+      .masked_fill_(mask.logical_not(), -std::numeric_limits<float>::infinity())
+      .view({hkv, g * lq, k.size(1)});
+}
+
+// exp(s - lse) with rows of lse -inf (no key) all 0.
+at::Tensor tile_probs(const at::Tensor& s, const at::Tensor& lse) {
+  auto safe = at::where(lse.isneginf(), at::zeros_like(lse), lse);
+  return (s - safe.unsqueeze(-1)).exp_();
+}
+
+void doc_forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& segments,
+                       int cp, int q_rank, int k_rank, CpLayout layout, double scale, at::Tensor& out,
+                       at::Tensor& lse) {
+  const auto mask_of = doc_mask(segments, cp, q_rank, k_rank, layout, q.device());
+  const int64_t hq = q.size(1);
+  for (const auto& t : document_tiles(segments, cp, q_rank, k_rank, layout)) {
+    auto qt = q[t.b].narrow(1, t.q0, t.qn).to(at::kFloat), kt = k[t.b].narrow(1, t.k0, t.kn).to(at::kFloat),
+         vt = v[t.b].narrow(1, t.k0, t.kn).to(at::kFloat);
+    auto s = tile_scores(qt, kt, mask_of(t), scale);
+    auto l = s.logsumexp(-1);  // [Hkv, g Lq]
+    doc_tiles.fetch_add(1, std::memory_order_relaxed);
+    auto o = at::matmul(tile_probs(s, l), vt).view({hq, t.qn, q.size(3)});
+    auto out_rows = out[t.b].narrow(1, t.q0, t.qn), lse_rows = lse[t.b].narrow(1, t.q0, t.qn);
+    merge_attention(out_rows, lse_rows, o, l.view({hq, t.qn}));
+  }
+}
+
+void doc_backward_block(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& out, const at::Tensor& lse, const at::Tensor& segments, int cp, int q_rank,
+                        int k_rank, CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc,
+                        at::Tensor& dv_acc) {
+  const auto mask_of = doc_mask(segments, cp, q_rank, k_rank, layout, q.device());
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  for (const auto& t : document_tiles(segments, cp, q_rank, k_rank, layout)) {
+    const int64_t gl = (hq / hkv) * t.qn;
+    auto qt = q[t.b].narrow(1, t.q0, t.qn).to(at::kFloat), kt = k[t.b].narrow(1, t.k0, t.kn).to(at::kFloat),
+         vt = v[t.b].narrow(1, t.k0, t.kn).to(at::kFloat);
+    auto dot = dout[t.b].narrow(1, t.q0, t.qn).to(at::kFloat), ot = out[t.b].narrow(1, t.q0, t.qn).to(at::kFloat);
+    auto lt = lse[t.b].narrow(1, t.q0, t.qn).reshape({hkv, gl});
+    auto p = tile_probs(tile_scores(qt, kt, mask_of(t), scale), lt);  // the rows' softmax over all their keys
+    auto do3 = dot.reshape({hkv, gl, d});
+    auto dv = at::matmul(p.transpose(1, 2), do3);
+    auto dp = at::matmul(do3, vt.transpose(1, 2));
+    auto rowdot = (dot * ot).sum(-1).reshape({hkv, gl, 1});
+    auto ds = p.mul_(dp.sub_(rowdot));
+    dq_acc[t.b].narrow(1, t.q0, t.qn).add_(at::matmul(ds, kt).mul_(scale).view({hq, t.qn, d}));
+    dk_acc[t.b].narrow(1, t.k0, t.kn).add_(at::matmul(ds.transpose(1, 2), qt.reshape({hkv, gl, d})).mul_(scale));
+    dv_acc[t.b].narrow(1, t.k0, t.kn).add_(dv);
+  }
+}
+
 // --- Blocks ------------------------------------------------------------------
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int cp, CpLayout layout) {
@@ -231,7 +320,9 @@ at::Tensor rows(const at::Tensor& x, int64_t q0, int64_t n) { return x.narrow(2,
 
 // Adds one block (keys of k_rank) into the running fp32 out / lse.
 void forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int cp, int q_rank,
-                   int k_rank, CpLayout layout, double scale, at::Tensor& out, at::Tensor& lse) {
+                   int k_rank, CpLayout layout, double scale, at::Tensor& out, at::Tensor& lse,
+                   const at::Tensor& segments) {
+  if (segments.defined()) return doc_forward_block(q, k, v, segments, cp, q_rank, k_rank, layout, scale, out, lse);
   for (const auto& p : block_pieces(cp, q_rank, k_rank, q.size(2), layout, causal)) {
     auto [o, l] = kernel_forward(rows(q, p.q0, p.qn).contiguous(), rows(k, p.k0, p.kn).contiguous(),
                                  rows(v, p.k0, p.kn).contiguous(), p.causal, scale);
@@ -244,7 +335,11 @@ void forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // dq accumulated into dq_acc, dk / dv into dk_acc / dv_acc (fp32).
 void backward_block(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, bool causal, int cp, int q_rank, int k_rank,
-                    CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc, at::Tensor& dv_acc) {
+                    CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc, at::Tensor& dv_acc,
+                    const at::Tensor& segments) {
+  if (segments.defined())
+    return doc_backward_block(dout, q, k, v, out, lse, segments, cp, q_rank, k_rank, layout, scale, dq_acc, dk_acc,
+                              dv_acc);
   for (const auto& p : block_pieces(cp, q_rank, k_rank, q.size(2), layout, causal)) {
     auto [dq, dk, dv] = kernel_backward(rows(dout, p.q0, p.qn).contiguous(), rows(q, p.q0, p.qn).contiguous(),
                                         rows(k, p.k0, p.kn).contiguous(), rows(v, p.k0, p.kn).contiguous(),
@@ -257,26 +352,32 @@ void backward_block(const at::Tensor& dout, const at::Tensor& q, const at::Tenso
 }
 
 // The forward of the op: fp32 out and lse of this rank's rows.
+// comm null: one process (cp 1).
 std::pair<at::Tensor, at::Tensor> cp_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             bool causal, CpComm& comm, const CpAttentionOptions& o) {
-  const int cp = comm.size(), me = comm.rank();
+                                             bool causal, CpComm* comm, const CpAttentionOptions& o) {
+  const int cp = comm ? comm->size() : 1, me = comm ? comm->rank() : 0;
+  const auto& seg = o.segments;
+  if (seg.defined())
+    TORCH_CHECK(causal && seg.dim() == 2 && seg.size(0) == q.size(0) && seg.size(1) == q.size(2) * cp,
+                "document-masked attention: segments ", seg.sizes(), " do not cover the batch's ", q.size(2) * cp,
+                " tokens (causal only)");
   check_inputs(q, k, v, cp, o.layout);
   const double scale = scale_of(o, q);
   auto f32 = q.options().dtype(at::kFloat);
   auto out = at::zeros(q.sizes(), f32);
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(), f32);
   auto kv = at::stack({k, v});  // one message per step
-  if (o.comm_type == CpCommType::AllGather) {
-    auto all = comm.all_gather(kv);
+  if (comm && o.comm_type == CpCommType::AllGather) {
+    auto all = comm->all_gather(kv);
     for (int src = 0; src < cp; ++src)
-      forward_block(q, all[src][0], all[src][1], causal, cp, me, src, o.layout, scale, out, lse);
+      forward_block(q, all[src][0], all[src][1], causal, cp, me, src, o.layout, scale, out, lse, seg);
     return {out, lse};
   }
   for (int step = 0; step < cp; ++step) {
     const int src = ((me - step) % cp + cp) % cp;
     CpComm::Pending next;
-    if (step + 1 < cp) next = comm.ring_shift_start(kv, 0);  // the next block travels while this one computes
-    forward_block(q, kv[0], kv[1], causal, cp, me, src, o.layout, scale, out, lse);
+    if (step + 1 < cp) next = comm->ring_shift_start(kv, 0);  // the next block travels while this one computes
+    forward_block(q, kv[0], kv[1], causal, cp, me, src, o.layout, scale, out, lse, seg);
     if (next) kv = next();
   }
   return {out, lse};
@@ -285,15 +386,17 @@ std::pair<at::Tensor, at::Tensor> cp_forward(const at::Tensor& q, const at::Tens
 struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, const c10::intrusive_ptr<CpComm>& comm, int64_t comm_type, int64_t layout,
-                            double scale) {
+                            double scale, const at::Tensor& segments) {
     CpAttentionOptions o;
     o.comm_type = static_cast<CpCommType>(comm_type);
     o.layout = static_cast<CpLayout>(layout);
     o.scale = scale;
-    auto [out32, lse] = cp_forward(q, k, v, causal, *comm, o);
+    if (segments.numel() > 0) o.segments = segments;  // empty: no documents (apply takes no undefined tensor)
+    auto [out32, lse] = cp_forward(q, k, v, causal, comm.get(), o);
     auto out = out32.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["comm"] = c10::IValue::make_capsule(comm);
+    if (comm) ctx->saved_data["comm"] = c10::IValue::make_capsule(comm);
+    if (o.segments.defined()) ctx->saved_data["segments"] = o.segments;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["comm_type"] = comm_type;
     ctx->saved_data["layout"] = layout;
@@ -304,25 +407,35 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    auto* comm = dynamic_cast<CpComm*>(ctx->saved_data["comm"].toCapsule().get());
-    TORCH_CHECK(comm, "saved context-parallel communicator has the wrong type");
+    CpComm* comm = nullptr;  // none: one process
+    if (ctx->saved_data.count("comm")) {
+      comm = dynamic_cast<CpComm*>(ctx->saved_data["comm"].toCapsule().get());
+      TORCH_CHECK(comm, "saved context-parallel communicator has the wrong type");
+    }
+    const auto segments = ctx->saved_data.count("segments") ? ctx->saved_data["segments"].toTensor() : at::Tensor();
     const bool causal = ctx->saved_data["causal"].toBool();
     const auto type = static_cast<CpCommType>(ctx->saved_data["comm_type"].toInt());
     const auto layout = static_cast<CpLayout>(ctx->saved_data["layout"].toInt());
     const double scale = ctx->saved_data["scale"].toDouble();
-    const int cp = comm->size(), me = comm->rank();
+    const int cp = comm ? comm->size() : 1, me = comm ? comm->rank() : 0;
     const auto dout = grads[0].contiguous();
     auto f32 = q.options().dtype(at::kFloat);
     auto dq = at::zeros(q.sizes(), f32);
     auto kv = at::stack({k, v});
     // K and V gradients in fp32, [2, B, Hkv, Tl, D] like kv.
     at::Tensor dkv_home;
-    if (type == CpCommType::AllGather) {
+    if (!comm) {
+      auto dkv = at::zeros(kv.sizes(), f32);
+      auto dk = dkv[0], dv = dkv[1];
+      backward_block(dout, q, k, v, out, lse, causal, 1, 0, 0, layout, scale, dq, dk, dv, segments);
+      dkv_home = dkv;
+    } else if (type == CpCommType::AllGather) {
       auto all = comm->all_gather(kv);
       auto dkv_all = at::zeros(all.sizes(), f32);
       for (int src = 0; src < cp; ++src) {
         auto dk = dkv_all[src][0], dv = dkv_all[src][1];
-        backward_block(dout, q, all[src][0], all[src][1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv);
+        backward_block(dout, q, all[src][0], all[src][1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv,
+                       segments);
       }
       dkv_home = comm->reduce_scatter(dkv_all);
     } else {
@@ -336,14 +449,14 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
         if (step + 1 < cp) kv_next = comm->ring_shift_start(kv, 0);
         auto dkv = step == 0 ? at::zeros(kv.sizes(), f32) : dkv_in();
         auto dk = dkv[0], dv = dkv[1];
-        backward_block(dout, q, kv[0], kv[1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv);
+        backward_block(dout, q, kv[0], kv[1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv, segments);
         dkv_in = comm->ring_shift_start(dkv, 1);
         if (kv_next) kv = kv_next();
       }
       dkv_home = dkv_in();
     }
     return {dq.to(q.scalar_type()), dkv_home[0].to(k.scalar_type()), dkv_home[1].to(v.scalar_type()),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -367,7 +480,8 @@ std::pair<at::Tensor, at::Tensor> cp_attention_block(const at::Tensor& q, const 
   auto f32 = q.options().dtype(at::kFloat);
   auto out = at::zeros(q.sizes(), f32);
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(), f32);
-  forward_block(q, k, v, causal, cp, q_rank, k_rank, options.layout, scale_of(options, q), out, lse);
+  forward_block(q, k, v, causal, cp, q_rank, k_rank, options.layout, scale_of(options, q), out, lse,
+                options.segments);
   return {out, lse};
 }
 
@@ -377,7 +491,7 @@ std::pair<at::Tensor, at::Tensor> context_parallel_attention_lse(const at::Tenso
                                                                  const CpAttentionOptions& options) {
   TORCH_CHECK(comm, "context-parallel attention without a communicator");
   at::NoGradGuard no_grad;
-  auto [out, lse] = cp_forward(q, k, v, causal, *comm, options);
+  auto [out, lse] = cp_forward(q, k, v, causal, comm.get(), options);
   return {out.to(q.scalar_type()), lse};
 }
 
@@ -385,7 +499,58 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
                                       const c10::intrusive_ptr<CpComm>& comm, const CpAttentionOptions& options) {
   TORCH_CHECK(comm, "context-parallel attention without a communicator");
   return CpAttentionFn::apply(q, k, v, causal, comm, static_cast<int64_t>(options.comm_type),
-                              static_cast<int64_t>(options.layout), scale_of(options, q));
+                              static_cast<int64_t>(options.layout), scale_of(options, q),
+                              options.segments.defined() ? options.segments : at::empty({0}, at::kLong));
+}
+
+at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& segments, std::optional<double> scale) {
+  CpAttentionOptions o;
+  o.scale = scale;
+  return CpAttentionFn::apply(q, k, v, true, c10::intrusive_ptr<CpComm>(), static_cast<int64_t>(CpCommType::P2P),
+                              static_cast<int64_t>(CpLayout::Contiguous), scale_of(o, q), segments);
+}
+
+std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
+                                    int64_t tile) {
+  const auto seg = segments.to(at::kCPU, at::kLong).contiguous();
+  const int64_t B = seg.size(0), T = seg.size(1), tl = T / cp;
+  const auto qpos = rank_positions(seg, cp, q_rank, layout), kpos = rank_positions(seg, cp, k_rank, layout);
+  std::vector<DocTile> out;
+  std::vector<int64_t> start(static_cast<size_t>(T));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* s = seg.data_ptr<int64_t>() + b * T;
+    // Where each token's document starts (documents are contiguous, numbered in order).
+    for (int64_t p = 0; p < T; ++p) {
+      TORCH_CHECK(p == 0 || s[p] >= s[p - 1], "document-masked attention: segments decrease at token ", p,
+                  " of batch row ", b);
+      start[p] = p > 0 && s[p] == s[p - 1] ? start[p - 1] : p;
+    }
+    // A query tile (within one run of contiguous global positions) sees the
+    // keys from its first query's document start to its last query: a
+    // contiguous range of the ascending local keys.
+    for (int64_t i = 0, run = 1; i < tl; i += run, run = 1) {
+      while (i + run < tl && qpos[i + run] == qpos[i] + run) ++run;
+      for (int64_t q0 = i; q0 < i + run; q0 += tile) {
+        const int64_t qn = std::min(tile, i + run - q0);
+        const int64_t lo = start[qpos[q0]], hi = qpos[q0 + qn - 1];
+        const int64_t k0 = std::lower_bound(kpos.begin(), kpos.end(), lo) - kpos.begin();
+        const int64_t k1 = std::upper_bound(kpos.begin(), kpos.end(), hi) - kpos.begin();
+        if (k1 > k0) out.push_back({b, q0, qn, k0, k1 - k0});
+      }
+    }
+  }
+  return out;
+}
+
+int64_t document_tiles_computed() { return doc_tiles.load(); }
+
+std::vector<int64_t> document_work(const at::Tensor& segments, int cp, CpLayout layout) {
+  std::vector<int64_t> work(static_cast<size_t>(cp), 0);
+  for (int r = 0; r < cp; ++r)
+    for (int src = 0; src < cp; ++src)
+      for (const auto& t : document_tiles(segments, cp, r, src, layout)) work[r] += t.qn * t.kn;
+  return work;
 }
 
 }  // namespace nnstrain::models::common

@@ -16,6 +16,12 @@
 // - Backward recomputes each block with the saved lse (flash-style); p2p sends
 //   the K/V gradients round the ring with the blocks until they reach home,
 //   all_gather reduce-scatters them.
+// - Packed documents (CpAttentionOptions::segments): a query sees the keys of
+//   its own document at or before it. Every cp rank reads the whole batch, so
+//   each knows where every document starts and masks any block without
+//   communicating. Each query tile of a block computes only the key range its
+//   documents reach (document_tiles): masked tiles are never computed, on any
+//   device, and at cp 1 the same op is the CPU path of document masking.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,7 +44,29 @@ struct CpAttentionOptions {
   CpCommType comm_type = CpCommType::P2P;
   CpLayout layout = CpLayout::Zigzag;
   std::optional<double> scale;  // default 1 / sqrt(D)
+  // Document masking: [B, T] int64, the whole sequence's document number per
+  // token in global order (non-decreasing along it), the same on every rank.
+  at::Tensor segments;
 };
+
+// The rectangles a document-masked block computes: for batch row b, this
+// rank's query rows [q0, q0 + qn) against k_rank's key rows [k0, k0 + kn)
+// (local indices); everything else of the block is masked.
+struct DocTile {
+  int64_t b, q0, qn, k0, kn;
+};
+// segments: host int64 [B, T]. Query tiles of at most `tile` rows.
+std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
+                                    int64_t tile = 64);
+// Document-masked tiles this process has computed (forward), for the run's record.
+int64_t document_tiles_computed();
+// The (query, key) pairs each rank computes for one batch: [cp], for balance checks.
+std::vector<int64_t> document_work(const at::Tensor& segments, int cp, CpLayout layout);
+
+// Document-masked attention on one process (cp 1) by the same tiles: q [B, Hq,
+// T, D], k, v [B, Hkv, T, D], segments [B, T]. Differentiable in q, k, v.
+at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& segments, std::optional<double> scale = std::nullopt);
 
 // Throws, naming the numbers, unless a sequence of seq_len tokens splits over
 // cp ranks in `layout` (2 cp equal chunks for zigzag, cp for contiguous).

@@ -37,13 +37,15 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, const tor
   torch::Tensor y;
   if (ctx.cp_comm) {
     // This rank's tokens of a sequence split over the cp ranks (no dropout: refused at load).
-    TORCH_CHECK(!mask.defined(), "document masks under context parallelism are not supported");
     TORCH_CHECK(p == 0, "attention dropout under context parallelism is not supported");
     common::CpAttentionOptions o;
     o.comm_type = ctx.cp_comm_type;
     o.layout = ctx.cp_layout;
+    if (mask.defined() && mask.dim() == 2) o.segments = mask;  // Documents::attention_input
     y = common::context_parallel_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), /*causal=*/true,
                                            ctx.cp_comm, o);
+  } else if (mask.defined() && mask.dim() == 2) {  // segments (Documents::attention_input): masked by tiles
+    y = common::document_attention(shape(parts[0]), shape(parts[1]), shape(parts[2]), mask);
   } else {
     // Attention-probability dropout on this rank's heads: a sharded region, so
     // under tp > 1 its masks come from this rank's own generator state.
@@ -123,7 +125,9 @@ torch::Tensor Gpt::embed(const torch::Tensor& idx, const Documents& docs) {
 
 torch::Tensor Gpt::blocks(const torch::Tensor& input, int64_t begin, int64_t end, int64_t, const Documents& docs) {
   auto x = input;
-  const auto mask = docs.defined() ? docs.attention_mask() : torch::Tensor();
+  // By tiles under cp, and on CPU without attention dropout (which needs the dense mask).
+  const bool by_tiles = ctx_.cp_comm || (input.device().is_cpu() && cfg_.dropout == 0);
+  const auto mask = docs.defined() ? docs.attention_input(by_tiles) : torch::Tensor();
   for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto block = h->ptr<BlockImpl>(i);
     x = run_block(i, [block, mask](const torch::Tensor& t) { return block->forward(t, mask); }, x, ctx_.rng.get());

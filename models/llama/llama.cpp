@@ -89,12 +89,18 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   q = apply_rope(split(q, heads), cos, sin);
   k = apply_rope(split(k, kv_heads), cos, sin);
   v = split(v, kv_heads);
+  // mask [B, T] (Documents::attention_input): segments, masked by tiles.
+  const bool by_tiles = mask.defined() && mask.dim() == 2;
   if (cp_comm) {  // this rank's tokens of a sequence split over cp ranks; GQA taken as it is
-    TORCH_CHECK(!mask.defined(), "document masks under context parallelism are not supported");
     common::CpAttentionOptions o;
     o.comm_type = cp_comm_type;
     o.layout = cp_layout;
+    if (by_tiles) o.segments = mask;
     auto y = common::context_parallel_attention(q, k, v, /*causal=*/true, cp_comm, o);
+    return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+  }
+  if (by_tiles) {
+    auto y = common::document_attention(q, k, v, mask);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
   // GQA: flash attention on CUDA takes the KV heads as they are; elsewhere
@@ -222,7 +228,7 @@ torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t e
     const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
     cos = emb.cos();
     sin = emb.sin();
-    mask = docs.attention_mask();
+    mask = docs.attention_input(cp_ > 1 || x.device().is_cpu());
   }
   for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);

@@ -1,7 +1,7 @@
 """Context parallelism's configuration (issue 22): what cp > 1 refuses, each with
 exit status 2 and a message naming the keys: a sequence cp cannot split (seq_len
 and the degree), a degree that does not divide the ranks, the combinations not
-supported yet (a dataset document_mask, CUDA graphs, GPT's attention dropout);
+supported yet (CUDA graphs, GPT's attention dropout);
 and `nnstrain plan`, which plans a configured cp (the cost model's
 context-parallel terms). Training under cp: test_context_parallel.py; the
 attention op: tests/unit/test_context_attention.cpp."""
@@ -68,17 +68,3 @@ def test_what_cp_does_not_support_yet_exits_2_naming_the_keys(tmp_path, tiny_tok
     assert code == 2, out
     assert "compute_config.cuda_graphs" in out and "context_parallel_size 2" in out, out
     assert "Traceback" not in out and "frame #" not in out, out
-
-
-def test_document_mask_under_cp_exits_2_naming_the_keys(tmp_path):
-    """configs/tiny_gpt_indexed.yaml with document_mask: true under cp 2: refused before its
-    files (which do not exist here) are read."""
-    cmd = [nnstrain_bin_path(), "--config", str(CONFIGS / "tiny_gpt_indexed.yaml"), "--run_dir", str(tmp_path / "run"),
-           "--vars.instruct", str(tmp_path / "none"), "--vars.corpus", str(tmp_path / "none"),
-           "--dataset.train_args.document_mask", "true", "--compute_config.runtime_ngpus", "2",
-           "--compute_config.context_parallel_size", "2"]
-    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
-    out = p.stdout + p.stderr
-    assert p.returncode == 2, out
-    assert "dataset.train_args.document_mask" in out and "context_parallel_size 2" in out, out
-

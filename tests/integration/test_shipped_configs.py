@@ -94,6 +94,8 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
         overrides += ["--compute_config.plan_ngpus", 1]
     if "runtime_ngpus" in raw.get("compute_config", {}):
         overrides += ["--compute_config.runtime_ngpus", 1]
+    if raw.get("model", {}).get("init_from"):  # a Hugging Face folder the user supplies: a random init here
+        overrides += ["--model.init_from", ""]
     shrink = dict(SHRINK[model_type])
     if ds.get("type") == "indexed":
         # Megatron indexed data as the config's comment says to make it: alpaca records, GPT-2's

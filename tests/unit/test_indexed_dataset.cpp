@@ -103,3 +103,47 @@ TEST_CASE("indexed batches: prompt targets -100, documents restart positions", "
   CHECK(!torch::equal(plain.train_batch(0, 0, 4).x, other.train_batch(0, 0, 4).x));
   std::system(("rm -rf " + dir).c_str());
 }
+
+TEST_CASE("chat documents: every context sequence is masked, every target sequence learned", "[indexed_dataset]") {
+  // Documents of 2 to 5 sequences alternating context and target (prepare corpus
+  // --format chat): ids 1000 (d + 1) + 100 k + i for sequence k, token i.
+  char tmpl[] = "/tmp/nnstrain_chat_XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::string prefix = std::string(tmpl) + "/chat";
+  {
+    nnstrain::indexed::Writer w(prefix, nnstrain::indexed::DType::int32);
+    for (int d = 0; d < 10; ++d) {
+      std::vector<std::vector<int32_t>> seqs(size_t(2 + d % 4));
+      for (size_t k = 0; k < seqs.size(); ++k)
+        for (int i = 0; i < 2 + (d + int(k)) % 3; ++i) seqs[k].push_back(1000 * (d + 1) + 100 * int(k) + i);
+      std::vector<const std::vector<int32_t>*> ptrs;
+      for (const auto& s : seqs) ptrs.push_back(&s);
+      w.add_document(ptrs);
+    }
+    w.commit();
+    nlohmann::json m = {{"bin", "chat.bin"}, {"idx", "chat.idx"}, {"sequences_per_document", "alternating"},
+                        {"tokenizer", {{"path", "t"}, {"sha256", "x"}, {"vocab_size", 20000}, {"eos_id", kEos}, {"bos_id", nullptr}}}};
+    std::ofstream(prefix + ".manifest.json") << m.dump();
+  }
+  nnstrain::config::IndexedArgs args;
+  args.datasets = {{prefix, 1.0}};
+  args.seq_len = 8;
+  args.join = "none";
+  args.mask_prompt = true;
+  args.document_mask = true;
+  const nnstrain::data::IndexedDataset ds(args, 3, 4, "dataset.train_args");
+  int64_t context = 0, target = 0;
+  for (int64_t step = 0; step < 4; ++step) {
+    const auto b = ds.train_batch(step, 0, 4);
+    for (int64_t r = 0; r < 4; ++r)
+      for (int64_t t = 0; t + 1 < 8; ++t) {
+        const int64_t next = b.x[r][t + 1].item<int64_t>(), y = b.y[r][t].item<int64_t>();
+        if (b.segments[r][t + 1].item<int64_t>() != b.segments[r][t].item<int64_t>()) continue;
+        const bool is_context = (next % 1000) / 100 % 2 == 0;  // sequences 0, 2, 4: context
+        CHECK(y == (is_context ? -100 : next));
+        (is_context ? context : target) += 1;
+      }
+  }
+  CHECK(context > 10);
+  CHECK(target > 10);
+}

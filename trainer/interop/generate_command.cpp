@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/config/trainer_args.h"
+#include "data/chat_template.h"
 #include "data/indexed/sample_stream.h"
 #include "data/tokenizer/tokenizer.h"
 #include "data/tokenizer/unicode.h"
@@ -59,6 +60,13 @@ constexpr const char* kUsage = R"(usage: nnstrain generate SOURCE [options]
   --stop-at-eos            end a sample at the tokenizer's end-of-text token
   --no-kv-cache            recompute the whole context for every token (nanoGPT's way; slower)
   --json                   one JSON line per sample: prompt_ids, ids (the new ones), text
+  --chat                   a conversation: user turns read from standard input (one per line, or
+                           --prompt for a single turn), rendered with the chat template, each answer
+                           streamed until the template's end-of-turn token; the oldest exchanges are
+                           dropped when the history outgrows the model's context
+  --system TEXT            --chat: the system prompt
+  --chat-template T        --chat: llama3, chatml or mistral (default: the one the checkpoint's
+                           dataset was prepared with)
 )";
 
 struct UsageError : std::runtime_error {
@@ -300,6 +308,9 @@ std::vector<int64_t> parse_ids(const std::string& v) {
 
 struct Options {
   std::string source, prompt = "\n", prompt_file, tokenizer, device = "auto", dtype = "fp32";
+  bool chat = false;
+  std::optional<std::string> system;
+  std::string chat_template;
   std::optional<std::vector<int64_t>> prompt_ids;
   bool prompt_given = false, json = false, stop_at_eos = false;
   int64_t num_samples = 1, seed = 1337;
@@ -311,13 +322,15 @@ bool parse(const std::vector<std::string>& args, Options& o) {
   std::map<std::string, std::string> values;
   const std::vector<std::string> valued = {"--prompt",      "--prompt-file", "--prompt-ids", "--max-new-tokens",
                                            "--temperature", "--top-k",       "--top-p",      "--seed",
-                                           "--num-samples", "--device",      "--dtype",      "--tokenizer"};
+                                           "--num-samples", "--device",      "--dtype",      "--tokenizer",
+                                           "--system",      "--chat-template"};
   for (size_t i = 0; i < args.size(); ++i) {
     const auto& a = args[i];
     if (a == "-h" || a == "--help") return false;
     if (a == "--json") { o.json = true; continue; }
     if (a == "--no-kv-cache") { o.gen.kv_cache = false; continue; }
     if (a == "--stop-at-eos") { o.stop_at_eos = true; continue; }
+    if (a == "--chat") { o.chat = true; continue; }
     std::string key = a, value;
     const auto eq = a.find('=');
     if (a.rfind("--", 0) == 0 && eq != std::string::npos) key = a.substr(0, eq), value = a.substr(eq + 1);
@@ -359,7 +372,13 @@ bool parse(const std::vector<std::string>& args, Options& o) {
       if (v != "fp32" && v != "bf16" && v != "fp16") throw UsageError(k + ": '" + v + "' is not fp32, bf16 or fp16");
       o.dtype = v;
     } else if (k == "--tokenizer") o.tokenizer = v;
+    else if (k == "--system") o.system = v;
+    else if (k == "--chat-template") o.chat_template = v;
   }
+  if (!o.chat && (o.system || !o.chat_template.empty()))
+    throw UsageError(std::string(o.system ? "--system" : "--chat-template") + " goes with --chat");
+  if (o.chat && (values.count("--prompt-file") || values.count("--prompt-ids") || o.num_samples != 1))
+    throw UsageError("--chat takes user turns as text: --prompt or standard input (no --prompt-file, --prompt-ids, --num-samples)");
   return true;
 }
 
@@ -371,7 +390,109 @@ std::string read_prompt_file(const std::string& path) {
   return ss.str();
 }
 
+// The chat template the checkpoint's indexed dataset was prepared with, if any.
+std::string dataset_chat_template(const std::string& source) {
+  try {
+    std::string src = source;
+    if (!fs::exists(fs::path(src) / "manifest.json") && fs::exists(fs::path(src) / "latest")) src = checkpoint::latest(src);
+    if (!fs::exists(fs::path(src) / "manifest.json")) return "";
+    const checkpoint::Checkpoint ck(src);
+    const auto args = saved_args(ck);
+    if (args.dataset.type != "indexed" || args.dataset.indexed_train.datasets.empty()) return "";
+    const auto p = find_from_run(args.dataset.indexed_train.datasets.front().path, ck,
+                                 [](const fs::path& f) { return fs::exists(f.string() + ".manifest.json"); });
+    if (!p) return "";
+    const auto j = checkpoint::read_json_bounded(p->string() + ".manifest.json");
+    return j.contains("settings") ? j["settings"].value("chat_template", "") : "";
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+// --chat: user turns from --prompt or standard input; each answer streamed to
+// standard output as it is sampled, ending at the template's end-of-turn token.
+int run_chat(const Options& o) {
+  std::string tmpl_name = o.chat_template.empty() ? dataset_chat_template(o.source) : o.chat_template;
+  if (tmpl_name.empty())
+    throw UsageError("--chat: give --chat-template llama3|chatml|mistral (the checkpoint's dataset records none)");
+  auto src = load_source(o.source);
+  const std::string tok_path = !o.tokenizer.empty() ? o.tokenizer : src.tokenizer ? *src.tokenizer : "";
+  if (tok_path.empty()) throw UsageError("--chat: no tokenizer for " + o.source + "; give --tokenizer PATH");
+  const auto tokenizer = tok::Tokenizer::load(tok_path);
+  std::optional<data::ChatTemplate> tmpl;
+  try {
+    tmpl.emplace(tmpl_name, tokenizer);
+  } catch (const data::ChatError& e) {
+    throw UsageError(std::string("--chat-template: ") + e.what());
+  }
+  auto& model = *src.model;
+  const auto device = dist::bind_device(o.device, dist::DistEnv{});
+  model.to(device, o.dtype == "bf16" ? torch::kBFloat16 : o.dtype == "fp16" ? torch::kHalf : torch::kFloat);
+  model.eval();
+  std::cerr << "nnstrain generate: " << src.what << " on " << device << "; chat template " << tmpl_name
+            << "; tokenizer " << tok_path << "\n";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(o.seed));
+  auto opts = o.gen;
+  opts.stop_id = tmpl->end_of_turn();
+  std::vector<data::ChatMessage> history;
+  if (o.system) history.push_back({"system", *o.system});
+  const size_t kept_front = history.size();
+  const bool single = o.prompt_given;
+  std::string line;
+  while (true) {
+    if (single) {
+      line = o.prompt;
+    } else {
+      std::cerr << "user> " << std::flush;
+      if (!std::getline(std::cin, line)) break;
+      if (line.empty()) continue;
+    }
+    history.push_back({"user", line});
+    // The rendered history and room for the answer within the context window:
+    // the oldest exchanges go first.
+    std::vector<int32_t> ids = tmpl->encode(history, true).ids;
+    while (int64_t(ids.size()) + opts.max_new_tokens > model.max_seq_len() && history.size() > kept_front + 2) {
+      history.erase(history.begin() + long(kept_front), history.begin() + long(kept_front) + 2);
+      ids = tmpl->encode(history, true).ids;
+    }
+    if (int64_t(ids.size()) >= model.max_seq_len()) {
+      std::cerr << "nnstrain generate: this turn's " << ids.size() << " tokens fill the model's context of "
+                << model.max_seq_len() << "; say less\n";
+      history.pop_back();
+      if (single) return 1;
+      continue;
+    }
+    std::vector<int64_t> prompt(ids.begin(), ids.end());
+    std::string answer;
+    std::vector<int64_t> answer_ids;
+    models::generate(model, prompt, opts, gen, [&](int64_t id, const at::Tensor&) {
+      if (id == opts.stop_id) return;
+      answer_ids.push_back(id);
+      std::string piece = id < tokenizer.vocab_size() ? [&] {
+        const int32_t i = int32_t(id);
+        try {
+          return tokenizer.decode(&i, 1);
+        } catch (const std::exception&) {
+          return kReplacement;
+        }
+      }() : kReplacement;
+      answer += piece;
+      if (!o.json) std::cout << piece << std::flush;  // streamed as sampled
+    });
+    if (o.json)
+      std::cout << nlohmann::json({{"prompt_ids", prompt}, {"ids", answer_ids}, {"text", answer}})
+                       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                << std::endl;
+    else
+      std::cout << std::endl;
+    history.push_back({"assistant", answer});
+    if (single) break;
+  }
+  return 0;
+}
+
 int run(const Options& o) {
+  if (o.chat) return run_chat(o);
   std::optional<std::string> prompt_text;
   if (!o.prompt_ids) prompt_text = o.prompt_file.empty() ? o.prompt : read_prompt_file(o.prompt_file);
   if (prompt_text && prompt_text->empty()) throw UsageError("the prompt is empty (give at least one token)");

@@ -97,7 +97,6 @@ std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
   if (c.pp > 1 && cc.cuda_graphs == "true") return "pipeline parallelism cannot be captured in a CUDA graph (compute_config.cuda_graphs)";
   if (c.cp > 1) {
     if (cc.cuda_graphs == "true") return "context parallelism is not supported with compute_config.cuda_graphs yet";
-    if (a.dataset.document_mask()) return "context parallelism is not supported with document_mask yet";
     if (a.model.args && a.model.args->attention_dropout().second > 0)
       return "context-parallel attention has no attention dropout (model.args." + a.model.args->attention_dropout().first + ")";
   }

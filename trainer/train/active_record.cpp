@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "models/common/context_attention.h"
 #include "models/common/lm_loss.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/dist/process_groups.h"
@@ -50,6 +51,7 @@ RunCounts RunCounts::now(const dist::Runtime* rt) {
   c.plain_loss = loss.plain;
   c.chunked_loss = loss.chunked;
   c.fused_loss = loss.fused;
+  c.document_tiles = models::common::document_tiles_computed();
   if (rt) {
     c.pp_sends = rt->pp.traffic.sends;
     c.pp_bytes = rt->pp.traffic.bytes;
@@ -72,7 +74,8 @@ nlohmann::json RunCounts::since(const RunCounts& b) const {
           {"pp_sends", pp_sends - b.pp_sends},
           {"pp_bytes", pp_bytes - b.pp_bytes},
           {"ep_all_to_all", ep_all_to_all - b.ep_all_to_all},
-          {"ep_bytes", ep_bytes - b.ep_bytes}};
+          {"ep_bytes", ep_bytes - b.ep_bytes},
+          {"document_tiles", document_tiles - b.document_tiles}};
 }
 
 nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr, int rank,

@@ -18,6 +18,7 @@
 #include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
 #include "base/log.h"
+#include "models/common/cp_document_layout.h"
 #include "trainer/train/active_record.h"
 #include "trainer/train/cpu_memory.h"
 #include "trainer/train/memory_snapshot.h"
@@ -70,13 +71,24 @@ bool inject_torch_error(int64_t step, int rank) {
 }
 
 // Context parallelism: this rank's tokens of every sequence of `b` (inputs and
-// targets alike) in the plan's layout; the whole batch at cp 1. Document masks
-// (positions, segments) are refused under cp at load.
+// targets alike) in the plan's layout; the whole batch at cp 1. Under document
+// masking the positions are cut too, the segments stay whole: every rank masks
+// any block from them (models::Documents), and zigzag is the layout balanced
+// for the micro-batch's documents.
 data::Batch cp_slice(data::Batch b, const parallel::ContextPlan& c, int cp_rank) {
   if (c.cp == 1) return b;
   const auto layout = models::common::parse_cp_layout(c.load_balance);
+  if (b.segments.defined() && layout == models::common::CpLayout::Zigzag) {
+    // Packed documents: the layout balanced for this micro-batch (models/common/cp_document_layout.h).
+    const auto idx = torch::tensor(models::common::cp_document_layout(b.segments, c.cp)[size_t(cp_rank)], torch::kLong);
+    b.x = b.x.index_select(1, idx).contiguous();
+    b.y = b.y.index_select(1, idx).contiguous();
+    b.positions = b.positions.index_select(1, idx).contiguous();
+    return b;
+  }
   b.x = models::common::cp_shard(b.x, 1, c.cp, cp_rank, layout).contiguous();
   b.y = models::common::cp_shard(b.y, 1, c.cp, cp_rank, layout).contiguous();
+  if (b.positions.defined()) b.positions = models::common::cp_shard(b.positions, 1, c.cp, cp_rank, layout).contiguous();
   return b;
 }
 
@@ -144,6 +156,7 @@ class Trainer {
 
   // On the device, read only at logging steps and saves (the one host sync).
   at::Tensor loss_sum_, grad_norm_, lr_dev_;
+  at::Tensor targets_;  // the last step's counted targets, all ranks (metrics' "targets")
   at::Tensor skipped_, first_bad_, step_dev_;  // non-finite steps: count, first one, step counter
   int64_t step_ = 0;
   double lr_ = 0;
@@ -349,6 +362,7 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   for (const auto& b : batches) counts.push_back(target_count(b));
   auto total = torch::stack(counts).sum();
   if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
+  targets_ = total;
   const auto inv_total = total.clamp_min(1).to(torch::kFloat32).reciprocal();
   if (tr_.pipeline) {
     // The schedule runs every micro-batch's forward and backward; the gradients
@@ -541,6 +555,7 @@ void Trainer::log_progress() {
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
+  if (targets_.defined()) rec["targets"] = targets_.item<int64_t>();
   if (step_peak[0] >= 0) rec["peak_tensor_mb"] = step_peak[0] / 1048576.0;
   if (step_peak[0] >= 0 && pp > 1) {
     std::vector<double> per_rank;

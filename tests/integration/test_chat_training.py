@@ -1,0 +1,141 @@
+"""Chat fine-tuning end to end (issue 40), CPU/Gloo, fp32.
+
+- Packed conversations (lengths varying over tenfold, prepared with --format chat,
+  llama3's template) with document masks and the loss on the assistant's tokens:
+  one process against cp 2 zigzag p2p with recompute, cp 2 contiguous all_gather
+  x dp 2 with two micro-batches, cp 4 zigzag all_gather and pp 2 with recompute,
+  10 steps each (every cp comm type and layout at cp 2 and 4 against one rank's
+  attention, op by op: tests/unit/test_context_attention.cpp): loss and gradient norm within 1e-5
+  (relative), and the same count of targets in every step however the batch is
+  cut. Each run's record shows it ran what it compares: the parallelism (groups,
+  cp traffic of the asked comm type, the pipeline's sends: conftest.assert_active)
+  and document-masked attention tiles on every rank that ran attention.
+- The shipped recipe, configs/llama3_chat_sft.yaml, fine-tunes a tiny Llama that
+  transformers wrote (model.init_from) on a conversation file written here, and
+  `nnstrain generate --chat` answers one turn from the checkpoint, streamed, ending
+  at <|eot_id|>; the interactive mode holds two turns from standard input.
+This module runs with Gloo's point-to-point under NCCL's rules (tests/CMakeLists.txt)."""
+import json
+import random
+import subprocess
+
+import pytest
+
+from chat_common import TEXT, write_jsonl, write_tokenizer
+from conftest import CONFIGS, SOURCE, active_records, nnstrain_bin_path, run_ranks, single_process_env
+
+TOL = 1e-5
+CP = "--compute_config.context_parallel_size"
+PLANS = {  # name: (ranks, overrides)
+    "one": (1, []),
+    "cp2_zigzag_p2p_recompute": (2, [CP, "2", "--model.activation_checkpointing", "true"]),
+    "cp2_contiguous_all_gather_dp2_accum2": (4, [CP, "2", "--compute_config.cp_load_balance", "none",
+                                                 "--compute_config.cp_comm_type", "all_gather",
+                                                 "--micro_batch_size", "1", "--grad_accumulation_steps", "2"]),
+    "cp4_zigzag_all_gather": (4, [CP, "4", "--compute_config.cp_comm_type", "all_gather"]),
+    "pp2_recompute": (2, ["--compute_config.pas_config.pp_size", "2", "--micro_batch_size", "2",
+                          "--model.activation_checkpointing", "true"]),
+}
+
+
+def conversations(n, seed=0):
+    """Conversations of one to three exchanges, answers of 2 to 20 words: about 12 to over 120 tokens."""
+    rng = random.Random(seed)
+    words = TEXT.split()
+    say = lambda lo, hi: " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+    out = []
+    for _ in range(n):
+        c = [{"role": "system", "content": say(2, 5)}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3) if rng.random() < 0.3 else 1):
+            c += [{"role": "user", "content": say(1, 8)}, {"role": "assistant", "content": say(2, 20)}]
+        out.append(c)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    tok = write_tokenizer(root / "tok", "llama3")
+    src = write_jsonl(root / "chats.jsonl", conversations(120))
+    p = subprocess.run([nnstrain_bin_path(), "prepare", "corpus", "--format", "chat", "--chat-template", "llama3",
+                        "--tokenizer", str(tok), "--input", str(src), "--out", str(root / "chat"),
+                        "--max-tokens", "64", "--overlong", "split"],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return root
+
+
+def train(name, run_dir, data):
+    ranks, overrides = PLANS[name]
+    args = ["--config", str(CONFIGS / "tiny_llama_chat.yaml"), "--run_dir", str(run_dir),
+            "--vars.data", str(data / "chat"), "--compute_config.runtime_ngpus", str(ranks), *overrides]
+    got = run_ranks(ranks, run_dir, args, overrides)  # asserts the plan asked for really ran
+    records = active_records(run_dir, ranks)
+    for rank, rec in records.items():  # document-masked attention ran (on every rank holding layers)
+        assert rec["first_step"]["document_tiles"] > 0, f"{name} rank {rank}: no document-masked tiles: {rec}"
+    targets = [json.loads(l)["targets"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if l.strip() and "targets" in json.loads(l)]
+    return got, targets
+
+
+def test_document_masks_under_cp_and_pp_equal_one_process(chat_data, tmp_path):
+    runs = {name: train(name, tmp_path / name, chat_data) for name in PLANS}
+    base, base_targets = runs["one"]
+    assert len(base) == 10 and len(base_targets) == 10
+    # Masked targets are real: fewer targets than tokens (the prompts are context).
+    assert 0 < max(base_targets) < 4 * 64, base_targets
+    for name, (got, targets) in runs.items():
+        assert targets == base_targets, f"{name}: targets per step {targets}, one process {base_targets}"
+        for step, (loss, gn) in base.items():
+            l, g = got[step]
+            assert abs(l - loss) <= TOL * abs(loss) and abs(g - gn) <= TOL * abs(gn), \
+                f"{name} step {step}: loss {l} grad norm {g}, one process {loss} {gn}"
+
+
+def test_recipe_fine_tunes_a_transformers_llama_and_chats(chat_data, tmp_path):
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    shrink = {"vocab_size": 416, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+    args = [nnstrain_bin_path(), "--config", str(SOURCE / "configs" / "llama3_chat_sft.yaml"),
+            "--vars.hf_model", str(tmp_path / "hf"), "--vars.data", str(chat_data / "chat"), "--vars.seq_len", "64",
+            "--run_dir", str(tmp_path / "run"), "--checkpoint.save_dir", str(tmp_path / "ckpt"),
+            "--compute_config.device", "cpu", "--precision", "32-true", "--pas_policy", "dp",
+            "--global_batch_size", "4", "--micro_batch_size", "4", "--max_epochs", "0", "--max_train_steps", "6",
+            "--lr_scheduler.args.warmup_steps", "1", "--optimizer.args.lr", "1e-2",
+            "--checkpoint.every_n_train_steps", "6", "--log_progress_every_n_train_steps", "1"]
+    for k, v in shrink.items():
+        args += [f"--model.args.{k}", str(v)]
+    p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    train = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    assert len(train) == 6 and train[-1]["loss"] < train[0]["loss"], train
+    # One turn, from the checkpoint: the template comes from the dataset's manifest, the tokenizer too.
+    gen = [nnstrain_bin_path(), "generate", str(tmp_path / "ckpt"), "--chat", "--system", "Be brief.",
+           "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu"]
+    p = subprocess.run(gen + ["--prompt", "What is the capital of France?", "--json"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    (answer,) = [json.loads(l) for l in p.stdout.splitlines() if l.strip()]
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(chat_data / "tok" / "tokenizer.json"))
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(str(chat_data / "tok"))
+    want_prompt = hf_tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "What is the capital of France?"}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert tok.decode(answer["prompt_ids"], skip_special_tokens=False) == want_prompt
+    assert 0 < len(answer["ids"]) <= 12 and tok.token_to_id("<|eot_id|>") not in answer["ids"]
+    assert answer["text"] == tok.decode(answer["ids"])
+    # Interactive: two user turns on standard input, each answer streamed on its own line.
+    p = subprocess.run(gen, input="Hello there\nTell me a joke about cats.\n", cwd=SOURCE, env=single_process_env(1),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("user> ") == 3, p.stderr  # asked twice, then end of input
+    assert len(p.stdout.splitlines()) == 2, p.stdout
