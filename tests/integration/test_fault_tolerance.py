@@ -257,3 +257,21 @@ def test_parameter_changed_on_one_replica_is_named(tiny_tokens, tmp_path):
                      rf"rank 1 checksum \d+", out), out
     assert "training stops (fault_tolerance.on_checksum_mismatch: stop)" in out
     assert "step 2: parameter" not in out  # the check before the change passed
+
+
+# --- the configuration ----------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, named", [
+    (["--fault_tolerance.spike_factor", "0.5"], "fault_tolerance.spike_factor"),
+    (["--fault_tolerance.spike_factor", "3", "--fault_tolerance.on_spike", "rewind"], "fault_tolerance.on_spike"),
+    (["--fault_tolerance.rerun_check", "true"], "fault_tolerance.rerun_check"),
+    (["--fault_tolerance.spike_windw", "5"], "fault_tolerance.spike_windw"),
+])
+def test_wrong_fault_tolerance_keys_are_refused_naming_them(tiny_tokens, overrides, named):
+    # tiny_gpt.yaml has no checkpoint.save_dir here: a rewind has nothing to go back to.
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(TINY), "--vars.data", str(tiny_tokens),
+                        "--checkpoint.save_dir", "", *overrides, "--print-config"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert named in err and "\n" not in err, err
