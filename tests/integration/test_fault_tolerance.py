@@ -163,7 +163,7 @@ def spike_args(tokens, d, *more):
 def test_loss_spike_is_rerun_rewound_and_its_data_skipped(spiky_tokens, tmp_path):
     d = tmp_path / "run"
     p = subprocess.run([nnstrain_bin_path(), *map(str, spike_args(spiky_tokens, d))], cwd=SOURCE,
-                       env=single_process_env(1), capture_output=True, text=True, timeout=240)
+                       env=single_process_env(1), capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     ev = events(d)

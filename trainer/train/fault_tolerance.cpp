@@ -284,6 +284,13 @@ std::optional<Rewind> FaultTolerance::check_spike(int64_t step, const Values& v)
     rerun_.reset();
     return std::nullopt;
   }
+  // A spike again at a step whose data was skipped: the rewind did not help, and would repeat forever.
+  if ((action == kSkip || action == kRerun) && !rerun_step && skipped_at_.count(step)) {
+    what["action"] = "stop";
+    event(step, what, line);
+    throw std::runtime_error("step " + std::to_string(step) + ": " + line +
+                             "; a spike again at a step already rewound past skipped data: training stops");
+  }
   if (action == kStop) {
     what["action"] = "stop";
     event(step, what, line);
@@ -311,6 +318,7 @@ std::optional<Rewind> FaultTolerance::check_spike(int64_t step, const Values& v)
   const int64_t len = std::max<int64_t>(args_.skip_window, rerun_step ? 1 : std::max<int64_t>(1, nonfinite_run_));
   const int64_t first = std::max(last - len + 1, data_step(r.step));
   skipped_ = add_window(skipped_, first, last + 1);
+  skipped_at_.insert(step);
   what["action"] = "rewind";
   what["to_step"] = r.step;
   what["skipped_data_steps"] = {first, last + 1};

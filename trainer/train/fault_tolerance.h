@@ -32,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -129,6 +130,7 @@ class FaultTolerance {
     int64_t skip_first, skip_end;
   };
   std::optional<Rerun> rerun_;  // a spike step awaiting its rerun
+  std::set<int64_t> skipped_at_;  // spike steps rewound with a skip (a second spike there stops the run)
   std::vector<nlohmann::json> events_;  // rank 0's decisions so far (written again after a rewind)
   size_t times_offset_ = 0;     // where this rank's step times sit in the logging step's host maximum
   std::vector<int64_t> slow_intervals_;  // per rank: logging intervals in a row above the factor
