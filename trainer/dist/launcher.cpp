@@ -658,7 +658,13 @@ class Launch {
     failed_at_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(
                         std::chrono::system_clock::now().time_since_epoch()).count();
     say("rank " + std::to_string(w.rank) + " " + describe_end(w.status));
-    if (running() > 0) {
+    if (running() > 0 && c_.max_restarts > 0 && !c_.exec) {
+      // They restart from the checkpoint: what they hold is worth nothing, and
+      // blocked in a collective with the dead rank they would not act on
+      // SIGTERM before the grace period ran out (measured: the whole 5 s).
+      say("stopping the other workers (SIGKILL: every worker restarts from the latest checkpoint)");
+      signal_running(SIGKILL);
+    } else if (running() > 0) {
       char grace[32];
       std::snprintf(grace, sizeof grace, "%g", o_.grace_period_s);
       say("stopping the other workers (SIGTERM, then SIGKILL after " + std::string(grace) + " s)");
