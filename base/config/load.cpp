@@ -675,6 +675,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (t.memory_snapshot_step > 0 && !t.memory_snapshot)
     top.fail("memory_snapshot_step", "is set but memory_snapshot is false");
 
+  load_fault_tolerance(top, t);  // after checkpoint and compute_config (its checks combine them)
+
   // Unknown keys before the checks that combine keys: a misspelt key would
   // otherwise surface as a confusing consequence of its default.
   top.finish();

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "base/config/fault_tolerance_args.h"
+
 namespace nnstrain::config {
 
 // Opaque, model-specific arguments (e.g. GptConfig); parsed by the model registry.
@@ -232,6 +234,7 @@ struct TrainerArgs {
   ProfileArgs profile;
   bool memory_snapshot = false;       // CUDA allocator history and snapshots
   int64_t memory_snapshot_step = 0;   // dump after this step; 0 = the run's first step
+  FaultToleranceArgs fault_tolerance;
 
   std::string resolved_yaml;          // the resolved configuration, as YAML
 };

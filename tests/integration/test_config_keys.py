@@ -27,7 +27,8 @@ DOC = SOURCE / "docs" / "config.md"
 # docs/config.md's "## <heading>" -> the key prefix of its table's rows.
 SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "model.", "optimizer": "optimizer.",
             "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
-            "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile."}
+            "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile.",
+            "fault_tolerance": "fault_tolerance."}
 # "### <heading>" tables inside a section: their own key prefix.
 SUBSECTIONS = {"offload": "compute_config.offload.", "pas_config": "compute_config.pas_config."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
@@ -100,6 +101,7 @@ def full_config(tmp_path):
         "precision": "16-mixed",  # so loss_scaler is read too
         "loss_scaler": {},
         "profile": {"steps": [1, 2]},
+        "fault_tolerance": {},
         "log": [{"type": "console"}, {"type": "jsonl", "args": {"path": str(tmp_path / "m.jsonl")}},
                 {"type": "tensorboard", "args": {"dir": str(tmp_path / "tb")}}],
     }

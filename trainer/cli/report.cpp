@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/checkpoint/checkpoint.h"
+#include "trainer/dist/flight_recorder.h"
 #include "trainer/train/step_timer.h"
 
 extern char** environ;
@@ -77,6 +78,67 @@ std::string checkpoints_line(const fs::path& run_dir) {
   const auto latest = checkpoint::latest(dir);
   if (!latest.empty()) out += " (latest " + fs::path(latest).filename().string() + ")";
   return out;
+}
+
+// Fault tolerance: restarts (restarts.jsonl), decisions and stragglers
+// (metrics.jsonl), every rank's median step times, and the flight recorder's
+// files lined up (flight/rank<R>.json).
+void fault_lines(const fs::path& run_dir, const std::vector<nlohmann::json>& train, std::ostream& s) {
+  std::ifstream restarts(run_dir / "restarts.jsonl");
+  for (std::string line; std::getline(restarts, line);) {
+    const auto r = nlohmann::json::parse(line, nullptr, false);
+    if (!r.is_object()) continue;
+    s << "restart          " << r.value("restart", 0) << ": " << r.value("cause", std::string()) << "; resumed at step "
+      << r.value("resumed_at_step", int64_t(0)) << ", step " << r.value("first_step", int64_t(0)) << " done "
+      << fixed(r.value("seconds_from_failure_to_first_step", -1.0), 1) << " s after the failure\n";
+  }
+  std::vector<std::vector<double>> compute, wait;
+  for (const auto& r : train) {
+    if (r.contains("fault_tolerance")) s << "fault tolerance  step " << r["step"] << ": " << r["fault_tolerance"].dump() << "\n";
+    if (r.contains("straggler")) {
+      const auto& g = r["straggler"];
+      s << "straggler        step " << r["step"] << ": rank " << g.value("rank", -1) << " ("
+        << g.value("where", std::string("?")) << "), compute " << fixed(g.value("compute_ms", 0.0), 1)
+        << " ms against the others' median " << fixed(g.value("others_median_ms", 0.0), 1) << " ms\n";
+    }
+    if (r.contains("rank_compute_ms") && r.contains("rank_wait_ms")) {
+      const auto c = r["rank_compute_ms"].get<std::vector<double>>(), w = r["rank_wait_ms"].get<std::vector<double>>();
+      compute.resize(std::max(compute.size(), c.size()));
+      wait.resize(std::max(wait.size(), w.size()));
+      for (size_t i = 0; i < c.size(); ++i) compute[i].push_back(c[i]);
+      for (size_t i = 0; i < w.size(); ++i) wait[i].push_back(w[i]);
+    }
+  }
+  if (!compute.empty()) {
+    s << "rank step times ";
+    for (size_t i = 0; i < compute.size(); ++i)
+      s << (i ? ", " : " ") << "rank " << i << " " << fixed(median(compute[i]), 1) << " / "
+        << fixed(i < wait.size() ? median(wait[i]) : 0.0, 1);
+    s << " ms compute / waiting (medians)\n";
+  }
+  std::vector<nlohmann::json> records;
+  int world = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run_dir / "flight", ec)) {
+    if (e.path().extension() != ".json") continue;
+    std::ifstream in(e.path());
+    auto r = nlohmann::json::parse(in, nullptr, false);
+    if (!r.is_object() || !r.contains("rank") || !r.contains("entries") || !r.contains("groups")) {
+      s << "flight recorder  " << e.path().string() << ": not a flight record, ignored\n";
+      continue;
+    }
+    world = std::max(world, r.value("world_size", 0));
+    records.push_back(std::move(r));
+  }
+  if (records.empty()) return;
+  std::sort(records.begin(), records.end(), [](const auto& a, const auto& b) { return a["rank"] < b["rank"]; });
+  s << "flight recorder  " << records.size() << " of " << world << " ranks wrote one (";
+  for (size_t i = 0; i < records.size(); ++i)
+    s << (i ? "; " : "") << "rank " << records[i]["rank"] << ": " << records[i].value("reason", std::string()).substr(0, 80);
+  s << ")\n";
+  const auto lines = dist::align_flight_records(records, world);
+  if (lines.empty()) s << "flight recorder  the ranks agree on every collective they kept\n";
+  for (const auto& l : lines) s << "flight recorder  " << l << "\n";
 }
 
 // Runs `argv` and waits; returns its exit status (127 if it could not start).
@@ -163,6 +225,7 @@ int report_main(const std::vector<std::string>& args) {
   }
   if (!split.empty()) s << "step time split  " << split << " ms (median of logged steps)\n";
   s << "checkpoints      " << checkpoints_line(run_dir) << "\n";
+  fault_lines(run_dir, train, s);
   std::cout << s.str();
   if (!plot) return 0;
 

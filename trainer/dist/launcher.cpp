@@ -21,6 +21,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "trainer/dist/progress_board.h"
 #include "trainer/dist/rendezvous_socket.h"
 
 extern char** environ;
@@ -31,7 +32,8 @@ namespace {
 
 constexpr const char* kUsage =
     R"(usage: nnstrain launch --nproc-per-node N [--nnodes M --node-rank R
-                       --master-addr HOST --master-port PORT] [--exec] -- ARGS...
+                       --master-addr HOST --master-port PORT] [--max-restarts N]
+                       [--exec] -- ARGS...
 
 Starts N worker processes on this node, as torchrun does, each running
 `nnstrain ARGS...` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -47,6 +49,10 @@ later. SIGINT, SIGTERM and SIGHUP are passed on to the workers.
   --master-port PORT   rank 0's rendezvous port (default: a free one; needed when M > 1).
                        On node 0 the launcher holds it until rank 0 serves it;
                        one in use is an error (status 2)
+  --max-restarts N     when a worker fails, stop the others and start them all
+                       again with --resume (the latest complete checkpoint), up
+                       to N times (default 0); a failure at the same step as the
+                       one before is deterministic and ends the launch
   --exec               ARGS[0] is any program, not an nnstrain subcommand
                        (torchrun's --no-python; also accepted)
 )";
@@ -61,6 +67,7 @@ struct Config {
   std::optional<int> node_rank;
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
+  int max_restarts = 0;
   bool exec = false;
   bool help = false;
   std::vector<std::string> command;
@@ -110,7 +117,7 @@ Config parse(const std::vector<std::string>& args) {
       continue;
     }
     static const std::set<std::string> valued = {"nproc-per-node", "nnodes", "node-rank", "master-addr",
-                                                 "master-port"};
+                                                 "master-port", "max-restarts"};
     if (!valued.count(name))
       throw UsageError("unknown option '" + a + "' (launcher options go before '--', the command after it)");
     if (!has_value) {
@@ -124,6 +131,8 @@ Config parse(const std::vector<std::string>& args) {
       c.nnodes = parse_int(flag, value, 1, 1 << 20);
     } else if (name == "node-rank") {
       c.node_rank = parse_int(flag, value, 0, 1 << 20);
+    } else if (name == "max-restarts") {
+      c.max_restarts = parse_int(flag, value, 0, 1000000);
     } else if (name == "master-addr") {
       if (value.empty()) throw UsageError("--master-addr is empty");
       c.master_addr = value;
@@ -377,7 +386,7 @@ struct Spawn {
 };
 
 [[noreturn]] void exec_child(const Spawn& sp, const SignalScope& signals, const sigset_t& mask, pid_t parent,
-                             int in_fd, int out_fd, int err_fd, int listen_fd) {
+                             int in_fd, int out_fd, int err_fd, int listen_fd, int progress_fd) {
   setpgid(0, 0);  // its own group: a signal to -pid reaches whatever the worker starts
 #ifdef __linux__
   prctl(PR_SET_PDEATHSIG, SIGTERM);  // the launcher dying (even by SIGKILL) stops the worker
@@ -390,6 +399,7 @@ struct Spawn {
   keep_across_exec(out_fd, 1);
   keep_across_exec(err_fd, 2);
   if (listen_fd >= 0) keep_across_exec(listen_fd, kRendezvousFd);
+  if (progress_fd >= 0) keep_across_exec(progress_fd, kProgressFd);
   sigprocmask(SIG_SETMASK, &mask, nullptr);
   if (sp.search_path)
     execvpe(sp.argv[0], sp.argv.data(), sp.envp.data());
@@ -440,7 +450,9 @@ class Launch {
 
     static const std::set<std::string> ours = {"RANK",           "WORLD_SIZE",       "LOCAL_RANK",
                                                "LOCAL_WORLD_SIZE", "GROUP_RANK",       "GROUP_WORLD_SIZE",
-                                               "MASTER_ADDR",    "MASTER_PORT",      kRendezvousFdVar};
+                                               "MASTER_ADDR",    "MASTER_PORT",      kRendezvousFdVar,
+                                               kProgressFdVar,   "NNSTRAIN_RESTART_COUNT",
+                                               "NNSTRAIN_RESTART_CAUSE", "NNSTRAIN_RESTART_FAILED_AT_MS"};
     std::vector<std::string> base;
     for (char** e = environ; *e; ++e) {
       std::string kv = *e;
@@ -463,27 +475,86 @@ class Launch {
     prctl(PR_SET_CHILD_SUBREAPER, 1);
 #endif
     SignalScope signals;
-    workers_.resize(c_.nproc);
-    for (int local = 0; local < c_.nproc; ++local) {
-      Worker& w = workers_[local];
-      w.rank = node_rank * c_.nproc + local;
-      std::vector<std::string> env = base;
-      env.push_back("RANK=" + std::to_string(w.rank));
-      env.push_back("WORLD_SIZE=" + std::to_string(world));
-      env.push_back("LOCAL_RANK=" + std::to_string(local));
-      env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(c_.nproc));
-      env.push_back("GROUP_RANK=" + std::to_string(node_rank));
-      env.push_back("GROUP_WORLD_SIZE=" + std::to_string(c_.nnodes));
-      env.push_back("MASTER_ADDR=" + addr);
-      env.push_back("MASTER_PORT=" + std::to_string(port));
-      const bool takes_socket = w.rank == 0 && listen_fd_ >= 0;
-      if (takes_socket) env.push_back(std::string(kRendezvousFdVar) + "=" + std::to_string(kRendezvousFd));
-      spawn(w, argv, env, signals, takes_socket ? listen_fd_ : -1);
+    // The step each worker runs, read after a failure (restarts only).
+    std::optional<ProgressBoard> board;
+    if (c_.max_restarts > 0) {
+      board.emplace(c_.nproc);
+      progress_fd_ = board->fd();
     }
-    // Rank 0 holds the socket now (or has failed, and with it the launch).
-    if (listen_fd_ >= 0) close(listen_fd_);
-    listen_fd_ = -1;
-    return supervise(signals);
+    std::vector<std::string> restart_env;  // what a restarted worker is told (NNSTRAIN_RESTART_*)
+    std::optional<int64_t> failed_step;    // the step of the failure before the last restart
+    for (int attempt = 0;; ++attempt) {
+      workers_.assign(c_.nproc, Worker{});
+      for (int local = 0; local < c_.nproc; ++local) {
+        Worker& w = workers_[local];
+        w.rank = node_rank * c_.nproc + local;
+        std::vector<std::string> env = base;
+        env.push_back("RANK=" + std::to_string(w.rank));
+        env.push_back("WORLD_SIZE=" + std::to_string(world));
+        env.push_back("LOCAL_RANK=" + std::to_string(local));
+        env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(c_.nproc));
+        env.push_back("GROUP_RANK=" + std::to_string(node_rank));
+        env.push_back("GROUP_WORLD_SIZE=" + std::to_string(c_.nnodes));
+        env.push_back("MASTER_ADDR=" + addr);
+        env.push_back("MASTER_PORT=" + std::to_string(port));
+        if (board) env.push_back(std::string(kProgressFdVar) + "=" + std::to_string(kProgressFd));
+        env.insert(env.end(), restart_env.begin(), restart_env.end());
+        const bool takes_socket = w.rank == 0 && listen_fd_ >= 0;
+        if (takes_socket) env.push_back(std::string(kRendezvousFdVar) + "=" + std::to_string(kRendezvousFd));
+        spawn(w, argv, env, signals, takes_socket ? listen_fd_ : -1);
+      }
+      // Rank 0 holds the socket now (or has failed, and with it the launch).
+      if (listen_fd_ >= 0) close(listen_fd_);
+      listen_fd_ = -1;
+      const int status = supervise(signals);
+      if (status == 0 || got_signal_ || !first_failure_ || c_.max_restarts == 0) return status;
+
+      // A restart: the cause, and whether it is the failure before it again.
+      const Worker& f = *first_failure_;
+      const int64_t step = board->step(f.rank - node_rank * c_.nproc);
+      const std::string cause = "rank " + std::to_string(f.rank) + " " + describe_end(f.status) +
+                                (step > 0 ? " at step " + std::to_string(step) : " before training");
+      if (attempt >= c_.max_restarts) {
+        say("no restart left (--max-restarts " + std::to_string(c_.max_restarts) + "): " + cause);
+        return status;
+      }
+      if (failed_step && *failed_step == step) {
+        say("deterministic failure: " + cause + ", at the same " + (step > 0 ? "step" : "point") +
+            " as before restart " + std::to_string(attempt) + "; not restarting again");
+        return status;
+      }
+      failed_step = step;
+      say("restart " + std::to_string(attempt + 1) + " of " + std::to_string(c_.max_restarts) + ": " + cause +
+          "; starting every worker again with --resume");
+      restart_env = {"NNSTRAIN_RESTART_COUNT=" + std::to_string(attempt + 1), "NNSTRAIN_RESTART_CAUSE=" + cause,
+                     "NNSTRAIN_RESTART_FAILED_AT_MS=" + std::to_string(failed_at_ms_)};
+      if (!c_.exec) resume_latest(argv);
+      board->clear();
+      first_failure_ = nullptr;
+      kill_at_.reset();
+      groups_ended_ = false;
+      // Rank 0's port again (its last holder is gone), held until the new rank 0 takes it.
+      if (node_rank == 0 && !c_.exec && world > 1) {
+        Reserved r = reserve_port(port);
+        listen_fd_ = r.fd;
+      }
+    }
+  }
+
+  // The command of a restart resumes from the latest checkpoint: any --resume
+  // (with its folder) gives way to a bare --resume.
+  static void resume_latest(std::vector<std::string>& argv) {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < argv.size(); ++i) {
+      if (argv[i].rfind("--resume=", 0) == 0) continue;
+      if (argv[i] == "--resume") {
+        if (i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0) ++i;
+        continue;
+      }
+      out.push_back(argv[i]);
+    }
+    out.push_back("--resume");
+    argv = std::move(out);
   }
 
  private:
@@ -511,7 +582,7 @@ class Launch {
     sigprocmask(SIG_BLOCK, &all, &old);
     const pid_t parent = getpid();
     const pid_t pid = fork();
-    if (pid == 0) exec_child(sp, signals, old, parent, devnull_, out[1], err[1], listen_fd);
+    if (pid == 0) exec_child(sp, signals, old, parent, devnull_, out[1], err[1], listen_fd, progress_fd_);
     const int fork_errno = errno;
     sigprocmask(SIG_SETMASK, &old, nullptr);
     close(out[1]);
@@ -584,8 +655,16 @@ class Launch {
     pump(w.err, true);
     if (!failed(w.status) || first_failure_) return;
     first_failure_ = &w;
+    failed_at_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::system_clock::now().time_since_epoch()).count();
     say("rank " + std::to_string(w.rank) + " " + describe_end(w.status));
-    if (running() > 0) {
+    if (running() > 0 && c_.max_restarts > 0 && !c_.exec) {
+      // They restart from the checkpoint: what they hold is worth nothing, and
+      // blocked in a collective with the dead rank they would not act on
+      // SIGTERM before the grace period ran out (measured: the whole 5 s).
+      say("stopping the other workers (SIGKILL: every worker restarts from the latest checkpoint)");
+      signal_running(SIGKILL);
+    } else if (running() > 0) {
       char grace[32];
       std::snprintf(grace, sizeof grace, "%g", o_.grace_period_s);
       say("stopping the other workers (SIGTERM, then SIGKILL after " + std::string(grace) + " s)");
@@ -672,6 +751,8 @@ class Launch {
   int listen_fd_ = -1;  // the reserved rendezvous port, until rank 0 has it
   std::vector<Worker> workers_;
   Worker* first_failure_ = nullptr;
+  int64_t failed_at_ms_ = 0;  // wall clock of the first failure (a restart's cost is measured from it)
+  int progress_fd_ = -1;      // the progress board (--max-restarts), handed to every worker
   std::optional<Clock::time_point> kill_at_;
   int got_signal_ = 0;
   bool was_subreaper_ = true;

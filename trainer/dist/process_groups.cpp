@@ -65,6 +65,12 @@ Traffic one(int64_t Traffic::*kind, int64_t bytes) {
   return t;
 }
 
+// The flight recorder's name for an operation, from what it adds to the traffic.
+const char* op_name(const Traffic& t) {
+  return t.all_reduce ? "all_reduce" : t.all_gather ? "all_gather" : t.reduce_scatter ? "reduce_scatter"
+         : t.send_recv ? "ring_shift" : "p2p";
+}
+
 std::string join(const std::vector<int>& v) {
   std::ostringstream o;
   for (size_t i = 0; i < v.size(); ++i) o << (i ? ", " : "") << v[i];
@@ -129,6 +135,10 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
     throw std::runtime_error("world size " + std::to_string(world_) + " is not a multiple of plan_ngpus " +
                              std::to_string(tp_size) + " x context_parallel_size " + std::to_string(cp_size) +
                              " x pp_size " + std::to_string(pp_size));
+  if (opts.flight_size > 0 && !opts.flight_path.empty() && world_ > 1) {
+    flight_ = std::make_unique<FlightRecorder>(opts.flight_path, opts.flight_size, rank_, world_);
+    FlightRecorder::install_dump_signal();
+  }
   if (world_ > 1) {
     if (!store_) store_ = rendezvous(env, opts.timeout);
     store_->set("hb/" + std::to_string(rank_), "0:" + std::to_string(now_ms()));
@@ -284,6 +294,7 @@ void Runtime::shutdown() {
 Runtime::~Runtime() {
   stop_threads();
   if (shut_down_) return;
+  dump_flight("an error ended the run");
   // An error is leaving the run: abort, which never waits for peers.
   for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
     try {
@@ -349,6 +360,10 @@ void Runtime::heartbeat_loop() {
   }
   const auto key = "hb/" + std::to_string(rank_);
   while (!stop_) {
+    if (flight_ && flight_->poll_dump_request()) {
+      flight_->dump("SIGUSR2");  // on request: later dumps may overwrite it
+      log::info("flight recorder written on SIGUSR2: " + opts_.flight_path);
+    }
     try {
       hb->set(key, std::to_string(seq_.load()) + ":" + std::to_string(now_ms()));
     } catch (...) {
@@ -359,7 +374,15 @@ void Runtime::heartbeat_loop() {
 }
 
 void Runtime::fail(const Group& g, const char* what, const std::string& cause) {
-  throw CollectiveError(diagnose(g, what, cause, seq_.load()));
+  if (flight_) flight_->failed(nullptr, cause);
+  const auto msg = diagnose(g, what, cause, seq_.load());
+  dump_flight(msg);
+  throw CollectiveError(msg);
+}
+
+void Runtime::dump_flight(const std::string& reason) {
+  if (!flight_ || flight_dumped_.exchange(true)) return;
+  if (flight_->dump(reason)) log::info("flight recorder: " + opts_.flight_path);
 }
 
 std::string Runtime::diagnose(const Group& g, const char* what, const std::string& cause, int64_t my_seq) {
@@ -443,6 +466,7 @@ void Runtime::monitor_loop() {
           break;
         }
         if (done) {
+          if (flight_) flight_->completed_seq(it->seq);
           it = inflight_.erase(it);
         } else if (now > it->deadline) {
           cause = "not complete after collective_timeout_s " +
@@ -456,7 +480,10 @@ void Runtime::monitor_loop() {
     }
     if (late) {
       // Peers are gone or frozen: leave at once (teardown could block on them).
-      std::cerr << "nnstrain: " << diagnose(*late->group, late->what, cause, late->seq) << std::endl;
+      const auto msg = diagnose(*late->group, late->what, cause, late->seq);
+      if (flight_) flight_->failed(nullptr, cause);
+      dump_flight(msg);
+      std::cerr << "nnstrain: " << msg << std::endl;
       std::_Exit(1);
     }
   }
@@ -481,6 +508,7 @@ void Runtime::wait(const c10::intrusive_ptr<c10d::Work>& w, const Group& g, cons
 #endif
     } else {
       w->wait(opts_.timeout);
+      if (flight_) flight_->completed(w.get());
     }
   } catch (const CollectiveError&) {
     throw;
@@ -523,6 +551,8 @@ c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, const 
     g.traffic += add;
     seq = ++seq_;
   }
+  int64_t flight_id = -1;
+  if (flight_ && !recorded) flight_id = flight_->issued(g.name, g.ranks, op_name(add), what, add.bytes, seq);
   if (watched) {  // from the call on: creating a communicator blocks until every rank joins
     std::lock_guard<std::mutex> lock(inflight_mu_);
     inflight_.push_back({seq, &g, what, std::chrono::steady_clock::now() + opts_.timeout, {}});
@@ -547,6 +577,7 @@ c10::intrusive_ptr<c10d::Work> Runtime::issue(Group& g, const char* what, const 
     fail(g, what, e.what());
   }
   settle(w);
+  if (flight_id >= 0) flight_->started(flight_id, w.get());
   return w;
 }
 

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "trainer/dist/dist_env.h"
+#include "trainer/dist/flight_recorder.h"
 #include "trainer/dist/nccl_rules.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -95,6 +96,10 @@ struct RuntimeOptions {
   // Gloo's point-to-point under NCCL's rules (nccl_rules.h); read from
   // NNSTRAIN_P2P_SEMANTICS=nccl by the Runtime when not set here.
   bool nccl_p2p_rules = false;
+  // The flight recorder (flight_recorder.h): its file and how many operations
+  // it keeps (0: none).
+  std::string flight_path;
+  size_t flight_size = 0;
 };
 
 // Connects this rank to the job's rendezvous store (rank 0 serves it), waiting
@@ -227,6 +232,9 @@ class Runtime {
   std::thread monitor_;
   std::vector<c10::intrusive_ptr<c10d::Backend>> backends_;  // every group's, in creation order
   bool shut_down_ = false;
+  std::unique_ptr<FlightRecorder> flight_;  // null when RuntimeOptions::flight_size is 0
+  std::atomic<bool> flight_dumped_{false};  // the first dump's reason stands
+  void dump_flight(const std::string& reason);
 };
 
 }  // namespace nnstrain::dist

@@ -360,6 +360,8 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   o.backend = args.compute_config.backend;
   o.cuda = device.is_cuda();
   o.timeout = timeout;
+  o.flight_size = static_cast<size_t>(args.fault_tolerance.flight_recorder_size);
+  o.flight_path = (fs::path(args.run_dir) / "flight" / ("rank" + std::to_string(env.rank) + ".json")).string();
   return std::make_unique<dist::Runtime>(env, o, a.store);
 }
 

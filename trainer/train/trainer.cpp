@@ -9,11 +9,13 @@
 #include <filesystem>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "data/loader.h"
 #include "base/config/arg_map.h"
 #include "trainer/checkpoint/async_save.h"
 #include "trainer/checkpoint/rng_state.h"
+#include "trainer/dist/progress_board.h"
 #include "trainer/optim/lr_schedule.h"
 #include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
@@ -21,6 +23,7 @@
 #include "models/common/cp_document_layout.h"
 #include "trainer/train/active_record.h"
 #include "trainer/train/cpu_memory.h"
+#include "trainer/train/fault_tolerance.h"
 #include "trainer/train/memory_snapshot.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/profiler.h"
@@ -69,6 +72,30 @@ bool inject_torch_error(int64_t step, int rank) {
   static const std::string at = test_switch("NNSTRAIN_TEST_TORCH_ERROR_AT");
   return test_switch_hits(at, step, rank);
 }
+// NNSTRAIN_TEST_KILL_AT=STEP[:RANK]: SIGKILL at the start of that step, in a
+// launch's first attempt only (NNSTRAIN_RESTART_COUNT unset): a restart runs on.
+// NNSTRAIN_TEST_SLOW_RANK=RANK:MS: that rank's every forward starts MS later (a straggler).
+void inject_kill(int64_t step, int rank) {
+  static const std::string at = std::getenv("NNSTRAIN_RESTART_COUNT") ? "" : test_switch("NNSTRAIN_TEST_KILL_AT");
+  if (test_switch_hits(at, step, rank)) std::raise(SIGKILL);
+}
+// NNSTRAIN_TEST_STOP_AT=STEP:RANK: SIGSTOP at the start of that step (a rank frozen for good).
+void inject_stop(int64_t step, int rank) {
+  static const std::string at = test_switch("NNSTRAIN_TEST_STOP_AT");
+  if (test_switch_hits(at, step, rank)) std::raise(SIGSTOP);
+}
+void inject_delay(int rank) {
+  static const std::string at = test_switch("NNSTRAIN_TEST_SLOW_RANK");
+  if (!at.empty() && std::stoi(at.substr(0, at.find(':'))) == rank)
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(at.substr(at.find(':') + 1))));
+}
+// The step in progress, for error messages and for the launcher's restart decision.
+void running_step(int64_t step, int rank) {
+  g_running_step.store(step);
+  dist::publish_step(step);
+  inject_kill(step, rank);
+  inject_stop(step, rank);
+}
 
 // Context parallelism: this rank's tokens of every sequence of `b` (inputs and
 // targets alike) in the plan's layout; the whole batch at cp 1. Under document
@@ -113,7 +140,7 @@ class Trainer {
  public:
   Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
           std::shared_ptr<models::CausalLM> model, Agreed agreed, std::unique_ptr<dist::Runtime> rt, Trainable tr,
-          Data data, int64_t start_step, OomContext& oom);
+          Data data, int64_t start_step, const std::string& resumed_from, OomContext& oom);
   int run();
 
  private:
@@ -126,6 +153,8 @@ class Trainer {
   void save();
   void check_finite();
   void announce(int64_t start_step);
+  void make_loader(int64_t start_step);
+  void rewind(const Rewind& r);
 
   const config::TrainerArgs& args_;
   const int rank_, world_;
@@ -152,6 +181,8 @@ class Trainer {
   std::unique_ptr<StopDecision> stop_decision_;
   std::unique_ptr<StepGraph> graph_;  // after rt_: destroyed before its communicators (run()'s end)
   std::unique_ptr<ActiveRecord> record_;  // run_dir/active/rank<R>.json: what ran
+  std::unique_ptr<FaultTolerance> ft_;    // fault_tolerance: spikes, rewinds, replica checks, step times
+  std::string jsonl_path_;                // rank 0's metrics.jsonl (reopened at a rewind)
   bool timed_ = false;  // this step's time split is measured (step_timer.h)
 
   // On the device, read only at logging steps and saves (the one host sync).
@@ -196,7 +227,7 @@ class Trainer {
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
                  std::shared_ptr<models::CausalLM> model, Agreed agreed, std::unique_ptr<dist::Runtime> rt,
-                 Trainable tr, Data data, int64_t start_step, OomContext& oom)
+                 Trainable tr, Data data, int64_t start_step, const std::string& resumed_from, OomContext& oom)
     : args_(args),
       rank_(env.rank),
       world_(env.world_size),
@@ -223,11 +254,15 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   console_ = args.log.empty();
   for (const auto& s : args.log) {
     if (s.type == "console") console_ = true;
-    if (s.type == "jsonl" && rank_ == 0) jsonl_ = std::make_unique<JsonlSink>(s.path, start_step);
+    if (s.type == "jsonl" && rank_ == 0) jsonl_ = std::make_unique<JsonlSink>(jsonl_path_ = s.path, start_step);
     if (s.type == "tensorboard" && rank_ == 0) tb_ = std::make_unique<TensorBoardSink>(s.path, start_step);
   }
   if (args.log.empty() && rank_ == 0)
-    jsonl_ = std::make_unique<JsonlSink>((fs::path(args.run_dir) / "metrics.jsonl").string(), start_step);
+    jsonl_ = std::make_unique<JsonlSink>(jsonl_path_ = (fs::path(args.run_dir) / "metrics.jsonl").string(), start_step);
+  ft_ = std::make_unique<FaultTolerance>(args, rt_.get(), rank_, world_, tr_.pipeline != nullptr, device.str(),
+                                         resumed_from, start_step);
+  ft_->set_sink(jsonl_.get());
+  ft_->set_save_wait([this] { saver_->wait(); });
 
   // Checkpoints: ranks agree on a save's outcome by collective (synchronous) or
   // through the store (asynchronous, off the training stream).
@@ -251,15 +286,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
                   fmt(r.bytes / 1048576.0, 1) + " MiB in " + fmt(r.write_s, 2) + " s)");
       });
 
-  // Batches for step s, micro-step a on this data-parallel rank: positions
-  // [(a * dp + dp_rank) * micro, +micro) of the global batch of step s, and of
-  // them this context-parallel rank's tokens.
-  loader_ = std::make_unique<data::PrefetchLoader>(
-      [this](int64_t index) {
-        const int64_t s = index / accum_, a = index % accum_;
-        return cp_slice(data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_), plan_.context, cp_rank_);
-      },
-      start_step * accum_, args.dataloader.prefetch, device, args.dataloader.pin_memory);
+  make_loader(start_step);
 
   if (oom.snapshots) {  // recording since start-up (train_loop); the step to snapshot is known now
     oom.snapshots->set_step(args.memory_snapshot_step > 0 ? args.memory_snapshot_step : start_step + 1);
@@ -302,6 +329,43 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   nlohmann::json startup = startup_record(*model_, rt_.get(), tr_, rank_, world_);
   startup["micro_batches_per_step"] = accum_;
   record_ = std::make_unique<ActiveRecord>(args.run_dir, rank_, std::move(startup));
+}
+
+// Batches for step s, micro-step a on this data-parallel rank: positions
+// [(a * dp + dp_rank) * micro, +micro) of the global batch of data step s
+// (s itself unless fault_tolerance skipped data), and of them this
+// context-parallel rank's tokens.
+void Trainer::make_loader(int64_t start_step) {
+  loader_.reset();  // its thread stops before the new one starts
+  loader_ = std::make_unique<data::PrefetchLoader>(
+      [this](int64_t index) {
+        const int64_t s = ft_->data_step(index / accum_), a = index % accum_;
+        return cp_slice(data_.train->train_batch(s, (a * dp_ + dp_rank_) * micro_, micro_), plan_.context, cp_rank_);
+      },
+      start_step * accum_, args_.dataloader.prefetch, device_, args_.dataloader.pin_memory);
+}
+
+// fault_tolerance went back: every rank loads checkpoint r (as --resume does)
+// and the loop continues from its step, its metrics records after it dropped.
+void Trainer::rewind(const Rewind& r) {
+  tr_.flush();
+  saver_->wait();
+  int64_t step = 0;
+  resume(args_, RunOptions{r.dir}, tr_, rank_, device_, &step);
+  step_ = step;
+  step_dev_.fill_(static_cast<double>(step));
+  skipped_.zero_();
+  first_bad_.fill_(-1.0);
+  make_loader(step);
+  stop_decision_ = std::make_unique<StopDecision>(rt_.get());
+  if (jsonl_) {
+    jsonl_.reset();
+    jsonl_ = std::make_unique<JsonlSink>(jsonl_path_, step);
+    ft_->set_sink(jsonl_.get());
+  }
+  ft_->rewound(r);
+  interval_start_ = std::chrono::steady_clock::now();
+  interval_steps_ = 0;
 }
 
 // The start-up summary (rank 0).
@@ -390,6 +454,7 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   for (int64_t a = 0; a < accum_ && !tr_.pipeline; ++a) {
     tr_.reducer->begin_micro_step(a == accum_ - 1);
     timer_.enter(StepTimer::kForward);
+    inject_delay(rank_);
     // At logging steps: what the last micro-batch's forward holds for backward.
     const bool measure = logs_ && a == accum_ - 1;
     const int64_t before = measure ? memory_in_use_bytes(device_) : 0;
@@ -518,7 +583,7 @@ void Trainer::validate() {
 // Without a loss scaler a non-finite step stops the run at the next logging
 // step or save, naming the step (the update itself was skipped on the device).
 void Trainer::check_finite() {
-  if (tr_.scaler) return;
+  if (tr_.scaler || ft_->handles_nonfinite()) return;
   const double bad = first_bad_.item<double>();
   if (bad >= 0)
     throw std::runtime_error("step " + std::to_string(static_cast<int64_t>(bad)) +
@@ -539,6 +604,8 @@ void Trainer::log_progress() {
     step_peak.resize(1 + pp, -1);
     step_peak[1 + rt_->pp.rank] = step_peak[0];
   }
+  static_assert(StepTimer::kNumParts == 6, "fault_tolerance reads the step-time split");
+  ft_->add_step_times(step_peak, timed_ ? timer_.read() : std::array<double, 6>{}, timed_);  // every rank's step times ride on this maximum
   if (rt_) rt_->host_max(step_peak, "peak tensor bytes");
   if (rt_) {
     if (tr_.pipeline) rt_->all_reduce(rt_->pp, loss_sum_, "loss all-reduce (pipeline: from the last stage)");
@@ -554,6 +621,7 @@ void Trainer::log_progress() {
                         {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
+  ft_->read_step_times(step_peak, rec, step_);
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
   if (targets_.defined()) rec["targets"] = targets_.item<int64_t>();
   if (step_peak[0] >= 0) rec["peak_tensor_mb"] = step_peak[0] / 1048576.0;
@@ -681,7 +749,7 @@ void Trainer::save() {
   check_finite();
   auto tensors = tr_.state_tensors();
   for (auto& t : tr_.rng_state_tensors(rank_, device_)) tensors.push_back(std::move(t));
-  const nlohmann::json state = {
+  nlohmann::json state = {
       {"step", step_},
       {"epoch", step_ * global_batch_ / std::max<int64_t>(1, data_.train->samples_per_epoch())},
       {"consumed_samples", step_ * global_batch_},
@@ -691,6 +759,7 @@ void Trainer::save() {
       {"plan", plan_},
       {"model_type", args_.model.type},
       {"config", args_.resolved_yaml}};
+  ft_->annotate(state);  // data_cursor.skipped
   saver_->save(step_, tensors, state, nlohmann::json::object());
 }
 
@@ -702,7 +771,7 @@ int Trainer::run() {
   bool stopped_by_signal = false;
   interval_start_ = std::chrono::steady_clock::now();
   while (step_ < max_steps) {
-    g_running_step.store(step_ + 1);
+    running_step(step_ + 1, rank_);
     lr_ = optim::learning_rate(args_.lr_scheduler, args_.optimizer.lr, by_epoch ? step_ / data_.steps_per_epoch : step_,
                                by_epoch ? max_steps / data_.steps_per_epoch : max_steps);
     profiler_.before_step(step_ + 1);
@@ -760,6 +829,7 @@ int Trainer::run() {
     ++interval_steps_;
     profiler_.after_step(step_);
     if (snapshots_) snapshots_->after_step(step_);
+    if (auto back = ft_->after_step(step_, loss_sum_, grad_norm_, tr_.state->params())) { rewind(*back); continue; }
 
     const bool last = step_ == max_steps;
     if (logs) log_progress();
@@ -859,7 +929,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     write_run_files(args, agreed.plan,
                     {env.world_size, device.str(), resumed_from, start_step, args.global_batch_size * data.seq_len});
   Trainer trainer(args, env, device, std::move(local.model), std::move(agreed), std::move(rt), std::move(tr),
-                  std::move(data), start_step, oom);
+                  std::move(data), start_step, resumed_from, oom);
   return trainer.run();
 }
 

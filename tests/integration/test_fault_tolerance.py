@@ -1,0 +1,277 @@
+"""Runs that survive faults (issue 39), on CPU with Gloo and tiny GPTs:
+
+- `nnstrain launch --max-restarts 2`: a rank SIGKILLed at a random step of a
+  4-rank dp2 x tp2 run (test switch NNSTRAIN_TEST_KILL_AT, first attempt only)
+  is restarted from the latest checkpoint; the losses equal the uninterrupted
+  run's bitwise and run_dir/restarts.jsonl records one restart with its cost;
+- a failure at the same step after a restart (NNSTRAIN_TEST_TORCH_ERROR_AT) is
+  reported as deterministic and not retried again;
+- a loss spike made by the data (a data step of a token that never occurs
+  elsewhere, placed here with the trainer's sample formula) is rerun, found
+  reproduced, rewound and its data step skipped, exactly the configured window;
+  a resume after the skip is exact;
+- a rank slowed at every forward (NNSTRAIN_TEST_SLOW_RANK) is named as the
+  straggler; frozen for good (NNSTRAIN_TEST_STOP_AT) the other rank's flight
+  recorder file makes `nnstrain report` name the collective it never joined;
+- a parameter changed on one replica (NNSTRAIN_TEST_CORRUPT_PARAM) is named at
+  the next checksum step and the run stops.
+
+Losses are compared as the JSON numbers the trainer wrote (shortest round trip:
+equality there is bitwise equality).
+"""
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import CONFIGS, SOURCE, nnstrain_bin_path, read_metrics, single_process_env, write_token_file
+
+DP = CONFIGS / "tiny_dp.yaml"
+TINY = CONFIGS / "tiny_gpt.yaml"
+
+
+def launch(nproc, args, *, restarts=None, env=None, timeout=240):
+    cmd = [nnstrain_bin_path(), "launch", "--nproc-per-node", str(nproc)]
+    if restarts is not None:
+        cmd += ["--max-restarts", str(restarts)]
+    cmd += ["--", *map(str, args)]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1, **(env or {})), capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def losses(run_dir):
+    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    out = {}
+    for r in train:
+        if "loss" in r:
+            assert r["step"] not in out, f"step {r['step']} logged twice"
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def events(run_dir):
+    train, _ = read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")
+    return [r for r in train if "fault_tolerance" in r]
+
+
+# --- automatic restart -------------------------------------------------------
+
+HYBRID = ["--model.args.n_head", "4", "--global_batch_size", "4", "--micro_batch_size", "2",
+          "--compute_config.plan_ngpus", "2", "--pas_policy", "hybrid", "--max_train_steps", "6",
+          "--log_progress_every_n_train_steps", "1", "--val_every_n_train_steps", "0",
+          "--lr_scheduler.args.decay_steps", "6", "--checkpoint.every_n_train_steps", "2",
+          "--checkpoint.async_save", "false"]  # every checkpoint before the kill is complete
+
+
+def hybrid_args(tokens, d):
+    return ["--config", DP, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt", *HYBRID]
+
+
+def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path):
+    rng = random.Random()
+    step, rank = rng.randint(3, 6), rng.randint(0, 3)
+    print(f"SIGKILL at step {step} on rank {rank}")
+    rc, out = launch(4, hybrid_args(tiny_tokens, tmp_path / "straight"))
+    assert rc == 0, out
+    want = losses(tmp_path / "straight")
+    assert sorted(want) == list(range(1, 7))
+
+    d = tmp_path / "killed"
+    rc, out = launch(4, hybrid_args(tiny_tokens, d), restarts=2, env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
+    assert rc == 0, out
+    assert f"restart 1 of 2: rank {rank} was killed by signal 9 (SIGKILL) at step {step}" in out, out
+    assert "restart 2 of 2" not in out, out
+    got = losses(d)
+    assert got == want, f"restarted run's losses differ from the uninterrupted run's:\n{got}\n{want}"
+    restarts = [json.loads(line) for line in (d / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1, restarts
+    r = restarts[0]
+    resumed = (step - 1) // 2 * 2  # the latest checkpoint before the failed step (every 2 steps)
+    assert r["restart"] == 1 and f"rank {rank} was killed" in r["cause"], r
+    assert r["resumed_at_step"] == resumed and r["first_step"] == resumed + 1, r
+    assert r["seconds_from_failure_to_first_step"] > 0, r
+    print(f"restart cost (failure to the first step after it): {r['seconds_from_failure_to_first_step']:.2f} s")
+
+
+def test_failure_at_the_same_step_again_is_deterministic(tiny_tokens, tmp_path):
+    args = ["--config", TINY, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--checkpoint.save_dir",
+            tmp_path / "ckpt", "--checkpoint.every_n_train_steps", "2", "--max_train_steps", "6",
+            "--val_every_n_train_steps", "0"]
+    rc, out = launch(1, args, restarts=3, env={"NNSTRAIN_TEST_TORCH_ERROR_AT": "3"})
+    assert rc != 0, out
+    assert "restart 1 of 3: rank 0 exited with status 1 at step 3" in out, out
+    assert "deterministic failure: rank 0 exited with status 1 at step 3, at the same step as before restart 1" in out
+    assert "restart 2 of 3" not in out, out
+
+
+# --- loss spike: rerun, rewind, skip ----------------------------------------
+
+SEED, SEQ, BATCH, SPIKE_DATA_STEP, STEPS = 1337, 16, 4, 12, 20
+
+
+def splitmix64(x):
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def sample_start(n_tokens, step, pos):
+    """data/token_bin.cpp window_start: where sample (step, pos) starts."""
+    return splitmix64(splitmix64(splitmix64(SEED) ^ step) ^ pos) % (n_tokens - SEQ)
+
+
+@pytest.fixture(scope="module")
+def spiky_tokens(tmp_path_factory):
+    """The Markov token file over ids 0..62, with data step SPIKE_DATA_STEP's samples all id 63
+    (never seen elsewhere), and no other sample of the run touching them."""
+    path = write_token_file(tmp_path_factory.mktemp("spiky") / "tokens.bin", n_tokens=50000, vocab=63)
+    tok = np.fromfile(path, dtype="<u2")
+    n = len(tok)
+    bad = [sample_start(n, SPIKE_DATA_STEP, p) for p in range(BATCH)]
+    for s in bad:
+        tok[s:s + SEQ + 1] = 63
+    for step in range(STEPS + 2):
+        if step == SPIKE_DATA_STEP:
+            continue
+        for p in range(BATCH):
+            s = sample_start(n, step, p)
+            assert all(s + SEQ < b or s > b + SEQ for b in bad), f"sample ({step}, {p}) overlaps the spike window"
+    tok.tofile(path)
+    return path
+
+
+def spike_args(tokens, d, *more):
+    return ["--config", TINY, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt",
+            "--checkpoint.every_n_train_steps", "5", "--max_train_steps", STEPS, "--val_every_n_train_steps", "0",
+            "--lr_scheduler.args.decay_steps", STEPS, "--compute_config.device", "cpu",
+            "--fault_tolerance.spike_factor", "2", "--fault_tolerance.spike_window", "5",
+            "--fault_tolerance.on_spike", "rewind", "--fault_tolerance.skip_window", "1",
+            "--fault_tolerance.rerun_check", "true", *more]
+
+
+def test_loss_spike_is_rerun_rewound_and_its_data_skipped(spiky_tokens, tmp_path):
+    d = tmp_path / "run"
+    p = subprocess.run([nnstrain_bin_path(), *map(str, spike_args(spiky_tokens, d))], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    ev = events(d)
+    kinds = [(e["step"], e["fault_tolerance"]["event"], e["fault_tolerance"]["action"]) for e in ev]
+    spike_step = SPIKE_DATA_STEP + 1  # training step 13 reads data step 12
+    assert kinds == [(spike_step, "spike", "rerun"), (spike_step, "rerun_check", "rewind")], (kinds, out)
+    assert ev[1]["fault_tolerance"]["reproduced"] is True
+    assert ev[1]["fault_tolerance"]["to_step"] == 10
+    # Exactly the configured window (skip_window 1): the spike step's data step.
+    assert ev[1]["fault_tolerance"]["skipped_data_steps"] == [SPIKE_DATA_STEP, SPIKE_DATA_STEP + 1]
+    # The run continued to the end, every step logged once, no gradient norm near the spike's.
+    got = losses(d)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    train, _ = read_metrics(d / "metrics.jsonl")
+    norms = {r["step"]: r["grad_norm"] for r in train if "grad_norm" in r}
+    assert max(norms[s] for s in range(11, STEPS + 1)) < ev[0]["fault_tolerance"]["grad_norm"] / 2, (norms, ev[0])
+    state = json.loads((d / "ckpt" / "step-00000015" / "manifest.json").read_text())["state"]
+    assert state["data_cursor"]["skipped"] == [[SPIKE_DATA_STEP, SPIKE_DATA_STEP + 1]], state["data_cursor"]
+
+    # A resume after the skip reads what the run that skipped read.
+    r = tmp_path / "resumed"
+    p = subprocess.run([nnstrain_bin_path(), *map(str, spike_args(spiky_tokens, r)), "--resume",
+                        d / "ckpt" / "step-00000015"], cwd=SOURCE, env=single_process_env(1), capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    resumed = losses(r)
+    assert sorted(resumed) == list(range(16, STEPS + 1))
+    assert all(resumed[s] == got[s] for s in resumed), (resumed, got)
+
+
+# --- straggler and flight recorder --------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
+    d = tmp_path / "run"
+    args = [nnstrain_bin_path(), "--config", str(DP), "--vars.data", str(tiny_tokens), "--run_dir", str(d),
+            "--micro_batch_size", "2", "--max_train_steps", "100", "--log_progress_every_n_train_steps", "1",
+            "--val_every_n_train_steps", "0", "--compute_config.collective_timeout_s", "2",
+            "--fault_tolerance.straggler_factor", "3", "--fault_tolerance.straggler_intervals", "3"]
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = single_process_env(1, RANK=rank, WORLD_SIZE=2, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2,
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NNSTRAIN_TEST_SLOW_RANK="1:60",
+                                 NNSTRAIN_TEST_STOP_AT="6:1")
+        procs.append(subprocess.Popen(args, cwd=SOURCE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        out0, _ = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].kill()  # frozen (SIGSTOP) for good
+        procs[1].wait()
+    assert procs[0].returncode != 0, out0
+    train, _ = read_metrics(d / "metrics.jsonl")
+    named = [r["straggler"] for r in train if "straggler" in r]
+    assert named and all(s["rank"] == 1 for s in named), (named, out0)
+    assert named[0]["compute_ms"] > 3 * named[0]["others_median_ms"]
+    assert re.search(r"straggler: rank 1 \(\S+ cpu\)", out0), out0
+    assert all(len(r["rank_compute_ms"]) == 2 for r in train if "loss" in r)
+
+    # Rank 0 timed out in a collective and wrote its record; rank 1 never could.
+    assert (d / "flight" / "rank0.json").is_file() and not (d / "flight" / "rank1.json").exists()
+    rep = subprocess.run([nnstrain_bin_path(), "report", str(d), "--no-plot"], capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    record = json.loads((d / "flight" / "rank0.json").read_text())
+    last = record["entries"][-1]
+    assert last["state"].startswith("failed"), last
+    want = (f"collective #{last['group_seq']}: rank 1 never joined {last['op']} '{last['what']}'")
+    assert want in rep.stdout, rep.stdout
+    assert "ranks with no flight record (gone or frozen before they could write): 1" in rep.stdout, rep.stdout
+    assert "straggler        step" in rep.stdout and "rank step times" in rep.stdout, rep.stdout
+
+
+# --- silent divergence --------------------------------------------------------
+
+def test_parameter_changed_on_one_replica_is_named(tiny_tokens, tmp_path):
+    args = ["--config", DP, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--micro_batch_size", "2",
+            "--max_train_steps", "8", "--val_every_n_train_steps", "0",
+            "--fault_tolerance.checksum_every_n_steps", "2"]
+    rc, out = launch(2, args, env={"NNSTRAIN_TEST_CORRUPT_PARAM": "3:1"})
+    assert rc != 0, out
+    m = re.search(r"changed parameter (\S+) on rank 1 after step 3", out)
+    assert m, out
+    name = m.group(1)
+    assert re.search(rf"step 4: parameter {re.escape(name)} differs between replicas: rank 0 checksum \d+, "
+                     rf"rank 1 checksum \d+", out), out
+    assert "training stops (fault_tolerance.on_checksum_mismatch: stop)" in out
+    assert "step 2: parameter" not in out  # the check before the change passed
+
+
+# --- the configuration ----------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, named", [
+    (["--fault_tolerance.spike_factor", "0.5"], "fault_tolerance.spike_factor"),
+    (["--fault_tolerance.spike_factor", "3", "--fault_tolerance.on_spike", "rewind"], "fault_tolerance.on_spike"),
+    (["--fault_tolerance.rerun_check", "true"], "fault_tolerance.rerun_check"),
+    (["--fault_tolerance.spike_windw", "5"], "fault_tolerance.spike_windw"),
+])
+def test_wrong_fault_tolerance_keys_are_refused_naming_them(tiny_tokens, overrides, named):
+    # tiny_gpt.yaml has no checkpoint.save_dir here: a rewind has nothing to go back to.
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(TINY), "--vars.data", str(tiny_tokens),
+                        "--checkpoint.save_dir", "", *overrides, "--print-config"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert named in err and "\n" not in err, err
