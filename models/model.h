@@ -25,6 +25,9 @@ struct HfTensor {
   std::string ours;         // our parameter name
   std::string theirs;       // e.g. "transformer.h.0.attn.c_attn.weight"
   bool transpose = false;   // GPT-2's Conv1D stores [in, out]
+  // >= 0: `theirs` is one expert of a stacked [E, ...] parameter, ours[expert]
+  // (MoE checkpoints name each expert's weights on their own); one entry per expert.
+  int64_t expert = -1;
 };
 
 // Per-run options the trainer or planner sets on a built model.
