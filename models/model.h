@@ -126,6 +126,11 @@ class CausalLM : public torch::nn::Module {
   virtual ModelDims dims() const { return {}; }
   // Mixture-of-Experts layers' statistics since the last call, reset by it (none: a dense model).
   virtual std::vector<MoeStats> take_moe_stats() { return {}; }
+  // The gradient the current micro-batch's mean LM loss receives in backward
+  // (the trainer's weight of it x the loss scale), for a pipeline stage that
+  // does not compute that loss; set before the stage's backward. MoE balancing
+  // losses are scaled by it (models/common/moe.h); dense models ignore it.
+  virtual void set_loss_grad(const at::Tensor& g) {}
   // Every parameter as its layer declares it (split, global shape, this rank's
   // blocks, init), in named_parameters() order. Throws if a parameter does not
   // belong to a layer that declares it.

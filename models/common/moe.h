@@ -24,7 +24,9 @@
 // aux_b. The losses are not in the returned LM loss: an identity function on
 // the block's output adds their gradient in backward, scaled by the gradient
 // the micro-batch's mean LM loss received (AuxLossScale: the trainer's weight
-// of that micro-batch x the fp16 loss scale), so the aux loss is weighted
+// of that micro-batch x the fp16 loss scale; recorded by the model's head in
+// backward, or, on a pipeline stage without the head, handed over by the
+// runtime through CausalLM::set_loss_grad), so the aux loss is weighted
 // exactly like the LM loss it rides on: with every target counted, the step's
 // objective is LM loss + coef x mean over all its sequences, at any dp, cp,
 // accumulation, pipeline or recompute.

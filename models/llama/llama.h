@@ -133,6 +133,9 @@ class Llama : public CausalLM {
   ModelDims dims() const override;
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;
+  void set_loss_grad(const at::Tensor& g) override {
+    if (aux_scale_) aux_scale_->grad = g;
+  }
   const LlamaConfig& config() const { return cfg_; }
 
   common::VocabParallelEmbedding embed_tokens{nullptr};

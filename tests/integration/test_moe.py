@@ -3,7 +3,9 @@
 - The balancing and z losses are exact under every plan: one process with a
   batch of 4 equals 2 data-parallel ranks x 2 accumulated micro-batches of 1
   with activation recompute, 2 context-parallel ranks splitting each sequence,
-  and 2 tensor-parallel ranks (experts replicated, sequence parallelism off),
+  2 tensor-parallel ranks (experts replicated, sequence parallelism off), and
+  2 pipeline stages (the dense layer on one, the MoE layer on the other) over
+  2 micro-batches,
   in loss and grad norm within 1e-5 relative over 4 steps (clipping active).
   The same run with the coefficients at 0 has another grad norm, so the
   balancing gradient is there to compare.
@@ -26,6 +28,7 @@ PLANS = {
                                  "--model.activation_checkpointing", "true"]),
     "cp2": (2, ["--micro_batch_size", "4", "--compute_config.context_parallel_size", "2"]),
     "tp2": (2, ["--micro_batch_size", "4", "--pas_policy", "hybrid", "--compute_config.plan_ngpus", "2"]),
+    "pp2": (2, ["--micro_batch_size", "2", "--global_batch_size", "4", "--compute_config.pas_config.pp_size", "2"]),
     "no_balancing": (1, ["--micro_batch_size", "4", "--model.args.router_aux_loss_coef", "0",
                          "--model.args.router_z_loss_coef", "0"]),
 }
@@ -62,7 +65,7 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-@pytest.mark.parametrize("name", ["dp2_accum2_recompute", "cp2", "tp2"])
+@pytest.mark.parametrize("name", ["dp2_accum2_recompute", "cp2", "tp2", "pp2"])
 def test_plans_agree_with_one_process(run, name):
     want, _ = run("one")
     got, out = run(name)
