@@ -141,6 +141,10 @@ def worker(train_bin, steps, warmup, threads, impl):
             return self.norm(x) @ self.emb.weight.t(), aux
 
     model = Model().train()
+    with torch.no_grad():  # nnstrain's (and transformers') init: N(0, 0.02) matrices, unit norms
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPT["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -56,7 +56,11 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
 // depths are left to the weight loader, whose message names the file and tensor.
 const char* const kMathKeys[] = {"vocab_size", "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
                                  "rms_norm_eps", "layer_norm_epsilon", "hidden_act", "activation_function",
-                                 "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta"};
+                                 "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta",
+                                 // Mixture of Experts: how tokens are routed and which layers are sparse
+                                 "num_experts_per_tok", "norm_topk_prob", "scoring_func", "n_group", "topk_group",
+                                 "routed_scaling_factor", "decoder_sparse_step", "mlp_only_layers",
+                                 "first_k_dense_replace"};
 const char* const kRopeScalingKeys[] = {"factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings"};
 
