@@ -25,6 +25,9 @@ struct HfTensor {
   std::string ours;         // our parameter name
   std::string theirs;       // e.g. "transformer.h.0.attn.c_attn.weight"
   bool transpose = false;   // GPT-2's Conv1D stores [in, out]
+  // >= 0: `theirs` is one expert of a stacked [E, ...] parameter, ours[expert]
+  // (MoE checkpoints name each expert's weights on their own); one entry per expert.
+  int64_t expert = -1;
 };
 
 // Per-run options the trainer or planner sets on a built model.
@@ -128,6 +131,11 @@ class CausalLM : public torch::nn::Module {
   virtual ModelDims dims() const { return {}; }
   // Mixture-of-Experts layers' statistics since the last call, reset by it (none: a dense model).
   virtual std::vector<MoeStats> take_moe_stats() { return {}; }
+  // The gradient the current micro-batch's mean LM loss receives in backward
+  // (the trainer's weight of it x the loss scale), for a pipeline stage that
+  // does not compute that loss; set before the stage's backward. MoE balancing
+  // losses are scaled by it (models/common/moe.h); dense models ignore it.
+  virtual void set_loss_grad(const at::Tensor& g) {}
   // Every parameter as its layer declares it (split, global shape, this rank's
   // blocks, init), in named_parameters() order. Throws if a parameter does not
   // belong to a layer that declares it.

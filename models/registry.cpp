@@ -7,6 +7,7 @@
 #include "models/common/init.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
+#include "models/moe/moe_lm.h"
 
 namespace nnstrain::models {
 
@@ -16,6 +17,8 @@ const std::vector<ModelEntry>& registered_models() {
     std::vector<ModelEntry> v = {
         gpt::registry_entry(),
         llama::registry_entry(),
+        moe::qwen3_moe_entry(),
+        moe::mixtral_entry(),
     };
     for (auto& e : v) {
       if (e.build) continue;

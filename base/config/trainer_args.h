@@ -21,6 +21,9 @@ struct ModelConfig {
   // The model.args key of attention-probability dropout and its value ("", 0:
   // none). Context-parallel attention has no dropout, so cp > 1 refuses it.
   virtual std::pair<std::string, double> attention_dropout() const { return {"", 0.0}; }
+  // Mixture-of-Experts layers (their routers and experts take whole sequences,
+  // so they refuse sequence parallelism).
+  virtual bool mixture_of_experts() const { return false; }
 };
 
 // Offload to host memory (DeepSpeed's offload_optimizer / offload_param):

@@ -14,6 +14,14 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
 
+thread_local int recomputing_depth = 0;
+
+// Marks the recomputation for recomputing(), also when fn throws.
+struct RecomputingScope {
+  RecomputingScope() { ++recomputing_depth; }
+  ~RecomputingScope() { --recomputing_depth; }
+};
+
 // Lets the autograd context hold the block (saved_data takes IValues only).
 struct FnHolder : torch::CustomClassHolder {
   FnHolder(Fn f, ParallelRng* r) : fn(std::move(f)), rng(r) {}
@@ -111,6 +119,7 @@ class Recompute : public torch::autograd::Function<Recompute> {
         holder->rng->set_states(holder->rng_states);
       }
       torch::AutoGradMode grad_on(true);
+      RecomputingScope scope;
       y = holder->fn(xd);
       if (holder->rng) holder->rng->set_states(rng_after);
     }
@@ -121,6 +130,8 @@ class Recompute : public torch::autograd::Function<Recompute> {
 };
 
 }  // namespace
+
+bool recomputing() { return recomputing_depth > 0; }
 
 torch::Tensor recompute(Fn fn, const torch::Tensor& x, ParallelRng* rng) {
   if (!torch::GradMode::is_enabled()) return fn(x);

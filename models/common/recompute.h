@@ -21,4 +21,8 @@ namespace nnstrain::models::common {
 torch::Tensor recompute(std::function<torch::Tensor(const torch::Tensor&)> fn, const torch::Tensor& x,
                         ParallelRng* rng = nullptr);
 
+// True on this thread while backward re-runs a block's forward (so what a
+// forward counts, e.g. MoE layers' statistics, is counted once per micro-batch).
+bool recomputing();
+
 }  // namespace nnstrain::models::common

@@ -58,6 +58,9 @@ torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const
   return common::kernels::rotary_(t, cos, sin);
 }
 
+// Qwen3's per-head RMSNorm of queries or keys [B, heads, T, head_dim] (none: t).
+torch::Tensor qk(common::RMSNorm& norm, const torch::Tensor& t) { return norm ? norm(t) : t; }
+
 
 }  // namespace
 
@@ -79,6 +82,10 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
   k_proj = register_module("k_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
   v_proj = register_module("v_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
   o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, group * head_dim, b, init));
+  if (cfg.qk_norm) {
+    q_norm = register_module("q_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, ctx.options));
+    k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, ctx.options));
+  }
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -86,8 +93,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   auto q = q_proj(x), k = k_proj(x), v = v_proj(x);  // all T tokens under sequence parallelism too
   const auto B = q.size(0), T = q.size(1);
   auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
-  q = apply_rope(split(q, heads), cos, sin);
-  k = apply_rope(split(k, kv_heads), cos, sin);
+  q = apply_rope(qk(q_norm, split(q, heads)), cos, sin);
+  k = apply_rope(qk(k_norm, split(k, kv_heads)), cos, sin);
   v = split(v, kv_heads);
   // mask [B, T] (Documents::attention_input): segments, masked by tiles.
   const bool by_tiles = mask.defined() && mask.dim() == 2;
@@ -123,10 +130,10 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch:
   auto q = q_proj(x), k = k_proj(x), v = v_proj(x);
   const auto B = q.size(0), T = q.size(1);
   auto split = [&](const torch::Tensor& t, int64_t n) { return t.view({B, T, n, head_dim}).transpose(1, 2); };
-  q = apply_rope(split(q, heads), cos, sin);
+  q = apply_rope(qk(q_norm, split(q, heads)), cos, sin);
   const auto past = cache.length();
   // The cache keeps the KV heads unrepeated; the query groups share them here.
-  auto [K, V] = cache.append(layer, apply_rope(split(k, kv_heads), cos, sin), split(v, kv_heads));
+  auto [K, V] = cache.append(layer, apply_rope(qk(k_norm, split(k, kv_heads)), cos, sin), split(v, kv_heads));
   if (heads != kv_heads) {
     K = K.repeat_interleave(heads / kv_heads, 1);
     V = V.repeat_interleave(heads / kv_heads, 1);
@@ -147,9 +154,14 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return down_proj(common::kernels::swiglu(gate_proj(x), up_proj(x)));
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx, int64_t index,
+                                   std::shared_ptr<common::AuxLossScale> aux_scale) {
   self_attn = register_module("self_attn", Attention(cfg, ctx));
-  mlp = register_module("mlp", Mlp(cfg, ctx));
+  if (cfg.sparse(index))
+    moe = register_module(cfg.moe_module, common::Moe(*cfg.moe, ctx, "layers." + std::to_string(index) + "." +
+                                                                          cfg.moe_module, std::move(aux_scale)));
+  else
+    mlp = register_module("mlp", Mlp(cfg, ctx));
   input_layernorm =
       register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx));
   post_attention_layernorm =
@@ -159,13 +171,13 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::Shardin
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask) {
   auto h = x + self_attn->forward(input_layernorm(x), cos, sin, mask);
-  return h + mlp(post_attention_layernorm(h));
+  return h + feed_forward(post_attention_layernorm(h));
 }
 
 torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& cos,
                                                const torch::Tensor& sin, common::KvCache& cache, size_t layer) {
   auto h = x + self_attn->forward_cached(input_layernorm(x), cos, sin, cache, layer);
-  return h + mlp(post_attention_layernorm(h));
+  return h + feed_forward(post_attention_layernorm(h));
 }
 
 // As transformers' LlamaPreTrainedModel: N(0, initializer_range) for every
@@ -178,7 +190,8 @@ Llama::Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx) : cfg_(
   const auto init = common::InitRule::normal(c.initializer_range);
   embed_tokens = register_module("embed_tokens", common::VocabParallelEmbedding(ctx, c.vocab_size, c.hidden_size, init));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, ctx));
+  if (c.moe) aux_scale_ = std::make_shared<common::AuxLossScale>();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, ctx, i, aux_scale_));
   norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx));
   lm_head = common::ParallelLmHead(ctx, c.vocab_size, c.hidden_size, !c.tie_word_embeddings, init);
   if (!c.tie_word_embeddings) register_module("lm_head", lm_head);
@@ -239,7 +252,9 @@ torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t e
 }
 
 torch::Tensor Llama::head_loss(const torch::Tensor& h, const torch::Tensor& targets) {
-  return lm_head->loss(norm(h), head_weight(), targets, runtime_.loss, runtime_.loss_chunk_size);
+  // MoE balancing losses' gradients are scaled by the one this mean receives (models/common/moe.h).
+  return common::record_loss_grad(
+      lm_head->loss(norm(h), head_weight(), targets, runtime_.loss, runtime_.loss_chunk_size), aux_scale_);
 }
 
 std::vector<std::string> Llama::head_ties() const {
@@ -403,8 +418,10 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
 
 namespace {
 
-std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
-  auto c = std::make_shared<LlamaConfig>();
+}  // namespace
+
+void parse_llama_args(config::ArgMap& a, LlamaConfig* out) {
+  auto* c = out;
   c->vocab_size = a.get_int("vocab_size", c->vocab_size, 1);
   c->hidden_size = a.get_int("hidden_size", c->hidden_size, 1);
   c->intermediate_size = a.get_int("intermediate_size", c->intermediate_size, 1);
@@ -445,6 +462,13 @@ std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
   c->attention_bias = a.get_bool("attention_bias", c->attention_bias);
   c->mlp_bias = a.get_bool("mlp_bias", c->mlp_bias);
   c->initializer_range = a.get_float("initializer_range", c->initializer_range, 0.0, 1.0);
+}
+
+namespace {
+
+std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
+  auto c = std::make_shared<LlamaConfig>();
+  parse_llama_args(a, c.get());
   return c;
 }
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "models/common/layers.h"
+#include "models/common/moe.h"
 #include "models/model.h"
 #include "models/registry.h"
 
@@ -42,6 +43,16 @@ struct LlamaConfig : config::ModelConfig {
   bool mlp_bias = false;
   double initializer_range = 0.02;
 
+  // The Mixture-of-Experts models built on Llama (models/moe: qwen3_moe,
+  // mixtral) set these; plain Llama leaves them. qk_norm: Qwen3's RMSNorm of
+  // each query and key head before the rotation. moe: the MoE block, on the
+  // layers sparse_layers marks (module name moe_module), the dense MLP elsewhere.
+  bool qk_norm = false;
+  std::shared_ptr<const common::MoeOptions> moe;
+  std::vector<bool> sparse_layers;
+  std::string moe_module = "mlp";
+  bool sparse(int64_t layer) const { return moe && layer < int64_t(sparse_layers.size()) && sparse_layers[layer]; }
+
   // The same config with the 0 = derived fields filled in.
   LlamaConfig resolved() const;
 };
@@ -62,6 +73,7 @@ class AttentionImpl : public torch::nn::Module {
                                common::KvCache& cache, size_t layer);
   common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   common::RowParallelLinear o_proj{nullptr};
+  common::RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qk_norm only
   int64_t head_dim, heads, kv_heads;  // this rank's heads
   c10::intrusive_ptr<common::CpComm> cp_comm;  // context parallelism (null at cp 1)
   common::CpCommType cp_comm_type = common::CpCommType::P2P;
@@ -80,7 +92,10 @@ TORCH_MODULE(Mlp);
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
+  // `index`: its place in the stack (which feed-forward it has); `aux_scale`:
+  // the model's, for an MoE block's balancing losses.
+  DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {}, int64_t index = 0,
+                   std::shared_ptr<common::AuxLossScale> aux_scale = nullptr);
   // cos/sin: [T, head_dim] or, per token, [B, 1, T, head_dim]; mask: Documents::attention_mask()
   // (undefined: causal over the whole sequence).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -89,7 +104,11 @@ class DecoderLayerImpl : public torch::nn::Module {
                                common::KvCache& cache, size_t layer);
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
-  Mlp mlp{nullptr};
+  Mlp mlp{nullptr};         // the dense feed-forward, or
+  common::Moe moe{nullptr};  // the MoE one (registered as cfg.moe_module)
+
+ private:
+  torch::Tensor feed_forward(const torch::Tensor& x) { return moe ? moe(x) : mlp(x); }
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -114,6 +133,9 @@ class Llama : public CausalLM {
   ModelDims dims() const override;
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;
+  void set_loss_grad(const at::Tensor& g) override {
+    if (aux_scale_) aux_scale_->grad = g;
+  }
   const LlamaConfig& config() const { return cfg_; }
 
   common::VocabParallelEmbedding embed_tokens{nullptr};
@@ -124,6 +146,10 @@ class Llama : public CausalLM {
   common::ParallelLmHead lm_head{nullptr};
 
   const torch::Tensor& head_weight() const;
+
+ protected:
+  // The gradient each micro-batch's LM loss receives, for MoE balancing losses (null: dense).
+  std::shared_ptr<common::AuxLossScale> aux_scale_;
 
  private:
   torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});
@@ -140,6 +166,9 @@ class Llama : public CausalLM {
 // `rope_scaling` or transformers 5 `rope_parameters`) -> LlamaConfig. Throws
 // std::runtime_error naming the key on what it cannot represent.
 std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j);
+
+// model.args keys shared with the models built on Llama (models/moe), read into *c.
+void parse_llama_args(config::ArgMap& a, LlamaConfig* c);
 
 ModelEntry registry_entry();
 

@@ -4,7 +4,7 @@ back, expert gradients reduced (and ZeRO-sharded) over the ranks holding the sam
 experts.
 
 fp32 on CPU/Gloo, 10 steps with clipping active, the same global batch of 4
-sequences of 32 tokens, the Qwen3-MoE of configs/tiny_moe.yaml (12 experts, top-3)
+sequences of 32 tokens, the Qwen3-MoE of configs/tiny_moe_ep.yaml (12 experts, top-3)
 against one process: ep 2 and ep 4 (dp = ep), ep 2 x tp 2, ep 2 x cp 2, ep 2 with
 ZeRO-1 and ZeRO-2 over 4 ranks (experts sharded over the 2 ranks holding the same
 ones), within 1e-5 relative in loss and gradient norm. Each run asserts from its
@@ -34,7 +34,7 @@ PLANS = {  # name: (ranks, overrides)
 
 
 def run(ranks, run_dir, data, *overrides, resume=None, save_dir=None):
-    args = ["--config", str(CONFIGS / "tiny_moe.yaml"), "--run_dir", str(run_dir), "--vars.data", str(data),
+    args = ["--config", str(CONFIGS / "tiny_moe_ep.yaml"), "--run_dir", str(run_dir), "--vars.data", str(data),
             "--global_batch_size", "4", *device_args(ranks), *map(str, overrides)]
     if save_dir:
         args += ["--checkpoint.save_dir", str(save_dir), "--checkpoint.every_n_train_steps", "5"]
@@ -91,9 +91,9 @@ def test_resume_across_expert_parallel_degrees(straight, tmp_path, tiny_tokens):
 
 
 @pytest.mark.parametrize("config,ranks,overrides,message", [
-    ("tiny_moe.yaml", 2, [EP, "2", "--model.args.num_experts", "9"],
+    ("tiny_moe_ep.yaml", 2, [EP, "2", "--model.args.num_experts", "9"],
      "compute_config.expert_parallel_size 2 does not divide the 9 experts"),
-    ("tiny_moe.yaml", 3, [EP, "2", "--global_batch_size", "3", "--micro_batch_size", "1"],
+    ("tiny_moe_ep.yaml", 3, [EP, "2", "--global_batch_size", "3", "--micro_batch_size", "1"],
      "compute_config.expert_parallel_size 2 does not divide dp x cp = 3 x 1"),
     ("tiny_llama.yaml", 2, [EP, "2", "--micro_batch_size", "2"], "has no experts"),
 ])

@@ -56,7 +56,11 @@ std::map<std::string, std::string> weight_files(const fs::path& dir) {
 // depths are left to the weight loader, whose message names the file and tensor.
 const char* const kMathKeys[] = {"vocab_size", "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
                                  "rms_norm_eps", "layer_norm_epsilon", "hidden_act", "activation_function",
-                                 "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta"};
+                                 "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta",
+                                 // Mixture of Experts: how tokens are routed and which layers are sparse
+                                 "num_experts_per_tok", "norm_topk_prob", "scoring_func", "n_group", "topk_group",
+                                 "routed_scaling_factor", "decoder_sparse_step", "mlp_only_layers",
+                                 "first_k_dense_replace"};
 const char* const kRopeScalingKeys[] = {"factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings"};
 
@@ -145,8 +149,9 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
   const auto mapping = model.hf_tensors();
   if (mapping.empty()) throw CheckpointError("the model declares no Hugging Face names: cannot load " + dir_str);
   const auto where = weight_files(dir);
-  std::map<std::string, const models::HfTensor*> theirs_of;
-  for (const auto& h : mapping) theirs_of[h.ours] = &h;
+  // Our name -> its HF tensor, or one per expert of a stacked expert parameter (by expert).
+  std::map<std::string, std::map<int64_t, const models::HfTensor*>> theirs_of;
+  for (const auto& h : mapping) theirs_of[h.ours][h.expert] = &h;
 
   // Where the parameters go: where they are, or the CPU for a model on meta.
   c10::Device target = device.value_or(c10::Device(c10::kCPU));
@@ -163,32 +168,55 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
     if (hit == theirs_of.end())
       throw CheckpointError("the model's parameter '" + l.name + "' has no Hugging Face name: cannot load it from " +
                             dir_str);
-    const auto& h = *hit->second;
-    auto it = where.find(h.theirs);
-    if (it == where.end())
-      throw CheckpointError((dir / (fs::exists(dir / "model.safetensors") ? "model.safetensors"
-                                                                           : "model.safetensors.index.json"))
-                                .string() +
-                            ": tensor '" + h.theirs + "' (the model's '" + h.ours + "') is missing");
-    const auto path = (dir / it->second).string();
-    auto& reader = readers[path];
-    if (!reader) reader = std::make_unique<SafetensorsReader>(path);
-    const auto* info = reader->find(h.theirs);
-    if (!info) throw CheckpointError(path + ": tensor '" + h.theirs + "' is missing (the index names this file)");
-    auto want = l.global_shape;
-    if (h.transpose) {
-      if (want.size() != 2) throw CheckpointError("hf_tensors() marks '" + h.ours + "' transposed but it is not 2-d");
-      std::swap(want[0], want[1]);
+    // One source tensor: its reader, checked against the shape it must have.
+    auto source = [&](const models::HfTensor& h, std::vector<int64_t> want) -> SafetensorsReader& {
+      auto it = where.find(h.theirs);
+      if (it == where.end())
+        throw CheckpointError((dir / (fs::exists(dir / "model.safetensors") ? "model.safetensors"
+                                                                             : "model.safetensors.index.json"))
+                                  .string() +
+                              ": tensor '" + h.theirs + "' (the model's '" + h.ours + "') is missing");
+      const auto path = (dir / it->second).string();
+      auto& reader = readers[path];
+      if (!reader) reader = std::make_unique<SafetensorsReader>(path);
+      const auto* info = reader->find(h.theirs);
+      if (!info) throw CheckpointError(path + ": tensor '" + h.theirs + "' is missing (the index names this file)");
+      if (h.transpose) {
+        if (want.size() != 2) throw CheckpointError("hf_tensors() marks '" + h.ours + "' transposed but it is not 2-d");
+        std::swap(want[0], want[1]);
+      }
+      if (info->shape != want)
+        throw CheckpointError(path + ": tensor '" + h.theirs + "' has shape " + show(info->shape) + " but the model's '" +
+                              h.ours + "' needs " + show(want) + (h.transpose ? " (stored transposed)" : ""));
+      report.bytes_needed += info->nbytes();
+      return *reader;
+    };
+    const auto& entries = hit->second;
+    if (entries.begin()->first >= 0) {
+      // Stacked experts: this rank's rows are whole experts, each its own HF tensor.
+      const std::vector<int64_t> one(l.global_shape.begin() + 1, l.global_shape.end());
+      int64_t row = 0;
+      for (const auto& b : l.blocks)
+        for (int64_t e = b.offsets[0]; e < b.offsets[0] + b.shape[0]; ++e, ++row) {
+          const auto found = entries.find(e);
+          if (found == entries.end())
+            throw CheckpointError("hf_tensors() names no Hugging Face tensor for expert " + std::to_string(e) +
+                                  " of '" + l.name + "'");
+          const auto& h = *found->second;
+          auto& reader = source(h, one);
+          auto t = read_tensor_slice(reader, h.theirs, std::vector<int64_t>(one.size(), 0), one);
+          report.bytes_read += t.nbytes();
+          local[row].copy_(h.transpose ? t.t() : t);
+        }
+      return;
     }
-    if (info->shape != want)
-      throw CheckpointError(path + ": tensor '" + h.theirs + "' has shape " + show(info->shape) + " but the model's '" +
-                            h.ours + "' needs " + show(want) + (h.transpose ? " (stored transposed)" : ""));
-    report.bytes_needed += info->nbytes();
+    const auto& h = *entries.begin()->second;
+    auto& reader = source(h, l.global_shape);
     int64_t row = 0;
     for (const auto& b : l.blocks) {
       auto off = b.offsets, size = b.shape;
       if (h.transpose) std::swap(off[0], off[1]), std::swap(size[0], size[1]);
-      auto t = read_tensor_slice(*reader, h.theirs, off, size);
+      auto t = read_tensor_slice(reader, h.theirs, off, size);
       report.bytes_read += t.nbytes();
       if (h.transpose) t = t.t();
       const int64_t rows = b.shape.empty() ? 1 : b.shape[0];

@@ -59,7 +59,13 @@ void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& mode
 
 checkpoint::HfExport hf_export(const models::CausalLM& model) {
   checkpoint::HfExport e;
-  for (const auto& h : model.hf_tensors()) e.names[h.ours] = {h.theirs, h.transpose};
+  for (const auto& h : model.hf_tensors()) {
+    // Stacked experts are one tensor here and one per expert there: merge cannot split them yet.
+    if (h.expert >= 0)
+      throw checkpoint::CheckpointError("merge --hf: '" + h.ours +
+                                        "' holds stacked experts, which merge cannot yet write per expert");
+    e.names[h.ours] = {h.theirs, h.transpose};
+  }
   e.config = model.hf_config();
   return e;
 }

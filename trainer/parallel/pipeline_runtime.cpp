@@ -460,7 +460,16 @@ struct PipelineExecutor::Impl {
     input[at(s, j)] = output[at(s, j)] = grad_out[at(s, j)] = at::Tensor();
   }
 
+  // A stage before the last never sees the micro-batch's LM loss gradient:
+  // hand the model its weight x the loss scale (MoE balancing losses scale by it).
+  void tell_loss_grad(int s, int j) {
+    if (s == S - 1) return;
+    const auto w = weights[j].to(torch::kFloat32);
+    model.set_loss_grad(loss_scale.defined() ? w * loss_scale.to(w.device()) : w);
+  }
+
   void run_b(int s, int j) {
+    tell_loss_grad(s, j);
     torch::autograd::backward({output[at(s, j)]}, start_grad(s, j));
     if (s > 0) pass_back(s, j, input[at(s, j)].grad());
     release(s, j);
@@ -474,6 +483,7 @@ struct PipelineExecutor::Impl {
     if (!opts.split_backward) return run_b(s, j);
     {
       models::common::CaptureWeightGrads capture(weight_grads[at(s, j)]);
+      tell_loss_grad(s, j);
       torch::autograd::backward({output[at(s, j)]}, start_grad(s, j));
     }
     if (s > 0) pass_back(s, j, input[at(s, j)].grad());

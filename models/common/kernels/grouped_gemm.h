@@ -1,0 +1,38 @@
+// The experts' GEMMs of a Mixture-of-Experts layer as one grouped GEMM: rows
+// sorted by expert (counts[g] rows for group g, in order) times each group's
+// own weight. Which implementation runs is chosen per call:
+//
+//   grouped_mm  at::_grouped_mm: CUDA, bf16, compute capability 9.0+, K and N
+//               multiples of 8 (16-byte aligned rows, as its kernel requires)
+//   padded_bmm  each group's rows copied into a [G, max count, K] batch, one bmm
+//               (CUDA elsewhere; on the CPU when the groups are many and small)
+//   loop        one mm per group on slices of the rows (the CPU otherwise: no
+//               padding copy; bench/moe_cpu.py measured the two)
+//
+// All three are differentiable (autograd through ATen ops) and equal up to
+// rounding; tests/unit/test_moe.cpp checks them against each other.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace nnstrain::models::common::kernels {
+
+enum class GroupedGemm { Auto, GroupedMm, PaddedBmm, Loop };
+
+// x [M, K] (M = sum(counts)), w [G, N, K]: row block g times w[g]^T -> [M, N].
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts,
+                          GroupedGemm which = GroupedGemm::Auto);
+
+// What Auto picks for these operands (never Auto).
+GroupedGemm choose_grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts);
+
+// "grouped_mm", "padded_bmm", "loop"; the kernel the last grouped_linear call
+// in this process ran ("" before any), for the run's record of what ran.
+const char* grouped_gemm_name(GroupedGemm g);
+std::string last_grouped_gemm();
+
+}  // namespace nnstrain::models::common::kernels

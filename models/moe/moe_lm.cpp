@@ -1,0 +1,266 @@
+#include "models/moe/moe_lm.h"
+
+#include <optional>
+#include <stdexcept>
+
+namespace nnstrain::models::moe {
+namespace {
+
+using common::MoeOptions;
+using common::RouterKind;
+
+// The config as a model type reads it (the ModelConfig the registry hands out).
+struct Parsed : MoeLmConfig {
+  bool mixture_of_experts() const override { return true; }
+};
+
+bool is_qwen(const std::string& type) { return type == "qwen3_moe"; }
+
+// The first key whose value the model cannot take, and why (none: fine).
+std::optional<std::pair<std::string, std::string>> problem(const MoeLmConfig& c) {
+  const auto& o = *c.moe;
+  const auto n = [](int64_t v) { return std::to_string(v); };
+  const std::string experts_key = is_qwen(c.model_type) ? "num_experts" : "num_local_experts";
+  if (o.top_k > o.num_experts)
+    return {{"num_experts_per_tok", n(o.top_k) + " is more than " + experts_key + " " + n(o.num_experts)}};
+  if (o.router == RouterKind::DeepseekV3) {
+    if (o.num_experts % o.n_group != 0)
+      return {{"n_group", n(o.n_group) + " does not divide " + experts_key + " " + n(o.num_experts)}};
+    if (o.topk_group > o.n_group) return {{"topk_group", n(o.topk_group) + " is more than n_group " + n(o.n_group)}};
+    if (o.top_k > o.topk_group * (o.num_experts / o.n_group))
+      return {{"num_experts_per_tok", n(o.top_k) + " is more than the " + n(o.topk_group * (o.num_experts / o.n_group)) +
+                                          " experts of topk_group " + n(o.topk_group) + " groups"}};
+  }
+  if (o.n_shared_experts > 0 && o.shared_expert_intermediate_size > 0)
+    return {{"shared_expert_intermediate_size", "is for one gated shared expert; n_shared_experts " +
+                                                    n(o.n_shared_experts) + " is set too (use one)"}};
+  for (const auto l : c.mlp_only_layers)
+    if (l < 0 || l >= c.num_hidden_layers)
+      return {{"mlp_only_layers", n(l) + " is not a layer (0 to num_hidden_layers - 1 = " + n(c.num_hidden_layers - 1) + ")"}};
+  if (c.first_k_dense_replace > c.num_hidden_layers)
+    return {{"first_k_dense_replace", n(c.first_k_dense_replace) + " is more than num_hidden_layers " +
+                                          n(c.num_hidden_layers)}};
+  return std::nullopt;
+}
+
+// Fills what follows from the keys: the sparse layers, names, the options' copies.
+void finish(MoeLmConfig& c, MoeOptions o) {
+  o.hidden_size = c.hidden_size;
+  o.initializer_range = c.initializer_range;
+  if (!is_qwen(c.model_type)) o.gate_name = "w1", o.up_name = "w3", o.down_name = "w2";
+  c.qk_norm = is_qwen(c.model_type);
+  c.moe_module = is_qwen(c.model_type) ? "mlp" : "block_sparse_moe";
+  c.sparse_layers = sparse_layers(c.num_hidden_layers, c.decoder_sparse_step, c.mlp_only_layers, c.first_k_dense_replace);
+  c.moe = std::make_shared<const MoeOptions>(o);
+}
+
+std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a, const std::string& type) {
+  auto c = std::make_shared<Parsed>();
+  c->model_type = type;
+  llama::parse_llama_args(a, c.get());
+  const bool qwen = is_qwen(type);
+  MoeOptions o;
+  o.num_experts = a.get_int(qwen ? "num_experts" : "num_local_experts", 8, 1);
+  o.top_k = a.get_int("num_experts_per_tok", 2, 1);
+  o.moe_intermediate_size = qwen ? a.get_int("moe_intermediate_size", 768, 1) : c->intermediate_size;
+  const auto scoring = a.get_string("scoring_func", "softmax", {"softmax", "sigmoid"});
+  o.norm_topk_prob = a.get_bool("norm_topk_prob", !qwen);  // Mixtral always renormalises
+  if (!qwen && !o.norm_topk_prob && scoring == "softmax")
+    a.fail("norm_topk_prob", "false: Mixtral's softmax router always renormalises its top-k weights");
+  if (scoring == "sigmoid") {
+    o.router = RouterKind::DeepseekV3;
+    o.n_group = a.get_int("n_group", 1, 1);
+    o.topk_group = a.get_int("topk_group", 1, 1);
+    o.routed_scaling_factor = a.get_float("routed_scaling_factor", 1.0, 0.0);
+    o.bias_update_speed = a.get_float("bias_update_speed", 0.0, 0.0);
+  } else {
+    for (const char* k : {"n_group", "topk_group", "routed_scaling_factor", "bias_update_speed"})
+      if (a.has(k)) a.fail(k, "is an option of DeepSeek-V3's router: set scoring_func: sigmoid");
+  }
+  o.n_shared_experts = a.get_int("n_shared_experts", 0, 0);
+  o.shared_expert_intermediate_size = a.get_int("shared_expert_intermediate_size", 0, 0);
+  o.router_aux_loss_coef = a.get_float("router_aux_loss_coef", 0.001, 0.0);
+  o.router_z_loss_coef = a.get_float("router_z_loss_coef", 0.0, 0.0);
+  o.capacity_factor = a.get_float("capacity_factor", 0.0, 0.0);
+  if (!qwen && a.get_float("router_jitter_noise", 0.0, 0.0) > 0)
+    a.fail("router_jitter_noise", "is not supported (0 only)");
+  if (qwen) {
+    c->decoder_sparse_step = a.get_int("decoder_sparse_step", 1, 1);
+    for (const double l : a.get_float_list("mlp_only_layers", std::vector<double>{})) {
+      if (l != static_cast<double>(static_cast<int64_t>(l))) a.fail("mlp_only_layers", "holds a non-integer layer");
+      c->mlp_only_layers.push_back(static_cast<int64_t>(l));
+    }
+  }
+  c->first_k_dense_replace = a.get_int("first_k_dense_replace", 0, 0);
+  finish(*c, o);
+  if (const auto p = problem(*c)) a.fail(p->first, p->second);
+  return c;
+}
+
+template <typename T>
+T get_or(const nlohmann::json& j, const char* key, T def) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return def;
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw std::runtime_error(std::string("config.json: '") + key + "' has an unexpected type: " + it->dump());
+  }
+}
+
+ModelEntry entry(const std::string& type) {
+  return {type, [type](config::ArgMap& a) { return parse_args(a, type); },
+          nullptr,  // registry: build_sharded + fresh initialisation
+          [](const config::ModelConfig& c, const common::ShardingContext& ctx) -> std::shared_ptr<CausalLM> {
+            return std::make_shared<MoeLm>(dynamic_cast<const MoeLmConfig&>(c), ctx);
+          },
+          [type](const nlohmann::json& j) -> std::shared_ptr<const config::ModelConfig> {
+            return config_from_hf(j, type);
+          }};
+}
+
+}  // namespace
+
+std::vector<bool> sparse_layers(int64_t layers, int64_t step, const std::vector<int64_t>& mlp_only, int64_t first_dense) {
+  std::vector<bool> s(layers);
+  for (int64_t i = 0; i < layers; ++i)
+    s[i] = (i + 1) % step == 0 && i >= first_dense && std::find(mlp_only.begin(), mlp_only.end(), i) == mlp_only.end();
+  return s;
+}
+
+MoeLm::MoeLm(const MoeLmConfig& cfg, const common::ShardingContext& ctx) : llama::Llama(cfg, ctx), mcfg_(cfg) {}
+
+std::vector<MoeStats> MoeLm::take_moe_stats() {
+  std::vector<MoeStats> all;
+  for (size_t i = 0; i < layers->size(); ++i)
+    if (auto l = layers->ptr<llama::DecoderLayerImpl>(i); l->moe) all.push_back(l->moe->take_stats());
+  return all;
+}
+
+double MoeLm::flops_per_token(int64_t seq_len) const {
+  const auto& c = config();
+  const auto& o = *mcfg_.moe;
+  const double C = c.hidden_size, q = double(c.num_attention_heads) * c.head_dim,
+               kv = double(c.num_key_value_heads) * c.head_dim;
+  double n = double(c.vocab_size) * C;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    n += C * q * 2 + C * kv * 2;
+    if (!c.sparse(i)) {
+      n += 3.0 * C * c.intermediate_size;
+      continue;
+    }
+    // The router, the k experts a token reaches, the shared experts.
+    const double shared = double(o.n_shared_experts) * o.moe_intermediate_size + o.shared_expert_intermediate_size;
+    n += C * o.num_experts + 3.0 * C * (double(o.top_k) * o.moe_intermediate_size + shared);
+    if (o.shared_expert_intermediate_size > 0) n += C;  // its gate
+  }
+  return 6 * n + 12.0 * c.num_hidden_layers * q * seq_len;
+}
+
+std::vector<HfTensor> MoeLm::hf_tensors() const {
+  const auto& o = *mcfg_.moe;
+  std::vector<HfTensor> t;
+  for (const auto& p : named_parameters()) {
+    const auto& ours = p.key();
+    const auto dot = ours.rfind('.');
+    const auto leaf = ours.substr(dot + 1), parent = ours.substr(0, dot);
+    const bool stacked = parent.size() > 8 && parent.compare(parent.size() - 8, 8, ".experts") == 0 &&
+                         (leaf == o.gate_name || leaf == o.up_name || leaf == o.down_name);
+    if (!stacked) {
+      t.push_back({ours, ours == "lm_head.weight" ? ours : "model." + ours, false});
+      continue;
+    }
+    // One HF tensor per expert: model.layers.1.mlp.experts.3.gate_proj.weight.
+    for (int64_t e = 0; e < o.num_experts; ++e)
+      t.push_back({ours, "model." + parent + "." + std::to_string(e) + "." + leaf + ".weight", false, e});
+  }
+  return t;
+}
+
+nlohmann::json MoeLm::hf_config() const {
+  auto j = llama::Llama::hf_config();
+  const auto& o = *mcfg_.moe;
+  const bool qwen = is_qwen(mcfg_.model_type);
+  j["model_type"] = mcfg_.model_type;
+  j["architectures"] = {qwen ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM"};
+  j.erase("mlp_bias");
+  j.erase("pretraining_tp");
+  j["num_experts_per_tok"] = o.top_k;
+  j["router_aux_loss_coef"] = o.router_aux_loss_coef;
+  j["output_router_logits"] = false;
+  if (qwen) {
+    j["num_experts"] = o.num_experts;
+    j["moe_intermediate_size"] = o.moe_intermediate_size;
+    j["norm_topk_prob"] = o.norm_topk_prob;
+    j["decoder_sparse_step"] = mcfg_.decoder_sparse_step;
+    j["mlp_only_layers"] = mcfg_.mlp_only_layers;
+    j["use_sliding_window"] = false;
+  } else {
+    j["num_local_experts"] = o.num_experts;
+    j["router_jitter_noise"] = 0.0;
+    j["sliding_window"] = nullptr;
+  }
+  // nnstrain's options beyond the model type's own (transformers keeps unknown keys, and ignores them).
+  if (o.router == RouterKind::DeepseekV3) {
+    j["scoring_func"] = "sigmoid";
+    j["n_group"] = o.n_group;
+    j["topk_group"] = o.topk_group;
+    j["routed_scaling_factor"] = o.routed_scaling_factor;
+    j["bias_update_speed"] = o.bias_update_speed;
+    if (!qwen) j["norm_topk_prob"] = o.norm_topk_prob;
+  }
+  if (o.n_shared_experts > 0) j["n_shared_experts"] = o.n_shared_experts;
+  if (o.shared_expert_intermediate_size > 0) j["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
+  if (mcfg_.first_k_dense_replace > 0) j["first_k_dense_replace"] = mcfg_.first_k_dense_replace;
+  if (o.router_z_loss_coef > 0) j["router_z_loss_coef"] = o.router_z_loss_coef;
+  if (o.capacity_factor > 0) j["capacity_factor"] = o.capacity_factor;
+  return j;
+}
+
+std::shared_ptr<const MoeLmConfig> config_from_hf(const nlohmann::json& j, const std::string& type) {
+  const auto base = llama::config_from_hf(j);
+  auto c = std::make_shared<Parsed>();
+  static_cast<llama::LlamaConfig&>(*c) = *base;
+  c->model_type = type;
+  const bool qwen = is_qwen(type);
+  MoeOptions o;
+  // transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map); Qwen's own files num_experts.
+  o.num_experts = get_or<int64_t>(j, "num_local_experts", 8);
+  if (qwen) o.num_experts = get_or<int64_t>(j, "num_experts", j.contains("num_local_experts") ? o.num_experts : 128);
+  o.top_k = get_or<int64_t>(j, "num_experts_per_tok", qwen ? 8 : 2);
+  o.moe_intermediate_size = qwen ? get_or<int64_t>(j, "moe_intermediate_size", 768) : c->intermediate_size;
+  o.norm_topk_prob = get_or<bool>(j, "norm_topk_prob", !qwen);
+  const auto scoring = get_or<std::string>(j, "scoring_func", "softmax");
+  if (scoring == "sigmoid") {
+    o.router = RouterKind::DeepseekV3;
+    o.n_group = get_or<int64_t>(j, "n_group", 1);
+    o.topk_group = get_or<int64_t>(j, "topk_group", 1);
+    o.routed_scaling_factor = get_or<double>(j, "routed_scaling_factor", 1.0);
+    o.bias_update_speed = get_or<double>(j, "bias_update_speed", 0.0);
+  } else if (scoring != "softmax") {
+    throw std::runtime_error("config.json: scoring_func '" + scoring + "' is not supported (softmax or sigmoid)");
+  }
+  o.n_shared_experts = get_or<int64_t>(j, "n_shared_experts", 0);
+  o.shared_expert_intermediate_size = get_or<int64_t>(j, "shared_expert_intermediate_size", 0);
+  o.router_aux_loss_coef = get_or<double>(j, "router_aux_loss_coef", 0.001);
+  o.router_z_loss_coef = get_or<double>(j, "router_z_loss_coef", 0.0);
+  o.capacity_factor = get_or<double>(j, "capacity_factor", 0.0);
+  if (get_or<double>(j, "router_jitter_noise", 0.0) > 0)
+    throw std::runtime_error("config.json: router_jitter_noise is not supported (0 only)");
+  if (qwen) {
+    c->decoder_sparse_step = get_or<int64_t>(j, "decoder_sparse_step", 1);
+    c->mlp_only_layers = get_or<std::vector<int64_t>>(j, "mlp_only_layers", {});
+    if (c->decoder_sparse_step < 1) throw std::runtime_error("config.json: decoder_sparse_step must be at least 1");
+  }
+  c->first_k_dense_replace = get_or<int64_t>(j, "first_k_dense_replace", 0);
+  if (o.num_experts < 1 || o.top_k < 1 || o.n_group < 1 || o.topk_group < 1)
+    throw std::runtime_error("config.json: expert counts must be at least 1");
+  finish(*c, o);
+  if (const auto p = problem(*c)) throw std::runtime_error("config.json: " + p->first + ": " + p->second);
+  return c;
+}
+
+ModelEntry qwen3_moe_entry() { return entry("qwen3_moe"); }
+ModelEntry mixtral_entry() { return entry("mixtral"); }
+
+}  // namespace nnstrain::models::moe
