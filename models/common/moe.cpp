@@ -203,6 +203,8 @@ MoeImpl::MoeImpl(const MoeOptions& o, const ShardingContext& ctx, std::string la
                  std::shared_ptr<AuxLossScale> scale)
     : o_(o), ctx_(ctx), layer_(std::move(layer)), scale_(std::move(scale)) {
   TORCH_CHECK(!ctx.sp(), "MoE layers do not support sequence parallelism");
+  if (o.router == RouterKind::DeepseekV3 && o.bias_update_speed > 0)
+    bias_ = torch::zeros({o.num_experts}, torch::kFloat);  // the selection bias, fp32 like the routing
   const auto init = InitRule::normal(o.initializer_range);
   gate = register_module("gate", Linear(o.hidden_size, o.num_experts, false, init, ctx.options));
   experts = register_module("experts", Experts(o, ctx));
@@ -229,8 +231,8 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   {
     NoAutocast fp32(x.device().type());
     logits = torch::mm(flat.to(torch::kFloat), gate->weight.to(torch::kFloat).t());
-    if (o_.router == RouterKind::DeepseekV3 && o_.bias_update_speed > 0 && !bias_.defined())
-      bias_ = torch::zeros({E}, logits.options());
+    // Made at construction (so a checkpoint can load it before any step), moved to the tokens' device once.
+    if (bias_.defined() && bias_.device() != logits.device()) bias_ = bias_.to(logits.device());
     r = route(logits, o_, bias_);
   }
   auto chosen = r.experts;

@@ -130,6 +130,18 @@ std::vector<bool> sparse_layers(int64_t layers, int64_t step, const std::vector<
 
 MoeLm::MoeLm(const MoeLmConfig& cfg, const common::ShardingContext& ctx) : llama::Llama(cfg, ctx), mcfg_(cfg) {}
 
+ModelDims MoeLm::dims() const {
+  auto d = Llama::dims();
+  const auto& c = config();
+  const auto& o = *mcfg_.moe;
+  d.experts = o.num_experts;
+  d.experts_per_token = o.top_k;
+  d.expert_ffn = o.moe_intermediate_size;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) d.moe_layers += c.sparse(i) ? 1 : 0;
+  d.shared_expert_ffn = o.n_shared_experts * o.moe_intermediate_size + o.shared_expert_intermediate_size;
+  return d;
+}
+
 std::vector<MoeStats> MoeLm::take_moe_stats() {
   std::vector<MoeStats> all;
   for (size_t i = 0; i < layers->size(); ++i)

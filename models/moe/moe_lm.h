@@ -31,6 +31,7 @@ class MoeLm : public llama::Llama {
   std::vector<MoeStats> take_moe_stats() override;
   // Active parameters only: k of E routed experts (plus the shared ones) per sparse layer.
   double flops_per_token(int64_t seq_len) const override;
+  ModelDims dims() const override;  // Llama's, with the MoE fields
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;
   const MoeLmConfig& moe_config() const { return mcfg_; }

@@ -8,6 +8,7 @@
 #include "models/common/context_attention.h"
 #include "models/common/lm_loss.h"
 #include "trainer/checkpoint/checkpoint.h"
+#include "models/common/kernels/grouped_gemm.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/train/startup.h"
 
@@ -75,7 +76,9 @@ nlohmann::json RunCounts::since(const RunCounts& b) const {
           {"pp_bytes", pp_bytes - b.pp_bytes},
           {"ep_all_to_all", ep_all_to_all - b.ep_all_to_all},
           {"ep_bytes", ep_bytes - b.ep_bytes},
-          {"document_tiles", document_tiles - b.document_tiles}};
+          {"document_tiles", document_tiles - b.document_tiles},
+          // The MoE experts' GEMM form that ran last (models/common/kernels/grouped_gemm.h; "" for a dense model).
+          {"grouped_gemm", models::common::kernels::last_grouped_gemm()}};
 }
 
 nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime* rt, Trainable& tr, int rank,

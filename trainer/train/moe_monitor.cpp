@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "models/common/moe.h"
 #include "models/model.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "trainer/dist/process_groups.h"
@@ -25,6 +26,7 @@ void MoeMonitor::after_step() {
   auto stats = model_.take_moe_stats();
   TORCH_CHECK(stats.size() == layers_.size(), "MoeMonitor: the model reported ", stats.size(), " MoE layers, then ",
               layers_.size());
+  for (size_t l = 0; l < stats.size(); ++l) biases_[l] = stats[l].expert_bias;  // moved to the device at the first forward
   // One vector: every layer's tokens per expert, then the dropped assignments
   // per layer, then the balancing loss; summed over the ranks that see other tokens.
   std::vector<double> v;
@@ -44,9 +46,7 @@ void MoeMonitor::after_step() {
     const auto E = static_cast<int64_t>(stats[l].tokens_per_expert.size());
     const auto load = t.narrow(0, at, E);
     at += E;
-    auto& bias = biases_[l];
-    if (bias.defined() && speeds_[l] > 0)
-      bias.add_((speeds_[l] * torch::sign(load.mean() - load)).to(bias.device(), bias.scalar_type()));
+    if (biases_[l].defined() && speeds_[l] > 0) models::common::update_expert_bias(biases_[l], load, speeds_[l]);
   }
   if (interval_.defined()) interval_.add_(t);
   else interval_ = t.clone();
