@@ -22,7 +22,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"dp", p.dp},
        {"zero", p.zero_stage},
        {"zero_ngroups", p.zero_ngroups},
-       {"offload", {{"optimizer", p.offload_ratio > 0}, {"ratio", p.offload_ratio}, {"params", p.offload_params}}},
+       {"offload", {{"optimizer", p.offload_ratio > 0}, {"ratio", p.offload_ratio}, {"params", p.offload_params}, {"nvme", p.offload_nvme}}},
        {"recompute", p.recompute},
        {"units_before_blocks", p.units_before_blocks},
        {"units_after_blocks", p.units_after_blocks},
@@ -46,6 +46,8 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"host_step_s", e.host_step_s},
          {"copy_s", e.copy_s},
          {"offload_s", e.offload_s},
+         {"nvme_bytes", e.nvme_bytes},
+         {"nvme_s", e.nvme_s},
          {"step_s", e.step_s}}},
        {"memory_budget_bytes", p.memory_budget_bytes},
        {"device", p.device},
@@ -80,6 +82,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       const auto& o = j.at("offload");
       p.offload_ratio = o.value("optimizer", false) ? o.value("ratio", 1.0) : 0.0;
       p.offload_params = o.value("params", false);
+      p.offload_nvme = o.value("nvme", false);
     }
     p.recompute = j.at("recompute").get<std::vector<bool>>();
     p.units_before_blocks = j.value("units_before_blocks", std::vector<std::string>{});
@@ -115,6 +118,8 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.host_step_s = ej.value("host_step_s", 0.0);
       e.copy_s = ej.value("copy_s", 0.0);
       e.offload_s = ej.value("offload_s", 0.0);
+      e.nvme_bytes = ej.value("nvme_bytes", 0.0);
+      e.nvme_s = ej.value("nvme_s", 0.0);
       e.step_s = ej.value("step_s", 0.0);
     }
     p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
@@ -232,7 +237,7 @@ std::string describe(const Plan& p, bool explain) {
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   if (p.offload_ratio > 0 || p.offload_params)
     o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
-      << (p.offload_params ? ", params" : "");
+      << (p.offload_params ? ", params" : "") << (p.offload_nvme ? " (on NVMe)" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
   if (cx.cp > 1)
     o << "  context parallel: each sequence over " << cx.cp << " ranks (" << cx.comm_type << " ring, "
@@ -309,7 +314,12 @@ std::string describe(const Plan& p, bool explain) {
     o << " of budget " << format_bytes(p.memory_budget_bytes) << " ("
       << fixed(100.0 * e.total_bytes / p.memory_budget_bytes, 1) << "%)";
   o << "\n  " << pad("host", 12) << format_bytes(e.host_bytes)
-    << (e.host_bytes > 0 ? " (offloaded weights, moments, gradient copy, staging)" : " (no offload)") << "\n";
+    << (p.offload_nvme         ? " (gradient copy and the NVMe tier's buffer)"
+        : e.host_bytes > 0 ? " (offloaded weights, moments, gradient copy, staging)"
+                           : " (no offload)") << "\n";
+  if (p.offload_nvme)
+    o << "  " << pad("nvme", 12) << format_bytes(e.nvme_bytes) << " (files: weights, moments"
+      << (p.offload_params ? ", parameter chunks" : "") << ")\n";
 
   o << "\nstep time (estimated):\n";
   o << "  " << pad("compute", 12) << fixed(e.compute_s, 4) << " s\n";
@@ -329,7 +339,8 @@ std::string describe(const Plan& p, bool explain) {
   }
   if (p.offload_ratio > 0 || p.offload_params)
     o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
-      << " s, copies " << fixed(e.copy_s, 4) << " s)\n";
+      << " s, copies " << fixed(e.copy_s, 4) << " s"
+      << (p.offload_nvme ? ", disk " + fixed(e.nvme_s, 4) + " s beside the host step" : std::string()) << ")\n";
   o << "  " << pad("total", 12) << fixed(e.step_s, 4) << " s";
   if (e.step_s > 0 && p.seq_len > 0) {
     const double tokens = double(p.micro_batch_size) * p.seq_len * p.grad_accumulation_steps * p.dp;

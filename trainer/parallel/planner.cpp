@@ -134,7 +134,8 @@ class Search {
       choose();
       cps.insert(cps.begin(), std::make_pair(1, cc.cp_comm_type));
     }
-    while (!best_ && free_offload() && tier < 2) {
+    // Tier 3, the last resort: ZeRO-3 with the optimizer and parameters on NVMe (where a disk was probed).
+    while (!best_ && free_offload() && tier < (req_.device.disk_read_bw > 0 ? 3 : 2)) {
       add_candidates(++tier, cps);
       choose();
     }
@@ -152,6 +153,11 @@ class Search {
   bool from_first_tier() const { return from_first_tier_; }
 
  private:
+  // The node's host memory (where given) holds what its ranks keep there.
+  bool host_fits(const PlanEstimate& e) const {
+    const auto& d = req_.device;
+    return d.host_memory_bytes <= 0 || e.host_bytes * std::min(req_.world_size, d.ranks_per_node) <= d.host_memory_bytes;
+  }
   bool free_zero() const { return a_.pas_policy == "autodist" && a_.compute_config.use_zero == 0; }
   bool free_offload() const {
     const auto& o = a_.compute_config.offload;
@@ -259,7 +265,7 @@ class Search {
       const int zsize = group % cc.zero_ngroups == 0 ? group / cc.zero_ngroups : 0;
       std::vector<int> zeros;
       if (!free_zero()) zeros = {cc.use_zero};
-      else if (tier == 2) zeros = {3};
+      else if (tier >= 2) zeros = {3};
       else if (zsize > 1) zeros = {0, 1, 2, 3};
       else zeros = {0};
       for (int zero : zeros) {
@@ -291,9 +297,11 @@ class Search {
           if (!free_offload()) {
             c.offload_ratio = cc.offload.optimizer ? cc.offload.ratio : 0.0;
             c.offload_params = cc.offload.params;
+            c.offload_nvme = cc.offload.optimizer_nvme;
           } else {
             c.offload_ratio = tier >= 1 ? 1.0 : 0.0;
-            c.offload_params = tier == 2;
+            c.offload_params = tier >= 2;
+            c.offload_nvme = tier == 3;
           }
           entries_.push_back({c, "", estimate(req_, f_, c, &schedules_)});
         }
@@ -319,7 +327,7 @@ class Search {
       if (!first_tier || key < *first_tier) first_tier = key;
       if (!least_memory_ || en.e.total_bytes < least_memory_->e.total_bytes) least_memory_ = &en;
       auto& slot = least_stage_[key];
-      if (en.e.total_bytes <= budget_ && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
+      if (en.e.total_bytes <= budget_ && host_fits(en.e) && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
     }
     from_first_tier_ = first_tier && least_stage_.count(*first_tier) && least_stage_[*first_tier];
     if (from_first_tier_) {
@@ -433,6 +441,7 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.zero_ngroups = a.compute_config.zero_ngroups;
   p.offload_ratio = best.c.offload_ratio;
   p.offload_params = best.c.offload_params;
+  p.offload_nvme = best.c.offload_nvme;
   p.context = {best.c.cp, best.c.cp_comm, best.c.cp_balance};
   p.pipeline = {best.c.pp, best.c.stages, best.c.scheduler,
                 a.global_batch_size / (a.micro_batch_size * best.c.dp), best.c.stage_layers,
@@ -497,6 +506,7 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
            split_text(rejected[j + 1].cand) == split_text(r.cand) &&
            rejected[j + 1].cand.offload_ratio == r.cand.offload_ratio &&
            rejected[j + 1].cand.offload_params == r.cand.offload_params &&
+           rejected[j + 1].cand.offload_nvme == r.cand.offload_nvme &&
            (r.cand.pp > 1 ? rejected[j + 1].cand.recompute_layers > rejected[j].cand.recompute_layers
                           : rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1))
       ++j;

@@ -17,6 +17,7 @@
 #include "trainer/optim/lr_schedule.h"
 #include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
+#include "trainer/parallel/nvme_tier.h"
 #include "base/log.h"
 #include "trainer/train/active_record.h"
 #include "trainer/train/cpu_memory.h"
@@ -324,6 +325,12 @@ void Trainer::announce(int64_t start_step) {
               (tr_.delayed_update ? "; delayed update (each step's gradients at weights one update behind)" : "") +
               "; host bytes " +
               std::to_string(int64_t(host.total())) + (device_.is_cuda() ? " pinned" : " (host buffers, not device tensors)"));
+    if (auto* nvme = st.nvme())
+      log::info("nvme offload: weights and moments" + std::string(st.options().nvme_params ? " and ZeRO-3 parameter chunks" : "") +
+                " in " + nvme->store().folder() + " (" + std::to_string(nvme->store().file_bytes()) + " bytes, " +
+                (nvme->store().direct_io() ? "O_DIRECT" : "buffered: the filesystem refuses O_DIRECT") + "), through " +
+                std::to_string(nvme->slots()) + " slots of host buffer (" + std::to_string(nvme->slot_bytes()) +
+                " bytes); I/O engine " + nvme->store().engine() + ": " + nvme->store().engine_why());
   }
 }
 
@@ -737,6 +744,12 @@ int Trainer::run() {
       record_->complete("first_step", std::move(ran));
     }
     ++interval_steps_;
+    if (auto* nvme = tr_.state->nvme()) {  // what the NVMe tier moved this step (its files were used)
+      const auto io = nvme->take_counters();
+      log::info("nvme offload: step " + std::to_string(step_) + " read " + std::to_string(io.bytes_read) + " bytes in " +
+                std::to_string(io.reads) + " chunks, wrote " + std::to_string(io.bytes_written) + " bytes in " +
+                std::to_string(io.writes) + " chunks (" + nvme->store().engine() + ")");
+    }
     profiler_.after_step(step_);
     if (snapshots_) snapshots_->after_step(step_);
 
@@ -773,6 +786,10 @@ int Trainer::run() {
   }
   tr_.flush();
   saver_->wait();  // the last save is published before the run ends
+  if (auto* nvme = tr_.state->nvme()) {  // a clean exit: the scratch files go (a crash leaves them, with a note)
+    nvme->store().close();
+    log::info("nvme offload: removed " + nvme->store().folder());
+  }
   // What this rank keeps between steps (the ZeRO stages' 1/N is checked against it).
   const auto held = tr_.held_bytes();
   int64_t elements = 0;  // this rank's parameter elements before ZeRO (after tensor parallelism)
