@@ -462,6 +462,13 @@ void NvmeStore::rehash(int file, size_t chunk) {
     impl_->fail(f.path, std::string("msync: ") + std::strerror(errno));
 }
 
+void NvmeStore::unmap() {
+  for (auto& f : impl_->files) {
+    if (f.map) ::munmap(f.map, static_cast<size_t>(f.size));
+    f.map = nullptr;
+  }
+}
+
 int64_t NvmeStore::chunk_offset(int file, size_t chunk) const { return impl_->files[file].offset[chunk]; }
 int64_t NvmeStore::chunk_bytes(int file, size_t chunk) const { return impl_->files[file].bytes[chunk]; }
 size_t NvmeStore::chunks(int file) const { return impl_->files[file].bytes.size(); }

@@ -76,6 +76,7 @@ class NvmeStore {
   // from or load into; after writing through it, rehash() takes the new checksums.
   void* map(int file);
   void rehash(int file, size_t chunk);
+  void unmap();  // every mapping gone (the views into them with it)
   int64_t chunk_offset(int file, size_t chunk) const;
   int64_t chunk_bytes(int file, size_t chunk) const;
   size_t chunks(int file) const;

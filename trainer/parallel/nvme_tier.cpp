@@ -195,6 +195,7 @@ at::Tensor NvmeTier::file_view(size_t b, int part) {
 
 void NvmeTier::after_checkpoint_load() {
   for (size_t b = 0; b < lens_.size(); ++b) store_->rehash(opt_file_, b);
+  store_->unmap();  // the load's views are gone; the steps read the files directly
 }
 
 NvmeCounters NvmeTier::take_counters() {

@@ -68,6 +68,8 @@ class NvmeTier {
   at::Tensor file_view(size_t b, int part);
   // After a checkpoint load wrote through the views: new checksums.
   void after_checkpoint_load();
+  void unmap_after_checkpoint() { store_->unmap(); }
+  int64_t file_bytes() const { return store_->file_bytes(); }
 
   NvmeStore& store() { return *store_; }
   // Bytes read and written since the last call (a step's I/O).

@@ -151,13 +151,16 @@ class Search {
     return it == least_stage_.end() ? nullptr : it->second;
   }
   bool from_first_tier() const { return from_first_tier_; }
+  // The node's host memory (where given) holds what its ranks keep there.
+  double host_per_node(const PlanEstimate& e) const {
+    return e.host_bytes * std::min(req_.world_size, req_.device.ranks_per_node);
+  }
+  double host_memory() const { return req_.device.host_memory_bytes; }
+  bool host_fits(const PlanEstimate& e) const {
+    return req_.device.host_memory_bytes <= 0 || host_per_node(e) <= req_.device.host_memory_bytes;
+  }
 
  private:
-  // The node's host memory (where given) holds what its ranks keep there.
-  bool host_fits(const PlanEstimate& e) const {
-    const auto& d = req_.device;
-    return d.host_memory_bytes <= 0 || e.host_bytes * std::min(req_.world_size, d.ranks_per_node) <= d.host_memory_bytes;
-  }
   bool free_zero() const { return a_.pas_policy == "autodist" && a_.compute_config.use_zero == 0; }
   bool free_offload() const {
     const auto& o = a_.compute_config.offload;
@@ -405,6 +408,10 @@ std::vector<Rejected> rejections(const Search& s, const Entry& best, int L) {
       r.kind = "memory";
       r.reason = "needs " + format_bytes(en.e.total_bytes) + ", over the budget " + format_bytes(s.budget()) +
                  " by " + format_bytes(en.e.total_bytes - s.budget());
+    } else if (!s.host_fits(en.e)) {
+      r.kind = "host memory";
+      r.reason = "keeps " + format_bytes(s.host_per_node(en.e)) + " per node on the host, over its " +
+                 format_bytes(s.host_memory());
     } else if (least != &en) {
       r.kind = "sharding";
       r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but shards more than needed: zero=" +
