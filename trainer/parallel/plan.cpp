@@ -22,7 +22,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"dp", p.dp},
        {"zero", p.zero_stage},
        {"zero_ngroups", p.zero_ngroups},
-       {"offload", {{"optimizer", p.offload_ratio > 0}, {"ratio", p.offload_ratio}, {"params", p.offload_params}, {"nvme", p.offload_nvme}}},
+       {"offload", {{"optimizer", p.offload_ratio > 0}, {"ratio", p.offload_ratio}, {"params", p.offload_params}}},
        {"recompute", p.recompute},
        {"units_before_blocks", p.units_before_blocks},
        {"units_after_blocks", p.units_after_blocks},
@@ -46,14 +46,17 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"host_step_s", e.host_step_s},
          {"copy_s", e.copy_s},
          {"offload_s", e.offload_s},
-         {"nvme_bytes", e.nvme_bytes},
-         {"nvme_s", e.nvme_s},
          {"step_s", e.step_s}}},
        {"memory_budget_bytes", p.memory_budget_bytes},
        {"device", p.device},
        {"micro_batch_size", p.micro_batch_size},
        {"seq_len", p.seq_len},
        {"grad_accumulation_steps", p.grad_accumulation_steps}};
+  if (p.offload_nvme) {  // only then: plans of the host tier read as before
+    j["offload"]["nvme"] = true;
+    j["estimate"]["nvme_bytes"] = e.nvme_bytes;
+    j["estimate"]["nvme_s"] = e.nvme_s;
+  }
   // Only where used, so plans without them read as before.
   if (!e.pp_rank_bytes.empty()) j["estimate"]["pp_rank_bytes"] = e.pp_rank_bytes;
   if (p.context.cp > 1)
