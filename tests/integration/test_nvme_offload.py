@@ -17,6 +17,7 @@ bounded host buffer), not what training computes.
   checkpoint to the uninterrupted run's numbers; a clean exit removes the folder.
 - Bad input exits 2 naming the key.
 """
+import json
 import os
 import pathlib
 import re
@@ -259,3 +260,39 @@ def test_bad_input_exits_2_naming_the_key(tiny_tokens, tmp_path):
     line = bad(tiny_tokens, tmp_path, "--compute_config.offload.optimizer", "nvme", "--compute_config.offload.nvme_path",
                str(tmp_path), "--compute_config.offload.nvme_io", "aio")
     assert "compute_config.offload.nvme_io" in line, line
+
+
+def test_planner_takes_the_nvme_tier_last_where_a_disk_was_probed(tiny_tokens, tmp_path):
+    """GPT ~0.8M at one rank with a device budget only offload meets and a host too small for the host tier:
+    no plan without a disk (the error names the host memory), ZeRO-3 with the optimizer and parameters on
+    NVMe once `--probe-disk` measured one, its files and the disk time in the estimate."""
+    gpt = CONFIGS / "tiny_gpt.yaml"
+    wide = ["--model.args.n_embd", "128", "--model.args.n_layer", "4", "--model.args.n_head", "4"]
+
+    def plan(*extra):
+        return subprocess.run([nnstrain_bin_path(), "plan", "--config", str(gpt), "--vars.data", str(tiny_tokens),
+                               "--runtime-ngpus", "1", "--json", "--pas_policy", "autodist", *wide,
+                               "--compute_config.offload.nvme_buffer_mb", "1", *map(str, extra)],
+                              cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    host_tier = json.loads(plan("--compute_config.offload.optimizer", "true", "--memory-budget-gb", 1000).stdout)["plan"]
+    plain = json.loads(plan("--memory-budget-gb", 1000, "--model.activation_checkpointing", "true").stdout)["plan"]
+    infinity = json.loads(plan("--memory-budget-gb", 1000, "--compute_config.use_zero", 3, "--compute_config.offload.optimizer",
+                               "nvme", "--compute_config.offload.params", "nvme", "--compute_config.offload.nvme_path",
+                               disk).stdout)["plan"]
+    # A device budget the plan without offload misses and ZeRO-3 on NVMe meets; half the host tier's host memory.
+    assert infinity["estimate"]["total_bytes"] < plain["estimate"]["total_bytes"], (infinity, plain)
+    budget = (infinity["estimate"]["total_bytes"] + plain["estimate"]["total_bytes"]) / 2 / 2 ** 30
+    host_gb = host_tier["estimate"]["host_bytes"] / 2 / 2 ** 30
+    refused = plan("--memory-budget-gb", budget, "--host-memory-gb", host_gb)
+    assert refused.returncode == 1 and "no plan fits the host memory" in refused.stderr and "--probe-disk" in refused.stderr, \
+        refused.stderr
+    p = plan("--memory-budget-gb", budget, "--host-memory-gb", host_gb, "--probe-disk", disk)
+    assert p.returncode == 0, p.stderr
+    chosen = json.loads(p.stdout)["plan"]
+    assert chosen["offload"] == {"optimizer": True, "params": True, "ratio": 1.0, "nvme": True} and chosen["zero"] == 3, chosen
+    est = chosen["estimate"]
+    assert est["total_bytes"] <= budget * 2 ** 30 and est["host_bytes"] <= host_gb * 2 ** 30, est
+    assert est["nvme_bytes"] >= 0.9 * host_tier["estimate"]["host_bytes"] * 12 / 20 and est["nvme_s"] > 0, est
+    assert list(disk.iterdir()) == []  # the probe's files are gone

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -284,7 +285,7 @@ class Search {
           }
           continue;
         }
-        if (tier == 2 && zero != 3) continue;
+        if (tier >= 2 && zero != 3) continue;
         {
           Candidate c = base;
           c.zero_stage = zero;
@@ -383,6 +384,18 @@ class Search {
     throw PlanError("no feasible plan for pas_policy " + a.pas_policy + " on " + std::to_string(world) + " ranks:" + why);
   }
   const auto& m = *s.least_memory();
+  // The device would hold it: host memory (--host-memory-gb) is what is short.
+  if (m.e.total_bytes <= s.budget() && !s.host_fits(m.e)) {
+    double least_host = std::numeric_limits<double>::infinity();
+    for (const auto& en : s.entries())
+      if (en.infeasible.empty() && en.e.total_bytes <= s.budget()) least_host = std::min(least_host, s.host_per_node(en.e));
+    throw PlanError("no plan fits the host memory of " + format_bytes(s.host_memory()) + " per node (pas_policy " +
+                        a.pas_policy + ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") +
+                        "): those within the device budget of " + format_bytes(s.budget()) + " keep at least " +
+                        format_bytes(least_host) + " per node on the host; probe a local disk for the NVMe tier "
+                        "(--probe-disk PATH) or use more nodes",
+                    m.e.total_bytes);
+  }
   throw PlanError("no plan fits the memory budget of " + format_bytes(s.budget()) + " per rank (pas_policy " +
                       a.pas_policy + ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") +
                       ", plan_ngpus " + std::to_string(a.compute_config.plan_ngpus) +
