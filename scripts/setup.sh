@@ -28,8 +28,10 @@ say() { echo "[setup] $*" >&2; }
 #    clang + libclang-rt-dev: libFuzzer and the sanitizers for tests/fuzz (CTest's fuzz.libfuzzer).
 apt_pkgs=(cmake ninja-build ccache g++ pkg-config libyaml-cpp-dev nlohmann-json3-dev
           libspdlog-dev libfmt-dev catch2 libcxxopts-dev libgloo-dev clang libclang-rt-dev
-          libzstd-dev locales)  # libzstd-dev: `prepare corpus` reads .jsonl.zst; locales: glibc's locale
-                                # sources, real multilingual text for the tokenizer tests (tokenizer_cases.py)
+          libzstd-dev locales liburing-dev libxxhash-dev fio)
+# libzstd-dev: `prepare corpus` reads .jsonl.zst; locales: glibc's locale sources, real multilingual
+# text for the tokenizer tests (tokenizer_cases.py); liburing-dev, libxxhash-dev: NVMe offload's
+# io_uring engine and chunk checksums; fio: bench/nvme_offload's reference sequential rates.
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

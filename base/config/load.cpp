@@ -480,14 +480,41 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   std::optional<ArgMap> offload;
   if (cc.has("offload")) {
     offload.emplace(cc.child("offload"));
-    c.offload.optimizer = offload->get_bool("optimizer", false);
-    c.offload.params = offload->get_bool("params", false);
+    // A tier: host (or true) or nvme; false: not offloaded.
+    const std::vector<std::string> tiers{"false", "true", "host", "nvme"};
+    const auto opt_tier = offload->get_string("optimizer", "false", tiers);
+    const auto param_tier = offload->get_string("params", "false", tiers);
+    c.offload.optimizer = opt_tier != "false";
+    c.offload.params = param_tier != "false";
+    c.offload.optimizer_nvme = opt_tier == "nvme";
+    c.offload.params_nvme = param_tier == "nvme";
+    const bool nvme = c.offload.optimizer_nvme || c.offload.params_nvme;
+    c.offload.nvme_path = offload->get_string("nvme_path", "");
+    c.offload.nvme_buffer_mb = offload->get_float("nvme_buffer_mb", 256.0, 0.0);
+    c.offload.nvme_io = offload->get_string("nvme_io", "auto", {"auto", "io_uring", "threads"});
+    if (nvme && c.offload.nvme_path.empty())
+      offload->fail("nvme_path", "is required with the nvme tier: a folder on a local disk (each rank uses a subfolder)");
+    // Set to anything but its default without the tier (a resolved config, defaults written out, still loads).
+    if (!nvme && !c.offload.nvme_path.empty())
+      offload->fail("nvme_path", "is for the nvme tier, but neither offload.optimizer nor offload.params is nvme");
+    if (nvme && c.offload.nvme_buffer_mb <= 0) offload->fail("nvme_buffer_mb", "must be > 0");
+    if (nvme && opts.check_files) {
+      std::error_code ec;
+      if (!std::filesystem::exists(c.offload.nvme_path, ec))
+        offload->fail("nvme_path", "'" + c.offload.nvme_path + "' does not exist (create the folder first)");
+      if (!std::filesystem::is_directory(c.offload.nvme_path, ec))
+        offload->fail("nvme_path", "'" + c.offload.nvme_path + "' is not a folder");
+    }
+    if (c.offload.params_nvme && !c.offload.optimizer_nvme)
+      offload->fail("params", "nvme needs the optimizer on NVMe too: compute_config.offload.optimizer: nvme");
     const bool ratio_given = offload->has("ratio");
     c.offload.ratio = offload->get_float("ratio", 1.0, 0.0, 1.0);
     if (c.offload.ratio <= 0) offload->fail("ratio", "must be > 0 (leave offload.optimizer false to offload nothing)");
     if (ratio_given && !c.offload.optimizer)
       offload->fail("ratio", "is the share of the optimizer state offloaded; it needs compute_config.offload.optimizer: true");
     c.offload.delayed_update = offload->get_bool("delayed_update", false);
+    if (c.offload.delayed_update && c.offload.optimizer_nvme)
+      offload->fail("delayed_update", "is for the host tier: the nvme tier streams the state through its buffer in the step");
     if (c.offload.delayed_update && (!c.offload.optimizer || c.offload.ratio < 1.0))
       offload->fail("delayed_update", "delays the host step, so it needs the whole optimizer on the host: "
                                       "compute_config.offload.optimizer: true and offload.ratio 1");
@@ -742,7 +769,8 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   if (c.backend == "nccl" && c.device == "cpu")
     cc.fail("backend", "nccl needs CUDA devices, but compute_config.device is cpu (use gloo or auto)");
   if (c.offload.params && c.use_zero != 3)
-    offload->fail("params", "true keeps ZeRO-3's parameter units on the host, so it needs compute_config.use_zero: 3 (got " +
+    offload->fail("params", std::string(c.offload.params_nvme ? "nvme keeps ZeRO-3's parameter units in files" : "true keeps ZeRO-3's parameter units on the host") +
+                                ", so it needs compute_config.use_zero: 3 (got " +
                                 std::to_string(c.use_zero) + ")");
   // As FSDP's CPUOffload(offload_params=True): the parameters' chunks on the
   // host are what the optimizer updates there, so the whole step runs on the host.
@@ -821,6 +849,12 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     if (c.use_zero == 3) refuse("is not supported with compute_config.use_zero: 3 (its parameters are gathered once per step)");
     if (c.cuda_graphs == "true") refuse("cannot be captured in a CUDA graph (compute_config.cuda_graphs: true)");
   }
+
+  // The asynchronous saver snapshots the state into host memory, which the nvme tier has no room for.
+  if (c.offload.optimizer_nvme && t.checkpoint.async_save && ck.has("async_save"))
+    ck.fail("async_save", "true would snapshot the NVMe-offloaded state into host memory; the nvme tier saves "
+                          "synchronously, streaming from its files (leave async_save out or set it false)");
+  if (c.offload.optimizer_nvme) t.checkpoint.async_save = false;
 
   if (t.max_train_steps == 0 && t.max_epochs == 0)
     top.fail("max_train_steps", "one of max_train_steps or max_epochs must be > 0");

@@ -36,6 +36,13 @@ struct OffloadArgs {
   // during step t + 1's forward and backward, whose gradients are then taken
   // at weights one update behind.
   bool delayed_update = false;
+  // The NVMe tier (optimizer / params: nvme; docs/parallelism.md "Offload to
+  // NVMe"): what the host tier keeps in host memory lives in files under
+  // nvme_path/rank<R>, streamed through nvme_buffer_mb of host slots.
+  bool optimizer_nvme = false, params_nvme = false;
+  std::string nvme_path;
+  double nvme_buffer_mb = 256;
+  std::string nvme_io = "auto";  // auto, io_uring, threads (the pread/pwrite pool)
 };
 
 // Pipeline parallelism (issue 21), nnScaler's compute_config.pas_config keys:

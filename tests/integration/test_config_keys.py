@@ -233,4 +233,5 @@ def test_a_possible_offload_loads(tmp_path):
     p = load(cfg, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert yaml.safe_load(p.stdout)["compute_config"]["offload"] == {"optimizer": True, "params": True, "ratio": 1.0,
-                                                                      "delayed_update": False}
+                                                                      "delayed_update": False, "nvme_path": "",
+                                                                      "nvme_buffer_mb": 256.0, "nvme_io": "auto"}

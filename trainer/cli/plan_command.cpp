@@ -18,6 +18,7 @@
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
 #include "trainer/parallel/pipeline_config_check.h"
+#include "trainer/parallel/nvme_store.h"
 #include "trainer/parallel/plan.h"
 #include "trainer/parallel/pipeline_schedule.h"
 #include "trainer/parallel/planner.h"
@@ -28,7 +29,7 @@ namespace {
 
 constexpr const char* kPlanUsage =
     R"(nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X]
-              [--explain] [--json] [--key.path value ...]
+              [--host-memory-gb X] [--probe-disk PATH] [--explain] [--json] [--key.path value ...]
 
 Prints the plan for the config: tensor-, context-, pipeline- and data-parallel
 sizes, ZeRO, activation recompute per layer, the pipeline's stages, schedule
@@ -43,6 +44,11 @@ are allocated.
                           (default: compute_config.device; auto = CUDA device 0, else cpu)
   --memory-budget-gb X    per-rank budget in GiB (default: compute_config.memory_budget_gb,
                           else 90% of the device memory)
+  --host-memory-gb X      host memory per node in GiB: plans whose ranks keep more there do not fit
+                          (default: not checked)
+  --probe-disk PATH       measure the sequential write and read rates of the disk holding PATH
+                          (a folder; 1 GiB written and read back, as the NVMe tier does it) and
+                          let autodist offload to NVMe (ZeRO-Infinity) when nothing else fits
   --explain               also list every rejected candidate and why
   --json                  print {"plan": ..., "rejected": [...]} as JSON instead
 )";
@@ -95,6 +101,8 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
   std::string config_file, device_name;
   int runtime_ngpus = 0;
   double budget_gb = -1;
+  double host_gb = 0;
+  std::string probe_path;
   bool explain = false, json = false;
   std::vector<std::string> rest;
   auto value = [&](size_t& i, const std::string& flag, std::string& into) {
@@ -141,6 +149,11 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
         if (n < 1 || n != std::floor(n) || n > (1 << 20))
           throw config::ConfigError("--runtime-ngpus: expected a positive integer, got '" + v + "'");
         runtime_ngpus = static_cast<int>(n);
+      } else if (value(i, "--host-memory-gb", v)) {
+        host_gb = number("--host-memory-gb", v);
+        if (host_gb <= 0) throw config::ConfigError("--host-memory-gb: must be > 0, got '" + v + "'");
+      } else if (value(i, "--probe-disk", v)) {
+        probe_path = v;
       } else if (value(i, "--memory-budget-gb", v)) {
         budget_gb = number("--memory-budget-gb", v);
         if (budget_gb <= 0) throw config::ConfigError("--memory-budget-gb: must be > 0, got '" + v + "'");
@@ -172,6 +185,18 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     req.args = &targs;
     req.world_size = cc.runtime_ngpus;
     req.device = parallel::device_spec(device_name.empty() ? cc.device : device_name);
+    req.device.host_memory_bytes = host_gb * kGiB;
+    parallel::DiskProbe disk;
+    if (!probe_path.empty()) {
+      try {
+        disk = parallel::probe_disk(probe_path, int64_t(1) << 30);
+      } catch (const parallel::NvmeError& e) {
+        err << "nnstrain plan: " << e.what() << "\n";
+        return 2;
+      }
+      req.device.disk_read_bw = disk.read_bytes_per_s;
+      req.device.disk_write_bw = disk.write_bytes_per_s;
+    }
     const double gb = budget_gb > 0 ? budget_gb : cc.memory_budget_gb;
     req.memory_budget_bytes = gb * kGiB;
     // Autodist may choose every dimension, as in the trainer (train/startup.cpp decide_plan).
@@ -237,7 +262,13 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     out << "device: " << d.name << ": " << parallel::format_bytes(d.memory_bytes) << ", " << fixed(peak / 1e12, 1)
         << " TFLOP/s peak for " << targs.precision << (targs.precision.rfind("32", 0) == 0 && cc.allow_tf32 ? " (tf32)" : "")
         << ", " << fixed(d.intra_node_bw / 1e9, 0) << " GB/s within a node, " << fixed(d.inter_node_bw / 1e9, 2)
-        << " GB/s between nodes, " << d.ranks_per_node << " ranks per node\n\n";
+        << " GB/s between nodes, " << d.ranks_per_node << " ranks per node\n";
+    if (d.host_memory_bytes > 0) out << "host: " << parallel::format_bytes(d.host_memory_bytes) << " per node\n";
+    if (!probe_path.empty())
+      out << "disk: " << probe_path << ": write " << fixed(disk.write_bytes_per_s / 1e9, 2) << " GB/s, read "
+          << fixed(disk.read_bytes_per_s / 1e9, 2) << " GB/s per node (" << parallel::format_bytes(double(disk.bytes))
+          << " probed, " << disk.engine << (disk.direct_io ? ", O_DIRECT" : ", buffered") << ")\n";
+    out << "\n";
     out << parallel::describe(plan, explain);
     if (plan.pipeline.pp > 1) out << pipeline_grid(plan.pipeline);
     if (explain) {

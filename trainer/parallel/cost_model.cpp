@@ -300,6 +300,12 @@ void offload_memory_term(const Setting& x, PlanEstimate& e) {
     e.host_bytes += e.param_bytes;
     e.param_bytes = 0;
   }
+  // The NVMe tier: the weights, moments (and ZeRO-3's chunks) in files; the
+  // host keeps the gradient copy and the bounded buffer the files stream through.
+  if (x.c.offload_nvme) {
+    e.nvme_bytes = e.host_bytes - H * (pb.grad + pb.param);
+    e.host_bytes = H * pb.grad + x.a.compute_config.offload.nvme_buffer_mb * 1048576.0;
+  }
 }
 
 // Activations of one micro-batch (micro-batches run one after another), in
@@ -700,6 +706,19 @@ void offload_time_term(const Setting& x, PlanEstimate& e) {
   if (x.a.compute_config.offload.delayed_update && x.c.offload_ratio >= 1.0)
     e.offload_s = std::max(0.0, e.host_step_s + h2d - e.compute_s - e.comm_s) + d2h_exposed +
                   std::max(0.0, unit_copies - e.compute_s);
+  // The NVMe tier: each step reads and writes the files once (ZeRO-3's
+  // chunks: read per gather, written once), the node's ranks sharing the
+  // disk; reads run ahead of the host step and writes behind it, so only
+  // what the disk takes beyond the host step is exposed.
+  if (x.c.offload_nvme) {
+    const auto& d = x.req.device;
+    const double ranks = std::max(1, std::min(x.req.world_size, d.ranks_per_node));
+    const double reads = e.nvme_bytes + (x.c.offload_params ? (2 * micro_steps - 1) * Sz * pb.param : 0.0);
+    // Rates unknown (no --probe-disk): the disk is not counted.
+    e.nvme_s = d.disk_read_bw > 0 && d.disk_write_bw > 0 ? reads * ranks / d.disk_read_bw + e.nvme_bytes * ranks / d.disk_write_bw
+                                                         : 0.0;
+    e.offload_s += std::max(0.0, e.nvme_s - e.host_step_s);
+  }
 }
 
 std::string join(const std::vector<std::string>& v, const std::string& sep) {
@@ -1124,7 +1143,7 @@ std::string offload_text(const Candidate& c) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", c.offload_ratio);
   return std::string(" offload=optimizer") + (c.offload_ratio < 1 ? ":" + std::string(buf) : "") +
-         (c.offload_params ? "+params" : "");
+         (c.offload_params ? "+params" : "") + (c.offload_nvme ? ":nvme" : "");
 }
 
 std::string split_text(const Candidate& c) {

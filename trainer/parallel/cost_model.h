@@ -56,6 +56,10 @@ struct DeviceSpec {
   // rank (bytes of weights, moments and gradient read and written per second).
   double host_link_bw = 25e9;
   double host_adam_bytes_per_s = 10e9;
+  // The NVMe tier, per node (its ranks share them): host memory (0: not
+  // checked) and the disk's sequential read and write rates (0: no NVMe
+  // tier), as `nnstrain plan --probe-disk PATH --host-memory-gb X` measures and sets them.
+  double host_memory_bytes = 0, disk_read_bw = 0, disk_write_bw = 0;
 };
 
 // H100, H200, A100-80G, A100-40G, cpu (case-insensitive), or auto / cuda: CUDA
@@ -103,6 +107,7 @@ struct Candidate {
   int recompute_layers = 0;  // the first k layers recompute (under pp: the first k of every stage)
   double offload_ratio = 0;  // the optimizer's share on the host (compute_config.offload, docs/parallelism.md)
   bool offload_params = false;
+  bool offload_nvme = false;  // the offloaded state in files (compute_config.offload: nvme), not host memory
   // Context parallelism: ranks splitting one sequence, and how K/V travel.
   int cp = 1;
   std::string cp_comm = "p2p";         // p2p | all_gather

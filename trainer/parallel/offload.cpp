@@ -145,6 +145,12 @@ void HostCopier::to_device(const at::Tensor& dst, const at::Tensor& src) {
   const_cast<at::Tensor&>(dst).copy_(src);
 }
 
+void HostCopier::host_wait_to_device() {
+#ifdef NNSTRAIN_CUDA
+  if (cuda_) cuda_->to_device_done.synchronize();
+#endif
+}
+
 void HostCopier::device_wait() {
 #ifdef NNSTRAIN_CUDA
   if (cuda_ && cuda_->to_device_pending) {

@@ -42,6 +42,9 @@ class HostCopier {
   void to_device(const at::Tensor& dst, const at::Tensor& src);
   // The current stream waits for every copy to the device issued so far.
   void device_wait();
+  // The host waits until the copies to the device issued so far are done, so
+  // their host sources may be reused (the NVMe tier's slots; no-op on the CPU path).
+  void host_wait_to_device();
   bool on_device() const { return cuda_ != nullptr; }
 
  private:

@@ -52,6 +52,11 @@ void to_json(nlohmann::json& j, const Plan& p) {
        {"micro_batch_size", p.micro_batch_size},
        {"seq_len", p.seq_len},
        {"grad_accumulation_steps", p.grad_accumulation_steps}};
+  if (p.offload_nvme) {  // only then: plans of the host tier read as before
+    j["offload"]["nvme"] = true;
+    j["estimate"]["nvme_bytes"] = e.nvme_bytes;
+    j["estimate"]["nvme_s"] = e.nvme_s;
+  }
   // Only where used, so plans without them read as before.
   if (!e.pp_rank_bytes.empty()) j["estimate"]["pp_rank_bytes"] = e.pp_rank_bytes;
   if (p.ep > 1) j["ep"] = p.ep;
@@ -81,6 +86,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       const auto& o = j.at("offload");
       p.offload_ratio = o.value("optimizer", false) ? o.value("ratio", 1.0) : 0.0;
       p.offload_params = o.value("params", false);
+      p.offload_nvme = o.value("nvme", false);
     }
     p.recompute = j.at("recompute").get<std::vector<bool>>();
     p.units_before_blocks = j.value("units_before_blocks", std::vector<std::string>{});
@@ -116,6 +122,8 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.host_step_s = ej.value("host_step_s", 0.0);
       e.copy_s = ej.value("copy_s", 0.0);
       e.offload_s = ej.value("offload_s", 0.0);
+      e.nvme_bytes = ej.value("nvme_bytes", 0.0);
+      e.nvme_s = ej.value("nvme_s", 0.0);
       e.step_s = ej.value("step_s", 0.0);
     }
     p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
@@ -235,7 +243,7 @@ std::string describe(const Plan& p, bool explain) {
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   if (p.offload_ratio > 0 || p.offload_params)
     o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
-      << (p.offload_params ? ", params" : "");
+      << (p.offload_params ? ", params" : "") << (p.offload_nvme ? " (on NVMe)" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
   if (cx.cp > 1)
     o << "  context parallel: each sequence over " << cx.cp << " ranks (" << cx.comm_type << " ring, "
@@ -312,7 +320,12 @@ std::string describe(const Plan& p, bool explain) {
     o << " of budget " << format_bytes(p.memory_budget_bytes) << " ("
       << fixed(100.0 * e.total_bytes / p.memory_budget_bytes, 1) << "%)";
   o << "\n  " << pad("host", 12) << format_bytes(e.host_bytes)
-    << (e.host_bytes > 0 ? " (offloaded weights, moments, gradient copy, staging)" : " (no offload)") << "\n";
+    << (p.offload_nvme         ? " (gradient copy and the NVMe tier's buffer)"
+        : e.host_bytes > 0 ? " (offloaded weights, moments, gradient copy, staging)"
+                           : " (no offload)") << "\n";
+  if (p.offload_nvme)
+    o << "  " << pad("nvme", 12) << format_bytes(e.nvme_bytes) << " (files: weights, moments"
+      << (p.offload_params ? ", parameter chunks" : "") << ")\n";
 
   o << "\nstep time (estimated):\n";
   o << "  " << pad("compute", 12) << fixed(e.compute_s, 4) << " s\n";
@@ -332,7 +345,8 @@ std::string describe(const Plan& p, bool explain) {
   }
   if (p.offload_ratio > 0 || p.offload_params)
     o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
-      << " s, copies " << fixed(e.copy_s, 4) << " s)\n";
+      << " s, copies " << fixed(e.copy_s, 4) << " s"
+      << (p.offload_nvme ? ", disk " + fixed(e.nvme_s, 4) + " s beside the host step" : std::string()) << ")\n";
   o << "  " << pad("total", 12) << fixed(e.step_s, 4) << " s";
   if (e.step_s > 0 && p.seq_len > 0) {
     const double tokens = double(p.micro_batch_size) * p.seq_len * p.grad_accumulation_steps * p.dp;

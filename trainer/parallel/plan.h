@@ -38,6 +38,8 @@ struct PlanEstimate {
   // the CPU step and the copies per step, and what of them is exposed (in step_s).
   double host_bytes = 0;
   double host_step_s = 0, copy_s = 0, offload_s = 0;
+  // The NVMe tier: bytes of files per rank and its disk I/O per step (overlapping the host step).
+  double nvme_bytes = 0, nvme_s = 0;
 };
 
 // Context parallelism: ranks splitting one sequence (compute_config.context_parallel_size).
@@ -71,6 +73,7 @@ struct Plan {
   // the optimizer's share on the host (0: none) and ZeRO-3's parameter chunks.
   double offload_ratio = 0;
   bool offload_params = false;
+  bool offload_nvme = false;  // the offloaded state on NVMe (ZeRO-Infinity), not in host memory
   std::vector<bool> recompute;   // per model layer
   // ZeRO-3: the parameters outside the blocks, in the units before and after them
   // (each block is a unit of its own).

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -133,7 +134,8 @@ class Search {
       choose();
       cps.insert(cps.begin(), std::make_pair(1, cc.cp_comm_type));
     }
-    while (!best_ && free_offload() && tier < 2) {
+    // Tier 3, the last resort: ZeRO-3 with the optimizer and parameters on NVMe (where a disk was probed).
+    while (!best_ && free_offload() && tier < (req_.device.disk_read_bw > 0 ? 3 : 2)) {
       add_candidates(++tier, cps);
       choose();
     }
@@ -149,6 +151,14 @@ class Search {
     return it == least_stage_.end() ? nullptr : it->second;
   }
   bool from_first_tier() const { return from_first_tier_; }
+  // The node's host memory (where given) holds what its ranks keep there.
+  double host_per_node(const PlanEstimate& e) const {
+    return e.host_bytes * std::min(req_.world_size, req_.device.ranks_per_node);
+  }
+  double host_memory() const { return req_.device.host_memory_bytes; }
+  bool host_fits(const PlanEstimate& e) const {
+    return req_.device.host_memory_bytes <= 0 || host_per_node(e) <= req_.device.host_memory_bytes;
+  }
 
  private:
   bool free_zero() const { return a_.pas_policy == "autodist" && a_.compute_config.use_zero == 0; }
@@ -258,7 +268,7 @@ class Search {
       const int zsize = group % cc.zero_ngroups == 0 ? group / cc.zero_ngroups : 0;
       std::vector<int> zeros;
       if (!free_zero()) zeros = {cc.use_zero};
-      else if (tier == 2) zeros = {3};
+      else if (tier >= 2) zeros = {3};
       else if (zsize > 1) zeros = {0, 1, 2, 3};
       else zeros = {0};
       for (int zero : zeros) {
@@ -274,7 +284,7 @@ class Search {
           }
           continue;
         }
-        if (tier == 2 && zero != 3) continue;
+        if (tier >= 2 && zero != 3) continue;
         {
           Candidate c = base;
           c.zero_stage = zero;
@@ -290,9 +300,11 @@ class Search {
           if (!free_offload()) {
             c.offload_ratio = cc.offload.optimizer ? cc.offload.ratio : 0.0;
             c.offload_params = cc.offload.params;
+            c.offload_nvme = cc.offload.optimizer_nvme;
           } else {
             c.offload_ratio = tier >= 1 ? 1.0 : 0.0;
-            c.offload_params = tier == 2;
+            c.offload_params = tier >= 2;
+            c.offload_nvme = tier == 3;
           }
           entries_.push_back({c, "", estimate(req_, f_, c, &schedules_)});
         }
@@ -318,7 +330,7 @@ class Search {
       if (!first_tier || key < *first_tier) first_tier = key;
       if (!least_memory_ || en.e.total_bytes < least_memory_->e.total_bytes) least_memory_ = &en;
       auto& slot = least_stage_[key];
-      if (en.e.total_bytes <= budget_ && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
+      if (en.e.total_bytes <= budget_ && host_fits(en.e) && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
     }
     from_first_tier_ = first_tier && least_stage_.count(*first_tier) && least_stage_[*first_tier];
     if (from_first_tier_) {
@@ -371,6 +383,18 @@ class Search {
     throw PlanError("no feasible plan for pas_policy " + a.pas_policy + " on " + std::to_string(world) + " ranks:" + why);
   }
   const auto& m = *s.least_memory();
+  // The device would hold it: host memory (--host-memory-gb) is what is short.
+  if (m.e.total_bytes <= s.budget() && !s.host_fits(m.e)) {
+    double least_host = std::numeric_limits<double>::infinity();
+    for (const auto& en : s.entries())
+      if (en.infeasible.empty() && en.e.total_bytes <= s.budget()) least_host = std::min(least_host, s.host_per_node(en.e));
+    throw PlanError("no plan fits the host memory of " + format_bytes(s.host_memory()) + " per node (pas_policy " +
+                        a.pas_policy + ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") +
+                        "): those within the device budget of " + format_bytes(s.budget()) + " keep at least " +
+                        format_bytes(least_host) + " per node on the host; probe a local disk for the NVMe tier "
+                        "(--probe-disk PATH) or use more nodes",
+                    m.e.total_bytes);
+  }
   throw PlanError("no plan fits the memory budget of " + format_bytes(s.budget()) + " per rank (pas_policy " +
                       a.pas_policy + ", " + std::to_string(world) + (world == 1 ? " rank" : " ranks") +
                       ", plan_ngpus " + std::to_string(a.compute_config.plan_ngpus) +
@@ -396,6 +420,10 @@ std::vector<Rejected> rejections(const Search& s, const Entry& best, int L) {
       r.kind = "memory";
       r.reason = "needs " + format_bytes(en.e.total_bytes) + ", over the budget " + format_bytes(s.budget()) +
                  " by " + format_bytes(en.e.total_bytes - s.budget());
+    } else if (!s.host_fits(en.e)) {
+      r.kind = "host memory";
+      r.reason = "keeps " + format_bytes(s.host_per_node(en.e)) + " per node on the host, over its " +
+                 format_bytes(s.host_memory());
     } else if (least != &en) {
       r.kind = "sharding";
       r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but shards more than needed: zero=" +
@@ -432,6 +460,7 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.zero_ngroups = a.compute_config.zero_ngroups;
   p.offload_ratio = best.c.offload_ratio;
   p.offload_params = best.c.offload_params;
+  p.offload_nvme = best.c.offload_nvme;
   p.context = {best.c.cp, best.c.cp_comm, best.c.cp_balance};
   p.pipeline = {best.c.pp, best.c.stages, best.c.scheduler,
                 a.global_batch_size / (a.micro_batch_size * best.c.dp), best.c.stage_layers,
@@ -498,6 +527,7 @@ std::string describe_rejected(const std::vector<Rejected>& rejected, int layers)
            split_text(rejected[j + 1].cand) == split_text(r.cand) &&
            rejected[j + 1].cand.offload_ratio == r.cand.offload_ratio &&
            rejected[j + 1].cand.offload_params == r.cand.offload_params &&
+           rejected[j + 1].cand.offload_nvme == r.cand.offload_nvme &&
            (r.cand.pp > 1 ? rejected[j + 1].cand.recompute_layers > rejected[j].cand.recompute_layers
                           : rejected[j + 1].cand.recompute_layers == rejected[j].cand.recompute_layers + 1))
       ++j;

@@ -6,6 +6,7 @@
 
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
+#include "trainer/parallel/nvme_tier.h"
 #include "trainer/parallel/offload.h"
 
 namespace nnstrain::parallel {
@@ -160,11 +161,22 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
     opt_init = streamed ? opts_.initial_chunks : opts_.zero() ? chunks_of(init, torch::kFloat32) : init.to(torch::kFloat32);
   if (host_size_ > 0) {
     const auto wdtype = opts_.master_weights ? torch::kFloat32 : opts_.param_dtype;
-    host_weights_ = host_zeros(host_size_, wdtype, pinned);
-    host_weights_.copy_(opt_init.narrow(0, 0, host_size_));
+    if (!opts_.nvme_path.empty()) {
+      // The NVMe tier: weights and moments in files, a bucket per chunk, through a ring of slots.
+      std::vector<int64_t> lens;
+      for (size_t b = 0; b < host_buckets_; ++b) lens.push_back(opt_len(b));
+      nvme_ = std::make_unique<NvmeTier>(NvmeTierOptions{opts_.nvme_path, opts_.nvme_io, opts_.nvme_rank,
+                                                         opts_.nvme_buffer_bytes, opts_.nvme_params},
+                                         lens, wdtype, opts_.param_dtype);
+      for (size_t b = 0; b < host_buckets_; ++b) nvme_->fill(b, opt_init.narrow(0, opt_begin(b), opt_len(b)));
+      nvme_->finish();
+    } else {
+      host_weights_ = host_zeros(host_size_, wdtype, pinned);
+      host_weights_.copy_(opt_init.narrow(0, 0, host_size_));
+      host_moments_ = host_zeros(2 * host_size_, wdtype, pinned);
+      host_stage_ = host_zeros(host_size_, opts_.param_dtype, pinned);  // what leaves for the device, compute dtype
+    }
     host_grad_ = host_zeros(host_size_, opts_.grad_dtype, pinned);
-    host_moments_ = host_zeros(2 * host_size_, wdtype, pinned);
-    host_stage_ = host_zeros(host_size_, opts_.param_dtype, pinned);  // what leaves for the device, compute dtype
     host_landing_ = opts_.offload_delayed ? host_zeros(host_size_, opts_.grad_dtype, pinned) : host_grad_;
     copier_ = std::make_unique<HostCopier>(params_.front().tensor.device(), host_buckets_);
     sent_.assign(host_buckets_, false);
@@ -177,7 +189,12 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   opt_init = at::Tensor();
   if (stage == 3) {
     shard_param_ = streamed ? opts_.initial_chunks.to(opts_.param_dtype) : chunks_of(init, opts_.param_dtype);
-    if (opts_.offload_params) {
+    if (opts_.offload_params && opts_.nvme_params) {
+      for (size_t b = 0; b < L.buckets.size(); ++b)
+        nvme_->fill_param(b, shard_param_.narrow(0, L.shard_offset[b], L.chunk_size(L.buckets[b])));
+      nvme_->finish();
+      shard_param_ = at::Tensor();  // in the file only
+    } else if (opts_.offload_params) {
       auto host = host_zeros(L.shard_size, opts_.param_dtype, pinned);
       host.copy_(shard_param_);
       shard_param_ = host;
@@ -215,6 +232,7 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
   // Built once: no host-to-device copy inside a step.
   norm_weights_ = torch::tensor(w, torch::kFloat64).to(opt.dtype(torch::kFloat32));
   opts_.initial_chunks = at::Tensor();  // what still needs them holds them (offloaded: nothing on the device)
+  if (nvme_) nvme_->take_counters();    // the steps' I/O is counted from here (the files' first fill is not a step's)
 }
 
 void TrainingState::accumulate_into_slot(size_t k) {
@@ -315,9 +333,17 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
   auto wd = [&](size_t k) { return optim::weight_decay_for(params_[k].tensor, opts_.weight_decay); };
   // An offloaded segment (at pos < host_size_ in the optimizer's coordinates)
   // updates host weights from a host gradient, its moments on the host too.
-  auto host_segment = [&](optim::Segment& sg, int64_t pos, int64_t n, at::IntArrayRef shape) {
-    sg.param = host_weights_.narrow(0, pos, n).view(shape);
+  // NVMe tier: the views lie in bucket b's slot, at the same place within the bucket.
+  auto host_segment = [&](optim::Segment& sg, size_t b, int64_t pos, int64_t n, at::IntArrayRef shape) {
     sg.grad = host_grad_.narrow(0, pos, n).view(shape);
+    if (nvme_) {
+      const int64_t at = pos - opt_begin(b);
+      sg.param = nvme_->weights(b).narrow(0, at, n).view(shape);
+      sg.exp_avg = nvme_->exp_avg(b).narrow(0, at, n).view(shape);
+      sg.exp_avg_sq = nvme_->exp_avg_sq(b).narrow(0, at, n).view(shape);
+      return;
+    }
+    sg.param = host_weights_.narrow(0, pos, n).view(shape);
     sg.exp_avg = host_moments_.narrow(0, pos, n).view(shape);
     sg.exp_avg_sq = host_moments_.narrow(0, host_size_ + pos, n).view(shape);
   };
@@ -326,7 +352,7 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
       const auto& t = params_[k].tensor;
       const int64_t pos = L.offset[k];
       optim::Segment sg{params_[k].name, at::Tensor(), grad_views_[k], wd(k), 0};
-      if (pos < host_size_) host_segment(sg, pos, t.numel(), t.sizes());
+      if (pos < host_size_) host_segment(sg, L.bucket_of[k], pos, t.numel(), t.sizes());
       else sg.param = opts_.master_weights ? flat_master_.narrow(0, pos - host_size_, t.numel()).view(t.sizes()) : t;
       segs.push_back(sg);
       bucket_of_segment->push_back(L.bucket_of[k]);
@@ -343,7 +369,7 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
       const int64_t in_shard = L.shard_offset[bi] + (lo - c0);
       optim::Segment sg{params_[k].name, at::Tensor(), shard_grad_.narrow(0, in_shard, hi - lo), wd(k), lo - p0};
       if (in_shard < host_size_) {
-        host_segment(sg, in_shard, hi - lo, {hi - lo});
+        host_segment(sg, bi, in_shard, hi - lo, {hi - lo});
       } else {
         sg.param = opts_.master_weights    ? flat_master_.narrow(0, in_shard - host_size_, hi - lo)
                    : opts_.zero_stage == 3 ? shard_param_.narrow(0, in_shard, hi - lo)
@@ -391,8 +417,13 @@ std::vector<sharding::StateTensor> TrainingState::weight_state() const {
 
 void TrainingState::refresh_compute_copy() {
   if (offloaded()) {
-    for (size_t b = 0; b < layout_.buckets.size(); ++b) refresh_bucket(b);
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+      nvme_acquire(b);
+      refresh_bucket(b);
+      nvme_release(b, false);
+    }
     finish_refresh();
+    nvme_finish();
     return;
   }
   if (!opts_.master_weights) return;
@@ -457,6 +488,20 @@ void TrainingState::refresh_bucket(size_t b) {
   const auto& L = layout_;
   const auto& bk = L.buckets[b];
   const int64_t o = opt_begin(b), n = opt_len(b);
+  if (nvme_ && b < host_buckets_) {
+    copier_->host_wait_to_device();  // the slot's stage may still be leaving for the device (CUDA)
+    auto stage = nvme_->stage(b);
+    stage.copy_(nvme_->weights(b));
+    // Parameters on NVMe: nvme_release writes the stage to their file; else it goes to the device.
+    if (!opts_.nvme_params) {
+      const auto target = opts_.zero_stage == 3 ? shard_param_.narrow(0, L.shard_offset[b], n)
+                          : opts_.zero()        ? flat_param_.narrow(0, L.chunk_begin(bk), n)
+                                                : flat_param_.narrow(0, bk.begin, n);
+      if (opts_.offload_params) target.copy_(stage);
+      else copier_->to_device(target, stage);
+    }
+    return;
+  }
   const auto target = opts_.zero_stage == 3 ? shard_param_.narrow(0, L.shard_offset[b], n)
                       : opts_.zero()        ? flat_param_.narrow(0, L.chunk_begin(bk), n)
                                             : flat_param_.narrow(0, bk.begin, n);
@@ -482,18 +527,35 @@ void TrainingState::pull_host_weights() {
   for (size_t b = 0; b < host_buckets_; ++b) {
     const auto& bk = L.buckets[b];
     const int64_t o = opt_begin(b), n = opt_len(b);
-    host_weights_.narrow(0, o, n).copy_(opts_.zero() ? flat_param_.narrow(0, L.chunk_begin(bk), n)
-                                                     : flat_param_.narrow(0, bk.begin, n));
+    nvme_acquire(b);
+    (nvme_ ? nvme_->weights(b) : host_weights_.narrow(0, o, n))
+        .copy_(opts_.zero() ? flat_param_.narrow(0, L.chunk_begin(bk), n) : flat_param_.narrow(0, bk.begin, n));
+    nvme_release(b, true);
   }
+  nvme_finish();
+}
+
+void TrainingState::nvme_acquire(size_t b) {
+  if (nvme_ && b < host_buckets_) nvme_->acquire(b);
+}
+
+void TrainingState::nvme_release(size_t b, bool dirty) {
+  if (nvme_ && b < host_buckets_) nvme_->release(b, dirty, opts_.nvme_params);
+}
+
+void TrainingState::nvme_finish() {
+  if (nvme_) nvme_->finish();
 }
 
 at::Tensor TrainingState::gather_input(size_t b) const {
-  const auto chunk = shard_chunk(b);
-  if (!opts_.offload_params) return chunk;
+  if (!opts_.offload_params) return shard_chunk(b);
+  // Parameters on NVMe: read from the file (ahead, where the order is known).
+  const auto chunk = opts_.nvme_params ? nvme_->param_chunk(b) : shard_chunk(b);
   // A device copy of the host chunk, for the collective (and counted as the device's while it lives).
   auto dev = torch::empty({chunk.numel()}, unit_param_[b].options());
   copier_->to_device(dev, chunk);
   copier_->device_wait();
+  if (nvme_) copier_->host_wait_to_device();  // the read-ahead buffer is reused two gathers on
   return dev;
 }
 
@@ -512,7 +574,9 @@ StateBytes TrainingState::held_bytes() const {
 StateBytes TrainingState::host_held_bytes() const {
   auto bytes = [](const at::Tensor& t) { return t.defined() ? double(t.storage().nbytes()) : 0.0; };
   const double landing = opts_.offload_delayed ? bytes(host_landing_) : 0.0;
-  return {bytes(host_stage_) + (opts_.offload_params ? bytes(shard_param_) : 0.0), bytes(host_grad_) + landing,
+  // The NVMe tier's ring of slots counts as staging (weights and moments live in its files).
+  return {bytes(host_stage_) + (opts_.offload_params ? bytes(shard_param_) : 0.0) + (nvme_ ? double(nvme_->slot_bytes()) : 0.0),
+          bytes(host_grad_) + landing,
           bytes(host_weights_), bytes(host_moments_)};
 }
 

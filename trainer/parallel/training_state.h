@@ -55,6 +55,7 @@
 namespace nnstrain::parallel {
 
 class HostCopier;
+class NvmeTier;
 
 // A parameter as this rank holds it: the local tensor and which piece of the
 // global parameter it is (replica_ranks: the ranks holding the same piece).
@@ -140,6 +141,13 @@ struct TrainingStateOptions {
   // Delayed update (DPU): gradients land in a buffer of their own, so the next
   // step's can arrive while the host still steps with this one's.
   bool offload_delayed = false;
+  // The NVMe tier (nvme_tier.h): the offloaded buckets' weights and moments
+  // (and, with nvme_params, ZeRO-3's parameter chunks) in files under
+  // nvme_path instead of host memory; nvme_path empty: the host tier.
+  std::string nvme_path, nvme_io = "auto";
+  int nvme_rank = 0;
+  int64_t nvme_buffer_bytes = 256 << 20;
+  bool nvme_params = false;
   bool zero() const { return zero_stage > 0; }
 };
 
@@ -251,6 +259,13 @@ class TrainingState {
   // ZeRO-3: unit b's chunk as its all-gather reads it: on the device (copied
   // there under offload_params, kept alive by the caller until the gather is done).
   at::Tensor gather_input(size_t b) const;
+  // The NVMe tier (null: none). Around an offloaded bucket's host step:
+  // nvme_acquire reads it into its slot (and the next one ahead), nvme_release
+  // writes it back (dirty) after refresh_bucket; nvme_finish ends the step's I/O.
+  NvmeTier* nvme() const { return nvme_.get(); }
+  void nvme_acquire(size_t b);
+  void nvme_release(size_t b, bool dirty);
+  void nvme_finish();
 
  private:
   std::vector<optim::Segment> make_segments(std::vector<size_t>* bucket_of_segment) const;
@@ -280,6 +295,7 @@ class TrainingState {
   at::Tensor host_weights_, host_grad_, host_moments_, host_stage_;
   at::Tensor host_landing_;  // delayed update: where gradients arrive (else host_grad_ itself)
   std::unique_ptr<HostCopier> copier_;
+  std::unique_ptr<NvmeTier> nvme_;
   std::vector<bool> sent_;
   std::vector<std::vector<size_t>> bucket_segments_;
   std::vector<size_t> segment_bucket_;

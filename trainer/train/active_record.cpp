@@ -10,6 +10,7 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "models/common/kernels/grouped_gemm.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/parallel/nvme_tier.h"
 #include "trainer/train/startup.h"
 
 namespace fs = std::filesystem;
@@ -127,6 +128,11 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
                     // 4 where the host keeps fp32 weights (masters under *-mixed)
                     {"host_weight_bytes_per_element",
                      st.host_elements() > 0 ? host.master / double(st.host_elements()) : 0.0}};
+    if (auto* nvme = st.nvme())
+      r["offload"]["nvme"] = {{"folder", nvme->store().folder()}, {"engine", nvme->store().engine()},
+                              {"direct_io", nvme->store().direct_io()}, {"file_bytes", nvme->store().file_bytes()},
+                              {"slots", nvme->slots()}, {"slot_bytes", nvme->slot_bytes()},
+                              {"params", so.nvme_params}};
   } else {
     r["offload"] = nullptr;
   }

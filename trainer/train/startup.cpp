@@ -1,5 +1,6 @@
 #include "trainer/train/startup.h"
 
+#include <array>
 #include <filesystem>
 
 #include "models/common/init.h"
@@ -12,6 +13,7 @@
 #include "trainer/parallel/pipeline_runtime.h"
 #include "models/common/context_attention.h"
 #include "trainer/parallel/context_parallel.h"
+#include "trainer/parallel/nvme_tier.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "base/log.h"
@@ -99,10 +101,30 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
 
 std::vector<sharding::StateTensor> Trainable::state_tensors() {
   auto out = state->weight_state();
+  // The NVMe tier: the offloaded segments' weights and moments are read from
+  // (or loaded into) the files, mapped, never whole in host memory.
+  auto* nvme = state->nvme();
+  std::vector<std::array<at::Tensor, 3>> in_file(optimizer->segments().size());
+  if (nvme) {
+    nvme->map_for_checkpoint();
+    for (size_t b = 0; b < state->host_buckets(); ++b) {
+      for (auto i : state->bucket_segments(b)) {
+        const auto& sg = optimizer->segments()[i];
+        // Where the segment lies within its bucket: where its view lies in the bucket's slot.
+        const int64_t at = (static_cast<const char*>(sg.param.data_ptr()) -
+                            static_cast<const char*>(nvme->weights(b).data_ptr())) / sg.param.element_size();
+        for (int part = 0; part < 3; ++part)
+          in_file[i][part] = nvme->file_view(b, part).narrow(0, at, sg.param.numel()).view(sg.param.sizes());
+      }
+    }
+    const bool weights_are_segments = state->options().master_weights || state->options().zero_stage == 3;
+    for (size_t i = 0; weights_are_segments && i < in_file.size(); ++i)
+      if (in_file[i][0].defined()) out[i].tensor = in_file[i][0];
+  }
   const auto m = state->segment_specs("optim/exp_avg/"), v = state->segment_specs("optim/exp_avg_sq/");
   for (size_t i = 0; i < m.size(); ++i) {
-    out.push_back({m[i], optimizer->exp_avg(i)});
-    out.push_back({v[i], optimizer->exp_avg_sq(i)});
+    out.push_back({m[i], in_file[i][1].defined() ? in_file[i][1] : optimizer->exp_avg(i)});
+    out.push_back({v[i], in_file[i][2].defined() ? in_file[i][2] : optimizer->exp_avg_sq(i)});
   }
   if (scaler) {
     out.push_back(replicated("amp/scale", scaler->scale(), world));
@@ -134,14 +156,19 @@ void Trainable::optimizer_step(double lr, const at::Tensor& found_inf, const at:
   }
   // Offload: the host step bucket by bucket, each bucket's weights leaving for
   // the device (copy stream) while the next is stepped; then the device's share.
+  // The NVMe tier: each bucket read into its slot (the next one's read issued
+  // meanwhile) and written back after its step, overlapping the next bucket's.
   for (size_t b = 0; b < state->host_buckets(); ++b) {
+    state->nvme_acquire(b);
     optimizer->step(lr, found_inf, {}, state->bucket_segments(b));
     state->refresh_bucket(b);
+    state->nvme_release(b, true);
   }
   const auto on_device = state->device_segments();
   if (!on_device.empty()) optimizer->step(lr, found_inf, lr_device, on_device);
   for (size_t b = state->host_buckets(); b < state->layout().buckets.size(); ++b) state->refresh_bucket(b);
   state->finish_refresh();
+  state->nvme_finish();
   reducer->gather_params();
 }
 
@@ -160,6 +187,7 @@ void Trainable::flush() {
 }
 
 void Trainable::after_load() {
+  if (state->nvme()) state->nvme()->after_checkpoint_load();  // what the load wrote through the mapping
   state->pull_host_weights();
   after_optimizer_step();
 }
@@ -387,6 +415,14 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   const auto prec = optim::precision_setup(args.precision, args.compute_config.reduce_dtype);
   auto so = state_options(args, plan, rt, model);
   so.initial_chunks = local.initial_chunks;
+  const auto& off = args.compute_config.offload;
+  if (off.optimizer_nvme && plan.offload_ratio > 0) {  // the NVMe tier (nvme_tier.h)
+    so.nvme_path = off.nvme_path;
+    so.nvme_io = off.nvme_io;
+    so.nvme_rank = env.rank;
+    so.nvme_buffer_bytes = static_cast<int64_t>(off.nvme_buffer_mb * 1048576.0);
+    so.nvme_params = off.params_nvme && plan.offload_params;
+  }
   Trainable tr;
   tr.world = env.world_size;
   tr.tp_rng = local.tp_rng;

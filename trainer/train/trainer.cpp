@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -19,6 +21,7 @@
 #include "trainer/optim/lr_schedule.h"
 #include "models/common/context_attention.h"
 #include "trainer/parallel/clip.h"
+#include "trainer/parallel/nvme_tier.h"
 #include "base/log.h"
 #include "models/common/cp_document_layout.h"
 #include "trainer/train/active_record.h"
@@ -403,6 +406,12 @@ void Trainer::announce(int64_t start_step) {
               (tr_.delayed_update ? "; delayed update (each step's gradients at weights one update behind)" : "") +
               "; host bytes " +
               std::to_string(int64_t(host.total())) + (device_.is_cuda() ? " pinned" : " (host buffers, not device tensors)"));
+    if (auto* nvme = st.nvme())
+      log::info("nvme offload: weights and moments" + std::string(st.options().nvme_params ? " and ZeRO-3 parameter chunks" : "") +
+                " in " + nvme->store().folder() + " (" + std::to_string(nvme->store().file_bytes()) + " bytes, " +
+                (nvme->store().direct_io() ? "O_DIRECT" : "buffered: the filesystem refuses O_DIRECT") + "), through " +
+                std::to_string(nvme->slots()) + " slots of host buffer (" + std::to_string(nvme->slot_bytes()) +
+                " bytes); I/O engine " + nvme->store().engine() + ": " + nvme->store().engine_why());
   }
 }
 
@@ -760,7 +769,33 @@ void Trainer::save() {
       {"model_type", args_.model.type},
       {"config", args_.resolved_yaml}};
   ft_->annotate(state);  // data_cursor.skipped
+  auto* nvme = tr_.state->nvme();
+  if (!nvme) {
+    saver_->save(step_, tensors, state, nlohmann::json::object());
+    return;
+  }
+  // The NVMe tier: the weights and moments are read from the files through a
+  // mapping as the writer goes; what the saver holds is measured, not assumed.
+  const auto rss = [](const char* key) {  // kB in /proc/self/status, as MiB
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    while (std::getline(f, line))
+      if (line.rfind(key, 0) == 0) return std::stod(line.substr(std::strlen(key))) / 1024.0;
+    return 0.0;
+  };
+  std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM restarts from the resident set now
+  const double resident0 = rss("VmRSS:");
+  const int64_t tensors0 = cpu_tensor_bytes().in_use;
+  reset_cpu_window_peak();
   saver_->save(step_, tensors, state, nlohmann::json::object());
+  const double peak = rss("VmHWM:"), file_pages = rss("RssFile:");
+  const int64_t tensor_peak = cpu_tensor_bytes().window_peak - tensors0;
+  tensors.clear();
+  nvme->unmap_after_checkpoint();
+  log::info("checkpoint of step " + std::to_string(step_) + " streamed " + std::to_string(nvme->file_bytes()) +
+            " bytes of optimizer state from the NVMe files; the saver's peak host memory: tensors +" +
+            std::to_string(tensor_peak) + " bytes, resident " + fmt(peak, 1) + " MiB (" + fmt(resident0, 1) +
+            " MiB before the save, " + fmt(file_pages, 1) + " MiB of file pages mapped at its end, which the kernel can drop)");
 }
 
 int Trainer::run() {
@@ -827,6 +862,12 @@ int Trainer::run() {
       record_->complete("first_step", std::move(ran));
     }
     ++interval_steps_;
+    if (auto* nvme = tr_.state->nvme()) {  // what the NVMe tier moved this step (its files were used)
+      const auto io = nvme->take_counters();
+      log::info("nvme offload: step " + std::to_string(step_) + " read " + std::to_string(io.bytes_read) + " bytes in " +
+                std::to_string(io.reads) + " chunks, wrote " + std::to_string(io.bytes_written) + " bytes in " +
+                std::to_string(io.writes) + " chunks (" + nvme->store().engine() + ")");
+    }
     profiler_.after_step(step_);
     if (snapshots_) snapshots_->after_step(step_);
     if (auto back = ft_->after_step(step_, loss_sum_, grad_norm_, tr_.state->params())) { rewind(*back); continue; }
@@ -866,6 +907,10 @@ int Trainer::run() {
   }
   tr_.flush();
   saver_->wait();  // the last save is published before the run ends
+  if (auto* nvme = tr_.state->nvme()) {  // a clean exit: the scratch files go (a crash leaves them, with a note)
+    nvme->store().close();
+    log::info("nvme offload: removed " + nvme->store().folder());
+  }
   // What this rank keeps between steps (the ZeRO stages' 1/N is checked against it).
   const auto held = tr_.held_bytes();
   int64_t elements = 0;  // this rank's parameter elements before ZeRO (after tensor parallelism)
