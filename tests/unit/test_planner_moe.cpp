@@ -286,14 +286,20 @@ TEST_CASE("moe planner: a configured expert_parallel_size is kept, and refused b
   CHECK(plan.ep == 2);
   for (const auto& r : rejected) CHECK(r.cand.ep == 2);
   CHECK(plan.zero_stage != 3);  // ZeRO-3 is not run with ep yet
-  // 16 experts do not split over 3 (nor 8 ranks): every candidate infeasible, the key named.
+  // 3 divides neither dp x cp nor the 16 experts: a config error, one line naming the key.
   a.compute_config.expert_parallel_size = 3;
   try {
     parallel::make_plan(req, f);
     FAIL("planned with expert_parallel_size 3");
   } catch (const parallel::PlanError& e) {
-    CHECK_THAT(e.what(), Catch::Contains("compute_config.expert_parallel_size 3 does not divide dp x cp = 8"));
+    CHECK(e.config);
+    CHECK(std::string(e.what()) == "compute_config.expert_parallel_size 3 does not divide dp x cp = 8 x 1");
   }
+  a.compute_config.expert_parallel_size = 16;  // divides the experts, not the 8 ranks
+  CHECK_THROWS_WITH(parallel::make_plan(req, f), "compute_config.expert_parallel_size 16 does not divide dp x cp = 8 x 1");
+  a.compute_config.expert_parallel_size = 2;
+  auto odd = moe_facts({4, 64, 4, 2, 16, 9, 2, 64, 256});
+  CHECK_THROWS_WITH(parallel::make_plan(req, odd), "compute_config.expert_parallel_size 2 does not divide the 9 experts");
   // A dense model keeps the config's size for the trainer to refuse by name.
   auto dense = f;
   dense.experts = 0;

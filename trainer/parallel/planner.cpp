@@ -54,6 +54,7 @@ struct Entry {
   std::string infeasible;  // empty: evaluated
   PlanEstimate e;
   bool batch = false;  // infeasible by the batch arithmetic (global = micro x dp x accumulation)
+  bool ep_key = false;  // infeasible by the config's expert_parallel_size
 };
 
 // How a candidate splits beyond tp: context- and pipeline-parallel sizes,
@@ -174,12 +175,13 @@ class Search {
   // (empty: it can): for a dense model none but 1; the config's size when it
   // names one (or the policy is not autodist); else every divisor of dp x cp
   // (under pp only 1 and the first other, which is refused).
-  std::vector<std::pair<int, std::string>> expert_sizes(int dpcp, int pp) const {
+  std::vector<std::pair<int, std::string>> expert_sizes(int dp, int cp, int pp) const {
+    const int dpcp = dp * cp;
     const int64_t E = f_.experts;
     if (E <= 0) return {{1, ""}};
     auto why = [&](int ep) -> std::string {
       const std::string key = free_expert() ? "ep " + std::to_string(ep) : "compute_config.expert_parallel_size " + std::to_string(ep);
-      if (dpcp % ep) return key + " does not divide dp x cp = " + std::to_string(dpcp);
+      if (dpcp % ep) return key + " does not divide dp x cp = " + std::to_string(dp) + " x " + std::to_string(cp);
       if (E % ep) return key + " does not divide the " + std::to_string(E) + " experts";
       return "";
     };
@@ -235,8 +237,8 @@ class Search {
     base.stages = sp.stages;
     base.scheduler = sp.scheduler;
     const int dp = base.dp;
-    auto refuse_split = [&](const std::string& why, bool batch = false) {
-      if (tier == 0) entries_.push_back({base, why, {}, batch});
+    auto refuse_split = [&](const std::string& why, bool batch = false, bool ep_key = false) {
+      if (tier == 0) entries_.push_back({base, why, {}, batch, ep_key});
     };
     if (req_.world_size % (t * sp.cp * sp.pp) != 0)
       return refuse_split("tp x cp x pp = " + std::to_string(t * sp.cp * sp.pp) + " does not divide the world " +
@@ -291,11 +293,11 @@ class Search {
     // on one-rank groups). Parameter offload is ZeRO-3's, whatever the group.
     // Each expert-parallel size is a split of its own.
     const Candidate split_base = base;
-    for (const auto& [ep, ep_why] : expert_sizes(dp * sp.cp, sp.pp)) {
+    for (const auto& [ep, ep_why] : expert_sizes(dp, sp.cp, sp.pp)) {
       base = split_base;
       base.ep = ep;
       if (!ep_why.empty()) {
-        refuse_split(ep_why);
+        refuse_split(ep_why, false, !free_expert());
         continue;
       }
       if (ep > 1)
@@ -427,6 +429,10 @@ class Search {
                           " tried): change global_batch_size, micro_batch_size or grad_accumulation_steps",
                       0, /*config=*/true);
     }
+    // The configured expert_parallel_size fits no split (the batch aside): a config error, one line.
+    const auto ep_key = std::find_if(all.begin(), all.end(), [](const Entry& en) { return en.ep_key; });
+    if (ep_key != all.end() && std::all_of(all.begin(), all.end(), [](const Entry& en) { return en.batch || en.ep_key; }))
+      throw PlanError(ep_key->infeasible, 0, /*config=*/true);
     std::string why;
     for (const auto& en : s.entries()) why += "\n  " + candidate_text(en.c, L) + ": " + en.infeasible;
     throw PlanError("no feasible plan for pas_policy " + a.pas_policy + " on " + std::to_string(world) + " ranks:" + why);
