@@ -226,7 +226,7 @@ TEST_CASE("moe planner: compute counts active experts, whole on every tp rank, i
   CHECK(compute(f16, cand(1, 8, 0, 4)) == Approx(tokens * (work(f16) + 0.25 * routed) / peak));
 }
 
-TEST_CASE("moe planner: ep is searched; ep > 1 is chosen when the experts do not fit at ep 1", "[planner][moe]") {
+TEST_CASE("moe planner: ep is searched, and ep > 1 chosen when the experts do not fit at ep 1", "[planner][moe]") {
   const auto f = moe_facts(kSmall);
   auto a = moe_args(8, 1, 1, 8, 32);
   a.compute_config.use_zero = 1;  // fixed, so only ep can shrink the experts' parameters and gradients
@@ -305,6 +305,7 @@ TEST_CASE("moe planner: a configured expert_parallel_size is kept, and refused b
   dense.experts = 0;
   for (auto& p : dense.params)
     if (p.split.style == models::SplitStyle::Expert) p.split.style = models::SplitStyle::Replicate;
+  a.compute_config.expert_parallel_size = 3;
   CHECK(parallel::make_plan(req, dense).ep == 3);
 }
 
