@@ -445,7 +445,9 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   c.context_parallel_size = static_cast<int>(cc.get_int("context_parallel_size", 1, 1, 1 << 20));
   c.cp_comm_type = cc.get_string("cp_comm_type", "p2p", {"p2p", "all_gather"});
   c.cp_load_balance = cc.get_string("cp_load_balance", "zigzag", {"zigzag", "none"});
+  c.expert_parallel_given = cc.has("expert_parallel_size");
   c.expert_parallel_size = static_cast<int>(cc.get_int("expert_parallel_size", 1, 1, 1 << 20));
+  c.moe_imbalance = cc.get_float("moe_imbalance", 1.25, 1.0);
   std::optional<ArgMap> pas;
   if (cc.has("pas_config")) {
     pas.emplace(cc.child("pas_config"));

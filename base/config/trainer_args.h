@@ -98,6 +98,11 @@ struct ComputeConfig {
   // Expert parallelism (MoE models): each MoE layer's experts split over this
   // many ranks carved out of dp x cp; tokens reach them by all-to-all.
   int expert_parallel_size = 1;
+  bool expert_parallel_given = false;  // named in the config: autodist keeps it (else it may choose ep)
+  // The planner's allowance for uneven routing: the busiest expert-parallel
+  // rank receives this many times the mean tokens (>= 1; metrics' measured
+  // max/mean tokens per expert, to re-plan with; docs/parallelism.md).
+  double moe_imbalance = 1.25;
   PipelineArgs pipeline;                   // compute_config.pas_config
 };
 

@@ -228,6 +228,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
                         {"pp", r.cand.pp},
                         {"stages", r.cand.stages},
                         {"scheduler", r.cand.scheduler},
+                        {"ep", r.cand.ep},
                         {"memory_bytes", r.memory_bytes},
                         {"step_s", r.step_s}});
         j["rejected"] = rj;

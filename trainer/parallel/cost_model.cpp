@@ -119,7 +119,12 @@ PrecisionBytes precision_bytes(const config::TrainerArgs& a) {
 struct StateLayout {
   double elements = 0;  // this rank's parameter elements (after tp; the first tp rank, which holds most)
   double padded = 0;    // in the flat buffers, padding included
+  double shard = 0;     // this rank's ZeRO chunks (padded: every bucket's chunk; no ZeRO: padded)
   int z = 1;            // ZeRO group size (1: no ZeRO)
+  // Expert parallelism: the expert parameters' share of the above (their own
+  // buckets, E / ep experts each, ZeRO-sharded over dp x cp / ep ranks).
+  double expert_elements = 0, expert_padded = 0, expert_shard = 0;
+  int ez = 1;
   int64_t buckets = 0;
   double largest_bucket = 0, largest_block_param = 0;  // a block's largest parameter (any, without blocks)
   double block_elements = 0;                            // the largest block's parameters
@@ -141,16 +146,23 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   std::vector<int64_t> numels;
   std::vector<int> units;  // ZeRO-3: a bucket per unit, as the training state's
   std::vector<const ParamFact*> params;
+  std::vector<bool> expert;
   for (size_t i = 0; i < f.params.size(); ++i) {
     if (!held.empty() && !held[i]) continue;
     const auto& p = f.params[i];
     int64_t n = 1;
-    for (auto dim : local_shape(p, c.tp)) n *= dim;
+    for (auto dim : local_shape(p, c.tp, c.ep)) n *= dim;
     numels.push_back(n);
     params.push_back(&p);
     if (c.zero_stage == 3) units.push_back(f.zero3_units[i]);
     st.elements += double(n);
+    const bool is_expert = p.split.style == models::SplitStyle::Expert;
+    expert.push_back(is_expert);
+    if (is_expert) st.expert_elements += double(n);
   }
+  // At ep 1 experts are parameters like the rest (the trainer's rule: startup.cpp state_options).
+  if (c.ep <= 1) expert.clear();
+  st.ez = c.zero_stage ? std::max(1, st.z / std::max(1, c.ep)) : 1;
   bool blocks = false;
   for (const auto* p : params) blocks = blocks || p->unit >= 0;
   for (size_t i = 0; i < numels.size(); ++i)
@@ -163,10 +175,16 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
       1, static_cast<int64_t>(a.compute_config.reducer_bucket_cap_mb * 1048576.0) / static_cast<int64_t>(pb.grad));
   // ZeRO-3: a bucket per unit, whatever the cap (TrainingState::layout_for).
   const auto layout =
-      FlatLayout::make(numels, c.zero_stage == 3 ? std::numeric_limits<int64_t>::max() : cap, st.z, 0, units);
+      FlatLayout::make(numels, c.zero_stage == 3 ? std::numeric_limits<int64_t>::max() : cap, st.z, 0, units, expert, st.ez, 0);
   st.buckets = static_cast<int64_t>(layout.buckets.size());
   for (const auto& bk : layout.buckets) st.largest_bucket = std::max(st.largest_bucket, double(bk.end - bk.begin));
   st.padded = double(layout.size);
+  for (const auto& bk : layout.buckets) {
+    const double chunk = double(layout.chunk_size(bk));
+    st.shard += chunk;
+    if (bk.expert) st.expert_padded += double(bk.end - bk.begin), st.expert_shard += chunk;
+  }
+  if (c.ep <= 1) st.expert_padded = st.expert_shard = 0;  // no expert buckets: expert_elements only
   if (c.offload_ratio > 0) {  // TrainingState's rule: whole buckets in layout order until the ratio's share
     const double total = double(c.zero_stage ? layout.shard_size : layout.size);
     for (const auto& bk : layout.buckets) {
@@ -213,6 +231,14 @@ struct Setting {
   double sends = 0;  // pipeline: boundary tensors held (sent ones until retired, received ones until used)
   double w_live = 0;  // pipeline: (stage, micro-batch)s between their I and W, as `live` counts them
   double split_layers = 0;  // pipeline, split backward: the layers of the rank's largest stage (0: no split)
+  // Mixture-of-Experts (moe 0: dense): the share of layers that are MoE; per
+  // MoE layer each token's topk assignments to experts of width eff (SwiGLU),
+  // shared experts of total width shf, E routed experts; imb: the busiest
+  // expert-parallel rank's tokens over the mean (1 at ep 1: every rank runs
+  // every expert on its own tokens).
+  double moe = 0, moe_layers = 0, topk = 0, eff = 0, shf = 0, E = 0, imb = 1;
+  // The routed experts' training FLOPs per token over all MoE layers.
+  double expert_flops = 0;
 };
 
 // The rank's part of the model under pp; the whole model otherwise.
@@ -243,8 +269,19 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   x.sp = c.tp > 1 && a.compute_config.sequence_parallel;
   x.rep = x.sp ? 1 / x.t : 1;
   x.v_local = (f.vocab_parallel_head && c.tp > 1) ? std::ceil(x.V / x.t) : x.V;
-  x.attn_flops = std::max(0.0, req.model->flops_per_token(static_cast<int64_t>(x.s)) - req.model->flops_per_token(0)) /
+  x.attn_flops = std::max(0.0, f.flops_per_token(static_cast<int64_t>(x.s)) - f.flops_per_token(0)) /
                  std::max(1.0, x.L);
+  if (f.experts > 0) {
+    const auto& d = f.dims;
+    x.moe_layers = double(d.moe_layers > 0 ? d.moe_layers : f.layers);
+    x.moe = x.moe_layers / std::max(1.0, x.L);
+    x.topk = double(std::max<int64_t>(1, d.experts_per_token));
+    x.eff = double(d.expert_ffn);
+    x.shf = double(d.shared_expert_ffn);
+    x.E = double(f.experts);
+    x.imb = c.ep > 1 ? moe_imbalance(req) : 1.0;
+    x.expert_flops = 6 * x.moe_layers * x.topk * 3 * x.h * x.eff;
+  }
   x.Lr = c.pp > 1 ? part.layers : x.L;
   x.kr = c.pp > 1 ? part.recomputed : x.k;
   x.live = part.live;
@@ -258,30 +295,30 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
 
 // ZeRO: parameters, gradients and optimizer state each rank keeps between
 // steps (flat elements, padding included; Sz this rank's shard).
+// Expert parameters' buckets shard over their own (smaller) group, so Sz is
+// the sum of every bucket's chunk; expert_bytes is their part.
 void state_term(const Setting& x, PlanEstimate& e) {
   const auto& pb = x.pb;
-  const double S = x.st.padded, Sz = x.st.padded / x.st.z;
-  switch (x.c.zero_stage) {
-    case 0:
-      e.param_bytes = S * pb.param;
-      e.grad_bytes = S * pb.grad;
-      e.optim_bytes = S * (pb.master + pb.moments);
-      break;
-    case 1:  // the full gradient buffer stays, plus the reduced chunk
-      e.param_bytes = S * pb.param;
-      e.grad_bytes = S * pb.grad + Sz * pb.grad;
-      e.optim_bytes = Sz * (pb.master + pb.moments);
-      break;
-    case 2:  // no full gradient buffer outlives backward
-      e.param_bytes = S * pb.param;
-      e.grad_bytes = Sz * pb.grad;
-      e.optim_bytes = Sz * (pb.master + pb.moments);
-      break;
-    default:  // 3: parameters sharded too, units gathered around their use
-      e.param_bytes = Sz * pb.param;
-      e.grad_bytes = Sz * pb.grad;
-      e.optim_bytes = Sz * (pb.master + pb.moments);
-  }
+  auto part = [&](double S, double Sz, double& param, double& grad, double& optim) {
+    switch (x.c.zero_stage) {
+      case 0:
+        param = S * pb.param, grad = S * pb.grad, optim = S * (pb.master + pb.moments);
+        break;
+      case 1:  // the full gradient buffer stays, plus the reduced chunk
+        param = S * pb.param, grad = S * pb.grad + Sz * pb.grad, optim = Sz * (pb.master + pb.moments);
+        break;
+      case 2:  // no full gradient buffer outlives backward
+        param = S * pb.param, grad = Sz * pb.grad, optim = Sz * (pb.master + pb.moments);
+        break;
+      default:  // 3: parameters sharded too, units gathered around their use
+        param = Sz * pb.param, grad = Sz * pb.grad, optim = Sz * (pb.master + pb.moments);
+    }
+  };
+  part(x.st.padded, x.st.shard, e.param_bytes, e.grad_bytes, e.optim_bytes);
+  double p = 0, g = 0, o = 0;
+  if (x.c.ep > 1) part(x.st.expert_padded, x.st.expert_shard, p, g, o);
+  else part(x.st.expert_elements, x.st.expert_elements / x.st.z, p, g, o);  // in the common buckets
+  e.expert_bytes = p + g + o;
 }
 
 // What the optimizer updates, bytes per element: fp32 masters, else the parameters.
@@ -451,6 +488,19 @@ Activations activation_term(const Setting& x) {
     norm_extra = 0;
     wide_grads = ffn;  // the GELU output's gradient while the output is still kept
   }
+  if (x.moe > 0) {
+    // An MoE layer keeps, in place of the dense MLP: the router's logits and
+    // probabilities (fp32), its tokens' k rows sorted by expert, under ep the
+    // rows received (imb x) and the rows returned, the experts' SwiGLU
+    // (gate, silu(gate), up, product) per assignment, the shared experts'
+    // (split over tp). Experts are whole on each tp rank: their rows are not
+    // divided by tp (1/tp of the tokens under SP). Averaged over the layers.
+    const double a2a_rows = x.c.ep > 1 ? x.imb * x.topk * h : 0.0;
+    const double moe_rep = 2 * x.E * 4 / ea + 2 * x.topk * h + a2a_rows + x.imb * x.topk * 4 * x.eff;
+    layer_rep += x.moe * moe_rep;
+    layer_split += x.moe * (4 * x.shf - (x.f.gated_mlp ? 4 : 2) * ffn);
+    wide_grads = std::max({x.moe < 1 ? wide_grads : 0.0, 2 * x.shf, 2 * x.imb * x.topk * x.eff * t * rep});
+  }
   Activations act;
   act.layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
   act.layer_input = tokens * h * rep * ea;
@@ -563,8 +613,12 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
 // The FLOPs a training step runs per token: the model's count, whose
 // attention term covers the whole s x s score matrix, less the masked half a
 // causal kernel (flash, memory-efficient) skips.
+// Routed experts run whole on every tensor-parallel rank, on all of its tokens
+// (1/tp of them under SP), and the busiest expert-parallel rank runs imb x the
+// mean: their FLOPs are scaled so that the terms' division by tp comes out so.
 double work_per_token(const Setting& x) {
-  return x.req.model->flops_per_token(static_cast<int64_t>(x.s)) - 0.5 * x.attn_flops * x.L;
+  return x.f.flops_per_token(static_cast<int64_t>(x.s)) - 0.5 * x.attn_flops * x.L +
+         x.expert_flops * (x.t * x.rep * x.imb - 1);
 }
 
 // Compute: the training FLOPs per token (work_per_token), one more forward per
@@ -583,6 +637,42 @@ Compute compute_term(const Setting& x, PlanEstimate& e) {
   const double tokens_rank = x.micro_steps * x.tokens;  // cp ranks share a sequence's tokens
   e.compute_s = tokens_rank * (cm.flops_token + cm.recompute_flops) / x.t / peak;
   return cm;
+}
+
+// Expert parallelism, one MoE layer of one micro-batch (AllToAll). Each
+// all-to-all: the busiest rank receives imb x the mean, from each other member
+// of its ep group 1/ep of its tokens' k rows of h; rows from the members on
+// its node over NVLink, the others' over its NIC, at once. The ep group: ep
+// consecutive members of dp x cp (cp innermost), so it spans nodes once
+// ep x tp x cp (with pp between dp members) outgrows a node. Not overlapped:
+// the dispatcher waits for each before the experts (or attention) go on.
+AllToAll a2a_layer(const Setting& x) {
+  AllToAll r;
+  if (x.c.ep <= 1 || x.moe <= 0) return r;
+  const auto& dev = x.req.device;
+  const int ep = x.c.ep, cp = std::max(1, x.c.cp), per_node = std::max(1, dev.ranks_per_node);
+  auto member = [&](int e) { return int64_t(x.c.tp) * ((e % cp) + int64_t(cp) * x.c.pp * (e / cp)); };
+  int on_node = 0;  // members of rank 0's group on rank 0's node
+  for (int e = 0; e < ep; ++e) on_node += member(e) < per_node;
+  r.cross_node = on_node < ep;
+  const double rows = x.imb * x.tokens * x.rep * x.topk * x.h * x.pb.act;  // all it receives, itself included
+  r.bytes = rows * (ep - 1) / ep;
+  const double alpha = dev.collective_latency_s;
+  const double one = alpha + std::max(rows * (on_node - 1) / ep / dev.intra_node_bw,
+                                      rows * (ep - on_node) / ep / dev.inter_node_bw);
+  r.forward_s = alpha + 2 * one;  // the counts exchange (a few bytes: its latency), dispatch, combine
+  r.backward_s = 2 * one;
+  return r;
+}
+
+// Every MoE layer's all-to-alls per micro-batch, once more in forward for
+// each recomputed MoE layer (the first k layers hold k x moe of them).
+void ep_comm_term(const Setting& x, PlanEstimate& e) {
+  const auto r = a2a_layer(x);
+  e.a2a_layer_s = r.forward_s + r.backward_s;
+  e.a2a_cross_node = r.cross_node;
+  e.moe_imbalance = x.moe > 0 ? moe_imbalance(x.req) : 0.0;  // the allowance (applied at ep > 1)
+  e.ep_comm_s = x.micro_steps * (x.moe_layers * e.a2a_layer_s + x.k * x.moe * r.forward_s);
 }
 
 // Context parallelism: every layer's ring (or gather) per micro-batch, once
@@ -663,13 +753,20 @@ void dp_comm_term(const Setting& x, const Compute& cm, PlanEstimate& e) {
   }
   double overlappable;  // launched bucket by bucket during the last micro-batch's backward
   double after = 0;     // after the optimizer step
+  // Expert parallelism: the expert buckets reduce (and shard) over the
+  // dp x cp / ep ranks holding the same experts (st.ez under ZeRO), the rest
+  // over dp x cp; the same links (the edp group spans dp x cp).
+  const double ep = std::max(1, x.c.ep);
+  const double p_expert = ep > 1 ? x.st.expert_elements : 0.0, p_dense = p_local - p_expert;
+  const double de = d / ep, ez = x.st.ez;
   if (x.c.zero_stage) {
     // Reduce-scatter in the ZeRO group, all-reduce of the chunk across groups,
     // all-gather of the updated parameters.
-    overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * grad_bytes / bw + cross;
-    after = buckets * alpha + (z - 1) / z * p_local * x.pb.param / bw;
+    overlappable = buckets * alpha * (groups > 1 ? 2 : 1) + (z - 1) / z * p_dense * x.pb.grad / bw +
+                   (ez - 1) / ez * p_expert * x.pb.grad / bw + cross;
+    after = buckets * alpha + ((z - 1) / z * p_dense + (ez - 1) / ez * p_expert) * x.pb.param / bw;
   } else {
-    overlappable = buckets * alpha + 2 * (d - 1) / d * grad_bytes / bw;
+    overlappable = buckets * alpha + 2 * ((d - 1) / d * p_dense + (de - 1) / de * p_expert) * x.pb.grad / bw;
   }
   const double last_bucket = overlappable * std::min(1.0, cap / grad_bytes);
   // ZeRO-2 has no buffer to accumulate whole gradients in: it reduce-scatters every micro-batch.
@@ -686,7 +783,7 @@ void offload_time_term(const Setting& x, PlanEstimate& e) {
   if (H <= 0 && !x.c.offload_params) return;
   const auto& pb = x.pb;
   const double link = x.req.device.host_link_bw, micro_steps = x.micro_steps;
-  const double Sz = x.st.padded / x.st.z;
+  const double Sz = x.st.shard;
   e.host_step_s = H * (6 * update_bytes(pb) + pb.grad) / x.req.device.host_adam_bytes_per_s;
   const double d2h = H * pb.grad / link, h2d = H * pb.param / link;
   // ZeRO-3 parameter offload: every unit's chunk to the device per gather,
@@ -732,7 +829,7 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
 // a loss scaler the reduced gradients (the step unscales them in place).
 void post_validation_term(const Setting& x, PlanEstimate& e) {
   if (!x.a.compute_config.pipeline.post_validation) return;
-  const double n = x.c.zero_stage ? x.st.padded / x.st.z : x.st.padded;
+  const double n = x.c.zero_stage ? x.st.shard : x.st.padded;
   e.optim_bytes += n * (update_bytes(x.pb) + x.pb.moments);
   if (optim::precision_setup(x.a.precision, x.a.compute_config.reduce_dtype).loss_scaling) e.grad_bytes += n * x.pb.grad;
 }
@@ -1027,9 +1124,10 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   PlanEstimate scratch;
   const auto cm = compute_term(x, scratch);  // the forward/backward shares dp_comm_term overlaps with
   dp_comm_term(x, cm, e);
-  e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s + e.pp_comm_s;
+  ep_comm_term(x, e);  // (ep > 1 is not run with pp yet: planner.cpp not_runnable)
+  e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s + e.pp_comm_s + e.ep_comm_s;
   offload_time_term(x, e);
-  e.step_s = makespan + e.dp_comm_s + e.offload_s;
+  e.step_s = makespan + e.dp_comm_s + e.ep_comm_s + e.offload_s;
   return e;
 }
 
@@ -1062,6 +1160,10 @@ ModelFacts model_facts(const models::CausalLM& model) {
   }
   f.zero3_units = parameter_units(model);
   f.zero3_head_unit = static_cast<int>(model.num_layers()) + 1;
+  f.flops_per_token = [&model](int64_t seq) { return model.flops_per_token(seq); };  // facts live no longer than the model
+  f.experts = f.dims.experts;
+  for (const auto& p : f.params)
+    if (f.experts == 0 && p.split.style == models::SplitStyle::Expert && !p.shape.empty()) f.experts = p.shape[0];
   return f;
 }
 
@@ -1070,12 +1172,17 @@ const char* split_style_name(models::SplitStyle s) {
     case models::SplitStyle::Column: return "column";
     case models::SplitStyle::Row: return "row";
     case models::SplitStyle::Vocab: return "vocab";
+    case models::SplitStyle::Expert: return "expert";
     default: return "replicate";
   }
 }
 
-std::vector<int64_t> local_shape(const ParamFact& p, int tp) {
+std::vector<int64_t> local_shape(const ParamFact& p, int tp, int ep) {
   auto s = p.shape;
+  if (p.split.style == models::SplitStyle::Expert && !s.empty()) {  // whole experts, the same on every tp rank
+    s[0] = s[0] / std::max(1, ep);
+    return s;
+  }
   if (tp < 2 || p.split.style == models::SplitStyle::Replicate || s.empty()) return s;
   // The largest piece, rank 0's: each fused part is dealt out in whole units,
   // the first ranks one more (6 heads over 4: 2, 2, 1, 1); a padded vocabulary's
@@ -1114,7 +1221,7 @@ std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
   // The declaration itself: every split dimension (or fused part) in whole units, at least one per rank.
   for (const auto& p : f.params) {
     if (p.split.style == models::SplitStyle::Replicate || p.split.style == models::SplitStyle::Vocab ||
-        p.shape.empty())
+        p.split.style == models::SplitStyle::Expert || p.shape.empty())
       continue;
     const int dim = split_dim(p);
     const int64_t unit = std::max<int64_t>(1, p.split.unit);
@@ -1150,6 +1257,7 @@ std::string split_text(const Candidate& c) {
   std::string out;
   if (c.cp > 1) out += " cp=" + std::to_string(c.cp) + ":" + c.cp_comm;
   if (c.pp > 1) out += " pp=" + std::to_string(c.pp) + ":" + c.scheduler + "/" + std::to_string(c.stages);
+  if (c.ep > 1) out += " ep=" + std::to_string(c.ep);
   return out;
 }
 
@@ -1212,7 +1320,8 @@ PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candida
   tp_comm_term(x, e);
   cp_comm_term(x, e);
   dp_comm_term(x, cm, e);
-  e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s;
+  ep_comm_term(x, e);
+  e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s + e.ep_comm_s;
   offload_time_term(x, e);
   e.step_s = e.compute_s + e.comm_s + e.offload_s;
   return e;
@@ -1221,6 +1330,15 @@ PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candida
 PlanEstimate estimate(const PlanRequest& req, const Candidate& c) {
   if (!req.args || !req.model) throw PlanError("plan request without config or model");
   return estimate(req, model_facts(*req.model), c);
+}
+
+double moe_imbalance(const PlanRequest& req) {
+  const double v = req.moe_imbalance > 0 ? req.moe_imbalance : req.args ? req.args->compute_config.moe_imbalance : 1.25;
+  return std::max(1.0, v);
+}
+
+AllToAll all_to_all_layer(const PlanRequest& req, const ModelFacts& f, const Candidate& c) {
+  return a2a_layer(setting(req, f, c, {}));
 }
 
 std::vector<int> balanced_stage_split(int64_t layers, int stages, double first_extra, double last_extra) {
@@ -1245,8 +1363,8 @@ std::vector<int> stage_split(const PlanRequest& req, const ModelFacts& f, const 
     return given;
   }
   const int64_t seq = seq_len_of(*req.args, f);
-  const double attn = req.model->flops_per_token(seq) - req.model->flops_per_token(0);
-  const double flops = req.model->flops_per_token(seq) - 0.5 * attn;  // causal: as work_per_token
+  const double attn = f.flops_per_token(seq) - f.flops_per_token(0);
+  const double flops = f.flops_per_token(seq) - 0.5 * attn;  // causal: as work_per_token
   const double head = 6 * double(f.dims.vocab) * double(f.dims.hidden);
   const double layer = std::max(1.0, (flops - head) / std::max<double>(1, f.layers));
   // The embedding is a lookup (no matmul): its stage has no extra time.

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -84,6 +85,9 @@ struct PlanRequest {
   // parallelism itself. `nnstrain plan` and the trainer set both (a size the
   // config names is planned either way); off, the search keeps pp = cp = 1.
   bool search_pipeline = false, search_context = false;
+  // Mixture-of-Experts: the busiest expert-parallel rank receives this many
+  // times the mean tokens (0: compute_config.moe_imbalance, default 1.25).
+  double moe_imbalance = 0;
 };
 
 constexpr double kDefaultMemoryFraction = 0.9;
@@ -99,8 +103,12 @@ constexpr double kOverlapContention = 0.189;
 // The budget a request resolves to, bytes per rank.
 double memory_budget(const PlanRequest& req);
 
+// The imbalance allowance a request resolves to (>= 1).
+double moe_imbalance(const PlanRequest& req);
+
 // One point of the search space. Ranks are laid out TP innermost, then CP,
-// PP, DP: world = tp x cp x pp x dp.
+// PP, DP: world = tp x cp x pp x dp. Expert parallelism carves ep ranks out of
+// dp x cp (consecutive members, cp innermost).
 struct Candidate {
   int tp = 1, dp = 1;
   int zero_stage = 0;
@@ -118,11 +126,14 @@ struct Candidate {
   int pp = 1, stages = 1;
   std::string scheduler = "1f1b";
   std::vector<int> stage_layers;
+  // Expert parallelism: each MoE layer's experts over ep ranks of dp x cp;
+  // expert state reduced and ZeRO-sharded over the dp x cp / ep holding the same.
+  int ep = 1;
 };
 
 // "tp=2 dp=4 zero=0 recompute=3/12" (cp, pp and offload named when used).
 std::string candidate_text(const Candidate& c, int64_t layers);
-std::string split_text(const Candidate& c);  // " cp=2:p2p pp=4:1f1b/4", or empty
+std::string split_text(const Candidate& c);  // " cp=2:p2p pp=4:1f1b/4 ep=8", or empty
 std::string offload_text(const Candidate& c);  // " offload=optimizer:0.5+params", or empty
 
 // ---- the model as the cost model sees it -----------------------------------
@@ -143,14 +154,20 @@ struct ModelFacts {
   bool gated_mlp = false;            // Llama-style blocks (RMSNorm, SwiGLU: a gate_proj), else GPT-style
   std::vector<int> zero3_units;      // per parameter, as the training state's (parameter_units)
   int zero3_head_unit = 0;           // the unit after the blocks
+  // The model's training FLOPs per token at a sequence length (CausalLM::
+  // flops_per_token; for an MoE model it counts the active experts: top-k of
+  // the routed ones and the shared ones).
+  std::function<double(int64_t)> flops_per_token;
+  int64_t experts = 0;  // routed experts per MoE layer (0: dense), from the dims or the Expert splits
 };
 
 // Read once per plan: the model's dimensions, parameters and declared splits.
 ModelFacts model_facts(const models::CausalLM& model);
 
-// This rank's shape of a parameter at tp (rank 0's, the largest piece).
-std::vector<int64_t> local_shape(const ParamFact& p, int tp);
-const char* split_style_name(models::SplitStyle s);  // column | row | vocab | replicate
+// This rank's shape of a parameter at tp (rank 0's, the largest piece). Expert
+// weights are whole on every tp rank: E / ep of them at expert parallelism ep.
+std::vector<int64_t> local_shape(const ParamFact& p, int tp, int ep = 1);
+const char* split_style_name(models::SplitStyle s);  // column | row | vocab | expert | replicate
 
 // Why tp cannot split this model, one message per failure (empty: it can).
 std::vector<std::string> tp_failures(const ModelFacts& f, int tp);
@@ -193,6 +210,17 @@ class ScheduleCache {
 // The cost model for one candidate (no feasibility checks beyond arithmetic).
 PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candidate& c, ScheduleCache* cache = nullptr);
 PlanEstimate estimate(const PlanRequest& req, const Candidate& c);  // reads the model's facts first
+
+// Expert parallelism, one MoE layer of one micro-batch on a rank: the
+// all-to-all's time (forward: the counts exchange and two all-to-alls;
+// backward: two), the bytes each all-to-all sends from the busiest rank, and
+// whether the ep group spans nodes. Zero at ep 1 or for a dense model.
+struct AllToAll {
+  double forward_s = 0, backward_s = 0;
+  double bytes = 0;
+  bool cross_node = false;
+};
+AllToAll all_to_all_layer(const PlanRequest& req, const ModelFacts& f, const Candidate& c);
 
 // "12.3 GiB", "512.0 MiB": bytes in binary units for messages.
 std::string format_bytes(double bytes);

@@ -60,6 +60,12 @@ void to_json(nlohmann::json& j, const Plan& p) {
   // Only where used, so plans without them read as before.
   if (!e.pp_rank_bytes.empty()) j["estimate"]["pp_rank_bytes"] = e.pp_rank_bytes;
   if (p.ep > 1) j["ep"] = p.ep;
+  if (e.moe_imbalance > 0)
+    j["estimate"].update({{"expert_bytes", e.expert_bytes},
+                          {"ep_comm_s", e.ep_comm_s},
+                          {"a2a_layer_s", e.a2a_layer_s},
+                          {"a2a_cross_node", e.a2a_cross_node},
+                          {"moe_imbalance", e.moe_imbalance}});
   if (p.context.cp > 1)
     j["context"] = {{"cp", p.context.cp}, {"comm_type", p.context.comm_type}, {"load_balance", p.context.load_balance}};
   if (p.pipeline.pp > 1)
@@ -125,6 +131,11 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.nvme_bytes = ej.value("nvme_bytes", 0.0);
       e.nvme_s = ej.value("nvme_s", 0.0);
       e.step_s = ej.value("step_s", 0.0);
+      e.expert_bytes = ej.value("expert_bytes", 0.0);
+      e.ep_comm_s = ej.value("ep_comm_s", 0.0);
+      e.a2a_layer_s = ej.value("a2a_layer_s", 0.0);
+      e.a2a_cross_node = ej.value("a2a_cross_node", false);
+      e.moe_imbalance = ej.value("moe_imbalance", 0.0);
     }
     p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
     p.device = j.value("device", std::string());
@@ -245,6 +256,20 @@ std::string describe(const Plan& p, bool explain) {
     o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
       << (p.offload_params ? ", params" : "") << (p.offload_nvme ? " (on NVMe)" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
+  const auto& e = p.estimate;
+  if (e.moe_imbalance > 0) {
+    o << "  experts: ";
+    if (p.ep > 1)
+      o << "each MoE layer's over ep " << p.ep << " ranks of dp x cp = " << p.dp * cx.cp << " (expert state reduced and "
+        << "sharded over the " << p.dp * cx.cp / p.ep << " holding the same), tokens by all-to-all "
+        << (e.a2a_cross_node ? "across nodes" : "within a node") << ": " << fixed(1e3 * e.a2a_layer_s, 3)
+        << " ms per MoE layer per micro-batch (forward + backward), the busiest rank receiving " << fixed(e.moe_imbalance, 2)
+        << " x the mean tokens";
+    else
+      o << "every rank holds every expert (ep 1: no all-to-all; the imbalance allowance " << fixed(e.moe_imbalance, 2)
+        << " applies at ep > 1)";
+    o << "; expert state " << format_bytes(e.expert_bytes) << " per rank\n";
+  }
   if (cx.cp > 1)
     o << "  context parallel: each sequence over " << cx.cp << " ranks (" << cx.comm_type << " ring, "
       << (cx.load_balance == "zigzag" ? "zigzag chunks" : "contiguous chunks") << "); gradients reduced over dp x cp = "
@@ -307,7 +332,6 @@ std::string describe(const Plan& p, bool explain) {
     o << "\n";
   }
 
-  const auto& e = p.estimate;
   o << "\nmemory per rank (estimated), device:\n";
   auto row = [&](const char* what, double bytes) { o << "  " << pad(what, 12) << format_bytes(bytes) << "\n"; };
   row("params", e.param_bytes);
@@ -332,7 +356,8 @@ std::string describe(const Plan& p, bool explain) {
   o << "  " << pad("comm", 12) << fixed(e.comm_s, 4) << " s (tensor parallel " << fixed(e.tp_comm_s, 4)
     << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s"
     << (cx.cp > 1 ? ", context parallel exposed " + fixed(e.cp_comm_s, 4) + " s" : std::string())
-    << (q.pp > 1 ? ", pipeline transfers " + fixed(e.pp_comm_s, 4) + " s" : std::string()) << ")\n";
+    << (q.pp > 1 ? ", pipeline transfers " + fixed(e.pp_comm_s, 4) + " s" : std::string())
+    << (p.ep > 1 && e.moe_imbalance > 0 ? ", expert all-to-all " + fixed(e.ep_comm_s, 4) + " s" : std::string()) << ")\n";
   if (e.contention_s > 0)
     o << "  " << pad("", 12) << "of which contention " << fixed(e.contention_s, 4)
       << " s (compute slowed by the collectives it overlaps)\n";
@@ -378,6 +403,14 @@ std::string describe(const Plan& p, bool explain) {
       << "  choice: per split and recompute the least ZeRO stage that fits; the smallest tp without cp, pp or\n"
       << "    recompute if any stage fits there, else the fastest; cp only when nothing fits without it,\n"
       << "    offload only when no plan without it fits\n";
+    if (e.moe_imbalance > 0)
+      o << "  experts (MoE): compute counts the active experts (top-k and shared); expert parameters are E / ep\n"
+        << "    per rank, whole on every tp rank, ZeRO-sharded over dp x cp / ep; per MoE layer per micro-batch\n"
+        << "    a counts exchange and 2 all-to-alls forward, 2 backward, each of tokens x top-k x h x (ep-1)/ep\n"
+        << "    bytes (NVLink within a node, the NIC for members on other nodes), not overlapped; the busiest ep\n"
+        << "    rank gets " << fixed(e.moe_imbalance, 2)
+        << " x the mean tokens (compute_config.moe_imbalance) in its expert compute, activations\n"
+        << "    and all-to-all; ep is chosen by speed among the sizes dividing dp x cp and the experts\n";
   }
   return o.str();
 }

@@ -24,7 +24,7 @@ struct PlanEstimate {
   double total_bytes = 0;
   double compute_s = 0, comm_s = 0, step_s = 0;
   double tp_comm_s = 0, dp_comm_s = 0;  // comm_s = tp_comm_s + dp_comm_s (exposed part of DP/ZeRO)
-                                        //   + cp_comm_s + pp_comm_s
+                                        //   + cp_comm_s + pp_comm_s + ep_comm_s
   double cp_comm_s = 0;                 // context parallel: the ring's exposed transfers
   // Of dp_comm_s and cp_comm_s: the compute slowed by the collectives it
   // overlaps (kOverlapContention of their overlapped time).
@@ -40,6 +40,14 @@ struct PlanEstimate {
   double host_step_s = 0, copy_s = 0, offload_s = 0;
   // The NVMe tier: bytes of files per rank and its disk I/O per step (overlapping the host step).
   double nvme_bytes = 0, nvme_s = 0;
+  // Mixture-of-Experts (zero for a dense model): the expert parameters'
+  // state on this rank (params, grads, optimizer; in the figures above too),
+  // the all-to-all's exposed time per step (in comm_s) and per MoE layer per
+  // micro-batch (forward + backward), and the imbalance allowance assumed.
+  double expert_bytes = 0;
+  double ep_comm_s = 0, a2a_layer_s = 0;
+  bool a2a_cross_node = false;
+  double moe_imbalance = 0;
 };
 
 // Context parallelism: ranks splitting one sequence (compute_config.context_parallel_size).

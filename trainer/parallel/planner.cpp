@@ -23,7 +23,7 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
 }
 
 // Tensor-parallel degrees the policy allows.
-std::vector<int> allowed_tps(const PlanRequest& req) {
+std::vector<int> allowed_tps(const PlanRequest& req, const ModelFacts& f) {
   const auto& a = *req.args;
   const int world = req.world_size, plan_ngpus = a.compute_config.plan_ngpus;
   const std::string& policy = a.pas_policy;
@@ -36,7 +36,8 @@ std::vector<int> allowed_tps(const PlanRequest& req) {
     if (world % plan_ngpus != 0)
       throw PlanError("runtime_ngpus " + std::to_string(world) + " is not a multiple of compute_config.plan_ngpus " +
                       std::to_string(plan_ngpus));
-    check_tp_feasible(*req.model, plan_ngpus);
+    if (const auto fails = tp_failures(f, plan_ngpus); !fails.empty())
+      throw PlanError("tensor parallel size " + std::to_string(plan_ngpus) + " cannot split the model: " + join(fails, "; "));
     return {plan_ngpus};
   }
   if (policy == "autodist") {
@@ -54,6 +55,7 @@ struct Entry {
   std::string infeasible;  // empty: evaluated
   PlanEstimate e;
   bool batch = false;  // infeasible by the batch arithmetic (global = micro x dp x accumulation)
+  bool ep_key = false;  // infeasible by the config's expert_parallel_size
 };
 
 // How a candidate splits beyond tp: context- and pipeline-parallel sizes,
@@ -101,6 +103,13 @@ std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
     if (a.model.args && a.model.args->attention_dropout().second > 0)
       return "context-parallel attention has no attention dropout (model.args." + a.model.args->attention_dropout().first + ")";
   }
+  if (c.ep > 1) {  // trainer/train/startup.cpp check_expert_parallel
+    if (c.pp > 1) return "expert parallelism is not supported with pipeline parallelism yet";
+    if (c.zero_stage == 3) return "expert parallelism is not supported with ZeRO-3 yet";
+    if (c.zero_stage && cc.zero_ngroups > 1)
+      return "expert parallelism is not supported with compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
+             " (HSDP) yet";
+  }
   return "";
 }
 
@@ -110,7 +119,7 @@ class Search {
  public:
   Search(const PlanRequest& req, const ModelFacts& f)
       : req_(req), a_(*req.args), f_(f), L_(static_cast<int>(f.layers)), budget_(memory_budget(req)),
-        tps_(allowed_tps(req)) {}
+        tps_(allowed_tps(req, f)) {}
 
   // Offload tiers: 0 none, 1 the optimizer, 2 also the parameters (ZeRO-3).
   // The config's offload holds for every candidate; otherwise autodist adds
@@ -169,6 +178,34 @@ class Search {
   bool free_context() const {
     return a_.pas_policy == "autodist" && req_.search_context && !a_.compute_config.context_parallel_given;
   }
+  bool free_expert() const { return a_.pas_policy == "autodist" && !a_.compute_config.expert_parallel_given; }
+
+  // Expert-parallel sizes to try at dp x cp ranks, each with why it cannot run
+  // (empty: it can): for a dense model none but 1; the config's size when it
+  // names one (or the policy is not autodist); else every divisor of dp x cp
+  // (under pp only 1 and the first other, which is refused).
+  std::vector<std::pair<int, std::string>> expert_sizes(int dp, int cp, int pp) const {
+    const int dpcp = dp * cp;
+    const int64_t E = f_.experts;
+    if (E <= 0) return {{1, ""}};
+    auto why = [&](int ep) -> std::string {
+      const std::string key = free_expert() ? "ep " + std::to_string(ep) : "compute_config.expert_parallel_size " + std::to_string(ep);
+      if (dpcp % ep) return key + " does not divide dp x cp = " + std::to_string(dp) + " x " + std::to_string(cp);
+      if (E % ep) return key + " does not divide the " + std::to_string(E) + " experts";
+      return "";
+    };
+    if (!free_expert()) {
+      const int ep = a_.compute_config.expert_parallel_size;
+      return {{ep, why(ep)}};
+    }
+    std::vector<std::pair<int, std::string>> out;
+    for (int ep = 1; ep <= dpcp; ++ep)
+      if (dpcp % ep == 0) {
+        out.push_back({ep, why(ep)});
+        if (pp > 1 && ep > 1) break;
+      }
+    return out;
+  }
 
   // Recompute counts to try: every k for a whole model; under pp (k per
   // stage) at most 9 evenly spaced counts from none to the largest stage's layers.
@@ -209,8 +246,8 @@ class Search {
     base.stages = sp.stages;
     base.scheduler = sp.scheduler;
     const int dp = base.dp;
-    auto refuse_split = [&](const std::string& why, bool batch = false) {
-      if (tier == 0) entries_.push_back({base, why, {}, batch});
+    auto refuse_split = [&](const std::string& why, bool batch = false, bool ep_key = false) {
+      if (tier == 0) entries_.push_back({base, why, {}, batch, ep_key});
     };
     if (req_.world_size % (t * sp.cp * sp.pp) != 0)
       return refuse_split("tp x cp x pp = " + std::to_string(t * sp.cp * sp.pp) + " does not divide the world " +
@@ -263,7 +300,20 @@ class Search {
     // ZeRO shards over dp x cp / zero_ngroups ranks: with one there is nothing to
     // shard, so autodist tries no stage (a stage the config names still runs,
     // on one-rank groups). Parameter offload is ZeRO-3's, whatever the group.
-    {
+    // Each expert-parallel size is a split of its own.
+    const Candidate split_base = base;
+    for (const auto& [ep, ep_why] : expert_sizes(dp, sp.cp, sp.pp)) {
+      base = split_base;
+      base.ep = ep;
+      if (!ep_why.empty()) {
+        refuse_split(ep_why, false, !free_expert());
+        continue;
+      }
+      if (ep > 1)
+        if (const auto why = not_runnable(a_, base); !why.empty()) {
+          refuse_split(why);
+          continue;
+        }
       const int group = dp * sp.cp;
       const int zsize = group % cc.zero_ngroups == 0 ? group / cc.zero_ngroups : 0;
       std::vector<int> zeros;
@@ -318,7 +368,9 @@ class Search {
   // further costs less than splitting layers or recomputing them). Otherwise
   // the fastest of those least stages; ties keep the smaller tp, then the
   // smaller k. A tier's candidates are added only when nothing before fits,
-  // so within the entries that fit there is one tier.
+  // so within the entries that fit there is one tier. The expert-parallel size
+  // is chosen by speed: at the first point every ep's least stage competes
+  // (ties keep the smaller ep).
   void choose() {
     least_stage_.clear();
     std::optional<Key> first_tier;
@@ -327,26 +379,36 @@ class Search {
     for (const auto& en : entries_) {
       if (!en.infeasible.empty()) continue;
       const Key key = key_of(en.c);
-      if (!first_tier || key < *first_tier) first_tier = key;
+      if (!first_tier || point_of(key) < *first_tier) first_tier = point_of(key);
       if (!least_memory_ || en.e.total_bytes < least_memory_->e.total_bytes) least_memory_ = &en;
       auto& slot = least_stage_[key];
       if (en.e.total_bytes <= budget_ && host_fits(en.e) && (!slot || en.c.zero_stage < slot->c.zero_stage)) slot = &en;
     }
-    from_first_tier_ = first_tier && least_stage_.count(*first_tier) && least_stage_[*first_tier];
-    if (from_first_tier_) {
-      best_ = least_stage_[*first_tier];
-      return;
-    }
-    for (const auto& [key, en] : least_stage_)  // cp, pp, tp, then k up: strict < keeps the first on ties
+    from_first_tier_ = false;
+    for (const auto& [key, en] : least_stage_)  // cp, pp, tp, k, then ep up: strict < keeps the first on ties
+      if (en && point_of(key) == first_tier && (!best_ || en->e.step_s < best_->e.step_s)) best_ = en;
+    from_first_tier_ = best_ != nullptr;
+    if (from_first_tier_) return;
+    for (const auto& [key, en] : least_stage_)
       if (en && (!best_ || en->e.step_s < best_->e.step_s)) best_ = en;
   }
 
-  // (cp, pp, stages, scheduler, cp comm, tp, k): the first key is the plan
-  // without context or pipeline parallelism, at the smallest tp and recompute.
-  using Key = std::tuple<int, int, int, std::string, std::string, int, int>;
+  // (cp, pp, stages, scheduler, cp comm, tp, k, ep): the first point (the key
+  // without ep) is the plan without context or pipeline parallelism, at the
+  // smallest tp and recompute.
+  using Key = std::tuple<int, int, int, std::string, std::string, int, int, int>;
   static Key key_of(const Candidate& c) {
-    return {c.cp, c.pp, c.stages, c.scheduler, c.cp_comm, c.tp, c.recompute_layers};
+    return {c.cp, c.pp, c.stages, c.scheduler, c.cp_comm, c.tp, c.recompute_layers, c.ep};
   }
+
+ public:
+  static Key point_of(Key k) {
+    std::get<7>(k) = 0;
+    return k;
+  }
+  static Key point_of(const Candidate& c) { return point_of(key_of(c)); }
+
+ private:
   const PlanRequest& req_;
   const config::TrainerArgs& a_;
   const ModelFacts& f_;
@@ -378,6 +440,10 @@ class Search {
                           " tried): change global_batch_size, micro_batch_size or grad_accumulation_steps",
                       0, /*config=*/true);
     }
+    // The configured expert_parallel_size fits no split (the batch aside): a config error, one line.
+    const auto ep_key = std::find_if(all.begin(), all.end(), [](const Entry& en) { return en.ep_key; });
+    if (ep_key != all.end() && std::all_of(all.begin(), all.end(), [](const Entry& en) { return en.batch || en.ep_key; }))
+      throw PlanError(ep_key->infeasible, 0, /*config=*/true);
     std::string why;
     for (const auto& en : s.entries()) why += "\n  " + candidate_text(en.c, L) + ": " + en.infeasible;
     throw PlanError("no feasible plan for pas_policy " + a.pas_policy + " on " + std::to_string(world) + " ranks:" + why);
@@ -428,6 +494,11 @@ std::vector<Rejected> rejections(const Search& s, const Entry& best, int L) {
       r.kind = "sharding";
       r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but shards more than needed: zero=" +
                  std::to_string(least->c.zero_stage) + " fits at this tp and recompute";
+    } else if (s.from_first_tier() && Search::point_of(en.c) == Search::point_of(best.c)) {
+      r.kind = "slower";  // another expert-parallel size at the plan's point: ep goes by speed
+      r.reason = "fits (" + format_bytes(en.e.total_bytes) + ") but slower: " + format_fixed(en.e.step_s, 4) +
+                 " s vs " + format_fixed(best.e.step_s, 4) + " s at ep=" + std::to_string(best.c.ep) +
+                 (en.e.step_s == best.e.step_s ? " (tie: the smaller ep)" : "");
     } else if (s.from_first_tier()) {
       r.kind = "order";
       const std::string what = en.c.cp > best.c.cp   ? "context parallelism"
@@ -458,6 +529,8 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.dp = best.c.dp;
   p.zero_stage = best.c.zero_stage;
   p.zero_ngroups = a.compute_config.zero_ngroups;
+  // A dense model keeps the config's size, for the trainer to refuse by name.
+  p.ep = f.experts > 0 ? best.c.ep : a.compute_config.expert_parallel_size;
   p.offload_ratio = best.c.offload_ratio;
   p.offload_params = best.c.offload_params;
   p.offload_nvme = best.c.offload_nvme;
@@ -483,9 +556,10 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   for (const auto& pf : f.params) {
     ParamPlan pp;
     pp.param = pf.name;
-    pp.split = p.tp > 1 ? split_style_name(pf.split.style) : "replicate";
+    const bool expert = pf.split.style == models::SplitStyle::Expert && best.c.ep > 1;
+    pp.split = p.tp > 1 || expert ? split_style_name(pf.split.style) : "replicate";
     pp.global_shape = pf.shape;
-    pp.local_shape = local_shape(pf, p.tp);
+    pp.local_shape = local_shape(pf, p.tp, best.c.ep);
     p.params.push_back(std::move(pp));
   }
   p.estimate = best.e;
@@ -501,16 +575,19 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
 
 Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   if (!req.args || !req.model) throw PlanError("plan request without config or model");
+  return make_plan(req, model_facts(*req.model), rejected);
+}
+
+Plan make_plan(const PlanRequest& req, const ModelFacts& f, std::vector<Rejected>* rejected) {
+  if (!req.args) throw PlanError("plan request without config");
+  if (!f.flops_per_token) throw PlanError("model facts without a FLOP count (ModelFacts::flops_per_token)");
   if (req.world_size < 1) throw PlanError("world size must be >= 1, got " + std::to_string(req.world_size));
-  const auto f = model_facts(*req.model);
   const int L = static_cast<int>(f.layers);
   Search search(req, f);
   const Entry* best = search.run();
   if (!best) refuse(req, search, L);
   if (rejected) *rejected = rejections(search, *best, L);
-  auto plan = to_plan(req, f, *best, search.budget());
-  plan.ep = req.args->compute_config.expert_parallel_size;
-  return plan;
+  return to_plan(req, f, *best, search.budget());
 }
 
 std::string describe_rejected(const std::vector<Rejected>& rejected, int layers) {

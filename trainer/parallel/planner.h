@@ -7,6 +7,9 @@
 // without recompute that is the plan, else the fastest of them. Deterministic:
 // ties go to the smaller tp, then less recompute. Offload tiers (optimizer,
 // then also parameters) are searched only when no candidate without them fits.
+// For an MoE model under autodist (no expert_parallel_size in the config) each
+// expert-parallel size dividing dp x cp is a split of its own, chosen by speed
+// at the first (tp, recompute) point that fits.
 #pragma once
 
 #include <string>
@@ -33,6 +36,9 @@ struct Rejected {
 // The plan for req. Throws PlanError with the numbers. rejected, if given,
 // receives every candidate that was considered and not chosen, in search order.
 Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected = nullptr);
+// The same from the model's facts (req.model unused): for models described
+// rather than built (tests, docs/plans).
+Plan make_plan(const PlanRequest& req, const ModelFacts& f, std::vector<Rejected>* rejected = nullptr);
 
 // Rejected candidates, consecutive recompute counts with the same verdict
 // folded into one line. One line per entry, ending in a newline.
