@@ -34,11 +34,11 @@ PLANS = {  # name: (ranks, overrides)
 }
 
 
-def run(ranks, run_dir, data, *overrides, resume=None, save_dir=None):
+def run(ranks, run_dir, data, *overrides, resume=None, save_dir=None, every=5):
     args = ["--config", str(CONFIGS / "tiny_moe_ep.yaml"), "--run_dir", str(run_dir), "--vars.data", str(data),
             "--global_batch_size", "4", *device_args(ranks), *map(str, overrides)]
     if save_dir:
-        args += ["--checkpoint.save_dir", str(save_dir), "--checkpoint.every_n_train_steps", "5"]
+        args += ["--checkpoint.save_dir", str(save_dir), "--checkpoint.every_n_train_steps", str(every)]
     if resume:
         args += ["--resume", str(resume)]
     return run_ranks(ranks, run_dir, args, overrides)  # asserts ep (and tp, cp, ZeRO) really ran
@@ -79,16 +79,17 @@ def test_expert_parallel_equals_one_process(straight, plan):
 
 
 def test_resume_across_expert_parallel_degrees(straight, tmp_path, tiny_tokens):
-    """Saved at ep 4 (step 5), resumed at ep 2 to step 10 (saving), then the ep 2 run's
-    step-5 checkpoint resumed at one process: each continues the straight run."""
+    """Saved at ep 4 (step 5), resumed at ep 2 to step 10 (saving at 6 and 8), then that
+    run's step-8 checkpoint resumed at one process: each continues the straight run."""
     one, _ = straight("one")
     _, ck4 = straight("ep4")
     ranks, ov = PLANS["ep2"]
-    got = run(ranks, tmp_path / "r2", tiny_tokens, *ov, resume=ck4 / "step_5", save_dir=tmp_path / "ck2")
+    got = run(ranks, tmp_path / "r2", tiny_tokens, *ov, resume=ck4 / "step-00000005", save_dir=tmp_path / "ck2",
+              every=2)
     assert_close(got, {s: v for s, v in one.items() if s > 5}, "ep4 -> ep2")
     ranks, ov = PLANS["one"]
-    got = run(ranks, tmp_path / "r1", tiny_tokens, *ov, resume=tmp_path / "ck2" / "step_5")
-    assert_close(got, {s: v for s, v in one.items() if s > 5}, "ep2 -> one process")
+    got = run(ranks, tmp_path / "r1", tiny_tokens, *ov, resume=tmp_path / "ck2" / "step-00000008")
+    assert_close(got, {s: v for s, v in one.items() if s > 8}, "ep4 -> ep2 -> one process")
 
 
 @pytest.mark.parametrize("config,ranks,overrides,message", [

@@ -105,7 +105,6 @@ std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
   }
   if (c.ep > 1) {  // trainer/train/startup.cpp check_expert_parallel
     if (c.pp > 1) return "expert parallelism is not supported with pipeline parallelism yet";
-    if (c.zero_stage == 3) return "expert parallelism is not supported with ZeRO-3 yet";
     if (c.zero_stage && cc.zero_ngroups > 1)
       return "expert parallelism is not supported with compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
              " (HSDP) yet";

@@ -58,11 +58,11 @@ class RuntimeEpComm : public models::common::EpComm {
   at::Tensor exchange_counts(const at::Tensor& counts) override {
     static const char* what = "expert-parallel counts exchange";
     TORCH_CHECK(counts.dim() == 2 && counts.size(0) == size(), "exchange_counts: expected [ep, n], got ", counts.sizes());
-    auto in = counts.to(device_, torch::kLong).contiguous();
+    auto in = counts.to(device_, torch::kLong).reshape({-1}).contiguous();  // row d: to rank d
     auto out = torch::empty_like(in);
     const std::vector<int64_t> each(size(), counts.size(1));
     rt_.wait(rt_.all_to_all_async(rt_.ep, out, in, each, each, what), rt_.ep, what);
-    return out.to(torch::kCPU);  // the host sync
+    return out.view(counts.sizes()).to(torch::kCPU);  // the host sync
   }
   at::Tensor all_to_all(const at::Tensor& t, const std::vector<int64_t>& send,
                         const std::vector<int64_t>& recv) override {
