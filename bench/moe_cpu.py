@@ -3,7 +3,7 @@
 same model written here, on CPU, tokens/s per thread count.
 
 The reference is Qwen3-MoE as configs/moe_mini.yaml states it (4 layers, hidden 128, 4
-query / 2 key-value heads of 32 with per-head QK RMSNorm, rotary, 8 SwiGLU experts of width
+query / 2 key-value heads of 32 with per-head QK RMSNorm, rotary, 16 SwiGLU experts of width
 128, top-2 softmax renormalised, tied embeddings, vocabulary 65; batch 8 x 128), written
 with torch.nn modules, its experts stacked [E, I, C] and run two ways:
   loop    one matmul per expert on the rows routed to it (rows sorted by expert),
@@ -33,7 +33,7 @@ from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/moe_mini.yaml"
-M = dict(vocab=65, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, inter=128,
+M = dict(vocab=65, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=16, top_k=2, inter=128,
          theta=10000.0, eps=1e-6, aux=0.01)
 SEQ, BATCH = 128, 8
 OPT = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

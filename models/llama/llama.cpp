@@ -83,8 +83,12 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
   v_proj = register_module("v_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
   o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, group * head_dim, b, init));
   if (cfg.qk_norm) {
-    q_norm = register_module("q_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, ctx.options));
-    k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, ctx.options));
+    // Each tensor-parallel rank normalises only its heads, so the (replicated)
+    // weights' gradients are partial: summed over the group, as a sequence-parallel norm's.
+    auto heads_ctx = ctx;
+    heads_ctx.sequence_parallel = true;
+    q_norm = register_module("q_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx));
+    k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx));
   }
 }
 

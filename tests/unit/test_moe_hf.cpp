@@ -92,66 +92,67 @@ const TempDir& fixture() {
 
 }  // namespace
 
-TEST_CASE("qwen3_moe and mixtral equal transformers' on init_from weights", "[moe][hf]") {
+// One test case (two sections): transformers' fixture is made once per process.
+TEST_CASE("MoE models and the DeepSeek-V3 block equal transformers'", "[moe][hf]") {
   const auto& dir = fixture();
-  for (const std::string type : {"qwen3_moe", "mixtral"}) {
-    INFO(type);
-    const auto* entry = models::find_model(type);
-    REQUIRE(entry != nullptr);
-    const auto cfg = interop::hf_model_config(*entry, dir.path + "/" + type);
-    auto model = entry->build(*cfg);
-    interop::load_hf_weights(*model, dir.path + "/" + type);
-    model->eval();
-    // What was built: the experts stacked as declared, the dense first layer of qwen3_moe.
-    auto& moe_model = dynamic_cast<models::moe::MoeLm&>(*model);
-    const auto& mc = moe_model.moe_config();
-    CHECK(mc.moe->num_experts == 5);
-    CHECK(mc.moe->top_k == 3);
-    CHECK(mc.sparse(0) == (type == "mixtral"));
-    const auto expected = checkpoint::load_tensors(dir.path + "/" + type + ".safetensors");
-    torch::NoGradGuard no_grad;
-    const auto logits = model->logits(expected.at("x"));
-    const auto loss = model->loss(expected.at("x"), expected.at("y"));
-    const double logit_err = rel_err(logits, expected.at("logits"));
-    const double loss_err = std::abs(loss.item<double>() - expected.at("loss").item<double>()) /
-                            expected.at("loss").item<double>();
-    INFO("logits rel err " << logit_err << ", loss rel err " << loss_err);
-    CHECK(logit_err < 1e-5);
-    CHECK(loss_err < 1e-5);
+  SECTION("qwen3_moe and mixtral on init_from weights") {
+    for (const std::string type : {"qwen3_moe", "mixtral"}) {
+      INFO(type);
+      const auto* entry = models::find_model(type);
+      REQUIRE(entry != nullptr);
+      const auto cfg = interop::hf_model_config(*entry, dir.path + "/" + type);
+      auto model = entry->build(*cfg);
+      interop::load_hf_weights(*model, dir.path + "/" + type);
+      model->eval();
+      // What was built: the experts stacked as declared, the dense first layer of qwen3_moe.
+      auto& moe_model = dynamic_cast<models::moe::MoeLm&>(*model);
+      const auto& mc = moe_model.moe_config();
+      CHECK(mc.moe->num_experts == 5);
+      CHECK(mc.moe->top_k == 3);
+      CHECK(mc.sparse(0) == (type == "mixtral"));
+      const auto expected = checkpoint::load_tensors(dir.path + "/" + type + ".safetensors");
+      torch::NoGradGuard no_grad;
+      const auto logits = model->logits(expected.at("x"));
+      const auto loss = model->loss(expected.at("x"), expected.at("y"));
+      const double logit_err = rel_err(logits, expected.at("logits"));
+      const double loss_err = std::abs(loss.item<double>() - expected.at("loss").item<double>()) /
+                              expected.at("loss").item<double>();
+      INFO("logits rel err " << logit_err << ", loss rel err " << loss_err);
+      CHECK(logit_err < 1e-5);
+      CHECK(loss_err < 1e-5);
+    }
   }
-}
-
-TEST_CASE("the DeepSeek-V3 router and MoE block equal transformers' DeepseekV3MoE", "[moe][hf]") {
-  const auto& dir = fixture();
-  const auto t = checkpoint::load_tensors(dir.path + "/deepseek_v3_moe.safetensors");
-  models::common::MoeOptions o;
-  o.hidden_size = 32;
-  o.num_experts = 6;
-  o.top_k = 3;
-  o.moe_intermediate_size = 8;
-  o.router = models::common::RouterKind::DeepseekV3;
-  o.n_group = 3;
-  o.topk_group = 2;
-  o.routed_scaling_factor = 2.5;
-  o.norm_topk_prob = true;
-  o.n_shared_experts = 2;
-  o.bias_update_speed = 0.001;
-  models::common::Moe moe(o, models::common::ShardingContext{}, "mlp");
-  moe->eval();
-  torch::NoGradGuard no_grad;
-  moe->gate->weight.copy_(t.at("gate"));
-  moe->experts->gate.copy_(t.at("experts_gate"));
-  moe->experts->up.copy_(t.at("experts_up"));
-  moe->experts->down.copy_(t.at("experts_down"));
-  moe->shared_experts->gate_proj->weight.copy_(t.at("shared_gate"));
-  moe->shared_experts->up_proj->weight.copy_(t.at("shared_up"));
-  moe->shared_experts->down_proj->weight.copy_(t.at("shared_down"));
-  moe->expert_bias() = t.at("bias").clone();
-  const auto out = moe->forward(t.at("h"));
-  const double err = rel_err(out, t.at("out"));
-  INFO("rel err " << err);
-  CHECK(err < 1e-5);
-  // The bias matters here: without it the block no longer matches.
-  moe->expert_bias() = torch::zeros({6});
-  CHECK(rel_err(moe->forward(t.at("h")), t.at("out")) > 1e-3);
+  SECTION("the DeepSeek-V3 router and MoE block against DeepseekV3MoE") {
+    const auto t = checkpoint::load_tensors(dir.path + "/deepseek_v3_moe.safetensors");
+    models::common::MoeOptions o;
+    o.hidden_size = 32;
+    o.num_experts = 6;
+    o.top_k = 3;
+    o.moe_intermediate_size = 8;
+    o.router = models::common::RouterKind::DeepseekV3;
+    o.n_group = 3;
+    o.topk_group = 2;
+    o.routed_scaling_factor = 2.5;
+    o.norm_topk_prob = true;
+    o.n_shared_experts = 2;
+    o.bias_update_speed = 0.001;
+    models::common::Moe moe(o, models::common::ShardingContext{}, "mlp");
+    moe->eval();
+    torch::NoGradGuard no_grad;
+    moe->gate->weight.copy_(t.at("gate"));
+    moe->experts->gate.copy_(t.at("experts_gate"));
+    moe->experts->up.copy_(t.at("experts_up"));
+    moe->experts->down.copy_(t.at("experts_down"));
+    moe->shared_experts->gate_proj->weight.copy_(t.at("shared_gate"));
+    moe->shared_experts->up_proj->weight.copy_(t.at("shared_up"));
+    moe->shared_experts->down_proj->weight.copy_(t.at("shared_down"));
+    moe->expert_bias() = t.at("bias").clone();
+    const auto out = moe->forward(t.at("h"));
+    const double err = rel_err(out, t.at("out"));
+    INFO("rel err " << err);
+    CHECK(err < 1e-5);
+    // The bias matters here: without it the block no longer matches.
+    moe->expert_bias() = torch::zeros({6});
+    CHECK(rel_err(moe->forward(t.at("h")), t.at("out")) > 1e-3);
+  }
 }
