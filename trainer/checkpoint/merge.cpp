@@ -30,9 +30,10 @@ std::string hf_dtype_name(const std::string& st) {
 
 // One tensor of the merged checkpoint and where it goes.
 struct Planned {
-  ShardSpec spec;  // the whole global tensor
+  ShardSpec spec;  // the whole global tensor (one expert's slice [e, ...] under expert)
   std::string key;  // its name inside the file
   bool transposed = false;
+  bool expert = false;  // written without the leading (expert) dimension
 };
 
 }  // namespace
@@ -80,6 +81,23 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
         auto it = hf.find(p.key);
         if (it == hf.end())
           throw CheckpointError("merge --hf: model tensor '" + p.key + "' has no Hugging Face name");
+        if (!it->second.experts.empty()) {  // one tensor per expert, each its slice of the stack
+          const auto& names = it->second.experts;
+          if (static_cast<int64_t>(names.size()) != p.spec.global_shape.at(0))
+            throw CheckpointError("merge --hf: '" + p.key + "' stacks " + std::to_string(p.spec.global_shape.at(0)) +
+                                  " experts but the model names " + std::to_string(names.size()));
+          for (size_t e = 0; e < names.size(); ++e) {
+            if (names[e].empty()) throw CheckpointError("merge --hf: expert " + std::to_string(e) + " of '" + p.key + "' has no Hugging Face name");
+            Planned q = p;
+            q.spec.offsets[0] = static_cast<int64_t>(e);
+            q.spec.shape[0] = 1;
+            q.key = names[e];
+            q.expert = true;
+            files[file].push_back(std::move(q));
+          }
+          hf.erase(it);
+          continue;
+        }
         p.transposed = it->second.transpose;
         if (p.transposed && p.spec.global_shape.size() != 2)
           throw CheckpointError("merge --hf: '" + p.key + "' is marked transposed but is not 2-d");
@@ -119,7 +137,7 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
                           {{"format", file == "model.safetensors" ? "pt" : "nnstrain-checkpoint"}});
       auto& entries = manifest_files[file] = nlohmann::json::array();
       for (const auto& p : planned) {
-        auto shape = p.spec.global_shape;
+        auto shape = p.expert ? std::vector<int64_t>(p.spec.shape.begin() + 1, p.spec.shape.end()) : p.spec.global_shape;
         if (p.transposed) std::swap(shape[0], shape[1]);
         w.declare(p.key, *parse_dtype(p.spec.dtype), shape);
         nlohmann::json j = p.spec;
@@ -129,7 +147,7 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
       }
       // One global tensor in memory at a time.
       for (const auto& p : planned) {
-        StateTensor st{p.spec, torch::empty(p.spec.global_shape, torch::TensorOptions().dtype(scalar_type_of(p.spec)))};
+        StateTensor st{p.spec, torch::empty(p.spec.shape, torch::TensorOptions().dtype(scalar_type_of(p.spec)))};
         ck.load_into(st);
         auto t = p.transposed ? st.tensor.t().contiguous() : st.tensor;
         st.tensor = at::Tensor();

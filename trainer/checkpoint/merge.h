@@ -36,6 +36,9 @@ namespace nnstrain::checkpoint {
 struct HfName {
   std::string theirs;      // e.g. "transformer.h.0.attn.c_attn.weight"
   bool transpose = false;  // stored [in, out] (GPT-2's Conv1D)
+  // A stacked [E, ...] parameter (MoE experts) written as one tensor per
+  // expert: experts[e] names ours[e] (then `theirs` is unused).
+  std::vector<std::string> experts;
 };
 
 // What --hf needs from the model: every parameter's HF name (by our name,

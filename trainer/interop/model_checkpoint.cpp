@@ -60,11 +60,13 @@ void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& mode
 checkpoint::HfExport hf_export(const models::CausalLM& model) {
   checkpoint::HfExport e;
   for (const auto& h : model.hf_tensors()) {
-    // Stacked experts are one tensor here and one per expert there: merge cannot split them yet.
-    if (h.expert >= 0)
-      throw checkpoint::CheckpointError("merge --hf: '" + h.ours +
-                                        "' holds stacked experts, which merge cannot yet write per expert");
-    e.names[h.ours] = {h.theirs, h.transpose};
+    if (h.expert >= 0) {  // stacked experts: one tensor per expert in their layout
+      auto& n = e.names[h.ours];
+      if (n.experts.size() <= static_cast<size_t>(h.expert)) n.experts.resize(h.expert + 1);
+      n.experts[h.expert] = h.theirs;
+      continue;
+    }
+    e.names[h.ours] = {h.theirs, h.transpose, {}};
   }
   e.config = model.hf_config();
   return e;
