@@ -7,7 +7,7 @@ fp32 on CPU/Gloo, 10 steps with clipping active, the same global batch of 4
 sequences of 32 tokens, the Qwen3-MoE of configs/tiny_moe_ep.yaml (12 experts, top-3)
 against one process: ep 2 and ep 4 (dp = ep), ep 2 x tp 2, ep 2 x cp 2, ep 2 with
 ZeRO-1 and ZeRO-2 over 4 ranks (experts sharded over the 2 ranks holding the same
-ones), ep 2 with ZeRO-3 (a block's experts a unit bucket of their own), within 1e-5 relative in loss and gradient norm. Each run asserts from its
+ones), ep 2 with ZeRO-3 (a block's experts a unit bucket of their own), ep 2 x pp 2, within 1e-5 relative in loss and gradient norm. Each run asserts from its
 record of what ran (conftest.assert_active) that every rank held 1/ep of the expert
 weights and that all-to-all traffic happened. Checkpoints: saved at ep 4, resumed
 at ep 2, then at one process, each continuing the uninterrupted run. Bad input
@@ -31,6 +31,7 @@ PLANS = {  # name: (ranks, overrides)
     "ep2_zero1_dp4": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "1"]),
     "ep2_zero2_dp4": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "2"]),
     "ep2_zero3_dp2": (2, ["--micro_batch_size", "2", EP, "2", "--compute_config.use_zero", "3"]),
+    "ep2_pp2": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.pas_config.pp_size", "2"]),
 }
 
 

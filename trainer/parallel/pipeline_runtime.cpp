@@ -108,6 +108,10 @@ void pipeline_replicas(std::vector<ParamShard>& shards, models::CausalLM& model,
   const int tp = rt.tp.size(), cp = rt.cp.size(), my_t = rt.rank() % tp;
   for (auto& sh : shards) {
     const auto& h = holders.at(sh.name);
+    if (sh.expert) {  // the ranks holding the same experts at this stage (tensor_parallel_shards); never tied
+      sh.norm_weight /= static_cast<double>(h.size());
+      continue;
+    }
     const bool split = !sh.spec.is_full();  // a tensor-parallel piece: only my TP position's ranks hold it
     std::vector<int> replicas;
     for (int r = 0; r < world; ++r) {

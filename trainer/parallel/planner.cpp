@@ -104,7 +104,6 @@ std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
       return "context-parallel attention has no attention dropout (model.args." + a.model.args->attention_dropout().first + ")";
   }
   if (c.ep > 1) {  // trainer/train/startup.cpp check_expert_parallel
-    if (c.pp > 1) return "expert parallelism is not supported with pipeline parallelism yet";
     if (c.zero_stage && cc.zero_ngroups > 1)
       return "expert parallelism is not supported with compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
              " (HSDP) yet";
@@ -201,7 +200,6 @@ class Search {
     for (int ep = 1; ep <= dpcp; ++ep)
       if (dpcp % ep == 0) {
         out.push_back({ep, why(ep)});
-        if (pp > 1 && ep > 1) break;
       }
     return out;
   }

@@ -308,9 +308,6 @@ static void check_expert_parallel(const config::TrainerArgs& args, const paralle
   if (dpcp % ep != 0)
     throw config::ConfigError(key + " does not divide dp x cp = " + std::to_string(plan.dp) + " x " +
                               std::to_string(plan.context.cp) + " (experts split over ranks that hold different samples)");
-  if (plan.pipeline.pp > 1)
-    throw config::ConfigError(key + ": not supported with pipeline parallelism (pp_size " +
-                              std::to_string(plan.pipeline.pp) + ") yet");
   if (plan.zero_stage && plan.zero_ngroups > 1)
     throw config::ConfigError(key + ": not supported with compute_config.zero_ngroups " +
                               std::to_string(plan.zero_ngroups) + " (HSDP) yet; set zero_ngroups: 1");
