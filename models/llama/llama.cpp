@@ -352,23 +352,12 @@ nlohmann::json Llama::hf_config() const {
 
 namespace {
 
-// j[key] if present and not null, else def.
-template <typename T>
-T get_or(const nlohmann::json& j, const char* key, T def) {
-  const auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return def;
-  try {
-    return it->get<T>();
-  } catch (const nlohmann::json::exception&) {
-    throw std::runtime_error(std::string("config.json: '") + key + "' has an unexpected type: " + it->dump());
-  }
-}
 
 template <typename T>
 T require(const nlohmann::json& j, const char* key) {
   if (!j.contains(key) || j.at(key).is_null())
     throw std::runtime_error(std::string("config.json: required key '") + key + "' is missing");
-  return get_or<T>(j, key, T{});
+  return hf_get_or<T>(j, key, T{});
 }
 
 }  // namespace
@@ -380,15 +369,15 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
   c->intermediate_size = require<int64_t>(j, "intermediate_size");
   c->num_hidden_layers = require<int64_t>(j, "num_hidden_layers");
   c->num_attention_heads = require<int64_t>(j, "num_attention_heads");
-  c->num_key_value_heads = get_or<int64_t>(j, "num_key_value_heads", c->num_attention_heads);
-  c->head_dim = get_or<int64_t>(j, "head_dim", c->hidden_size / c->num_attention_heads);
-  c->max_position_embeddings = get_or<int64_t>(j, "max_position_embeddings", c->max_position_embeddings);
-  c->rms_norm_eps = get_or<double>(j, "rms_norm_eps", c->rms_norm_eps);
-  c->tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", c->tie_word_embeddings);
-  c->attention_bias = get_or<bool>(j, "attention_bias", c->attention_bias);
-  c->mlp_bias = get_or<bool>(j, "mlp_bias", c->mlp_bias);
-  c->initializer_range = get_or<double>(j, "initializer_range", c->initializer_range);
-  const auto act = get_or<std::string>(j, "hidden_act", "silu");
+  c->num_key_value_heads = hf_get_or<int64_t>(j, "num_key_value_heads", c->num_attention_heads);
+  c->head_dim = hf_get_or<int64_t>(j, "head_dim", c->hidden_size / c->num_attention_heads);
+  c->max_position_embeddings = hf_get_or<int64_t>(j, "max_position_embeddings", c->max_position_embeddings);
+  c->rms_norm_eps = hf_get_or<double>(j, "rms_norm_eps", c->rms_norm_eps);
+  c->tie_word_embeddings = hf_get_or<bool>(j, "tie_word_embeddings", c->tie_word_embeddings);
+  c->attention_bias = hf_get_or<bool>(j, "attention_bias", c->attention_bias);
+  c->mlp_bias = hf_get_or<bool>(j, "mlp_bias", c->mlp_bias);
+  c->initializer_range = hf_get_or<double>(j, "initializer_range", c->initializer_range);
+  const auto act = hf_get_or<std::string>(j, "hidden_act", "silu");
   if (act != "silu") throw std::runtime_error("config.json: hidden_act '" + act + "' is not supported (only silu)");
   if (c->num_key_value_heads < 1 || c->num_attention_heads % c->num_key_value_heads != 0)
     throw std::runtime_error("config.json: num_attention_heads " + std::to_string(c->num_attention_heads) +
@@ -397,22 +386,22 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
   // transformers 5 writes `rope_parameters` (theta inside); 4 writes `rope_theta` + `rope_scaling`.
   const char* rope_key = "rope_scaling";
   nlohmann::json rope = nlohmann::json::object();
-  c->rope_theta = get_or<double>(j, "rope_theta", c->rope_theta);
+  c->rope_theta = hf_get_or<double>(j, "rope_theta", c->rope_theta);
   if (j.contains("rope_parameters") && j.at("rope_parameters").is_object()) {
     rope_key = "rope_parameters";
     rope = j.at("rope_parameters");
-    c->rope_theta = get_or<double>(rope, "rope_theta", c->rope_theta);
+    c->rope_theta = hf_get_or<double>(rope, "rope_theta", c->rope_theta);
   } else if (j.contains("rope_scaling") && j.at("rope_scaling").is_object()) {
     rope = j.at("rope_scaling");
   }
   auto& rs = c->rope_scaling;
-  rs.rope_type = get_or<std::string>(rope, "rope_type", get_or<std::string>(rope, "type", "default"));
+  rs.rope_type = hf_get_or<std::string>(rope, "rope_type", hf_get_or<std::string>(rope, "type", "default"));
   if (rs.rope_type == "llama3") {
     rs.factor = require<double>(rope, "factor");
     rs.low_freq_factor = require<double>(rope, "low_freq_factor");
     rs.high_freq_factor = require<double>(rope, "high_freq_factor");
     rs.original_max_position_embeddings =
-        get_or<int64_t>(rope, "original_max_position_embeddings", c->max_position_embeddings);
+        hf_get_or<int64_t>(rope, "original_max_position_embeddings", c->max_position_embeddings);
   } else if (rs.rope_type != "default") {
     throw std::runtime_error(std::string("config.json: ") + rope_key + ".rope_type '" + rs.rope_type +
                              "' is not supported (only default and llama3)");

@@ -5,6 +5,7 @@
 // (parameters without the "model." prefix), so checkpoints map one to one.
 #pragma once
 
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -169,6 +170,19 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j);
 
 // model.args keys shared with the models built on Llama (models/moe), read into *c.
 void parse_llama_args(config::ArgMap& a, LlamaConfig* c);
+
+// config.json's j[key] if present and not null, else def; a value of the wrong
+// type throws std::runtime_error naming the key (MoE models read theirs with it too).
+template <typename T>
+T hf_get_or(const nlohmann::json& j, const char* key, T def) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return def;
+  try {
+    return it->get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw std::runtime_error(std::string("config.json: '") + key + "' has an unexpected type: " + it->dump());
+  }
+}
 
 ModelEntry registry_entry();
 

@@ -97,16 +97,6 @@ std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a, const s
   return c;
 }
 
-template <typename T>
-T get_or(const nlohmann::json& j, const char* key, T def) {
-  const auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return def;
-  try {
-    return it->get<T>();
-  } catch (const nlohmann::json::exception&) {
-    throw std::runtime_error(std::string("config.json: '") + key + "' has an unexpected type: " + it->dump());
-  }
-}
 
 ModelEntry entry(const std::string& type) {
   return {type, [type](config::ArgMap& a) { return parse_args(a, type); },
@@ -237,34 +227,34 @@ std::shared_ptr<const MoeLmConfig> config_from_hf(const nlohmann::json& j, const
   const bool qwen = is_qwen(type);
   MoeOptions o;
   // transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map); Qwen's own files num_experts.
-  o.num_experts = get_or<int64_t>(j, "num_local_experts", 8);
-  if (qwen) o.num_experts = get_or<int64_t>(j, "num_experts", j.contains("num_local_experts") ? o.num_experts : 128);
-  o.top_k = get_or<int64_t>(j, "num_experts_per_tok", qwen ? 8 : 2);
-  o.moe_intermediate_size = qwen ? get_or<int64_t>(j, "moe_intermediate_size", 768) : c->intermediate_size;
-  o.norm_topk_prob = get_or<bool>(j, "norm_topk_prob", !qwen);
-  const auto scoring = get_or<std::string>(j, "scoring_func", "softmax");
+  o.num_experts = llama::hf_get_or<int64_t>(j, "num_local_experts", 8);
+  if (qwen) o.num_experts = llama::hf_get_or<int64_t>(j, "num_experts", j.contains("num_local_experts") ? o.num_experts : 128);
+  o.top_k = llama::hf_get_or<int64_t>(j, "num_experts_per_tok", qwen ? 8 : 2);
+  o.moe_intermediate_size = qwen ? llama::hf_get_or<int64_t>(j, "moe_intermediate_size", 768) : c->intermediate_size;
+  o.norm_topk_prob = llama::hf_get_or<bool>(j, "norm_topk_prob", !qwen);
+  const auto scoring = llama::hf_get_or<std::string>(j, "scoring_func", "softmax");
   if (scoring == "sigmoid") {
     o.router = RouterKind::DeepseekV3;
-    o.n_group = get_or<int64_t>(j, "n_group", 1);
-    o.topk_group = get_or<int64_t>(j, "topk_group", 1);
-    o.routed_scaling_factor = get_or<double>(j, "routed_scaling_factor", 1.0);
-    o.bias_update_speed = get_or<double>(j, "bias_update_speed", 0.0);
+    o.n_group = llama::hf_get_or<int64_t>(j, "n_group", 1);
+    o.topk_group = llama::hf_get_or<int64_t>(j, "topk_group", 1);
+    o.routed_scaling_factor = llama::hf_get_or<double>(j, "routed_scaling_factor", 1.0);
+    o.bias_update_speed = llama::hf_get_or<double>(j, "bias_update_speed", 0.0);
   } else if (scoring != "softmax") {
     throw std::runtime_error("config.json: scoring_func '" + scoring + "' is not supported (softmax or sigmoid)");
   }
-  o.n_shared_experts = get_or<int64_t>(j, "n_shared_experts", 0);
-  o.shared_expert_intermediate_size = get_or<int64_t>(j, "shared_expert_intermediate_size", 0);
-  o.router_aux_loss_coef = get_or<double>(j, "router_aux_loss_coef", 0.001);
-  o.router_z_loss_coef = get_or<double>(j, "router_z_loss_coef", 0.0);
-  o.capacity_factor = get_or<double>(j, "capacity_factor", 0.0);
-  if (get_or<double>(j, "router_jitter_noise", 0.0) > 0)
+  o.n_shared_experts = llama::hf_get_or<int64_t>(j, "n_shared_experts", 0);
+  o.shared_expert_intermediate_size = llama::hf_get_or<int64_t>(j, "shared_expert_intermediate_size", 0);
+  o.router_aux_loss_coef = llama::hf_get_or<double>(j, "router_aux_loss_coef", 0.001);
+  o.router_z_loss_coef = llama::hf_get_or<double>(j, "router_z_loss_coef", 0.0);
+  o.capacity_factor = llama::hf_get_or<double>(j, "capacity_factor", 0.0);
+  if (llama::hf_get_or<double>(j, "router_jitter_noise", 0.0) > 0)
     throw std::runtime_error("config.json: router_jitter_noise is not supported (0 only)");
   if (qwen) {
-    c->decoder_sparse_step = get_or<int64_t>(j, "decoder_sparse_step", 1);
-    c->mlp_only_layers = get_or<std::vector<int64_t>>(j, "mlp_only_layers", {});
+    c->decoder_sparse_step = llama::hf_get_or<int64_t>(j, "decoder_sparse_step", 1);
+    c->mlp_only_layers = llama::hf_get_or<std::vector<int64_t>>(j, "mlp_only_layers", {});
     if (c->decoder_sparse_step < 1) throw std::runtime_error("config.json: decoder_sparse_step must be at least 1");
   }
-  c->first_k_dense_replace = get_or<int64_t>(j, "first_k_dense_replace", 0);
+  c->first_k_dense_replace = llama::hf_get_or<int64_t>(j, "first_k_dense_replace", 0);
   if (o.num_experts < 1 || o.top_k < 1 || o.n_group < 1 || o.topk_group < 1)
     throw std::runtime_error("config.json: expert counts must be at least 1");
   finish(*c, o);
