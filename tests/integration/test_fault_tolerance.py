@@ -1,7 +1,7 @@
 """Runs that survive faults (issue 39), on CPU with Gloo and tiny GPTs:
 
 - `nnstrain launch --max-restarts 2`: a rank SIGKILLed at a random step of a
-  4-rank dp2 x tp2 run (test switch NNSTRAIN_TEST_KILL_AT, first attempt only)
+  4-rank dp2 x tp2 run and of a 2-rank pp 2 run (test switch NNSTRAIN_TEST_KILL_AT, first attempt only)
   is restarted from the latest checkpoint; the losses equal the uninterrupted
   run's bitwise and run_dir/restarts.jsonl records one restart with its cost;
 - a failure at the same step after a restart (NNSTRAIN_TEST_TORCH_ERROR_AT) is
@@ -72,21 +72,31 @@ HYBRID = ["--model.args.n_head", "4", "--global_batch_size", "4", "--micro_batch
           "--checkpoint.async_save", "false"]  # every checkpoint before the kill is complete
 
 
-def hybrid_args(tokens, d):
-    return ["--config", DP, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt", *HYBRID]
+# A pipeline of 2 stages on 2 ranks (4 micro-batches of 1), the same data, schedule and saves.
+PP2 = ["--model.args.n_head", "4", "--global_batch_size", "4", "--micro_batch_size", "1",
+       "--compute_config.pas_config.pp_size", "2", "--max_train_steps", "6",
+       "--log_progress_every_n_train_steps", "1", "--val_every_n_train_steps", "0",
+       "--lr_scheduler.args.decay_steps", "6", "--checkpoint.every_n_train_steps", "2",
+       "--checkpoint.async_save", "false"]
 
 
-def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path):
+def hybrid_args(tokens, d, plan=HYBRID):
+    return ["--config", DP, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt", *plan]
+
+
+@pytest.mark.parametrize("ranks,plan", [(4, HYBRID), (2, PP2)], ids=["dp2_tp2", "pp2"])
+def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path, ranks, plan):
     rng = random.Random()
-    step, rank = rng.randint(3, 6), rng.randint(0, 3)
+    step, rank = rng.randint(3, 6), rng.randint(0, ranks - 1)
     print(f"SIGKILL at step {step} on rank {rank}")
-    rc, out = launch(4, hybrid_args(tiny_tokens, tmp_path / "straight"))
+    rc, out = launch(ranks, hybrid_args(tiny_tokens, tmp_path / "straight", plan))
     assert rc == 0, out
     want = losses(tmp_path / "straight")
     assert sorted(want) == list(range(1, 7))
 
     d = tmp_path / "killed"
-    rc, out = launch(4, hybrid_args(tiny_tokens, d), restarts=2, env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
+    rc, out = launch(ranks, hybrid_args(tiny_tokens, d, plan), restarts=2,
+                     env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
     assert rc == 0, out
     assert f"restart 1 of 2: rank {rank} was killed by signal 9 (SIGKILL) at step {step}" in out, out
     assert "restart 2 of 2" not in out, out
