@@ -7,7 +7,8 @@ fp32 on CPU/Gloo, 10 steps with clipping active, the same global batch of 4
 sequences of 32 tokens, the Qwen3-MoE of configs/tiny_moe_ep.yaml (12 experts, top-3)
 against one process: ep 2 and ep 4 (dp = ep), ep 2 x tp 2, ep 2 x cp 2, ep 2 with
 ZeRO-1 and ZeRO-2 over 4 ranks (experts sharded over the 2 ranks holding the same
-ones), ep 2 with ZeRO-3 (a block's experts a unit bucket of their own), ep 2 x pp 2, within 1e-5 relative in loss and gradient norm. Each run asserts from its
+ones), ep 2 with ZeRO-3 (a block's experts a unit bucket of their own), ep 2 x pp 2, within 1e-5 relative in loss and gradient norm, and in the logged balancing loss and
+imbalance (the MoE monitor's figures). Each run asserts from its
 record of what ran (conftest.assert_active) that every rank held 1/ep of the expert
 weights and that all-to-all traffic happened. Checkpoints: saved at ep 4, resumed
 at ep 2, then at one process, each continuing the uninterrupted run. Bad input
@@ -17,7 +18,7 @@ import subprocess
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, run_ranks, single_process_env
+from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, run_ranks, single_process_env
 
 TOL = 1e-5
 EP = "--compute_config.expert_parallel_size"
@@ -66,7 +67,11 @@ def straight(tmp_path_factory, tiny_tokens):
             ranks, ov = PLANS[plan]
             d = tmp_path_factory.mktemp(plan)
             cache[plan] = (run(ranks, d / "run", tiny_tokens, *ov, save_dir=d / "ckpt"), d / "ckpt")
+            train, _ = read_metrics(d / "run" / "metrics.jsonl")
+            moe[plan] = {r["step"]: (r["moe_aux_loss"], r["moe_imbalance_max"]) for r in train}
         return cache[plan]
+    moe = {}
+    get.moe = moe
     return get
 
 
@@ -77,6 +82,14 @@ def test_expert_parallel_equals_one_process(straight, plan):
     assert one[1][0] != one[10][0] and max(g for _, g in one.values()) > 0.95
     got, _ = straight(plan)
     assert_close(got, one, plan)
+    # The MoE figures are the step's whatever the cut: the balancing loss (mean over sequences) and
+    # the busiest expert's load over the mean (tokens summed over dp x cp), as one process logs them.
+    want_moe, got_moe = straight.moe["one"], straight.moe[plan]
+    assert sorted(got_moe) == sorted(want_moe)
+    for step in want_moe:
+        for i, name in enumerate(("moe_aux_loss", "moe_imbalance_max")):
+            assert rel(got_moe[step][i], want_moe[step][i]) <= TOL, \
+                f"{plan}: step {step} {name} {got_moe[step][i]!r} vs one process {want_moe[step][i]!r}"
 
 
 def test_resume_across_expert_parallel_degrees(straight, tmp_path, tiny_tokens):

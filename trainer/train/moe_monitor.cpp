@@ -11,7 +11,11 @@
 
 namespace nnstrain::train {
 
-MoeMonitor::MoeMonitor(models::CausalLM& model, dist::Runtime* rt) : model_(model), rt_(rt) {
+MoeMonitor::MoeMonitor(models::CausalLM& model, dist::Runtime* rt)
+    : model_(model), rt_(rt), moe_model_(model.dims().experts > 0) {
+  device_ = c10::Device(c10::kCPU);
+  for (const auto& p : model_.parameters())
+    if (!p.is_meta()) device_ = p.device();
   // The layers (and biases, for a resume's load) before any step: nothing counted yet.
   for (const auto& s : model_.take_moe_stats()) {
     layers_.push_back(s.layer);
@@ -21,7 +25,7 @@ MoeMonitor::MoeMonitor(models::CausalLM& model, dist::Runtime* rt) : model_(mode
   }
 }
 
-void MoeMonitor::after_step() {
+void MoeMonitor::after_step(int64_t micro_batches) {
   if (layers_.empty()) return;
   auto stats = model_.take_moe_stats();
   TORCH_CHECK(stats.size() == layers_.size(), "MoeMonitor: the model reported ", stats.size(), " MoE layers, then ",
@@ -35,9 +39,10 @@ void MoeMonitor::after_step() {
   double aux = 0;
   for (const auto& s : stats) aux += s.aux_loss;
   v.push_back(aux);
-  auto device = model_.parameters().empty() ? c10::Device(c10::kCPU) : model_.parameters().front().device();
-  if (device.is_meta()) device = c10::Device(c10::kCPU);
-  auto t = torch::tensor(v, torch::kDouble).to(device);
+  // Each micro-batch's balancing loss is its mean over its sequences (a cp rank holds its
+  // sequences' whole figure): their mean over every rank's micro-batches is the step's, at any plan.
+  v.push_back(double(micro_batches));
+  auto t = torch::tensor(v, torch::kDouble).to(device_);
   if (rt_ && rt_->dp_cp.size() > 1) rt_->all_reduce(rt_->dp_cp, t, "MoE load all-reduce");
   // DeepSeek-V3: an expert above the mean load is chosen less next step, one below more.
   int64_t at = 0;
@@ -54,30 +59,43 @@ void MoeMonitor::after_step() {
 }
 
 void MoeMonitor::report(nlohmann::json& rec) {
-  if (!interval_.defined() || interval_steps_ == 0) return;
-  const auto h = interval_.to(torch::kCPU).contiguous();  // logging steps sync anyway
-  const double* v = h.data_ptr<double>();
-  const double n = double(interval_steps_);
-  auto stats_sizes = expert_counts_;
+  if (!moe_model_) return;
+  // This rank's layers (under pp: its stage's) over the interval.
   nlohmann::json imbalance = nlohmann::json::object(), dropped = nlohmann::json::object();
-  double worst = 0;
-  int64_t at = 0;
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const int64_t E = stats_sizes[l];
-    double sum = 0, top = 0;
-    for (int64_t e = 0; e < E; ++e) sum += v[at + e], top = std::max(top, v[at + e]);
-    at += E;
-    const double ratio = sum > 0 ? top / (sum / double(E)) : 0.0;
-    imbalance[layers_[l]] = ratio;
-    worst = std::max(worst, ratio);
+  double worst = 0, dropped_total = 0, aux = 0, micro = 0, steps = double(interval_steps_);
+  if (interval_.defined() && interval_steps_ > 0) {
+    const auto h = interval_.to(torch::kCPU).contiguous();  // logging steps sync anyway
+    const double* v = h.data_ptr<double>();
+    int64_t at = 0;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const int64_t E = expert_counts_[l];
+      double sum = 0, top = 0;
+      for (int64_t e = 0; e < E; ++e) sum += v[at + e], top = std::max(top, v[at + e]);
+      at += E;
+      const double ratio = sum > 0 ? top / (sum / double(E)) : 0.0;
+      imbalance[layers_[l]] = ratio;
+      worst = std::max(worst, ratio);
+    }
+    for (size_t l = 0; l < layers_.size(); ++l) dropped[layers_[l]] = v[at + l] / steps, dropped_total += v[at + l];
+    at += static_cast<int64_t>(layers_.size());
+    aux = v[at], micro = v[at + 1];
   }
-  double dropped_total = 0;
-  for (size_t l = 0; l < layers_.size(); ++l) dropped[layers_[l]] = v[at + l] / n, dropped_total += v[at + l];
-  at += static_cast<int64_t>(layers_.size());
-  rec["moe_aux_loss"] = v[at] / n;
-  rec["moe_imbalance"] = imbalance;
+  // Under pp every stage's layers count: the balancing losses and drops summed over the
+  // stages, the worst imbalance and the micro-batch count (the same on every stage with
+  // MoE layers) their maximum. Every pp rank issues both, layers or not (NCCL's rule).
+  if (rt_ && rt_->pp.size() > 1) {
+    auto sum = torch::tensor({aux, dropped_total}, torch::kDouble).to(device_);
+    auto most = torch::tensor({worst, micro, steps}, torch::kDouble).to(device_);
+    rt_->all_reduce(rt_->pp, sum, "MoE figures all-reduce (pipeline)");
+    rt_->all_reduce_max(rt_->pp, most, "MoE figures max all-reduce (pipeline)");
+    const auto s = sum.to(torch::kCPU), m = most.to(torch::kCPU);
+    aux = s[0].item<double>(), dropped_total = s[1].item<double>();
+    worst = m[0].item<double>(), micro = m[1].item<double>(), steps = m[2].item<double>();
+  }
+  rec["moe_aux_loss"] = micro > 0 ? aux / micro : 0.0;  // mean over the interval's micro-batches
+  rec["moe_imbalance"] = imbalance;                       // this rank's layers
   rec["moe_imbalance_max"] = worst;
-  rec["moe_dropped"] = dropped_total / n;
+  rec["moe_dropped"] = steps > 0 ? dropped_total / steps : 0.0;
   rec["moe_dropped_per_layer"] = dropped;
   interval_ = at::Tensor();
   interval_steps_ = 0;

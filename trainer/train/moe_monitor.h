@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <nlohmann/json.hpp>
 #include <string>
@@ -33,10 +34,12 @@ class MoeMonitor {
   // The model's layers are known from take_moe_stats() at once (before any
   // forward it reports each layer with zero counts and its bias).
   MoeMonitor(models::CausalLM& model, dist::Runtime* rt);
-  // After each optimizer step: this step's statistics taken from the model,
-  // the load summed over dp x cp, the selection biases updated.
-  void after_step();
-  // At logging steps: "moe_aux_loss" (per step, averaged over the interval),
+  // After each step's backward: this step's statistics taken from the model
+  // (`micro_batches` forwards on this rank), the load summed over dp x cp, the
+  // selection biases updated.
+  void after_step(int64_t micro_batches);
+  // At logging steps: "moe_aux_loss" (the balancing losses, coefficients applied,
+  // summed over layers: the mean over every micro-batch of the interval),
   // "moe_imbalance" (per layer: the busiest expert's tokens over the mean),
   // "moe_imbalance_max", "moe_dropped" (assignments per step); the interval restarts.
   void report(nlohmann::json& rec);
@@ -47,6 +50,8 @@ class MoeMonitor {
  private:
   models::CausalLM& model_;
   dist::Runtime* rt_;
+  bool moe_model_ = false;  // the model has MoE layers (on any stage): the same on every rank
+  c10::Device device_{c10::kCPU};  // where the collectives' tensors go (the parameters')
   std::vector<std::string> layers_;
   std::vector<at::Tensor> biases_;   // per layer (undefined: no selection bias)
   std::vector<double> speeds_;

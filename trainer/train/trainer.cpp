@@ -479,7 +479,7 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   saver_->state_may_change();  // an asynchronous save may still be copying the state
   timer_.enter(StepTimer::kComm);
   tr_.reducer->finish_gradients();
-  tr_.moe->after_step();  // MoE: the load summed over dp x cp, DeepSeek's selection biases updated
+  tr_.moe->after_step(tr_.pipeline ? tr_.pipeline_plan.nmicros : accum_);  // MoE: the load summed over dp x cp, DeepSeek's selection biases updated
   timer_.enter(StepTimer::kOptimizer);
   tr_.before_norm();  // delayed update: the previous host step lands on the device now
   if (speculate_ && !stop_pending_) return speculate();
