@@ -436,6 +436,28 @@ std::vector<double> ArgMap::get_float_list(const std::string& key, std::optional
   return xs;
 }
 
+std::vector<std::string> ArgMap::get_string_list(const std::string& key,
+                                                 std::optional<std::vector<std::string>> def) {
+  const YAML::Node v = impl_->value(key);
+  std::vector<std::string> xs;
+  if (is_unset(v)) {
+    if (!def) impl_->fail(key, "required key is missing (expected a list of strings)");
+    xs = *def;
+  } else {
+    if (!v.IsSequence()) impl_->fail(key, "expected a list of strings like [\"a\", \"b\"], got " + describe(v));
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (!v[i].IsScalar() || v[i].Scalar().empty())
+        impl_->fail(key, "element " + std::to_string(i) + ": expected a non-empty string, got " + describe(v[i]));
+      xs.push_back(v[i].Scalar());
+    }
+  }
+  YAML::Node seq(YAML::NodeType::Sequence);
+  for (const auto& x : xs) seq.push_back(x);
+  seq.SetStyle(YAML::EmitterStyle::Flow);
+  impl_->record(key, seq);
+  return xs;
+}
+
 ArgMap ArgMap::child(const std::string& key, bool required) { return ArgMap(impl_->child(key, required)); }
 
 std::string ArgMap::where(const std::string& key) const { return impl_->where(key); }

@@ -38,6 +38,8 @@ class ArgMap {
                          const std::vector<std::string>& choices = {});
   std::vector<double> get_float_list(const std::string& key,
                                      std::optional<std::vector<double>> def = std::nullopt);
+  std::vector<std::string> get_string_list(const std::string& key,
+                                           std::optional<std::vector<std::string>> def = std::nullopt);
   // A nested mapping (empty if absent and optional).
   ArgMap child(const std::string& key, bool required = false);
 

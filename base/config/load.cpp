@@ -390,6 +390,21 @@ std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vect
   return out;
 }
 
+void read_adamw_args(ArgMap& oargs, OptimizerArgs& o) {
+  o.lr = oargs.get_float("lr", 1e-3);
+  if (o.lr <= 0) oargs.fail("lr", "must be > 0, got " + format_double(o.lr));
+  const std::vector<double> betas = oargs.get_float_list("betas", std::vector<double>{0.9, 0.999});
+  if (betas.size() != 2) oargs.fail("betas", "expected two numbers [beta1, beta2], got " + std::to_string(betas.size()));
+  for (double b : betas)
+    if (b < 0 || b >= 1) oargs.fail("betas", "each beta must be in [0, 1), got " + format_double(b));
+  o.beta1 = betas[0];
+  o.beta2 = betas[1];
+  o.eps = oargs.get_float("eps", 1e-8);
+  if (o.eps <= 0) oargs.fail("eps", "must be > 0, got " + format_double(o.eps));
+  o.weight_decay = oargs.get_float("weight_decay", 0.01, 0.0);
+  o.impl = oargs.get_string("impl", "auto", {"auto", "fused", "foreach", "loop"});
+}
+
 TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) {
   return load_trainer_args_from_text(read_config_text(file), file, opts);
 }
@@ -558,20 +573,17 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 
   ArgMap optim = top.child("optimizer");
   auto& o = t.optimizer;
-  o.type = optim.get_string("type", "adamw", {"adamw"});
-  ArgMap oargs = optim.child("args");
-  o.lr = oargs.get_float("lr", 1e-3);
-  if (o.lr <= 0) oargs.fail("lr", "must be > 0, got " + format_double(o.lr));
-  const std::vector<double> betas = oargs.get_float_list("betas", std::vector<double>{0.9, 0.999});
-  if (betas.size() != 2) oargs.fail("betas", "expected two numbers [beta1, beta2], got " + std::to_string(betas.size()));
-  for (double b : betas)
-    if (b < 0 || b >= 1) oargs.fail("betas", "each beta must be in [0, 1), got " + format_double(b));
-  o.beta1 = betas[0];
-  o.beta2 = betas[1];
-  o.eps = oargs.get_float("eps", 1e-8);
-  if (o.eps <= 0) oargs.fail("eps", "must be > 0, got " + format_double(o.eps));
-  o.weight_decay = oargs.get_float("weight_decay", 0.01, 0.0);
-  o.impl = oargs.get_string("impl", "auto", {"auto", "fused", "foreach", "loop"});
+  {
+    std::vector<std::string> types = opts.optimizers.names;
+    if (std::find(types.begin(), types.end(), "adamw") == types.end()) types.insert(types.begin(), "adamw");
+    o.type = optim.get_string("type", "adamw", types);
+  }
+  if (o.type == "adamw") {
+    ArgMap oargs = optim.child("args");
+    read_adamw_args(oargs, o);
+  } else {
+    o.args = opts.optimizers.parse(o.type, optim, o);
+  }
   o.clip_gnorm = optim.get_float("clip_gnorm", 0.0, 0.0);
 
   ArgMap sched = top.child("lr_scheduler");

@@ -23,6 +23,17 @@ struct ModelCatalog {
   std::function<std::shared_ptr<const ModelConfig>(const std::string& type, ArgMap& args)> parse;
 };
 
+// The optimizer registry as the config loader sees it. AdamW is the loader's
+// own (optimizer.args); another registered type parses its `optimizer` mapping
+// (its args, and adamw_args through read_adamw_args). Left empty, only adamw is known.
+struct OptimizerCatalog {
+  std::vector<std::string> names;
+  std::function<std::shared_ptr<const OptimizerConfig>(const std::string& type, ArgMap& optimizer, OptimizerArgs& o)>
+      parse;
+};
+// AdamW's keys (lr, betas, eps, weight_decay, impl) from `args` into o.
+void read_adamw_args(ArgMap& args, OptimizerArgs& o);
+
 // One side of dataset.type indexed (train_args or val_args) as read: the mapping,
 // each `datasets` item (errors about a dataset name its path's line) and the values.
 struct IndexedKeys {
@@ -50,6 +61,7 @@ struct ModuleChecks {
 struct LoadOptions {
   std::vector<std::pair<std::string, std::string>> overrides;  // {"optimizer.args.lr", "3e-4"}
   ModelCatalog models;
+  OptimizerCatalog optimizers;
   ModuleChecks checks;
   int world_size = 1;              // from the launcher; runtime_ngpus defaults to it
   bool check_files = true;         // data files must exist

@@ -131,6 +131,15 @@ inline std::string resolved_loss(const ModelArgs& m, int64_t tokens) {
   return tokens > m.loss_chunk_size ? "fused" : "plain";
 }
 
+// Opaque, optimizer-specific arguments (e.g. MuonConfig); parsed by the
+// optimizer registry (trainer/optim/registry.h), as ModelConfig by the models'.
+struct OptimizerConfig {
+  virtual ~OptimizerConfig() = default;
+};
+
+// optimizer.type picks a registered optimizer. The fields below are AdamW's:
+// optimizer.args under type adamw; under another type (Muon) they are its
+// element-wise partner's for the parameters it does not take (optimizer.adamw_args).
 struct OptimizerArgs {
   std::string type = "adamw";
   double lr = 1e-3;
@@ -139,12 +148,15 @@ struct OptimizerArgs {
   double weight_decay = 0.01;
   std::string impl = "auto";      // auto | fused | foreach | loop
   double clip_gnorm = 0.0;        // 0 = no clipping
+  std::shared_ptr<const OptimizerConfig> args;  // the type's own (null for adamw)
 };
 
 struct LrSchedulerArgs {
-  std::string type = "constant";  // constant | linear | cosine (warmup then cosine, nanoGPT)
+  std::string type = "constant";  // constant | linear | cosine (warmup then cosine, nanoGPT) | wsd
   int64_t warmup_steps = 0;
-  int64_t decay_steps = 0;        // 0 = max_train_steps
+  int64_t decay_steps = 0;        // 0 = max_train_steps (wsd: the decay phase's length)
+  double decay_ratio = 0.0;       // wsd: the decay phase as a share of the run (instead of decay_steps)
+  std::string decay_type = "linear";  // wsd: linear | cosine | 1-sqrt
   double min_lr = 0.0;
   std::string interval = "step";  // step | epoch
 };

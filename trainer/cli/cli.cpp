@@ -15,6 +15,7 @@
 #include "data/tokenizer/tokenize_command.h"
 #include "models/common/kernels/kernels.h"
 #include "models/registry.h"
+#include "trainer/optim/registry.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
 #include "trainer/dist/dist_env.h"
@@ -107,6 +108,7 @@ int train_main(const std::vector<std::string>& argv) {
     config::LoadOptions lo;
     lo.overrides = config::parse_overrides(rest);
     lo.models = models::model_catalog();
+    lo.optimizers = optim::optimizer_catalog();
     lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.world_size = env.world_size;
     lo.check_files = !print_config;

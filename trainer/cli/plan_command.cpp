@@ -15,6 +15,7 @@
 #include "models/model.h"
 #include "models/common/sharding.h"
 #include "models/registry.h"
+#include "trainer/optim/registry.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
 #include "trainer/parallel/pipeline_config_check.h"
@@ -169,6 +170,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     lo.overrides = config::parse_overrides(rest);
     if (runtime_ngpus > 0) lo.overrides.push_back({"compute_config.runtime_ngpus", std::to_string(runtime_ngpus)});
     lo.models = models::model_catalog();
+    lo.optimizers = optim::optimizer_catalog();
     lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.world_size = runtime_ngpus > 0 ? runtime_ngpus : 1;
     lo.check_files = false;            // planning reads no data

@@ -227,6 +227,18 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
       }
     }
   if (cp_size == 1) dp_cp = dp;
+  stage.name = "stage";
+  stage.ranks = {rank_};
+  if (opts.stage)
+    for (int p = 0; p < pp_size; ++p) {
+      std::vector<int> ranks;
+      for (int d = 0; d < dp_size; ++d)
+        for (int c = 0; c < cp_size; ++c)
+          for (int t = 0; t < tp_size; ++t) ranks.push_back(rank_of(d, p, c, t));
+      std::sort(ranks.begin(), ranks.end());
+      auto g = make_group("stage" + std::to_string(p), ranks, false);
+      if (my_p == p) stage = g;
+    }
   // Expert parallelism: slices of ep consecutive dp_cp members (e / ep), and
   // the members at the same place in every slice (e mod ep).
   const int ep_size = opts.ep;
@@ -277,7 +289,7 @@ void Runtime::shutdown() {
   shut_down_ = true;
   // The NCCL-rules streams first: each ends once its queue is empty (one
   // stuck on a lost peer ends at its timeout, holding its backend till then).
-  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &ep, &edp, &zero, &zero_cross, &control, &pp_validation})
+  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &ep, &edp, &zero, &zero_cross, &control, &pp_validation, &stage})
     g->nccl_rules.reset();
   for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
     try {

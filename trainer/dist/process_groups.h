@@ -93,6 +93,7 @@ struct RuntimeOptions {
   // code of many ranks (ZeRO-2/3 at one rank: NCCL's streams on one GPU).
   bool one_rank_backend = false;
   bool pp_validation = false;  // make pp_validation (optimizer post-validation)
+  bool stage = false;          // make `stage` (an optimizer that gathers whole matrices: Muon)
   // Gloo's point-to-point under NCCL's rules (nccl_rules.h); read from
   // NNSTRAIN_P2P_SEMANTICS=nccl by the Runtime when not set here.
   bool nccl_p2p_rules = false;
@@ -144,6 +145,9 @@ class Runtime {
   Group zero_cross;  // the same shard position in the other ZeRO groups
   Group control;     // CPU (Gloo) over the world, for agreement
   Group pp_validation;  // the pp group's ranks again (RuntimeOptions::pp_validation)
+  // Every rank at this pp index (dp x cp x tp: all that hold pieces of this
+  // stage's parameters), made with RuntimeOptions::stage; Muon's owners live here.
+  Group stage;
 
   // Collectives on the Runtime's own groups (the monitor keeps a pointer to
   // `g`). `what` names the operation in error messages. Async ones return a

@@ -7,6 +7,7 @@
 #include "data/indexed/config_check.h"
 #include "models/model.h"
 #include "models/registry.h"
+#include "trainer/optim/registry.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "base/config/load.h"
@@ -25,6 +26,7 @@ config::TrainerArgs saved_args(const checkpoint::Checkpoint& ck) {
   try {
     config::LoadOptions lo;
     lo.models = models::model_catalog();
+    lo.optimizers = optim::optimizer_catalog();
     lo.checks = {parallel::pipeline::check_config_schedule, indexed::check_config_datasets};
     lo.check_files = false;            // the run's data need not be here
     lo.reject_unimplemented = false;   // only the model section matters

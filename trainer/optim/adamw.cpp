@@ -11,14 +11,6 @@ double weight_decay_for(const at::Tensor& param, double weight_decay) {
   return param.dim() >= 2 ? weight_decay : 0.0;
 }
 
-namespace {
-// The gradient in the parameter's dtype: with compute_config.reduce_dtype bf16
-// under a mixed precision, fp32 masters meet bf16 gradients, which no AdamW
-// kernel takes. The upcast is a transient of the gradient's size.
-at::Tensor grad_as_param(const Segment& s) {
-  return s.grad.scalar_type() == s.param.scalar_type() ? s.grad : s.grad.to(s.param.scalar_type());
-}
-}  // namespace
 
 AdamW::AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args)
     : segments_(std::move(segments)), args_(args) {
@@ -41,31 +33,18 @@ void AdamW::set_step_count(int64_t s) {
 }
 
 void AdamW::back_up(Backup& into) const {
-  torch::NoGradGuard no_grad;
-  auto copy = [](const std::vector<at::Tensor>& from, std::vector<at::Tensor>& to) {
-    if (to.size() != from.size()) {
-      to.clear();
-      for (const auto& t : from) to.push_back(torch::empty_like(t, at::MemoryFormat::Contiguous));
-    }
-    for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
-  };
-  std::vector<at::Tensor> params;
-  for (const auto& s : segments_) params.push_back(s.param);
-  copy(params, into.param);
-  copy(exp_avg_, into.exp_avg);
-  copy(exp_avg_sq_, into.exp_avg_sq);
-  copy(state_steps_, into.steps);
+  std::vector<at::Tensor> live;
+  for (const auto& s : segments_) live.push_back(s.param);
+  for (const auto* v : {&exp_avg_, &exp_avg_sq_, &state_steps_}) live.insert(live.end(), v->begin(), v->end());
+  save_tensors(live, into.tensors);
   into.step = step_;
 }
 
 void AdamW::restore(const Backup& from) {
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < segments_.size(); ++i) {
-    segments_[i].param.copy_(from.param[i]);
-    exp_avg_[i].copy_(from.exp_avg[i]);
-    exp_avg_sq_[i].copy_(from.exp_avg_sq[i]);
-    state_steps_[i].copy_(from.steps[i]);
-  }
+  std::vector<at::Tensor> live;
+  for (const auto& s : segments_) live.push_back(s.param);
+  for (const auto* v : {&exp_avg_, &exp_avg_sq_, &state_steps_}) live.insert(live.end(), v->begin(), v->end());
+  load_tensors(from.tensors, live);
   step_ = from.step;
 }
 

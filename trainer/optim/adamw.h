@@ -9,21 +9,11 @@
 #include <vector>
 
 #include "base/config/trainer_args.h"
+#include "trainer/optim/optimizer.h"
 
 namespace nnstrain::optim {
 
-struct Segment {
-  std::string name;        // parameter name (state is checkpointed under it)
-  at::Tensor param;        // updated in place
-  at::Tensor grad;         // read
-  double weight_decay = 0; // per group: 0 for biases and norms
-  int64_t offset = 0;      // flat offset of this segment within the parameter's local piece
-  // Optional zeroed buffers for the moments (shaped as param), e.g. in host
-  // memory under offload; by default AdamW allocates them beside param.
-  at::Tensor exp_avg, exp_avg_sq;
-};
-
-class AdamW {
+class AdamW : public Optimizer {
  public:
   AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args);
 
@@ -39,26 +29,23 @@ class AdamW {
   // on different devices (offload): each group's kernel runs where its
   // segments are, reading found_inf there.
   void step(double lr, const at::Tensor& found_inf = {}, const at::Tensor& lr_device = {},
-            const std::vector<size_t>& subset = {});
+            const std::vector<size_t>& subset = {}) override;
 
-  std::vector<Segment>& segments() { return segments_; }
+  std::vector<Segment>& segments() override { return segments_; }
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) override {
+    return {{"exp_avg", exp_avg_[i]}, {"exp_avg_sq", exp_avg_sq_[i]}};
+  }
   // Updates applied (skipped ones not counted); reads the device (checkpoints, logs).
-  int64_t step_count() const;
-  void set_step_count(int64_t s);
+  int64_t step_count() const override;
+  void set_step_count(int64_t s) override;
   // exp_avg and exp_avg_sq of segment i, same shape as its param.
   at::Tensor& exp_avg(size_t i) { return exp_avg_[i]; }
   at::Tensor& exp_avg_sq(size_t i) { return exp_avg_sq_[i]; }
-  const std::string& impl() const { return impl_; }
+  std::string impl() const override { return impl_; }
 
-  // Optimizer post-validation (a step taken before it is known to stand):
-  // everything step() changes, each segment's parameter, moments and step
-  // count, copied into `into` (its buffers made on first use) and back.
-  struct Backup {
-    std::vector<at::Tensor> param, exp_avg, exp_avg_sq, steps;
-    int64_t step = 0;
-  };
-  void back_up(Backup& into) const;
-  void restore(const Backup& from);
+  // Each segment's parameter, moments and step count.
+  void back_up(Backup& into) const override;
+  void restore(const Backup& from) override;
 
  private:
   void step_loop(double lr, const std::vector<size_t>& idx);

@@ -14,6 +14,9 @@
 #include "models/common/context_attention.h"
 #include "trainer/parallel/context_parallel.h"
 #include "trainer/parallel/nvme_tier.h"
+#include "trainer/parallel/optimizer_comm.h"
+#include "trainer/parallel/param_units.h"
+#include "trainer/optim/registry.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "base/log.h"
@@ -97,6 +100,38 @@ std::unique_ptr<parallel::PipelineExecutor> make_pipeline(const config::TrainerA
   return p;
 }
 
+// The registered optimizer optimizer.type names, over the state's segments.
+std::unique_ptr<optim::Optimizer> make_optimizer(const config::TrainerArgs& args, const parallel::Plan& plan,
+                                                 const models::CausalLM& model, const parallel::TrainingState& state,
+                                                 dist::Runtime* rt, const torch::Device& device) {
+  const auto& entry = optim::optimizer_entry(args.optimizer.type);
+  optim::OptimizerContext c;
+  c.args = &args.optimizer;
+  c.segments = state.optimizer_segments();
+  c.specs = state.segment_specs("");
+  c.cuda = device.is_cuda();
+  c.whole_model = plan.pipeline.pp == 1;
+  const auto units = parallel::parameter_units(model);
+  const auto layouts = model.param_layouts();
+  const int blocks = static_cast<int>(model.num_layers());
+  for (size_t i = 0; i < layouts.size(); ++i)
+    c.params.push_back({layouts[i].name, layouts[i].global_shape, units[i] >= 1 && units[i] <= blocks});
+  if (entry.whole_matrices) {
+    const std::string key = "optimizer.type: " + args.optimizer.type;
+    if (args.compute_config.offload.delayed_update)
+      throw config::ConfigError(key + " gathers whole matrices in its step, which a delayed (background) host "
+                                "step cannot; set compute_config.offload.delayed_update: false");
+    if (args.compute_config.offload.optimizer_nvme && plan.offload_ratio > 0)
+      throw config::ConfigError(key + " keeps its momentum on the host tier only; compute_config.offload.optimizer: "
+                                "nvme is not supported with it (use true)");
+    if (args.compute_config.cuda_graphs == "true")
+      throw config::ConfigError(key + " makes host decisions and collectives in its step, which a CUDA graph "
+                                "cannot capture; set compute_config.cuda_graphs: false");
+    c.comm = parallel::make_optimizer_comm(rt, device);
+  }
+  return entry.build(std::move(c));
+}
+
 }  // namespace
 
 std::vector<sharding::StateTensor> Trainable::state_tensors() {
@@ -121,10 +156,16 @@ std::vector<sharding::StateTensor> Trainable::state_tensors() {
     for (size_t i = 0; weights_are_segments && i < in_file.size(); ++i)
       if (in_file[i][0].defined()) out[i].tensor = in_file[i][0];
   }
-  const auto m = state->segment_specs("optim/exp_avg/"), v = state->segment_specs("optim/exp_avg_sq/");
-  for (size_t i = 0; i < m.size(); ++i) {
-    out.push_back({m[i], in_file[i][1].defined() ? in_file[i][1] : optimizer->exp_avg(i)});
-    out.push_back({v[i], in_file[i][2].defined() ? in_file[i][2] : optimizer->exp_avg_sq(i)});
+  // The optimizer's state, segment by segment (AdamW: optim/exp_avg/<param>
+  // and optim/exp_avg_sq/<param>; Muon's matrices: optim/momentum_buffer/<param>).
+  const auto specs = state->segment_specs("");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto st = optimizer->state(i);
+    for (size_t j = 0; j < st.size(); ++j) {
+      auto spec = specs[i];
+      spec.name = "optim/" + st[j].first + "/" + spec.name;
+      out.push_back({spec, j < 2 && in_file[i][1 + j].defined() ? in_file[i][1 + j] : st[j].second});
+    }
   }
   if (scaler) {
     out.push_back(replicated("amp/scale", scaler->scale(), world));
@@ -141,7 +182,7 @@ void Trainable::after_optimizer_step() {
 
 void Trainable::optimizer_step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_device) {
   if (state->host_buckets() == 0) {
-    optimizer->step(lr, found_inf, lr_device);
+    optimizer->step(lr, found_inf, lr_device);  // (begin_step included)
     after_optimizer_step();
     return;
   }
@@ -154,13 +195,15 @@ void Trainable::optimizer_step(double lr, const at::Tensor& found_inf, const at:
     });
     return;
   }
+  optimizer->begin_step(found_inf);
   // Offload: the host step bucket by bucket, each bucket's weights leaving for
   // the device (copy stream) while the next is stepped; then the device's share.
   // The NVMe tier: each bucket read into its slot (the next one's read issued
   // meanwhile) and written back after its step, overlapping the next bucket's.
   for (size_t b = 0; b < state->host_buckets(); ++b) {
     state->nvme_acquire(b);
-    optimizer->step(lr, found_inf, {}, state->bucket_segments(b));
+    const auto segs = state->bucket_segments(b);
+    if (!segs.empty()) optimizer->step(lr, found_inf, {}, segs);  // (an empty subset would mean all)
     state->refresh_bucket(b);
     state->nvme_release(b, true);
   }
@@ -196,7 +239,7 @@ parallel::StateBytes Trainable::held_bytes() {
   auto b = state->held_bytes();
   for (size_t i = 0; i < optimizer->segments().size(); ++i)
     if (!state->segment_on_host(i))
-      b.moments += double(optimizer->exp_avg(i).nbytes() + optimizer->exp_avg_sq(i).nbytes());
+      for (const auto& [name, t] : optimizer->state(i)) b.moments += double(t.nbytes());
   return b;
 }
 
@@ -379,6 +422,7 @@ std::unique_ptr<dist::Runtime> connect(const config::TrainerArgs& args, const di
   o.tp = a.plan.tp;
   o.pp = a.plan.pipeline.pp;
   o.pp_validation = args.compute_config.pipeline.post_validation && o.pp > 1;
+  o.stage = optim::optimizer_entry(args.optimizer.type).whole_matrices;
   o.cp = a.plan.context.cp;
   o.ep = a.plan.ep;
   o.zero_ngroups = a.plan.zero_stage ? a.plan.zero_ngroups : 1;
@@ -428,7 +472,7 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   const int blocks = static_cast<int>(model.num_layers());
   tr.state = std::make_unique<parallel::TrainingState>(std::move(shards), so);
   tr.reducer = std::make_unique<parallel::GradientReducer>(*tr.state, rt, blocks, args.compute_config.zero_prefetch);
-  tr.optimizer = std::make_unique<optim::AdamW>(tr.state->optimizer_segments(), args.optimizer);
+  tr.optimizer = make_optimizer(args, plan, model, *tr.state, rt, device);
   tr.moe = std::make_unique<MoeMonitor>(model, rt);
   for (int r = 0; r < env.world_size; ++r)  // under pp: the ranks of this rank's stage
     if (plan.pipeline.pp == 1 || (r / (plan.tp * plan.context.cp)) % plan.pipeline.pp == rt->pp.rank)

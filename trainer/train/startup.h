@@ -23,7 +23,7 @@
 #include "base/config/trainer_args.h"
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/process_groups.h"
-#include "trainer/optim/adamw.h"
+#include "trainer/optim/optimizer.h"
 #include "trainer/optim/precision.h"
 #include "trainer/parallel/grad_reducer.h"
 #include "trainer/parallel/pipeline_runtime.h"
@@ -39,7 +39,7 @@ namespace nnstrain::train {
 struct Trainable {
   std::unique_ptr<parallel::TrainingState> state;
   std::unique_ptr<parallel::GradientReducer> reducer;
-  std::unique_ptr<optim::AdamW> optimizer;
+  std::unique_ptr<optim::Optimizer> optimizer;
   std::optional<optim::LossScaler> scaler;
   std::shared_ptr<models::common::ParallelRng> tp_rng;  // sharded-region dropout (tp > 1)
   int world = 1;

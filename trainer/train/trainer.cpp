@@ -215,7 +215,7 @@ class Trainer {
     at::Tensor sq;    // this pipeline rank's norm^2, summed over the pipeline in flight
     at::Tensor stop;  // stop requests (host), summed over the world in flight
     c10::intrusive_ptr<c10d::Work> sq_work, stop_work;
-    optim::AdamW::Backup optimizer;  // what the speculative step changed, as it was
+    optim::Optimizer::Backup optimizer;  // what the speculative step changed, as it was
     at::Tensor grads, scale, growth;  // fp16: the gradients (the step unscaled them) and the scaler
     double lr = 0;
     std::vector<at::Tensor> rng;  // generator states before the next step's prefix (dropout)
