@@ -331,8 +331,13 @@ def assert_active(run_dir, output, nproc, overrides):
         full = {k: held["elements"] * b for k, b in eb.items()}
         # Under expert parallelism experts shard over the z / ep ranks holding the same ones.
         experts = records[rank]["experts"]["held_elements"] if want["ep"] > 1 else 0
+        # AdamW holds two moments per element; another optimizer (Muon: one momentum for its
+        # matrices) holds less, so its moments are checked against AdamW's as a bound.
+        adamw = set(records[rank]["optimizer"]["state_segments"]) <= {"exp_avg", "exp_avg_sq"}
         def sharded(part, on):
-            if not on or z == 1:  # whole, in the precision's dtype: exactly n elements of it
+            if part == "moments" and not adamw:
+                assert 0 < held[part] < full[part], f"rank {rank}: {part} {held[part]} bytes, AdamW's {full[part]}"
+            elif not on or z == 1:  # whole, in the precision's dtype: exactly n elements of it
                 assert held[part] == full[part], f"rank {rank}: {part} {held[part]} bytes, whole is {full[part]} ({held})"
             else:
                 slack = 64 * z * eb[part]

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 
 #include "models/common/context_attention.h"
 #include "models/common/lm_loss.h"
@@ -59,6 +60,8 @@ RunCounts RunCounts::now(const dist::Runtime* rt) {
     c.pp_bytes = rt->pp.traffic.bytes;
     c.ep_all_to_all = rt->ep.traffic.all_to_all;
     c.ep_bytes = rt->ep.traffic.bytes;
+    c.optimizer_all_to_all = rt->stage.traffic.all_to_all;
+    c.optimizer_bytes = rt->stage.traffic.bytes;
   }
   return c;
 }
@@ -77,6 +80,8 @@ nlohmann::json RunCounts::since(const RunCounts& b) const {
           {"pp_bytes", pp_bytes - b.pp_bytes},
           {"ep_all_to_all", ep_all_to_all - b.ep_all_to_all},
           {"ep_bytes", ep_bytes - b.ep_bytes},
+          {"optimizer_all_to_all", optimizer_all_to_all - b.optimizer_all_to_all},
+          {"optimizer_bytes", optimizer_bytes - b.optimizer_bytes},
           {"document_tiles", document_tiles - b.document_tiles},
           // The MoE experts' GEMM form that ran last (models/common/kernels/grouped_gemm.h; "" for a dense model).
           {"grouped_gemm", models::common::kernels::last_grouped_gemm()}};
@@ -95,7 +100,7 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
                  {"pp", group(rt, &Runtime::pp)},     {"dp", group(rt, &Runtime::dp)},
                  {"dp_cp", group(rt, &Runtime::dp_cp)}, {"zero", group(rt, &Runtime::zero)},
                  {"zero_cross", group(rt, &Runtime::zero_cross)}, {"ep", group(rt, &Runtime::ep)},
-                 {"edp", group(rt, &Runtime::edp)}};
+                 {"edp", group(rt, &Runtime::edp)}, {"stage", group(rt, &Runtime::stage)}};
   // Experts as this rank holds them: whole experts of every MoE layer (the
   // global count at ep 1), and whether they reduce in buckets of their own.
   int64_t expert_elements = 0, expert_global = 0;
@@ -111,6 +116,13 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
                                                 {"own_buckets", !so.expert.empty()}}
                                : nlohmann::json(nullptr);
   r["zero_stage"] = so.zero_stage;
+  // The optimizer built: how it runs, and its state by name (segments holding each).
+  {
+    std::map<std::string, int64_t> state;
+    for (size_t i = 0; i < tr.optimizer->segments().size(); ++i)
+      for (const auto& [name, t] : tr.optimizer->state(i)) ++state[name];
+    r["optimizer"] = {{"impl", tr.optimizer->impl()}, {"state_segments", state}};
+  }
   r["dtypes"] = {{"params", st.params().empty() ? "" : dtype_label(st.params()[0].tensor.scalar_type())},
                  {"gradients", dtype_label(st.reduced_grads().defined() ? st.reduced_grads().scalar_type() : so.grad_dtype)},
                  {"master_weights", so.master_weights}};

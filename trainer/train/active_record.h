@@ -46,6 +46,7 @@ struct RunCounts {
   int64_t plain_loss = 0, chunked_loss = 0, fused_loss = 0;  // models/common/lm_loss.h's LossForwards
   int64_t pp_sends = 0, pp_bytes = 0;
   int64_t ep_all_to_all = 0, ep_bytes = 0;  // expert parallelism's dispatch (counts exchanges included)
+  int64_t optimizer_all_to_all = 0, optimizer_bytes = 0;  // the optimizer's collectives (Muon's matrix exchange)
   int64_t document_tiles = 0;  // document-masked attention tiles (models/common/context_attention.h)
 
   static RunCounts now(const dist::Runtime* rt);

@@ -164,6 +164,31 @@ MatrixExchange::MatrixExchange(const std::vector<sharding::ShardSpec>& mine, Opt
           add(scatter_send_[peer], m, it->second);
         }
     }
+  check_splits();
+}
+
+// NCCL's all-to-all trusts each side's sizes: what s sends d must be what d
+// expects from s, or the transfer corrupts memory or hangs. Checked once, on
+// every backend, by gathering every member's send sizes.
+void MatrixExchange::check_splits() {
+  const int n = comm_.size(), me = comm_.rank();
+  if (n == 1) return;
+  std::vector<int64_t> sent;
+  for (const auto* v : {&gather_send_, &scatter_send_})
+    for (const auto& t : *v) sent.push_back(t.numel);
+  auto all = comm_.all_gather(torch::tensor(sent, torch::kLong).to(comm_.device())).cpu();
+  auto a = all.accessor<int64_t, 1>();
+  for (int s = 0; s < n; ++s)
+    for (int phase = 0; phase < 2; ++phase) {
+      const int64_t they_send = a[s * 2 * n + phase * n + me];
+      const int64_t i_expect = (phase == 0 ? gather_recv_ : scatter_recv_)[s].numel;
+      if (they_send != i_expect)
+        throw std::runtime_error("Muon: rank " + std::to_string(comm_.global_rank(s)) + " sends " +
+                                 std::to_string(they_send) + " elements to rank " +
+                                 std::to_string(comm_.global_rank(me)) + ", which expects " +
+                                 std::to_string(i_expect) + " (" + (phase == 0 ? "gather" : "scatter") +
+                                 "): the ranks disagree on the matrices' pieces");
+    }
 }
 
 at::Tensor MatrixExchange::gather(const at::Tensor& local) {

@@ -16,6 +16,11 @@
 // owner (a piece held by several replicas is sent by one of them, chosen by the
 // owner's index so the senders rotate), one all-to-all returns each holder its
 // piece of the update. Pieces are copied as strided row blocks, never element by element.
+//
+// Backend rules (NCCL's, checked on every backend): the two all-to-alls are
+// collectives on the stage's own communicator, issued by every member in the
+// same order (each update's begin_step, on every rank of the stage, skipped by
+// all or none); each pair's sizes agree (checked once at construction).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -68,6 +73,8 @@ class MatrixExchange {
     std::vector<std::pair<size_t, Block>> blocks;
     int64_t numel = 0;
   };
+  void check_splits();
+
   std::vector<Transfer> gather_send_, gather_recv_, scatter_send_, scatter_recv_;
   std::vector<Matrix> matrices_;
   std::vector<size_t> owned_;
