@@ -10,7 +10,7 @@
   Newton-Schulz in fp32 on the CPU (docs/optimizers.md); PyTorch's Muon always
   casts to bf16, so its cast is lifted here for the comparison (its algorithm
   otherwise untouched).
-- Under other plans (dp 2 ZeRO-1, ZeRO-2, ZeRO-3, HSDP, tp 2, pp 2, cp 2): the
+- Under other plans (dp 2 ZeRO-1, ZeRO-2, ZeRO-3, HSDP, tp 2, pp 2, cp 2, offload): the
   losses equal one process's within 1e-5, each run's record (run_dir/active)
   showing Muon's state was built and its matrix exchange ran, on the plan asked for.
 - Resume under another plan, ZeRO-3 dp 4 -> tp 2 -> one process, the momentum
@@ -219,6 +219,10 @@ PLANS = {  # name: (ranks, overrides); global batch 4 everywhere
     "hsdp_dp4": (4, ["--micro_batch_size", "1", "--compute_config.use_zero", "1", "--compute_config.zero_ngroups", "2"]),
     "pp2": (2, ["--micro_batch_size", "1", "--compute_config.pas_config.pp_size", "2"]),
     "cp2": (2, ["--micro_batch_size", "4", "--compute_config.context_parallel_size", "2"]),
+    # Half the optimizer's buckets (their momentum with them) stepped on the host, bucket by bucket.
+    "offload_zero1_dp2": (2, ["--micro_batch_size", "2", "--compute_config.use_zero", "1",
+                              "--compute_config.offload.optimizer", "true", "--compute_config.offload.ratio", "0.5",
+                              "--compute_config.reducer_bucket_cap_mb", "0.02"]),
 }
 
 
@@ -252,6 +256,9 @@ def reference(tokens_path, tmp_path_factory):
 def test_plan_equals_one_process(plan, reference, tokens_path, tmp_path):
     ranks, overrides = PLANS[plan]
     got = train(ranks, tmp_path / "run", tokens_path, *overrides, steps=PLAN_STEPS)
+    if "offload" in plan:  # some of Muon's matrices had their momentum on the host
+        for rank, rec in active_records(tmp_path / "run", ranks).items():
+            assert 0 < rec["offload"]["host_buckets"] < rec["offload"]["buckets"], f"rank {rank}: {rec['offload']}"
     want = reference[0]
     for step in range(1, PLAN_STEPS + 1):
         assert got[step][0] == pytest.approx(want[step][0], rel=TOL), f"{plan} step {step}: {got[step]} vs {want[step]}"
