@@ -318,3 +318,18 @@ def test_bad_input_names_the_key(override, key, tokens_path, tmp_path):
     assert p.returncode == 2, out
     assert key in out and "Traceback" not in out and "terminate called" not in out, out
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_resuming_another_optimizers_state_is_refused(tokens_path, tmp_path):
+    common = ["--vars.data", str(tokens_path), "--max_train_steps", "2", "--val_every_n_train_steps", "0",
+              "--checkpoint.save_dir", str(tmp_path / "ckpt")]
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(CONFIGS / "tiny_gpt.yaml"), "--run_dir",
+                        str(tmp_path / "adamw"), *common], cwd=SOURCE, env=single_process_env(1), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(CONFIGS / "tiny_gpt_muon.yaml"), "--run_dir",
+                        str(tmp_path / "muon"), *common, "--max_train_steps", "4", "--resume",
+                        str(tmp_path / "ckpt" / "step-00000002")],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "optimizer.type: muon" in out and "state of adamw" in out, out

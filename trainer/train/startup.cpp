@@ -546,6 +546,12 @@ std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trai
   if (st.value("model_type", "") != args.model.type)
     throw checkpoint::CheckpointError(dir + ": checkpoint of model type '" + st.value("model_type", "") +
                                       "', but this run trains '" + args.model.type + "'");
+  // The optimizer's state is its own (AdamW's moments, Muon's momentum): no conversion between them.
+  const std::string saved_optimizer = st.contains("optimizer") ? st["optimizer"].value("type", "adamw") : "adamw";
+  if (saved_optimizer != args.optimizer.type)
+    throw config::ConfigError("optimizer.type: " + args.optimizer.type + ", but " + dir + " holds the state of " +
+                              saved_optimizer + "; resume with optimizer.type " + saved_optimizer +
+                              " (or merge it with nnstrain merge --hf and start from its weights: model.init_from)");
   torch::NoGradGuard no_grad;
   for (auto& t : tr.state_tensors()) {
     // A checkpoint saved without a loss scaler (another precision) keeps the fresh scale.
