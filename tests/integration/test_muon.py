@@ -264,6 +264,23 @@ def test_plan_equals_one_process(plan, reference, tokens_path, tmp_path):
         assert got[step][0] == pytest.approx(want[step][0], rel=TOL), f"{plan} step {step}: {got[step]} vs {want[step]}"
 
 
+def test_experts_under_expert_parallelism_equal_one_process(tokens_path, tmp_path):
+    """Qwen3-MoE's experts (one matrix each to Muon) at ep 2 x ZeRO-3 over 4 ranks, and at one process."""
+    def run(ranks, name, *overrides):
+        args = ["--config", str(CONFIGS / "tiny_moe_muon.yaml"), "--vars.data", str(tokens_path), "--run_dir",
+                str(tmp_path / name), "--global_batch_size", "4", "--max_train_steps", "4", "--val_every_n_train_steps",
+                "0", *overrides]
+        got = run_ranks(ranks, tmp_path / name, args, list(overrides))
+        return got, active_records(tmp_path / name, ranks)
+    one, _ = run(1, "one", "--micro_batch_size", "4")
+    ep, records = run(4, "ep", "--micro_batch_size", "1", "--compute_config.expert_parallel_size", "2",
+                      "--compute_config.use_zero", "3")
+    for rank, rec in records.items():
+        assert rec["optimizer"]["impl"].startswith("muon (") and rec["first_step"]["optimizer_all_to_all"] == 2, rec
+    for step in one:
+        assert ep[step][0] == pytest.approx(one[step][0], rel=TOL), f"step {step}: {ep[step]} vs {one[step]}"
+
+
 def momentum(ckpt_dir, step, tmp_path):
     """Muon's momentum_buffer/* of checkpoint `step`, merged whole (nnstrain merge)."""
     from safetensors.numpy import load_file
