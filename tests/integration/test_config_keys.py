@@ -34,28 +34,31 @@ SUBSECTIONS = {"offload": "compute_config.offload.", "pas_config": "compute_conf
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
 
 
-# "### dataset.type: indexed": the keys of the other dataset type, checked against a config of that type.
+# "### dataset.type: indexed", "### optimizer.type: muon": the keys of another type of a
+# section, in a table of their own, checked against a config of that type.
 INDEXED = "dataset.type: indexed"
+VARIANTS = {INDEXED: "dataset.", "optimizer.type: muon": "optimizer."}
 
 
-def doc_tables(indexed=False):
+def doc_tables(indexed=False, variant=None):
     """({documented key path}, {documented log sink type}) from docs/config.md; with
-    `indexed`, the keys of dataset.type indexed's table instead."""
+    `variant` (or `indexed`), the keys of that type's table instead."""
+    variant = INDEXED if indexed else variant
     keys, sinks, section = set(), set(), None
     for line in DOC.read_text().splitlines():
         if line.startswith("## "):
             section = line[3:].strip()
             continue
-        if line.startswith("### ") and (line[4:].strip() in SUBSECTIONS or line[4:].strip() == INDEXED):
+        if line.startswith("### ") and (line[4:].strip() in SUBSECTIONS or line[4:].strip() in VARIANTS):
             section = line[4:].strip()
             continue
         m = re.match(r"\| `([^`]+)` \|", line)
         if not m:
             continue
-        if (section == INDEXED) != indexed:
+        if (section in VARIANTS) != (variant is not None) or (variant and section != variant):
             continue
-        if section == INDEXED:
-            parts = ("dataset." + m.group(1)).split(".")
+        if section in VARIANTS:
+            parts = (VARIANTS[section] + m.group(1)).split(".")
             keys |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
         elif section in SECTIONS or section in SUBSECTIONS:
             path = {**SECTIONS, **SUBSECTIONS}[section] + m.group(1)
@@ -173,6 +176,29 @@ def test_indexed_dataset_keys_are_documented_and_read(resolved_indexed):
     missing = sorted(documented - read)
     assert not missing, f"documented for dataset.type indexed but never read by the loader: {missing}"
     undocumented = sorted({k for k in read if k.startswith("dataset.")} - documented - doc_tables()[0])
+    assert not undocumented, f"read by the loader but not in docs/config.md's tables: {undocumented}"
+
+
+@pytest.fixture(scope="module")
+def resolved_muon(tmp_path_factory):
+    """--print-config of a config with optimizer.type muon, its optional keys read."""
+    tmp = tmp_path_factory.mktemp("muon_keys")
+    cfg = full_config(tmp)
+    cfg["optimizer"] = {"type": "muon", "args": {"lr": 0.02}, "adamw_args": {"lr": 1e-3}}
+    p = load(cfg, tmp)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return yaml.safe_load(p.stdout)
+
+
+def test_muon_keys_are_documented_and_read(resolved_muon):
+    documented, _ = doc_tables(variant="optimizer.type: muon")
+    assert {"optimizer.args.ns_steps", "optimizer.adamw_args"} <= documented, documented
+    read = {k for k in flatten(resolved_muon) if k.split(".")[0] == "optimizer"}
+    # adamw_args holds AdamW's keys, documented once in the optimizer table as args.*.
+    adamw = {k.replace("optimizer.args.", "optimizer.adamw_args.") for k in doc_tables()[0] if k.startswith("optimizer.args.")}
+    missing = sorted(documented - read)
+    assert not missing, f"documented for optimizer.type muon but never read by the loader: {missing}"
+    undocumented = sorted(read - documented - adamw - doc_tables()[0])
     assert not undocumented, f"read by the loader but not in docs/config.md's tables: {undocumented}"
 
 
