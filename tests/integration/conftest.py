@@ -66,6 +66,20 @@ def tiny_tokens(tmp_path_factory):
     return write_token_file(tmp_path_factory.mktemp("data") / "tokens.bin")
 
 
+def splitmix64(x):
+    """splitmix64's finaliser, as base/hash.h: the data streams' counter-based arithmetic."""
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def train_window_starts(n_tokens, seed, step, count, seq_len):
+    """Where the `count` samples of a token_bin's data step `step` start (data/token_bin.cpp window_start)."""
+    return [splitmix64(splitmix64(splitmix64(seed) ^ step) ^ pos) % (n_tokens - seq_len) for pos in range(count)]
+
+
 def nnstrain_bin_path():
     path = os.environ.get("NNSTRAIN_BIN")
     if not path or not os.access(path, os.X_OK):

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import CONFIGS, SOURCE, Run, nnstrain_bin_path, read_metrics, single_process_env
+from conftest import CONFIGS, SOURCE, Run, nnstrain_bin_path, read_metrics, single_process_env, train_window_starts
 
 CONFIG = CONFIGS / "tiny_gpt.yaml"
 STEPS = 10
@@ -297,18 +297,10 @@ def test_merge_cli_errors(runs, tmp_path):
     assert rc == 0 and "step-00000010" in out
 
 
-def splitmix64(x):
-    m = (1 << 64) - 1
-    x = (x + 0x9E3779B97F4A7C15) & m
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
-    return x ^ (x >> 31)
-
-
 def train_batch(tokens_path, seed, step, count, seq_len):
     """The trainer's batch of `step` (data/token_bin.cpp window_start), as (x, y)."""
     tok = np.fromfile(tokens_path, dtype="<u2").astype(np.int64)
-    starts = [splitmix64(splitmix64(splitmix64(seed) ^ step) ^ pos) % (len(tok) - seq_len) for pos in range(count)]
+    starts = train_window_starts(len(tok), seed, step, count, seq_len)
     return (np.stack([tok[s:s + seq_len] for s in starts]), np.stack([tok[s + 1:s + seq_len + 1] for s in starts]))
 
 

@@ -25,24 +25,16 @@ import numpy as np
 import pytest
 
 from conftest import (CONFIGS, SOURCE, active_records, nnstrain_bin_path, read_metrics, run_ranks,
-                      single_process_env, write_token_file)
+                      single_process_env, train_window_starts, write_token_file)
 
 SEED, SEQ, BATCH, STEPS = 1337, 16, 4, 20
 TOL = 1e-5
 
 
-def splitmix64(x):
-    m = (1 << 64) - 1
-    x = (x + 0x9E3779B97F4A7C15) & m
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
-    return x ^ (x >> 31)
-
-
 def batch(tokens, step):
     """The trainer's batch of data step `step` (data/token_bin.cpp window_start)."""
     import torch
-    starts = [splitmix64(splitmix64(splitmix64(SEED) ^ step) ^ p) % (len(tokens) - SEQ) for p in range(BATCH)]
+    starts = train_window_starts(len(tokens), SEED, step, BATCH, SEQ)
     rows = np.stack([tokens[s:s + SEQ + 1].astype(np.int64) for s in starts])
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 

@@ -191,59 +191,48 @@ void MatrixExchange::check_splits() {
     }
 }
 
-at::Tensor MatrixExchange::gather(const at::Tensor& local) {
+// Block b of a piece in `t`, this rank's pieces concatenated: contiguous rows.
+at::Tensor MatrixExchange::piece_view(const at::Tensor& t, const Block& b) const {
+  return t.narrow(0, b.local, b.rows * b.len).view({b.rows, b.len});
+}
+
+// Block b of owned matrix m in `t`, the owned matrices concatenated: rows `stride` apart.
+at::Tensor MatrixExchange::matrix_view(const at::Tensor& t, size_t m, const Block& b) const {
+  return t.as_strided({b.rows, b.len}, {b.stride, 1}, t.storage_offset() + owned_offset_[m] + b.global);
+}
+
+at::Tensor MatrixExchange::move(const at::Tensor& from, bool from_matrices, const std::vector<Transfer>& send,
+                                const std::vector<Transfer>& recv, int64_t out_size) {
   torch::NoGradGuard no_grad;
+  const auto src = from.contiguous();
   std::vector<int64_t> in_splits, out_splits;
   int64_t total = 0;
-  for (const auto& t : gather_send_) in_splits.push_back(t.numel), total += t.numel;
-  for (const auto& t : gather_recv_) out_splits.push_back(t.numel);
-  auto send = torch::empty({total}, local.options());
+  for (const auto& t : send) in_splits.push_back(t.numel), total += t.numel;
+  for (const auto& t : recv) out_splits.push_back(t.numel);
+  auto wire = torch::empty({total}, src.options());
   int64_t pos = 0;
-  for (const auto& t : gather_send_)
+  for (const auto& t : send)
     for (const auto& [m, b] : t.blocks) {
-      const int64_t k = b.rows * b.len;
-      send.narrow(0, pos, k).copy_(local.narrow(0, b.local, k));
-      pos += k;
+      wire.narrow(0, pos, b.rows * b.len).view({b.rows, b.len}).copy_(from_matrices ? matrix_view(src, m, b) : piece_view(src, b));
+      pos += b.rows * b.len;
     }
-  auto recv = comm_.all_to_all(send, in_splits, out_splits);
-  auto owned = torch::empty({owned_size_}, local.options());
+  const auto got = comm_.all_to_all(wire, in_splits, out_splits);
+  auto out = torch::empty({out_size}, src.options());
   pos = 0;
-  for (const auto& t : gather_recv_)
+  for (const auto& t : recv)
     for (const auto& [m, b] : t.blocks) {
-      const int64_t k = b.rows * b.len;
-      owned.as_strided({b.rows, b.len}, {b.stride, 1}, owned.storage_offset() + owned_offset_[m] + b.global)
-          .copy_(recv.narrow(0, pos, k).view({b.rows, b.len}));
-      pos += k;
+      (from_matrices ? piece_view(out, b) : matrix_view(out, m, b)).copy_(got.narrow(0, pos, b.rows * b.len).view({b.rows, b.len}));
+      pos += b.rows * b.len;
     }
-  return owned;
+  return out;
+}
+
+at::Tensor MatrixExchange::gather(const at::Tensor& local) {
+  return move(local, false, gather_send_, gather_recv_, owned_size_);
 }
 
 at::Tensor MatrixExchange::scatter(const at::Tensor& owned) {
-  torch::NoGradGuard no_grad;
-  auto src = owned.contiguous();
-  std::vector<int64_t> in_splits, out_splits;
-  int64_t total = 0;
-  for (const auto& t : scatter_send_) in_splits.push_back(t.numel), total += t.numel;
-  for (const auto& t : scatter_recv_) out_splits.push_back(t.numel);
-  auto send = torch::empty({total}, src.options());
-  int64_t pos = 0;
-  for (const auto& t : scatter_send_)
-    for (const auto& [m, b] : t.blocks) {
-      const int64_t k = b.rows * b.len;
-      send.narrow(0, pos, k).view({b.rows, b.len})
-          .copy_(src.as_strided({b.rows, b.len}, {b.stride, 1}, src.storage_offset() + owned_offset_[m] + b.global));
-      pos += k;
-    }
-  auto recv = comm_.all_to_all(send, in_splits, out_splits);
-  auto local = torch::empty({local_size_}, src.options());
-  pos = 0;
-  for (const auto& t : scatter_recv_)
-    for (const auto& [m, b] : t.blocks) {
-      const int64_t k = b.rows * b.len;
-      local.narrow(0, b.local, k).copy_(recv.narrow(0, pos, k));
-      pos += k;
-    }
-  return local;
+  return move(owned, true, scatter_send_, scatter_recv_, local_size_);
 }
 
 std::string MatrixExchange::describe() const {

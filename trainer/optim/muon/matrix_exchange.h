@@ -74,6 +74,12 @@ class MatrixExchange {
     int64_t numel = 0;
   };
   void check_splits();
+  at::Tensor piece_view(const at::Tensor& t, const Block& b) const;
+  at::Tensor matrix_view(const at::Tensor& t, size_t m, const Block& b) const;
+  // One all-to-all: `send`'s blocks packed from `from` (the owned matrices, or this
+  // rank's pieces), `recv`'s unpacked into a new buffer of the other kind.
+  at::Tensor move(const at::Tensor& from, bool from_matrices, const std::vector<Transfer>& send,
+                  const std::vector<Transfer>& recv, int64_t out_size);
 
   std::vector<Transfer> gather_send_, gather_recv_, scatter_send_, scatter_recv_;
   std::vector<Matrix> matrices_;
