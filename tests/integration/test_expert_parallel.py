@@ -7,18 +7,20 @@ fp32 on CPU/Gloo, 10 steps with clipping active, the same global batch of 4
 sequences of 32 tokens, the Qwen3-MoE of configs/tiny_moe_ep.yaml (12 experts, top-3)
 against one process: ep 2 and ep 4 (dp = ep), ep 2 x tp 2, ep 2 x cp 2, ep 2 with
 ZeRO-1 and ZeRO-2 over 4 ranks (experts sharded over the 2 ranks holding the same
-ones), ep 2 with ZeRO-3 (a block's experts a unit bucket of their own), ep 2 x pp 2, within 1e-5 relative in loss and gradient norm, and in the logged balancing loss and
+ones), ep 2 with ZeRO-3 (a block's experts a unit bucket of their own), ep 2 x pp 2, ep 2
+with ZeRO-1 and the optimizer offloaded, within 1e-5 relative in loss and gradient norm, and in the logged balancing loss and
 imbalance (the MoE monitor's figures). Each run asserts from its
 record of what ran (conftest.assert_active) that every rank held 1/ep of the expert
 weights and that all-to-all traffic happened. Checkpoints: saved at ep 4, resumed
-at ep 2, then at one process, each continuing the uninterrupted run. Bad input
+at ep 2, then at one process, each continuing the uninterrupted run. Under bf16-mixed, ep 2
+within the precision tests' bf16 allowance (3.9e-3) of one process. Bad input
 (ep not dividing the experts or dp x cp, ep on a dense model) exits 2 naming the key.
 """
 import subprocess
 
 import pytest
 
-from conftest import CONFIGS, SOURCE, device_args, nnstrain_bin_path, read_metrics, run_ranks, single_process_env
+from conftest import CONFIGS, SOURCE, active_records, device_args, nnstrain_bin_path, read_metrics, run_ranks, single_process_env
 
 TOL = 1e-5
 EP = "--compute_config.expert_parallel_size"
@@ -33,6 +35,9 @@ PLANS = {  # name: (ranks, overrides)
     "ep2_zero2_dp4": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "2"]),
     "ep2_zero3_dp2": (2, ["--micro_batch_size", "2", EP, "2", "--compute_config.use_zero", "3"]),
     "ep2_pp2": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.pas_config.pp_size", "2"]),
+    # The whole optimizer (experts' buckets too) stepped on the host.
+    "ep2_zero1_offload": (2, ["--micro_batch_size", "2", EP, "2", "--compute_config.use_zero", "1",
+                              "--compute_config.offload.optimizer", "true"]),
 }
 
 
@@ -67,6 +72,10 @@ def straight(tmp_path_factory, tiny_tokens):
             ranks, ov = PLANS[plan]
             d = tmp_path_factory.mktemp(plan)
             cache[plan] = (run(ranks, d / "run", tiny_tokens, *ov, save_dir=d / "ckpt"), d / "ckpt")
+            if "offload" in plan:  # the experts' optimizer state too was on the host
+                for rank, rec in active_records(d / "run", ranks).items():
+                    assert rec["offload"] and rec["offload"]["host_buckets"] == rec["offload"]["buckets"], \
+                        f"{plan} rank {rank}: {rec['offload']}"
             train, _ = read_metrics(d / "run" / "metrics.jsonl")
             moe[plan] = {r["step"]: (r["moe_aux_loss"], r["moe_imbalance_max"]) for r in train}
         return cache[plan]
@@ -90,6 +99,16 @@ def test_expert_parallel_equals_one_process(straight, plan):
         for i, name in enumerate(("moe_aux_loss", "moe_imbalance_max")):
             assert rel(got_moe[step][i], want_moe[step][i]) <= TOL, \
                 f"{plan}: step {step} {name} {got_moe[step][i]!r} vs one process {want_moe[step][i]!r}"
+
+
+def test_expert_parallel_under_bf16_mixed_equals_one_process(tmp_path, tiny_tokens):
+    """bf16 compute, fp32 masters and routing: ep 2 within the precision tests' bf16 allowance of one process."""
+    bf16 = ["--precision", "bf16-mixed"]
+    one = run(1, tmp_path / "one", tiny_tokens, "--micro_batch_size", "4", *bf16)
+    ep = run(2, tmp_path / "ep2", tiny_tokens, "--micro_batch_size", "2", EP, "2", *bf16)
+    assert sorted(ep) == sorted(one)
+    for step in one:
+        assert rel(ep[step][0], one[step][0]) <= 3.9e-3, f"step {step}: loss {ep[step][0]} vs {one[step][0]}"
 
 
 def test_resume_across_expert_parallel_degrees(straight, tmp_path, tiny_tokens):
