@@ -30,6 +30,16 @@ struct HfTensor {
   int64_t expert = -1;
 };
 
+// State outside the parameters that Hugging Face checkpoints hold too
+// (DeepSeek-V3's router selection bias, `e_score_correction_bias`): its name in
+// nnstrain's checkpoints, its Hugging Face name, and the tensor itself
+// (model.init_from fills it in place; merge --hf writes it under `theirs`).
+struct HfBuffer {
+  std::string ours;    // e.g. "moe/layers.1.mlp.expert_bias"
+  std::string theirs;  // e.g. "model.layers.1.mlp.gate.e_score_correction_bias"
+  at::Tensor tensor;
+};
+
 // Per-run options the trainer or planner sets on a built model.
 struct RuntimeOptions {
   std::vector<bool> recompute_layers;  // activation checkpointing per block (empty = none)
@@ -144,6 +154,7 @@ class CausalLM : public torch::nn::Module {
   // Derived from the layers that compute the splits, so it cannot drift from them.
   std::vector<ParamSplit> split_declaration() const;
   virtual std::vector<HfTensor> hf_tensors() const { return {}; }
+  virtual std::vector<HfBuffer> hf_buffers() { return {}; }
   virtual nlohmann::json hf_config() const { return nlohmann::json::object(); }
 
   virtual void set_runtime_options(const RuntimeOptions& opts) { runtime_ = opts; }

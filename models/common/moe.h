@@ -127,6 +127,7 @@ class MoeImpl : public torch::nn::Module {
   // The selection bias [E] fp32 (DeepSeek-V3 with bias_update_speed > 0; undefined
   // otherwise), on the device of the first forward, updated in place by the trainer.
   at::Tensor& expert_bias() { return bias_; }
+  const std::string& layer() const { return layer_; }  // its module, e.g. "layers.3.mlp"
 
   Linear gate{nullptr};  // the router, [E, C]
   Experts experts{nullptr};

@@ -139,6 +139,17 @@ std::vector<MoeStats> MoeLm::take_moe_stats() {
   return all;
 }
 
+std::vector<HfBuffer> MoeLm::hf_buffers() {
+  std::vector<HfBuffer> out;
+  for (size_t i = 0; i < layers->size(); ++i)
+    if (auto l = layers->ptr<llama::DecoderLayerImpl>(i); l->moe && l->moe->expert_bias().defined()) {
+      const auto& name = l->moe->layer();
+      out.push_back({"moe/" + name + ".expert_bias", "model." + name + ".gate.e_score_correction_bias",
+                     l->moe->expert_bias()});
+    }
+  return out;
+}
+
 double MoeLm::flops_per_token(int64_t seq_len) const {
   const auto& c = config();
   const auto& o = *mcfg_.moe;

@@ -29,6 +29,10 @@ class MoeLm : public llama::Llama {
  public:
   MoeLm(const MoeLmConfig& cfg, const common::ShardingContext& ctx = {});
   std::vector<MoeStats> take_moe_stats() override;
+  // The DeepSeek-V3 router's selection bias, where a layer keeps one, as
+  // DeepseekV3's `<layer>.gate.e_score_correction_bias` (the MoE monitor saves
+  // it as moe/<layer>.expert_bias).
+  std::vector<HfBuffer> hf_buffers() override;
   // Active parameters only: k of E routed experts (plus the shared ones) per sparse layer.
   double flops_per_token(int64_t seq_len) const override;
   ModelDims dims() const override;  // Llama's, with the MoE fields

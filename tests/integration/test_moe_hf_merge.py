@@ -3,7 +3,8 @@ Mixtral written by transformers' save_pretrained (one tensor per expert) are rea
 model.init_from into nnstrain's stacked experts, trained one step at lr 0 under expert
 parallelism 2 (each rank reads and saves only its experts), saved, and `nnstrain merge
 --hf` writes them back one tensor per expert: every tensor bitwise equal to the
-original, under the original names, and the folder loads in transformers."""
+original, under the original names, and the folder loads in transformers. The DeepSeek-V3
+router's selection bias goes out and back in as DeepseekV3's e_score_correction_bias."""
 import subprocess
 import sys
 
@@ -80,3 +81,33 @@ def test_init_from_and_merge_hf_round_trip_bitwise(tmp_path, tiny_tokens, model_
                        env=single_process_env(1), capture_output=True, text=True, timeout=300)
     assert m.returncode == 0, m.stdout + m.stderr
     assert "EQUAL" in py("-c", COMPARE, hf, tmp_path / "merged")
+
+
+def test_deepseek_selection_bias_round_trips_as_e_score_correction_bias(tmp_path, tiny_tokens):
+    """DeepSeek-V3's router on the tiny Qwen3-MoE: the selection bias the trainer moved is written by
+    merge --hf as `<layer>.gate.e_score_correction_bias` (DeepseekV3's name) and read back by init_from."""
+    from safetensors.numpy import load_file
+    deepseek = ["--model.args.scoring_func", "sigmoid", "--model.args.router_aux_loss_coef", "0"]
+
+    def train(run, *more):
+        args = ["--config", CONFIGS / "tiny_moe.yaml", "--vars.data", tiny_tokens, "--run_dir", tmp_path / run,
+                "--micro_batch_size", "4", "--checkpoint.save_dir", tmp_path / run / "ck", *deepseek, *more,
+                *device_args(1)]
+        p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1),
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        ck = sorted((tmp_path / run / "ck").glob("step-*"))[-1]
+        m = subprocess.run([nnstrain_bin_path(), "merge", ck, "--out", tmp_path / run / "hf", "--hf"], cwd=SOURCE,
+                           env=single_process_env(1), capture_output=True, text=True, timeout=300)
+        assert m.returncode == 0, m.stdout + m.stderr
+        return {k: v for k, v in load_file(tmp_path / run / "hf" / "model.safetensors").items()
+                if k.endswith("e_score_correction_bias")}
+
+    moved = train("first", "--max_train_steps", "5", "--model.args.bias_update_speed", "0.01")
+    assert sorted(moved) == ["model.layers.1.mlp.gate.e_score_correction_bias"], sorted(moved)
+    (bias,) = moved.values()
+    assert abs(bias).max() >= 0.01, bias  # the trainer moved it (a multiple of the speed per step)
+    # Read back by init_from, then moved by at most 1e-9 in one step: the same values, not a fresh zero bias.
+    again = train("second", "--max_train_steps", "1", "--model.args.bias_update_speed", "1e-9",
+                  "--model.init_from", tmp_path / "first" / "hf")
+    assert abs(again["model.layers.1.mlp.gate.e_score_correction_bias"] - bias).max() <= 2e-9

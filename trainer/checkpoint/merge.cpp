@@ -104,6 +104,10 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
         p.key = it->second.theirs;
         hf.erase(it);
       }
+    } else if (opts.hf && hf.count(name)) {  // state the Hugging Face layout keeps beside the weights
+      file = "model.safetensors";
+      p.key = hf.at(name).theirs;
+      hf.erase(name);
     } else if (name.rfind("optim/", 0) == 0) {
       file = "optimizer.safetensors";
       p.key = name.substr(6);

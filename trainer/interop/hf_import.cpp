@@ -224,6 +224,24 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
       row += rows;
     }
   }, after);
+  // State beside the parameters (DeepSeek-V3's selection bias): read where the
+  // folder has it; a folder without it (a Qwen3-MoE's) leaves the fresh value.
+  for (auto& b : model.hf_buffers()) {
+    const auto it = where.find(b.theirs);
+    if (it == where.end()) continue;
+    const auto path = (dir / it->second).string();
+    auto& reader = readers[path];
+    if (!reader) reader = std::make_unique<SafetensorsReader>(path);
+    const auto* info = reader->find(b.theirs);
+    if (!info) throw CheckpointError(path + ": tensor '" + b.theirs + "' is missing (the index names this file)");
+    if (info->shape != b.tensor.sizes().vec())
+      throw CheckpointError(path + ": tensor '" + b.theirs + "' has shape " + show(info->shape) + " but the model's '" +
+                            b.ours + "' needs " + show(b.tensor.sizes().vec()));
+    auto t = read_tensor_slice(*reader, b.theirs, std::vector<int64_t>(info->shape.size(), 0), info->shape);
+    report.bytes_needed += info->nbytes();
+    report.bytes_read += t.nbytes();
+    b.tensor.copy_(t);
+  }
   std::map<std::string, bool> known;
   for (const auto& p : model.named_parameters()) known[p.key()] = true;
   for (const auto& h : mapping)

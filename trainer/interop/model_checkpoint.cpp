@@ -59,7 +59,7 @@ void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& mode
   }
 }
 
-checkpoint::HfExport hf_export(const models::CausalLM& model) {
+checkpoint::HfExport hf_export(models::CausalLM& model) {
   checkpoint::HfExport e;
   for (const auto& h : model.hf_tensors()) {
     if (h.expert >= 0) {  // stacked experts: one tensor per expert in their layout
@@ -70,6 +70,8 @@ checkpoint::HfExport hf_export(const models::CausalLM& model) {
     }
     e.names[h.ours] = {h.theirs, h.transpose, {}};
   }
+  // State beside the parameters, by its full checkpoint name ("moe/...").
+  for (const auto& b : model.hf_buffers()) e.names[b.ours] = {b.theirs, false, {}};
   e.config = model.hf_config();
   return e;
 }

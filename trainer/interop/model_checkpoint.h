@@ -31,7 +31,7 @@ std::shared_ptr<models::CausalLM> build_model(const checkpoint::Checkpoint& ck);
 void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& model);
 
 // The model's Hugging Face names, layouts and config.json, for merge --hf.
-checkpoint::HfExport hf_export(const models::CausalLM& model);
+checkpoint::HfExport hf_export(models::CausalLM& model);
 
 // checkpoint::merge, with --hf's names taken from the checkpoint's own model.
 // dtype: "" (as stored), "F32", "BF16" or "F16".
