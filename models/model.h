@@ -77,7 +77,9 @@ struct MoeStats {
   std::string layer;                       // its module, e.g. "layers.3.mlp"
   std::vector<int64_t> tokens_per_expert;  // this rank's kept assignments per global expert
   int64_t dropped = 0;                     // assignments dropped by capacity_factor
-  double aux_loss = 0;                     // balancing losses added (coefficients applied), summed
+  // Balancing losses added (coefficients applied), summed: a scalar on the
+  // model's device, read by the trainer only when it logs (no host sync per step); undefined: none.
+  at::Tensor aux_loss;
   // DeepSeek-V3's aux-loss-free balancing: the router's selection bias [E]
   // (undefined: none) and its speed; the trainer updates it in place after
   // each step from the load summed over the data-parallel ranks.

@@ -287,7 +287,7 @@ MoeStats MoeImpl::take_stats() {
   s.layer = layer_;
   s.tokens_per_expert = tokens_;
   s.dropped = dropped_;
-  s.aux_loss = aux_.defined() ? aux_.item<double>() : 0.0;
+  s.aux_loss = aux_;
   s.expert_bias = bias_;
   s.bias_update_speed = o_.bias_update_speed;
   tokens_.assign(o_.num_experts, 0);

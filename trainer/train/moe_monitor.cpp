@@ -36,13 +36,14 @@ void MoeMonitor::after_step(int64_t micro_batches) {
   std::vector<double> v;
   for (const auto& s : stats) v.insert(v.end(), s.tokens_per_expert.begin(), s.tokens_per_expert.end());
   for (const auto& s : stats) v.push_back(double(s.dropped));
-  double aux = 0;
-  for (const auto& s : stats) aux += s.aux_loss;
-  v.push_back(aux);
+  const auto aux_at = static_cast<int64_t>(v.size());
+  v.push_back(0.0);  // the balancing losses: added on the device below
   // Each micro-batch's balancing loss is its mean over its sequences (a cp rank holds its
   // sequences' whole figure): their mean over every rank's micro-batches is the step's, at any plan.
   v.push_back(double(micro_batches));
   auto t = torch::tensor(v, torch::kDouble).to(device_);
+  for (const auto& s : stats)
+    if (s.aux_loss.defined()) t.narrow(0, aux_at, 1).add_(s.aux_loss.detach().to(t.device(), torch::kDouble).reshape({1}));
   if (rt_ && rt_->dp_cp.size() > 1) rt_->all_reduce(rt_->dp_cp, t, "MoE load all-reduce");
   // DeepSeek-V3: an expert above the mean load is chosen less next step, one below more.
   int64_t at = 0;
