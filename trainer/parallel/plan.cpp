@@ -397,7 +397,10 @@ std::string describe(const Plan& p, bool explain) {
     << fixed(e.step_s > 0 ? 100 * e.optim_step_s / e.step_s : 0.0, 1) << "% of the step): ";
   if (e.optim_matrix_flops > 0 || e.optim_exchange_s > 0)
     o << (p.optimizer_work.empty() ? std::string("matrix work") : p.optimizer_work) << " " << fixed(e.optim_matrix_s, 4)
-      << " s on the busiest owner (" << fixed(e.optim_matrix_flops / 1e9, 2) << " GFLOP), gather and scatter "
+      << " s on the busiest owner ("
+      << (e.optim_matrix_flops >= 1e9 ? fixed(e.optim_matrix_flops / 1e9, 2) + " GFLOP"
+                                      : fixed(e.optim_matrix_flops / 1e6, 2) + " MFLOP")
+      << "), gather and scatter "
       << fixed(e.optim_exchange_s, 4) << " s (" << format_bytes(e.optim_gather_bytes) << " + "
       << format_bytes(e.optim_scatter_bytes) << "), ";
   o << "element-wise " << fixed(e.optim_elementwise_s, 4) << " s"
