@@ -101,6 +101,22 @@ TEST_CASE("cost model: Muon's Newton-Schulz FLOPs grow with ns_steps and matrix 
             Approx(ns * L * block / (0.5 * 1e12)));
     }
   }
+  // Under pp 2 each pipeline rank orthogonalises its own stage's matrices
+  // (one layer's here, one owner each); the slowest rank's step is the step's.
+  {
+    const int64_t C = 32;
+    auto model = gpt(L, C);
+    auto two = args_for(2, "muon");
+    Candidate pp{1, 1, 0, 0};
+    pp.pp = pp.stages = 2;
+    pp.stage_layers = {1, 1};
+    const auto e = parallel::estimate(PlanRequest{&two, model.get(), 2, test_device(), 1e12}, pp);
+    CHECK(e.optim_matrix_flops ==
+          Approx(5 * (ns_iteration(3 * C, C) + ns_iteration(C, C) + 2 * ns_iteration(4 * C, C))));
+    CHECK(e.optim_exchange_s == 0);  // a stage of one rank
+    CHECK(e.step_s > e.optim_step_s);
+    CHECK(e.optim_step_s == Approx(e.optim_elementwise_s + e.optim_matrix_s));
+  }
   // AdamW has no matrix work.
   auto model = gpt(L, 32);
   auto adamw = args_for(4, "adamw");
