@@ -238,11 +238,14 @@ TEST_CASE("planner: the cost model's arithmetic", "[planner]") {
   // token (12 C^2 a layer, the head's V C) plus causal attention's half of
   // 12 L C T, over this rank's 2 sequences of T tokens (global 4 over dp 2), at
   // kAssumedEfficiency (1/2) of the device's 1e12 FLOP/s; the rest of e1's step
-  // is its exposed gradient reduction.
+  // is its exposed gradient reduction and AdamW's step: every parameter's
+  // weight and two moments read and written and its gradient read (fp32:
+  // 28 bytes) at the device's memory bandwidth.
   const double flops_per_token = 6 * (L * 12 * C * C + V * C) + 6 * L * C * T;
   const double compute = 2 * T * flops_per_token / (0.5 * 1e12);
   CHECK(e1.compute_s == Approx(compute));
-  CHECK(e1.step_s == Approx(compute + e1.dp_comm_s));
+  CHECK(e1.optim_step_s == Approx(total * 28 / req.device.memory_bw));
+  CHECK(e1.step_s == Approx(compute + e1.dp_comm_s + e1.optim_step_s));
 }
 
 // The selection rule by brute force over the same estimates: per (tp, k) the
@@ -865,7 +868,7 @@ TEST_CASE("planner: overlapped collectives charge compute their contention", "[p
   const double flops_per_token = 6 * (4 * 12 * 256.0 * 256 + 512 * 256) + 6 * 4 * 256 * 64;
   const double compute = m * 64 * flops_per_token / (0.5 * 1e12);
   CHECK(z2.compute_s == Approx(compute));
-  CHECK(z2.step_s == Approx(compute + z2.dp_comm_s));
+  CHECK(z2.step_s == Approx(compute + z2.dp_comm_s + z2.optim_step_s));
   CHECK(z2.step_s >= compute + z2.contention_s);
 }
 

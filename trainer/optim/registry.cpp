@@ -14,10 +14,10 @@ const std::vector<OptimizerEntry>& registered_optimizers() {
        [](OptimizerContext c) -> std::unique_ptr<Optimizer> {
          return std::make_unique<AdamW>(std::move(c.segments), *c.args);
        },
-       false},
+       false, adamw_step_cost},
       {"muon", muon::parse,
        [](OptimizerContext c) -> std::unique_ptr<Optimizer> { return std::make_unique<muon::Muon>(std::move(c)); },
-       true},
+       true, muon_step_cost},
   };
   return all;
 }

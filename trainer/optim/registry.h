@@ -13,6 +13,7 @@
 #include "base/config/trainer_args.h"
 #include "trainer/optim/comm.h"
 #include "trainer/optim/optimizer.h"
+#include "trainer/optim/step_cost.h"
 #include "trainer/sharding/shard_spec.h"
 
 namespace nnstrain::optim {
@@ -46,6 +47,8 @@ struct OptimizerEntry {
   std::function<std::unique_ptr<Optimizer>(OptimizerContext)> build;
   // It gathers whole matrices: built with a comm over the stage (Runtime::stage).
   bool whole_matrices = false;
+  // What its step costs, for the planner (step_cost.h).
+  std::function<StepCost(const config::OptimizerArgs&, const std::vector<CostParam>&, bool cuda)> cost;
 };
 
 const std::vector<OptimizerEntry>& registered_optimizers();

@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <optional>
+#include <queue>
 #include <tuple>
 
 #include <unistd.h>
@@ -21,6 +22,7 @@
 
 #include "models/model.h"
 #include "trainer/optim/precision.h"
+#include "trainer/optim/registry.h"
 #include "trainer/parallel/param_units.h"
 #include "trainer/parallel/pipeline_schedule.h"
 #include "trainer/parallel/pipeline_stages.h"
@@ -43,13 +45,14 @@ const std::vector<DeviceSpec>& table() {
       // Host link: PCIe Gen5 x16 (H100/H200) or Gen4 (A100) as achieved by
       // pinned copies, about half the nominal; host AdamW: a server socket's
       // memory bandwidth shared by 8 ranks, a rough figure.
-      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
-      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9},
-      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
-      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9},
+      // Device memory bandwidth: the data sheets' HBM figure.
+      {"H100", 80 * kGiB, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9, 3.35e12},
+      {"H200", 141e9, 989e12, 494e12, 67e12, 450e9, 50e9, 8, 20e-6, 25e9, 10e9, 4.8e12},
+      {"A100-80G", 80 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9, 2.039e12},
+      {"A100-40G", 40 * kGiB, 312e12, 156e12, 19.5e12, 300e9, 25e9, 8, 20e-6, 12e9, 10e9, 1.555e12},
       // A CPU rank: memory is filled in from the machine; the rates are a
       // rough server-socket figure, for relative choices only.
-      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6, 10e9, 10e9},
+      {"cpu", 0, 1e12, 1e12, 1e12, 10e9, 1.25e9, 8, 100e-6, 10e9, 10e9, 10e9},
   };
   return t;
 }
@@ -205,6 +208,99 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   return st;
 }
 
+// The optimizer's step as the plan shapes it. OptimizerEntry::cost says what
+// each parameter's state and matrix work are; this lays them over the
+// candidate: this rank's share of state, and for a whole-matrix optimizer
+// (Muon) the owners of the stage's matrices, dealt out as MatrixExchange does
+// (largest FLOPs first, each to the least-loaded member, ties to the lowest),
+// and what its gather and scatter move. The stage's members are its tp x cp x
+// dp ranks (one pipeline index); a matrix's holders are all of them (experts
+// under ep: the tp x dp x cp / ep ranks holding that expert), each holding one
+// of P = tp (split dims) x Z (ZeRO's shards) pieces, on average; the owner is
+// one of its holders with probability q = holders / members.
+struct OptimizerWork {
+  double state_scale = 1;   // this rank's state per element over AdamW's two moments (Muon's matrices: 1/2)
+  double matrix_share = 0;  // of this rank's parameter elements, those in whole-matrix work
+  bool bf16 = false;        // the matrix work and the exchange in bf16 (else fp32)
+  int members = 1;          // the stage's ranks
+  int64_t matrices = 0;     // the stage's
+  // Elements: the busiest owner's gather (what it lacks of its matrices) and
+  // the mean a member sends into it; the busiest owner's scatter (its
+  // matrices' update pieces to every other holder) and what one rank receives
+  // back (its own pieces, less those of matrices it owns).
+  double gather_recv = 0, gather_mean = 0, scatter_send = 0, scatter_recv = 0;
+  double piece = 0;          // elements of this rank's pieces of the matrices
+  double busiest_flops = 0;  // the most matrix FLOPs one member owns
+  double owned = 0;          // the most elements one member owns (gathered whole)
+  double workspace = 0;      // elements of the largest matrix's Newton-Schulz temporaries
+  double wire() const { return bf16 ? 2.0 : 4.0; }
+};
+
+OptimizerWork optimizer_work(const optim::StepCost& cost, const ModelFacts& f, const Candidate& c,
+                             const std::vector<bool>& held, int z, int ez) {
+  OptimizerWork w;
+  w.bf16 = cost.bf16;
+  const int dpcp = c.dp * std::max(1, c.cp);
+  w.members = c.tp * dpcp;
+  struct Matrix {
+    double flops, numel, gather, scatter, workspace;
+  };
+  std::vector<Matrix> mats;
+  double elements = 0, state = 0, matrix = 0;
+  for (size_t i = 0; i < f.params.size(); ++i) {
+    if (!held.empty() && !held[i]) continue;
+    const auto& p = f.params[i];
+    double n = 1;
+    for (auto d : local_shape(p, c.tp, c.ep)) n *= double(d);
+    elements += n;
+    state += n * cost.state_tensors[i];
+    if (cost.matrix_flops[i] <= 0 || p.shape.size() < 2) continue;
+    matrix += n;
+    const auto style = p.split.style;
+    const bool expert = style == models::SplitStyle::Expert && c.ep > 1;
+    const double zs = c.zero_stage ? (expert ? ez : z) : 1;
+    const bool split = c.tp > 1 && (style == models::SplitStyle::Column || style == models::SplitStyle::Row ||
+                                    style == models::SplitStyle::Vocab);
+    const double pieces = (split ? c.tp : 1) * zs;
+    const double holders = expert ? double(c.tp) * dpcp / c.ep : double(w.members);
+    const double q = holders / w.members, replicas = holders / pieces;
+    w.piece += n / zs;
+    const double rows = double(p.shape[p.shape.size() - 2]), cols = double(p.shape.back());
+    const double numel = rows * cols, s = std::min(rows, cols), l = std::max(rows, cols);
+    int64_t count = 1;
+    for (size_t d = 0; d + 2 < p.shape.size(); ++d) count *= p.shape[d];
+    const Matrix m{cost.matrix_flops[i], numel, numel * (1 - q / pieces), numel * (replicas - q / pieces),
+                   2 * s * l + 2 * s * s};  // X and its successor, the gram and its polynomial
+    mats.insert(mats.end(), static_cast<size_t>(count), m);
+  }
+  w.state_scale = elements > 0 ? state / elements / 2 : 1.0;
+  w.matrix_share = elements > 0 ? matrix / elements : 0.0;
+  w.matrices = static_cast<int64_t>(mats.size());
+  w.scatter_recv = w.piece * (1 - 1.0 / w.members);
+  if (mats.empty()) return w;
+  std::stable_sort(mats.begin(), mats.end(), [](const Matrix& a, const Matrix& b) { return a.flops > b.flops; });
+  // Least load first, then the lowest member: a min-heap on (load, member).
+  using Slot = std::pair<double, int>;
+  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> least;
+  for (int m = 0; m < w.members; ++m) least.push({0.0, m});
+  std::vector<double> gather(w.members, 0.0), scatter(w.members, 0.0), owned(w.members, 0.0);
+  double total_gather = 0;
+  for (const auto& m : mats) {
+    auto [load, o] = least.top();
+    least.pop();
+    least.push({load + m.flops, o});
+    w.busiest_flops = std::max(w.busiest_flops, load + m.flops);
+    gather[o] += m.gather, scatter[o] += m.scatter, owned[o] += m.numel;
+    total_gather += m.gather;
+    w.workspace = std::max(w.workspace, m.workspace);
+  }
+  w.gather_recv = *std::max_element(gather.begin(), gather.end());
+  w.gather_mean = total_gather / w.members;
+  w.scatter_send = *std::max_element(scatter.begin(), scatter.end());
+  w.owned = *std::max_element(owned.begin(), owned.end());
+  return w;
+}
+
 // ---- the terms ----------------------------------------------------------------
 // What every term reads: the request, the candidate and what follows from
 // them once (bytes per element, this rank's flat buffers, the batch's shape).
@@ -239,6 +335,7 @@ struct Setting {
   double moe = 0, moe_layers = 0, topk = 0, eff = 0, shf = 0, E = 0, imb = 1;
   // The routed experts' training FLOPs per token over all MoE layers.
   double expert_flops = 0;
+  OptimizerWork ow;  // the optimizer's state and step on this rank's parameters
 };
 
 // The rank's part of the model under pp; the whole model otherwise.
@@ -248,7 +345,9 @@ struct RankPart {
   bool first = true, last = true;
 };
 
-Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c, const RankPart& part) {
+// cost: the optimizer's (optimizer_cost), when the caller has it already.
+Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c, const RankPart& part,
+                const optim::StepCost* cost = nullptr) {
   const auto& a = *req.args;
   const auto pb = precision_bytes(a);
   Setting x{req, a, f, c, pb, state_layout(a, f, c, pb, part.held)};
@@ -290,6 +389,7 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   x.sends = part.sends;
   x.w_live = part.w_live;
   x.split_layers = part.split_layers;
+  x.ow = optimizer_work(cost ? *cost : optimizer_cost(req, f), f, c, part.held, x.st.z, x.st.ez);
   return x;
 }
 
@@ -299,19 +399,20 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
 // the sum of every bucket's chunk; expert_bytes is their part.
 void state_term(const Setting& x, PlanEstimate& e) {
   const auto& pb = x.pb;
+  const double moments = pb.moments * x.ow.state_scale;  // the optimizer's state (AdamW's two moments)
   auto part = [&](double S, double Sz, double& param, double& grad, double& optim) {
     switch (x.c.zero_stage) {
       case 0:
-        param = S * pb.param, grad = S * pb.grad, optim = S * (pb.master + pb.moments);
+        param = S * pb.param, grad = S * pb.grad, optim = S * (pb.master + moments);
         break;
       case 1:  // the full gradient buffer stays, plus the reduced chunk
-        param = S * pb.param, grad = S * pb.grad + Sz * pb.grad, optim = Sz * (pb.master + pb.moments);
+        param = S * pb.param, grad = S * pb.grad + Sz * pb.grad, optim = Sz * (pb.master + moments);
         break;
       case 2:  // no full gradient buffer outlives backward
-        param = S * pb.param, grad = Sz * pb.grad, optim = Sz * (pb.master + pb.moments);
+        param = S * pb.param, grad = Sz * pb.grad, optim = Sz * (pb.master + moments);
         break;
       default:  // 3: parameters sharded too, units gathered around their use
-        param = Sz * pb.param, grad = Sz * pb.grad, optim = Sz * (pb.master + pb.moments);
+        param = Sz * pb.param, grad = Sz * pb.grad, optim = Sz * (pb.master + moments);
     }
   };
   part(x.st.padded, x.st.shard, e.param_bytes, e.grad_bytes, e.optim_bytes);
@@ -331,7 +432,7 @@ double update_bytes(const PrecisionBytes& pb) { return pb.master > 0 ? pb.master
 void offload_memory_term(const Setting& x, PlanEstimate& e) {
   const auto& pb = x.pb;
   const double H = x.st.host_elements;
-  e.optim_bytes -= H * (pb.master + pb.moments);
+  e.optim_bytes -= H * (pb.master + pb.moments * x.ow.state_scale);  // the host's buckets hold two moments each
   e.host_bytes = H * (update_bytes(pb) + pb.moments + pb.grad + pb.param);
   if (x.c.offload_params) {
     e.host_bytes += e.param_bytes;
@@ -601,6 +702,13 @@ void peak_term(const Setting& x, const Activations& act, PlanEstimate& e) {
     phases.push_back({act.saved_layers + act.head_saved +
                           x.tokens * ((x.f.gated_mlp ? 3 : 2) * x.ffn / x.t + x.h * x.rep) * x.pb.act,
                       outer_units});
+  // The optimizer's step, after backward (activations freed): a whole-matrix
+  // optimizer's exchange buffers (this rank's pieces out, its update pieces
+  // back, the matrices it owns gathered) and the Newton-Schulz temporaries of
+  // the largest matrix, in the exchange's dtype. AdamW's fused step has none.
+  const auto& ow = x.ow;
+  if (ow.matrices > 0)
+    phases.push_back({0.0, (ow.owned + 2 * ow.piece + ow.workspace) * ow.wire()});
   for (auto& ph : phases) ph.acts += act.sent;  // held through every phase
   const auto peak_phase = *std::max_element(phases.begin(), phases.end(), [](const Phase& p, const Phase& q) {
     return p.acts + p.transient < q.acts + q.transient;
@@ -818,6 +926,41 @@ void offload_time_term(const Setting& x, PlanEstimate& e) {
   }
 }
 
+// The optimizer's step on the device. Element-wise: every element of this
+// rank's device state (its ZeRO shard; the host's buckets are offload's) reads
+// and writes its weight and its state tensors and reads its gradient, at the
+// device's memory bandwidth; a whole-matrix optimizer also writes its piece
+// into the exchange and reads its update back. Matrix work: the busiest
+// owner's FLOPs at the exchange dtype's peak x kAssumedEfficiency (the stage
+// waits for it: the scatter is a collective). Exchange: two all-to-alls over
+// the stage, each the larger of what its busiest rank sends or receives,
+// over the stage group's link (NVLink while it fits a node). Nothing of it
+// overlaps: it runs between the gradients' reduction and the next forward.
+void optimizer_time_term(const Setting& x, PlanEstimate& e) {
+  const auto& w = x.ow;
+  const auto& pb = x.pb;
+  const auto& dev = x.req.device;
+  const double stepped = std::max(0.0, (x.c.zero_stage ? x.st.shard : x.st.elements) - x.st.host_elements);
+  const double per_element =
+      2 * update_bytes(pb) + pb.grad + 2 * pb.moments * w.state_scale + w.matrix_share * 2 * w.wire();
+  e.optim_elementwise_s = dev.memory_bw > 0 ? stepped * per_element / dev.memory_bw : 0.0;
+  if (w.matrices > 0) {
+    const std::string precision = w.bf16 ? "bf16-mixed" : "32-true";
+    e.optim_matrix_flops = w.busiest_flops;
+    e.optim_matrix_s = w.busiest_flops / (peak_flops_for(dev, precision, x.a.compute_config.allow_tf32) * kAssumedEfficiency);
+    if (w.members > 1) {
+      // The stage's members: tp x cp consecutive ranks, then dp members tp x cp x pp apart.
+      const double span = x.c.dp > 1 ? double(x.c.tp) * x.c.cp * x.c.pp * x.c.dp : double(x.c.tp) * x.c.cp;
+      const double gather = std::max(w.gather_recv, w.gather_mean), scatter = std::max(w.scatter_send, w.scatter_recv);
+      e.optim_gather_bytes = gather * w.wire();
+      e.optim_scatter_bytes = scatter * w.wire();
+      e.optim_exchange_s =
+          2 * dev.collective_latency_s + (e.optim_gather_bytes + e.optim_scatter_bytes) / link_bw(dev, span);
+    }
+  }
+  e.optim_step_s = e.optim_elementwise_s + e.optim_matrix_s + e.optim_exchange_s;
+}
+
 std::string join(const std::vector<std::string>& v, const std::string& sep) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
@@ -830,7 +973,7 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
 void post_validation_term(const Setting& x, PlanEstimate& e) {
   if (!x.a.compute_config.pipeline.post_validation) return;
   const double n = x.c.zero_stage ? x.st.shard : x.st.padded;
-  e.optim_bytes += n * (update_bytes(x.pb) + x.pb.moments);
+  e.optim_bytes += n * (update_bytes(x.pb) + x.pb.moments * x.ow.state_scale);
   if (optim::precision_setup(x.a.precision, x.a.compute_config.reduce_dtype).loss_scaling) e.grad_bytes += n * x.pb.grad;
 }
 
@@ -988,7 +1131,8 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   for (int st = 0; st < S; ++st) first_layer[st + 1] = first_layer[st] + layers[st];
 
   // Memory: every rank, the worst is the estimate.
-  PlanEstimate e;
+  PlanEstimate e, slowest_optimizer;
+  const auto optimizer = optimizer_cost(req, f);
   std::optional<Setting> worst;
   std::vector<double> rank_bytes;
   for (int r = 0; r < P; ++r) {
@@ -1022,7 +1166,7 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
         if (stage_rank[st] == r) part.split_layers = std::max<double>(part.split_layers, layers[st]);
     const double stages_held = std::max(1, held_stages);
     part.live = 1.0 / stages_held;  // one (stage, micro-batch), to weigh it
-    const auto one_setting = setting(req, f, c, part);
+    const auto one_setting = setting(req, f, c, part, &optimizer);
     const auto one = activation_term(one_setting);
     const double pair_bytes = one.saved_layers, boundary_bytes = one.sent_per_tensor;
     const double pending_bytes = pending_w_bytes(one_setting) / stages_held;
@@ -1036,10 +1180,13 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
         part.sends = grow * boundary;
       }
     }
-    auto x = setting(req, f, c, part);
+    auto x = setting(req, f, c, part, &optimizer);
     PlanEstimate er;
     memory_terms(x, er);
     rank_bytes.push_back(er.total_bytes);
+    PlanEstimate ot;  // every pipeline index steps its own stages' optimizer at once: the slowest counts
+    optimizer_time_term(x, ot);
+    if (ot.optim_step_s > slowest_optimizer.optim_step_s) slowest_optimizer = ot;
     if (!worst || er.total_bytes > e.total_bytes) {
       e = er;
       worst.emplace(x);
@@ -1127,7 +1274,12 @@ PlanEstimate pipeline_estimate(const PlanRequest& req, const ModelFacts& f, cons
   ep_comm_term(x, e);  // (ep > 1 is not run with pp yet: planner.cpp not_runnable)
   e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s + e.pp_comm_s + e.ep_comm_s;
   offload_time_term(x, e);
-  e.step_s = makespan + e.dp_comm_s + e.ep_comm_s + e.offload_s;
+  const auto& so = slowest_optimizer;
+  e.optim_step_s = so.optim_step_s, e.optim_elementwise_s = so.optim_elementwise_s;
+  e.optim_matrix_s = so.optim_matrix_s, e.optim_exchange_s = so.optim_exchange_s;
+  e.optim_matrix_flops = so.optim_matrix_flops;
+  e.optim_gather_bytes = so.optim_gather_bytes, e.optim_scatter_bytes = so.optim_scatter_bytes;
+  e.step_s = makespan + e.dp_comm_s + e.ep_comm_s + e.offload_s + e.optim_step_s;
   return e;
 }
 
@@ -1323,13 +1475,25 @@ PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candida
   ep_comm_term(x, e);
   e.comm_s = e.tp_comm_s + e.cp_comm_s + e.dp_comm_s + e.ep_comm_s;
   offload_time_term(x, e);
-  e.step_s = e.compute_s + e.comm_s + e.offload_s;
+  optimizer_time_term(x, e);
+  e.step_s = e.compute_s + e.comm_s + e.offload_s + e.optim_step_s;
   return e;
 }
 
 PlanEstimate estimate(const PlanRequest& req, const Candidate& c) {
   if (!req.args || !req.model) throw PlanError("plan request without config or model");
   return estimate(req, model_facts(*req.model), c);
+}
+
+optim::StepCost optimizer_cost(const PlanRequest& req, const ModelFacts& f) {
+  const auto& o = req.args->optimizer;
+  const auto& entry = optim::optimizer_entry(o.type);
+  std::vector<optim::CostParam> params;
+  for (const auto& p : f.params) params.push_back({p.name, p.shape, p.unit >= 0});
+  auto cost = entry.cost ? entry.cost(o, params, req.device.name != "cpu") : optim::StepCost{};
+  cost.state_tensors.resize(params.size(), 2);  // an entry without a cost hook: AdamW's shape
+  cost.matrix_flops.resize(params.size(), 0.0);
+  return cost;
 }
 
 double moe_imbalance(const PlanRequest& req) {

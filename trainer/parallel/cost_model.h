@@ -5,7 +5,8 @@
 // dimension is a term of its own (cost_model.cpp: the state under ZeRO,
 // activations under tensor/sequence parallelism and recompute, the loss, the
 // sharding's transients, compute, tensor-parallel and data-parallel
-// communication, offload), so a new dimension adds a term, not a branch.
+// communication, offload, the optimizer's step as its registry entry prices
+// it), so a new dimension adds a term, not a branch.
 // docs/parallelism.md derives each term.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include "base/config/trainer_args.h"
 #include "models/common/sharding.h"
 #include "models/model_dims.h"
+#include "trainer/optim/step_cost.h"
 #include "trainer/parallel/plan.h"
 
 namespace nnstrain::models {
@@ -57,6 +59,9 @@ struct DeviceSpec {
   // rank (bytes of weights, moments and gradient read and written per second).
   double host_link_bw = 25e9;
   double host_adam_bytes_per_s = 10e9;
+  // The device memory's bandwidth, bytes/s: what an element-wise optimizer
+  // step (reading and writing weights and state, reading the gradient) runs at.
+  double memory_bw = 2e12;
   // The NVMe tier, per node (its ranks share them): host memory (0: not
   // checked) and the disk's sequential read and write rates (0: no NVMe
   // tier), as `nnstrain plan --probe-disk PATH --host-memory-gb X` measures and sets them.
@@ -163,6 +168,10 @@ struct ModelFacts {
 
 // Read once per plan: the model's dimensions, parameters and declared splits.
 ModelFacts model_facts(const models::CausalLM& model);
+
+// What the optimizer (optimizer.type's registry entry, OptimizerEntry::cost)
+// says its step costs per parameter of f; the cost model lays it over a plan.
+optim::StepCost optimizer_cost(const PlanRequest& req, const ModelFacts& f);
 
 // This rank's shape of a parameter at tp (rank 0's, the largest piece). Expert
 // weights are whole on every tp rank: E / ep of them at expert parallelism ep.

@@ -46,7 +46,15 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"host_step_s", e.host_step_s},
          {"copy_s", e.copy_s},
          {"offload_s", e.offload_s},
+         {"optim_step_s", e.optim_step_s},
+         {"optim_elementwise_s", e.optim_elementwise_s},
+         {"optim_matrix_s", e.optim_matrix_s},
+         {"optim_exchange_s", e.optim_exchange_s},
+         {"optim_matrix_flops", e.optim_matrix_flops},
+         {"optim_gather_bytes", e.optim_gather_bytes},
+         {"optim_scatter_bytes", e.optim_scatter_bytes},
          {"step_s", e.step_s}}},
+       {"optimizer", {{"type", p.optimizer}, {"work", p.optimizer_work}}},
        {"memory_budget_bytes", p.memory_budget_bytes},
        {"device", p.device},
        {"micro_batch_size", p.micro_batch_size},
@@ -131,11 +139,22 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.nvme_bytes = ej.value("nvme_bytes", 0.0);
       e.nvme_s = ej.value("nvme_s", 0.0);
       e.step_s = ej.value("step_s", 0.0);
+      e.optim_step_s = ej.value("optim_step_s", 0.0);
+      e.optim_elementwise_s = ej.value("optim_elementwise_s", 0.0);
+      e.optim_matrix_s = ej.value("optim_matrix_s", 0.0);
+      e.optim_exchange_s = ej.value("optim_exchange_s", 0.0);
+      e.optim_matrix_flops = ej.value("optim_matrix_flops", 0.0);
+      e.optim_gather_bytes = ej.value("optim_gather_bytes", 0.0);
+      e.optim_scatter_bytes = ej.value("optim_scatter_bytes", 0.0);
       e.expert_bytes = ej.value("expert_bytes", 0.0);
       e.ep_comm_s = ej.value("ep_comm_s", 0.0);
       e.a2a_layer_s = ej.value("a2a_layer_s", 0.0);
       e.a2a_cross_node = ej.value("a2a_cross_node", false);
       e.moe_imbalance = ej.value("moe_imbalance", 0.0);
+    }
+    if (j.contains("optimizer")) {  // plans before the optimizer registry have none (AdamW)
+      p.optimizer = j.at("optimizer").value("type", std::string("adamw"));
+      p.optimizer_work = j.at("optimizer").value("work", std::string());
     }
     p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
     p.device = j.value("device", std::string());
@@ -364,7 +383,7 @@ std::string describe(const Plan& p, bool explain) {
   if (q.pp > 1) {
     // The busiest rank's idle (the step waits for it); lighter ranks idle more,
     // which the mean over ranks counts. max: rounding leaves -0.0000.
-    const double bubble_s = std::max(0.0, e.step_s - e.compute_s - e.comm_s - e.offload_s);
+    const double bubble_s = std::max(0.0, e.step_s - e.compute_s - e.comm_s - e.offload_s - e.optim_step_s);
     o << "  " << pad("bubble", 12) << fixed(bubble_s, 4) << " s (the busiest rank's idle; "
       << fixed(100 * e.pp_bubble, 1) << "% of the pipeline idle on average over ranks, simulated)\n";
   }
@@ -372,6 +391,20 @@ std::string describe(const Plan& p, bool explain) {
     o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
       << " s, copies " << fixed(e.copy_s, 4) << " s"
       << (p.offload_nvme ? ", disk " + fixed(e.nvme_s, 4) + " s beside the host step" : std::string()) << ")\n";
+  // The optimizer's share: its element-wise update, and a whole-matrix
+  // optimizer's work on the busiest owner and its gather and scatter.
+  o << "  " << pad("optimizer", 12) << fixed(e.optim_step_s, 4) << " s (" << p.optimizer << ", "
+    << fixed(e.step_s > 0 ? 100 * e.optim_step_s / e.step_s : 0.0, 1) << "% of the step): ";
+  if (e.optim_matrix_flops > 0 || e.optim_exchange_s > 0)
+    o << (p.optimizer_work.empty() ? std::string("matrix work") : p.optimizer_work) << " " << fixed(e.optim_matrix_s, 4)
+      << " s on the busiest owner ("
+      << (e.optim_matrix_flops >= 1e9 ? fixed(e.optim_matrix_flops / 1e9, 2) + " GFLOP"
+                                      : fixed(e.optim_matrix_flops / 1e6, 2) + " MFLOP")
+      << "), gather and scatter "
+      << fixed(e.optim_exchange_s, 4) << " s (" << format_bytes(e.optim_gather_bytes) << " + "
+      << format_bytes(e.optim_scatter_bytes) << "), ";
+  o << "element-wise " << fixed(e.optim_elementwise_s, 4) << " s"
+    << (e.host_step_s > 0 ? " (the host's share is offload's)" : "") << "\n";
   o << "  " << pad("total", 12) << fixed(e.step_s, 4) << " s";
   if (e.step_s > 0 && p.seq_len > 0) {
     const double tokens = double(p.micro_batch_size) * p.seq_len * p.grad_accumulation_steps * p.dp;
@@ -393,6 +426,11 @@ std::string describe(const Plan& p, bool explain) {
       << "    slowed by " << fixed(100 * kOverlapContention, 1) << "% of the time they overlap (arXiv 2507.03114)\n"
       << "  memory: state by ZeRO stage + activations at the step's peak (backward's start or the last block's\n"
       << "    backward) + what lives only around it (a parameter's gradient, ZeRO-2 buckets, ZeRO-3 units)\n"
+      << "  optimizer: element-wise, the state's elements x (weight, state tensors read and written, the\n"
+      << "    gradient read) / device memory bandwidth; Muon adds per matrix ns_steps x (4 m^2 n + 2 m^3)\n"
+      << "    FLOPs (m, n its short and long side) on its owner, owners dealt out largest first to the least\n"
+      << "    loaded of the stage's tp x cp x dp ranks, and two all-to-alls over them (each matrix's pieces\n"
+      << "    its owner lacks; its update back to every other holder), in ns_dtype, not overlapped\n"
       << "  offload: host step = optimizer bytes / host AdamW rate, exposed in full; gradients to the host\n"
       << "    overlap backward, weights back overlap the host step but its last bucket; parameter offload\n"
       << "    copies each unit's chunk to the device with its gather\n"

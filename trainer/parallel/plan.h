@@ -48,6 +48,14 @@ struct PlanEstimate {
   double ep_comm_s = 0, a2a_layer_s = 0;
   bool a2a_cross_node = false;
   double moe_imbalance = 0;
+  // The optimizer's step on the device (optim_step_s, in step_s; under pp the
+  // slowest pipeline rank's): the element-wise update of this rank's state and,
+  // for a whole-matrix optimizer (Muon), the busiest owner's matrix work
+  // (optim_matrix_flops of it) and the stage's two all-to-alls, gather and
+  // scatter (their bytes: the most any rank of the stage sends or receives in each).
+  // Its transient buffers (exchange, Newton-Schulz) are a peak moment of their own.
+  double optim_step_s = 0, optim_elementwise_s = 0, optim_matrix_s = 0, optim_exchange_s = 0;
+  double optim_matrix_flops = 0, optim_gather_bytes = 0, optim_scatter_bytes = 0;
 };
 
 // Context parallelism: ranks splitting one sequence (compute_config.context_parallel_size).
@@ -91,6 +99,9 @@ struct Plan {
   double memory_budget_bytes = 0;
   // What the estimate assumed: the device table entry, the per-rank batch.
   std::string device;
+  // The optimizer (optimizer.type) and its matrix work, if any
+  // (OptimizerEntry::cost: "Newton-Schulz (5 steps, bf16)").
+  std::string optimizer = "adamw", optimizer_work;
   int64_t micro_batch_size = 1, seq_len = 0;
   int64_t grad_accumulation_steps = 1;  // per rank per step: global batch / (micro x dp)
 };

@@ -562,6 +562,8 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.estimate = best.e;
   p.memory_budget_bytes = std::isfinite(budget) ? budget : 0.0;
   p.device = req.device.name;
+  p.optimizer = a.optimizer.type;
+  p.optimizer_work = optimizer_cost(req, f).what;
   p.micro_batch_size = a.micro_batch_size;
   p.seq_len = seq_len_of(a, f);
   p.grad_accumulation_steps = a.global_batch_size / (a.micro_batch_size * p.dp);
