@@ -17,7 +17,7 @@ const std::vector<OptimizerEntry>& registered_optimizers() {
        false, adamw_step_cost},
       {"muon", muon::parse,
        [](OptimizerContext c) -> std::unique_ptr<Optimizer> { return std::make_unique<muon::Muon>(std::move(c)); },
-       true, muon_step_cost},
+       true, muon::step_cost},
   };
   return all;
 }

@@ -36,9 +36,4 @@ struct StepCost {
 
 // AdamW: two moments per element, no matrix work.
 StepCost adamw_step_cost(const config::OptimizerArgs& o, const std::vector<CostParam>& params, bool cuda);
-// Muon: the matrices it takes (muon_config.h's rule or globs) one momentum each
-// and ns_steps x (4 m^2 n + 2 m^3) FLOPs per matrix (m, n its short and long
-// side: X X^T, the gram's square, their product with X); the rest AdamW's.
-StepCost muon_step_cost(const config::OptimizerArgs& o, const std::vector<CostParam>& params, bool cuda);
-
 }  // namespace nnstrain::optim

@@ -1,5 +1,7 @@
 #include "trainer/optim/muon/matrix_exchange.h"
 
+#include "trainer/optim/muon/newton_schulz.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -60,8 +62,7 @@ MatrixExchange::MatrixExchange(const std::vector<sharding::ShardSpec>& mine, Opt
     const int64_t rows = shape[shape.size() - 2], cols = shape.back();
     const int64_t count = std::accumulate(shape.begin(), shape.end() - 2, int64_t{1}, std::multiplies<int64_t>());
     first[name] = matrices_.size();
-    const double m = static_cast<double>(std::min(rows, cols)), k = static_cast<double>(std::max(rows, cols));
-    for (int64_t e = 0; e < count; ++e) matrices_.push_back({name, e, rows, cols, 0, 4 * m * m * k + 2 * m * m * m});
+    for (int64_t e = 0; e < count; ++e) matrices_.push_back({name, e, rows, cols, 0, newton_schulz_flops(rows, cols, 1)});
   }
   // Owners: largest first, each to the least-loaded member.
   std::vector<size_t> order(matrices_.size());

@@ -21,7 +21,7 @@ std::vector<std::string> muon_params(const MuonConfig& c, const OptimizerContext
   std::vector<std::string> out;
   if (c.params.empty()) {
     for (const auto& p : ctx.params)
-      if (p.in_block && p.global_shape.size() >= 2) out.push_back(p.name);
+      if (p.global_shape.size() >= 2 && takes(c, p.name, p.in_block)) out.push_back(p.name);
     return out;
   }
   for (const auto& glob : c.params) {

@@ -29,6 +29,13 @@ std::shared_ptr<const config::OptimizerConfig> parse(config::ArgMap& optimizer, 
   return c;
 }
 
+bool takes(const MuonConfig& c, const std::string& name, bool in_block) {
+  if (c.params.empty()) return in_block;
+  for (const auto& g : c.params)
+    if (glob_match(g, name)) return true;
+  return false;
+}
+
 bool glob_match(const std::string& p, const std::string& s) {
   // Iterative wildcard match with backtracking to the last *.
   size_t i = 0, j = 0, star = std::string::npos, mark = 0;

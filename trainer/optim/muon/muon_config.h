@@ -10,6 +10,7 @@
 
 #include "base/config/arg_map.h"
 #include "base/config/trainer_args.h"
+#include "trainer/optim/step_cost.h"
 
 namespace nnstrain::optim::muon {
 
@@ -33,5 +34,13 @@ std::shared_ptr<const config::OptimizerConfig> parse(config::ArgMap& optimizer, 
 
 // `name` matches glob `pattern` (only * is special).
 bool glob_match(const std::string& pattern, const std::string& name);
+
+// Whether Muon takes a parameter (of 2 or more dims): a glob of `params`
+// matches its name, or, without globs, it lies inside a transformer block.
+bool takes(const MuonConfig& c, const std::string& name, bool in_block);
+
+// What its step costs (the planner's, step_cost.h): the matrices it takes one
+// momentum each and newton_schulz_flops per matrix; the rest AdamW's.
+StepCost step_cost(const config::OptimizerArgs& o, const std::vector<CostParam>& params, bool cuda);
 
 }  // namespace nnstrain::optim::muon

@@ -13,4 +13,11 @@ namespace nnstrain::optim::muon {
 
 at::Tensor newton_schulz(const at::Tensor& g, const std::array<double, 3>& abc, int steps, double eps);
 
+// Its FLOPs on a rows x cols matrix: steps x (4 m^2 n + 2 m^3), m and n the short
+// and long side (X X^T, the gram's square, their product with X).
+inline double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
+  const double m = double(rows < cols ? rows : cols), n = double(rows < cols ? cols : rows);
+  return steps * (4 * m * m * n + 2 * m * m * m);
+}
+
 }  // namespace nnstrain::optim::muon
