@@ -365,6 +365,23 @@ void check_pipeline(const ArgMap& pas, const ComputeConfig& c, int64_t accumulat
   required(checks.pipeline_schedule, "pipeline_schedule")(pas, q, static_cast<int>(accumulation));
 }
 
+// lr_scheduler.type wsd in a run of `total` iterations: the key (under
+// lr_scheduler.args) whose value does not fit and why, or nothing.
+std::optional<std::pair<std::string, std::string>> wsd_misfit(const LrSchedulerArgs& s, int64_t total,
+                                                              const std::string& total_from) {
+  const int64_t decay = wsd_decay_length(s, total);
+  const std::string unit = s.interval == "epoch" ? "epochs" : "steps";
+  const std::string run = "the run's " + std::to_string(total) + " " + unit + " (" + total_from + ")";
+  if (s.decay_steps == 0 && decay < 1)
+    return std::make_pair(std::string("decay_ratio"), format_double(s.decay_ratio) + " of " + run +
+                                                          " rounds to no decay at all; raise it or set decay_steps");
+  if (s.warmup_steps + decay <= total) return std::nullopt;
+  const std::string phases = "warmup_steps " + std::to_string(s.warmup_steps) + " + " + std::to_string(decay) +
+                             " decay " + unit + " = " + std::to_string(s.warmup_steps + decay) + " do not fit in " + run;
+  if (s.decay_steps > 0) return std::make_pair(std::string("decay_steps"), std::to_string(s.decay_steps) + ": " + phases);
+  return std::make_pair(std::string("decay_ratio"), format_double(s.decay_ratio) + ": " + phases);
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vector<std::string>& tokens) {
@@ -588,10 +605,29 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 
   ArgMap sched = top.child("lr_scheduler");
   auto& s = t.lr_scheduler;
-  s.type = sched.get_string("type", "constant", {"constant", "linear", "cosine"});
+  s.type = sched.get_string("type", "constant", {"constant", "linear", "cosine", "wsd"});
   ArgMap sargs = sched.child("args");
   s.warmup_steps = sargs.get_int("warmup_steps", 0, 0);
-  s.decay_steps = sargs.get_int("decay_steps", 0, 0);
+  const bool wsd = s.type == "wsd";
+  if (wsd) {
+    // The decay phase is decay_steps long or decay_ratio of the run: exactly one of them.
+    const bool by_steps = sargs.has("decay_steps"), by_ratio = sargs.has("decay_ratio");
+    if (by_steps && by_ratio)
+      sargs.fail("decay_ratio", "is set as well as decay_steps; type wsd takes one of them (the decay phase's "
+                                "length in steps, or its share of the run)");
+    if (!by_steps && !by_ratio)
+      sargs.fail("decay_steps", "type wsd needs decay_steps (the decay phase's length) or decay_ratio (its share "
+                                "of the run)");
+    s.decay_steps = sargs.get_int("decay_steps", 0, 1);
+    s.decay_ratio = sargs.get_float("decay_ratio", 0.0);
+    if (by_ratio && !(s.decay_ratio > 0 && s.decay_ratio <= 1))
+      sargs.fail("decay_ratio", "must be in (0, 1], got " + format_double(s.decay_ratio));
+    s.decay_type = sargs.get_string("decay_type", "linear", {"linear", "cosine", "1-sqrt"});
+  } else {
+    for (const char* key : {"decay_ratio", "decay_type"})
+      if (sargs.has(key)) sargs.fail(key, "applies to lr_scheduler.type wsd only (type is " + s.type + ")");
+    s.decay_steps = sargs.get_int("decay_steps", 0, 0);
+  }
   s.min_lr = sargs.get_float("min_lr", 0.0, 0.0);
   s.interval = sched.get_string("interval", "step", {"step", "epoch"});
 
@@ -876,9 +912,21 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     top.fail("val_every_n_train_steps", "validation needs dataset.val_args, which is not set");
   if (s.min_lr > o.lr)
     sargs.fail("min_lr", format_double(s.min_lr) + " is above optimizer.args.lr " + format_double(o.lr));
-  if (s.decay_steps > 0 && s.warmup_steps > s.decay_steps)
+  if (!wsd && s.decay_steps > 0 && s.warmup_steps > s.decay_steps)
     sargs.fail("warmup_steps", std::to_string(s.warmup_steps) + " is longer than decay_steps " +
                                    std::to_string(s.decay_steps));
+  // wsd's phases must fit in the run; where its length depends on the data
+  // (max_epochs under interval step, max_train_steps under interval epoch),
+  // start-up checks them once an epoch's steps are known (check_wsd_fits).
+  if (wsd) {
+    const bool by_epoch = s.interval == "epoch";
+    std::optional<std::pair<int64_t, std::string>> total;
+    if (!by_epoch && t.max_train_steps > 0) total.emplace(t.max_train_steps, "max_train_steps");
+    if (by_epoch && t.max_train_steps == 0) total.emplace(t.max_epochs, "max_epochs");
+    if (total)
+      if (auto bad = wsd_misfit(s, total->first, total->second + " " + std::to_string(total->first)))
+        sargs.fail(bad->first, bad->second);
+  }
   if (k.every_n_train_steps > 0 && k.save_dir.empty())
     ck.fail("every_n_train_steps", "periodic checkpoints need checkpoint.save_dir");
   if (k.resume_from == "last" && k.save_dir.empty())
@@ -915,6 +963,16 @@ void check_implemented(const TrainerArgs&) {
   // Nothing is refused here at present (context with pipeline parallelism was,
   // until the stages carried cp slices). A setting the trainer cannot run yet
   // throws ConfigError(config_file + ": KEY: WHAT is not implemented yet").
+}
+
+int64_t wsd_decay_length(const LrSchedulerArgs& s, int64_t total) {
+  return s.decay_steps > 0 ? s.decay_steps : std::llround(s.decay_ratio * static_cast<double>(total));
+}
+
+void check_wsd_fits(const LrSchedulerArgs& s, int64_t total, const std::string& total_from) {
+  if (s.type != "wsd") return;
+  if (auto bad = wsd_misfit(s, total, total_from))
+    throw ConfigError("lr_scheduler.args." + bad->first + ": " + bad->second);
 }
 
 }  // namespace nnstrain::config

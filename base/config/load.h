@@ -78,6 +78,16 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 // Throws ConfigError on a key without a value or a token that is not an override.
 std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vector<std::string>& tokens);
 
+// lr_scheduler.type wsd in a run of `total` iterations (steps, or epochs under
+// interval epoch): the decay phase's length, decay_steps or decay_ratio x total
+// rounded to the nearest iteration.
+int64_t wsd_decay_length(const LrSchedulerArgs& s, int64_t total);
+// For type wsd: throws ConfigError naming lr_scheduler.args.decay_steps (or
+// decay_ratio) when warmup and decay do not fit in `total`; `total_from` says where
+// total came from ("max_epochs 3 x 5 steps per epoch"). The loader checks this where
+// the config alone gives the run's length; start-up calls it where it needs the data.
+void check_wsd_fits(const LrSchedulerArgs& s, int64_t total, const std::string& total_from);
+
 // Rejects, naming the key, what the engine cannot do yet. One check per line: delete
 // a line when its feature lands.
 void check_implemented(const TrainerArgs& args);

@@ -95,7 +95,7 @@ def full_config(tmp_path):
         "model": {"type": "gpt", "args": {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2,
                                           "n_embd": 16}},
         "optimizer": {"type": "adamw", "args": {"lr": 1e-3}},
-        "lr_scheduler": {"type": "cosine", "args": {"warmup_steps": 1}},
+        "lr_scheduler": {"type": "wsd", "args": {"warmup_steps": 1, "decay_steps": 1}},  # wsd reads every key
         "dataset": {"type": "token_bin", "train_args": {"path": "$(vars.data)", "seq_len": 16},
                     "val_args": {"path": "$(vars.data)"}},
         "dataloader": {},

@@ -245,3 +245,88 @@ TEST_CASE("linear and constant learning-rate shapes", "[optim]") {
   CHECK(optim::learning_rate(schedule("constant", 0, 0, 0.0), lr, 0, 100) == lr);
   CHECK(optim::learning_rate(schedule("linear", 0, 100, 0.0), lr, 0, 100) == lr);
 }
+
+namespace {
+
+config::LrSchedulerArgs wsd(int64_t warmup, int64_t decay_steps, double decay_ratio, const std::string& shape,
+                            double min_lr) {
+  config::LrSchedulerArgs s;
+  s.type = "wsd";
+  s.warmup_steps = warmup;
+  s.decay_steps = decay_steps;
+  s.decay_ratio = decay_ratio;
+  s.decay_type = shape;
+  s.min_lr = min_lr;
+  return s;
+}
+
+// WSD as docs/config.md states it, written out here (not calling our code):
+// warmup lr (it + 1) / (W + 1); lr until the last D iterations of the run;
+// there the i-th decay iteration (1-based) is at progress p = i / (D + 1), lr
+// min_lr + (lr - min_lr) f(p) with f = 1 - p, (1 + cos(pi p)) / 2 or 1 - sqrt(p).
+double wsd_reference(int64_t it, double lr, int64_t warmup, int64_t decay, int64_t total, const std::string& shape,
+                     double min_lr) {
+  if (it < warmup) return lr * double(it + 1) / double(warmup + 1);
+  const int64_t i = it - (total - decay) + 1;  // 1-based index in the decay phase
+  if (i < 1) return lr;
+  const double p = double(i) / double(decay + 1);
+  const double f = shape == "linear" ? 1 - p : shape == "cosine" ? (1 + std::cos(3.14159265358979323846 * p)) / 2
+                                                                  : 1 - std::sqrt(p);
+  return min_lr + (lr - min_lr) * f;
+}
+
+}  // namespace
+
+TEST_CASE("wsd learning rate: warmup, stable, linear / cosine / 1-sqrt decay at named steps", "[optim][wsd]") {
+  const double lr = 1e-3, min_lr = 1e-4;
+  // 20 steps: warmup 4 (steps 0-3), stable 4-14, decay over the last 5 (15-19).
+  const int64_t total = 20;
+  for (const std::string shape : {"linear", "cosine", "1-sqrt"}) {
+    INFO(shape);
+    const auto s = wsd(4, 5, 0.0, shape, min_lr);
+    CHECK(optim::learning_rate(s, lr, 0, total) == Approx(lr / 5).epsilon(1e-12));
+    CHECK(optim::learning_rate(s, lr, 3, total) == Approx(lr * 4 / 5).epsilon(1e-12));
+    for (int64_t it : {4, 9, 14}) CHECK(optim::learning_rate(s, lr, it, total) == lr);  // stable: exactly the base lr
+    // The decay's first and last steps, at progress 1/6 and 5/6; its middle (step 17) at 1/2.
+    const double first = shape == "linear" ? 5.0 / 6 : shape == "cosine" ? (1 + std::cos(M_PI / 6)) / 2 : 1 - std::sqrt(1.0 / 6);
+    const double mid = shape == "1-sqrt" ? 1 - std::sqrt(0.5) : 0.5;
+    const double last = shape == "linear" ? 1.0 / 6 : shape == "cosine" ? (1 + std::cos(5 * M_PI / 6)) / 2 : 1 - std::sqrt(5.0 / 6);
+    CHECK(optim::learning_rate(s, lr, 15, total) == Approx(min_lr + (lr - min_lr) * first).epsilon(1e-12));
+    CHECK(optim::learning_rate(s, lr, 17, total) == Approx(min_lr + (lr - min_lr) * mid).epsilon(1e-12));
+    CHECK(optim::learning_rate(s, lr, 19, total) == Approx(min_lr + (lr - min_lr) * last).epsilon(1e-12));
+    // Every step against the reference, for decay_steps and the same decay as decay_ratio 0.25 of 20.
+    for (int64_t it = 0; it < total; ++it) {
+      INFO("it " << it);
+      const double want = wsd_reference(it, lr, 4, 5, total, shape, min_lr);
+      CHECK(optim::learning_rate(s, lr, it, total) == Approx(want).epsilon(1e-12).margin(0));
+      CHECK(optim::learning_rate(wsd(4, 0, 0.25, shape, min_lr), lr, it, total) == Approx(want).epsilon(1e-12).margin(0));
+    }
+  }
+  // decay_ratio rounds to the nearest step, halves up: 0.1 of 25 = 2.5 -> 3; 0.1 of 24 = 2.4 -> 2.
+  for (auto [total, decay] : std::vector<std::pair<int64_t, int64_t>>{{25, 3}, {24, 2}})
+    for (int64_t it = 0; it < total; ++it) {
+      INFO("total " << total << ", it " << it);
+      CHECK(optim::learning_rate(wsd(2, 0, 0.1, "cosine", 0.0), lr, it, total) ==
+            Approx(wsd_reference(it, lr, 2, decay, total, "cosine", 0.0)).epsilon(1e-12).margin(0));
+    }
+  // No warmup, decay over the whole run (ratio 1): the first step already decays.
+  CHECK(optim::learning_rate(wsd(0, 0, 1.0, "linear", 0.0), lr, 0, 9) == Approx(lr * 0.9).epsilon(1e-12));
+  // The annealing branch: a 12-step stable run resumed to 16 steps with decay_steps 4
+  // keeps the stable lr through step 11 and decays from step 12, the first resumed one.
+  for (int64_t it = 4; it < 12; ++it) CHECK(optim::learning_rate(wsd(4, 4, 0, "1-sqrt", 0.0), lr, it, 16) == lr);
+  CHECK(optim::learning_rate(wsd(4, 4, 0, "1-sqrt", 0.0), lr, 12, 16) == Approx(lr * (1 - std::sqrt(0.2))).epsilon(1e-12));
+}
+
+TEST_CASE("wsd under interval epoch counts epochs", "[optim][wsd]") {
+  // 30 steps of 3 per epoch = 10 epochs: warmup 1 epoch, decay over the last 4.
+  auto s = wsd(1, 4, 0.0, "linear", 0.0);
+  s.interval = "epoch";
+  const double lr = 2e-3;
+  for (int64_t step = 0; step < 30; ++step) {
+    INFO("step " << step);
+    CHECK(optim::learning_rate_at_step(s, lr, step, 30, 3) ==
+          Approx(wsd_reference(step / 3, lr, 1, 4, 10, "linear", 0.0)).epsilon(1e-12).margin(0));
+  }
+  CHECK(optim::learning_rate_at_step(s, lr, 17, 30, 3) == lr);                // epoch 5: stable
+  CHECK(optim::learning_rate_at_step(s, lr, 18, 30, 3) == Approx(lr * 0.8));  // epoch 6: first decay epoch, 1/5
+}

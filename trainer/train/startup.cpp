@@ -1,6 +1,9 @@
 #include "trainer/train/startup.h"
 
+#include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 
 #include "models/common/init.h"
@@ -9,6 +12,7 @@
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "base/config/arg_map.h"
+#include "base/config/load.h"
 #include "trainer/dist/device.h"
 #include "trainer/parallel/pipeline_runtime.h"
 #include "models/common/context_attention.h"
@@ -16,6 +20,7 @@
 #include "trainer/parallel/nvme_tier.h"
 #include "trainer/parallel/optimizer_comm.h"
 #include "trainer/parallel/param_units.h"
+#include "trainer/optim/lr_schedule.h"
 #include "trainer/optim/registry.h"
 #include "trainer/parallel/plan_agreement.h"
 #include "trainer/parallel/tensor_parallel.h"
@@ -489,6 +494,70 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   return tr;
 }
 
+namespace {
+
+std::string lr_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+// lr_scheduler.type wsd against the run's length, now that an epoch's steps are
+// known (the loader checked what the config alone gives), and its phases logged.
+void check_wsd_schedule(const config::TrainerArgs& args, const Data& d) {
+  const auto& s = args.lr_scheduler;
+  if (s.type != "wsd") return;
+  const bool by_epoch = s.interval == "epoch";
+  const int64_t total = by_epoch ? d.max_steps / d.steps_per_epoch : d.max_steps;
+  const std::string per_epoch = std::to_string(d.steps_per_epoch) + " steps per epoch";
+  const std::string from = args.max_train_steps > 0
+                               ? "max_train_steps " + std::to_string(args.max_train_steps) + (by_epoch ? " / " + per_epoch : "")
+                               : "max_epochs " + std::to_string(args.max_epochs) + (by_epoch ? "" : " x " + per_epoch);
+  config::check_wsd_fits(s, total, from);
+  const int64_t decay = config::wsd_decay_length(s, total);
+  const std::string unit = by_epoch ? "epoch" : "step";
+  log::info("lr_scheduler wsd: warmup " + std::to_string(s.warmup_steps) + ", stable at " + lr_text(args.optimizer.lr) +
+            ", " + s.decay_type + " decay from " + unit + " " + std::to_string(total - decay + 1) + " to " +
+            std::to_string(total) + " towards min_lr " + lr_text(s.min_lr));
+}
+
+// A resume may change the schedule: a WSD annealing branch resumes a
+// stable-phase checkpoint with a new decay_steps and max_train_steps. Its lr
+// at the checkpoint's last step is then the one that step trained with (the
+// stable lr), so the run continues without a jump. A schedule whose decay
+// already began before the checkpoint's step while the saved run was elsewhere
+// is a decay that does not fit the resumed run: refused. Any other change in
+// the lr there (a longer cosine, a new optimizer.args.lr) is warned about.
+void check_schedule_continues(const config::TrainerArgs& args, const Data& data, const nlohmann::json& st,
+                              const std::string& dir, int rank) {
+  if (!st.contains("lr_scheduler") || !st["lr_scheduler"].contains("lr")) return;  // saved before lr was recorded
+  const int64_t last = st["lr_scheduler"].value("last_step", int64_t{-1});
+  if (last < 0) return;
+  const double saved = st["lr_scheduler"]["lr"].get<double>();
+  const auto& s = args.lr_scheduler;
+  const double now = optim::learning_rate_at_step(s, args.optimizer.lr, last, data.max_steps, data.steps_per_epoch);
+  if (std::abs(now - saved) <= 1e-9 * std::max(std::abs(now), std::abs(saved))) return;
+  const std::string jump = dir + " trained step " + std::to_string(last + 1) + " at lr " + lr_text(saved) +
+                           ", where this config's schedule has " + lr_text(now);
+  if (s.type == "wsd") {
+    const bool by_epoch = s.interval == "epoch";
+    const int64_t total = by_epoch ? data.max_steps / data.steps_per_epoch : data.max_steps;
+    const int64_t start = total - config::wsd_decay_length(s, total);  // the decay's first iteration
+    const int64_t next = by_epoch ? (last + 1) / data.steps_per_epoch : last + 1;
+    if (start < next) {
+      const std::string key = s.decay_steps > 0 ? "decay_steps" : "decay_ratio";
+      throw config::ConfigError(
+          "lr_scheduler.args." + key + ": the decay would start at " + (by_epoch ? "epoch " : "step ") +
+          std::to_string(start + 1) + ", before the resumed " + (by_epoch ? "epoch " : "step ") +
+          std::to_string(next + 1) + " (" + jump + "); an annealing branch starts its decay at or after the " +
+          "checkpoint's step");
+    }
+  }
+  if (rank == 0) log::warn("lr_scheduler: " + jump + "; the lr jumps at the resume");
+}
+
+}  // namespace
+
 Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, const parallel::Plan& plan) {
   Data d;
   if (args.dataset.type == "indexed") {
@@ -528,10 +597,11 @@ Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, c
   // One epoch = samples_per_epoch samples (docs/data.md), in whole steps.
   d.steps_per_epoch = std::max<int64_t>(1, d.train->samples_per_epoch() / args.global_batch_size);
   d.max_steps = args.max_train_steps > 0 ? args.max_train_steps : args.max_epochs * d.steps_per_epoch;
+  check_wsd_schedule(args, d);
   return d;
 }
 
-std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trainable& tr, int rank,
+std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trainable& tr, const Data& data, int rank,
                    const torch::Device& device, int64_t* step) {
   *step = 0;
   std::string dir = opts.resume.empty() ? args.checkpoint.resume_from : opts.resume;
@@ -552,6 +622,7 @@ std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trai
     throw config::ConfigError("optimizer.type: " + args.optimizer.type + ", but " + dir + " holds the state of " +
                               saved_optimizer + "; resume with optimizer.type " + saved_optimizer +
                               " (or merge it with nnstrain merge --hf and start from its weights: model.init_from)");
+  check_schedule_continues(args, data, st, dir, rank);
   torch::NoGradGuard no_grad;
   for (auto& t : tr.state_tensors()) {
     // A checkpoint saved without a loss scaler (another precision) keeps the fresh scale.

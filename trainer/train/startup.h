@@ -130,8 +130,11 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
                          dist::Runtime* rt, const dist::DistEnv& env, const torch::Device& device);
 
 // Loads the checkpoint --resume (or checkpoint.resume_from) names into the
-// state; returns its folder ("" for a fresh start) and sets *step.
-std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trainable& tr, int rank,
+// state; returns its folder ("" for a fresh start) and sets *step. A changed
+// lr schedule is checked against the lr the checkpoint's last step used (`data`
+// gives the run's length): a WSD decay that would have begun before the
+// checkpoint's step is refused, another jump in the lr warned about.
+std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trainable& tr, const Data& data, int rank,
                    const torch::Device& device, int64_t* step);
 
 }  // namespace nnstrain::train

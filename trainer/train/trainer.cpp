@@ -354,7 +354,7 @@ void Trainer::rewind(const Rewind& r) {
   tr_.flush();
   saver_->wait();
   int64_t step = 0;
-  resume(args_, RunOptions{r.dir}, tr_, rank_, device_, &step);
+  resume(args_, RunOptions{r.dir}, tr_, data_, rank_, device_, &step);
   step_ = step;
   step_dev_.fill_(static_cast<double>(step));
   skipped_.zero_();
@@ -764,7 +764,8 @@ void Trainer::save() {
       {"consumed_samples", step_ * global_batch_},
       {"data_cursor", {{"next_step", step_}, {"seed", args_.seed}, {"global_batch", global_batch_}}},
       {"optimizer", {{"type", args_.optimizer.type}, {"step_count", tr_.optimizer->step_count()}}},
-      {"lr_scheduler", {{"type", args_.lr_scheduler.type}, {"last_step", step_ - 1}}},
+      // lr: what the last step trained with; a resume under a changed schedule compares with it.
+      {"lr_scheduler", {{"type", args_.lr_scheduler.type}, {"last_step", step_ - 1}, {"lr", lr_}}},
       {"plan", plan_},
       {"model_type", args_.model.type},
       {"config", args_.resolved_yaml}};
@@ -802,13 +803,11 @@ int Trainer::run() {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
   const int64_t max_steps = data_.max_steps, every = args_.log_progress_every_n_train_steps;
-  const bool by_epoch = args_.lr_scheduler.interval == "epoch";
   bool stopped_by_signal = false;
   interval_start_ = std::chrono::steady_clock::now();
   while (step_ < max_steps) {
     running_step(step_ + 1, rank_);
-    lr_ = optim::learning_rate(args_.lr_scheduler, args_.optimizer.lr, by_epoch ? step_ / data_.steps_per_epoch : step_,
-                               by_epoch ? max_steps / data_.steps_per_epoch : max_steps);
+    lr_ = optim::learning_rate_at_step(args_.lr_scheduler, args_.optimizer.lr, step_, max_steps, data_.steps_per_epoch);
     profiler_.before_step(step_ + 1);
     const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
     logs_ = logs;
@@ -965,7 +964,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
   local.initial_chunks = at::Tensor();  // the state holds what it needs of them (offload: on the host)
   int64_t start_step = 0;
-  const auto resumed_from = resume(args, opts, tr, env.rank, device, &start_step);
+  const auto resumed_from = resume(args, opts, tr, data, env.rank, device, &start_step);
   // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
   log::info("rank " + std::to_string(env.rank) + ": start-up peak host RSS " +
             fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB, tensors in use " +
