@@ -42,26 +42,30 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import (ROOT, machine_line, parse_args, random_tokens, result_record, run_single,  # noqa: E402
-                          write_result)
+from bench_common import (ROOT, binary_commit, machine_line, parse_args, random_tokens,  # noqa: E402
+                          result_record, run_single, write_result)
 
 CONFIG = "configs/gpt2_124m.yaml"
 ADAMW_ARGS = "{lr: 6.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1}"  # the config's
 MUON_LR = 0.02
+# --smoke: a tiny GPT instead of 124M, to check the plumbing in seconds (nnstrain overrides, reference flags).
+SMOKE = (["--model.args.n_layer", "2", "--model.args.n_head", "2", "--model.args.n_embd", "64",
+          "--model.args.vocab_size", "512"], ["--n-layer", "2", "--n-embd", "64", "--vocab-size", "512"])
 
-def nnstrain_overrides(data, seq, steps, case):
-    o = ["--compute_config.device", "cpu", "--precision", "32-true", "--vars.data_dir", str(data),
-         "--vars.block_size", str(seq), "--micro_batch_size", "1", "--global_batch_size", "1",
-         "--max_train_steps", str(steps), "--log_progress_every_n_train_steps", "1",
-         "--val_every_n_train_steps", "0", "--checkpoint.every_n_train_steps", "0", "--optimizer.clip_gnorm", "0"]
+def nnstrain_overrides(data, seq, steps, case, smoke):
+    o = (SMOKE[0] if smoke else []) + [
+        "--compute_config.device", "cpu", "--precision", "32-true", "--vars.data_dir", str(data),
+        "--vars.block_size", str(seq), "--micro_batch_size", "1", "--global_batch_size", "1",
+        "--max_train_steps", str(steps), "--log_progress_every_n_train_steps", "1",
+        "--val_every_n_train_steps", "0", "--checkpoint.every_n_train_steps", "0", "--optimizer.clip_gnorm", "0"]
     if case == "adamw":
         return o
     muon = f"{{lr: {MUON_LR:g}" + (", ns_dtype: bf16}" if case == "muon_bf16" else "}")
     return o + ["--optimizer.type", "muon", "--optimizer.args", muon, "--optimizer.adamw_args", ADAMW_ARGS]
 
 
-def run_nnstrain(binary, threads, run_dir, data, seq, steps, warmup, case):
-    args = [binary, "--config", CONFIG, "--run_dir", str(run_dir), *nnstrain_overrides(data, seq, steps, case)]
+def run_nnstrain(binary, threads, run_dir, data, seq, steps, warmup, case, smoke):
+    args = [binary, "--config", CONFIG, "--run_dir", str(run_dir), *nnstrain_overrides(data, seq, steps, case, smoke)]
     run_single(args, threads)
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     opt = json.loads((run_dir / "active" / "rank0.json").read_text()).get("optimizer") or {}
@@ -71,15 +75,15 @@ def run_nnstrain(binary, threads, run_dir, data, seq, steps, warmup, case):
     return {"optimizer_ms": [r["time_optimizer_ms"] for r in timed],
             "step_ms": [r["ms_per_step"] for r in timed],
             "forward_backward_ms": [r.get("time_forward_ms", 0) + r.get("time_backward_ms", 0) for r in timed],
-            "impl": opt.get("impl"), "overrides": args[3:]}
+            "impl": opt.get("impl"), "overrides": args[5:]}  # after --run_dir
 
 
-def run_reference(py, threads, seq, steps, warmup):
+def run_reference(py, threads, seq, steps, warmup, smoke):
     """bench/optimizer_step_reference.py on the CPU: {case: {"ms": [...], ...}}."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     p = subprocess.run([py, str(ROOT / "bench" / "optimizer_step_reference.py"), "--device", "cpu", "--threads",
                         str(threads), "--seq", str(seq), "--lr", str(MUON_LR), "--steps", str(steps), "--warmup",
-                        str(warmup)], env=env, capture_output=True, text=True)
+                        str(warmup), *(SMOKE[1] if smoke else [])], env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"the PyTorch reference failed ({p.returncode}):\n{p.stdout}{p.stderr}")
     return {r["case"]: r for r in map(json.loads, p.stdout.splitlines())}
@@ -91,6 +95,7 @@ def more(ap):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of alternating runs")
+    ap.add_argument("--smoke", action="store_true", help="a tiny GPT, to check the plumbing (the figures mean nothing)")
     ap.add_argument("--bf16", action="store_true", help="also nnstrain's Muon with ns_dtype: bf16")
     ap.add_argument("--python", default=sys.executable, help="Python with torch for the reference")
     ap.add_argument("--note", default="", help="a remark stored with the figures (e.g. the machine was shared)")
@@ -112,17 +117,17 @@ def main():
         data = pathlib.Path(t) / "data"
         data.mkdir()
         for split in ("train", "val"):
-            random_tokens(data / f"{split}.bin", 50257, 200_000)
+            random_tokens(data / f"{split}.bin", 512 if a.smoke else 50257, 200_000)
         for rnd in range(a.repeats):
             for c in cases:
                 r = run_nnstrain(binary, a.threads, pathlib.Path(t) / f"{c}_{rnd}", data, a.seq,
-                                 a.warmup + a.steps, a.warmup, c)
+                                 a.warmup + a.steps, a.warmup, c, a.smoke)
                 for k in ("optimizer_ms", "step_ms", "forward_backward_ms"):
                     got[c][k] += r[k]
                 got[c].update(impl=r["impl"], overrides=r["overrides"])
                 print(f"round {rnd} nnstrain {c}: optimizer ms {', '.join(f'{x:.1f}' for x in r['optimizer_ms'])} "
                       f"({r['impl']})", flush=True)
-            rr = run_reference(a.python, a.threads, a.seq, a.steps, a.warmup)
+            rr = run_reference(a.python, a.threads, a.seq, a.steps, a.warmup, a.smoke)
             for c in ref:
                 ref[c] += rr[c]["ms"]
                 print(f"round {rnd} pytorch {c}: step ms {', '.join(f'{x:.1f}' for x in rr[c]['ms'])}", flush=True)
@@ -132,15 +137,17 @@ def main():
                               "forward_backward_ms_median": statistics.median(got[c]["forward_backward_ms"]),
                               "all_ms": got[c]["optimizer_ms"]} for c in cases}
     rows.update({f"pytorch {c}": {**summary(ref[c]), "all_ms": ref[c]} for c in ref})
-    rec = result_record(binary, stamp, cores=os.cpu_count(), threads=a.threads, torch=torch_version, seq=a.seq,
+    rec = result_record(binary, stamp, binary_commit=binary_commit(binary), cores=os.cpu_count(), threads=a.threads,
+                        smoke=a.smoke, torch=torch_version, seq=a.seq,
                         steps=a.steps, warmup=a.warmup, repeats=a.repeats, params=n_params, muon_params=n_muon,
                         note=a.note, load_before=load_before, rows=rows,
                         overrides={c: got[c]["overrides"] for c in cases})
     ratio = rows["nnstrain muon"]["median"] / rows["nnstrain adamw"]["median"]
     md = [f"# Optimizer step on CPU: Muon + AdamW vs AdamW, GPT-2 124M ({rec['date']})", "",
-          machine_line(rec) + f" (before: {', '.join(f'{x:.1f}' for x in load_before)}); torch (reference) "
-          f"{torch_version}",
+          machine_line(rec) + f"; binary built from {rec['binary_commit']} (load before: "
+          f"{', '.join(f'{x:.1f}' for x in load_before)}); torch (reference) {torch_version}",
           f"- {rec['cores']} logical CPUs, one process, {a.threads} thread(s)" + (f"; note: {a.note}" if a.note else ""),
+          *(["- **SMOKE**: a tiny GPT (2 x 2 x 64, vocabulary 512); the figures mean nothing"] if a.smoke else []),
           f"- model: {CONFIG}'s GPT (12 x 12 x 768, vocabulary 50304), position table of {a.seq} rows: "
           f"{n_params / 1e6:.1f}M parameters, {n_muon / 1e6:.1f}M of them in the 48 block matrices Muon takes",
           f"- nnstrain: one sequence of {a.seq} tokens per step, 32-true, no clipping; {a.warmup} untimed steps then "
@@ -160,7 +167,7 @@ def main():
     md += ["", f"nnstrain Muon / nnstrain AdamW (medians): {ratio:.1f}x. nnstrain Muon / PyTorch Muon: "
            f"{rows['nnstrain muon']['median'] / rows['pytorch muon']['median']:.2f}; nnstrain AdamW / PyTorch AdamW: "
            f"{rows['nnstrain adamw']['median'] / rows['pytorch adamw']['median']:.2f} (< 1: nnstrain faster)."]
-    write_result(a.out, "optimizer_step", stamp, rec, md)
+    write_result(a.out, "optimizer_step_smoke" if a.smoke else "optimizer_step", stamp, rec, md)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_common import ROOT, machine_line, parse_args, result_record, run_single, write_result  # noqa: E402
+from bench_common import (ROOT, binary_commit, machine_line, parse_args, result_record, run_single,  # noqa: E402
+                          write_result)
 
 CONFIG = "configs/shakespeare_char_cpu.yaml"
 DATA = ROOT / "data" / "shakespeare_char"
@@ -92,7 +93,8 @@ def one_run(binary, threads, run_dir, optimizer, lr, a):
     best_step, best = min(vals, key=lambda v: v[1])
     last = [r["loss"] for r in train if r["step"] > a.steps - 100]
     opt_ms = [r["time_optimizer_ms"] for r in train[1:] if "time_optimizer_ms" in r]
-    return {"optimizer": optimizer, "lr": lr, "overrides": optimizer_overrides(optimizer, lr), "active_optimizer": check_optimizer(run_dir, optimizer),
+    return {"optimizer": optimizer, "lr": lr, "overrides": optimizer_overrides(optimizer, lr),
+            "active_optimizer": check_optimizer(run_dir, optimizer),
             "best_val_loss": best, "best_val_step": best_step, "final_val_loss": vals[-1][1],
             "final_val_step": vals[-1][0], "final_train_loss": statistics.mean(last),
             "last_train_loss": train[-1]["loss"], "val_curve": vals, "wall_s": wall,
@@ -107,7 +109,8 @@ def more(ap):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adamw-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
     ap.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04])
-    ap.add_argument("--extend", action="store_true", help="one more lr for an optimizer whose best is at its grid's edge")
+    ap.add_argument("--extend", action="store_true",
+                    help="one more lr for an optimizer whose best is at its grid's edge")
     ap.add_argument("--note", default="", help="a remark stored with the figures (e.g. the machine was shared)")
 
 
@@ -115,14 +118,15 @@ def report(a, binary, stamp, load_before, runs):
     """Writes the result files from the runs so far (after each run: an interrupted sweep keeps what it measured)."""
     best = {opt: min((r for r in runs if r["optimizer"] == opt), key=lambda r: r["best_val_loss"])
             for opt in ("adamw", "muon") if any(r["optimizer"] == opt for r in runs)}
-    rec = result_record(binary, stamp, cores=os.cpu_count(), threads=a.threads, config=CONFIG, steps=a.steps,
-                        common_overrides=common_overrides(a),
+    rec = result_record(binary, stamp, binary_commit=binary_commit(binary), cores=os.cpu_count(), threads=a.threads,
+                        config=CONFIG, steps=a.steps, common_overrides=common_overrides(a),
                         val_every=a.val_every, val_batches=a.val_batches, note=a.note,
                         load_before=load_before, runs=runs,
                         winners={k: {"lr": v["lr"], "best_val_loss": v["best_val_loss"],
                                      "best_val_step": v["best_val_step"]} for k, v in best.items()})
     md = [f"# Muon + AdamW vs AdamW on shakespeare_char, CPU ({rec['date']})", "",
-          machine_line(rec) + f" (before: {', '.join(f'{x:.1f}' for x in load_before)})",
+          machine_line(rec) + f"; binary built from {rec['binary_commit']} (load before: "
+          f"{', '.join(f'{x:.1f}' for x in load_before)})",
           f"- {rec['cores']} logical CPUs, one process, OMP_NUM_THREADS={a.threads}",
           f"- config: {CONFIG} trained {a.steps} steps (the config's default is 2000), cosine decay over those "
           f"{a.steps} steps to lr / 10, 100 warmup steps; evaluation every {a.val_every} steps on the same "
