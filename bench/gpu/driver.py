@@ -655,7 +655,8 @@ def bench_muon(ctx):
     name = "gpt2"
     ensure_synthetic(ctx, name)
     steps, drop, micro = (6, 2, 4) if ctx.smoke else (12, 4, 8)
-    out = ctx.results["benchmarks"].setdefault("muon", {"micro_batch_size": micro, "steps": steps,
+    seq = 64 if ctx.smoke else 1024  # the smoke shapes' block (BENCH["gpt2"]["smoke"]), else the config's
+    out = ctx.results["benchmarks"].setdefault("muon", {"micro_batch_size": micro, "seq_len": seq, "steps": steps,
                                                         "steps_dropped": drop, "runs": {}})
     base = base_overrides(ctx, name) + ["--micro_batch_size", micro, "--max_train_steps", steps,
                                         "--log_progress_every_n_train_steps", 1, "--optimizer.clip_gnorm", 0]
@@ -680,8 +681,8 @@ def bench_muon(ctx):
     a, m = out["runs"]["adamw"], out["runs"]["muon"]
     if a.get("optimizer_ms_median") and m.get("optimizer_ms_median"):
         out["muon_vs_adamw"] = m["optimizer_ms_median"] / a["optimizer_ms_median"]
-    shape = (["--n-layer", 2, "--n-embd", 32, "--vocab-size", 512, "--seq", 64] if ctx.smoke else
-             ["--n-layer", 12, "--n-embd", 768, "--vocab-size", 50304, "--seq", 1024])
+    shape = (["--n-layer", 2, "--n-embd", 32, "--vocab-size", 512] if ctx.smoke else
+             ["--n-layer", 12, "--n-embd", 768, "--vocab-size", 50304]) + ["--seq", seq]
     log("muon: PyTorch reference (torch.optim.Muon, AdamW fused)")
     rc, text = run_cmd([ctx.a.python, ROOT / "bench" / "optimizer_step_reference.py", "--device", ctx.device,
                         "--steps", steps - drop, "--warmup", drop, "--lr", 0.02, *shape],
@@ -994,7 +995,7 @@ def write_summary(r, path):
     mu = r.get("benchmarks", {}).get("muon")
     if mu:
         L += ["", f"## Optimizer step: Muon + AdamW vs AdamW (muon phase; GPT-2 124M, micro-batch "
-              f"{mu.get('micro_batch_size')} x 1024, median of the steps after the first {mu.get('steps_dropped')})", "",
+              f"{mu.get('micro_batch_size')} x {mu.get('seq_len')}, median of the steps after the first {mu.get('steps_dropped')})", "",
               "| run | optimizer ms (median) | min | ms/step | what ran |", "|---|---:|---:|---:|---|"]
         for tag, x in mu.get("runs", {}).items():
             ran = (x.get("active_optimizer") or {}).get("impl", x.get("torch", ""))
