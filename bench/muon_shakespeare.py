@@ -107,8 +107,10 @@ def more(ap):
     ap.add_argument("--val-every", type=int, default=100)
     ap.add_argument("--val-batches", type=int, default=50, help="validation batches per evaluation (the config: 20)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--adamw-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
-    ap.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04])
+    ap.add_argument("--adamw-lrs", type=float, nargs="*", default=[5e-4, 1e-3, 2e-3])
+    ap.add_argument("--muon-lrs", type=float, nargs="*", default=[0.01, 0.02, 0.04])
+    ap.add_argument("--previous", help="a result .json of this script with the same common overrides: its runs "
+                    "join this one's table (to widen a sweep whose best lr was at an edge)")
     ap.add_argument("--extend", action="store_true",
                     help="one more lr for an optimizer whose best is at its grid's edge")
     ap.add_argument("--note", default="", help="a remark stored with the figures (e.g. the machine was shared)")
@@ -136,14 +138,17 @@ def report(a, binary, stamp, load_before, runs):
           "torch.optim.Muon's defaults; fp32 Newton-Schulz)",
           "- common overrides: `" + " ".join(common_overrides(a)) + "` (and `--run_dir` a temporary folder)",
           "- runs alternate between the optimizers; wall times are only as good as the machine was quiet"
-          + (f"; note: {a.note}" if a.note else ""), "",
+          + (f"; note: {a.note}" if a.note else ""),
+          *([f"- rows marked (earlier): the runs of {a.previous and pathlib.Path(a.previous).name}, same overrides, "
+             "same binary"] if any(r.get("from_file") for r in runs) else []), "",
           "Final train loss: mean of the train losses logged (every 10 steps) in the last 100 steps. "
           "ms/step: median over logging intervals; optimizer ms: median `time_optimizer_ms` (clipping + step).", "",
           "| optimizer | lr | best val loss | at step | final val loss | final train loss | wall s | ms/step | "
           "optimizer ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(runs, key=lambda r: (r["optimizer"], r["lr"])):
         mark = "**" if r is best[r["optimizer"]] else ""
-        md.append(f"| {'Muon + AdamW' if r['optimizer'] == 'muon' else 'AdamW'} | {r['lr']:g} | "
+        md.append(f"| {'Muon + AdamW' if r['optimizer'] == 'muon' else 'AdamW'} | {r['lr']:g}"
+                  f"{' (earlier)' if r.get('from_file') else ''} | "
                   f"{mark}{r['best_val_loss']:.4f}{mark} | {r['best_val_step']} | {r['final_val_loss']:.4f} | "
                   f"{r['final_train_loss']:.4f} | {r['wall_s']:.0f} | {r['ms_per_step']:.1f} | "
                   f"{r['optimizer_ms'] or 0:.2f} |")
@@ -175,6 +180,13 @@ def main():
         order += [("adamw", a.adamw_lrs[i])] if i < len(a.adamw_lrs) else []
         order += [("muon", a.muon_lrs[i])] if i < len(a.muon_lrs) else []
     runs = []
+    if a.previous:
+        prev = json.loads(pathlib.Path(a.previous).read_text())
+        if prev["common_overrides"] != common_overrides(a):
+            sys.exit(f"{a.previous} ran other common overrides: {prev['common_overrides']}")
+        if prev["binary_commit"] != binary_commit(binary):
+            sys.exit(f"{a.previous} ran a binary built from {prev['binary_commit']}, not {binary_commit(binary)}")
+        runs = [dict(r, from_file=pathlib.Path(a.previous).name) for r in prev["runs"]]
     with tempfile.TemporaryDirectory() as t:
         def run(opt, lr):
             r = one_run(binary, a.threads, pathlib.Path(t) / f"run{len(runs)}_{opt}", opt, lr, a)
