@@ -166,7 +166,11 @@ def main():
                   f"| {name} | {r['median']:.1f} | {r['min']:.1f} | {r['n']} | | | |")
     md += ["", f"nnstrain Muon / nnstrain AdamW (medians): {ratio:.1f}x. nnstrain Muon / PyTorch Muon: "
            f"{rows['nnstrain muon']['median'] / rows['pytorch muon']['median']:.2f}; nnstrain AdamW / PyTorch AdamW: "
-           f"{rows['nnstrain adamw']['median'] / rows['pytorch adamw']['median']:.2f} (< 1: nnstrain faster)."]
+           f"{rows['nnstrain adamw']['median'] / rows['pytorch adamw']['median']:.2f} (< 1: nnstrain faster)."
+           + (f" Like for like in bf16: nnstrain Muon (ns_dtype bf16) / PyTorch Muon: "
+              f"{rows['nnstrain muon_bf16']['median'] / rows['pytorch muon']['median']:.2f}." if a.bf16 else "")
+           + " nnstrain's figure also holds the global gradient norm (computed even without clipping); "
+           "PyTorch's is `step()` alone."]
     write_result(a.out, "optimizer_step_smoke" if a.smoke else "optimizer_step", stamp, rec, md)
 
 
