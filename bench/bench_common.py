@@ -47,6 +47,18 @@ def git_commit():
         return "unknown"
 
 
+def binary_commit(binary):
+    """The commit the binary says it was built from, with `dirty` when its tree had changes (`nnstrain --version`):
+    what ran, where git_commit() is the checkout's."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    commit = re.search(r"^commit: (\S+)", out, re.M)
+    tree = re.search(r"^tree: (\S+)", out, re.M)
+    return (commit.group(1) if commit else "unknown") + ("-dirty" if tree and tree.group(1) == "dirty" else "")
+
+
 def run_single(args, threads):
     """One single-process nnstrain run on `threads` threads, without a launcher's
     variables; exits the benchmark with the run's output if it fails."""

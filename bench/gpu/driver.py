@@ -14,6 +14,9 @@ Phases (run in the order given, each adds to the same results folder):
   gpt2              GPT-2 124M, block 1024, synthetic uint16 tokens: the largest
                     micro-batch nnstrain fits without recompute (probed from the
                     top), then eager and compile at that batch (halved on OOM).
+  muon              Muon + AdamW against AdamW on GPT-2 124M: the optimizer step alone
+                    (time_optimizer_ms, bf16 Newton-Schulz), and torch.optim.Muon /
+                    AdamW(fused) on the same shapes (bench/optimizer_step_reference.py).
   llama             a Llama 3.2 1B shape at sequence 4096, synthetic uint32
                     tokens, chunked loss; probed and compared like gpt2.
   profile           a profiler trace of gpt2 and llama for nnstrain, eager and
@@ -642,6 +645,58 @@ def bench_zero(ctx):
             f"vs stage 0 {res.get('max_rel_loss_diff_vs_stage0')}")
 
 
+def bench_muon(ctx):
+    """Muon + AdamW against AdamW alone, the optimizer step (issue 41): GPT-2 124M on one GPU in the
+    config's bf16-mixed (fp32 masters; Newton-Schulz in bf16, `ns_dtype: auto`), micro-batch 8 x 1024,
+    eager (Muon refuses `cuda_graphs: true`; AdamW runs eager too), no clipping, so `time_optimizer_ms`
+    (CUDA events around the optimizer part) is the step alone: its median over the steps after the
+    first `drop`, ms/step beside it. Baseline in the same phase: torch.optim.Muon (bf16 Newton-Schulz)
+    + AdamW(fused) and AdamW(fused) alone on the same shapes (bench/optimizer_step_reference.py)."""
+    name = "gpt2"
+    ensure_synthetic(ctx, name)
+    steps, drop, micro = (6, 2, 4) if ctx.smoke else (12, 4, 8)
+    seq = 64 if ctx.smoke else 1024  # the smoke shapes' block (BENCH["gpt2"]["smoke"]), else the config's
+    out = ctx.results["benchmarks"].setdefault("muon", {"micro_batch_size": micro, "seq_len": seq, "steps": steps,
+                                                        "steps_dropped": drop, "runs": {}})
+    base = base_overrides(ctx, name) + ["--micro_batch_size", micro, "--max_train_steps", steps,
+                                        "--log_progress_every_n_train_steps", 1, "--optimizer.clip_gnorm", 0]
+    muon = ["--optimizer.type", "muon", "--optimizer.args", "{lr: 0.02}", "--optimizer.adamw_args",
+            "{lr: 6.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1, impl: fused}"]
+    for tag, extra in (("adamw", []), ("muon", muon)):
+        res = run_nnstrain(ctx, "muon", tag, BENCH[name]["config"], base + extra, drop=drop, timeout=ctx.left(60))
+        metrics = ctx.out / "muon" / f"metrics_{tag}.jsonl"
+        if metrics.exists():
+            recs = [json.loads(l) for l in metrics.read_text().splitlines() if '"loss"' in l]
+            opt = [r["time_optimizer_ms"] for r in recs if r["step"] > drop and "time_optimizer_ms" in r]
+            if opt:
+                res["optimizer_ms_median"], res["optimizer_ms_min"] = statistics.median(opt), min(opt)
+                res["optimizer_ms_steps"] = opt
+        active = ROOT / "runs" / "battery" / "muon" / tag / "active" / "rank0.json"
+        if active.exists():  # what ran, as the run recorded it (Muon: "muon (bf16 ...)" and a momentum_buffer)
+            res["active_optimizer"] = json.loads(active.read_text()).get("optimizer")
+        out["runs"][tag] = res
+        ctx.save()
+        log(f"muon {tag}: rc {res['rc']}, optimizer {fmt(res.get('optimizer_ms_median'), '.2f')} ms, "
+            f"{fmt(res.get('ms_per_step'), '.1f')} ms/step")
+    a, m = out["runs"]["adamw"], out["runs"]["muon"]
+    if a.get("optimizer_ms_median") and m.get("optimizer_ms_median"):
+        out["muon_vs_adamw"] = m["optimizer_ms_median"] / a["optimizer_ms_median"]
+    shape = (["--n-layer", 2, "--n-embd", 32, "--vocab-size", 512] if ctx.smoke else
+             ["--n-layer", 12, "--n-embd", 768, "--vocab-size", 50304]) + ["--seq", seq]
+    log("muon: PyTorch reference (torch.optim.Muon, AdamW fused)")
+    rc, text = run_cmd([ctx.a.python, ROOT / "bench" / "optimizer_step_reference.py", "--device", ctx.device,
+                        "--steps", steps - drop, "--warmup", drop, "--lr", 0.02, *shape],
+                       ctx.out / "muon" / "pytorch.log", ctx.left(60))
+    lines = [json.loads(l) for l in text.splitlines() if l.startswith("{") and l.rstrip().endswith("}")]
+    for r in lines:
+        out["runs"][f"pytorch_{r['case']}"] = {"optimizer_ms_median": statistics.median(r["ms"]),
+                                               "optimizer_ms_min": min(r["ms"]), "optimizer_ms_steps": r["ms"],
+                                               "torch": r["torch"]}
+    if rc != 0 or not lines:
+        out["runs"]["pytorch"] = {"rc": rc, "error": error_of(rc, text)}
+    ctx.save()
+
+
 def held_from_log(path):
     """(device bytes, host bytes) rank 0 held between steps, from its log (offload prints the host's)."""
     try:
@@ -937,6 +992,17 @@ def write_summary(r, path):
                          f"baseline {x.get('best_baseline')} "
                          f"{fmt(x.get('baseline_ms', {}).get(x.get('best_baseline')), '.1f')} ms; "
                          f"efficiency **{fmt(x.get('efficiency'), '.3f')}** (goal >= 0.85)")
+    mu = r.get("benchmarks", {}).get("muon")
+    if mu:
+        L += ["", f"## Optimizer step: Muon + AdamW vs AdamW (muon phase; GPT-2 124M, micro-batch "
+              f"{mu.get('micro_batch_size')} x {mu.get('seq_len')}, median of the steps after the first {mu.get('steps_dropped')})", "",
+              "| run | optimizer ms (median) | min | ms/step | what ran |", "|---|---:|---:|---:|---|"]
+        for tag, x in mu.get("runs", {}).items():
+            ran = (x.get("active_optimizer") or {}).get("impl", x.get("torch", ""))
+            L.append(f"| {tag} | {fmt(x.get('optimizer_ms_median'), '.2f')} | {fmt(x.get('optimizer_ms_min'), '.2f')} | "
+                     f"{fmt(x.get('ms_per_step'), '.1f')} | {ran}" + (f" ERROR: {x['error']}" if "error" in x else "") + " |")
+        if mu.get("muon_vs_adamw"):
+            L.append(f"\nnnstrain Muon / AdamW optimizer time: {mu['muon_vs_adamw']:.2f}x")
     if notes:
         L += ["", "## Notes", ""] + notes
     path.write_text("\n".join(L) + "\n")
@@ -947,8 +1013,8 @@ def write_summary(r, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
-                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "llama", "zero", "offload", "profile",
-                             "cp_ring", "summary"])
+                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "muon", "llama", "zero", "offload",
+                             "profile", "cp_ring", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
@@ -977,6 +1043,8 @@ def main():
                 bench_zero(ctx)
             elif phase == "offload":
                 bench_offload(ctx)
+            elif phase == "muon":
+                bench_muon(ctx)
             elif phase == "profile":
                 bench_profile(ctx)
             elif phase == "cp_ring":
