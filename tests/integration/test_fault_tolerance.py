@@ -65,6 +65,12 @@ def events(run_dir):
 
 # --- automatic restart -------------------------------------------------------
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 HYBRID = ["--model.args.n_head", "4", "--global_batch_size", "4", "--micro_batch_size", "2",
           "--compute_config.plan_ngpus", "2", "--pas_policy", "hybrid", "--max_train_steps", "6",
           "--log_progress_every_n_train_steps", "1", "--val_every_n_train_steps", "0",
@@ -84,22 +90,22 @@ def hybrid_args(tokens, d, plan=HYBRID):
     return ["--config", DP, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt", *plan]
 
 
-@pytest.mark.parametrize("ranks,plan", [(4, HYBRID), (2, PP2)], ids=["dp2_tp2", "pp2"])
-def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path, ranks, plan):
-    rng = random.Random()
-    step, rank = rng.randint(3, 6), rng.randint(0, ranks - 1)
-    print(f"SIGKILL at step {step} on rank {rank}")
-    rc, out = launch(ranks, hybrid_args(tiny_tokens, tmp_path / "straight", plan))
-    assert rc == 0, out
-    want = losses(tmp_path / "straight")
-    assert sorted(want) == list(range(1, 7))
+_straight = {}
 
-    d = tmp_path / "killed"
-    rc, out = launch(ranks, hybrid_args(tiny_tokens, d, plan), restarts=2,
-                     env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
-    assert rc == 0, out
-    assert f"restart 1 of 2: rank {rank} was killed by signal 9 (SIGKILL) at step {step}" in out, out
-    assert "restart 2 of 2" not in out, out
+
+def straight_losses(tokens, tmp_path, ranks, plan):
+    """The uninterrupted run's losses, once per plan for the module (the pp 2 plan serves two tests)."""
+    key = (ranks, tuple(plan))
+    if key not in _straight:
+        d = tmp_path / "straight"
+        rc, out = launch(ranks, hybrid_args(tokens, d, plan))
+        assert rc == 0, out
+        _straight[key] = losses(d)
+        assert sorted(_straight[key]) == list(range(1, 7))
+    return _straight[key]
+
+
+def check_one_restart(d, rank, step, want):
     got = losses(d)
     assert got == want, f"restarted run's losses differ from the uninterrupted run's:\n{got}\n{want}"
     restarts = [json.loads(line) for line in (d / "restarts.jsonl").read_text().splitlines()]
@@ -110,6 +116,51 @@ def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path,
     assert r["resumed_at_step"] == resumed and r["first_step"] == resumed + 1, r
     assert r["seconds_from_failure_to_first_step"] > 0, r
     print(f"restart cost (failure to the first step after it): {r['seconds_from_failure_to_first_step']:.2f} s")
+
+
+@pytest.mark.parametrize("ranks,plan", [(4, HYBRID), (2, PP2)], ids=["dp2_tp2", "pp2"])
+def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path, ranks, plan):
+    rng = random.Random()
+    step, rank = rng.randint(3, 6), rng.randint(0, ranks - 1)
+    print(f"SIGKILL at step {step} on rank {rank}")
+    want = straight_losses(tiny_tokens, tmp_path, ranks, plan)
+
+    d = tmp_path / "killed"
+    rc, out = launch(ranks, hybrid_args(tiny_tokens, d, plan), restarts=2,
+                     env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
+    assert rc == 0, out
+    assert f"restart 1 of 2: rank {rank} was killed by signal 9 (SIGKILL) at step {step}" in out, out
+    assert "restart 2 of 2" not in out, out
+    check_one_restart(d, rank, step, want)
+
+
+def test_two_nodes_restart_together_through_the_rendezvous(tiny_tokens, tmp_path):
+    """Two launchers (--nnodes 2, one pipeline stage each) on this machine; rank 1, on node 1, is
+    SIGKILLed: node 0's launcher decides, both log the same restart and start attempt 1 together."""
+    step = random.Random().randint(3, 6)
+    print(f"SIGKILL at step {step} on rank 1 (node 1)")
+    want = straight_losses(tiny_tokens, tmp_path, 2, PP2)
+    d = tmp_path / "killed"
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [nnstrain_bin_path(), "launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "2", "--",
+               *map(str, hybrid_args(tiny_tokens, d, PP2))]
+        procs.append(subprocess.Popen(cmd, cwd=SOURCE, env=single_process_env(1, NNSTRAIN_TEST_KILL_AT=f"{step}:1"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        print(f"node {node}:", *[l for l in out.splitlines() if l.startswith("nnstrain launch:")], sep="\n  ")
+        assert p.returncode == 0, f"node {node}:\n{out}"
+        line = f"nnstrain launch: restart 1 of 2: rank 1 was killed by signal 9 (SIGKILL) at step {step}"
+        assert line in out, f"node {node}:\n{out}"
+        assert "restart 2 of 2" not in out, out
+    check_one_restart(d, 1, step, want)
 
 
 def test_failure_at_the_same_step_again_is_deterministic(tiny_tokens, tmp_path):
@@ -205,12 +256,6 @@ def test_loss_spike_is_rerun_rewound_and_its_data_skipped(spiky_tokens, tmp_path
 
 
 # --- straggler and flight recorder --------------------------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
     d = tmp_path / "run"
