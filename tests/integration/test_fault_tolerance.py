@@ -255,6 +255,61 @@ def test_loss_spike_is_rerun_rewound_and_its_data_skipped(spiky_tokens, tmp_path
     assert all(resumed[s] == got[s] for s in resumed), (resumed, got)
 
 
+# --- a transient fault, and a non-finite step keyed on its data ---------------
+
+def nonfinite_args(d, tokens, *more):
+    return ["--config", TINY, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt",
+            "--checkpoint.every_n_train_steps", "4", "--checkpoint.async_save", "false", "--max_train_steps", "8",
+            "--val_every_n_train_steps", "0", "--lr_scheduler.args.decay_steps", "8",
+            "--fault_tolerance.nonfinite_steps", "1", "--fault_tolerance.on_spike", "rewind", *more]
+
+
+def run_one(args, env=None):
+    p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1, **(env or {})),
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tiny_tokens, tmp_path_factory):
+    """The 8 steps of nonfinite_args without any fault."""
+    d = tmp_path_factory.mktemp("plain")
+    rc, out = run_one(nonfinite_args(d, tiny_tokens))
+    assert rc == 0, out
+    return losses(d)
+
+
+def test_a_fault_gone_on_the_rerun_is_transient(tiny_tokens, tmp_path, plain_losses):
+    # Step 6 is non-finite the first time it runs only (NNSTRAIN_TEST_NONFINITE_ONCE): a flipped bit.
+    rc, out = run_one(nonfinite_args(tmp_path, tiny_tokens, "--fault_tolerance.rerun_check", "true"),
+                      {"NNSTRAIN_TEST_NONFINITE_ONCE": "6"})
+    assert rc == 0, out
+    ev = [e["fault_tolerance"] for e in events(tmp_path)]
+    assert [(e["event"], e["action"]) for e in ev] == [("nonfinite", "rerun"), ("rerun_check", "continued")], out
+    assert ev[0]["to_step"] == 4 and ev[1]["reproduced"] is False, ev
+    assert "different, so a transient fault; nothing skipped" in out
+    # Nothing skipped: the run equals one that never met the fault, every step once.
+    state = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())["state"]
+    assert not state["data_cursor"].get("skipped"), state["data_cursor"]
+    assert losses(tmp_path) == plain_losses
+
+
+def test_a_nonfinite_step_is_rewound_and_its_data_skipped(tiny_tokens, tmp_path, plain_losses):
+    # Data step 5 (read by training step 6) makes the loss non-finite whenever it is read.
+    rc, out = run_one(nonfinite_args(tmp_path, tiny_tokens), {"NNSTRAIN_TEST_NONFINITE_DATA_AT": "5"})
+    assert rc == 0, out
+    ev = [e["fault_tolerance"] for e in events(tmp_path)]
+    assert [(e["event"], e["action"]) for e in ev] == [("nonfinite", "rewind")], out
+    assert ev[0]["to_step"] == 4 and ev[0]["skipped_data_steps"] == [5, 6], ev
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 9)) and all(np.isfinite(list(got.values()))), got
+    # Up to the checkpoint the run is the plain one; step 6 then reads data step 6, not 5.
+    assert all(got[s] == plain_losses[s] for s in range(1, 6)), (got, plain_losses)
+    assert got[6] != plain_losses[6]
+    state = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())["state"]
+    assert state["data_cursor"]["skipped"] == [[5, 6]], state["data_cursor"]
+
+
 # --- straggler and flight recorder --------------------------------------------
 
 def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
