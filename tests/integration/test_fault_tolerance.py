@@ -352,6 +352,46 @@ def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tin
     assert "straggler        step" in rep.stdout and "rank step times" in rep.stdout, rep.stdout
 
 
+def test_sigusr2_writes_every_rank_flight_record_and_the_run_goes_on(tiny_tokens, tmp_path):
+    d = tmp_path / "run"
+    steps = 40
+    args = [nnstrain_bin_path(), "--config", str(DP), "--vars.data", str(tiny_tokens), "--run_dir", str(d),
+            "--micro_batch_size", "2", "--max_train_steps", str(steps), "--log_progress_every_n_train_steps", "1",
+            "--val_every_n_train_steps", "0"]
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        # Rank 1 40 ms late at every forward: the run lasts long enough to be signalled while it trains.
+        env = single_process_env(1, RANK=rank, WORLD_SIZE=2, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2,
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NNSTRAIN_TEST_SLOW_RANK="1:40")
+        procs.append(subprocess.Popen(args, cwd=SOURCE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        # Training has started (the handler is installed with the process groups): signal both.
+        deadline = time.monotonic() + 90
+        done = 0
+        while done < 3:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 within 90 s"
+            time.sleep(0.05)
+            if (d / "metrics.jsonl").exists():
+                train, _ = read_metrics(d / "metrics.jsonl")
+                done = max([r["step"] for r in train if "loss" in r], default=0)
+        for p in procs:
+            p.send_signal(signal.SIGUSR2)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out
+        assert rank > 0 or "flight recorder written on SIGUSR2" in out, out  # rank 0 logs
+        record = json.loads((d / "flight" / f"rank{rank}.json").read_text())
+        assert record["rank"] == rank and record["world_size"] == 2 and record["reason"] == "SIGUSR2", record
+        assert record["entries"] and all(not e["state"].startswith("failed") for e in record["entries"]), record
+    # Written while training, which went on to its last step.
+    assert done < steps and sorted(losses(d)) == list(range(1, steps + 1))
+
+
 # --- silent divergence --------------------------------------------------------
 
 def test_parameter_changed_on_one_replica_is_named(tiny_tokens, tmp_path):
