@@ -409,6 +409,20 @@ def test_parameter_changed_on_one_replica_is_named(tiny_tokens, tmp_path):
     assert "step 2: parameter" not in out  # the check before the change passed
 
 
+def test_tied_copy_changed_on_one_pipeline_stage_is_named(tiny_tokens, tmp_path):
+    """pp 2: the GPT's embedding lives on the first stage and, tied, as the head on the last. The
+    test hook changes the first stage's first parameter (the embedding) after step 3."""
+    args = ["--config", DP, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--model.args.n_head", "4",
+            "--global_batch_size", "4", "--micro_batch_size", "1", "--compute_config.pas_config.pp_size", "2",
+            "--max_train_steps", "6", "--val_every_n_train_steps", "0", "--fault_tolerance.checksum_every_n_steps", "2"]
+    rc, out = launch(2, args, env={"NNSTRAIN_TEST_CORRUPT_PARAM": "3:0"})
+    assert rc != 0, out
+    assert "changed parameter wte.weight on rank 0 after step 3" in out, out
+    assert re.search(r"step 4: parameter wte\.weight differs between its tied copies on the first and last pipeline "
+                     r"stages: rank 0 checksum \d+, rank 1 checksum \d+", out), out
+    assert "step 2: parameter" not in out  # the check before the change passed
+
+
 # --- the configuration ----------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, named", [

@@ -273,6 +273,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   ft_ = std::make_unique<FaultTolerance>(args, rt_.get(), rank_, world_, tr_.pipeline != nullptr, device.str(),
                                          resumed_from, start_step);
   ft_->set_sink(jsonl_.get());
+  if (tr_.pipeline) ft_->set_tied(model_->head_ties());
   ft_->set_save_wait([this] { saver_->wait(); });
 
   // Checkpoints: ranks agree on a save's outcome by collective (synchronous) or
