@@ -4,17 +4,24 @@
   4-rank dp2 x tp2 run and of a 2-rank pp 2 run (test switch NNSTRAIN_TEST_KILL_AT, first attempt only)
   is restarted from the latest checkpoint; the losses equal the uninterrupted
   run's bitwise and run_dir/restarts.jsonl records one restart with its cost;
+  with two launchers (--nnodes 2, one per pipeline stage) the rank on node 1
+  is killed and both launchers log the same restart, agreed through node 0's;
 - a failure at the same step after a restart (NNSTRAIN_TEST_TORCH_ERROR_AT) is
   reported as deterministic and not retried again;
 - a loss spike made by the data (a data step of a token that never occurs
   elsewhere, placed here with the trainer's sample formula) is rerun, found
   reproduced, rewound and its data step skipped, exactly the configured window;
-  a resume after the skip is exact;
+  a resume after the skip is exact; a non-finite step that is gone on its
+  rerun (NNSTRAIN_TEST_NONFINITE_ONCE) is a transient fault, nothing skipped;
+  one made by its data step (NNSTRAIN_TEST_NONFINITE_DATA_AT) is rewound and
+  skipped;
 - a rank slowed at every forward (NNSTRAIN_TEST_SLOW_RANK) is named as the
   straggler; frozen for good (NNSTRAIN_TEST_STOP_AT) the other rank's flight
   recorder file makes `nnstrain report` name the collective it never joined;
+  SIGUSR2 makes both ranks write their flight records while training goes on;
 - a parameter changed on one replica (NNSTRAIN_TEST_CORRUPT_PARAM) is named at
-  the next checksum step and the run stops.
+  the next checksum step and the run stops; so is the tied embedding changed
+  on the first of 2 pipeline stages.
 
 Losses are compared as the JSON numbers the trainer wrote (shortest round trip:
 equality there is bitwise equality).
@@ -150,7 +157,7 @@ def test_two_nodes_restart_together_through_the_rendezvous(tiny_tokens, tmp_path
         procs.append(subprocess.Popen(cmd, cwd=SOURCE, env=single_process_env(1, NNSTRAIN_TEST_KILL_AT=f"{step}:1"),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
