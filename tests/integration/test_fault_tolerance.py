@@ -170,6 +170,39 @@ def test_two_nodes_restart_together_through_the_rendezvous(tiny_tokens, tmp_path
     check_one_restart(d, 1, step, want)
 
 
+def two_launchers(command, *, restarts=("2", "2"), timeout=60):
+    port = free_port()
+    procs = [subprocess.Popen([nnstrain_bin_path(), "launch", "--nproc-per-node", "1", "--nnodes", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--max-restarts", restarts[node], "--exec", "--", *command],
+                              env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in range(2)]
+    try:
+        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_nodes_agree_that_a_failure_is_deterministic():
+    """Every worker exits 3 at once, twice (--max-restarts 2): node 0's launcher decides (the earliest failure), and
+    both launchers log the same restart, then the same deterministic verdict, and exit 3."""
+    (out0, rc0), (out1, rc1) = two_launchers(["sh", "-c", "exit 3"])
+    verdict = [re.findall(r"nnstrain launch: (restart 1 of 2: .*|deterministic failure: .*)", o) for o in (out0, out1)]
+    assert rc0 == rc1 == 3, (out0, out1)
+    assert len(verdict[0]) == 2 and verdict[0] == verdict[1], (out0, out1)
+    assert re.fullmatch(r"deterministic failure: rank [01] exited with status 3 before training, at the same point "
+                        r"as before restart 1; not restarting again", verdict[0][1]), verdict
+
+
+def test_two_nodes_with_different_max_restarts_are_refused():
+    (out0, rc0), (out1, rc1) = two_launchers(["true"], restarts=("1", "2"))
+    assert rc0 != 0 and rc1 != 0, (out0, out1)
+    why = ("node 0: the launcher of node 1 was started with --nnodes 2 --nproc-per-node 1 --max-restarts 2, "
+           "this one with --nnodes 2 --nproc-per-node 1 --max-restarts 1: every node needs the same")
+    assert why in out0 and why in out1, (out0, out1)
+
+
 def test_failure_at_the_same_step_again_is_deterministic(tiny_tokens, tmp_path):
     args = ["--config", TINY, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--checkpoint.save_dir",
             tmp_path / "ckpt", "--checkpoint.every_n_train_steps", "2", "--max_train_steps", "6",
