@@ -4,17 +4,24 @@
   4-rank dp2 x tp2 run and of a 2-rank pp 2 run (test switch NNSTRAIN_TEST_KILL_AT, first attempt only)
   is restarted from the latest checkpoint; the losses equal the uninterrupted
   run's bitwise and run_dir/restarts.jsonl records one restart with its cost;
+  with two launchers (--nnodes 2, one per pipeline stage) the rank on node 1
+  is killed and both launchers log the same restart, agreed through node 0's;
 - a failure at the same step after a restart (NNSTRAIN_TEST_TORCH_ERROR_AT) is
   reported as deterministic and not retried again;
 - a loss spike made by the data (a data step of a token that never occurs
   elsewhere, placed here with the trainer's sample formula) is rerun, found
   reproduced, rewound and its data step skipped, exactly the configured window;
-  a resume after the skip is exact;
+  a resume after the skip is exact; a non-finite step that is gone on its
+  rerun (NNSTRAIN_TEST_NONFINITE_ONCE) is a transient fault, nothing skipped;
+  one made by its data step (NNSTRAIN_TEST_NONFINITE_DATA_AT) is rewound and
+  skipped;
 - a rank slowed at every forward (NNSTRAIN_TEST_SLOW_RANK) is named as the
   straggler; frozen for good (NNSTRAIN_TEST_STOP_AT) the other rank's flight
   recorder file makes `nnstrain report` name the collective it never joined;
+  SIGUSR2 makes both ranks write their flight records while training goes on;
 - a parameter changed on one replica (NNSTRAIN_TEST_CORRUPT_PARAM) is named at
-  the next checksum step and the run stops.
+  the next checksum step and the run stops; so is the tied embedding changed
+  on the first of 2 pipeline stages.
 
 Losses are compared as the JSON numbers the trainer wrote (shortest round trip:
 equality there is bitwise equality).
@@ -65,6 +72,12 @@ def events(run_dir):
 
 # --- automatic restart -------------------------------------------------------
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 HYBRID = ["--model.args.n_head", "4", "--global_batch_size", "4", "--micro_batch_size", "2",
           "--compute_config.plan_ngpus", "2", "--pas_policy", "hybrid", "--max_train_steps", "6",
           "--log_progress_every_n_train_steps", "1", "--val_every_n_train_steps", "0",
@@ -84,22 +97,22 @@ def hybrid_args(tokens, d, plan=HYBRID):
     return ["--config", DP, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt", *plan]
 
 
-@pytest.mark.parametrize("ranks,plan", [(4, HYBRID), (2, PP2)], ids=["dp2_tp2", "pp2"])
-def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path, ranks, plan):
-    rng = random.Random()
-    step, rank = rng.randint(3, 6), rng.randint(0, ranks - 1)
-    print(f"SIGKILL at step {step} on rank {rank}")
-    rc, out = launch(ranks, hybrid_args(tiny_tokens, tmp_path / "straight", plan))
-    assert rc == 0, out
-    want = losses(tmp_path / "straight")
-    assert sorted(want) == list(range(1, 7))
+_straight = {}
 
-    d = tmp_path / "killed"
-    rc, out = launch(ranks, hybrid_args(tiny_tokens, d, plan), restarts=2,
-                     env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
-    assert rc == 0, out
-    assert f"restart 1 of 2: rank {rank} was killed by signal 9 (SIGKILL) at step {step}" in out, out
-    assert "restart 2 of 2" not in out, out
+
+def straight_losses(tokens, tmp_path, ranks, plan):
+    """The uninterrupted run's losses, once per plan for the module (the pp 2 plan serves two tests)."""
+    key = (ranks, tuple(plan))
+    if key not in _straight:
+        d = tmp_path / "straight"
+        rc, out = launch(ranks, hybrid_args(tokens, d, plan))
+        assert rc == 0, out
+        _straight[key] = losses(d)
+        assert sorted(_straight[key]) == list(range(1, 7))
+    return _straight[key]
+
+
+def check_one_restart(d, rank, step, want):
     got = losses(d)
     assert got == want, f"restarted run's losses differ from the uninterrupted run's:\n{got}\n{want}"
     restarts = [json.loads(line) for line in (d / "restarts.jsonl").read_text().splitlines()]
@@ -110,6 +123,84 @@ def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path,
     assert r["resumed_at_step"] == resumed and r["first_step"] == resumed + 1, r
     assert r["seconds_from_failure_to_first_step"] > 0, r
     print(f"restart cost (failure to the first step after it): {r['seconds_from_failure_to_first_step']:.2f} s")
+
+
+@pytest.mark.parametrize("ranks,plan", [(4, HYBRID), (2, PP2)], ids=["dp2_tp2", "pp2"])
+def test_sigkilled_rank_is_restarted_and_the_run_is_exact(tiny_tokens, tmp_path, ranks, plan):
+    rng = random.Random()
+    step, rank = rng.randint(3, 6), rng.randint(0, ranks - 1)
+    print(f"SIGKILL at step {step} on rank {rank}")
+    want = straight_losses(tiny_tokens, tmp_path, ranks, plan)
+
+    d = tmp_path / "killed"
+    rc, out = launch(ranks, hybrid_args(tiny_tokens, d, plan), restarts=2,
+                     env={"NNSTRAIN_TEST_KILL_AT": f"{step}:{rank}"})
+    assert rc == 0, out
+    assert f"restart 1 of 2: rank {rank} was killed by signal 9 (SIGKILL) at step {step}" in out, out
+    assert "restart 2 of 2" not in out, out
+    check_one_restart(d, rank, step, want)
+
+
+def test_two_nodes_restart_together_through_the_rendezvous(tiny_tokens, tmp_path):
+    """Two launchers (--nnodes 2, one pipeline stage each) on this machine; rank 1, on node 1, is
+    SIGKILLed: node 0's launcher decides, both log the same restart and start attempt 1 together."""
+    step = random.Random().randint(3, 6)
+    print(f"SIGKILL at step {step} on rank 1 (node 1)")
+    want = straight_losses(tiny_tokens, tmp_path, 2, PP2)
+    d = tmp_path / "killed"
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = [nnstrain_bin_path(), "launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "2", "--",
+               *map(str, hybrid_args(tiny_tokens, d, PP2))]
+        procs.append(subprocess.Popen(cmd, cwd=SOURCE, env=single_process_env(1, NNSTRAIN_TEST_KILL_AT=f"{step}:1"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        print(f"node {node}:", *[l for l in out.splitlines() if l.startswith("nnstrain launch:")], sep="\n  ")
+        assert p.returncode == 0, f"node {node}:\n{out}"
+        line = f"nnstrain launch: restart 1 of 2: rank 1 was killed by signal 9 (SIGKILL) at step {step}"
+        assert line in out, f"node {node}:\n{out}"
+        assert "restart 2 of 2" not in out, out
+    check_one_restart(d, 1, step, want)
+
+
+def two_launchers(command, *, restarts=("2", "2"), timeout=60):
+    port = free_port()
+    procs = [subprocess.Popen([nnstrain_bin_path(), "launch", "--nproc-per-node", "1", "--nnodes", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--max-restarts", restarts[node], "--exec", "--", *command],
+                              env=single_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in range(2)]
+    try:
+        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_nodes_agree_that_a_failure_is_deterministic():
+    """Every worker exits 3 at once, twice (--max-restarts 2): node 0's launcher decides (the earliest failure), and
+    both launchers log the same restart, then the same deterministic verdict, and exit 3."""
+    (out0, rc0), (out1, rc1) = two_launchers(["sh", "-c", "exit 3"])
+    verdict = [re.findall(r"nnstrain launch: (restart 1 of 2: .*|deterministic failure: .*)", o) for o in (out0, out1)]
+    assert rc0 == rc1 == 3, (out0, out1)
+    assert len(verdict[0]) == 2 and verdict[0] == verdict[1], (out0, out1)
+    assert re.fullmatch(r"deterministic failure: rank [01] exited with status 3 before training, at the same point "
+                        r"as before restart 1; not restarting again", verdict[0][1]), verdict
+
+
+def test_two_nodes_with_different_max_restarts_are_refused():
+    (out0, rc0), (out1, rc1) = two_launchers(["true"], restarts=("1", "2"))
+    assert rc0 != 0 and rc1 != 0, (out0, out1)
+    why = ("node 0: the launcher of node 1 was started with --nnodes 2 --nproc-per-node 1 --max-restarts 2, "
+           "this one with --nnodes 2 --nproc-per-node 1 --max-restarts 1: every node needs the same")
+    assert why in out0 and why in out1, (out0, out1)
 
 
 def test_failure_at_the_same_step_again_is_deterministic(tiny_tokens, tmp_path):
@@ -204,13 +295,62 @@ def test_loss_spike_is_rerun_rewound_and_its_data_skipped(spiky_tokens, tmp_path
     assert all(resumed[s] == got[s] for s in resumed), (resumed, got)
 
 
+# --- a transient fault, and a non-finite step keyed on its data ---------------
+
+def nonfinite_args(d, tokens, *more):
+    return ["--config", TINY, "--vars.data", tokens, "--run_dir", d, "--checkpoint.save_dir", d / "ckpt",
+            "--checkpoint.every_n_train_steps", "4", "--checkpoint.async_save", "false", "--max_train_steps", "8",
+            "--val_every_n_train_steps", "0", "--lr_scheduler.args.decay_steps", "8",
+            "--fault_tolerance.nonfinite_steps", "1", "--fault_tolerance.on_spike", "rewind", *more]
+
+
+def run_one(args, env=None):
+    p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1, **(env or {})),
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tiny_tokens, tmp_path_factory):
+    """The 8 steps of nonfinite_args without any fault."""
+    d = tmp_path_factory.mktemp("plain")
+    rc, out = run_one(nonfinite_args(d, tiny_tokens))
+    assert rc == 0, out
+    return losses(d)
+
+
+def test_a_fault_gone_on_the_rerun_is_transient(tiny_tokens, tmp_path, plain_losses):
+    # Step 6 is non-finite the first time it runs only (NNSTRAIN_TEST_NONFINITE_ONCE): a flipped bit.
+    rc, out = run_one(nonfinite_args(tmp_path, tiny_tokens, "--fault_tolerance.rerun_check", "true"),
+                      {"NNSTRAIN_TEST_NONFINITE_ONCE": "6"})
+    assert rc == 0, out
+    ev = [e["fault_tolerance"] for e in events(tmp_path)]
+    assert [(e["event"], e["action"]) for e in ev] == [("nonfinite", "rerun"), ("rerun_check", "continued")], out
+    assert ev[0]["to_step"] == 4 and ev[1]["reproduced"] is False, ev
+    assert "different, so a transient fault; nothing skipped" in out
+    # Nothing skipped: the run equals one that never met the fault, every step once.
+    state = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())["state"]
+    assert not state["data_cursor"].get("skipped"), state["data_cursor"]
+    assert losses(tmp_path) == plain_losses
+
+
+def test_a_nonfinite_step_is_rewound_and_its_data_skipped(tiny_tokens, tmp_path, plain_losses):
+    # Data step 5 (read by training step 6) makes the loss non-finite whenever it is read.
+    rc, out = run_one(nonfinite_args(tmp_path, tiny_tokens), {"NNSTRAIN_TEST_NONFINITE_DATA_AT": "5"})
+    assert rc == 0, out
+    ev = [e["fault_tolerance"] for e in events(tmp_path)]
+    assert [(e["event"], e["action"]) for e in ev] == [("nonfinite", "rewind")], out
+    assert ev[0]["to_step"] == 4 and ev[0]["skipped_data_steps"] == [5, 6], ev
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 9)) and all(np.isfinite(list(got.values()))), got
+    # Up to the checkpoint the run is the plain one; step 6 then reads data step 6, not 5.
+    assert all(got[s] == plain_losses[s] for s in range(1, 6)), (got, plain_losses)
+    assert got[6] != plain_losses[6]
+    state = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())["state"]
+    assert state["data_cursor"]["skipped"] == [[5, 6]], state["data_cursor"]
+
+
 # --- straggler and flight recorder --------------------------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
     d = tmp_path / "run"
@@ -252,6 +392,46 @@ def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tin
     assert "straggler        step" in rep.stdout and "rank step times" in rep.stdout, rep.stdout
 
 
+def test_sigusr2_writes_every_rank_flight_record_and_the_run_goes_on(tiny_tokens, tmp_path):
+    d = tmp_path / "run"
+    steps = 40
+    args = [nnstrain_bin_path(), "--config", str(DP), "--vars.data", str(tiny_tokens), "--run_dir", str(d),
+            "--micro_batch_size", "2", "--max_train_steps", str(steps), "--log_progress_every_n_train_steps", "1",
+            "--val_every_n_train_steps", "0"]
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        # Rank 1 40 ms late at every forward: the run lasts long enough to be signalled while it trains.
+        env = single_process_env(1, RANK=rank, WORLD_SIZE=2, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2,
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NNSTRAIN_TEST_SLOW_RANK="1:40")
+        procs.append(subprocess.Popen(args, cwd=SOURCE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        # Training has started (the handler is installed with the process groups): signal both.
+        deadline = time.monotonic() + 90
+        done = 0
+        while done < 3:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 3 within 90 s"
+            time.sleep(0.05)
+            if (d / "metrics.jsonl").exists():
+                train, _ = read_metrics(d / "metrics.jsonl")
+                done = max([r["step"] for r in train if "loss" in r], default=0)
+        for p in procs:
+            p.send_signal(signal.SIGUSR2)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out
+        assert rank > 0 or "flight recorder written on SIGUSR2" in out, out  # rank 0 logs
+        record = json.loads((d / "flight" / f"rank{rank}.json").read_text())
+        assert record["rank"] == rank and record["world_size"] == 2 and record["reason"] == "SIGUSR2", record
+        assert record["entries"] and all(not e["state"].startswith("failed") for e in record["entries"]), record
+    # Written while training, which went on to its last step.
+    assert done < steps and sorted(losses(d)) == list(range(1, steps + 1))
+
+
 # --- silent divergence --------------------------------------------------------
 
 def test_parameter_changed_on_one_replica_is_named(tiny_tokens, tmp_path):
@@ -266,6 +446,20 @@ def test_parameter_changed_on_one_replica_is_named(tiny_tokens, tmp_path):
     assert re.search(rf"step 4: parameter {re.escape(name)} differs between replicas: rank 0 checksum \d+, "
                      rf"rank 1 checksum \d+", out), out
     assert "training stops (fault_tolerance.on_checksum_mismatch: stop)" in out
+    assert "step 2: parameter" not in out  # the check before the change passed
+
+
+def test_tied_copy_changed_on_one_pipeline_stage_is_named(tiny_tokens, tmp_path):
+    """pp 2: the GPT's embedding lives on the first stage and, tied, as the head on the last. The
+    test hook changes the first stage's first parameter (the embedding) after step 3."""
+    args = ["--config", DP, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--model.args.n_head", "4",
+            "--global_batch_size", "4", "--micro_batch_size", "1", "--compute_config.pas_config.pp_size", "2",
+            "--max_train_steps", "6", "--val_every_n_train_steps", "0", "--fault_tolerance.checksum_every_n_steps", "2"]
+    rc, out = launch(2, args, env={"NNSTRAIN_TEST_CORRUPT_PARAM": "3:0"})
+    assert rc != 0, out
+    assert "changed parameter wte.weight on rank 0 after step 3" in out, out
+    assert re.search(r"step 4: parameter wte\.weight differs between its tied copies on the first and last pipeline "
+                     r"stages: rank 0 checksum \d+, rank 1 checksum \d+", out), out
     assert "step 2: parameter" not in out  # the check before the change passed
 
 

@@ -179,3 +179,73 @@ def test_launch_then_env(nnstrain_bin, tmp_path):
     for rank, e in seen.items():
         assert (e["launcher"], e["rank"], e["world_size"], e["local_rank"], e["master_addr"]) == \
             ("torchrun", rank, 3, rank, "127.0.0.1")
+
+
+# --- automatic restart through the scheduler's requeue ------------------------
+
+def failing_nnstrain(tmp_path, status):
+    """Stands in for a training run that fails: records its arguments, exits `status`."""
+    stub = tmp_path / "failing_nnstrain"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{tmp_path}/runs"\nexit {status}\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def requeue_job(script, env):
+    proc = subprocess.run(["bash", str(SOURCE / script)], env=env, capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("script,scheduler", [("scripts/slurm/train.sbatch", "slurm"),
+                                              ("scripts/pbs/train.pbs", "pbs")])
+def test_failed_job_is_requeued_then_found_deterministic(tmp_path, fake_bin, nnstrain_bin, script, scheduler):
+    """A failure requeues the job (fake scontrol requeue / qrerun record the call); the requeued job
+    resumes; a second failure with no checkpoint since the first is deterministic: no requeue."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("step-00000004\n")
+    calls = tmp_path / "calls"
+    if scheduler == "slurm":
+        job = slurm_job_vars(1, 1, "localhost", 777)
+        requeue = "scontrol requeue 777"
+    else:
+        node_file = tmp_path / "nodefile"
+        node_file.write_text("localhost\n")
+        job = dict(PBS_JOBID="777.fake-pbs", PBS_NODEFILE=str(node_file), PBS_O_WORKDIR=str(tmp_path), GPUS="1")
+        requeue = "qrerun 777.fake-pbs"
+    env = job_env(fake_bin, nnstrain_bin, **job, NNSTRAIN=str(failing_nnstrain(tmp_path, 3)),
+                  NNSTRAIN_ROOT=str(tmp_path), MAX_RESTARTS="2", CKPT_DIR=str(ckpt),
+                  FAKE_SCHEDULER_LOG=str(calls))
+
+    rc, err = requeue_job(script, env)
+    assert rc == 3, err
+    assert calls.read_text().splitlines() == [requeue], err
+    # The scheduler starts the job again: SLURM counts in SLURM_RESTART_COUNT, PBS in the script's file.
+    if scheduler == "slurm":
+        env["SLURM_RESTART_COUNT"] = "1"
+    # A checkpoint since the first failure: requeued again.
+    (ckpt / "latest").write_text("step-00000006\n")
+    rc, err = requeue_job(script, env)
+    assert rc == 3 and calls.read_text().splitlines() == [requeue] * 2, err
+    assert "restart 1 of 2: resuming from the latest checkpoint" in err
+    runs = (tmp_path / "runs").read_text().splitlines()
+    assert not runs[0].endswith("--resume") and runs[1].endswith("--resume"), runs
+    # No checkpoint since: deterministic, not requeued.
+    if scheduler == "slurm":
+        env["SLURM_RESTART_COUNT"] = "2"
+    env["MAX_RESTARTS"] = "3"
+    rc, err = requeue_job(script, env)
+    assert rc == 3 and calls.read_text().splitlines() == [requeue] * 2, err
+    assert "deterministic failure: status 3 with no checkpoint since the last restart" in err
+
+
+@pytest.mark.parametrize("status,restarts,max_restarts", [(0, "0", "2"), (3, "2", "2")], ids=["success", "no_restart_left"])
+def test_sbatch_requeues_only_a_failure_with_restarts_left(tmp_path, fake_bin, nnstrain_bin, status, restarts,
+                                                          max_restarts):
+    calls = tmp_path / "calls"
+    env = job_env(fake_bin, nnstrain_bin, **slurm_job_vars(1, 1, "localhost", 778),
+                  NNSTRAIN=str(failing_nnstrain(tmp_path, status)), NNSTRAIN_ROOT=str(tmp_path),
+                  MAX_RESTARTS=max_restarts, SLURM_RESTART_COUNT=restarts, FAKE_SCHEDULER_LOG=str(calls))
+    rc, err = requeue_job("scripts/slurm/train.sbatch", env)
+    assert rc == status, err
+    assert not calls.exists(), calls.read_text()

@@ -23,6 +23,7 @@
 
 #include "trainer/dist/progress_board.h"
 #include "trainer/dist/rendezvous_socket.h"
+#include "trainer/dist/restart_rendezvous.h"
 
 extern char** environ;
 
@@ -52,10 +53,18 @@ later. SIGINT, SIGTERM and SIGHUP are passed on to the workers.
   --max-restarts N     when a worker fails, stop the others and start them all
                        again with --resume (the latest complete checkpoint), up
                        to N times (default 0); a failure at the same step as the
-                       one before is deterministic and ends the launch
+                       one before is deterministic and ends the launch. With
+                       several nodes the launchers agree on each restart through
+                       node 0's launcher, listening on --master-port; the workers
+                       get a fresh port per attempt
   --exec               ARGS[0] is any program, not an nnstrain subcommand
                        (torchrun's --no-python; also accepted)
 )";
+
+// Several nodes: how long node 0 waits for the other launchers to join, and,
+// once it has asked them to stop, for each to report its workers ended.
+constexpr double kJoinTimeoutS = 600;
+constexpr double kStopWaitS = 60;
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -435,14 +444,21 @@ class Launch {
     const int node_rank = c_.node_rank.value_or(0);
     const int world = c_.nproc * c_.nnodes;
     const std::string addr = c_.master_addr.value_or("127.0.0.1");
+    // Several nodes that restart: --master-port is the launchers' rendezvous
+    // (restart_rendezvous.h), and node 0 gives the workers of each attempt a
+    // fresh port of their own.
+    const bool group = c_.nnodes > 1 && c_.max_restarts > 0;
     // Rank 0 runs here when this is node 0. An nnstrain rank 0 of several gets
     // the port's socket; an --exec program binds the port itself, and one rank
     // alone needs none, so then it is only checked.
     int port = c_.master_port.value_or(0);
+    int group_fd = -1;  // node 0 of a group: --master-port, until the other launchers have joined
     if (node_rank == 0) {
       Reserved r = reserve_port(c_.master_port);
       port = r.port;
-      if (c_.exec || world == 1)
+      if (group)
+        group_fd = r.fd;
+      else if (c_.exec || world == 1)
         close(r.fd);
       else
         listen_fd_ = r.fd;
@@ -481,9 +497,7 @@ class Launch {
       board.emplace(c_.nproc);
       progress_fd_ = board->fd();
     }
-    std::vector<std::string> restart_env;  // what a restarted worker is told (NNSTRAIN_RESTART_*)
-    std::optional<int64_t> failed_step;    // the step of the failure before the last restart
-    for (int attempt = 0;; ++attempt) {
+    auto spawn_all = [&](int store_port, const std::vector<std::string>& restart_env) {
       workers_.assign(c_.nproc, Worker{});
       for (int local = 0; local < c_.nproc; ++local) {
         Worker& w = workers_[local];
@@ -496,7 +510,7 @@ class Launch {
         env.push_back("GROUP_RANK=" + std::to_string(node_rank));
         env.push_back("GROUP_WORLD_SIZE=" + std::to_string(c_.nnodes));
         env.push_back("MASTER_ADDR=" + addr);
-        env.push_back("MASTER_PORT=" + std::to_string(port));
+        env.push_back("MASTER_PORT=" + std::to_string(store_port));
         if (board) env.push_back(std::string(kProgressFdVar) + "=" + std::to_string(kProgressFd));
         env.insert(env.end(), restart_env.begin(), restart_env.end());
         const bool takes_socket = w.rank == 0 && listen_fd_ >= 0;
@@ -506,39 +520,171 @@ class Launch {
       // Rank 0 holds the socket now (or has failed, and with it the launch).
       if (listen_fd_ >= 0) close(listen_fd_);
       listen_fd_ = -1;
-      const int status = supervise(signals);
-      if (status == 0 || got_signal_ || !first_failure_ || c_.max_restarts == 0) return status;
-
-      // A restart: the cause, and whether it is the failure before it again.
-      const Worker& f = *first_failure_;
-      const int64_t step = board->step(f.rank - node_rank * c_.nproc);
-      const std::string cause = "rank " + std::to_string(f.rank) + " " + describe_end(f.status) +
-                                (step > 0 ? " at step " + std::to_string(step) : " before training");
-      if (attempt >= c_.max_restarts) {
-        say("no restart left (--max-restarts " + std::to_string(c_.max_restarts) + "): " + cause);
-        return status;
-      }
-      if (failed_step && *failed_step == step) {
-        say("deterministic failure: " + cause + ", at the same " + (step > 0 ? "step" : "point") +
-            " as before restart " + std::to_string(attempt) + "; not restarting again");
-        return status;
-      }
-      failed_step = step;
-      say("restart " + std::to_string(attempt + 1) + " of " + std::to_string(c_.max_restarts) + ": " + cause +
-          "; starting every worker again with --resume");
-      restart_env = {"NNSTRAIN_RESTART_COUNT=" + std::to_string(attempt + 1), "NNSTRAIN_RESTART_CAUSE=" + cause,
-                     "NNSTRAIN_RESTART_FAILED_AT_MS=" + std::to_string(failed_at_ms_)};
+    };
+    // Before attempt k > 0: what a restarted worker is told, and the command resumes.
+    auto prepare_restart = [&](const Verdict& v) {
+      say(restart_line(v));
       if (!c_.exec) resume_latest(argv);
       board->clear();
       first_failure_ = nullptr;
+      stopped_by_peer_ = false;
       kill_at_.reset();
       groups_ended_ = false;
+      return std::vector<std::string>{"NNSTRAIN_RESTART_COUNT=" + std::to_string(v.attempt),
+                                      "NNSTRAIN_RESTART_CAUSE=" + v.cause,
+                                      "NNSTRAIN_RESTART_FAILED_AT_MS=" + std::to_string(v.failed_at_ms)};
+    };
+    if (board) board_ = &*board;
+    if (group) return run_group(group_fd, addr, port, signals, spawn_all, prepare_restart);
+
+    std::vector<std::string> restart_env;  // what a restarted worker is told (NNSTRAIN_RESTART_*)
+    std::optional<int64_t> failed_step;    // the step of the failure before the last restart
+    for (int attempt = 0;; ++attempt) {
+      spawn_all(port, restart_env);
+      const int status = supervise(signals);
+      if (status == 0 || got_signal_ || !first_failure_ || c_.max_restarts == 0) return status;
+
+      // A restart, or the end: deterministic, or none left.
+      Verdict v = decide(attempt, failed_step, local_end(status));
+      if (!v.restart) {
+        say(v.message);
+        return v.status;
+      }
+      restart_env = prepare_restart(v);
       // Rank 0's port again (its last holder is gone), held until the new rank 0 takes it.
       if (node_rank == 0 && !c_.exec && world > 1) {
         Reserved r = reserve_port(port);
         listen_fd_ = r.fd;
       }
     }
+  }
+
+  // Several nodes under --max-restarts: every launcher runs the same attempts,
+  // agreed with node 0's launcher (restart_rendezvous.h). Node 0 decides each
+  // verdict from every node's report; every launcher logs it and acts on it.
+  template <class SpawnAll, class PrepareRestart>
+  int run_group(int group_fd, const std::string& addr, int master_port, const SignalScope& signals,
+                SpawnAll& spawn_all, PrepareRestart& prepare_restart) {
+    const int node_rank = c_.node_rank.value_or(0);
+    RestartRendezvous link =
+        node_rank == 0
+            ? RestartRendezvous::host(group_fd, c_.nnodes, c_.nproc, c_.max_restarts, kJoinTimeoutS, signals.read_fd())
+            : RestartRendezvous::join(addr, master_port, node_rank, c_.nnodes, c_.nproc, c_.max_restarts,
+                                      kJoinTimeoutS, signals.read_fd());
+    link_ = &link;
+    Verdict v;  // node 0 starts attempt 0; the others wait for its start
+    v.restart = true;
+    if (!link.hosts()) v = link.report_and_wait(-1, NodeEnd{}, signals.read_fd());
+    std::optional<int64_t> failed_step;  // the step of the failure before the last restart
+    std::vector<std::string> restart_env;
+    while (v.restart) {
+      if (v.attempt > 0) restart_env = prepare_restart(v);
+      if (link.hosts()) {
+        // A fresh port per attempt: no worker of an earlier attempt can meet this one's store.
+        Reserved r = reserve_port(std::nullopt);
+        v.port = r.port;
+        if (c_.exec)
+          close(r.fd);
+        else
+          listen_fd_ = r.fd;
+        link.announce(v);
+      }
+      attempt_ = v.attempt;
+      spawn_all(v.port, restart_env);
+      const int status = supervise(signals);
+      const NodeEnd mine = local_end(status);
+      if (!link.hosts()) {
+        v = link.report_and_wait(v.attempt, mine, signals.read_fd());
+        continue;
+      }
+      const std::vector<NodeEnd> ends = link.collect(v.attempt, mine, kStopWaitS, signals.read_fd());
+      Verdict next = decide_group(v.attempt, failed_step, ends);
+      if (next.restart) {
+        next.attempt = v.attempt + 1;
+      } else {
+        link.finish(next);
+      }
+      v = next;
+    }
+    link_ = nullptr;
+    if (!v.message.empty()) say(v.message);
+    return v.status;
+  }
+
+  // How this node's workers of the attempt ended, for the verdict.
+  NodeEnd local_end(int status) const {
+    NodeEnd e;
+    e.node = c_.node_rank.value_or(0);
+    if (got_signal_) {
+      e.kind = NodeEnd::kSignalled;
+      e.status = 128 + got_signal_;
+    } else if (first_failure_) {
+      e.kind = NodeEnd::kFailed;
+      e.rank = first_failure_->rank;
+      e.step = board_ ? board_->step(first_failure_->rank - e.node * c_.nproc) : 0;
+      e.failed_at_ms = failed_at_ms_;
+      e.status = status;
+      e.what = describe_end(first_failure_->status);
+    } else if (stopped_by_peer_) {
+      e.kind = NodeEnd::kStopped;
+    }
+    return e;
+  }
+
+  static std::string cause_of(const NodeEnd& f) {
+    return "rank " + std::to_string(f.rank) + " " + f.what +
+           (f.step > 0 ? " at step " + std::to_string(f.step) : " before training");
+  }
+
+  std::string restart_line(const Verdict& v) const {
+    return "restart " + std::to_string(v.attempt) + " of " + std::to_string(c_.max_restarts) + ": " + v.cause +
+           "; starting every worker again with --resume";
+  }
+
+  // After a failure in `attempt`: restart, or end because no restart is left or
+  // the failure repeats the one before the last restart at the same step.
+  Verdict decide(int attempt, std::optional<int64_t>& failed_step, const NodeEnd& f) const {
+    Verdict v;
+    v.cause = cause_of(f);
+    v.status = f.status;
+    if (attempt >= c_.max_restarts) {
+      v.message = "no restart left (--max-restarts " + std::to_string(c_.max_restarts) + "): " + v.cause;
+      return v;
+    }
+    if (failed_step && *failed_step == f.step) {
+      v.message = "deterministic failure: " + v.cause + ", at the same " + (f.step > 0 ? "step" : "point") +
+                  " as before restart " + std::to_string(attempt) + "; not restarting again";
+      return v;
+    }
+    failed_step = f.step;
+    v.restart = true;
+    v.attempt = attempt + 1;
+    v.failed_at_ms = f.failed_at_ms;
+    return v;
+  }
+
+  // Node 0 of a group: the verdict from every node's end. A signal or a node
+  // gone ends the launch; otherwise the earliest failure by wall clock is the
+  // cause (the others are workers that lost a peer, or were stopped).
+  Verdict decide_group(int attempt, std::optional<int64_t>& failed_step, const std::vector<NodeEnd>& ends) const {
+    Verdict v;
+    for (const NodeEnd& e : ends)
+      if (e.kind == NodeEnd::kSignalled || e.kind == NodeEnd::kLost) {
+        v.status = e.status;
+        v.message = e.kind == NodeEnd::kLost
+                        ? "stopping every node: " + e.what + "; the launchers do not replace a node (requeue the job)"
+                        : "stopping every node: the launcher of node " + std::to_string(e.node) +
+                              " got a signal (status " + std::to_string(e.status) + ")";
+        return v;
+      }
+    const NodeEnd* first = nullptr;
+    for (const NodeEnd& e : ends)
+      if (e.kind == NodeEnd::kFailed &&
+          (!first || e.failed_at_ms < first->failed_at_ms ||
+           (e.failed_at_ms == first->failed_at_ms && e.rank < first->rank)))
+        first = &e;
+    if (!first) return v;  // every node's workers finished
+    return decide(attempt, failed_step, *first);
   }
 
   // The command of a restart resumes from the latest checkpoint: any --resume
@@ -653,7 +799,7 @@ class Launch {
     // Its last words come before the launcher's verdict.
     pump(w.out, true);
     pump(w.err, true);
-    if (!failed(w.status) || first_failure_) return;
+    if (!failed(w.status) || first_failure_ || stopped_by_peer_) return;
     first_failure_ = &w;
     failed_at_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(
                         std::chrono::system_clock::now().time_since_epoch()).count();
@@ -681,8 +827,16 @@ class Launch {
       reap();
       if (running() == 0) break;
 
+      // Node 0 of a group: this node's failure stops every node's workers.
+      if (link_ && first_failure_) link_->stop_all(attempt_);
       fds.assign(1, pollfd{signals.read_fd(), POLLIN, 0});
       streams.assign(1, nullptr);
+      const size_t links = link_ ? link_->fds().size() : 0;
+      if (link_)
+        for (int fd : link_->fds()) {
+          fds.push_back(pollfd{fd, POLLIN, 0});
+          streams.push_back(nullptr);
+        }
       for (auto& w : workers_)
         for (Stream* s : {&w.out, &w.err})
           if (s->fd >= 0) {
@@ -708,7 +862,17 @@ class Launch {
             signal_running(sigs[i]);
           }
       }
-      for (size_t i = 1; n > 0 && i < fds.size(); ++i) {
+      for (size_t i = 1; n > 0 && i < 1 + links; ++i) {
+        if (!fds[i].revents || !link_->on_readable(fds[i].fd)) continue;
+        // Another node's worker failed: these restart with it (or end).
+        link_->stop_all(attempt_);
+        if (!first_failure_ && !stopped_by_peer_ && running() > 0) {
+          stopped_by_peer_ = true;
+          say("another node's worker failed: stopping this node's workers (SIGKILL)");
+          signal_running(SIGKILL);
+        }
+      }
+      for (size_t i = 1 + links; n > 0 && i < fds.size(); ++i) {
         if (fds[i].revents) pump(*streams[i], false);
       }
       if (kill_at_ && Clock::now() >= *kill_at_) {
@@ -753,6 +917,10 @@ class Launch {
   Worker* first_failure_ = nullptr;
   int64_t failed_at_ms_ = 0;  // wall clock of the first failure (a restart's cost is measured from it)
   int progress_fd_ = -1;      // the progress board (--max-restarts), handed to every worker
+  const ProgressBoard* board_ = nullptr;
+  RestartRendezvous* link_ = nullptr;  // several nodes under --max-restarts: the other launchers
+  int attempt_ = 0;                    // the attempt running (0: the first start)
+  bool stopped_by_peer_ = false;       // this node's workers were stopped for another node's failure
   std::optional<Clock::time_point> kill_at_;
   int got_signal_ = 0;
   bool was_subreaper_ = true;

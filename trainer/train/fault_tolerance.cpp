@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -329,27 +330,55 @@ std::optional<Rewind> FaultTolerance::check_spike(int64_t step, const Values& v)
 }
 
 std::optional<Rewind> FaultTolerance::check_replicas(int64_t step, const std::vector<parallel::ParamShard>& params) {
-  // Replicas of a parameter (shard) live on the dp x cp group: every such group
-  // has the same size, so every rank checks or none does.
-  if (!rt_ || rt_->dp_cp.size() < 2 || params.empty()) return std::nullopt;
+  // Replicas of a parameter (shard) live on the dp x cp group, and the tied
+  // copies (the embedding the head reuses) on the first and last ranks of the
+  // pp group: every such group has the same size and every rank knows the tied
+  // names, so every rank checks or none does, with the same collectives.
+  const bool replicas = rt_ && rt_->dp_cp.size() >= 2;
+  const bool tied = rt_ && pipeline_ && rt_->pp.size() >= 2 && !tied_.empty();
+  if (!(replicas || tied) || params.empty()) return std::nullopt;
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> sums;
   for (const auto& p : params) sums.push_back(bit_sum(p.tensor));
   const auto c = torch::stack(sums);
-  auto both = torch::cat({c, -c});
-  rt_->all_reduce_max(rt_->dp_cp, both, "replica checksums (max and -min over dp x cp)");
-  const auto h = both.cpu(), mine = c.cpu();
-  const auto* p = h.data_ptr<int64_t>();
+  const auto mine = c.cpu();
   const auto n = static_cast<int64_t>(params.size());
-  int64_t bad = -1;
-  for (int64_t i = 0; i < n && bad < 0; ++i)
-    if (p[i] != -p[n + i]) bad = i;
+  int64_t bad = -1;  // 0..n-1: a parameter whose dp x cp replicas differ; n + t: tied name t
+  if (replicas) {
+    auto both = torch::cat({c, -c});
+    rt_->all_reduce_max(rt_->dp_cp, both, "replica checksums (max and -min over dp x cp)");
+    const auto h = both.cpu();
+    const auto* p = h.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n && bad < 0; ++i)
+      if (p[i] != -p[n + i]) bad = i;
+  }
+  // The tied copies: a stage without the parameter offers the lowest value to both maxima.
+  std::vector<int64_t> tied_sum(tied_.size(), 0);
+  if (tied) {
+    const auto T = static_cast<int64_t>(tied_.size());
+    auto both = torch::full({2 * T}, std::numeric_limits<int64_t>::min(), torch::kInt64);
+    std::vector<bool> held(tied_.size(), false);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < n; ++i)
+        if (params[i].name == tied_[t]) {
+          held[t] = true;
+          tied_sum[t] = mine.data_ptr<int64_t>()[i];
+          both[t] = tied_sum[t];
+          both[T + t] = -tied_sum[t];
+        }
+    both = both.to(c.device());
+    rt_->all_reduce_max(rt_->pp, both, "tied parameter checksums (max and -min over the pipeline stages)");
+    const auto h = both.cpu();
+    const auto* p = h.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T && bad < 0; ++t)
+      if (held[t] && p[t] != -p[T + t]) bad = n + t;
+  }
   // Every rank learns which ranks saw a mismatch, and their checksums of it.
   constexpr int64_t kMask = 0x7FFFFFFFFFFFFFFFLL;
   std::vector<int64_t> v(2 * world_, -1);
   if (bad >= 0) {
     v[rank_] = bad;
-    v[world_ + rank_] = mine.data_ptr<int64_t>()[bad] & kMask;
+    v[world_ + rank_] = (bad < n ? mine.data_ptr<int64_t>()[bad] : tied_sum[bad - n]) & kMask;
   }
   rt_->host_max(v, "replica checksum comparison");
   std::vector<int> disagree;
@@ -357,7 +386,13 @@ std::optional<Rewind> FaultTolerance::check_replicas(int64_t step, const std::ve
     if (v[r] >= 0) disagree.push_back(r);
   if (disagree.empty()) return std::nullopt;
   std::string msg = "step " + std::to_string(step) + ": ";
-  if (bad >= 0) {
+  if (bad >= n) {
+    msg += "parameter " + tied_[bad - n] + " differs between its tied copies on the first and last pipeline stages:";
+    for (int r : rt_->pp.ranks)
+      if (v[r] >= 0) msg += " rank " + std::to_string(r) + " checksum " + std::to_string(v[world_ + r]) + ",";
+    msg.pop_back();
+    msg += " (group " + rt_->pp.name + ")";
+  } else if (bad >= 0) {
     msg += "parameter " + params[bad].name + " differs between replicas:";
     for (int r : rt_->dp_cp.ranks) msg += " rank " + std::to_string(r) + " checksum " + std::to_string(v[world_ + r]) + ",";
     msg.pop_back();

@@ -81,6 +81,9 @@ class FaultTolerance {
   // The first non-finite step is this component's (nonfinite_steps > 0), not the loop's stop.
   bool handles_nonfinite() const { return args_.nonfinite_steps > 0; }
   void set_sink(JsonlSink* jsonl) { jsonl_ = jsonl; }
+  // Pipelines: the parameters held on the first and the last stage alike (the
+  // head's tied embedding, CausalLM::head_ties), compared by the checksums too.
+  void set_tied(std::vector<std::string> names) { tied_ = std::move(names); }
   // Waits for this rank's checkpoint saves in flight (before a rewind picks one).
   void set_save_wait(std::function<void()> wait) { wait_saves_ = std::move(wait); }
 
@@ -121,6 +124,7 @@ class FaultTolerance {
   JsonlSink* jsonl_ = nullptr;
   std::function<void()> wait_saves_;
   SkipWindows skipped_;
+  std::vector<std::string> tied_;  // pipelines: names held by the first and the last stage
   bool restart_recorded_ = false;
   std::map<int64_t, Values> history_;  // ordinary steps' values, for the rolling median
   int64_t nonfinite_run_ = 0;          // non-finite steps in a row

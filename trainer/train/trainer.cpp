@@ -67,9 +67,17 @@ std::string test_switch(const char* name) {
   const char* e = std::getenv(name);
   return e ? e : "";
 }
-bool inject_nonfinite(int64_t step, int rank) {
+// NNSTRAIN_TEST_NONFINITE_DATA_AT=DATA_STEP[:RANK]: the same at the step that reads
+// that data step (a rewind that skips it does not meet it again);
+// NNSTRAIN_TEST_NONFINITE_ONCE=STEP[:RANK]: the first run of that step only (a
+// transient fault: a rerun of the step is finite).
+bool inject_nonfinite(int64_t step, int64_t data_step, int rank) {
   static const std::string at = test_switch("NNSTRAIN_TEST_NONFINITE_AT");
-  return test_switch_hits(at, step, rank);
+  static const std::string data_at = test_switch("NNSTRAIN_TEST_NONFINITE_DATA_AT");
+  static const std::string once = test_switch("NNSTRAIN_TEST_NONFINITE_ONCE");
+  static bool fired_once = false;
+  if (!fired_once && test_switch_hits(once, step, rank)) return fired_once = true;
+  return test_switch_hits(at, step, rank) || test_switch_hits(data_at, data_step, rank);
 }
 bool inject_torch_error(int64_t step, int rank) {
   static const std::string at = test_switch("NNSTRAIN_TEST_TORCH_ERROR_AT");
@@ -265,6 +273,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   ft_ = std::make_unique<FaultTolerance>(args, rt_.get(), rank_, world_, tr_.pipeline != nullptr, device.str(),
                                          resumed_from, start_step);
   ft_->set_sink(jsonl_.get());
+  if (tr_.pipeline) ft_->set_tied(model_->head_ties());
   ft_->set_save_wait([this] { saver_->wait(); });
 
   // Checkpoints: ranks agree on a save's outcome by collective (synchronous) or
@@ -846,7 +855,7 @@ int Trainer::run() {
       if (replay) replayed_comm_bytes_ += graph_comm_bytes_;
       if (rt_ && graph_->captured()) rt_->watch_replay("CUDA graph replay of the training step");
     } else {
-      poison_ = inject_nonfinite(step_ + 1, rank_);
+      poison_ = inject_nonfinite(step_ + 1, ft_->data_step(step_), rank_);
       TORCH_CHECK(!inject_torch_error(step_ + 1, rank_), "injected error (NNSTRAIN_TEST_TORCH_ERROR_AT)");
       step(batches);
     }

@@ -28,3 +28,12 @@ def run_tasks(command, task_envs):
 def fail(tool, message):
     print(f"fake {tool}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def record(tool, args):
+    """Appends the call to $FAKE_SCHEDULER_LOG, for the test to read."""
+    log = os.environ.get("FAKE_SCHEDULER_LOG")
+    if not log:
+        fail(tool, "FAKE_SCHEDULER_LOG is not set")
+    with open(log, "a") as f:
+        f.write(" ".join([tool, *args]) + "\n")
