@@ -14,6 +14,8 @@
 #   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile
 #   muon              issue 41: the optimizer step of Muon + AdamW vs AdamW alone on GPT-2 124M
 #                     (bf16 Newton-Schulz, time_optimizer_ms), vs torch.optim.Muon / AdamW (~30 s)
+#   moe               issue 38: a Qwen3-MoE (64 experts, top-8) with grouped expert GEMMs vs the
+#                     per-expert loop (NNSTRAIN_KERNELS=composite): tokens/s, MFU on active parameters
 #   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile
 #   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
 #   zero              ZeRO stages 0-3 at one rank (NCCL): GPT-2 124M losses vs stage 0,
@@ -74,7 +76,7 @@ mkdir -p "$res" "$out"
 exec > >(tee -a "$res/battery.log") 2>&1
 
 phases=("$@")
-((${#phases[@]})) || phases=(build tests shakespeare gpt2 muon llama shakespeare_full)
+((${#phases[@]})) || phases=(build tests shakespeare gpt2 muon moe llama shakespeare_full)
 
 say() { echo "[battery $(date -u +%H:%M:%S) +$(($(date +%s) - t_start))s] $*"; }
 left() { echo $((budget - ($(date +%s) - t_start))); }
@@ -257,6 +259,7 @@ for p in "${phases[@]}"; do
     shakespeare)      run_phase shakespeare 330 bash -c 'phase_bench shakespeare' ;;
     gpt2)             run_phase gpt2 330 bash -c 'phase_bench gpt2' ;;
     muon)             run_phase muon 90 bash -c 'phase_bench muon' ;;
+    moe)              run_phase moe 120 bash -c 'phase_bench moe' ;;
     llama)            run_phase llama 420 bash -c 'phase_bench llama' ;;
     shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
     zero)             run_phase zero 300 bash -c 'phase_bench zero' ;;
@@ -264,7 +267,7 @@ for p in "${phases[@]}"; do
     offload)          run_phase offload 420 bash -c 'phase_bench offload' ;;
     profile)          run_phase profile 540 bash -c 'phase_bench profile' ;;
     cp_ring)          run_phase cp_ring 360 bash -c phase_cp_ring ;;
-    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 muon llama shakespeare_full zero startup_oom offload" \
+    *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 muon moe llama shakespeare_full zero startup_oom offload" \
          "profile cp_ring)" ;;
   esac
 done

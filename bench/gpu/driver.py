@@ -697,6 +697,56 @@ def bench_muon(ctx):
     ctx.save()
 
 
+def bench_moe(ctx):
+    """Mixture-of-Experts (issue 38): the Qwen3-MoE of configs/qwen3_moe_gpu.yaml on one GPU, bf16-mixed,
+    its experts' GEMMs grouped (what `auto` picks on this device: at::_grouped_mm on sm90+ in bf16, else a
+    padded bmm) against the per-expert loop (NNSTRAIN_KERNELS=composite): tokens/s, ms/step and MFU counting
+    active parameters (the model's flops_per_token: attention, router, k experts, shared experts), the kernel
+    each run recorded (run_dir/active: first_step.grouped_gemm) and the losses of the two (equal to rounding)."""
+    name = "gpt2"  # the synthetic tokens it reads
+    ensure_synthetic(ctx, name)
+    steps, drop, micro = (6, 2, 2) if ctx.smoke else (20, 8, 8)
+    smoke = (["--compute_config.device", "cpu", "--model.args.hidden_size", 64, "--model.args.num_hidden_layers", 2,
+              "--model.args.num_attention_heads", 4, "--model.args.num_key_value_heads", 2,
+              "--model.args.head_dim", 16, "--model.args.num_experts", 8, "--model.args.num_experts_per_tok", 2,
+              "--model.args.moe_intermediate_size", 32, "--model.args.intermediate_size", 128,
+              "--model.args.vocab_size", 512, "--vars.seq_len", 64] if ctx.smoke else [])
+    over = ["--vars.data_dir", str(DATA / SYNTHETIC[name][0]), *smoke, "--micro_batch_size", micro,
+            "--max_train_steps", steps, "--log_progress_every_n_train_steps", 1]
+    if ctx.a.precision:
+        over += ["--precision", ctx.a.precision]
+    out = ctx.results["benchmarks"].setdefault("moe", {"config": "bench/gpu/configs/qwen3_moe_gpu.yaml",
+                                                       "micro_batch_size": micro, "steps": steps,
+                                                       "steps_dropped": drop, "runs": {}})
+    losses = {}
+    for tag, env in (("grouped", None), ("loop", {**os.environ, "NNSTRAIN_KERNELS": "composite"})):
+        res = run_nnstrain(ctx, "moe", tag, "qwen3_moe_gpu.yaml", over, drop=drop, timeout=ctx.left(120), env=env)
+        active = ROOT / "runs" / "battery" / "moe" / tag / "active" / "rank0.json"
+        if active.exists():
+            res["grouped_gemm"] = json.loads(active.read_text()).get("first_step", {}).get("grouped_gemm")
+        metrics = ctx.out / "moe" / f"metrics_{tag}.jsonl"
+        if metrics.exists():
+            recs = [json.loads(l) for l in metrics.read_text().splitlines() if '"loss"' in l]
+            losses[tag] = {r["step"]: r["loss"] for r in recs}
+            kept = [r for r in recs if r["step"] > drop]
+            for key, field in (("tokens_per_s", "tokens_per_s"), ("mfu_active_median", "mfu")):
+                vals = [r[field] for r in kept if field in r]
+                if vals:
+                    res[key] = statistics.median(vals)
+        out["runs"][tag] = res
+        ctx.save()
+        log(f"moe {tag}: rc {res['rc']}, kernel {res.get('grouped_gemm')}, {fmt(res.get('tokens_per_s'), '.0f')} tok/s, "
+            f"{fmt(res.get('ms_per_step'), '.1f')} ms/step, mfu {fmt(res.get('mfu_active_median'), '.3f')}")
+    g, l = out["runs"].get("grouped", {}), out["runs"].get("loop", {})
+    if g.get("tokens_per_s") and l.get("tokens_per_s"):
+        out["grouped_vs_loop"] = g["tokens_per_s"] / l["tokens_per_s"]
+    common = sorted(set(losses.get("grouped", {})) & set(losses.get("loop", {})))
+    if common:
+        out["max_rel_loss_diff"] = max(abs(losses["grouped"][s] - losses["loop"][s]) / abs(losses["loop"][s])
+                                       for s in common)
+    ctx.save()
+
+
 def held_from_log(path):
     """(device bytes, host bytes) rank 0 held between steps, from its log (offload prints the host's)."""
     try:
@@ -992,6 +1042,17 @@ def write_summary(r, path):
                          f"baseline {x.get('best_baseline')} "
                          f"{fmt(x.get('baseline_ms', {}).get(x.get('best_baseline')), '.1f')} ms; "
                          f"efficiency **{fmt(x.get('efficiency'), '.3f')}** (goal >= 0.85)")
+    mo = r.get("benchmarks", {}).get("moe")
+    if mo:
+        L += ["", "## MoE: grouped expert GEMMs vs the per-expert loop (moe phase; configs/qwen3_moe_gpu.yaml)", "",
+              "| run | kernel | tokens/s | ms/step | MFU (active) |", "|---|---|---:|---:|---:|"]
+        for tag in ("grouped", "loop"):
+            x = mo.get("runs", {}).get(tag, {})
+            L.append(f"| {tag} | {x.get('grouped_gemm')} | {fmt(x.get('tokens_per_s'), '.0f')} | "
+                     f"{fmt(x.get('ms_per_step'), '.1f')} | {fmt(x.get('mfu_active_median'), '.3f')} |")
+        if mo.get("grouped_vs_loop"):
+            L.append(f"\ngrouped / loop tokens/s: {mo['grouped_vs_loop']:.2f}x; "
+                     f"max relative loss difference {fmt(mo.get('max_rel_loss_diff'), '.2e')}")
     mu = r.get("benchmarks", {}).get("muon")
     if mu:
         L += ["", f"## Optimizer step: Muon + AdamW vs AdamW (muon phase; GPT-2 124M, micro-batch "
@@ -1013,7 +1074,7 @@ def write_summary(r, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
-                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "muon", "llama", "zero", "offload",
+                    choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "muon", "moe", "llama", "zero", "offload",
                              "profile", "cp_ring", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
@@ -1045,6 +1106,8 @@ def main():
                 bench_offload(ctx)
             elif phase == "muon":
                 bench_muon(ctx)
+            elif phase == "moe":
+                bench_moe(ctx)
             elif phase == "profile":
                 bench_profile(ctx)
             elif phase == "cp_ring":

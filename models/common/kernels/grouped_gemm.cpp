@@ -1,5 +1,7 @@
 #include "models/common/kernels/grouped_gemm.h"
 
+#include "models/common/kernels/kernels.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -80,7 +82,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const std::v
                           GroupedGemm which) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == x.size(1) && w.size(0) == int64_t(counts.size()),
               "grouped_linear: x [M, K], w [G, N, K], one count per group");
-  if (which == GroupedGemm::Auto) which = choose_grouped_gemm(x, w, counts);
+  // NNSTRAIN_KERNELS=composite: the reference form, one mm per group (the GPU battery's baseline).
+  if (which == GroupedGemm::Auto)
+    which = impl() == Impl::Composite ? GroupedGemm::Loop : choose_grouped_gemm(x, w, counts);
   last.store(static_cast<int>(which));
   switch (which) {
     case GroupedGemm::GroupedMm: return grouped_mm(x, w, counts);

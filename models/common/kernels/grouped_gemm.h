@@ -10,7 +10,8 @@
 //               padding copy; bench/moe_cpu.py measured the two)
 //
 // All three are differentiable (autograd through ATen ops) and equal up to
-// rounding; tests/unit/test_moe.cpp checks them against each other.
+// rounding; tests/unit/test_moe.cpp checks them against each other. Under
+// NNSTRAIN_KERNELS=composite (kernels.h) Auto is the loop, the reference form.
 #pragma once
 
 #include <ATen/core/Tensor.h>
