@@ -39,7 +39,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CONFIGS, SOURCE, nnstrain_bin_path, read_metrics, single_process_env, write_token_file
+from conftest import CONFIGS, SOURCE, nnstrain_bin_path, read_metrics, single_process_env, splitmix64, write_token_file
 
 DP = CONFIGS / "tiny_dp.yaml"
 TINY = CONFIGS / "tiny_gpt.yaml"
@@ -217,14 +217,6 @@ def test_failure_at_the_same_step_again_is_deterministic(tiny_tokens, tmp_path):
 # --- loss spike: rerun, rewind, skip ----------------------------------------
 
 SEED, SEQ, BATCH, SPIKE_DATA_STEP, STEPS = 1337, 16, 4, 12, 20
-
-
-def splitmix64(x):
-    m = (1 << 64) - 1
-    x = (x + 0x9E3779B97F4A7C15) & m
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
-    return x ^ (x >> 31)
 
 
 def sample_start(n_tokens, step, pos):
