@@ -10,7 +10,7 @@
   Newton-Schulz in fp32 on the CPU (docs/optimizers.md); PyTorch's Muon always
   casts to bf16, so its cast is lifted here for the comparison (its algorithm
   otherwise untouched).
-- Under other plans (dp 2 ZeRO-1, ZeRO-2, ZeRO-3, HSDP, tp 2, pp 2, cp 2, offload): the
+- Under other plans (dp 2, dp 2 ZeRO-1, ZeRO-2, ZeRO-3, HSDP, tp 2, pp 2, cp 2, offload): the
   losses equal one process's within 1e-5, each run's record (run_dir/active)
   showing Muon's state was built and its matrix exchange ran, on the plan asked for.
 - Resume under another plan, ZeRO-3 dp 4 -> tp 2 -> one process, the momentum
@@ -206,6 +206,7 @@ def test_matches_torch_optim_muon(kind, tokens_path, tmp_path):
 
 PLAN_STEPS = 6
 PLANS = {  # name: (ranks, overrides); global batch 4 everywhere
+    "dp2": (2, ["--micro_batch_size", "2"]),  # replicas: each matrix's piece sent by one holder, the update to both
     "zero1_dp2": (2, ["--micro_batch_size", "2", "--compute_config.use_zero", "1"]),
     "zero2_dp2": (2, ["--micro_batch_size", "2", "--compute_config.use_zero", "2"]),
     "hsdp_dp4": (4, ["--micro_batch_size", "1", "--compute_config.use_zero", "1", "--compute_config.zero_ngroups", "2"]),
