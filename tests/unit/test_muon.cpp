@@ -58,7 +58,7 @@ TEST_CASE("Newton-Schulz equals torch.optim.Muon's: bitwise in bf16, to rounding
   }
 }
 
-TEST_CASE("Muon's parameter globs: * matches any run of characters, nothing else is special", "[optim][muon]") {
+TEST_CASE("Muon's parameter globs: a star matches any run of characters, nothing else is special", "[optim][muon]") {
   using optim::muon::glob_match;
   CHECK(glob_match("h.*.attn.*.weight", "h.0.attn.c_attn.weight"));
   CHECK(glob_match("*", "wte.weight"));
