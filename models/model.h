@@ -85,6 +85,9 @@ struct MoeStats {
   // each step from the load summed over the data-parallel ranks.
   at::Tensor expert_bias;
   double bias_update_speed = 0;
+  // Sequence parallelism: each tensor-parallel rank routed its own 1/tp of the
+  // tokens, so the counts (and drops) are summed over the tp group too.
+  bool tokens_split_over_tp = false;
 };
 
 class CausalLM : public torch::nn::Module {

@@ -572,11 +572,6 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
       args.fail(key, format_double(p) + ": context-parallel attention (compute_config.context_parallel_size " +
                          std::to_string(t.compute_config.context_parallel_size) +
                          ") has no attention dropout; set it to 0 or context_parallel_size to 1");
-    // The plan may pick tp > 1 under any policy but dp, and sequence parallelism is on by default.
-    if (t.model.args->mixture_of_experts() && t.compute_config.sequence_parallel && t.pas_policy != "dp")
-      cc.fail("sequence_parallel", "true: model type '" + t.model.type +
-                                       "' has Mixture-of-Experts layers, whose routers need every token on every "
-                                       "tensor-parallel rank; set compute_config.sequence_parallel: false");
     args.finish();
   } else {
     model_impl->take_raw("args");

@@ -3,11 +3,13 @@
 #include <ATen/autocast_mode.h>
 
 #include <cmath>
+#include <tuple>
 
 #include "models/common/kernels/grouped_gemm.h"
 #include "models/common/kernels/kernels.h"
 #include "models/common/moe_dispatch.h"
 #include "models/common/recompute.h"
+#include "models/common/tp_ops.h"
 
 namespace nnstrain::models::common {
 namespace {
@@ -168,6 +170,7 @@ ExpertsImpl::ExpertsImpl(const MoeOptions& o, const ShardingContext& ctx) : o_(o
   layouts_ = {expert_layout(o.gate_name, ctx, {E, I, C}, init), expert_layout(o.up_name, ctx, {E, I, C}, init),
               expert_layout(o.down_name, ctx, {E, C, I}, init)};
   for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
+  if (ctx.sp()) sp_comm_ = ctx.comm;
   rebind();
 }
 
@@ -182,9 +185,12 @@ torch::Tensor ExpertsImpl::forward(const torch::Tensor& rows, const std::vector<
   const auto dev = rows.device().type();
   const auto dt = at::autocast::is_autocast_enabled(dev) ? at::autocast::get_autocast_dtype(dev) : rows.scalar_type();
   const auto r = rows.to(dt);
-  const auto h = kernels::swiglu(kernels::grouped_linear(r, gate.to(dt), counts),
-                                 kernels::grouped_linear(r, up.to(dt), counts));
-  return kernels::grouped_linear(h, down.to(dt), counts);
+  auto g = gate, u = up, d = down;
+  if (sp_comm_) {  // each tp rank ran its own tokens through the same experts
+    std::tie(g, u) = sum_grads_over_tp(gate, up, sp_comm_);
+    d = sum_grads_over_tp(down, {}, sp_comm_).first;
+  }
+  return kernels::grouped_swiglu_mlp(r, g.to(dt), u.to(dt), d.to(dt), counts);
 }
 
 SwigluMlpImpl::SwigluMlpImpl(int64_t hidden, int64_t intermediate, double init_std, const ShardingContext& ctx) {
@@ -202,7 +208,6 @@ torch::Tensor SwigluMlpImpl::forward(const torch::Tensor& x) {
 MoeImpl::MoeImpl(const MoeOptions& o, const ShardingContext& ctx, std::string layer,
                  std::shared_ptr<AuxLossScale> scale)
     : o_(o), ctx_(ctx), layer_(std::move(layer)), scale_(std::move(scale)) {
-  TORCH_CHECK(!ctx.sp(), "MoE layers do not support sequence parallelism");
   if (o.router == RouterKind::DeepseekV3 && o.bias_update_speed > 0)
     bias_ = torch::zeros({o.num_experts}, torch::kFloat);  // the selection bias, fp32 like the routing
   const auto init = InitRule::normal(o.initializer_range);
@@ -230,7 +235,7 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   at::Tensor logits;
   {
     NoAutocast fp32(x.device().type());
-    logits = torch::mm(flat.to(torch::kFloat), gate->weight.to(torch::kFloat).t());
+    logits = torch::mm(flat.to(torch::kFloat), on_shard(gate->weight).to(torch::kFloat).t());
     // Made at construction (so a checkpoint can load it before any step), moved to the tokens' device once.
     if (bias_.defined() && bias_.device() != logits.device()) bias_ = bias_.to(logits.device());
     r = route(logits, o_, bias_);
@@ -247,7 +252,7 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   auto y = (ys * r.weights.to(ys.scalar_type()).unsqueeze(-1)).sum(1).view({B, T, C});
   if (shared_experts) {
     auto s = shared_experts(x);
-    if (shared_expert_gate) s = torch::sigmoid(shared_expert_gate(x)) * s;
+    if (shared_expert_gate) s = torch::sigmoid(torch::nn::functional::linear(x, on_shard(shared_expert_gate->weight))) * s;
     y = y + s;
   }
 
@@ -258,22 +263,22 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   if (!balancing) return y;
 
   // Per-sequence balancing losses (header), the sums over a sequence's tokens
-  // all-reduced over context-parallel ranks.
+  // taken over its sequence-parallel shards and context-parallel ranks.
   at::Tensor aux;
   {
     NoAutocast fp32(x.device().type());
     const int cp = ctx_.cp_comm ? ctx_.cp_comm->size() : 1;
-    const double tokens = double(T) * cp;
+    const double tokens = double(T) * cp * (ctx_.sp() ? ctx_.tp : 1);
     aux = torch::zeros({}, logits.options());
     if (o_.router_aux_loss_coef > 0) {
-      auto chose = torch::zeros({B, E}, logits.options());
-      chose.scatter_add_(1, r.experts.view({B, T * o_.top_k}), torch::ones({B, T * o_.top_k}, logits.options()));
-      const auto f = cp_sum(chose, ctx_.cp_comm) / tokens;
-      const auto P = cp_sum(r.probs.view({B, T, E}).sum(1), ctx_.cp_comm) / tokens;
+      auto chose = torch::zeros({N, E}, logits.options());
+      chose.scatter_add_(1, r.experts, torch::ones({N, o_.top_k}, logits.options()));
+      const auto f = sequence_sums(chose, B, T) / tokens;
+      const auto P = sequence_sums(r.probs, B, T) / tokens;
       aux = aux + o_.router_aux_loss_coef * (double(E) * (f.detach() * P).sum(-1)).mean();
     }
     if (o_.router_z_loss_coef > 0) {
-      const auto z = cp_sum(torch::logsumexp(logits, -1).square().view({B, T}).sum(1), ctx_.cp_comm) / tokens;
+      const auto z = sequence_sums(torch::logsumexp(logits, -1).square().unsqueeze(-1), B, T).squeeze(-1) / tokens;
       aux = aux + o_.router_z_loss_coef * z.mean();
     }
   }
@@ -282,8 +287,29 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   return AddAuxGrad::apply(y, aux, c10::make_intrusive<ScaleHolder>(scale_));
 }
 
+at::Tensor MoeImpl::sequence_sums(const at::Tensor& v, int64_t B, int64_t T) const {
+  at::Tensor sums;
+  if (!ctx_.sp()) {
+    sums = v.view({B, T, -1}).sum(1);
+  } else {
+    // This rank holds tokens [rank x B T, (rank + 1) x B T) of the B x T tp tokens in
+    // [B, T] order (tp_ops.h): each one's sequence, its rows added there, the shards'
+    // sums added over tp (all-reduce forward; backward the identity, as every tp
+    // rank's balancing loss is the same one, like its LM loss).
+    const int64_t N = B * T, whole = T * ctx_.tp;
+    const auto seq = torch::arange(ctx_.rank * N, (ctx_.rank + 1) * N, v.options().dtype(torch::kLong)).div(whole, "floor");
+    sums = reduce_from_tp(torch::zeros({B, v.size(-1)}, v.options()).index_add(0, seq, v), ctx_.comm);
+  }
+  return cp_sum(sums, ctx_.cp_comm);
+}
+
+at::Tensor MoeImpl::on_shard(const at::Tensor& w) const {
+  return ctx_.sp() ? sum_grads_over_tp(w, {}, ctx_.comm).first : w;
+}
+
 MoeStats MoeImpl::take_stats() {
   MoeStats s;
+  s.tokens_split_over_tp = ctx_.sp();
   s.layer = layer_;
   s.tokens_per_expert = tokens_;
   s.dropped = dropped_;

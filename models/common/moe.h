@@ -100,6 +100,7 @@ class ExpertsImpl : public ShardedModule {
  private:
   void rebind() override;
   MoeOptions o_;
+  c10::intrusive_ptr<TpComm> sp_comm_;  // sequence parallelism: the experts' gradients summed over tp
   std::vector<ParamLayout> layouts_;
 };
 TORCH_MODULE(Experts);
@@ -120,7 +121,9 @@ class MoeImpl : public torch::nn::Module {
   // model's (null: balancing gradients unscaled, for the block on its own).
   MoeImpl(const MoeOptions& o, const ShardingContext& ctx, std::string layer,
           std::shared_ptr<AuxLossScale> scale = nullptr);
-  torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
+  // [B, T, C] -> [B, T, C]; under sequence parallelism this rank's sequence shard
+  // (tp_ops.h), its tokens routed here, the experts whole on every tp rank.
+  torch::Tensor forward(const torch::Tensor& x);
   // Statistics since the last call (training forwards, recomputations not counted again).
   MoeStats take_stats();
   const MoeOptions& options() const { return o_; }
@@ -143,6 +146,11 @@ class MoeImpl : public torch::nn::Module {
   std::vector<int64_t> tokens_;
   int64_t dropped_ = 0;
   at::Tensor aux_;  // sum of the added balancing losses (no graph)
+  // Per-sequence sums [B, X] of per-token values v [B x T, X] over the whole
+  // sequence: its tensor-parallel shards (sequence parallelism) and cp ranks.
+  at::Tensor sequence_sums(const at::Tensor& v, int64_t B, int64_t T) const;
+  // The parameter as used on a sequence shard: its gradient summed over tp (norms' rule).
+  at::Tensor on_shard(const at::Tensor& w) const;
 };
 TORCH_MODULE(Moe);
 

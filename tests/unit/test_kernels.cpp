@@ -3,6 +3,7 @@
 // forward and backward; the composites equal plain PyTorch formulas; auto picks
 // the fused form by device.
 #include <catch2/catch.hpp>
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -94,6 +95,17 @@ TEST_CASE("kernels: fused forms equal the composites, forward and backward (fp32
         },
         {x, r, w});
   }
+  SECTION("rms_norm on the CPU: fp64, many rows over two threads, a row of zeros") {
+    // rms_norm_cpu cuts the rows into a block per thread and sums the weight's
+    // gradient block by block: 300 rows at 2 threads take that path.
+    const int threads = at::get_num_threads();
+    at::set_num_threads(2);
+    auto big = torch::randn({3, 100, 48}, torch::kDouble);
+    big[1][7].zero_();  // eps keeps it finite
+    check_parity([](const auto& t) { return kernels::rms_norm(t[0], t[1], 1e-6); },
+                 {big, torch::randn({48}, torch::kDouble)});  // the composite normalises in fp32
+    at::set_num_threads(threads);
+  }
   SECTION("layer_norm and add_layer_norm, with and without bias") {
     check_parity([](const auto& t) { return kernels::layer_norm(t[0], t[1], t[2], 1e-5); }, {x, w, b});
     check_parity([](const auto& t) { return kernels::layer_norm(t[0], t[1], {}, 1e-5); }, {x, w});
@@ -139,14 +151,19 @@ TEST_CASE("kernels: rotary_ writes over t under the fused form, and bf16 t round
   CHECK(torch::equal(kernels::rotary(tb, cos, sin), wb));  // fp32 sums rounded once into bf16
 }
 
-TEST_CASE("kernels: auto picks the fused form by device (CPU: composite RMSNorm, native LayerNorm/GELU)",
+TEST_CASE("kernels: auto picks the fused form by device (CPU: our RMSNorm, native LayerNorm/GELU)",
           "[kernels]") {
   torch::manual_seed(3);
   const auto x = torch::randn({4, 16}), w = torch::randn({16});
   ImplGuard auto_impl(Impl::Auto);
-  // On the CPU auto runs the composite RMSNorm (ATen's _fused_rms_norm is a
-  // composite there too): bitwise the composite.
-  CHECK(torch::equal(kernels::rms_norm(x, w, 1e-5), kernels::composite::rms_norm(x, w, 1e-5)));
+  // On the CPU auto runs rms_norm_cpu (counted as fused), not the composite's five ops.
+  const auto before = kernels::kernel_calls();
+  const auto y = kernels::rms_norm(x, w, 1e-5);
+  const auto after = kernels::kernel_calls();
+  const int k = static_cast<int>(kernels::Kernel::RmsNorm);
+  CHECK(after.fused[k] == before.fused[k] + 1);
+  CHECK(after.composite[k] == before.composite[k]);
+  CHECK(rel_err(y, kernels::composite::rms_norm(x, w, 1e-5)) < 1e-6);
   // LayerNorm and GELU run ATen's native kernels on every device: bitwise those.
   CHECK(torch::equal(kernels::layer_norm(x, w, {}, 1e-5), torch::layer_norm(x, {16}, w, {}, 1e-5)));
   CHECK(torch::equal(kernels::gelu(x, false), torch::gelu(x)));

@@ -5,11 +5,14 @@
 // active-parameter FLOPs (the config keys' validation: tests/integration/test_moe.py).
 #include <catch2/catch.hpp>
 
+#include <ATen/Parallel.h>
+
 #include <torch/torch.h>
 
 #include <cmath>
 
 #include "models/common/kernels/grouped_gemm.h"
+#include "models/common/kernels/kernels.h"
 #include "models/common/moe.h"
 #include "models/moe/moe_lm.h"
 
@@ -122,6 +125,44 @@ TEST_CASE("grouped expert GEMM: loop and padded bmm equal a per-row reference, g
     CHECK((x.grad() - xr.grad()).abs().max().item<double>() < 1e-12);
     CHECK((w.grad() - wr.grad()).abs().max().item<double>() < 1e-12);
   }
+}
+
+TEST_CASE("grouped SwiGLU MLP: the loop's one node equals three grouped GEMMs, on one thread and two",
+          "[moe][grouped_gemm]") {
+  namespace K = models::common::kernels;
+  torch::manual_seed(4);
+  // Uneven groups (one empty) so two threads split them at a group boundary.
+  const std::vector<int64_t> counts = {7, 0, 2, 11, 4};
+  const int64_t M = 24, C = 6, I = 5, G = 5;
+  const auto x0 = torch::randn({M, C}, torch::kDouble), g0 = torch::randn({G, I, C}, torch::kDouble),
+             u0 = torch::randn({G, I, C}, torch::kDouble), d0 = torch::randn({G, C, I}, torch::kDouble),
+             dy = torch::randn({M, C}, torch::kDouble);
+  auto run = [&](bool loop) {
+    std::vector<torch::Tensor> t;
+    for (const auto& v : {x0, g0, u0, d0}) t.push_back(v.clone().requires_grad_(true));
+    auto y = loop ? K::grouped_swiglu_mlp(t[0], t[1], t[2], t[3], counts, K::GroupedGemm::Loop)
+                  : K::grouped_linear(K::swiglu(K::grouped_linear(t[0], t[1], counts, K::GroupedGemm::PaddedBmm),
+                                                K::grouped_linear(t[0], t[2], counts, K::GroupedGemm::PaddedBmm)),
+                                      t[3], counts, K::GroupedGemm::PaddedBmm);
+    y.backward(dy);
+    t.insert(t.begin(), y.detach());
+    return t;
+  };
+  const auto want = run(false);
+  const int threads = at::get_num_threads();
+  for (int n : {1, 2}) {
+    at::set_num_threads(n);
+    const auto got = run(true);
+    CHECK(K::last_grouped_gemm() == "loop");
+    INFO(n << " threads");
+    CHECK((got[0] - want[0]).abs().max().item<double>() < 1e-12);
+    for (int i = 1; i <= 4; ++i) {
+      INFO("gradient of input " << i - 1);
+      CHECK((got[i].grad() - want[i].grad()).abs().max().item<double>() < 1e-12);
+    }
+    CHECK(got[2].grad()[1].abs().max().item<double>() == 0.0);  // the empty group's gate: zero
+  }
+  at::set_num_threads(threads);
 }
 
 namespace {

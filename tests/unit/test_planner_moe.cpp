@@ -226,6 +226,29 @@ TEST_CASE("moe planner: compute counts active experts, whole on every tp rank, i
   CHECK(compute(f16, cand(1, 8, 0, 4)) == Approx(tokens * (work(f16) + 0.25 * routed) / peak));
 }
 
+TEST_CASE("moe planner: sequence parallelism divides the routed experts' work over tp and all-reduces their gradients",
+          "[planner][moe]") {
+  const auto f = moe_facts(kSmall);
+  auto a = moe_args(8, 2, 1, 8, 32);
+  PlanRequest req;
+  req.args = &a;
+  req.world_size = 8;
+  req.device = test_device();
+  const auto plain = parallel::estimate(req, f, cand(2, 4, 0, 1));
+  a.compute_config.sequence_parallel = true;
+  const auto sp = parallel::estimate(req, f, cand(2, 4, 0, 1));
+  // Each tp rank routes half the tokens: all the work divides by tp.
+  const double peak = 1e12 * parallel::kAssumedEfficiency;
+  const double work = f.flops_per_token(32) - 0.5 * (f.flops_per_token(32) - f.flops_per_token(0));
+  CHECK(sp.compute_s == Approx(2 * 32 * work / 2 / peak));
+  CHECK(sp.compute_s < plain.compute_s);
+  // The experts' fp32 gradients (all of them at ep 1), ring all-reduced over tp 2 within
+  // the node per MoE layer, in each of the two micro-batches.
+  const auto& d = req.device;
+  const double grads = 2 * (4 * d.collective_latency_s + 2 * 0.5 * expert_numel(f) * 4 / d.intra_node_bw);
+  CHECK(sp.tp_comm_s - plain.tp_comm_s == Approx(grads));
+}
+
 TEST_CASE("moe planner: ep is searched, and ep > 1 chosen when the experts do not fit at ep 1", "[planner][moe]") {
   const auto f = moe_facts(kSmall);
   auto a = moe_args(8, 1, 1, 8, 32);

@@ -809,6 +809,12 @@ void tp_comm_term(const Setting& x, PlanEstimate& e) {
   const double n = 4 * x.L + 2 * x.k + (x.f.vocab_parallel_head ? 2 : 0);
   e.tp_comm_s = x.micro_steps * n *
                 (dev.collective_latency_s + 2 * (x.t - 1) / x.t * (x.tokens * x.h * x.pb.act) / bw);
+  // Sequence parallelism with MoE layers: each tp rank ran its own tokens through the
+  // same (whole) experts, so their gradients are all-reduced over tp in every
+  // micro-batch's backward (as the norms' are; the norms' bytes are negligible).
+  if (x.sp && x.moe > 0)
+    e.tp_comm_s += x.micro_steps * (x.moe_layers * dev.collective_latency_s +
+                                    2 * (x.t - 1) / x.t * x.st.expert_elements * x.pb.grad / bw);
 }
 
 // Data parallelism and ZeRO: what of the gradient reduction (and ZeRO's

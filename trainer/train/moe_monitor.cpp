@@ -45,6 +45,11 @@ void MoeMonitor::after_step(int64_t micro_batches) {
   for (const auto& s : stats)
     if (s.aux_loss.defined()) t.narrow(0, aux_at, 1).add_(s.aux_loss.detach().to(t.device(), torch::kDouble).reshape({1}));
   if (rt_ && rt_->dp_cp.size() > 1) rt_->all_reduce(rt_->dp_cp, t, "MoE load all-reduce");
+  // Sequence parallelism: the tp ranks routed different tokens. Summed over tp the balancing
+  // loss and micro-batch count grow alike (tp x), so their ratio, the step's mean, holds.
+  // Every tp rank has the same layers, so all of them issue it (NCCL's rule).
+  if (rt_ && rt_->tp.size() > 1 && stats.front().tokens_split_over_tp)
+    rt_->all_reduce(rt_->tp, t, "MoE load all-reduce (sequence parallel)");
   // DeepSeek-V3: an expert above the mean load is chosen less next step, one below more.
   int64_t at = 0;
   torch::NoGradGuard no_grad;

@@ -2,6 +2,7 @@
 
 #include "models/common/kernels/kernels.h"
 
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -27,16 +28,133 @@ int cuda_major(const at::Tensor& x) {
   return 0;
 }
 
-at::Tensor loop(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts) {
-  std::vector<at::Tensor> parts;
-  parts.reserve(counts.size());
-  int64_t pos = 0;
-  for (size_t g = 0; g < counts.size(); ++g) {
-    if (counts[g] > 0) parts.push_back(torch::mm(x.narrow(0, pos, counts[g]), w[g].t()));
-    pos += counts[g];
+// Runs fn(g, first row of g) for every group with rows. On the CPU the groups are
+// dealt to the intra-op threads in contiguous ranges of about equal rows, each
+// group's small GEMM on one thread: at moe_mini's sizes (a few hundred rows of
+// 128) splitting one GEMM over threads gains little, splitting the experts scales.
+template <class Fn>
+void for_each_group(const std::vector<int64_t>& counts, bool on_cpu, const Fn& fn) {
+  const int64_t G = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> first(G + 1, 0);
+  for (int64_t g = 0; g < G; ++g) first[g + 1] = first[g] + counts[g];
+  const int64_t T = on_cpu && !at::in_parallel_region() ? std::min<int64_t>(at::get_num_threads(), G) : 1;
+  if (T <= 1) {
+    for (int64_t g = 0; g < G; ++g)
+      if (counts[g] > 0) fn(g, first[g]);
+    return;
   }
-  if (parts.empty()) return x.new_zeros({0, w.size(1)});
-  return parts.size() == 1 ? parts[0] : torch::cat(parts);
+  std::vector<int64_t> cut(T + 1, G);  // range r: groups [cut[r], cut[r + 1])
+  cut[0] = 0;
+  for (int64_t r = 1, g = 0; r < T; ++r) {
+    while (g < G && first[g + 1] * T < first[G] * r) ++g;
+    cut[r] = std::max(cut[r - 1], g);
+  }
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    // OpenMP workers do not inherit the caller's thread-local state: the GEMMs
+    // write into outputs (out= forms), which autograd must not see.
+    at::NoGradGuard no_grad;
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = cut[r]; g < cut[r + 1]; ++g)
+        if (counts[g] > 0) fn(g, first[g]);
+  });
+}
+
+// One mm per group, written into slices of one output. Its own backward: autograd
+// through w[g] and x.narrow would give each group a SelectBackward/SliceBackward that
+// zero-fills a whole [G, N, K] / [M, K] gradient (G^2 work per layer: the fill_ that
+// dominated moe_mini's CPU profile); here each group's gradients go into their slices.
+class LoopGemm : public torch::autograd::Function<LoopGemm> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            std::vector<int64_t> counts) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["counts"] = counts;
+    auto out = x.new_empty({x.size(0), w.size(1)});
+    for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {  // y_g = x_g w_g^T
+      auto slot = out.narrow(0, pos, counts[g]);
+      at::mm_out(slot, x.narrow(0, pos, counts[g]), w[g].t());
+    });
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w = saved[1];
+    const auto counts = ctx->saved_data["counts"].toIntVector();
+    const auto gy = grads[0].contiguous();
+    at::Tensor gx, gw;
+    if (ctx->needs_input_grad(0)) {
+      gx = x.new_empty(x.sizes());
+      for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {  // dx_g = dy_g w_g
+        auto slot = gx.narrow(0, pos, counts[g]);
+        at::mm_out(slot, gy.narrow(0, pos, counts[g]), w[g]);
+      });
+    }
+    if (ctx->needs_input_grad(1)) {
+      gw = w.new_empty(w.sizes());
+      for (size_t g = 0; g < counts.size(); ++g)  // a group with no rows: zero
+        if (counts[g] == 0) gw[g].zero_();
+      for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {  // dw_g = dy_g^T x_g
+        auto slot = gw[g];
+        at::mm_out(slot, gy.narrow(0, pos, counts[g]).t(), x.narrow(0, pos, counts[g]));
+      });
+    }
+    return {gx, gw, at::Tensor()};
+  }
+};
+
+// The experts' SwiGLU MLP as one autograd node, group by group: each group's three
+// GEMMs and its SwiGLU run while its rows are in cache, and the backward needs one
+// parallel pass instead of six. Saves gate and up outputs (a, b), as autograd would.
+class LoopSwigluMlp : public torch::autograd::Function<LoopSwigluMlp> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gate,
+                            const at::Tensor& up, const at::Tensor& down, std::vector<int64_t> counts) {
+    const int64_t M = x.size(0), I = gate.size(1);
+    auto a = x.new_empty({M, I}), b = x.new_empty({M, I}), y = x.new_empty({M, down.size(1)});
+    for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {
+      const int64_t m = counts[g];
+      const auto xg = x.narrow(0, pos, m);
+      auto ag = a.narrow(0, pos, m), bg = b.narrow(0, pos, m), yg = y.narrow(0, pos, m);
+      at::mm_out(ag, xg, gate[g].t());
+      at::mm_out(bg, xg, up[g].t());
+      at::mm_out(yg, at::silu(ag).mul_(bg), down[g].t());
+    });
+    ctx->save_for_backward({x, gate, up, down, a, b});
+    ctx->saved_data["counts"] = counts;
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &gate = s[1], &up = s[2], &down = s[3], &a = s[4], &b = s[5];
+    const auto counts = ctx->saved_data["counts"].toIntVector();
+    const auto gy = grads[0].contiguous();
+    auto gx = x.new_empty(x.sizes());
+    auto ggate = gate.new_empty(gate.sizes()), gup = up.new_empty(up.sizes()), gdown = down.new_empty(down.sizes());
+    for (size_t g = 0; g < counts.size(); ++g)  // a group with no rows: zero
+      if (counts[g] == 0) ggate[g].zero_(), gup[g].zero_(), gdown[g].zero_();
+    for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {
+      const int64_t m = counts[g];
+      const auto xg = x.narrow(0, pos, m), ag = a.narrow(0, pos, m), bg = b.narrow(0, pos, m);
+      const auto gyg = gy.narrow(0, pos, m);
+      const auto act = at::silu(ag);
+      auto wd = gdown[g], wg = ggate[g], wu = gup[g], dx = gx.narrow(0, pos, m);
+      at::mm_out(wd, gyg.t(), act * bg);                       // d down_g = dy^T h
+      const auto dh = at::mm(gyg, down[g]);                     // dh = dy down_g
+      const auto db = dh * act;                                 // h = silu(a) b
+      const auto da = at::silu_backward(dh.mul_(bg), ag);
+      at::mm_out(wg, da.t(), xg);                               // d gate_g = da^T x
+      at::mm_out(wu, db.t(), xg);                               // d up_g = db^T x
+      at::mm_out(dx, da, gate[g]);                              // dx = da gate_g + db up_g
+      dx.addmm_(db, up[g]);
+    });
+    return {gx, ggate, gup, gdown, at::Tensor()};
+  }
+};
+
+at::Tensor loop(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts) {
+  return LoopGemm::apply(x.contiguous(), w, counts);
 }
 
 // Rows into a zero-padded [G, max, K] batch (index_put: differentiable), one bmm, rows back.
@@ -91,6 +209,21 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const std::v
     case GroupedGemm::PaddedBmm: return padded_bmm(x, w, counts);
     default: return loop(x, w, counts);
   }
+}
+
+at::Tensor grouped_swiglu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+                              const at::Tensor& down, const std::vector<int64_t>& counts, GroupedGemm which) {
+  TORCH_CHECK(x.dim() == 2 && gate.dim() == 3 && gate.sizes() == up.sizes() && down.dim() == 3 &&
+                  gate.size(2) == x.size(1) && down.size(2) == gate.size(1) && gate.size(0) == int64_t(counts.size()) &&
+                  down.size(0) == gate.size(0),
+              "grouped_swiglu_mlp: x [M, C], gate and up [G, I, C], down [G, C, I], one count per group");
+  if (which == GroupedGemm::Auto)
+    which = impl() == Impl::Composite ? GroupedGemm::Loop : choose_grouped_gemm(x, gate, counts);
+  if (which != GroupedGemm::Loop)
+    return grouped_linear(swiglu(grouped_linear(x, gate, counts, which), grouped_linear(x, up, counts, which)), down,
+                          counts, which);
+  last.store(static_cast<int>(which));
+  return LoopSwigluMlp::apply(x.contiguous(), gate, up, down, counts);
 }
 
 const char* grouped_gemm_name(GroupedGemm g) {

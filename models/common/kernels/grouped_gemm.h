@@ -7,7 +7,9 @@
 //   padded_bmm  each group's rows copied into a [G, max count, K] batch, one bmm
 //               (CUDA elsewhere; on the CPU when the groups are many and small)
 //   loop        one mm per group on slices of the rows (the CPU otherwise: no
-//               padding copy; bench/moe_cpu.py measured the two)
+//               padding copy; bench/moe_cpu.py measures them), its own
+//               backward writing each group's gradient in place, the groups
+//               dealt to the CPU's threads
 //
 // All three are differentiable (autograd through ATen ops) and equal up to
 // rounding; tests/unit/test_moe.cpp checks them against each other. Under
@@ -27,6 +29,14 @@ enum class GroupedGemm { Auto, GroupedMm, PaddedBmm, Loop };
 // x [M, K] (M = sum(counts)), w [G, N, K]: row block g times w[g]^T -> [M, N].
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts,
                           GroupedGemm which = GroupedGemm::Auto);
+
+// The experts' SwiGLU MLP on rows sorted by expert: row block g through
+// down[g] (silu(gate[g] x) * up[g] x). The loop runs it as one autograd node,
+// group by group (each group's GEMMs while its rows are in cache; on the CPU the
+// groups spread over the intra-op threads); the others as three grouped_linear.
+at::Tensor grouped_swiglu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+                              const at::Tensor& down, const std::vector<int64_t>& counts,
+                              GroupedGemm which = GroupedGemm::Auto);
 
 // What Auto picks for these operands (never Auto).
 GroupedGemm choose_grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts);

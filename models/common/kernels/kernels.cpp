@@ -1,5 +1,7 @@
 #include "models/common/kernels/kernels.h"
 
+#include "models/common/kernels/rms_norm_cpu.h"
+
 #include <torch/torch.h>
 
 #include <atomic>
@@ -143,7 +145,10 @@ at::Tensor rotary(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& 
 }  // namespace composite
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (!use_fused(Kernel::RmsNorm, x, false)) return composite::rms_norm(x, weight, eps);
+  // The CPU's fused form is ours (rms_norm_cpu.h), where it takes the operands.
+  const bool cpu = rms_norm_cpu_fits(x, weight);
+  if (!use_fused(Kernel::RmsNorm, x, cpu)) return composite::rms_norm(x, weight, eps);
+  if (cpu) return rms_norm_cpu(x, weight, eps);
   return std::get<0>(at::_fused_rms_norm(x, {x.size(-1)}, weight, eps));
 }
 

@@ -12,7 +12,9 @@
 //              fused forms against the composites
 //
 //   kernel      fused form                        auto picks it on
-//   rms_norm    at::_fused_rms_norm               CUDA (on CPU ATen's is itself a composite)
+//   rms_norm    at::_fused_rms_norm (CUDA);       every device
+//               rms_norm_cpu.h on the CPU (ATen's
+//               is a composite there)
 //   layer_norm  at::layer_norm (native)           every device (the model's choice before)
 //   gelu        at::gelu (native, none or tanh)   every device
 //   swiglu      at::silu, the product written     every device
@@ -46,7 +48,7 @@ Impl parse_impl(const std::string& s);  // throws std::invalid_argument on anyth
 // How often each kernel ran in each form since the process started, counted
 // in the entry points below as they choose (the run's record of which forms
 // actually ran, trainer/train/active_record.h; NNSTRAIN_KERNELS=fused and
-// composite give bitwise-equal runs on CPU, so only this tells them apart).
+// composite differ only in rounding on CPU, so only this tells them apart).
 enum class Kernel { RmsNorm, LayerNorm, Gelu, Swiglu, Rotary };
 constexpr int kNumKernels = 5;
 const char* kernel_name(Kernel k);  // "rms_norm", ...
