@@ -321,6 +321,9 @@ def assert_active(run_dir, output, nproc, overrides):
                 f"rank {rank}: expert parallelism {want['ep']} asked, it ran {rec['groups']['ep']}, experts {experts}"
             assert experts["held_elements"] * want["ep"] == experts["global_elements"], \
                 f"rank {rank}: holds {experts['held_elements']} of {experts['global_elements']} expert elements"
+            if want["zero"] and want["zero_group"] > 1:  # experts ZeRO-sharded within the ZeRO group (HSDP too)
+                assert rec["groups"]["ezero"]["size"] == want["zero_group"] // want["ep"], \
+                    f"rank {rank}: expert ZeRO group {rec['groups']['ezero']}, want {want['zero_group'] // want['ep']}"
             assert step["ep_all_to_all"] > 0 and step["ep_bytes"] > 0, f"rank {rank}: no all-to-all: {step}"
         # The gradients were reduced over dp x cp, in the dtype asked for (none is reduced without replicas).
         reduced = want["reduce_dtype"] if want["dp"] * want["cp"] > 1 else None

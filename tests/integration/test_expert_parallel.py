@@ -38,6 +38,12 @@ PLANS = {  # name: (ranks, overrides)
     "ep2_cp2": (2, ["--micro_batch_size", "4", EP, "2", "--compute_config.context_parallel_size", "2"]),
     "ep2_zero1_dp4": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "1"]),
     "ep2_zero2_dp4": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "2"]),
+    # HSDP: ZeRO within 2 groups of 2 ranks, each an ep slice; replicas all-reduced across them.
+    "ep2_hsdp_zero1_dp4": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "1",
+                               "--compute_config.zero_ngroups", "2"]),
+    # ... and dp 4 x cp 2 in 2 ZeRO groups of 4: each shards an ep slice's experts over the 2 holding them.
+    "ep2_cp2_hsdp_zero3_dp4": (8, ["--micro_batch_size", "1", EP, "2", "--compute_config.use_zero", "3",
+                                   "--compute_config.zero_ngroups", "2", "--compute_config.context_parallel_size", "2"]),
     "ep2_zero3_dp2": (2, ["--micro_batch_size", "2", EP, "2", "--compute_config.use_zero", "3"]),
     "ep2_pp2": (4, ["--micro_batch_size", "1", EP, "2", "--compute_config.pas_config.pp_size", "2"]),
     # The whole optimizer (experts' buckets too) stepped on the host.
@@ -160,6 +166,9 @@ def test_resume_across_expert_parallel_degrees(straight, tmp_path, tiny_tokens):
     ("tiny_moe_ep.yaml", 3, [EP, "2", "--global_batch_size", "3", "--micro_batch_size", "1"],
      "compute_config.expert_parallel_size 2 does not divide dp x cp = 3 x 1"),
     ("tiny_llama.yaml", 2, [EP, "2", "--micro_batch_size", "2"], "has no experts"),
+    ("tiny_moe_ep.yaml", 4, [EP, "4", "--micro_batch_size", "1", "--compute_config.use_zero", "1",
+                             "--compute_config.zero_ngroups", "2"],
+     "compute_config.expert_parallel_size 4 does not divide the ZeRO group of 2 ranks"),
 ])
 def test_bad_expert_parallel_exits_2_naming_the_key(tmp_path, tiny_tokens, config, ranks, overrides, message):
     args = ["--config", str(CONFIGS / config), "--run_dir", str(tmp_path / "run"), "--vars.data",

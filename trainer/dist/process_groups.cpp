@@ -245,6 +245,9 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
   if (ep_size < 1 || dpcp % ep_size != 0)
     throw std::runtime_error("expert_parallel_size " + std::to_string(ep_size) + " does not divide dp x cp = " +
                              std::to_string(dpcp));
+  if (ep_size > 1 && zn > 1 && zsize % ep_size != 0)
+    throw std::runtime_error("expert_parallel_size " + std::to_string(ep_size) + " does not divide the ZeRO group of " +
+                             std::to_string(zsize) + " ranks (dp x cp / zero_ngroups)");
   ep.name = "ep";
   ep.ranks = {rank_};
   edp = dp_cp;
@@ -263,8 +266,19 @@ Runtime::Runtime(const DistEnv& env, const RuntimeOptions& opts, c10::intrusive_
           auto g = make_group("edp" + suffix_pt(p, t) + "_" + std::to_string(i), ranks, false);
           if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) edp = g;
         }
+        // HSDP: the same, within each ZeRO group.
+        if (zn > 1)
+          for (int gi = 0; gi < zn; ++gi)
+            for (int i = 0; i < ep_size; ++i) {
+              std::vector<int> ranks;
+              for (int s = 0; s < zsize / ep_size; ++s) ranks.push_back(member(gi * zsize + s * ep_size + i, p, t));
+              auto g = make_group("ezero" + suffix_pt(p, t) + "_" + std::to_string(gi) + "_" + std::to_string(i), ranks,
+                                  false);
+              if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) ezero = g;
+            }
       }
   }
+  if (ep_size == 1 || zn == 1) ezero = edp;
   if (store_) heartbeat_ = std::thread([this] { heartbeat_loop(); });
   if (backend_name_ == "nccl") {
     // The monitor queries CUDA events: on this rank's device, so that it never
@@ -289,7 +303,8 @@ void Runtime::shutdown() {
   shut_down_ = true;
   // The NCCL-rules streams first: each ends once its queue is empty (one
   // stuck on a lost peer ends at its timeout, holding its backend till then).
-  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &ep, &edp, &zero, &zero_cross, &control, &pp_validation, &stage})
+  for (Group* g : {&world, &dp, &tp, &cp, &pp, &dp_cp, &ep, &edp, &ezero, &zero, &zero_cross, &control, &pp_validation,
+                   &stage})
     g->nccl_rules.reset();
   for (auto it = backends_.rbegin(); it != backends_.rend(); ++it) {
     try {

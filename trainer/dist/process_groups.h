@@ -143,6 +143,11 @@ class Runtime {
   Group ep, edp;
   Group zero;        // ZeRO shard group: a slice of dp_cp of size dp x cp / zero_ngroups
   Group zero_cross;  // the same shard position in the other ZeRO groups
+  // Expert buckets' ZeRO group: the edp ranks inside my ZeRO group (HSDP with ep:
+  // ep divides the ZeRO group, so its slices lie within one). Without HSDP: edp.
+  // Their cross-group replicas are zero_cross (the same place in each ZeRO group
+  // holds the same experts and the same chunk of them).
+  Group ezero;
   Group control;     // CPU (Gloo) over the world, for agreement
   Group pp_validation;  // the pp group's ranks again (RuntimeOptions::pp_validation)
   // Every rank at this pp index (dp x cp x tp: all that hold pieces of this

@@ -46,7 +46,7 @@ std::vector<int> parameter_units(const models::CausalLM& model) {
 }
 
 dist::Group& zero_group_of(const FlatLayout::Bucket& bucket, dist::Runtime& rt) {
-  return bucket.expert && rt.ep.size() > 1 ? rt.edp : rt.zero;
+  return bucket.expert && rt.ep.size() > 1 ? rt.ezero : rt.zero;
 }
 
 ParameterUnits::ParameterUnits(TrainingState& state, dist::Runtime* rt, int blocks, int prefetch)

@@ -32,7 +32,7 @@ namespace nnstrain::parallel {
 std::vector<int> parameter_units(const models::CausalLM& model);
 
 // The group a bucket's ZeRO chunks are cut over: under expert parallelism an
-// expert bucket's is Runtime::edp (the ranks holding the same experts), else Runtime::zero.
+// expert bucket's is Runtime::ezero (the ranks of my ZeRO group holding the same experts), else Runtime::zero.
 dist::Group& zero_group_of(const FlatLayout::Bucket& bucket, dist::Runtime& rt);
 
 class ParameterUnits : public models::common::BlockHooks {

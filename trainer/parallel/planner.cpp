@@ -103,11 +103,6 @@ std::string not_runnable(const config::TrainerArgs& a, const Candidate& c) {
     if (a.model.args && a.model.args->attention_dropout().second > 0)
       return "context-parallel attention has no attention dropout (model.args." + a.model.args->attention_dropout().first + ")";
   }
-  if (c.ep > 1) {  // trainer/train/startup.cpp check_expert_parallel
-    if (c.zero_stage && cc.zero_ngroups > 1)
-      return "expert parallelism is not supported with compute_config.zero_ngroups " + std::to_string(cc.zero_ngroups) +
-             " (HSDP) yet";
-  }
   return "";
 }
 
@@ -190,6 +185,11 @@ class Search {
       const std::string key = free_expert() ? "ep " + std::to_string(ep) : "compute_config.expert_parallel_size " + std::to_string(ep);
       if (dpcp % ep) return key + " does not divide dp x cp = " + std::to_string(dp) + " x " + std::to_string(cp);
       if (E % ep) return key + " does not divide the " + std::to_string(E) + " experts";
+      // HSDP: each ep slice inside one ZeRO group (trainer/train/startup.cpp check_expert_parallel).
+      const int zn = a_.compute_config.zero_ngroups;
+      if (zn > 1 && dpcp % zn == 0 && (dpcp / zn) % ep)
+        return key + " does not divide the ZeRO group of " + std::to_string(dpcp / zn) +
+               " ranks (dp x cp / compute_config.zero_ngroups " + std::to_string(zn) + ")";
       return "";
     };
     if (!free_expert()) {

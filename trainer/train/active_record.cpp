@@ -100,7 +100,7 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
                  {"pp", group(rt, &Runtime::pp)},     {"dp", group(rt, &Runtime::dp)},
                  {"dp_cp", group(rt, &Runtime::dp_cp)}, {"zero", group(rt, &Runtime::zero)},
                  {"zero_cross", group(rt, &Runtime::zero_cross)}, {"ep", group(rt, &Runtime::ep)},
-                 {"edp", group(rt, &Runtime::edp)}, {"stage", group(rt, &Runtime::stage)}};
+                 {"edp", group(rt, &Runtime::edp)}, {"ezero", group(rt, &Runtime::ezero)}, {"stage", group(rt, &Runtime::stage)}};
   // Experts as this rank holds them: whole experts of every MoE layer (the
   // global count at ep 1), and whether they reduce in buckets of their own.
   int64_t expert_elements = 0, expert_global = 0;

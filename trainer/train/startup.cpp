@@ -53,10 +53,11 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
     so.zero_size = rt->zero.size();
     so.zero_rank = rt->zero.rank;
     so.zero_replicas = rt->zero_cross.ranks;
-    // Experts: sharded over the ranks holding the same ones (at ep 1 as the rest).
-    so.expert_zero_size = plan.ep > 1 ? rt->edp.size() : so.zero_size;
-    so.expert_zero_rank = plan.ep > 1 ? rt->edp.rank : so.zero_rank;
-    so.expert_zero_replicas = plan.ep > 1 ? std::vector<int>{rt->rank()} : so.zero_replicas;  // (no HSDP under ep)
+    // Experts: sharded over the ranks of my ZeRO group holding the same ones (at ep 1 as the
+    // rest); under HSDP their replicas are the other ZeRO groups' (zero_cross), as the rest's.
+    so.expert_zero_size = plan.ep > 1 ? rt->ezero.size() : so.zero_size;
+    so.expert_zero_rank = plan.ep > 1 ? rt->ezero.rank : so.zero_rank;
+    so.expert_zero_replicas = so.zero_replicas;
   }
   if (plan.ep > 1)  // experts in buckets of their own (at ep 1 they are parameters like the rest)
     for (const auto& l : model.param_layouts()) so.expert.push_back(l.split.style == models::SplitStyle::Expert);
@@ -356,9 +357,10 @@ static void check_expert_parallel(const config::TrainerArgs& args, const paralle
   if (dpcp % ep != 0)
     throw config::ConfigError(key + " does not divide dp x cp = " + std::to_string(plan.dp) + " x " +
                               std::to_string(plan.context.cp) + " (experts split over ranks that hold different samples)");
-  if (plan.zero_stage && plan.zero_ngroups > 1)
-    throw config::ConfigError(key + ": not supported with compute_config.zero_ngroups " +
-                              std::to_string(plan.zero_ngroups) + " (HSDP) yet; set zero_ngroups: 1");
+  if (plan.zero_stage && plan.zero_ngroups > 1 && (dpcp / plan.zero_ngroups) % ep != 0)
+    throw config::ConfigError(key + " does not divide the ZeRO group of " + std::to_string(dpcp / plan.zero_ngroups) +
+                              " ranks (dp x cp / compute_config.zero_ngroups " + std::to_string(plan.zero_ngroups) +
+                              "): HSDP needs each expert-parallel slice inside one ZeRO group");
 }
 
 Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, const models::CausalLM& model,
