@@ -16,6 +16,8 @@
 #                     (bf16 Newton-Schulz, time_optimizer_ms), vs torch.optim.Muon / AdamW (~30 s)
 #   moe               issue 38: a Qwen3-MoE (64 experts, top-8) with grouped expert GEMMs vs the
 #                     per-expert loop (NNSTRAIN_KERNELS=composite): tokens/s, MFU on active parameters
+#   doc_attention     issue 40: packed documents' attention forward + backward by flash's varlen
+#                     kernel, the tiles and the dense mask, 2 x 8192 tokens, Llama 3 8B heads (~30 s)
 #   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile
 #   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
 #   zero              ZeRO stages 0-3 at one rank (NCCL): GPT-2 124M losses vs stage 0,
@@ -76,7 +78,7 @@ mkdir -p "$res" "$out"
 exec > >(tee -a "$res/battery.log") 2>&1
 
 phases=("$@")
-((${#phases[@]})) || phases=(build tests shakespeare gpt2 muon moe llama shakespeare_full)
+((${#phases[@]})) || phases=(build tests shakespeare gpt2 muon moe doc_attention llama shakespeare_full)
 
 say() { echo "[battery $(date -u +%H:%M:%S) +$(($(date +%s) - t_start))s] $*"; }
 left() { echo $((budget - ($(date +%s) - t_start))); }
@@ -247,8 +249,15 @@ phase_cp_ring() {  # builds its bench binary (EXCLUDE_FROM_ALL) if need be, then
   [ "$smoke" = 1 ] && args+=(--smoke)
   "$py" "$root/bench/gpu/driver.py" cp_ring "${args[@]}"
 }
+phase_doc_attention() {  # builds its bench binary (EXCLUDE_FROM_ALL) if need be, then the driver
+  build_targets nnstrain_bench_doc_attention >&2 || return 1
+  local args=(--results "$res" --nnstrain "${NNSTRAIN_BIN:-$build/nnstrain}" --python "$(command -v "$py")"
+              --time-limit $((PHASE_LIMIT - 10)) --doc-attention-bin "$build/nnstrain_bench_doc_attention")
+  [ "$smoke" = 1 ] && args+=(--smoke)
+  "$py" "$root/bench/gpu/driver.py" doc_attention "${args[@]}"
+}
 export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench phase_startup_oom \
-  phase_cp_ring
+  phase_cp_ring phase_doc_attention
 export root build prefix py smoke res out t_start budget
 
 for p in "${phases[@]}"; do
@@ -267,8 +276,9 @@ for p in "${phases[@]}"; do
     offload)          run_phase offload 420 bash -c 'phase_bench offload' ;;
     profile)          run_phase profile 540 bash -c 'phase_bench profile' ;;
     cp_ring)          run_phase cp_ring 360 bash -c phase_cp_ring ;;
+    doc_attention)    run_phase doc_attention 120 bash -c phase_doc_attention ;;
     *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 muon moe llama shakespeare_full zero startup_oom offload" \
-         "profile cp_ring)" ;;
+         "profile cp_ring doc_attention)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.

@@ -927,6 +927,34 @@ def bench_cp_ring(ctx):
             f"baseline {res.get('best_baseline')} {res.get('baseline_ms', {}).get(res.get('best_baseline'))} ms")
 
 
+def bench_doc_attention(ctx):
+    """Packed documents at cp 1 (issue 40): document_attention forward + backward by flash's varlen kernel
+    (auto on CUDA), the tiles (NNSTRAIN_KERNELS=composite's form) and SDPA with the dense block-diagonal mask,
+    against causal SDPA over the whole sequence (bench/doc_attention.cpp): Llama 3 8B heads (32 / 8 of 128),
+    bf16, 2 x 8192 tokens of documents whose lengths vary tenfold; first a check that varlen and dense equal the
+    tiles (outputs and gradients)."""
+    binary = ctx.a.doc_attention_bin
+    d = ctx.out / "doc_attention"
+    d.mkdir(exist_ok=True)
+    if ctx.smoke:
+        args = ["--device", "cpu", "--dtype", "fp32", "--seq", "512", "--heads", "4", "--kv-heads", "2", "--dim", "16",
+                "--repeats", "2", "--warmup", "1", "--check"]
+    else:
+        args = ["--device", "cuda", "--dtype", "bf16", "--seq", "8192", "--batch", "2", "--heads", "32",
+                "--kv-heads", "8", "--dim", "128", "--check"]
+    rc, text = run_cmd([binary, *args], d / "doc_attention.log", ctx.left(150))
+    res = last_json_line(text) or {}
+    res["rc"] = rc
+    if rc != 0:
+        res["error"] = error_of(rc, text)
+    ms = res.get("fwd_bwd_ms", {})
+    if ms.get("varlen") and ms.get("dense"):
+        res["varlen_vs_dense"] = ms["dense"] / ms["varlen"]
+    ctx.results["benchmarks"]["doc_attention"] = res
+    ctx.save()
+    log(f"doc_attention: rc {rc}, varlen ran {res.get('varlen_kernel_ran')}, ms {ms}")
+
+
 def fmt(v, spec=".1f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -1053,6 +1081,19 @@ def write_summary(r, path):
         if mo.get("grouped_vs_loop"):
             L.append(f"\ngrouped / loop tokens/s: {mo['grouped_vs_loop']:.2f}x; "
                      f"max relative loss difference {fmt(mo.get('max_rel_loss_diff'), '.2e')}")
+    da = r.get("benchmarks", {}).get("doc_attention")
+    if da:
+        ms = da.get("fwd_bwd_ms", {})
+        L += ["", "## Packed documents: attention kernels (doc_attention phase; bench/doc_attention.cpp)", "",
+              f"{da.get('batch')} x {da.get('seq')} tokens, {da.get('documents')} documents of {da.get('shortest')} to "
+              f"{da.get('longest')}, {da.get('heads')} / {da.get('kv_heads')} heads of {da.get('dim')}, {da.get('dtype')}; "
+              f"varlen kernel ran: {da.get('varlen_kernel_ran')}; check vs tiles (max abs): varlen "
+              f"{fmt(da.get('check_varlen_vs_tiles_max_abs'), '.2e')}, dense {fmt(da.get('check_dense_vs_tiles_max_abs'), '.2e')}",
+              "", "| kernel | forward + backward ms |", "|---|---:|"]
+        for name, v in ms.items():
+            L.append(f"| {name} | {fmt(v, '.2f')} |")
+        if da.get("varlen_vs_dense"):
+            L.append(f"\nvarlen vs dense mask: {da['varlen_vs_dense']:.2f}x faster")
     mu = r.get("benchmarks", {}).get("muon")
     if mu:
         L += ["", f"## Optimizer step: Muon + AdamW vs AdamW (muon phase; GPT-2 124M, micro-batch "
@@ -1075,7 +1116,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
                     choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "muon", "moe", "llama", "zero", "offload",
-                             "profile", "cp_ring", "summary"])
+                             "profile", "cp_ring", "doc_attention", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
@@ -1085,6 +1126,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--cp-ring-bin", default=str(ROOT / "build" / "nnstrain_bench_cp_ring"),
                     help="the cp_ring phase's binary (bench/cp_ring.cpp)")
+    ap.add_argument("--doc-attention-bin", default=str(ROOT / "build" / "nnstrain_bench_doc_attention"),
+                    help="the doc_attention phase's binary (bench/doc_attention.cpp)")
     a = ap.parse_args()
     a.nnstrain = str(pathlib.Path(a.nnstrain).resolve())
     ctx = Ctx(a)
@@ -1112,6 +1155,8 @@ def main():
                 bench_profile(ctx)
             elif phase == "cp_ring":
                 bench_cp_ring(ctx)
+            elif phase == "doc_attention":
+                bench_doc_attention(ctx)
         except Exception as e:  # one phase's failure must not lose the others
             log(f"phase {phase} failed: {e!r}")
             ctx.results["benchmarks"].setdefault(phase, {})["error"] = f"driver: {e!r}"

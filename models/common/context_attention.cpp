@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include "models/common/cp_document_layout.h"
+#include "models/common/kernels/kernels.h"
+#include "models/common/varlen_attention.h"
 
 #include <algorithm>
 #include <atomic>
@@ -505,6 +507,19 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
 
 at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& segments, std::optional<double> scale) {
+  // CUDA: flash attention's varlen kernel where it runs, else SDPA with the dense
+  // block-diagonal mask (what ran before the varlen kernel); NNSTRAIN_KERNELS=composite
+  // keeps the tiles, the reference the GPU battery compares with.
+  if (q.is_cuda() && kernels::impl() != kernels::Impl::Composite) {
+    if (varlen_flash_fits(q, k)) return varlen_document_attention(q, k, v, segments, scale);
+    const int64_t T = q.size(2), rep = q.size(1) / k.size(1);
+    const auto seg = segments.to(q.device());
+    const auto mask = (seg.unsqueeze(2) == seg.unsqueeze(1))
+                          .logical_and(torch::ones({T, T}, seg.options().dtype(torch::kBool)).tril())
+                          .unsqueeze(1);
+    return at::scaled_dot_product_attention(q, rep > 1 ? k.repeat_interleave(rep, 1) : k,
+                                            rep > 1 ? v.repeat_interleave(rep, 1) : v, mask, 0.0, false, scale);
+  }
   CpAttentionOptions o;
   o.scale = scale;
   return CpAttentionFn::apply(q, k, v, true, c10::intrusive_ptr<CpComm>(), static_cast<int64_t>(CpCommType::P2P),

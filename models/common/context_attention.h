@@ -63,8 +63,10 @@ int64_t document_tiles_computed();
 // The (query, key) pairs each rank computes for one batch: [cp], for balance checks.
 std::vector<int64_t> document_work(const at::Tensor& segments, int cp, CpLayout layout);
 
-// Document-masked attention on one process (cp 1) by the same tiles: q [B, Hq,
-// T, D], k, v [B, Hkv, T, D], segments [B, T]. Differentiable in q, k, v.
+// Document-masked attention on one process (cp 1): q [B, Hq, T, D], k, v
+// [B, Hkv, T, D], segments [B, T]. By the same tiles on the CPU (and under
+// NNSTRAIN_KERNELS=composite); on CUDA flash's varlen kernel where it runs
+// (varlen_attention.h), else SDPA with the dense mask. Differentiable in q, k, v.
 at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& segments, std::optional<double> scale = std::nullopt);
 

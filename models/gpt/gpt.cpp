@@ -125,8 +125,8 @@ torch::Tensor Gpt::embed(const torch::Tensor& idx, const Documents& docs) {
 
 torch::Tensor Gpt::blocks(const torch::Tensor& input, int64_t begin, int64_t end, int64_t, const Documents& docs) {
   auto x = input;
-  // By tiles under cp, and on CPU without attention dropout (which needs the dense mask).
-  const bool by_tiles = ctx_.cp_comm || (input.device().is_cpu() && cfg_.dropout == 0);
+  // Segments (common::document_attention picks the kernel) unless attention dropout needs the dense mask.
+  const bool by_tiles = ctx_.cp_comm || cfg_.dropout == 0;
   const auto mask = docs.defined() ? docs.attention_input(by_tiles) : torch::Tensor();
   for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto block = h->ptr<BlockImpl>(i);

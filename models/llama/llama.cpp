@@ -245,7 +245,7 @@ torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t e
     const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
     cos = emb.cos();
     sin = emb.sin();
-    mask = docs.attention_input(cp_ > 1 || x.device().is_cpu());
+    mask = docs.attention_input(/*by_tiles=*/true);  // segments: common::document_attention picks the kernel
   }
   for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);

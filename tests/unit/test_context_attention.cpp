@@ -19,6 +19,7 @@
 
 #include "models/common/context_attention.h"
 #include "models/common/cp_document_layout.h"
+#include "models/common/varlen_attention.h"
 #include "models/llama/llama.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/parallel/context_parallel.h"
@@ -378,6 +379,37 @@ Reference doc_reference(const Inputs& in, const at::Tensor& seg, int64_t hq, int
 }
 
 }  // namespace
+
+TEST_CASE("varlen document attention: the packing and lengths equal the tiles' block-diagonal attention",
+          "[attention][document_mask][varlen]") {
+  // The CUDA kernel's packing ([B T, H, D], cumulative lengths per (row, document))
+  // runs here with the per-document reference in place of the flash kernel.
+  const auto seg = doc_segments({{5, 19, 7, 11, 6}, {13, 9, 17, 9}});
+  const auto [cu, longest] = models::common::document_cu_seqlens(seg, at::kCPU);
+  CHECK(cu.scalar_type() == at::kInt);
+  const std::vector<int32_t> want_cu = {0, 5, 24, 31, 42, 48, 61, 70, 87, 96};
+  CHECK(std::vector<int32_t>(cu.data_ptr<int32_t>(), cu.data_ptr<int32_t>() + cu.numel()) == want_cu);
+  CHECK(longest == 19);
+  auto gen = at::detail::createCPUGenerator(11);
+  const int64_t T = seg.size(1);
+  const Inputs in{at::randn({kB, 4, T, kD}, gen), at::randn({kB, 2, T, kD}, gen), at::randn({kB, 2, T, kD}, gen),
+                  at::randn({kB, 4, T, kD}, gen)};
+  const auto ref = doc_reference(in, seg, 4, 2);
+  auto q = in.q.clone().requires_grad_(), k = in.k.clone().requires_grad_(), v = in.v.clone().requires_grad_();
+  const auto before = models::common::varlen_attention_calls();
+  auto out = models::common::varlen_document_attention(q, k, v, seg);
+  out.backward(in.g);
+  CHECK(models::common::varlen_attention_calls() == before + 1);
+  CHECK(max_diff(out.detach(), ref.out) <= kTol);
+  CHECK(max_diff(q.grad(), ref.dq) <= kTol);
+  CHECK(max_diff(k.grad(), ref.dk) <= kTol);
+  CHECK(max_diff(v.grad(), ref.dv) <= kTol);
+  // Not the kernel's business to guess: the CPU never takes the CUDA path.
+  CHECK_FALSE(models::common::varlen_flash_fits(q, k));
+  // A decreasing document number is refused, naming the row.
+  CHECK_THROWS_WITH(models::common::document_cu_seqlens(at::tensor({0, 1, 0}, at::kLong).view({1, 3}), at::kCPU),
+                    Catch::Contains("segments decrease at token 2 of batch row 0"));
+}
 
 TEST_CASE("document-masked context-parallel attention equals one rank's block-diagonal attention",
           "[cp][attention][document_mask]") {

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "models/common/context_attention.h"
+#include "models/common/varlen_attention.h"
 #include "models/common/lm_loss.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "models/common/kernels/grouped_gemm.h"
@@ -55,6 +56,7 @@ RunCounts RunCounts::now(const dist::Runtime* rt) {
   c.chunked_loss = loss.chunked;
   c.fused_loss = loss.fused;
   c.document_tiles = models::common::document_tiles_computed();
+  c.varlen_attention = models::common::varlen_attention_calls();
   if (rt) {
     c.pp_sends = rt->pp.traffic.sends;
     c.pp_bytes = rt->pp.traffic.bytes;
@@ -83,6 +85,7 @@ nlohmann::json RunCounts::since(const RunCounts& b) const {
           {"optimizer_all_to_all", optimizer_all_to_all - b.optimizer_all_to_all},
           {"optimizer_bytes", optimizer_bytes - b.optimizer_bytes},
           {"document_tiles", document_tiles - b.document_tiles},
+          {"varlen_attention", varlen_attention - b.varlen_attention},
           // The MoE experts' GEMM form that ran last (models/common/kernels/grouped_gemm.h; "" for a dense model).
           {"grouped_gemm", models::common::kernels::last_grouped_gemm()}};
 }

@@ -48,6 +48,7 @@ struct RunCounts {
   int64_t ep_all_to_all = 0, ep_bytes = 0;  // expert parallelism's dispatch (counts exchanges included)
   int64_t optimizer_all_to_all = 0, optimizer_bytes = 0;  // the optimizer's collectives (Muon's matrix exchange)
   int64_t document_tiles = 0;  // document-masked attention tiles (models/common/context_attention.h)
+  int64_t varlen_attention = 0;  // packed-document varlen attention calls (models/common/varlen_attention.h)
 
   static RunCounts now(const dist::Runtime* rt);
   // What ran between `before` and this, as the record's JSON.
