@@ -1,5 +1,7 @@
 #include "data/chat_template.h"
 
+#include "data/sha256.h"
+
 #include <algorithm>
 
 namespace nnstrain::data {
@@ -47,6 +49,22 @@ std::string strip_unicode_whitespace(const std::string& s) {
 const std::vector<std::string>& ChatTemplate::names() {
   static const std::vector<std::string> n{"llama3", "chatml", "mistral"};
   return n;
+}
+
+std::string ChatTemplate::identify(const std::string& jinja) {
+  // SHA-256 of each model's template string as its tokenizer_config.json holds it
+  // (tests/integration/chat_common.py TEMPLATES): Meta-Llama-3-Instruct's, Qwen2's
+  // ChatML, Mistral-Instruct's. Exact text only: a variant (a default system date,
+  // tool calls) renders differently, so it is not taken for one of these.
+  static const std::pair<const char*, const char*> known[] = {
+      {"ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122", "llama3"},
+      {"793202280c0910ab26bc6eb57c8212c2417324c6d8c4efd0d10d59092ab3e3eb", "chatml"},
+      {"796853172235ab3aaa4810013ddfe2eab481bda3306dad4f700c00d436eed596", "mistral"},
+  };
+  const auto h = sha256_hex(jinja);
+  for (const auto& [hash, name] : known)
+    if (h == hash) return name;
+  return "";
 }
 
 ChatTemplate::ChatTemplate(const std::string& name, const tok::Tokenizer& tokenizer) : name_(name), tok_(&tokenizer) {

@@ -41,6 +41,9 @@ class ChatTemplate {
   // the missing token if the tokenizer lacks one of the template's special tokens.
   ChatTemplate(const std::string& name, const tok::Tokenizer& tokenizer);
   static const std::vector<std::string>& names();
+  // The name of the template whose Jinja text (tokenizer_config.json's
+  // chat_template) this is, exactly; "" for any other text.
+  static std::string identify(const std::string& jinja);
 
   const std::string& name() const { return name_; }
   // The rendered text (apply_chat_template(..., tokenize=False)).

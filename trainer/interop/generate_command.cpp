@@ -66,7 +66,8 @@ constexpr const char* kUsage = R"(usage: nnstrain generate SOURCE [options]
                            dropped when the history outgrows the model's context
   --system TEXT            --chat: the system prompt
   --chat-template T        --chat: llama3, chatml or mistral (default: the one the checkpoint's
-                           dataset was prepared with)
+                           dataset was prepared with, else the tokenizer folder's tokenizer_config.json
+                           chat_template when it is exactly one of those)
 )";
 
 struct UsageError : std::runtime_error {
@@ -409,15 +410,41 @@ std::string dataset_chat_template(const std::string& source) {
   }
 }
 
+// The template a Hugging Face tokenizer folder's tokenizer_config.json names
+// ("" when it has none); a template nnstrain does not render is refused, naming the field.
+std::string config_chat_template(const std::string& tok_path) {
+  const fs::path dir = fs::is_directory(tok_path) ? fs::path(tok_path) : fs::path(tok_path).parent_path();
+  const auto file = dir / "tokenizer_config.json";
+  if (!fs::exists(file)) return "";
+  nlohmann::json j;
+  try {
+    j = checkpoint::read_json_bounded(file.string());
+  } catch (const std::exception& e) {
+    throw UsageError(file.string() + ": " + e.what());
+  }
+  if (!j.contains("chat_template")) return "";
+  if (!j["chat_template"].is_string())
+    throw UsageError(file.string() + ": chat_template is not one string (named templates are not read); give --chat-template");
+  const auto name = data::ChatTemplate::identify(j["chat_template"].get<std::string>());
+  if (name.empty())
+    throw UsageError(file.string() + ": chat_template is not one nnstrain renders (llama3, chatml or mistral, "
+                     "recognised by their exact text); give --chat-template to render as one of them");
+  return name;
+}
+
 // --chat: user turns from --prompt or standard input; each answer streamed to
 // standard output as it is sampled, ending at the template's end-of-turn token.
+// The template: --chat-template, else the checkpoint's dataset's, else the
+// tokenizer folder's tokenizer_config.json (a Hugging Face model).
 int run_chat(const Options& o) {
   std::string tmpl_name = o.chat_template.empty() ? dataset_chat_template(o.source) : o.chat_template;
-  if (tmpl_name.empty())
-    throw UsageError("--chat: give --chat-template llama3|chatml|mistral (the checkpoint's dataset records none)");
   auto src = load_source(o.source);
   const std::string tok_path = !o.tokenizer.empty() ? o.tokenizer : src.tokenizer ? *src.tokenizer : "";
   if (tok_path.empty()) throw UsageError("--chat: no tokenizer for " + o.source + "; give --tokenizer PATH");
+  if (tmpl_name.empty()) tmpl_name = config_chat_template(tok_path);
+  if (tmpl_name.empty())
+    throw UsageError("--chat: give --chat-template llama3|chatml|mistral (neither the checkpoint's dataset nor "
+                     "the tokenizer's tokenizer_config.json names one)");
   const auto tokenizer = tok::Tokenizer::load(tok_path);
   std::optional<data::ChatTemplate> tmpl;
   try {
