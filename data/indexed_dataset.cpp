@@ -24,6 +24,14 @@ IndexedDataset::IndexedDataset(const config::IndexedArgs& args, uint64_t seed, i
       throw config::ConfigError(where + ": " + e.what());
     }
     const auto& m = manifests_.back();
+    // The over-long rule (prepare corpus --max-tokens / --overlong) holds each
+    // conversation within one attention window only if the window is as long:
+    // training shorter would cut conversations mid-turn, which the rule exists to prevent.
+    if (args.document_mask && m.max_tokens > args.seq_len)
+      throw config::ConfigError(key + ".seq_len: " + std::to_string(args.seq_len) + " is shorter than the " +
+                                std::to_string(m.max_tokens) + " tokens " + m.path +
+                                " allows a conversation (prepare corpus --max-tokens); prepare it again with "
+                                "--max-tokens " + std::to_string(args.seq_len) + " or raise seq_len");
     const auto& id = join == indexed::Join::eos ? m.eos_id : m.bos_id;
     if (join != indexed::Join::none) {
       if (!id) throw config::ConfigError(key + ".join: " + args.join + ": the tokenizer of " + m.path + " has no such token");

@@ -83,6 +83,11 @@ Manifest read_manifest(const std::string& path) {
         throw std::runtime_error("sequences_per_document " + std::to_string(m.sequences_per_document) +
                                  " (1, 2 or \"alternating\" expected)");
     }
+    if (j.contains("settings") && j["settings"].is_object()) {
+      const auto& st = j["settings"];
+      if (st.contains("max_tokens") && st["max_tokens"].is_number_integer())
+        m.max_tokens = std::max<int64_t>(0, st["max_tokens"].get<int64_t>());
+    }
   } catch (const std::exception& e) {
     throw std::runtime_error("dataset manifest '" + m.path + "': " + e.what());
   }

@@ -37,6 +37,9 @@ struct Manifest {
   // 1: plain documents; 2: prompt then response (instruction data); 0: any
   // number, alternating context and target (chat data, "alternating").
   int sequences_per_document = 1;
+  // Chat data prepared with --max-tokens N (settings.max_tokens): no conversation
+  // is longer than N tokens; 0: no cap recorded.
+  int64_t max_tokens = 0;
 };
 // `path` is PREFIX or PREFIX.manifest.json. Throws std::runtime_error naming the file.
 Manifest read_manifest(const std::string& path);

@@ -159,3 +159,14 @@ def test_recipe_fine_tunes_a_transformers_llama_and_chats(chat_data, tmp_path):
     assert p.returncode == 2, p.stderr
     assert "tokenizer_config.json: chat_template is not one nnstrain renders" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 2, p.stderr
+
+
+def test_seq_len_shorter_than_the_prepared_cap_is_refused(chat_data, tmp_path):
+    """Prepared with --max-tokens 64 (each conversation within 64 tokens, split at user turns):
+    training at seq_len 32 would cut conversations mid-turn, so it exits 2 naming the key."""
+    args = [nnstrain_bin_path(), "--config", str(CONFIGS / "tiny_llama_chat.yaml"), "--run_dir", str(tmp_path / "run"),
+            "--vars.data", str(chat_data / "chat"), "--vars.seq_len", "32", "--max_train_steps", "1"]
+    p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "dataset.train_args.seq_len: 32 is shorter than the 64 tokens" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
