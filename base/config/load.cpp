@@ -621,6 +621,10 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   } else {
     for (const char* key : {"decay_ratio", "decay_type"})
       if (sargs.has(key)) sargs.fail(key, "applies to lr_scheduler.type wsd only (type is " + s.type + ")");
+    // A constant rate (after warm-up) never decays: a decay length or floor would do nothing.
+    if (s.type == "constant")
+      for (const char* key : {"decay_steps", "min_lr"})
+        if (sargs.has(key)) sargs.fail(key, "does nothing under lr_scheduler.type constant (the rate never decays)");
     s.decay_steps = sargs.get_int("decay_steps", 0, 0);
   }
   s.min_lr = sargs.get_float("min_lr", 0.0, 0.0);

@@ -118,10 +118,15 @@ def test_a_decay_that_began_before_the_checkpoint_is_refused(runs, nnstrain, tin
     (("--lr_scheduler.type", "cosine", "--lr_scheduler.args.decay_steps", 8), "lr_scheduler.args.decay_type"),
     (("--lr_scheduler.type", "linear", "--lr_scheduler.args.decay_type", "~",
       "--lr_scheduler.args.decay_ratio", 0.5), "lr_scheduler.args.decay_ratio"),
+    # A constant rate never decays: its decay length and floor would do nothing.
+    (("--lr_scheduler.type", "constant", "--lr_scheduler.args.decay_type", "~"), "lr_scheduler.args.decay_steps"),
+    (("--lr_scheduler.type", "constant", "--lr_scheduler.args.decay_type", "~", "--lr_scheduler.args.decay_steps", "~",
+      "--lr_scheduler.args.min_lr", 1e-4), "lr_scheduler.args.min_lr"),
     # max_epochs: the run's length is known once the data is; refused at start-up.
     (("--max_train_steps", 0, "--max_epochs", 1, "--micro_batch_size", 400), "lr_scheduler.args.decay_steps"),
 ], ids=["decay-too-long", "steps-and-ratio", "ratio-above-one", "ratio-zero", "ratio-rounds-to-nothing",
-        "no-decay-given", "unknown-shape", "decay_type-on-cosine", "decay_ratio-on-linear", "epochs-too-short"])
+        "no-decay-given", "unknown-shape", "decay_type-on-cosine", "decay_ratio-on-linear", "decay_steps-on-constant",
+        "min_lr-on-constant", "epochs-too-short"])
 def test_keys_that_do_not_fit_are_refused(nnstrain, tiny_tokens, tmp_path, overrides, named):
     base = ("--vars.data", tiny_tokens, "--max_train_steps", 8, "--lr_scheduler.type", "wsd",
             "--lr_scheduler.args.warmup_steps", 2, "--lr_scheduler.args.decay_steps", 2,
