@@ -260,7 +260,11 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
       const auto sb = parallel::state_bytes(ps.param, ps.grad, ps.master_weights);
       out << "state bytes/param (" << targs.precision << ", before ZeRO): " << fixed(sb.total(), 2) << " (param "
           << fixed(sb.param, 2) << ", grad " << fixed(sb.grad, 2) << ", master " << fixed(sb.master, 2)
-          << ", moments " << fixed(sb.moments, 2) << ")\n";
+          << ", moments " << fixed(sb.moments, 2) << ")";
+      // The header's moments are AdamW's two; another optimizer's state is in the estimate below.
+      if (targs.optimizer.type != "adamw")
+        out << "; moments as AdamW's, the memory estimate counts optimizer " << targs.optimizer.type << "'s state";
+      out << "\n";
     }
     out << "device: " << d.name << ": " << parallel::format_bytes(d.memory_bytes) << ", " << fixed(peak / 1e12, 1)
         << " TFLOP/s peak for " << targs.precision << (targs.precision.rfind("32", 0) == 0 && cc.allow_tf32 ? " (tf32)" : "")
