@@ -242,22 +242,16 @@ phase_bench() {  # driver phases...
   [ -n "${NNSTRAIN_BATTERY_SKIP_COMPILE:-}" ] && args+=(--skip-compile)
   "$py" "$root/bench/gpu/driver.py" "$@" "${args[@]}"
 }
-phase_cp_ring() {  # builds its bench binary (EXCLUDE_FROM_ALL) if need be, then the driver
-  build_targets nnstrain_bench_cp_ring >&2 || return 1
+phase_bench_binary() {  # PHASE TARGET: builds a bench binary (EXCLUDE_FROM_ALL) if need be, then the driver
+  local phase=$1 target=$2
+  build_targets "$target" >&2 || return 1
   local args=(--results "$res" --nnstrain "${NNSTRAIN_BIN:-$build/nnstrain}" --python "$(command -v "$py")"
-              --time-limit $((PHASE_LIMIT - 10)) --cp-ring-bin "$build/nnstrain_bench_cp_ring")
+              --time-limit $((PHASE_LIMIT - 10)) "--${phase//_/-}-bin" "$build/$target")
   [ "$smoke" = 1 ] && args+=(--smoke)
-  "$py" "$root/bench/gpu/driver.py" cp_ring "${args[@]}"
-}
-phase_doc_attention() {  # builds its bench binary (EXCLUDE_FROM_ALL) if need be, then the driver
-  build_targets nnstrain_bench_doc_attention >&2 || return 1
-  local args=(--results "$res" --nnstrain "${NNSTRAIN_BIN:-$build/nnstrain}" --python "$(command -v "$py")"
-              --time-limit $((PHASE_LIMIT - 10)) --doc-attention-bin "$build/nnstrain_bench_doc_attention")
-  [ "$smoke" = 1 ] && args+=(--smoke)
-  "$py" "$root/bench/gpu/driver.py" doc_attention "${args[@]}"
+  "$py" "$root/bench/gpu/driver.py" "$phase" "${args[@]}"
 }
 export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench phase_startup_oom \
-  phase_cp_ring phase_doc_attention
+  phase_bench_binary
 export root build prefix py smoke res out t_start budget
 
 for p in "${phases[@]}"; do
@@ -275,8 +269,8 @@ for p in "${phases[@]}"; do
     startup_oom)      run_phase startup_oom 120 bash -c phase_startup_oom ;;
     offload)          run_phase offload 420 bash -c 'phase_bench offload' ;;
     profile)          run_phase profile 540 bash -c 'phase_bench profile' ;;
-    cp_ring)          run_phase cp_ring 360 bash -c phase_cp_ring ;;
-    doc_attention)    run_phase doc_attention 120 bash -c phase_doc_attention ;;
+    cp_ring)          run_phase cp_ring 360 bash -c 'phase_bench_binary cp_ring nnstrain_bench_cp_ring' ;;
+    doc_attention)    run_phase doc_attention 120 bash -c 'phase_bench_binary doc_attention nnstrain_bench_doc_attention' ;;
     *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 muon moe llama shakespeare_full zero startup_oom offload" \
          "profile cp_ring doc_attention)" ;;
   esac
