@@ -621,13 +621,17 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   } else {
     for (const char* key : {"decay_ratio", "decay_type"})
       if (sargs.has(key)) sargs.fail(key, "applies to lr_scheduler.type wsd only (type is " + s.type + ")");
-    // A constant rate (after warm-up) never decays: a decay length or floor would do nothing.
-    if (s.type == "constant")
-      for (const char* key : {"decay_steps", "min_lr"})
-        if (sargs.has(key)) sargs.fail(key, "does nothing under lr_scheduler.type constant (the rate never decays)");
     s.decay_steps = sargs.get_int("decay_steps", 0, 0);
   }
   s.min_lr = sargs.get_float("min_lr", 0.0, 0.0);
+  // A constant rate (after warm-up) never decays: a decay length or floor would do
+  // nothing (their defaults, 0, as a resolved config writes them, are fine).
+  if (s.type == "constant") {
+    if (s.decay_steps > 0)
+      sargs.fail("decay_steps", std::to_string(s.decay_steps) + " does nothing under lr_scheduler.type constant (the rate never decays)");
+    if (s.min_lr > 0)
+      sargs.fail("min_lr", format_double(s.min_lr) + " does nothing under lr_scheduler.type constant (the rate never decays)");
+  }
   s.interval = sched.get_string("interval", "step", {"step", "epoch"});
 
   auto ds_impl = top_impl->child("dataset", true);

@@ -506,8 +506,11 @@ TEST_CASE("config: keys that contradict each other", "[config]") {
   const std::string base = minimal(tmp.data("t.bin"));
   CHECK_THAT(load_error(tmp, base + "val_every_n_train_steps: 5\n"),
              Catch::Contains("val_every_n_train_steps (line 13): validation needs dataset.val_args"));
-  CHECK_THAT(load_error(tmp, base + "optimizer: {args: {lr: 0.001}}\nlr_scheduler: {args: {min_lr: 0.01}}\n"),
+  CHECK_THAT(load_error(tmp, base + "optimizer: {args: {lr: 0.001}}\nlr_scheduler: {type: cosine, args: {min_lr: 0.01}}\n"),
              Catch::Contains("lr_scheduler.args.min_lr (line 14): 0.01 is above optimizer.args.lr 0.001"));
+  // The default type, constant, never decays: a floor or decay length would do nothing.
+  CHECK_THAT(load_error(tmp, base + "lr_scheduler: {args: {min_lr: 0.0001}}\n"),
+             Catch::Contains("lr_scheduler.args.min_lr (line 13): 0.0001 does nothing under lr_scheduler.type constant"));
   CHECK_THAT(load_error(tmp, base + "checkpoint:\n  every_n_train_steps: 5\n"),
              Catch::Contains("checkpoint.every_n_train_steps (line 14): periodic checkpoints need checkpoint.save_dir"));
   CHECK_THAT(load_error(tmp, base + "compute_config: {backend: nccl, device: cpu}\n"),

@@ -9,8 +9,8 @@
   in loss and grad norm within 1e-5 relative over 4 steps (clipping active).
   The same run with the coefficients at 0 has another grad norm, so the
   balancing gradient is there to compare.
-- Bad MoE keys exit 2 with one line naming the key; sequence parallelism is
-  refused naming compute_config.sequence_parallel.
+- Bad MoE keys exit 2 with one line naming the key (sequence parallelism, once
+  refused, runs: test_expert_parallel.py).
 """
 import json
 import pathlib
@@ -89,7 +89,6 @@ def test_balancing_changes_the_gradient_not_the_first_loss(run):
     (["--model.args.scoring_func", "sigmoid", "--model.args.n_group", "3", "--model.args.topk_group", "4"],
      "topk_group"),
     (["--model.args.n_group", "2"], "n_group"),
-    (["--pas_policy", "hybrid", "--compute_config.sequence_parallel", "true"], "compute_config.sequence_parallel"),
 ])
 def test_bad_input_exits_2_naming_the_key(tiny_tokens, overrides, key):
     p = subprocess.run([str(nnstrain_bin_path()), "--config", str(CONFIG), "--vars.data", str(tiny_tokens),
