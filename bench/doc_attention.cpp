@@ -112,10 +112,7 @@ int main(int argc, char** argv) {
   const auto q0 = torch::randn({a.batch, a.heads, a.seq, a.dim}, opt), k0 = torch::randn({a.batch, a.kv_heads, a.seq, a.dim}, opt),
              v0 = torch::randn({a.batch, a.kv_heads, a.seq, a.dim}, opt), g = torch::randn({a.batch, a.heads, a.seq, a.dim}, opt);
   const int64_t rep = a.heads / a.kv_heads;
-  const auto T = a.seq;
-  const auto dense_mask = (seg.unsqueeze(2) == seg.unsqueeze(1))
-                              .logical_and(torch::ones({T, T}, seg.options().dtype(torch::kBool)).tril())
-                              .unsqueeze(1);
+  const auto dense_mask = mc::document_causal_mask(seg);
   using Fn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
   auto call = [&](const Fn& f) {
     torch::AutoGradMode on(true);

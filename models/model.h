@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "models/common/block_runner.h"
+#include "models/common/context_attention.h"
 #include "models/common/kv_cache.h"
 #include "models/common/layers.h"
 #include "models/model_dims.h"
@@ -59,11 +60,7 @@ struct Documents {
   bool defined() const { return segments.defined(); }
   // For scaled_dot_product_attention: [B, 1, T, T] bool, true where query i may
   // attend key j (j <= i, same document): block-diagonal causal.
-  torch::Tensor attention_mask() const {
-    const auto T = segments.size(1);
-    auto causal = torch::ones({T, T}, segments.options().dtype(torch::kBool)).tril();
-    return (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1);
-  }
+  torch::Tensor attention_mask() const { return common::document_causal_mask(segments); }
   // What attention layers take: the segments themselves ([B, T]: masked by
   // tiles in common::document_attention and context-parallel attention, which
   // skip what is masked) when by_tiles, else the dense attention_mask().

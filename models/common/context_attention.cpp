@@ -4,6 +4,7 @@
 
 #include "models/common/cp_document_layout.h"
 #include "models/common/kernels/kernels.h"
+#include "models/common/segments_cache.h"
 #include "models/common/varlen_attention.h"
 
 #include <algorithm>
@@ -505,6 +506,12 @@ at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, 
                               options.segments.defined() ? options.segments : at::empty({0}, at::kLong));
 }
 
+at::Tensor document_causal_mask(const at::Tensor& segments) {
+  const auto T = segments.size(1);
+  auto causal = torch::ones({T, T}, segments.options().dtype(torch::kBool)).tril();
+  return (segments.unsqueeze(2) == segments.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+}
+
 at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& segments, std::optional<double> scale) {
   // CUDA: flash attention's varlen kernel where it runs, else SDPA with the dense
@@ -512,11 +519,9 @@ at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at
   // keeps the tiles, the reference the GPU battery compares with.
   if (q.is_cuda() && kernels::impl() != kernels::Impl::Composite) {
     if (varlen_flash_fits(q, k)) return varlen_document_attention(q, k, v, segments, scale);
-    const int64_t T = q.size(2), rep = q.size(1) / k.size(1);
-    const auto seg = segments.to(q.device());
-    const auto mask = (seg.unsqueeze(2) == seg.unsqueeze(1))
-                          .logical_and(torch::ones({T, T}, seg.options().dtype(torch::kBool)).tril())
-                          .unsqueeze(1);
+    static thread_local SegmentsCache<at::Tensor> masks;  // built once per batch, not per layer
+    const auto& mask = masks.get(segments, [&](const at::Tensor& s) { return document_causal_mask(s.to(q.device())); });
+    const int64_t rep = q.size(1) / k.size(1);
     return at::scaled_dot_product_attention(q, rep > 1 ? k.repeat_interleave(rep, 1) : k,
                                             rep > 1 ? v.repeat_interleave(rep, 1) : v, mask, 0.0, false, scale);
   }

@@ -63,6 +63,10 @@ int64_t document_tiles_computed();
 // The (query, key) pairs each rank computes for one batch: [cp], for balance checks.
 std::vector<int64_t> document_work(const at::Tensor& segments, int cp, CpLayout layout);
 
+// The dense form of document masking: [B, 1, T, T] bool, true where query i may
+// attend key j (j <= i, same document) for segments [B, T].
+at::Tensor document_causal_mask(const at::Tensor& segments);
+
 // Document-masked attention on one process (cp 1): q [B, Hq, T, D], k, v
 // [B, Hkv, T, D], segments [B, T]. By the same tiles on the CPU (and under
 // NNSTRAIN_KERNELS=composite); on CUDA flash's varlen kernel where it runs

@@ -1,5 +1,7 @@
 #include "models/common/varlen_attention.h"
 
+#include "models/common/segments_cache.h"
+
 #include <torch/torch.h>
 
 #include <atomic>
@@ -114,7 +116,8 @@ at::Tensor varlen_document_attention(const at::Tensor& q, const at::Tensor& k, c
               "varlen_document_attention: segments [B, T]");
   const int64_t B = q.size(0);
   const double s = scale.value_or(1.0 / std::sqrt(double(q.size(3))));
-  const auto [cu, longest] = document_cu_seqlens(segments, q.device());
+  static thread_local SegmentsCache<std::pair<at::Tensor, int64_t>> runs;  // one host copy per batch, not per layer
+  const auto& [cu, longest] = runs.get(segments, [&](const at::Tensor& s) { return document_cu_seqlens(s, q.device()); });
   calls.fetch_add(1, std::memory_order_relaxed);
   const auto qp = pack(q), kp = pack(k), vp = pack(v);
   const auto out = q.is_cuda() ? VarlenFlash::apply(qp, kp, vp, cu, longest, s) : per_document(qp, kp, vp, cu, s);

@@ -59,53 +59,12 @@ void for_each_group(const std::vector<int64_t>& counts, bool on_cpu, const Fn& f
   });
 }
 
-// One mm per group, written into slices of one output. Its own backward: autograd
-// through w[g] and x.narrow would give each group a SelectBackward/SliceBackward that
-// zero-fills a whole [G, N, K] / [M, K] gradient (G^2 work per layer: the fill_ that
-// dominated moe_mini's CPU profile); here each group's gradients go into their slices.
-class LoopGemm : public torch::autograd::Function<LoopGemm> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            std::vector<int64_t> counts) {
-    ctx->save_for_backward({x, w});
-    ctx->saved_data["counts"] = counts;
-    auto out = x.new_empty({x.size(0), w.size(1)});
-    for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {  // y_g = x_g w_g^T
-      auto slot = out.narrow(0, pos, counts[g]);
-      at::mm_out(slot, x.narrow(0, pos, counts[g]), w[g].t());
-    });
-    return out;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &w = saved[1];
-    const auto counts = ctx->saved_data["counts"].toIntVector();
-    const auto gy = grads[0].contiguous();
-    at::Tensor gx, gw;
-    if (ctx->needs_input_grad(0)) {
-      gx = x.new_empty(x.sizes());
-      for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {  // dx_g = dy_g w_g
-        auto slot = gx.narrow(0, pos, counts[g]);
-        at::mm_out(slot, gy.narrow(0, pos, counts[g]), w[g]);
-      });
-    }
-    if (ctx->needs_input_grad(1)) {
-      gw = w.new_empty(w.sizes());
-      for (size_t g = 0; g < counts.size(); ++g)  // a group with no rows: zero
-        if (counts[g] == 0) gw[g].zero_();
-      for_each_group(counts, x.is_cpu(), [&](int64_t g, int64_t pos) {  // dw_g = dy_g^T x_g
-        auto slot = gw[g];
-        at::mm_out(slot, gy.narrow(0, pos, counts[g]).t(), x.narrow(0, pos, counts[g]));
-      });
-    }
-    return {gx, gw, at::Tensor()};
-  }
-};
-
 // The experts' SwiGLU MLP as one autograd node, group by group: each group's three
 // GEMMs and its SwiGLU run while its rows are in cache, and the backward needs one
-// parallel pass instead of six. Saves gate and up outputs (a, b), as autograd would.
+// parallel pass instead of six. Autograd through w[g] and row slices would give each
+// group a SelectBackward/SliceBackward that zero-fills a whole [G, N, K] / [M, K]
+// gradient (G^2 work per layer: the fill_ that dominated moe_mini's CPU profile);
+// here each group's gradients go into their slices. Saves gate and up outputs (a, b).
 class LoopSwigluMlp : public torch::autograd::Function<LoopSwigluMlp> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gate,
@@ -153,8 +112,17 @@ class LoopSwigluMlp : public torch::autograd::Function<LoopSwigluMlp> {
   }
 };
 
+// One mm per group through autograd: the reference form of a single projection
+// (the experts' MLP runs LoopSwigluMlp above, which writes gradients in place).
 at::Tensor loop(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts) {
-  return LoopGemm::apply(x.contiguous(), w, counts);
+  std::vector<at::Tensor> parts;
+  int64_t pos = 0;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    if (counts[g] > 0) parts.push_back(torch::mm(x.narrow(0, pos, counts[g]), w[g].t()));
+    pos += counts[g];
+  }
+  if (parts.empty()) return x.new_zeros({0, w.size(1)});
+  return parts.size() == 1 ? parts[0] : torch::cat(parts);
 }
 
 // Rows into a zero-padded [G, max, K] batch (index_put: differentiable), one bmm, rows back.

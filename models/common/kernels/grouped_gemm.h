@@ -7,9 +7,9 @@
 //   padded_bmm  each group's rows copied into a [G, max count, K] batch, one bmm
 //               (CUDA elsewhere; on the CPU when the groups are many and small)
 //   loop        one mm per group on slices of the rows (the CPU otherwise: no
-//               padding copy; bench/moe_cpu.py measures them), its own
-//               backward writing each group's gradient in place, the groups
-//               dealt to the CPU's threads
+//               padding copy; bench/moe_cpu.py measures them); for the experts'
+//               MLP (grouped_swiglu_mlp) one autograd node writing each group's
+//               gradients in place, the groups dealt to the CPU's threads
 //
 // All three are differentiable (autograd through ATen ops) and equal up to
 // rounding; tests/unit/test_moe.cpp checks them against each other. Under
