@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# The GPU battery (issue 11): on a fresh GPU machine with only what it has
+# The GPU battery (issues 11, 37): on a fresh GPU machine with only what it has
 # (python3 with PyTorch, cmake, ninja, nvcc, a compiler; no package registry),
-# builds nnstrain against the carried Debian packages, runs the device-aware
-# tests on CUDA and the benchmarks, and writes one results folder.
+# runs the device-aware tests on CUDA and the benchmarks, and writes one results
+# folder. What it runs is built here beforehand: bench/gpu/prepare.sh packs the
+# binaries, the Debian libraries they load and the data into .gpu_bundle/ (carry
+# it); they run against the GPU machine's own LibTorch, with no build step there.
+# Without a bundle the `build` phase builds on the GPU machine (carry .debs/).
 #
 #   bash bench/gpu/battery.sh [PHASE ...]        (from the repository root or anywhere)
 #
-# Phases, run in the order given (default: all, in this order):
-#   build             configure (once; an existing build dir is reused) and build everything
-#   tests             NNSTRAIN_TEST_DEVICE=cuda ctest -L device
+# Phases, run in the order given. The default, in the issue's priority order:
+#   (a) tests startup_oom  (b) gpt2 llama  (c) shakespeare  (d) cp_ring  (e) parallel_cuda,
+#   then doc_attention moe muon shakespeare_full (and `build` first when there is no bundle).
+#   build             configure (once; an existing build dir is reused) and build everything;
+#                     with a bundle: nothing to build, says so
+#   tests             NNSTRAIN_TEST_DEVICE=cuda ctest -L device (with a bundle: its device_tests.json
+#                     turned into a CTest file pointing at the bundle, plus the unit binary's [device] cases)
 #   matmul            the bf16 matmul rate (MFU denominator; benchmarks measure it anyway)
 #   shakespeare       nanoGPT shakespeare_char timing: nnstrain vs PyTorch eager vs compile
 #   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile
@@ -33,14 +40,16 @@
 #                     eager and torch.compile at one batch; per trace the 15 most expensive
 #                     kernels with their share, time by kind, and the attention kernel that
 #                     ran (profile/kernels.md, bench/gpu/kernel_table.py)
+#   parallel_cuda     issue 37 (e): pp 2 and cp 2 over Gloo on CUDA tensors (two ranks sharing the
+#                     GPU) and optimizer offload on CUDA, each against one process on the GPU
 #   cp_ring           issue 22's GPU goal: one rank's share of a 128K sequence at cp 8 (Llama 3
 #                     8B heads, bf16, causal zigzag) forward + backward against one plain SDPA
 #                     call of the same unmasked FLOPs (bench/cp_ring.cpp; no communication)
 # A benchmark phase builds only the nnstrain binary if there is none (or uses
 # NNSTRAIN_BIN, or runs/battery_bin/nnstrain carried from an earlier call).
 #
-# Needs, carried next to the checkout: .debs/ (bench/gpu/fetch_deps.sh) and
-# data/shakespeare_char/ (`build/nnstrain prepare shakespeare_char`).
+# Needs, carried next to the checkout: .gpu_bundle/ (bench/gpu/prepare.sh), or for a
+# build there .debs/ (bench/gpu/fetch_deps.sh) and data/shakespeare_char/.
 #
 # Every phase is logged and time-boxed; the whole call keeps inside
 # NNSTRAIN_BATTERY_BUDGET_S (default 560 s, one 10-minute device command):
@@ -56,7 +65,8 @@
 # (override every config's precision), NNSTRAIN_BATTERY_TARGETS (build only
 # these), NNSTRAIN_BATTERY_CMAKE_ARGS (extra configure arguments),
 # NNSTRAIN_BATTERY_RESULTS (the results folder), NNSTRAIN_COMMIT,
-# NNSTRAIN_BATTERY_SKIP_COMPILE=1 (leave out the torch.compile references).
+# NNSTRAIN_BATTERY_SKIP_COMPILE=1 (leave out the torch.compile references),
+# NNSTRAIN_BUNDLE (.gpu_bundle; a smoke run uses one only when this is set).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -77,8 +87,14 @@ out=${OUT:-$root/runs/battery_out}
 mkdir -p "$res" "$out"
 exec > >(tee -a "$res/battery.log") 2>&1
 
+# The bundle prepare.sh made here (a smoke run on the CPU uses one only when asked to).
+if [ -n "${NNSTRAIN_BUNDLE:-}" ] || [ "$smoke" != 1 ]; then bundle=${NNSTRAIN_BUNDLE:-$root/.gpu_bundle}; else bundle=""; fi
+[ -n "$bundle" ] && [ ! -f "$bundle/manifest.json" ] && bundle=""
 phases=("$@")
-((${#phases[@]})) || phases=(build tests shakespeare gpt2 muon moe doc_attention llama shakespeare_full)
+if ((${#phases[@]} == 0)); then
+  phases=(tests startup_oom gpt2 llama shakespeare cp_ring parallel_cuda doc_attention moe muon shakespeare_full)
+  [ -z "$bundle" ] && phases=(build "${phases[@]}")
+fi
 
 say() { echo "[battery $(date -u +%H:%M:%S) +$(($(date +%s) - t_start))s] $*"; }
 left() { echo $((budget - ($(date +%s) - t_start))); }
@@ -118,6 +134,33 @@ else
   say "no .debs/ carried: the build relies on packages installed on this machine"
 fi
 [ -f "$root/.debs/commit.txt" ] && [ -z "${NNSTRAIN_COMMIT:-}" ] && export NNSTRAIN_COMMIT="$(cat "$root/.debs/commit.txt")"
+
+# ---------------------------------------------------------------- the bundle
+# prepare.sh's binaries against this machine's own torch (bench/gpu/bundle_env.sh):
+# nothing is built here. A bundle that does not match its manifest or does not start
+# ends the call at once, saying why (no silent build instead).
+if [ -n "$bundle" ]; then
+  source "$root/bench/gpu/bundle_env.sh"
+  "$py" "$root/bench/gpu/bundle.py" verify --bundle "$bundle" \
+    || { say "FATAL: $bundle does not match its manifest.json: run bench/gpu/prepare.sh again and carry .gpu_bundle"; pack; exit 1; }
+  site=$("$py" -c 'import pathlib, torch; print(pathlib.Path(torch.__file__).resolve().parent.parent)')
+  export LD_LIBRARY_PATH="$(bundle_library_path "$site" "$bundle")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ! version=$("$bundle/bin/nnstrain" --version 2>&1) && grep -q "GLIBCXX\|CXXABI" <<<"$version"; then
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$bundle/lib/compat"  # this machine's libstdc++ is older than the build's
+    say "this machine's libstdc++ is too old for the bundle: using its lib/compat"
+    version=$("$bundle/bin/nnstrain" --version 2>&1)
+  fi
+  if ! "$bundle/bin/nnstrain" --version >/dev/null 2>&1; then
+    say "FATAL: the bundled nnstrain does not start here: $(head -n 2 <<<"$version" | tr '\n' ' ')"
+    pack; exit 1
+  fi
+  export NNSTRAIN_BIN=${NNSTRAIN_BIN:-$bundle/bin/nnstrain}
+  [ -z "${NNSTRAIN_COMMIT:-}" ] && export NNSTRAIN_COMMIT="$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["commit"])' "$bundle/manifest.json")"
+  if [ ! -f "$root/data/shakespeare_char/train.bin" ]; then
+    mkdir -p "$root/data/shakespeare_char" && cp "$bundle"/data/shakespeare_char/* "$root/data/shakespeare_char/"
+  fi
+  say "bundle $bundle (commit $NNSTRAIN_COMMIT): $(grep -m1 '^cuda:' <<<"$version"); libraries: $LD_LIBRARY_PATH"
+fi
 
 # ---------------------------------------------------------------- build
 configure() {
@@ -180,6 +223,7 @@ run_phase() {  # name cap_seconds command...
 }
 
 phase_build() {
+  if [ -n "$bundle" ]; then say "bundle $bundle: nothing to build"; return 0; fi
   build_targets ${NNSTRAIN_BATTERY_TARGETS:-} || return 1
   if [ "$smoke" != 1 ] && [ -x "$build/nnstrain" ]; then
     cp -f "$build/nnstrain" "$out/nnstrain"  # carry into a second call as runs/battery_bin/nnstrain
@@ -188,9 +232,17 @@ phase_build() {
 }
 
 phase_tests() {
-  build_targets ${NNSTRAIN_BATTERY_TARGETS:-} || return 1  # a no-op after the build phase
+  local tdir=$build
+  if [ -n "$bundle" ]; then  # the bundle's device tests, pointed at its binaries and this checkout
+    tdir=$root/runs/battery_device_tests
+    rm -rf "$tdir"
+    "$py" "$root/bench/gpu/bundle.py" ctest --bundle "$bundle" --root "$root" --python "$(command -v "$py")" \
+      --dir "$tdir" || return 1
+  else
+    build_targets ${NNSTRAIN_BATTERY_TARGETS:-} || return 1  # a no-op after the build phase
+  fi
   local dev=cuda; [ "$smoke" = 1 ] && dev=cpu
-  local n; n=$(cd "$build" && ctest -N -L device | sed -n 's/^Total Tests: //p')
+  local n; n=$(cd "$tdir" && ctest -N -L device ${NNSTRAIN_BATTERY_TESTS:+-R "$NNSTRAIN_BATTERY_TESTS"} | sed -n 's/^Total Tests: //p')
   if [ "${n:-0}" = 0 ]; then
     say "no test carries the label 'device' (yet): nothing to run"
     printf '{"summary": "no tests labelled device", "rc": 0}\n' > "$res/tests.json"
@@ -198,8 +250,8 @@ phase_tests() {
   fi
   say "running $n device tests on $dev"
   # Stopped inside the phase's limit, so what finished is still summarised.
-  (cd "$build" && NNSTRAIN_TEST_DEVICE=$dev timeout --kill-after=5 $((PHASE_LIMIT - 20)) \
-     ctest -L device -j 4 --output-on-failure) > "$res/tests.log" 2>&1
+  (cd "$tdir" && NNSTRAIN_TEST_DEVICE=$dev timeout --kill-after=5 $((PHASE_LIMIT - 20)) \
+     ctest -L device ${NNSTRAIN_BATTERY_TESTS:+-R "$NNSTRAIN_BATTERY_TESTS"} -j 4 --output-on-failure) > "$res/tests.log" 2>&1
   local rc=$?
   "$py" - "$res/tests.log" "$rc" "$dev" "$n" > "$res/tests.json" <<'PY'
 import json, re, sys
@@ -243,16 +295,17 @@ phase_bench() {  # driver phases...
   "$py" "$root/bench/gpu/driver.py" "$@" "${args[@]}"
 }
 phase_bench_binary() {  # PHASE TARGET: builds a bench binary (EXCLUDE_FROM_ALL) if need be, then the driver
-  local phase=$1 target=$2
-  build_targets "$target" >&2 || return 1
+  local phase=$1 target=$2 bin
+  if [ -n "$bundle" ]; then bin=$bundle/bin/$target
+  else build_targets "$target" >&2 || return 1; bin=$build/$target; fi
   local args=(--results "$res" --nnstrain "${NNSTRAIN_BIN:-$build/nnstrain}" --python "$(command -v "$py")"
-              --time-limit $((PHASE_LIMIT - 10)) "--${phase//_/-}-bin" "$build/$target")
+              --time-limit $((PHASE_LIMIT - 10)) "--${phase//_/-}-bin" "$bin")
   [ "$smoke" = 1 ] && args+=(--smoke)
   "$py" "$root/bench/gpu/driver.py" "$phase" "${args[@]}"
 }
 export -f say left configure build_targets nnstrain_bin phase_build phase_tests phase_bench phase_startup_oom \
   phase_bench_binary
-export root build prefix py smoke res out t_start budget
+export root build prefix py smoke res out t_start budget bundle
 
 for p in "${phases[@]}"; do
   case $p in
@@ -262,6 +315,7 @@ for p in "${phases[@]}"; do
     shakespeare)      run_phase shakespeare 330 bash -c 'phase_bench shakespeare' ;;
     gpt2)             run_phase gpt2 330 bash -c 'phase_bench gpt2' ;;
     muon)             run_phase muon 90 bash -c 'phase_bench muon' ;;
+    parallel_cuda)    run_phase parallel_cuda 150 bash -c 'phase_bench parallel_cuda' ;;
     moe)              run_phase moe 120 bash -c 'phase_bench moe' ;;
     llama)            run_phase llama 420 bash -c 'phase_bench llama' ;;
     shakespeare_full) run_phase shakespeare_full 330 bash -c 'phase_bench shakespeare_full' ;;
@@ -272,7 +326,7 @@ for p in "${phases[@]}"; do
     cp_ring)          run_phase cp_ring 360 bash -c 'phase_bench_binary cp_ring nnstrain_bench_cp_ring' ;;
     doc_attention)    run_phase doc_attention 120 bash -c 'phase_bench_binary doc_attention nnstrain_bench_doc_attention' ;;
     *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 muon moe llama shakespeare_full zero startup_oom offload" \
-         "profile cp_ring doc_attention)" ;;
+         "profile cp_ring doc_attention parallel_cuda)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.

@@ -955,6 +955,76 @@ def bench_doc_attention(ctx):
     log(f"doc_attention: rc {rc}, varlen ran {res.get('varlen_kernel_ran')}, ms {ms}")
 
 
+PARALLEL_TOLERANCE = 1e-5  # the CPU parity tests' bound for the same comparisons (fp32, TF32 off)
+
+
+def bench_parallel_cuda(ctx):
+    """Issue 37 (e): pp 2 and cp 2 over Gloo on CUDA tensors (two ranks sharing the one GPU,
+    NNSTRAIN_SHARE_DEVICES=1) and optimizer offload on CUDA, each against one process on the GPU
+    (configs/parallel_small.yaml: a small Llama, fp32, TF32 off, 12 steps, the same global batch).
+    Per run: the largest relative loss difference over the steps against one process, and from its
+    own records what ran (every rank's pp / cp group size, the offloaded tiers, the device in its log)."""
+    config = "parallel_small.yaml"
+    data = ROOT / "data" / "shakespeare_char"
+    out = ctx.results["benchmarks"].setdefault("parallel_cuda", {"config": f"bench/gpu/configs/{config}",
+                                                                 "tolerance": PARALLEL_TOLERANCE, "runs": {}})
+    if not (data / "train.bin").exists():
+        out["error"] = "data/shakespeare_char/train.bin missing (carry .gpu_bundle, or prepare it here)"
+        ctx.save()
+        return
+    base = ["--vars.data_dir", data]
+    if ctx.smoke:
+        base += ["--compute_config.device", "cpu", "--vars.seq_len", "64", "--model.args.hidden_size", "32",
+                 "--model.args.intermediate_size", "64", "--max_train_steps", "4"]
+    gloo = ["--compute_config.backend", "gloo"]
+    runs = [("one", 1, []),
+            ("pp2", 2, gloo + ["--compute_config.pas_config.pp_size", "2"]),
+            ("cp2", 2, gloo + ["--compute_config.context_parallel_size", "2"]),
+            ("offload", 1, ["--compute_config.offload.optimizer", "true"])]
+    losses = {}
+    d = ctx.out / "parallel_cuda"
+    d.mkdir(exist_ok=True)
+    for tag, nproc, extra in runs:
+        run_dir = ROOT / "runs" / "battery" / "parallel_cuda" / tag
+        shutil.rmtree(run_dir, ignore_errors=True)
+        train = ["--config", CONFIGS / config, "--run_dir", run_dir, *base, *extra]
+        cmd = [ctx.a.nnstrain, *train] if nproc == 1 else [ctx.a.nnstrain, "launch", "--nproc-per-node", nproc, "--", *train]
+        env = dict(os.environ, NNSTRAIN_SHARE_DEVICES="1", OMP_NUM_THREADS="2")
+        rc, text = run_cmd(cmd, d / f"{tag}.log", ctx.left(90), env=env)
+        res = {"rc": rc, "ranks": nproc, "overrides": list(map(str, extra))}
+        if rc != 0:
+            res["error"] = error_of(rc, text)
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            recs = [json.loads(l) for l in metrics.read_text().splitlines() if '"loss"' in l]
+            losses[tag] = {r["step"]: r["loss"] for r in recs if "step" in r}
+        # What ran, from the ranks' own records and log (not from the command line).
+        ran = {}
+        for rank in range(nproc):
+            rec_path = run_dir / "active" / f"rank{rank}.json"
+            if rec_path.exists():
+                rec = json.loads(rec_path.read_text())
+                ran[rank] = {"pp": rec["groups"]["pp"]["size"], "cp": rec["groups"]["cp"]["size"],
+                             "offload": bool(rec.get("offload"))}
+        res["ran"] = ran
+        m = re.search(r"device (cuda[:0-9]*|cpu)", text)
+        res["device"] = m.group(1) if m else None
+        want = {"one": (1, 1, False), "pp2": (2, 1, False), "cp2": (1, 2, False), "offload": (1, 1, True)}[tag]
+        res["ran_as_asked"] = len(ran) == nproc and all((r["pp"], r["cp"], r["offload"]) == want for r in ran.values()) \
+            and (res["device"] or "").startswith("cpu" if ctx.smoke else "cuda")
+        if tag != "one" and tag in losses and "one" in losses:
+            common = sorted(set(losses[tag]) & set(losses["one"]))
+            res["steps_compared"] = len(common)
+            res["max_rel_loss_diff"] = max((abs(losses[tag][s] - losses["one"][s]) / abs(losses["one"][s])
+                                            for s in common), default=None)
+            res["pass"] = bool(rc == 0 and res["ran_as_asked"] and common and len(common) == len(losses["one"])
+                               and res["max_rel_loss_diff"] <= PARALLEL_TOLERANCE)
+        out["runs"][tag] = res
+        ctx.save()
+        log(f"parallel_cuda {tag}: rc {rc}, ran {ran}, device {res['device']}, "
+            f"max rel loss diff vs one process {res.get('max_rel_loss_diff')}")
+
+
 def fmt(v, spec=".1f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -1094,6 +1164,19 @@ def write_summary(r, path):
             L.append(f"| {name} | {fmt(v, '.2f')} |")
         if da.get("varlen_vs_dense"):
             L.append(f"\nvarlen vs dense mask: {da['varlen_vs_dense']:.2f}x faster")
+    pc = r.get("benchmarks", {}).get("parallel_cuda")
+    if pc:
+        L += ["", f"## Pipeline, context parallelism and offload on CUDA tensors (parallel_cuda phase; "
+              f"{pc.get('config')}, against one process, tolerance {pc.get('tolerance')})", "",
+              "| run | ranks | rc | device | ran (pp, cp, offload per rank) | max rel loss diff | steps | pass |",
+              "|---|---:|---:|---|---|---:|---:|---|"]
+        for tag, x in pc.get("runs", {}).items():
+            ran = "; ".join(f"{k}: {v['pp']}, {v['cp']}, {v['offload']}" for k, v in x.get("ran", {}).items())
+            L.append(f"| {tag} | {x.get('ranks')} | {x.get('rc')} | {x.get('device')} | {ran} | "
+                     f"{fmt(x.get('max_rel_loss_diff'), '.2e')} | {x.get('steps_compared', '-')} | {x.get('pass', '-')}"
+                     + (f" ERROR: {x['error']}" if "error" in x else "") + " |")
+        if pc.get("error"):
+            L.append(f"\nERROR: {pc['error']}")
     mu = r.get("benchmarks", {}).get("muon")
     if mu:
         L += ["", f"## Optimizer step: Muon + AdamW vs AdamW (muon phase; GPT-2 124M, micro-batch "
@@ -1116,7 +1199,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phases", nargs="+",
                     choices=["matmul", "shakespeare", "shakespeare_full", "gpt2", "muon", "moe", "llama", "zero", "offload",
-                             "profile", "cp_ring", "doc_attention", "summary"])
+                             "profile", "cp_ring", "doc_attention", "parallel_cuda", "summary"])
     ap.add_argument("--results", required=True, help="results folder (added to, never emptied)")
     ap.add_argument("--nnstrain", default=str(ROOT / "build" / "nnstrain"))
     ap.add_argument("--python", default=sys.executable, help="Python for reference.py / matmul_probe.py")
@@ -1157,6 +1240,8 @@ def main():
                 bench_cp_ring(ctx)
             elif phase == "doc_attention":
                 bench_doc_attention(ctx)
+            elif phase == "parallel_cuda":
+                bench_parallel_cuda(ctx)
         except Exception as e:  # one phase's failure must not lose the others
             log(f"phase {phase} failed: {e!r}")
             ctx.results["benchmarks"].setdefault(phase, {})["error"] = f"driver: {e!r}"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run HERE (the dev machine, Debian with apt), before a GPU battery call:
+# The fallback for a GPU call without .gpu_bundle/ (bench/gpu/prepare.sh, the usual
+# way: nothing is built there). Run HERE (the dev machine, Debian with apt):
 # downloads the Debian packages nnstrain's build needs that the GPU machine
 # lacks (it has cmake, ninja, nvcc, a compiler and PyTorch, but no package
 # registry) into .debs/ at the repository root, for the lead to carry.
@@ -18,8 +19,10 @@ mkdir -p "$out"
 # runtime libraries the -dev packages point at, and libgloo-dev: c10d's
 # ProcessGroupGloo.hpp includes <gloo/...>, which the torch wheel does not ship
 # (the GPU machine's first build failed on it). Build tools (cmake, ninja, g++) are there.
+# libzstd-dev, liburing-dev, libxxhash-dev: optional features (.zst corpora, NVMe offload's io_uring
+# engine and checksums) that a build without them leaves out, so the GPU build matches this one.
 pkgs=(libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libspdlog-dev libspdlog1.10
-      libfmt-dev libfmt9 catch2 libcxxopts-dev libgloo-dev)
+      libfmt-dev libfmt9 catch2 libcxxopts-dev libgloo-dev libzstd-dev liburing-dev liburing2 libxxhash-dev)
 
 missing=()
 for p in "${pkgs[@]}"; do
