@@ -70,6 +70,8 @@
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# A bundle named relative to where the battery was started (before the cd below).
+[ -n "${NNSTRAIN_BUNDLE:-}" ] && [ -d "$NNSTRAIN_BUNDLE" ] && NNSTRAIN_BUNDLE=$(cd "$NNSTRAIN_BUNDLE" && pwd)
 cd "$root"
 t_start=$(date +%s)
 budget=${NNSTRAIN_BATTERY_BUDGET_S:-560}
@@ -89,7 +91,10 @@ exec > >(tee -a "$res/battery.log") 2>&1
 
 # The bundle prepare.sh made here (a smoke run on the CPU uses one only when asked to).
 if [ -n "${NNSTRAIN_BUNDLE:-}" ] || [ "$smoke" != 1 ]; then bundle=${NNSTRAIN_BUNDLE:-$root/.gpu_bundle}; else bundle=""; fi
-[ -n "$bundle" ] && [ ! -f "$bundle/manifest.json" ] && bundle=""
+if [ -n "$bundle" ] && [ -f "$bundle/manifest.json" ]; then bundle=$(cd "$bundle" && pwd)  # LD_LIBRARY_PATH: absolute
+elif [ -n "${NNSTRAIN_BUNDLE:-}" ]; then
+  echo "[battery] FATAL: NNSTRAIN_BUNDLE=$NNSTRAIN_BUNDLE has no manifest.json (bench/gpu/prepare.sh makes one)" >&2; exit 1
+else bundle=""; fi
 phases=("$@")
 if ((${#phases[@]} == 0)); then
   phases=(tests startup_oom gpt2 llama shakespeare cp_ring parallel_cuda doc_attention moe muon shakespeare_full)
@@ -130,7 +135,7 @@ if compgen -G "$root/.debs/*.deb" >/dev/null; then
   libdir=$(dirname "$(find "$prefix" -name 'libyaml-cpp.so*' | head -1)")
   export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   say "unpacked $(ls "$root"/.debs/*.deb | wc -l) packages into $prefix (libraries: $libdir)"
-else
+elif [ -z "$bundle" ]; then
   say "no .debs/ carried: the build relies on packages installed on this machine"
 fi
 [ -f "$root/.debs/commit.txt" ] && [ -z "${NNSTRAIN_COMMIT:-}" ] && export NNSTRAIN_COMMIT="$(cat "$root/.debs/commit.txt")"
@@ -273,6 +278,7 @@ phase_startup_oom() {
   # shakespeare_char widened to ~80 B parameters: its state (18 bytes each under
   # bf16-mixed) cannot fit one GPU, so the first big allocation fails at start-up.
   local bin d=$res/startup_oom
+  if [ "$smoke" = 1 ]; then say "startup_oom: needs CUDA (a CPU cannot run out of device memory): nothing to do in a smoke run"; return 0; fi
   bin=$(nnstrain_bin) || return 1
   mkdir -p "$d"
   "$bin" --config "$root/bench/gpu/configs/shakespeare_char.yaml" --vars.data_dir "$root/data/shakespeare_char" \

@@ -35,7 +35,9 @@ def test_bundle_from_this_build_runs_the_battery_without_building(tmp_path):
 
     # A bundle whose files changed since its manifest is refused before anything runs.
     results, out = tmp_path / "results", tmp_path / "out"
-    benv = dict(os.environ, NNSTRAIN_BUNDLE=str(bundle), NNSTRAIN_BATTERY_SMOKE="1", NNSTRAIN_BATTERY_RESULTS=str(results),
+    # Named relative to the working directory: the battery must make it absolute, since the tests
+    # it runs start elsewhere and load the bundle's libraries through LD_LIBRARY_PATH.
+    benv = dict(os.environ, NNSTRAIN_BUNDLE="bundle", NNSTRAIN_BATTERY_SMOKE="1", NNSTRAIN_BATTERY_RESULTS=str(results),
                 OUT=str(out), NNSTRAIN_BATTERY_PYTHON=sys.executable, NNSTRAIN_BATTERY_BUDGET_S="240",
                 NNSTRAIN_BATTERY_TESTS="device[.]nccl_graph_check$|unit[.]device_tagged", OMP_NUM_THREADS="1")
     benv.pop("NNSTRAIN_BIN", None)
@@ -43,14 +45,16 @@ def test_bundle_from_this_build_runs_the_battery_without_building(tmp_path):
     original = data.read_text()
     data.write_text(original.replace("device", "devicE", 1))
     bad = subprocess.run(["bash", SOURCE / "bench/gpu/battery.sh", "build"], env=dict(benv, NNSTRAIN_BATTERY_RESULTS=str(tmp_path / "bad")),
-                         capture_output=True, text=True, timeout=120)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "does not match its manifest.json" in bad.stdout, bad.stdout[-2000:]
     data.write_text(original)
 
     b = subprocess.run(["bash", SOURCE / "bench/gpu/battery.sh", "build", "tests", "parallel_cuda"], env=benv,
-                       capture_output=True, text=True, timeout=600)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
     log = (results / "battery.log").read_text()
     assert b.returncode == 0, log[-3000:]
+    libraries = log.split("libraries: ", 1)[1].split("\n", 1)[0].split(":")
+    assert str(bundle / "lib") in libraries, libraries
     assert "nothing to build" in log and "configuring" not in log and "building" not in log, log[-3000:]
     r = json.loads((results / "results.json").read_text())
     # The generated CTest file ran the bundle's device check (skipped: no CUDA) and the unit
