@@ -253,10 +253,11 @@ phase_tests() {
     printf '{"summary": "no tests labelled device", "rc": 0}\n' > "$res/tests.json"
     return 0
   fi
-  say "running $n device tests on $dev"
+  local jobs=$(($(nproc) / 2)); ((jobs < 4)) && jobs=4  # the tests share the one GPU; half the cores
+  say "running $n device tests on $dev, $jobs at a time"
   # Stopped inside the phase's limit, so what finished is still summarised.
   (cd "$tdir" && NNSTRAIN_TEST_DEVICE=$dev timeout --kill-after=5 $((PHASE_LIMIT - 20)) \
-     ctest -L device ${NNSTRAIN_BATTERY_TESTS:+-R "$NNSTRAIN_BATTERY_TESTS"} -j 4 --output-on-failure) > "$res/tests.log" 2>&1
+     ctest -L device ${NNSTRAIN_BATTERY_TESTS:+-R "$NNSTRAIN_BATTERY_TESTS"} -j "$jobs" --output-on-failure) > "$res/tests.log" 2>&1
   local rc=$?
   "$py" - "$res/tests.log" "$rc" "$dev" "$n" > "$res/tests.json" <<'PY'
 import json, re, sys
