@@ -173,6 +173,8 @@ def test_matches_torch_optim_muon(kind, tokens_path, tmp_path):
     assert rec["optimizer"]["impl"].startswith("muon (") and "Newton-Schulz in fp32" in rec["optimizer"]["impl"]
     train, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
     ours = [r["loss"] for r in sorted(train, key=lambda r: r["step"])]
+    for r in train:  # both optimizers' rates logged: AdamW's as lr, Muon's at the same schedule factor
+        assert r["lr_muon"] == pytest.approx(r["lr"] * MUON["lr"] / ADAMW["lr"], rel=1e-12), r
 
     tokens = np.fromfile(tokens_path, dtype="<u2")
     ref_losses, ref_weights = torch_reference(model, tokens, MODELS[kind]["adjust"])

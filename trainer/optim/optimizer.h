@@ -41,6 +41,9 @@ class Optimizer {
   virtual void set_step_count(int64_t s) = 0;
   // How it runs, for the log ("fused", "muon (owners over 4 ranks) + fused adamw").
   virtual std::string impl() const = 0;
+  // Learning rates this optimizer applies besides lr (the element-wise optimizer's, the
+  // schedule's value), by metric name, at the schedule's lr: Muon's own ("lr_muon").
+  virtual std::vector<std::pair<std::string, double>> other_learning_rates(double lr) const { return {}; }
   // Whether a step can be captured in a CUDA graph (no host decisions, no collectives).
   virtual bool capturable() const { return true; }
 

@@ -639,6 +639,7 @@ void Trainer::log_progress() {
                         {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
                         {"skipped_steps", static_cast<int64_t>(skipped_.item<double>())}};
+  for (const auto& [name, lr] : tr_.optimizer->other_learning_rates(lr_)) rec[name] = lr;
   ft_->read_step_times(step_peak, rec, step_);
   if (tr_.scaler) rec["loss_scale"] = tr_.scaler->scale().item<double>();
   if (targets_.defined()) rec["targets"] = targets_.item<int64_t>();
@@ -672,8 +673,8 @@ void Trainer::log_progress() {
     since = now;
   };
   if (rt_ && plan_.tp > 1) traffic("tp", rt_->tp.traffic, interval_tp_);
-  if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);
-  if (rt_ && plan_.ep > 1) traffic("ep", rt_->ep.traffic, interval_ep_);  // tokens to their experts and back  // ring steps or K/V gathers
+  if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);  // ring steps or K/V gathers
+  if (rt_ && plan_.ep > 1) traffic("ep", rt_->ep.traffic, interval_ep_);  // tokens to their experts and back
   tr_.moe->report(rec);  // balancing loss, imbalance and dropped tokens per MoE layer
   activation_bytes_ = -1;
   check_finite();

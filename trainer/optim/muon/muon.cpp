@@ -107,7 +107,7 @@ void Muon::step(double lr, const at::Tensor& found_inf, const at::Tensor& lr_dev
   const bool whole = subset.empty();
   if (whole) begin_step(found_inf);
   TORCH_CHECK(prepared_, "Muon: step() on a subset without begin_step() first");
-  const double muon_lr = lr * cfg_.lr / adamw_lr_;
+  const double muon_lr = other_learning_rates(lr)[0].second;
   std::vector<size_t> rest;
   std::vector<size_t> all;
   if (whole)

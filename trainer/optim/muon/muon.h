@@ -42,6 +42,10 @@ class Muon : public Optimizer {
   int64_t step_count() const override { return step_; }
   void set_step_count(int64_t s) override;
   std::string impl() const override;
+  // Muon's lr at the schedule's lr (before adjust_lr_fn's per-matrix factor).
+  std::vector<std::pair<std::string, double>> other_learning_rates(double lr) const override {
+    return {{"lr_muon", lr * cfg_.lr / adamw_lr_}};
+  }
   bool capturable() const override { return false; }
   void back_up(Backup& into) const override;
   void restore(const Backup& from) override;
