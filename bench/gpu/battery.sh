@@ -159,6 +159,10 @@ if [ -n "$bundle" ]; then
     say "FATAL: the bundled nnstrain does not start here: $(head -n 2 <<<"$version" | tr '\n' ' ')"
     pack; exit 1
   fi
+  built_with=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["torch"])' "$bundle/manifest.json")
+  here=$("$py" -c 'import torch; print(torch.__version__)')
+  [ "${built_with%%+*}" = "${here%%+*}" ] \
+    || say "WARNING: the bundle was built against torch $built_with, this machine has $here: a LibTorch ABI difference may show as crashes"
   export NNSTRAIN_BIN=${NNSTRAIN_BIN:-$bundle/bin/nnstrain}
   [ -z "${NNSTRAIN_COMMIT:-}" ] && export NNSTRAIN_COMMIT="$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["commit"])' "$bundle/manifest.json")"
   if [ ! -f "$root/data/shakespeare_char/train.bin" ]; then
