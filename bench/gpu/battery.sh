@@ -11,11 +11,15 @@
 #
 # Phases, run in the order given. The default, in the issue's priority order:
 #   (a) tests startup_oom  (b) gpt2 llama  (c) shakespeare  (d) cp_ring  (e) parallel_cuda,
-#   then doc_attention moe muon shakespeare_full (and `build` first when there is no bundle).
+#   then doc_attention tests_more moe muon shakespeare_full (`build` first when there is no bundle).
 #   build             configure (once; an existing build dir is reused) and build everything;
 #                     with a bundle: nothing to build, says so
-#   tests             NNSTRAIN_TEST_DEVICE=cuda ctest -L device (with a bundle: its device_tests.json
-#                     turned into a CTest file pointing at the bundle, plus the unit binary's [device] cases)
+#   tests             issue 37 (a)'s device checks on CUDA (bundle.py FIRST: device paths, fused loss,
+#                     kernels, the NCCL graph check and hang, the unit binary's [device] cases);
+#                     NNSTRAIN_BATTERY_TESTS (a CTest -R regex) picks others. With a bundle its
+#                     device_tests.json becomes a CTest file pointing at the bundle's binaries
+#   tests_more        the rest of `ctest -L device` on CUDA (checkpoint, tp, dp, precision, resume,
+#                     offload, NVMe offload): long parity suites, after the benchmarks
 #   matmul            the bf16 matmul rate (MFU denominator; benchmarks measure it anyway)
 #   shakespeare       nanoGPT shakespeare_char timing: nnstrain vs PyTorch eager vs compile
 #   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile
@@ -97,7 +101,8 @@ elif [ -n "${NNSTRAIN_BUNDLE:-}" ]; then
 else bundle=""; fi
 phases=("$@")
 if ((${#phases[@]} == 0)); then
-  phases=(tests startup_oom gpt2 llama shakespeare cp_ring parallel_cuda doc_attention moe muon shakespeare_full)
+  phases=(tests startup_oom gpt2 llama shakespeare cp_ring parallel_cuda doc_attention tests_more moe muon
+          shakespeare_full)
   [ -z "$bundle" ] && phases=(build "${phases[@]}")
 fi
 
@@ -240,8 +245,11 @@ phase_build() {
   fi
 }
 
-phase_tests() {
-  local tdir=$build
+phase_tests() {  # first: issue 37 (a)'s checks (bundle.py FIRST); more: the rest of the label
+  local part=$1 tdir=$build sel first out=$res/tests.json
+  first=$("$py" "$root/bench/gpu/bundle.py" first) || return 1
+  if [ "$part" = first ]; then sel=(-R "${NNSTRAIN_BATTERY_TESTS:-$first}")
+  else sel=(-E "$first"); out=$res/tests_more.json; fi
   if [ -n "$bundle" ]; then  # the bundle's device tests, pointed at its binaries and this checkout
     tdir=$root/runs/battery_device_tests
     rm -rf "$tdir"
@@ -251,19 +259,19 @@ phase_tests() {
     build_targets ${NNSTRAIN_BATTERY_TARGETS:-} || return 1  # a no-op after the build phase
   fi
   local dev=cuda; [ "$smoke" = 1 ] && dev=cpu
-  local n; n=$(cd "$tdir" && ctest -N -L device ${NNSTRAIN_BATTERY_TESTS:+-R "$NNSTRAIN_BATTERY_TESTS"} | sed -n 's/^Total Tests: //p')
+  local n; n=$(cd "$tdir" && ctest -N -L device "${sel[@]}" | sed -n 's/^Total Tests: //p')
   if [ "${n:-0}" = 0 ]; then
-    say "no test carries the label 'device' (yet): nothing to run"
-    printf '{"summary": "no tests labelled device", "rc": 0}\n' > "$res/tests.json"
+    say "no test labelled 'device' matches ${sel[*]}: nothing to run"
+    printf '{"summary": "no tests labelled device match", "rc": 0}\n' > "$out"
     return 0
   fi
   local jobs=$(($(nproc) / 2)); ((jobs < 4)) && jobs=4  # the tests share the one GPU; half the cores
   say "running $n device tests on $dev, $jobs at a time"
   # Stopped inside the phase's limit, so what finished is still summarised.
   (cd "$tdir" && NNSTRAIN_TEST_DEVICE=$dev timeout --kill-after=5 $((PHASE_LIMIT - 20)) \
-     ctest -L device ${NNSTRAIN_BATTERY_TESTS:+-R "$NNSTRAIN_BATTERY_TESTS"} -j "$jobs" --output-on-failure) > "$res/tests.log" 2>&1
+     ctest -L device "${sel[@]}" -j "$jobs" --output-on-failure) > "${out%.json}.log" 2>&1
   local rc=$?
-  "$py" - "$res/tests.log" "$rc" "$dev" "$n" > "$res/tests.json" <<'PY'
+  "$py" - "${out%.json}.log" "$rc" "$dev" "$n" > "$out" <<'PY'
 import json, re, sys
 log, rc, dev, n = open(sys.argv[1], errors="replace").read(), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 done = re.findall(r"Test +#\d+: (\S+) \.+\W*(Passed|\*+Skipped|\*+Failed|\*+Timeout|\*+Exception|Not Run)\s+([\d.]+) sec", log)
@@ -275,7 +283,7 @@ summary = f"{len(ok)} of {n} passed on {dev}" + (f", {len(skipped)} skipped" if 
 print(json.dumps({"summary": summary, "rc": rc, "failed": "; ".join(bad),
                   "seconds": {t: float(s) for t, _, s in done}}))
 PY
-  tail -n 25 "$res/tests.log"
+  tail -n 25 "${out%.json}.log"
   return $rc
 }
 
@@ -321,7 +329,8 @@ export root build prefix py smoke res out t_start budget bundle
 for p in "${phases[@]}"; do
   case $p in
     build)            run_phase build 420 bash -c phase_build ;;
-    tests)            run_phase tests 240 bash -c phase_tests ;;
+    tests)            run_phase tests 150 bash -c 'phase_tests first' ;;
+    tests_more)       run_phase tests_more 240 bash -c 'phase_tests more' ;;
     matmul)           run_phase matmul 90 bash -c 'phase_bench matmul' ;;
     shakespeare)      run_phase shakespeare 330 bash -c 'phase_bench shakespeare' ;;
     gpt2)             run_phase gpt2 330 bash -c 'phase_bench gpt2' ;;
@@ -337,7 +346,7 @@ for p in "${phases[@]}"; do
     cp_ring)          run_phase cp_ring 360 bash -c 'phase_bench_binary cp_ring nnstrain_bench_cp_ring' ;;
     doc_attention)    run_phase doc_attention 120 bash -c 'phase_bench_binary doc_attention nnstrain_bench_doc_attention' ;;
     *) say "unknown phase '$p' (build tests matmul shakespeare gpt2 muon moe llama shakespeare_full zero startup_oom offload" \
-         "profile cp_ring doc_attention parallel_cuda)" ;;
+         "profile cp_ring doc_attention parallel_cuda tests_more)" ;;
   esac
 done
 # The summary reads tests.json too; rewrite it once all phases are done.

@@ -6,6 +6,7 @@
   bundle.py manifest --bundle D             D/manifest.json: commit, LibTorch, toolkit, glibc needs,
                                             every file's size and SHA-256
   bundle.py verify   --bundle D             every file the manifest lists, byte for byte (exit 1 if not)
+  bundle.py first                           the CTest regex of FIRST (battery.sh's tests / tests_more split)
   bundle.py ctest    --bundle D --root R --python P --dir T
                                             T/CTestTestfile.cmake: the same tests, pointing at the
                                             bundle's binaries, this checkout and this machine's python,
@@ -34,8 +35,9 @@ BINARIES = {"nnstrain": "nnstrain", "tests/nnstrain_tests": "nnstrain_tests",
             "nnstrain_bench_doc_attention": "nnstrain_bench_doc_attention"}
 # The unit binary's cases with a CUDA side (tests/unit/test_device.cpp); skipped parts print why on a CPU.
 UNIT_DEVICE_TAG = "[device]"
-# Issue 37's (a) checks, started first (CTest starts the highest COST first): the tests phase is
-# stopped at its time limit, and these must not wait behind the long parity suites.
+# Issue 37's (a) checks: battery.sh's `tests` phase runs these (first in the call), `tests_more` the
+# rest of the label after the benchmarks; where one phase runs all, they start first (CTest starts
+# the highest COST first), not behind the long parity suites.
 FIRST = ("integration.test_device_paths", "integration.test_fused_loss", "integration.test_kernels",
          "device.nccl_graph_check", "device.nccl_graph_hang", "unit.device_tagged")
 
@@ -166,6 +168,10 @@ def cmd_ctest(a):
     print(f"{work}/CTestTestfile.cmake: {len(tests)} tests")
 
 
+def cmd_first(a):
+    print("^(" + "|".join(re.escape(n) for n in FIRST) + ")$")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -177,6 +183,7 @@ def main():
     p.add_argument("--commit", default="unknown")
     p.add_argument("--torch", default="")
     p.add_argument("--toolkit", default="")
+    sub.add_parser("first")
     p = sub.add_parser("verify")
     p.add_argument("--bundle", required=True)
     p = sub.add_parser("ctest")
@@ -185,7 +192,8 @@ def main():
     p.add_argument("--python", required=True)
     p.add_argument("--dir", required=True)
     a = ap.parse_args()
-    {"export": cmd_export, "manifest": cmd_manifest, "verify": cmd_verify, "ctest": cmd_ctest}[a.cmd](a)
+    {"export": cmd_export, "manifest": cmd_manifest, "verify": cmd_verify, "ctest": cmd_ctest,
+     "first": cmd_first}[a.cmd](a)
 
 
 if __name__ == "__main__":

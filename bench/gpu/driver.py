@@ -117,9 +117,10 @@ class Ctx:
         return max(1, min(cap, int(self.deadline - time.time()) - 5))
 
     def save(self):
-        tests = self.out / "tests.json"  # written by battery.sh's tests phase
-        if tests.exists():
-            self.results["tests"] = json.loads(tests.read_text())
+        for key in ("tests", "tests_more"):  # written by battery.sh's tests and tests_more phases
+            path = self.out / f"{key}.json"
+            if path.exists():
+                self.results[key] = json.loads(path.read_text())
         phases = self.out / "phases.txt"  # battery.sh: each phase's exit status, time, or why skipped
         if phases.exists():
             self.results["phases"] = phases.read_text().splitlines()
@@ -1042,10 +1043,11 @@ def write_summary(r, path):
          + (f" ERROR {mm['error']}" if "error" in mm else "")]
     if env.get("smoke"):
         L.append("- **SMOKE TEST**: tiny shapes on the CPU; the figures mean nothing")
-    t = r.get("tests")
-    if t:
-        L.append(f"- device tests (`ctest -L device`): {t.get('summary', '?')}"
-                 + (f"; failed: {t['failed']}" if t.get("failed") else ""))
+    for key, what in (("tests", "issue 37 (a)'s device checks"), ("tests_more", "the other device tests")):
+        t = r.get(key)
+        if t:
+            L.append(f"- {what} (`ctest -L device`, phase {key}): {t.get('summary', '?')}"
+                     + (f"; failed: {t['failed']}" if t.get("failed") else ""))
     if r.get("phases"):
         L.append("- phases (rc 124 = timed out): " + "; ".join(r["phases"]))
     L += ["", "ms/step: nnstrain = mean over the timed steps of its metrics records; PyTorch = CUDA events over "
