@@ -36,17 +36,16 @@
 #include <string>
 #include <vector>
 
+#include "bench/attention_args.h"
 #include "models/common/context_attention.h"
 
 using namespace nnstrain::models::common;
 
 namespace {
 
-struct Args {
-  std::string device = "cuda", dtype = "bf16";
-  int64_t seq = 131072, heads = 32, kv_heads = 8, dim = 128, batch = 1;
-  int cp = 8, rank = 0, repeats = 5, warmup = 2;
-  bool check = false;
+struct Args : nnstrain::bench::AttentionArgs {
+  int cp = 8, rank = 0;
+  Args() { seq = 131072; }
 };
 
 // The ring with every peer's block already here: see the file comment.
@@ -124,29 +123,13 @@ void allow_only(int64_t b) {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto v = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "--device") a.device = v();
-    else if (k == "--dtype") a.dtype = v();
-    else if (k == "--seq") a.seq = std::stoll(v());
-    else if (k == "--heads") a.heads = std::stoll(v());
-    else if (k == "--kv-heads") a.kv_heads = std::stoll(v());
-    else if (k == "--dim") a.dim = std::stoll(v());
-    else if (k == "--batch") a.batch = std::stoll(v());
-    else if (k == "--cp") a.cp = std::stoi(v());
-    else if (k == "--rank") a.rank = std::stoi(v());
-    else if (k == "--repeats") a.repeats = std::stoi(v());
-    else if (k == "--warmup") a.warmup = std::stoi(v());
-    else if (k == "--check") a.check = true;
-    else throw std::invalid_argument("unknown option '" + k + "'");
-  }
-  if (a.dtype != "bf16" && a.dtype != "fp32") throw std::invalid_argument("--dtype: bf16 or fp32, got '" + a.dtype + "'");
+  nnstrain::bench::parse_attention_args(argc, argv, a, [&](const std::string& k, const auto& value) {
+    if (k == "--cp") a.cp = std::stoi(value());
+    else if (k == "--rank") a.rank = std::stoi(value());
+    else return false;
+    return true;
+  });
   if (a.rank < 0 || a.rank >= a.cp) throw std::invalid_argument("--rank must be in [0, --cp)");
-  if (a.repeats < 1) throw std::invalid_argument("--repeats must be at least 1");
   check_cp_split(a.seq, a.cp, CpLayout::Zigzag);
   return a;
 }

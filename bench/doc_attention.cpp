@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/attention_args.h"
 #include "models/common/context_attention.h"
 #include "models/common/kernels/kernels.h"
 #include "models/common/varlen_attention.h"
@@ -35,35 +36,14 @@ namespace mc = nnstrain::models::common;
 
 namespace {
 
-struct Args {
-  std::string device = "cuda", dtype = "bf16";
-  int64_t seq = 8192, heads = 32, kv_heads = 8, dim = 128, batch = 2;
-  int repeats = 5, warmup = 2;
-  bool check = false;
+struct Args : nnstrain::bench::AttentionArgs {
+  Args() { batch = 2; }
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto v = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "--device") a.device = v();
-    else if (k == "--dtype") a.dtype = v();
-    else if (k == "--seq") a.seq = std::stoll(v());
-    else if (k == "--batch") a.batch = std::stoll(v());
-    else if (k == "--heads") a.heads = std::stoll(v());
-    else if (k == "--kv-heads") a.kv_heads = std::stoll(v());
-    else if (k == "--dim") a.dim = std::stoll(v());
-    else if (k == "--repeats") a.repeats = std::stoi(v());
-    else if (k == "--warmup") a.warmup = std::stoi(v());
-    else if (k == "--check") a.check = true;
-    else throw std::invalid_argument("unknown option '" + k + "'");
-  }
-  if (a.dtype != "bf16" && a.dtype != "fp32") throw std::invalid_argument("--dtype: bf16 or fp32, got '" + a.dtype + "'");
-  if (a.repeats < 1 || a.seq < 40 || a.heads % a.kv_heads) throw std::invalid_argument("bad --repeats, --seq or heads");
+  nnstrain::bench::parse_attention_args(argc, argv, a);
+  if (a.seq < 40) throw std::invalid_argument("--seq must be at least 40");
   return a;
 }
 
