@@ -125,6 +125,11 @@ say "results: $res; phases: ${phases[*]}; budget ${budget}s; smoke=$smoke"
   "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
 } 2>&1 | sed 's/^/  /'
 
+# The python device tests need these beside torch (the H100 machine of 2026-11-22 had them):
+# said once here, so a wall of identical test failures is not the first sign.
+lacking=$("$py" -c 'import importlib.util as u; print(" ".join(m for m in ("pytest", "numpy", "safetensors") if u.find_spec(m) is None))' 2>&1)
+[ -n "$lacking" ] && say "WARNING: $py lacks $lacking: the python device tests that import them will fail"
+
 # ---------------------------------------------------------------- the Debian packages
 # Unpacked into a private prefix (never into /); found by find_package through
 # CMAKE_PREFIX_PATH and at run time through LD_LIBRARY_PATH.

@@ -105,12 +105,13 @@ pack() {
   LD_LIBRARY_PATH=$libpath "$bundle/bin/nnstrain" prepare shakespeare_char --out "$bundle/data/shakespeare_char" >&2
   rm -f "$bundle/data/shakespeare_char/input.txt"
   "$py" "$root/bench/gpu/bundle.py" export --build "$build" --bundle "$bundle" >&2
-  local commit
+  local commit nvcc_bin
   commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
   git -C "$root" diff --quiet HEAD -- 2>/dev/null || commit="$commit-dirty"
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   "$py" "$root/bench/gpu/bundle.py" manifest --bundle "$bundle" --commit "$commit" \
     --torch "$("$py" -c 'import torch; print(torch.__version__)')" \
-    --toolkit "$( (command -v nvcc || echo /usr/local/cuda/bin/nvcc) | xargs -I{} sh -c '{} --version 2>/dev/null' | sed -n 's/.*release \([0-9.]*\).*/\1/p')" >&2
+    --toolkit "$("$nvcc_bin" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')" >&2
   local mib
   mib=$(du -sm "$bundle" | cut -f1)
   ((mib < limit_mib)) || die "$bundle is ${mib} MiB, over the ${limit_mib} MiB the device tool carries"
