@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <memory>
 #include <stdexcept>
 
 namespace nnstrain::models::common {
@@ -239,11 +241,58 @@ struct DocMask {
   }
 };
 
-DocMask doc_mask(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
-                 const at::Device& device) {
-  auto long_on = at::TensorOptions().dtype(at::kLong);
-  return {segments.to(device, at::kLong), at::tensor(rank_positions(segments, cp, q_rank, layout), long_on).to(device),
-          at::tensor(rank_positions(segments, cp, k_rank, layout), long_on).to(device)};
+std::atomic<int64_t> doc_plans{0};
+
+std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>& qpos,
+                              const std::vector<int64_t>& kpos, int64_t tile = 64);
+
+// What one batch's documents imply for its blocks at (cp, layout, device): every
+// rank's positions, on the host and the device, the segments on the device, and
+// each (q rank, k rank) pair's tiles on first use. Derived once per batch
+// (SegmentsCache: every layer, ring step and recomputation gets the batch's one
+// segments tensor), not once per block: each derivation read the segments back
+// to the host (a stream sync on CUDA) and balanced the layout again.
+struct DocPlan {
+  int cp = 0;
+  CpLayout layout = CpLayout::Zigzag;
+  at::Device device = at::kCPU;
+  at::Tensor seg_host, seg_device;
+  std::vector<std::vector<int64_t>> pos;  // per rank
+  std::vector<at::Tensor> pos_device;     // per rank
+  std::map<std::pair<int, int>, std::vector<DocTile>> tiles;
+};
+struct DocPlans {
+  std::vector<std::shared_ptr<DocPlan>> plans;  // one per (cp, layout, device) seen with this batch
+};
+
+DocPlan& doc_plan(const at::Tensor& segments, int cp, CpLayout layout, const at::Device& device) {
+  static thread_local SegmentsCache<DocPlans> cache;
+  auto& plans = cache.get(segments, [](const at::Tensor&) { return DocPlans{}; }).plans;
+  for (auto& p : plans)
+    if (p->cp == cp && p->layout == layout && p->device == device) return *p;
+  auto p = std::make_shared<DocPlan>();
+  p->cp = cp, p->layout = layout, p->device = device;
+  p->seg_host = segments.to(at::kCPU, at::kLong).contiguous();
+  p->seg_device = p->seg_host.to(device);
+  if (layout == CpLayout::Zigzag && cp > 1) p->pos = cp_document_layout(p->seg_host, cp);
+  else
+    for (int r = 0; r < cp; ++r) p->pos.push_back(cp_position_ids(p->seg_host.size(1), cp, r, layout));
+  for (const auto& pos : p->pos) p->pos_device.push_back(at::tensor(pos, at::TensorOptions().dtype(at::kLong)).to(device));
+  doc_plans.fetch_add(1, std::memory_order_relaxed);
+  plans.push_back(std::move(p));
+  return *plans.back();
+}
+
+DocMask doc_mask(const DocPlan& plan, int q_rank, int k_rank) {
+  return {plan.seg_device, plan.pos_device[size_t(q_rank)], plan.pos_device[size_t(k_rank)]};
+}
+
+const std::vector<DocTile>& plan_tiles(DocPlan& plan, int q_rank, int k_rank) {
+  auto it = plan.tiles.find({q_rank, k_rank});
+  if (it == plan.tiles.end())
+    it = plan.tiles.emplace(std::make_pair(q_rank, k_rank),
+                            tiles_of(plan.seg_host, plan.pos[size_t(q_rank)], plan.pos[size_t(k_rank)])).first;
+  return it->second;
 }
 
 // Scores of one tile, [Hkv, g Lq, Lk] fp32, masked entries -inf; q [Hq, Lq, D]
@@ -265,9 +314,10 @@ at::Tensor tile_probs(const at::Tensor& s, const at::Tensor& lse) {
 void doc_forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& segments,
                        int cp, int q_rank, int k_rank, CpLayout layout, double scale, at::Tensor& out,
                        at::Tensor& lse) {
-  const auto mask_of = doc_mask(segments, cp, q_rank, k_rank, layout, q.device());
+  auto& plan = doc_plan(segments, cp, layout, q.device());
+  const auto mask_of = doc_mask(plan, q_rank, k_rank);
   const int64_t hq = q.size(1);
-  for (const auto& t : document_tiles(segments, cp, q_rank, k_rank, layout)) {
+  for (const auto& t : plan_tiles(plan, q_rank, k_rank)) {
     auto qt = q[t.b].narrow(1, t.q0, t.qn).to(at::kFloat), kt = k[t.b].narrow(1, t.k0, t.kn).to(at::kFloat),
          vt = v[t.b].narrow(1, t.k0, t.kn).to(at::kFloat);
     auto s = tile_scores(qt, kt, mask_of(t), scale);
@@ -283,9 +333,10 @@ void doc_backward_block(const at::Tensor& dout, const at::Tensor& q, const at::T
                         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& segments, int cp, int q_rank,
                         int k_rank, CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc,
                         at::Tensor& dv_acc) {
-  const auto mask_of = doc_mask(segments, cp, q_rank, k_rank, layout, q.device());
+  auto& plan = doc_plan(segments, cp, layout, q.device());
+  const auto mask_of = doc_mask(plan, q_rank, k_rank);
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
-  for (const auto& t : document_tiles(segments, cp, q_rank, k_rank, layout)) {
+  for (const auto& t : plan_tiles(plan, q_rank, k_rank)) {
     const int64_t gl = (hq / hkv) * t.qn;
     auto qt = q[t.b].narrow(1, t.q0, t.qn).to(at::kFloat), kt = k[t.b].narrow(1, t.k0, t.kn).to(at::kFloat),
          vt = v[t.b].narrow(1, t.k0, t.kn).to(at::kFloat);
@@ -534,8 +585,15 @@ at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at
 std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
                                     int64_t tile) {
   const auto seg = segments.to(at::kCPU, at::kLong).contiguous();
-  const int64_t B = seg.size(0), T = seg.size(1), tl = T / cp;
-  const auto qpos = rank_positions(seg, cp, q_rank, layout), kpos = rank_positions(seg, cp, k_rank, layout);
+  return tiles_of(seg, rank_positions(seg, cp, q_rank, layout), rank_positions(seg, cp, k_rank, layout), tile);
+}
+
+namespace {
+
+// The tiles of q positions against k positions (each rank's, ascending) for host int64 segments.
+std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>& qpos,
+                              const std::vector<int64_t>& kpos, int64_t tile) {
+  const int64_t B = seg.size(0), T = seg.size(1), tl = static_cast<int64_t>(qpos.size());
   std::vector<DocTile> out;
   std::vector<int64_t> start(static_cast<size_t>(T));
   for (int64_t b = 0; b < B; ++b) {
@@ -563,7 +621,10 @@ std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_ra
   return out;
 }
 
+}  // namespace
+
 int64_t document_tiles_computed() { return doc_tiles.load(); }
+int64_t document_plans_derived() { return doc_plans.load(); }
 
 std::vector<int64_t> document_work(const at::Tensor& segments, int cp, CpLayout layout) {
   std::vector<int64_t> work(static_cast<size_t>(cp), 0);

@@ -60,6 +60,9 @@ std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_ra
                                     int64_t tile = 64);
 // Document-masked tiles this process has computed (forward), for the run's record.
 int64_t document_tiles_computed();
+// How often this process derived a batch's document plan (positions, tiles): once per batch
+// and (cp, layout, device), however many layers, ring steps and recomputations use it.
+int64_t document_plans_derived();
 // The (query, key) pairs each rank computes for one batch: [cp], for balance checks.
 std::vector<int64_t> document_work(const at::Tensor& segments, int cp, CpLayout layout);
 

@@ -17,7 +17,7 @@ template <class T>
 class SegmentsCache {
  public:
   template <class Make>
-  const T& get(const at::Tensor& segments, Make make) {
+  T& get(const at::Tensor& segments, Make make) {  // mutable: a value may fill itself in on use
     if (!key_.defined() || !key_.is_same(segments) || version_ != segments._version()) {
       value_ = make(segments);
       key_ = segments;

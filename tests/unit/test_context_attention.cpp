@@ -461,6 +461,45 @@ TEST_CASE("document-masked context-parallel attention equals one rank's block-di
   }
 }
 
+TEST_CASE("a batch's document plan is derived once per rank, however many layers and ring steps use it",
+          "[cp][attention][document_mask]") {
+  auto seg = doc_segments({{5, 19, 7, 11, 6}, {13, 9, 17, 9}});
+  auto gen = at::detail::createCPUGenerator(11);
+  const int64_t T = seg.size(1);
+  auto q = at::randn({kB, 4, T, kD}, gen).requires_grad_(), k = at::randn({kB, 2, T, kD}, gen).requires_grad_(),
+       v = at::randn({kB, 2, T, kD}, gen).requires_grad_();
+  auto derived = [before = models::common::document_plans_derived()]() mutable {
+    const auto now = models::common::document_plans_derived(), d = now - before;
+    before = now;
+    return d;
+  };
+  // Three layers' forward and backward on one process, then the same at cp 2 (each rank a thread).
+  at::Tensor loss = at::zeros({});
+  for (int layer = 0; layer < 3; ++layer) loss = loss + models::common::document_attention(q, k, v, seg).square().sum();
+  loss.backward();
+  CHECK(derived() == 1);
+  const auto errors = on_ranks(2, [&](int r, c10::intrusive_ptr<models::common::CpComm> comm) {
+    CpAttentionOptions o;
+    o.segments = seg;
+    auto shard = [&](const at::Tensor& x) { return doc_shard(x, seg, 2, r, o.layout).requires_grad_(); };
+    auto qs = shard(q.detach()), ks = shard(k.detach()), vs = shard(v.detach());
+    at::Tensor l = at::zeros({});
+    for (int layer = 0; layer < 3; ++layer)
+      l = l + models::common::context_parallel_attention(qs, ks, vs, true, comm, o).square().sum();
+    l.backward();
+  });
+  for (const auto& e : errors) REQUIRE(e.empty());
+  CHECK(derived() == 2);  // one per rank, for 3 layers x 2 ring steps x forward and backward
+  // Another batch's segments (a new tensor, equal values) and a write in place are derived anew.
+  models::common::document_attention(q.detach(), k.detach(), v.detach(), seg.clone());
+  CHECK(derived() == 1);
+  models::common::document_attention(q.detach(), k.detach(), v.detach(), seg);
+  CHECK(derived() == 1);  // seg's plan was displaced by the clone's: the cache holds one batch
+  seg.add_(0);
+  models::common::document_attention(q.detach(), k.detach(), v.detach(), seg);
+  CHECK(derived() == 1);
+}
+
 TEST_CASE("document tiles skip masked blocks and balance the ranks' work on packed data",
           "[cp][attention][document_mask]") {
   // Masked tiles are skipped: one process computes under a quarter of the causal
