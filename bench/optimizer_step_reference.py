@@ -13,8 +13,11 @@ random gradients, and two cases, each --warmup untimed then --steps timed
          over the block matrices + torch.optim.AdamW(fused=True) over the rest.
 
 Time per step: wall time around the step calls (on CUDA with a synchronize
-before and after). Prints one JSON line per case: {"case", "ms": [...],
-"params", "muon_params", "torch", "device"}.
+before and after); before them, timed apart, the gradients' global norm as a
+training loop computes it for clipping or logging
+(`torch.nn.utils.get_total_norm`, fp32, foreach), which nnstrain's
+`time_optimizer_ms` also holds. Prints one JSON line per case: {"case", "ms":
+[...], "norm_ms": [...], "params", "muon_params", "torch", "device"}.
 """
 import argparse
 import json
@@ -52,18 +55,22 @@ def main():
     cases = {"adamw": lambda: [torch.optim.AdamW(mats + rest, **adamw)],
              "muon": lambda: [torch.optim.Muon(mats, lr=a.lr), torch.optim.AdamW(rest, **adamw)]}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    grads = [t.grad for t in mats + rest]
     for name, make in cases.items():
-        opts, ms = make(), []
+        opts, ms, norm_ms = make(), [], []
         for i in range(a.warmup + a.steps):
             sync()
             t0 = time.perf_counter()
+            torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item()
+            t1 = time.perf_counter()
             for o in opts:
                 o.step()
             sync()
             if i >= a.warmup:
-                ms.append((time.perf_counter() - t0) * 1e3)
+                norm_ms.append((t1 - t0) * 1e3)
+                ms.append((time.perf_counter() - t1) * 1e3)
         del opts
-        print(json.dumps({"case": name, "ms": ms, "params": sum(t.numel() for t in mats + rest),
+        print(json.dumps({"case": name, "ms": ms, "norm_ms": norm_ms, "params": sum(t.numel() for t in mats + rest),
                           "muon_params": sum(t.numel() for t in mats), "torch": torch.__version__,
                           "device": a.device}), flush=True)
 
