@@ -70,7 +70,8 @@
 # these), NNSTRAIN_BATTERY_CMAKE_ARGS (extra configure arguments),
 # NNSTRAIN_BATTERY_RESULTS (the results folder), NNSTRAIN_COMMIT,
 # NNSTRAIN_BATTERY_SKIP_COMPILE=1 (leave out the torch.compile references),
-# NNSTRAIN_BUNDLE (.gpu_bundle; a smoke run uses one only when this is set).
+# NNSTRAIN_BUNDLE (.gpu_bundle; a smoke run uses one only when this is set), NNSTRAIN_BATTERY_DATA
+# (shakespeare_char's folder: the bundle's, else data/shakespeare_char).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -175,9 +176,7 @@ if [ -n "$bundle" ]; then
     || say "WARNING: the bundle was built against torch $built_with, this machine has $here: a LibTorch ABI difference may show as crashes"
   export NNSTRAIN_BIN=${NNSTRAIN_BIN:-$bundle/bin/nnstrain}
   [ -z "${NNSTRAIN_COMMIT:-}" ] && export NNSTRAIN_COMMIT="$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["commit"])' "$bundle/manifest.json")"
-  if [ ! -f "$root/data/shakespeare_char/train.bin" ]; then
-    mkdir -p "$root/data/shakespeare_char" && cp "$bundle"/data/shakespeare_char/* "$root/data/shakespeare_char/"
-  fi
+  export NNSTRAIN_BATTERY_DATA=${NNSTRAIN_BATTERY_DATA:-$bundle/data/shakespeare_char}  # read there, not copied
   say "bundle $bundle (commit $NNSTRAIN_COMMIT): $(grep -m1 '^cuda:' <<<"$version"); libraries: $LD_LIBRARY_PATH"
 fi
 
@@ -299,7 +298,7 @@ phase_startup_oom() {
   if [ "$smoke" = 1 ]; then say "startup_oom: needs CUDA (a CPU cannot run out of device memory): nothing to do in a smoke run"; return 0; fi
   bin=$(nnstrain_bin) || return 1
   mkdir -p "$d"
-  "$bin" --config "$root/bench/gpu/configs/shakespeare_char.yaml" --vars.data_dir "$root/data/shakespeare_char" \
+  "$bin" --config "$root/bench/gpu/configs/shakespeare_char.yaml" --vars.data_dir "${NNSTRAIN_BATTERY_DATA:-$root/data/shakespeare_char}" \
     --run_dir "$d/run" --model.args.n_embd 4096 --model.args.n_head 32 --model.args.n_layer 400 \
     --compute_config.memory_budget_gb 100000 --memory_snapshot true --max_train_steps 1 > "$d/nnstrain.log" 2>&1
   local rc=$? snap=$d/run/memory/rank0_oom.pickle

@@ -59,6 +59,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_gpt_cpu import cpu_model, libtorch_version  # noqa: E402  (the CPU benchmark's helpers)
 CONFIGS = HERE / "configs"
 DATA = ROOT / "runs" / "battery_data"
+# shakespeare_char's tokens: the bundle's copy when battery.sh runs one (nothing written into the checkout).
+SHAKESPEARE = pathlib.Path(os.environ.get("NNSTRAIN_BATTERY_DATA") or ROOT / "data" / "shakespeare_char")
 
 # Per benchmark: config, timing (steps, logging interval, first steps dropped),
 # micro-batch candidates (None: the config's), caps in seconds for each child
@@ -330,6 +332,8 @@ def base_overrides(ctx, name):
     o = []
     if name in SYNTHETIC:
         o += ["--vars.data_dir", str(DATA / SYNTHETIC[name][0])]
+    elif name == "shakespeare":
+        o += ["--vars.data_dir", str(SHAKESPEARE)]
     if ctx.smoke:
         o += ["--compute_config.device", "cpu"] + b["smoke"]
     if ctx.a.precision:
@@ -496,7 +500,7 @@ def bench_timed(ctx, name):
     b = BENCH[name]
     if name in SYNTHETIC:
         ensure_synthetic(ctx, name)
-    elif not (ROOT / "data" / "shakespeare_char" / "train.bin").exists():
+    elif not (SHAKESPEARE / "train.bin").exists():
         ctx.results["benchmarks"][name] = {"error": "data/shakespeare_char/train.bin missing: run "
                                            "`build/nnstrain prepare shakespeare_char` here and carry data/shakespeare_char"}
         ctx.save()
@@ -583,8 +587,8 @@ def bench_timed(ctx, name):
 def bench_full(ctx):
     """shakespeare_char as written: 5000 steps, evaluation every 250 steps."""
     name = "shakespeare_full"
-    if not (ROOT / "data" / "shakespeare_char" / "train.bin").exists():
-        ctx.results["benchmarks"][name] = {"error": "data/shakespeare_char/train.bin missing"}
+    if not (SHAKESPEARE / "train.bin").exists():
+        ctx.results["benchmarks"][name] = {"error": f"{SHAKESPEARE}/train.bin missing"}
         ctx.save()
         return
     over = base_overrides(ctx, "shakespeare")
@@ -968,7 +972,7 @@ def bench_parallel_cuda(ctx):
     Per run: the largest relative loss difference over the steps against one process, and from its
     own records what ran (every rank's pp / cp group size, the offloaded tiers, the device in its log)."""
     config = "parallel_small.yaml"
-    data = ROOT / "data" / "shakespeare_char"
+    data = SHAKESPEARE
     out = ctx.results["benchmarks"].setdefault("parallel_cuda", {"config": f"bench/gpu/configs/{config}",
                                                                  "tolerance": PARALLEL_TOLERANCE, "runs": {}})
     if not (data / "train.bin").exists():
