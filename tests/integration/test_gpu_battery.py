@@ -49,6 +49,8 @@ def test_bundle_from_this_build_runs_the_battery_without_building(tmp_path):
     assert bad.returncode == 1 and "does not match its manifest.json" in bad.stdout, bad.stdout[-2000:]
     data.write_text(original)
 
+    checkout_data = SOURCE / "data" / "shakespeare_char"
+    had_data = checkout_data.exists()
     b = subprocess.run(["bash", SOURCE / "bench/gpu/battery.sh", "build", "tests", "parallel_cuda"], env=benv,
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     log = (results / "battery.log").read_text()
@@ -69,3 +71,4 @@ def test_bundle_from_this_build_runs_the_battery_without_building(tmp_path):
         assert runs[tag]["pass"] is True, (tag, runs[tag])
     assert runs["pp2"]["ran"]["1"]["pp"] == 2 and runs["cp2"]["ran"]["1"]["cp"] == 2 and runs["offload"]["ran"]["0"]["offload"]
     assert (out / "summary.md").exists() and "parallel_cuda" in (out / "summary.md").read_text()
+    assert checkout_data.exists() == had_data, "the battery read the bundle's data, it wrote none into the checkout"
