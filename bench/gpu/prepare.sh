@@ -40,7 +40,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 venv=${NNSTRAIN_VENV:-$HOME/.cache/nnstrain/venv}
 py=$venv/bin/python
 build=${NNSTRAIN_BUNDLE_FROM:-${NNSTRAIN_GPU_BUILD_DIR:-$root/build_gpu}}
-bundle=${NNSTRAIN_BUNDLE:-$root/.gpu_bundle}
+bundle=$(realpath -m "${NNSTRAIN_BUNDLE:-$root/.gpu_bundle}")
 limit_mib=60
 mode=${1:-build}
 case $mode in build|--check) ;; *) echo "usage: prepare.sh [--check]" >&2; exit 2 ;; esac
@@ -102,7 +102,9 @@ pack() {
       *) cp -L "$path" "$bundle/lib/$soname" ;;
     esac
   done < <(for b in "$bundle"/bin/*; do libraries_of "$b"; done | sort -u)
-  LD_LIBRARY_PATH=$libpath "$bundle/bin/nnstrain" prepare shakespeare_char --out "$bundle/data/shakespeare_char" >&2
+  # From the checkout: prepare finds tiny Shakespeare in ../shared beside it (no download).
+  (cd "$root" && LD_LIBRARY_PATH=$libpath "$bundle/bin/nnstrain" prepare shakespeare_char \
+     --out "$bundle/data/shakespeare_char" >&2) || die "nnstrain prepare shakespeare_char failed"
   rm -f "$bundle/data/shakespeare_char/input.txt"
   "$py" "$root/bench/gpu/bundle.py" export --build "$build" --bundle "$bundle" >&2
   local commit nvcc_bin
@@ -174,30 +176,33 @@ check_here() {
 }
 
 run_check() {
-  local moved copy rc=0
+  local moved copy rc=0 isolated=0
   moved=$(mktemp -d /tmp/nnstrain_moved.XXXXXX)
   copy=$moved/bundle
   cp -a "$bundle" "$copy"
   if unshare -m --propagation private true 2>/dev/null; then
     say "check: a private mount namespace; the venv ($venv), the build folders and /usr/local/cuda hidden, torch moved to $moved"
+    isolated=1
     mkdir -p "$moved/site-packages"
     local hide=("$venv" "$build" "$root/build")
     [ -d /usr/local/cuda ] && hide+=(/usr/local/cuda)
     export -f check_here say bundle_library_path
     export root NNSTRAIN_BUNDLE_FROM
-    NNSTRAIN_CHECK_HIDE="${hide[*]}" unshare -m --propagation private bash -c '
+    # From outside the folders about to be hidden (a working directory under one would vanish).
+    (cd "$moved" && NNSTRAIN_CHECK_HIDE="${hide[*]}" unshare -m --propagation private bash -c '
       mount --bind "$1" "$2/site-packages" || exit 3
       for d in $NNSTRAIN_CHECK_HIDE; do if [ -d "$d" ]; then mount -t tmpfs none "$d" || exit 3; fi; done
-      check_here "$2" "$3"' check "$site" "$moved" "$copy" || rc=$?
+      check_here "$2" "$3"' check "$site" "$moved" "$copy") || rc=$?
   else
     say "check: no mount namespace here (unshare -m refused): the libraries' resolution and the runs only, venv in place"
     mkdir -p "$moved/site-packages"
     ln -s "$site/torch" "$moved/site-packages/torch"
     ln -s "$site/nvidia" "$moved/site-packages/nvidia"
-    check_here "$moved" "$copy" || rc=$?
+    (cd "$moved" && check_here "$moved" "$copy") || rc=$?
   fi
   rm -rf "$moved"
-  if [ $rc = 0 ]; then say "check passed: $bundle loads and runs without this machine's paths"
+  if [ $rc = 0 ] && [ "$isolated" = 1 ]; then say "check passed: $bundle loads and runs without this machine's paths"
+  elif [ $rc = 0 ]; then say "check passed, venv in place: $bundle resolves its libraries to itself and torch, and runs"
   else say "check FAILED"; fi
   return $rc
 }
