@@ -11,8 +11,8 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <deque>
 #include <map>
-#include <memory>
 #include <stdexcept>
 
 namespace nnstrain::models::common {
@@ -224,11 +224,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor&
 
 // --- Document-masked tiles (fp32 composite, any device) --------------------
 
-// The global positions of `rank`'s tokens, ascending: under documents, zigzag
-// is the per-micro-batch balanced layout (cp_document_layout.h).
-std::vector<int64_t> rank_positions(const at::Tensor& segments, int cp, int rank, CpLayout layout) {
-  if (layout == CpLayout::Zigzag && cp > 1) return cp_document_layout(segments, cp)[size_t(rank)];
-  return cp_position_ids(segments.size(1), cp, rank, layout);
+// Every rank's global token positions, ascending: under documents, zigzag is
+// the per-micro-batch balanced layout (cp_document_layout.h).
+std::vector<std::vector<int64_t>> rank_positions(const at::Tensor& segments, int cp, CpLayout layout) {
+  if (layout == CpLayout::Zigzag && cp > 1) return cp_document_layout(segments, cp);
+  std::vector<std::vector<int64_t>> pos;
+  for (int r = 0; r < cp; ++r) pos.push_back(cp_position_ids(segments.size(1), cp, r, layout));
+  return pos;
 }
 
 // The rows' document masks: the global positions of the two ranks' tokens and the segments on q's device.
@@ -243,8 +245,36 @@ struct DocMask {
 
 std::atomic<int64_t> doc_plans{0};
 
+// The tiles of q positions against k positions (each rank's, ascending) for host int64 segments.
 std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>& qpos,
-                              const std::vector<int64_t>& kpos, int64_t tile = 64);
+                              const std::vector<int64_t>& kpos, int64_t tile = 64) {
+  const int64_t B = seg.size(0), T = seg.size(1), tl = static_cast<int64_t>(qpos.size());
+  std::vector<DocTile> out;
+  std::vector<int64_t> start(static_cast<size_t>(T));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* s = seg.data_ptr<int64_t>() + b * T;
+    // Where each token's document starts (documents are contiguous, numbered in order).
+    for (int64_t p = 0; p < T; ++p) {
+      TORCH_CHECK(p == 0 || s[p] >= s[p - 1], "document-masked attention: segments decrease at token ", p,
+                  " of batch row ", b);
+      start[p] = p > 0 && s[p] == s[p - 1] ? start[p - 1] : p;
+    }
+    // A query tile (within one run of contiguous global positions) sees the
+    // keys from its first query's document start to its last query: a
+    // contiguous range of the ascending local keys.
+    for (int64_t i = 0, run = 1; i < tl; i += run, run = 1) {
+      while (i + run < tl && qpos[i + run] == qpos[i] + run) ++run;
+      for (int64_t q0 = i; q0 < i + run; q0 += tile) {
+        const int64_t qn = std::min(tile, i + run - q0);
+        const int64_t lo = start[qpos[q0]], hi = qpos[q0 + qn - 1];
+        const int64_t k0 = std::lower_bound(kpos.begin(), kpos.end(), lo) - kpos.begin();
+        const int64_t k1 = std::upper_bound(kpos.begin(), kpos.end(), hi) - kpos.begin();
+        if (k1 > k0) out.push_back({b, q0, qn, k0, k1 - k0});
+      }
+    }
+  }
+  return out;
+}
 
 // What one batch's documents imply for its blocks at (cp, layout, device): every
 // rank's positions, on the host and the device, the segments on the device, and
@@ -262,25 +292,22 @@ struct DocPlan {
   std::map<std::pair<int, int>, std::vector<DocTile>> tiles;
 };
 struct DocPlans {
-  std::vector<std::shared_ptr<DocPlan>> plans;  // one per (cp, layout, device) seen with this batch
+  std::deque<DocPlan> plans;  // one per (cp, layout, device) seen with this batch (references stay valid)
 };
 
 DocPlan& doc_plan(const at::Tensor& segments, int cp, CpLayout layout, const at::Device& device) {
   static thread_local SegmentsCache<DocPlans> cache;
   auto& plans = cache.get(segments, [](const at::Tensor&) { return DocPlans{}; }).plans;
   for (auto& p : plans)
-    if (p->cp == cp && p->layout == layout && p->device == device) return *p;
-  auto p = std::make_shared<DocPlan>();
-  p->cp = cp, p->layout = layout, p->device = device;
-  p->seg_host = segments.to(at::kCPU, at::kLong).contiguous();
-  p->seg_device = p->seg_host.to(device);
-  if (layout == CpLayout::Zigzag && cp > 1) p->pos = cp_document_layout(p->seg_host, cp);
-  else
-    for (int r = 0; r < cp; ++r) p->pos.push_back(cp_position_ids(p->seg_host.size(1), cp, r, layout));
-  for (const auto& pos : p->pos) p->pos_device.push_back(at::tensor(pos, at::TensorOptions().dtype(at::kLong)).to(device));
+    if (p.cp == cp && p.layout == layout && p.device == device) return p;
+  auto& p = plans.emplace_back();
+  p.cp = cp, p.layout = layout, p.device = device;
+  p.seg_host = segments.to(at::kCPU, at::kLong).contiguous();
+  p.seg_device = p.seg_host.to(device);
+  p.pos = rank_positions(p.seg_host, cp, layout);
+  for (const auto& pos : p.pos) p.pos_device.push_back(at::tensor(pos, at::TensorOptions().dtype(at::kLong)).to(device));
   doc_plans.fetch_add(1, std::memory_order_relaxed);
-  plans.push_back(std::move(p));
-  return *plans.back();
+  return p;
 }
 
 DocMask doc_mask(const DocPlan& plan, int q_rank, int k_rank) {
@@ -585,43 +612,10 @@ at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at
 std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
                                     int64_t tile) {
   const auto seg = segments.to(at::kCPU, at::kLong).contiguous();
-  return tiles_of(seg, rank_positions(seg, cp, q_rank, layout), rank_positions(seg, cp, k_rank, layout), tile);
+  const auto pos = rank_positions(seg, cp, layout);
+  return tiles_of(seg, pos[size_t(q_rank)], pos[size_t(k_rank)], tile);
 }
 
-namespace {
-
-// The tiles of q positions against k positions (each rank's, ascending) for host int64 segments.
-std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>& qpos,
-                              const std::vector<int64_t>& kpos, int64_t tile) {
-  const int64_t B = seg.size(0), T = seg.size(1), tl = static_cast<int64_t>(qpos.size());
-  std::vector<DocTile> out;
-  std::vector<int64_t> start(static_cast<size_t>(T));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t* s = seg.data_ptr<int64_t>() + b * T;
-    // Where each token's document starts (documents are contiguous, numbered in order).
-    for (int64_t p = 0; p < T; ++p) {
-      TORCH_CHECK(p == 0 || s[p] >= s[p - 1], "document-masked attention: segments decrease at token ", p,
-                  " of batch row ", b);
-      start[p] = p > 0 && s[p] == s[p - 1] ? start[p - 1] : p;
-    }
-    // A query tile (within one run of contiguous global positions) sees the
-    // keys from its first query's document start to its last query: a
-    // contiguous range of the ascending local keys.
-    for (int64_t i = 0, run = 1; i < tl; i += run, run = 1) {
-      while (i + run < tl && qpos[i + run] == qpos[i] + run) ++run;
-      for (int64_t q0 = i; q0 < i + run; q0 += tile) {
-        const int64_t qn = std::min(tile, i + run - q0);
-        const int64_t lo = start[qpos[q0]], hi = qpos[q0 + qn - 1];
-        const int64_t k0 = std::lower_bound(kpos.begin(), kpos.end(), lo) - kpos.begin();
-        const int64_t k1 = std::upper_bound(kpos.begin(), kpos.end(), hi) - kpos.begin();
-        if (k1 > k0) out.push_back({b, q0, qn, k0, k1 - k0});
-      }
-    }
-  }
-  return out;
-}
-
-}  // namespace
 
 int64_t document_tiles_computed() { return doc_tiles.load(); }
 int64_t document_plans_derived() { return doc_plans.load(); }
