@@ -155,6 +155,12 @@ class Trainer {
   int run();
 
  private:
+  // The loop's parts (run()).
+  void begin_step(int64_t max_steps);
+  void replay_step(const std::vector<data::Batch>& batches);
+  void after_step(const std::optional<RunCounts>& first_counts, int64_t micro_batches);
+  void evaluate_in_training();
+  void finish(bool stopped_by_signal);
   void step(const std::vector<data::Batch>& batches);
   void optimizer_update(const at::Tensor& norm, double lr);
   void speculate();
@@ -203,7 +209,8 @@ class Trainer {
   int64_t step_ = 0;
   double lr_ = 0;
   bool poison_ = false;  // NNSTRAIN_TEST_NONFINITE_AT (eager steps only)
-  bool logs_ = false;    // this step logs progress
+  bool logs_ = false;    // this step measures its activations (logs progress, or is graphed)
+  bool logs_step_ = false;  // this step logs progress
   int64_t activation_bytes_ = -1;  // held by the logged step's last forward (-1: not measured)
   int64_t graph_activation_bytes_ = -1;  // the same, measured when the CUDA graph was captured
   std::chrono::steady_clock::time_point interval_start_;
@@ -809,97 +816,35 @@ void Trainer::save() {
             " MiB before the save, " + fmt(file_pages, 1) + " MiB of file pages mapped at its end, which the kernel can drop)");
 }
 
+// The loop, one step per turn; each concern lives in the function it calls.
 int Trainer::run() {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
-  const int64_t max_steps = data_.max_steps, every = args_.log_progress_every_n_train_steps;
+  const int64_t max_steps = data_.max_steps;
   bool stopped_by_signal = false;
   interval_start_ = std::chrono::steady_clock::now();
   while (step_ < max_steps) {
-    running_step(step_ + 1, rank_);
-    lr_ = optim::learning_rate_at_step(args_.lr_scheduler, args_.optimizer.lr, step_, max_steps, data_.steps_per_epoch);
-    profiler_.before_step(step_ + 1);
-    const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
-    logs_ = logs;
-    // Post-validation speculates at ordinary steps only: not where the step is
-    // logged, evaluated or saved, nor the last (their state must stand).
-    speculate_ = post_validation_ && !logs && step_ + 1 < max_steps &&
-                 !(args_.val_every_n_train_steps > 0 && (step_ + 1) % args_.val_every_n_train_steps == 0) &&
-                 !(args_.checkpoint.every_n_train_steps > 0 && (step_ + 1) % args_.checkpoint.every_n_train_steps == 0);
-    if (logs) reset_step_peak(device_);  // peak_tensor_mb: what this step holds at most
-    // A step being captured records no timing events (they would join the graph);
-    // a replayed one is timed as data, then the graph as a whole.
-    const bool replay = graph_ && graph_->captured();
-    timed_ = logs && (!graph_ || replay);
-    timer_.begin_step(step_ + 1, timed_);
+    begin_step(max_steps);
     std::vector<data::Batch> batches;
     for (int64_t a = 0; a < accum_; ++a) batches.push_back(loader_->next());
     // This process's first step completes the record with what ran in it.
     const bool first = !record_->has("first_step");
     const auto counts = first ? RunCounts::now(rt_.get()) : RunCounts{};
-    if (graph_) {
-      lr_dev_.fill_(lr_);
-      saver_->state_may_change();  // host side: a replayed step does not run step()'s call
-      const bool capturing = !graph_->captured();
-      logs_ = true;  // eager and captured steps measure their activations (reading counters only)
-      if (replay) timer_.enter(StepTimer::kGraph);
-      const int64_t comm = tr_.reducer->communicated_bytes();
-      graph_->run(batches);
-      if (capturing && graph_->captured()) {
-        graph_activation_bytes_ = activation_bytes_;
-        graph_comm_bytes_ = tr_.reducer->communicated_bytes() - comm;
-        log::info("compute_config.cuda_graphs: step " + std::to_string(step_ + 1) + " captured" +
-                  (rt_ ? " with its " + rt_->backend_name() + " collectives" : std::string()) +
-                  ", replayed from here on (graph pool " + fmt(graph_->pool_bytes() / 1048576.0, 1) + " MB)");
-      }
-      // A replay runs the captured collectives without the host code that counts them.
-      if (replay) replayed_comm_bytes_ += graph_comm_bytes_;
-      if (rt_ && graph_->captured()) rt_->watch_replay("CUDA graph replay of the training step");
-    } else {
+    if (graph_) replay_step(batches);
+    else {
       poison_ = inject_nonfinite(step_ + 1, ft_->data_step(step_), rank_);
       TORCH_CHECK(!inject_torch_error(step_ + 1, rank_), "injected error (NNSTRAIN_TEST_TORCH_ERROR_AT)");
       step(batches);
     }
     timer_.end_step();
     ++step_;
-    if (first) {
-      auto ran = RunCounts::now(rt_.get()).since(counts);
-      ran["step"] = step_;
-      ran["micro_batches"] = batches.size();
-      const auto reduced = tr_.reducer->reduced_dtype();
-      ran["reduce_dtype"] = reduced ? nlohmann::json(dtype_label(*reduced)) : nlohmann::json(nullptr);
-      record_->complete("first_step", std::move(ran));
-    }
     ++interval_steps_;
-    if (auto* nvme = tr_.state->nvme()) {  // what the NVMe tier moved this step (its files were used)
-      const auto io = nvme->take_counters();
-      log::info("nvme offload: step " + std::to_string(step_) + " read " + std::to_string(io.bytes_read) + " bytes in " +
-                std::to_string(io.reads) + " chunks, wrote " + std::to_string(io.bytes_written) + " bytes in " +
-                std::to_string(io.writes) + " chunks (" + nvme->store().engine() + ")");
-    }
-    profiler_.after_step(step_);
-    if (snapshots_) snapshots_->after_step(step_);
+    after_step(first ? std::optional<RunCounts>(counts) : std::nullopt, static_cast<int64_t>(batches.size()));
     if (auto back = ft_->after_step(step_, loss_sum_, grad_norm_, tr_.state->params())) { rewind(*back); continue; }
 
     const bool last = step_ == max_steps;
-    if (logs) log_progress();
-    if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) {
-      const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{},
-                 before_ep = rt_ ? rt_->ep.traffic : dist::Traffic{};
-      const bool first_eval = data_.val && args_.max_val_steps > 0 && !record_->has("first_evaluation");
-      const auto counts = first_eval ? RunCounts::now(rt_.get()) : RunCounts{};
-      evaluate();
-      if (first_eval) {
-        auto ran = RunCounts::now(rt_.get()).since(counts);
-        ran["step"] = step_;
-        record_->complete("first_evaluation", std::move(ran));
-      }
-      if (rt_) {  // the per-step tp and cp figures count training only
-        interval_tp_ += rt_->tp.traffic - before;
-        interval_cp_ += rt_->cp.traffic - before_cp;
-        interval_ep_ += rt_->ep.traffic - before_ep;
-      }
-    }
+    if (logs_step_) log_progress();
+    if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) evaluate_in_training();
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
     // Post-validation: a speculative step's requests travel with its norm and
@@ -914,6 +859,97 @@ int Trainer::run() {
     if (periodic || (last && args_.checkpoint.save_on_end) || stop) save();
     if (stop) break;
   }
+  finish(stopped_by_signal);
+  return 0;
+}
+
+// What the coming step does: its learning rate, whether it logs, may
+// speculate, is timed.
+void Trainer::begin_step(int64_t max_steps) {
+  running_step(step_ + 1, rank_);
+  lr_ = optim::learning_rate_at_step(args_.lr_scheduler, args_.optimizer.lr, step_, max_steps, data_.steps_per_epoch);
+  profiler_.before_step(step_ + 1);
+  const int64_t every = args_.log_progress_every_n_train_steps;
+  const bool logs = (step_ + 1) % every == 0 || step_ + 1 == max_steps;
+  logs_step_ = logs_ = logs;
+  // Post-validation speculates at ordinary steps only: not where the step is
+  // logged, evaluated or saved, nor the last (their state must stand).
+  speculate_ = post_validation_ && !logs && step_ + 1 < max_steps &&
+               !(args_.val_every_n_train_steps > 0 && (step_ + 1) % args_.val_every_n_train_steps == 0) &&
+               !(args_.checkpoint.every_n_train_steps > 0 && (step_ + 1) % args_.checkpoint.every_n_train_steps == 0);
+  if (logs) reset_step_peak(device_);  // peak_tensor_mb: what this step holds at most
+  // A step being captured records no timing events (they would join the graph);
+  // a replayed one is timed as data, then the graph as a whole.
+  const bool replay = graph_ && graph_->captured();
+  timed_ = logs && (!graph_ || replay);
+  timer_.begin_step(step_ + 1, timed_);
+}
+
+// compute_config.cuda_graphs: the step captured once, replayed from then on.
+void Trainer::replay_step(const std::vector<data::Batch>& batches) {
+  const bool replay = graph_->captured();
+  lr_dev_.fill_(lr_);
+  saver_->state_may_change();  // host side: a replayed step does not run step()'s call
+  logs_ = true;  // eager and captured steps measure their activations (reading counters only)
+  if (replay) timer_.enter(StepTimer::kGraph);
+  const int64_t comm = tr_.reducer->communicated_bytes();
+  graph_->run(batches);
+  if (!replay && graph_->captured()) {
+    graph_activation_bytes_ = activation_bytes_;
+    graph_comm_bytes_ = tr_.reducer->communicated_bytes() - comm;
+    log::info("compute_config.cuda_graphs: step " + std::to_string(step_ + 1) + " captured" +
+              (rt_ ? " with its " + rt_->backend_name() + " collectives" : std::string()) +
+              ", replayed from here on (graph pool " + fmt(graph_->pool_bytes() / 1048576.0, 1) + " MB)");
+  }
+  // A replay runs the captured collectives without the host code that counts them.
+  if (replay) replayed_comm_bytes_ += graph_comm_bytes_;
+  if (rt_ && graph_->captured()) rt_->watch_replay("CUDA graph replay of the training step");
+}
+
+// After a step: the run's record (first step), the NVMe tier's traffic, the
+// profiler's and memory snapshots' windows.
+void Trainer::after_step(const std::optional<RunCounts>& first_counts, int64_t micro_batches) {
+  if (first_counts) {
+    auto ran = RunCounts::now(rt_.get()).since(*first_counts);
+    ran["step"] = step_;
+    ran["micro_batches"] = micro_batches;
+    const auto reduced = tr_.reducer->reduced_dtype();
+    ran["reduce_dtype"] = reduced ? nlohmann::json(dtype_label(*reduced)) : nlohmann::json(nullptr);
+    record_->complete("first_step", std::move(ran));
+  }
+  if (auto* nvme = tr_.state->nvme()) {  // what the NVMe tier moved this step (its files were used)
+    const auto io = nvme->take_counters();
+    log::info("nvme offload: step " + std::to_string(step_) + " read " + std::to_string(io.bytes_read) + " bytes in " +
+              std::to_string(io.reads) + " chunks, wrote " + std::to_string(io.bytes_written) + " bytes in " +
+              std::to_string(io.writes) + " chunks (" + nvme->store().engine() + ")");
+  }
+  profiler_.after_step(step_);
+  if (snapshots_) snapshots_->after_step(step_);
+}
+
+// Evaluation between steps: its traffic kept out of the per-step figures, and
+// the first one recorded.
+void Trainer::evaluate_in_training() {
+  const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{},
+             before_ep = rt_ ? rt_->ep.traffic : dist::Traffic{};
+  const bool first_eval = data_.val && args_.max_val_steps > 0 && !record_->has("first_evaluation");
+  const auto counts = first_eval ? RunCounts::now(rt_.get()) : RunCounts{};
+  evaluate();
+  if (first_eval) {
+    auto ran = RunCounts::now(rt_.get()).since(counts);
+    ran["step"] = step_;
+    record_->complete("first_evaluation", std::move(ran));
+  }
+  if (rt_) {  // the per-step tp and cp figures count training only
+    interval_tp_ += rt_->tp.traffic - before;
+    interval_cp_ += rt_->cp.traffic - before_cp;
+    interval_ep_ += rt_->ep.traffic - before_ep;
+  }
+}
+
+// The run's end: the last save published, scratch files removed, what this
+// rank held and moved reported, communicators finalised.
+void Trainer::finish(bool stopped_by_signal) {
   tr_.flush();
   saver_->wait();  // the last save is published before the run ends
   if (auto* nvme = tr_.state->nvme()) {  // a clean exit: the scratch files go (a crash leaves them, with a note)
@@ -951,7 +987,6 @@ int Trainer::run() {
   // (or aborting) one first waits for the graph forever (pytorch/pytorch#115388).
   graph_.reset();
   if (rt_) rt_->shutdown();  // a clean exit: NCCL communicators finalised, not aborted
-  return 0;
 }
 
 int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const RunOptions& opts, OomContext& oom) {
