@@ -276,6 +276,32 @@ def test_experts_under_expert_parallelism_equal_one_process(tokens_path, tmp_pat
         assert ep[step][0] == pytest.approx(one[step][0], rel=TOL), f"step {step}: {ep[step]} vs {one[step]}"
 
 
+def test_offloaded_matrices_keep_one_moment_on_the_host(tokens_path, tmp_path):
+    """The whole optimizer on the host: Muon's matrices keep their momentum there and no second
+    moment; the planner's host figure is what the run held."""
+    import re
+    run_dir = tmp_path / "run"
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(CONFIGS / "tiny_gpt_muon.yaml"), "--vars.data",
+                        str(tokens_path), "--run_dir", str(run_dir), "--max_train_steps", "2",
+                        "--val_every_n_train_steps", "0", "--compute_config.offload.optimizer", "true",
+                        "--compute_config.offload.ratio", "1.0"],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert active_records(run_dir, 1)[0]["optimizer"]["impl"].startswith("muon (")
+    log = p.stdout + p.stderr
+    h = re.search(r"held on the host between steps \(offload\): weights (\d+), gradients (\d+), "
+                  r"optimizer moments (\d+), parameters and staging (\d+) bytes", log)
+    assert h, log
+    weights, grads, moments, staging = map(int, h.groups())
+    # fp32 throughout: the weights' bytes count every offloaded element; the matrices
+    # Muon takes are the four of each block (c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj).
+    c, layers = 32, 2
+    matrices = layers * (3 * c * c + c * c + 4 * c * c + 4 * c * c)
+    assert weights > 4 * matrices and moments == 2 * weights - 4 * matrices, (weights, moments, matrices)
+    est = json.loads((run_dir / "plan.json").read_text())["estimate"]
+    assert est["host_bytes"] == pytest.approx(weights + grads + moments + staging, rel=1e-9), (est, h.groups())
+
+
 def momentum(ckpt_dir, step, tmp_path):
     """Muon's momentum_buffer/* of checkpoint `step`, merged whole (nnstrain merge)."""
     from safetensors.numpy import load_file

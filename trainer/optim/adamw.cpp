@@ -15,6 +15,9 @@ double weight_decay_for(const at::Tensor& param, double weight_decay) {
 AdamW::AdamW(std::vector<Segment> segments, const config::OptimizerArgs& args)
     : segments_(std::move(segments)), args_(args) {
   for (auto& s : segments_) {
+    // Buffers given for its state (offload's host moments) come in pairs.
+    TORCH_CHECK(s.exp_avg.defined() == s.exp_avg_sq.defined(), "AdamW: ", s.name,
+                " was given one of its two moment buffers");
     exp_avg_.push_back(s.exp_avg.defined() ? s.exp_avg : torch::zeros_like(s.param, at::MemoryFormat::Contiguous));
     exp_avg_sq_.push_back(s.exp_avg_sq.defined() ? s.exp_avg_sq
                                                  : torch::zeros_like(s.param, at::MemoryFormat::Contiguous));

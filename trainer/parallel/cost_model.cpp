@@ -432,8 +432,9 @@ double update_bytes(const PrecisionBytes& pb) { return pb.master > 0 ? pb.master
 void offload_memory_term(const Setting& x, PlanEstimate& e) {
   const auto& pb = x.pb;
   const double H = x.st.host_elements;
-  e.optim_bytes -= H * (pb.master + pb.moments * x.ow.state_scale);  // the host's buckets hold two moments each
-  e.host_bytes = H * (update_bytes(pb) + pb.moments + pb.grad + pb.param);
+  // The host's moments are the optimizer's state there: one slot for Muon's matrices (state_scale).
+  e.optim_bytes -= H * (pb.master + pb.moments * x.ow.state_scale);
+  e.host_bytes = H * (update_bytes(pb) + pb.moments * x.ow.state_scale + pb.grad + pb.param);
   if (x.c.offload_params) {
     e.host_bytes += e.param_bytes;
     e.param_bytes = 0;

@@ -173,7 +173,7 @@ TrainingState::TrainingState(std::vector<ParamShard> params, const TrainingState
     } else {
       host_weights_ = host_zeros(host_size_, wdtype, pinned);
       host_weights_.copy_(opt_init.narrow(0, 0, host_size_));
-      host_moments_ = host_zeros(2 * host_size_, wdtype, pinned);
+      host_moments_ = host_zeros(host_size_ + host_second_moments(), wdtype, pinned);
       host_stage_ = host_zeros(host_size_, opts_.param_dtype, pinned);  // what leaves for the device, compute dtype
     }
     host_grad_ = host_zeros(host_size_, opts_.grad_dtype, pinned);
@@ -334,7 +334,10 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
   // An offloaded segment (at pos < host_size_ in the optimizer's coordinates)
   // updates host weights from a host gradient, its moments on the host too.
   // NVMe tier: the views lie in bucket b's slot, at the same place within the bucket.
-  auto host_segment = [&](optim::Segment& sg, size_t b, int64_t pos, int64_t n, at::IntArrayRef shape) {
+  // Host tier: second moments packed after the first, in segment order, for
+  // the parameters whose optimizer keeps two (host_second_moments()).
+  int64_t second = host_size_;
+  auto host_segment = [&](optim::Segment& sg, size_t k, size_t b, int64_t pos, int64_t n, at::IntArrayRef shape) {
     sg.grad = host_grad_.narrow(0, pos, n).view(shape);
     if (nvme_) {
       const int64_t at = pos - opt_begin(b);
@@ -345,18 +348,26 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
     }
     sg.param = host_weights_.narrow(0, pos, n).view(shape);
     sg.exp_avg = host_moments_.narrow(0, pos, n).view(shape);
-    sg.exp_avg_sq = host_moments_.narrow(0, host_size_ + pos, n).view(shape);
+    if (opts_.one_state.count(params_[k].name)) return;
+    sg.exp_avg_sq = host_moments_.narrow(0, second, n).view(shape);
+    second += n;
+  };
+  // Every packed second moment has its segment (host_second_moments() counted the same pieces).
+  auto all_placed = [&] {
+    TORCH_CHECK(!host_moments_.defined() || second == host_moments_.numel(), "TrainingState: host second moments for ",
+                host_moments_.numel() - host_size_, " elements, the segments hold ", second - host_size_);
   };
   if (!opts_.zero()) {
     for (size_t k = 0; k < params_.size(); ++k) {
       const auto& t = params_[k].tensor;
       const int64_t pos = L.offset[k];
       optim::Segment sg{params_[k].name, at::Tensor(), grad_views_[k], wd(k), 0};
-      if (pos < host_size_) host_segment(sg, L.bucket_of[k], pos, t.numel(), t.sizes());
+      if (pos < host_size_) host_segment(sg, k, L.bucket_of[k], pos, t.numel(), t.sizes());
       else sg.param = opts_.master_weights ? flat_master_.narrow(0, pos - host_size_, t.numel()).view(t.sizes()) : t;
       segs.push_back(sg);
       bucket_of_segment->push_back(L.bucket_of[k]);
     }
+    all_placed();
     return segs;
   }
   for (size_t bi = 0; bi < L.buckets.size(); ++bi) {
@@ -369,7 +380,7 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
       const int64_t in_shard = L.shard_offset[bi] + (lo - c0);
       optim::Segment sg{params_[k].name, at::Tensor(), shard_grad_.narrow(0, in_shard, hi - lo), wd(k), lo - p0};
       if (in_shard < host_size_) {
-        host_segment(sg, bi, in_shard, hi - lo, {hi - lo});
+        host_segment(sg, k, bi, in_shard, hi - lo, {hi - lo});
       } else {
         sg.param = opts_.master_weights    ? flat_master_.narrow(0, in_shard - host_size_, hi - lo)
                    : opts_.zero_stage == 3 ? shard_param_.narrow(0, in_shard, hi - lo)
@@ -379,6 +390,7 @@ std::vector<optim::Segment> TrainingState::make_segments(std::vector<size_t>* bu
       bucket_of_segment->push_back(bi);
     }
   }
+  all_placed();
   return segs;
 }
 
@@ -448,6 +460,21 @@ int64_t TrainingState::opt_begin(size_t b) const {
 int64_t TrainingState::opt_len(size_t b) const {
   const auto& bk = layout_.buckets[b];
   return opts_.zero() ? layout_.chunk_size(bk) : bk.end - bk.begin;
+}
+
+int64_t TrainingState::host_second_moments() const {
+  const auto& L = layout_;
+  int64_t n = 0;
+  for (size_t b = 0; b < host_buckets_; ++b) {  // the host buckets' pieces (a segment each), as make_segments cuts them
+    const auto& bk = L.buckets[b];
+    const int64_t c0 = opts_.zero() ? L.chunk_begin(bk) : bk.begin, c1 = c0 + opt_len(b);
+    for (auto k : bk.params) {
+      if (opts_.one_state.count(params_[k].name)) continue;
+      const int64_t p0 = L.offset[k], p1 = p0 + params_[k].tensor.numel();
+      n += std::max<int64_t>(0, std::min(c1, p1) - std::max(c0, p0));
+    }
+  }
+  return n;
 }
 
 std::vector<size_t> TrainingState::device_segments() const {

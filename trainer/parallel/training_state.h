@@ -45,6 +45,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -148,6 +149,10 @@ struct TrainingStateOptions {
   int nvme_rank = 0;
   int64_t nvme_buffer_bytes = 256 << 20;
   bool nvme_params = false;
+  // Parameters whose optimizer keeps one state tensor, not AdamW's two (Muon's
+  // matrices: its momentum; optim::StepCost::state_tensors): offloaded, their
+  // host moments have no second slot.
+  std::set<std::string> one_state;
   bool zero() const { return zero_stage > 0; }
 };
 
@@ -292,6 +297,9 @@ class TrainingState {
   int64_t opt_len(size_t b) const;
   size_t host_buckets_ = 0;
   int64_t host_size_ = 0;
+  // host_moments_: every host element's first moment, then the second moments
+  // of those whose optimizer keeps two (opts_.one_state), packed.
+  int64_t host_second_moments() const;
   at::Tensor host_weights_, host_grad_, host_moments_, host_stage_;
   at::Tensor host_landing_;  // delayed update: where gradients arrive (else host_grad_ itself)
   std::unique_ptr<HostCopier> copier_;

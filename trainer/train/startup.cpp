@@ -42,6 +42,32 @@ sharding::StateTensor replicated(const std::string& name, const at::Tensor& t, i
   return {spec, t};
 }
 
+// Per parameter (the model's order): whether it lies inside a transformer block
+// (the optimizers' parameter groups by rule).
+std::vector<bool> in_blocks(const models::CausalLM& model) {
+  const auto units = parallel::parameter_units(model);
+  const int blocks = static_cast<int>(model.num_layers());
+  std::vector<bool> out;
+  for (int u : units) out.push_back(u >= 1 && u <= blocks);
+  return out;
+}
+
+// The parameters whose optimizer keeps one state tensor instead of AdamW's two
+// (its cost hook says which: Muon's matrices).
+std::set<std::string> one_state_params(const config::TrainerArgs& args, const models::CausalLM& model) {
+  const auto& entry = optim::optimizer_entry(args.optimizer.type);
+  if (!entry.cost) return {};
+  const auto layouts = model.param_layouts();
+  const auto blocks = in_blocks(model);
+  std::vector<optim::CostParam> params;
+  for (size_t i = 0; i < layouts.size(); ++i) params.push_back({layouts[i].name, layouts[i].global_shape, blocks[i]});
+  const auto cost = entry.cost(args.optimizer, params, false);
+  std::set<std::string> out;
+  for (size_t i = 0; i < params.size() && i < cost.state_tensors.size(); ++i)
+    if (cost.state_tensors[i] == 1) out.insert(params[i].name);
+  return out;
+}
+
 // The training state's options for the plan (units from the model's names under ZeRO-3).
 parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, const parallel::Plan& plan,
                                              dist::Runtime* rt, const models::CausalLM& model) {
@@ -72,6 +98,7 @@ parallel::TrainingStateOptions state_options(const config::TrainerArgs& args, co
   so.offload_ratio = plan.offload_ratio;  // the plan's: autodist may have chosen it
   so.offload_params = plan.offload_params;
   so.offload_delayed = plan.offload_ratio > 0 && args.compute_config.offload.delayed_update;
+  if (plan.offload_ratio > 0) so.one_state = one_state_params(args, model);
   return so;
 }
 
@@ -117,11 +144,9 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const config::TrainerArgs& args
   c.specs = state.segment_specs("");
   c.cuda = device.is_cuda();
   c.whole_model = plan.pipeline.pp == 1;
-  const auto units = parallel::parameter_units(model);
   const auto layouts = model.param_layouts();
-  const int blocks = static_cast<int>(model.num_layers());
-  for (size_t i = 0; i < layouts.size(); ++i)
-    c.params.push_back({layouts[i].name, layouts[i].global_shape, units[i] >= 1 && units[i] <= blocks});
+  const auto blocks = in_blocks(model);
+  for (size_t i = 0; i < layouts.size(); ++i) c.params.push_back({layouts[i].name, layouts[i].global_shape, blocks[i]});
   if (entry.whole_matrices) {
     const std::string key = "optimizer.type: " + args.optimizer.type;
     if (args.compute_config.offload.delayed_update)
