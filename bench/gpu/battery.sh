@@ -111,10 +111,24 @@ say() { echo "[battery $(date -u +%H:%M:%S) +$(($(date +%s) - t_start))s] $*"; }
 left() { echo $((budget - ($(date +%s) - t_start))); }
 
 # Results into $OUT after every phase: what a killed call leaves still comes back.
+# The device tool brings back files of at most 16 MiB: a folder packed larger
+# leaves its profiler traces to a tarball of their own (dropped if that is too
+# large too), so the logs and tables always come back.
 pack() {
   cp -f "$res/summary.md" "$res/results.json" "$out/" 2>/dev/null
   cp -f "$res/battery.log" "$out/" 2>/dev/null
-  tar czf "$out/$(basename "$res").tar.gz" -C "$(dirname "$res")" "$(basename "$res")" 2>/dev/null
+  local tgz="$out/$(basename "$res").tar.gz" max=$((15 << 20))
+  tar czf "$tgz" -C "$(dirname "$res")" "$(basename "$res")" 2>/dev/null
+  rm -f "$out/traces.tar.gz"
+  if [ "$(stat -c %s "$tgz" 2>/dev/null || echo 0)" -gt "$max" ]; then
+    tar czf "$tgz" --exclude='*trace*' -C "$(dirname "$res")" "$(basename "$res")" 2>/dev/null
+    (cd "$(dirname "$res")" && find "$(basename "$res")" -type f -name '*trace*' -print0 |
+       tar czf "$out/traces.tar.gz" --null -T -) 2>/dev/null
+    if [ "$(stat -c %s "$out/traces.tar.gz" 2>/dev/null || echo 0)" -gt "$max" ]; then
+      rm -f "$out/traces.tar.gz"
+      say "the profiler traces packed exceed 15 MiB: left on the machine (their tables are in the results)"
+    fi
+  fi
 }
 
 # ---------------------------------------------------------------- the machine

@@ -63,8 +63,9 @@ DATA = ROOT / "runs" / "battery_data"
 SHAKESPEARE = pathlib.Path(os.environ.get("NNSTRAIN_BATTERY_DATA") or ROOT / "data" / "shakespeare_char")
 
 # Per benchmark: config, timing (steps, logging interval, first steps dropped),
-# micro-batch candidates (None: the config's), caps in seconds for each child
-# process, and the smoke-test overrides (tiny shapes on the CPU).
+# micro-batch candidates (None: the config's), steps profiled after the timed
+# ones for the kernel tables (kernels; issue 37 (b)), caps in seconds for each
+# child process, and the smoke-test overrides (tiny shapes on the CPU).
 BENCH = {
     "shakespeare": dict(
         config="shakespeare_char.yaml", steps=300, log_every=25, drop=50, batches=None,
@@ -73,7 +74,7 @@ BENCH = {
                "--vars.block_size", "32", "--micro_batch_size", "4"],
         smoke_steps=(20, 5, 5)),
     "gpt2": dict(
-        config="gpt2_124m.yaml", steps=60, log_every=10, drop=20, batches=[64, 48, 32, 24, 16, 12, 8, 4],
+        config="gpt2_124m.yaml", steps=60, log_every=10, drop=20, batches=[64, 48, 32, 24, 16, 12, 8, 4], kernels=2,
         cap_nnstrain=150, cap_eager=150, cap_compile=240,
         smoke=["--model.args.n_layer", "2", "--model.args.n_head", "2", "--model.args.n_embd", "32",
                "--model.args.vocab_size", "512", "--vars.block_size", "64"],
@@ -81,7 +82,7 @@ BENCH = {
     "llama": dict(
         # No CUDA-graph row: a 1B model's steps are long enough that launch overhead does not
         # show, and the row cost 27-40 s of the one device call (the H100 run of 2026-11-22).
-        config="llama3_1b.yaml", steps=25, log_every=5, drop=10, batches=[8, 6, 4, 2, 1], graphs=False,
+        config="llama3_1b.yaml", steps=25, log_every=5, drop=10, batches=[8, 6, 4, 2, 1], graphs=False, kernels=2,
         cap_nnstrain=180, cap_eager=180, cap_compile=300,
         smoke=["--model.args.num_hidden_layers", "2", "--model.args.hidden_size", "64",
                "--model.args.intermediate_size", "128", "--model.args.num_attention_heads", "4",
@@ -346,9 +347,12 @@ def steps_of(ctx, name):
     return b["smoke_steps"] if ctx.smoke else (b["steps"], b["log_every"], b["drop"])
 
 
-def read_metrics(path, drop):
-    """Steps kept (after `drop`), their mean and median ms/step, the other fields."""
+def read_metrics(path, drop, upto=None):
+    """Steps kept (after `drop`, up to `upto`: later ones were profiled), their mean
+    and median ms/step, the other fields."""
     recs = [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+    if upto is not None:
+        recs = [r for r in recs if r.get("step", 0) <= upto]
     train = [r for r in recs if "ms_per_step" in r]
     vals = [r for r in recs if "val_loss" in r]
     kept, prev = [], 0
@@ -378,8 +382,8 @@ def read_metrics(path, drop):
     return out
 
 
-def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout, env=None):
-    """One nnstrain training run: its metrics after `drop` steps (or error / oom)."""
+def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout, env=None, upto=None):
+    """One nnstrain training run: its metrics after `drop` steps, up to `upto` (or error / oom)."""
     d = ctx.out / name
     d.mkdir(exist_ok=True)
     run_dir = ROOT / "runs" / "battery" / name / tag
@@ -399,7 +403,7 @@ def run_nnstrain(ctx, name, tag, config, overrides, drop, timeout, env=None):
         res["oom"] = is_oom(rc, text)
         res["error"] = error_of(rc, text)
     if metrics.exists():
-        res.update(read_metrics(metrics, drop))
+        res.update(read_metrics(metrics, drop, upto))
     return res
 
 
@@ -495,6 +499,37 @@ def add_mfu(res, fpt, rate_tflops):
         res["mfu"] = fpt * res["tokens_per_s"] / (rate_tflops * 1e12)
 
 
+class KernelTables:
+    """kernel_table.py's tables for a folder's traces: each trace summarized as it
+    comes (into its run's results: kernel ms/step, attention, the top kernels),
+    compressed, and the folder's kernels.md / kernels.json rewritten, so a phase
+    cut short keeps what it profiled."""
+
+    def __init__(self, ctx, folder, title):
+        sys.path.insert(0, str(HERE))
+        import kernel_table
+        self.kt, self.ctx, self.title = kernel_table, ctx, title
+        self.dir = ctx.out / folder
+        self.dir.mkdir(exist_ok=True)
+        self.summaries = {}
+
+    def add(self, label, trace, steps, res):
+        if trace is not None and pathlib.Path(trace).exists():
+            try:
+                sm = self.kt.summarize(trace, steps)
+                self.summaries[label] = sm
+                res.update(kernel_ms_per_step=sm["ms_per_step"], attention=sm["attention"],
+                           attention_kernels=sm["attention_kernels"], top=sm["top"], trace_source=sm["source"])
+            except (OSError, ValueError, KeyError) as e:
+                res["kernels_error"] = f"trace {trace}: {e!r}"
+            subprocess.run(["gzip", "-f", str(trace)], check=False)  # kept, compressed (Perfetto opens .gz)
+        elif "error" not in res:
+            res["kernels_error"] = "no trace written"
+        (self.dir / "kernels.md").write_text(self.kt.markdown(self.summaries, self.title))
+        (self.dir / "kernels.json").write_text(json.dumps(self.summaries, indent=2) + "\n")
+        self.ctx.save()
+
+
 def bench_timed(ctx, name):
     """nnstrain (batch probed where the benchmark lists candidates), then eager and compile."""
     b = BENCH[name]
@@ -508,7 +543,12 @@ def bench_timed(ctx, name):
     rate = ensure_matmul(ctx).get("tflops_median")
     steps, log_every, drop = steps_of(ctx, name)
     base = base_overrides(ctx, name)
-    timing = ["--max_train_steps", str(steps), "--log_progress_every_n_train_steps", str(log_every),
+    # Issue 37 (b)'s kernel tables: `kernels` more steps after the timed ones, profiled (nnstrain's
+    # profile: window, torch.profiler in reference.py) and left out of the timings.
+    prof = b.get("kernels", 0)
+    tables = KernelTables(ctx, name, f"Kernel profile of the {name} benchmark: nnstrain, PyTorch eager, "
+                          f"torch.compile ({prof} steps after the timed ones, same batch)") if prof else None
+    timing = ["--max_train_steps", str(steps + prof), "--log_progress_every_n_train_steps", str(log_every),
               "--val_every_n_train_steps", "0"]
     batches = b.get("smoke_batches") if ctx.smoke else b["batches"]
     entry = ctx.results["benchmarks"].setdefault(name, {})
@@ -517,11 +557,13 @@ def bench_timed(ctx, name):
 
     # nnstrain: the first candidate (largest first) that runs without running out of memory.
     probes, nn = [], None
+    trace_dir = lambda mb: ctx.out / name / f"trace_nnstrain_b{mb}"
     for mb in (batches or [None]):
         over = base + timing + (["--micro_batch_size", str(mb)] if mb else [])
+        profile = ["--profile.steps", f"[{steps + 1},{steps + prof}]", "--profile.dir", str(trace_dir(mb))]
         log(f"{name}: nnstrain" + (f", micro-batch {mb}" if mb else ""))
-        res = run_nnstrain(ctx, name, f"b{mb}" if mb else "timing", b["config"], over, drop,
-                           ctx.left(b["cap_nnstrain"]))
+        res = run_nnstrain(ctx, name, f"b{mb}" if mb else "timing", b["config"], over + (profile if prof else []),
+                           drop, ctx.left(b["cap_nnstrain"]), upto=steps)
         probes.append({"micro_batch": mb, "rc": res["rc"], "oom": res.get("oom", False)})
         if res["rc"] == 0 or not res.get("oom"):
             nn = res
@@ -540,6 +582,8 @@ def bench_timed(ctx, name):
     entry.update(micro_batch=cfg["micro_batch_size"], seq_len=cfg["dataset"]["train_args"]["seq_len"],
                  precision=cfg["precision"], flops_per_token=fpt, tokens_per_step=tokens_step,
                  matmul_tflops=rate, nnstrain=nn)
+    if tables:
+        tables.add(f"{name}/nnstrain", trace_dir(mb) / "trace_rank0.json", prof, nn)
     entry["plan"] = run_plan(ctx, name, over)
     meas = nn.get("peak_mem_mb")
     if meas and entry["plan"].get("estimate_total_mb"):
@@ -558,7 +602,8 @@ def bench_timed(ctx, name):
                 g_over[g_over.index("--micro_batch_size") + 1] = str(mb)
             log(f"{name}: nnstrain with cuda_graphs" + (f", micro-batch {mb}" if mb else ""))
             g = run_nnstrain(ctx, name, f"graphs_b{mb}" if mb else "graphs", b["config"],
-                             g_over + ["--compute_config.cuda_graphs", "true"], drop, ctx.left(b["cap_nnstrain"]))
+                             g_over + ["--compute_config.cuda_graphs", "true"], drop, ctx.left(b["cap_nnstrain"]),
+                             upto=steps)
             g["batch"] = mb or cfg["micro_batch_size"]
             if "ms_per_step" in g:
                 g["tokens_per_s"] = g["batch"] * entry["seq_len"] / g["ms_per_step"] * 1000.0
@@ -574,8 +619,12 @@ def bench_timed(ctx, name):
     for mode in ("eager", "compile"):
         if ctx.a.skip_compile and mode == "compile":
             continue
-        ref = run_reference(ctx, name, mode, cfg, batch, b[f"cap_{mode}"])
+        path = ctx.out / name / f"trace_{mode}.json"
+        extra = ["--profile", path, "--profile-steps", prof] if prof else []
+        ref = run_reference(ctx, name, mode, cfg, batch, b[f"cap_{mode}"], extra=extra)
         batch = ref.get("batch", batch)
+        if tables:
+            tables.add(f"{name}/{mode}", path if "ms_per_step" in ref else None, prof, ref)
         add_mfu(ref, fpt, rate)
         entry[f"pytorch_{mode}"] = ref
         for who, n in (("", nn), ("graphs_", entry.get("nnstrain_graphs", {}))):
@@ -840,33 +889,18 @@ def bench_profile(ctx):
     (its profile: window), PyTorch eager and torch.compile (torch.profiler in
     reference.py), the same batch for all three (halved on OOM, stated), then
     kernel_table.py's tables: the 15 most expensive kernels of each with their
-    share, time by kind, and which attention kernel ran. The tables are rewritten
-    after every run, so a phase cut short keeps what it profiled."""
-    sys.path.insert(0, str(HERE))
-    import kernel_table
+    share, time by kind, and which attention kernel ran (KernelTables). The gpt2
+    and llama phases write the same tables for their own runs; this phase
+    profiles all three at one fixed batch."""
     d = ctx.out / "profile"
-    d.mkdir(exist_ok=True)
     out = ctx.results["benchmarks"].setdefault("profile", {"runs": {}})
     out["tables"] = "profile/kernels.md"
-    summaries = {}
+    tables = KernelTables(ctx, "profile", "Kernel profile: nnstrain, PyTorch eager, torch.compile "
+                          "(bench/gpu battery, profile phase)")
 
     def tabulate(label, trace, steps, res):
         out["runs"][label] = res
-        if trace is not None and trace.exists():
-            try:
-                sm = kernel_table.summarize(trace, steps)
-                summaries[label] = sm
-                res.update(kernel_ms_per_step=sm["ms_per_step"], attention=sm["attention"],
-                           attention_kernels=sm["attention_kernels"], top=sm["top"], trace_source=sm["source"])
-            except (OSError, ValueError, KeyError) as e:
-                res["error"] = f"trace {trace}: {e!r}"
-            subprocess.run(["gzip", "-f", str(trace)], check=False)  # kept, compressed (Perfetto opens .gz)
-        elif "error" not in res:
-            res["error"] = "no trace written"
-        (d / "kernels.md").write_text(kernel_table.markdown(
-            summaries, "Kernel profile: nnstrain, PyTorch eager, torch.compile (bench/gpu battery, profile phase)"))
-        (d / "kernels.json").write_text(json.dumps(summaries, indent=2) + "\n")
-        ctx.save()
+        tables.add(label, trace, steps, res)
 
     for name in ("gpt2", "llama"):
         p, b = PROFILE[name], BENCH[name]
@@ -894,7 +928,7 @@ def bench_profile(ctx):
                 continue
             path = d / f"{name}_{mode}_trace.json"
             ref = run_reference(ctx, name, mode, cfg, batch, p[f"cap_{mode}"], timing=(total, total, p["warm"]),
-                                folder="profile", extra=["--profile", path])
+                                folder="profile", extra=["--profile", path, "--profile-steps", p["steps"]])
             batch = ref.get("batch", batch)  # compile starts at the batch eager fitted
             tabulate(f"{name}/{mode}", path if "ms_per_step" in ref else None, p["steps"], ref)
 
@@ -1112,6 +1146,20 @@ def write_summary(r, path):
         pl = e.get("plan", {})
         if pl.get("recompute_layers"):
             notes.append(f"- {name}: the planner chose recompute for {pl['recompute_layers']} layers")
+    for name in ("gpt2", "llama"):  # issue 37 (b): the kernels of each timed run
+        e = r.get("benchmarks", {}).get(name, {})
+        runs = [(who, e[who]) for who in ("nnstrain", "pytorch_eager", "pytorch_compile") if e.get(who)]
+        if not any("top" in x or "kernels_error" in x for _, x in runs):
+            continue
+        L += ["", f"## {name}: kernels after the timed steps (tables in {name}/kernels.md)", "",
+              "| run | kernel ms/step | most expensive kernel (share) | attention kernel(s) |", "|---|---:|---|---|"]
+        for who, x in runs:
+            top = x.get("top") or [{}]
+            first = (f"`{str(top[0].get('name', '-'))[:70]}` ({100 * top[0]['share']:.1f}%)"
+                     if "share" in top[0] else "-")
+            att = ", ".join(f"{b} {100 * v['share']:.1f}%" for b, v in x.get("attention", {}).items()) or "-"
+            L.append(f"| {who} | {fmt(x.get('kernel_ms_per_step'), '.2f')} | {first} | {att}"
+                     + (f" (ERROR: {x['kernels_error']})" if x.get("kernels_error") else "") + " |")
     f = r.get("benchmarks", {}).get("shakespeare_full")
     if f:
         n = f.get("nnstrain", {})
@@ -1129,8 +1177,9 @@ def write_summary(r, path):
         for label, x in pr.get("runs", {}).items():
             att = ", ".join(f"{b} {100 * v['share']:.1f}%" for b, v in x.get("attention", {}).items()) or (
                 "none found" if "kernel_ms_per_step" in x else "-")
+            err = x.get("error") or x.get("kernels_error")
             L.append(f"| {label} | {x.get('batch', '?')} | {fmt(x.get('kernel_ms_per_step'), '.2f')} | {att}"
-                     + (f" (ERROR: {x['error']})" if "error" in x else "") + " |")
+                     + (f" (ERROR: {err})" if err else "") + " |")
     cr = r.get("benchmarks", {}).get("cp_ring")
     if cr:
         L += ["", "## Ring attention, one rank's share (cp_ring phase; no communication)", ""]

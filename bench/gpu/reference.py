@@ -19,8 +19,9 @@ Timing: --warmup steps first (they include compilation), then --steps timed
 steps between two CUDA events (the mean ms/step), and the host time of every
 --log-every interval (its median, as nnstrain's metrics records give). Prints
 one JSON line; exit 3 when the batch does not fit in memory. --profile PATH:
-the timed steps run under torch.profiler (CPU and CUDA activities) and its
-Chrome trace is written to PATH (the battery's profile phase).
+after the timed steps, --profile-steps more run under torch.profiler (CPU and
+CUDA activities; untimed, so the timings carry no profiler overhead) and its
+Chrome trace is written to PATH (the battery's kernel tables).
 
 The driver (driver.py) passes the shapes it reads from nnstrain's resolved
 config, so both train the same model on the same data.
@@ -211,19 +212,10 @@ def run(a):
     t0 = None
     intervals, losses = [], []
     t_prev = None
-    prof = None
     x, y = get_batch()
-    for it in range(total):
-        if it == a.warmup:
-            sync()
-            if a.profile:  # the timed steps under torch.profiler (their times then include its overhead)
-                acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-                prof = torch.profiler.profile(activities=acts)
-                prof.start()
-            t0 = t_prev = time.perf_counter()
-            if cuda:
-                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ev0.record()
+
+    def train_step(it):
+        nonlocal x, y
         for g in opt.param_groups:
             g["lr"] = lr_at(it, a)
         with amp:
@@ -234,6 +226,16 @@ def run(a):
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for it in range(total):
+        if it == a.warmup:
+            sync()
+            t0 = t_prev = time.perf_counter()
+            if cuda:
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+        loss = train_step(it)
         if it == 0:
             losses.append(loss.item())
             first_step_s = time.perf_counter() - t_start  # includes compilation under --mode compile
@@ -247,9 +249,6 @@ def run(a):
     if cuda:
         ev1.record()
     sync()
-    if prof is not None:
-        prof.stop()
-        prof.export_chrome_trace(a.profile)
     wall_ms = (time.perf_counter() - t0) * 1000.0 / a.steps
     ms = ev0.elapsed_time(ev1) / a.steps if cuda else wall_ms
     tokens = B * T
@@ -259,11 +258,17 @@ def run(a):
            "ms_per_step_median_interval": statistics.median(v for _, v in intervals) if intervals else ms,
            "tokens_per_s": tokens / ms * 1000.0, "first_step_s": first_step_s,
            "loss_first": losses[0], "loss_last": losses[-1]}
-    if prof is not None:
-        out["profile_trace"], out["profiled_steps"] = a.profile, a.steps
     if cuda:
         out["peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
         out["peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+    if a.profile and a.profile_steps > 0:  # after the timing: its figures above are the profiler's-free ones
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for it in range(total, total + a.profile_steps):
+                train_step(it)
+            sync()
+        prof.export_chrome_trace(a.profile)
+        out["profile_trace"], out["profiled_steps"] = a.profile, a.profile_steps
     return out
 
 
@@ -302,7 +307,9 @@ def main():
     ap.add_argument("--steps", type=int, default=100, help="timed steps")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--profile", default="", help="write a torch.profiler Chrome trace of the timed steps here")
+    ap.add_argument("--profile", default="", help="write a torch.profiler Chrome trace of --profile-steps "
+                    "steps after the timed ones here")
+    ap.add_argument("--profile-steps", type=int, default=2, help="steps profiled after the timed ones")
     a = ap.parse_args()
     if a.model == "llama":
         a.head_dim = a.head_dim or a.n_embd // a.n_head
