@@ -22,14 +22,16 @@
 #                     offload, NVMe offload): long parity suites, after the benchmarks
 #   matmul            the bf16 matmul rate (MFU denominator; benchmarks measure it anyway)
 #   shakespeare       nanoGPT shakespeare_char timing: nnstrain vs PyTorch eager vs compile
-#   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile
+#   gpt2              GPT-2 124M, largest micro-batch, MFU, vs eager / compile; each run's
+#                     kernel table from 2 profiled steps after its timed ones (gpt2/kernels.md)
 #   muon              issue 41: the optimizer step of Muon + AdamW vs AdamW alone on GPT-2 124M
 #                     (bf16 Newton-Schulz, time_optimizer_ms), vs torch.optim.Muon / AdamW (~30 s)
 #   moe               issue 38: a Qwen3-MoE (64 experts, top-8) with grouped expert GEMMs vs the
 #                     per-expert loop (NNSTRAIN_KERNELS=composite): tokens/s, MFU on active parameters
 #   doc_attention     issue 40: packed documents' attention forward + backward by flash's varlen
 #                     kernel, the tiles and the dense mask, 2 x 8192 tokens, Llama 3 8B heads (~30 s)
-#   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile
+#   llama             Llama 3.2 1B shape at seq 4096, MFU, memory, vs eager / compile, kernel
+#                     tables as gpt2's (llama/kernels.md)
 #   shakespeare_full  the full 5000-step shakespeare_char run: best val loss, wall time
 #   zero              ZeRO stages 0-3 at one rank (NCCL): GPT-2 124M losses vs stage 0,
 #                     allocator peak vs the planner's estimate, ms/step; stages 2 and 3
