@@ -558,8 +558,19 @@ def bench_timed(ctx, name):
     # nnstrain: the first candidate (largest first) that runs without running out of memory.
     probes, nn = [], None
     trace_dir = lambda mb: ctx.out / name / f"trace_nnstrain_b{mb}"
-    for mb in (batches or [None]):
+    # A candidate the planner already puts over the device's memory is not started (its
+    # estimates run below the allocator's peak, never above: such a run would only OOM,
+    # after the model's start-up, at device time's cost).
+    device_mb = 1024 * ctx.results["env"].get("device_memory_gb", 0)
+    for i, mb in enumerate(batches or [None]):
         over = base + timing + (["--micro_batch_size", str(mb)] if mb else [])
+        if mb and device_mb and i + 1 < len(batches):
+            est = run_plan(ctx, name, over, saved_as=f"plan_b{mb}.json").get("estimate_total_mb")
+            if est and est > device_mb:
+                probes.append({"micro_batch": mb, "rc": None, "oom": False,
+                               "skipped": f"plan estimate {est:.0f} MiB > device {device_mb:.0f} MiB"})
+                log(f"{name}: micro-batch {mb} skipped, planner estimate {est:.0f} MiB > {device_mb:.0f} MiB")
+                continue
         profile = ["--profile.steps", f"[{steps + 1},{steps + prof}]", "--profile.dir", str(trace_dir(mb))]
         log(f"{name}: nnstrain" + (f", micro-batch {mb}" if mb else ""))
         res = run_nnstrain(ctx, name, f"b{mb}" if mb else "timing", b["config"], over + (profile if prof else []),
@@ -1141,7 +1152,8 @@ def write_summary(r, path):
                 notes.append(f"- {name} torch.compile: first step (compilation) {x['first_step_s']:.0f} s")
         if e.get("probes") and e["probes"][0]["micro_batch"]:
             notes.append(f"- {name} micro-batch probe: " + ", ".join(
-                f"{p['micro_batch']}: {'OOM' if p['oom'] else ('ok' if p['rc'] == 0 else 'rc ' + str(p['rc']))}"
+                f"{p['micro_batch']}: " + (p["skipped"] if p.get("skipped") else
+                                           'OOM' if p['oom'] else ('ok' if p['rc'] == 0 else 'rc ' + str(p['rc'])))
                 for p in e["probes"]))
         pl = e.get("plan", {})
         if pl.get("recompute_layers"):
