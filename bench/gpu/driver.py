@@ -494,9 +494,29 @@ def ensure_synthetic(ctx, name):
     return path
 
 
-def add_mfu(res, fpt, rate_tflops):
-    if rate_tflops and res.get("ms_per_step") and res.get("tokens_per_s"):
+def spec_peak_tflops(env):
+    """The device's dense bf16 peak from its datasheet (H100/H200 SXM 989, H100 PCIe 756,
+    A100 312), the second MFU denominator issue 37 (b) asks for; None elsewhere (CPU)."""
+    name = env.get("device", "")
+    if "H100" in name and "PCIe" in name:
+        return 756.0
+    if "H100" in name or "H200" in name:
+        return 989.0
+    if "A100" in name:
+        return 312.0
+    return None
+
+
+def add_mfu(ctx, res, fpt, rate_tflops):
+    """MFU = FLOPs/token x tokens/s / rate, against the matmul rate measured in this call
+    (mfu) and against the datasheet peak (mfu_spec)."""
+    if not (res.get("ms_per_step") and res.get("tokens_per_s")):
+        return
+    if rate_tflops:
         res["mfu"] = fpt * res["tokens_per_s"] / (rate_tflops * 1e12)
+    spec = spec_peak_tflops(ctx.results["env"])
+    if spec:
+        res["mfu_spec"] = fpt * res["tokens_per_s"] / (spec * 1e12)
 
 
 class KernelTables:
@@ -589,7 +609,7 @@ def bench_timed(ctx, name):
     tokens_step = cfg["micro_batch_size"] * cfg["dataset"]["train_args"]["seq_len"]
     if "ms_per_step" in nn:
         nn["tokens_per_s"] = tokens_step / nn["ms_per_step"] * 1000.0
-    add_mfu(nn, fpt, rate)
+    add_mfu(ctx, nn, fpt, rate)
     entry.update(micro_batch=cfg["micro_batch_size"], seq_len=cfg["dataset"]["train_args"]["seq_len"],
                  precision=cfg["precision"], flops_per_token=fpt, tokens_per_step=tokens_step,
                  matmul_tflops=rate, nnstrain=nn)
@@ -618,7 +638,7 @@ def bench_timed(ctx, name):
             g["batch"] = mb or cfg["micro_batch_size"]
             if "ms_per_step" in g:
                 g["tokens_per_s"] = g["batch"] * entry["seq_len"] / g["ms_per_step"] * 1000.0
-            add_mfu(g, fpt, rate)
+            add_mfu(ctx, g, fpt, rate)
             entry["nnstrain_graphs"] = g
             ctx.save()
             if g["rc"] == 0 or not g.get("oom"):
@@ -636,7 +656,7 @@ def bench_timed(ctx, name):
         batch = ref.get("batch", batch)
         if tables:
             tables.add(f"{name}/{mode}", path if "ms_per_step" in ref else None, prof, ref)
-        add_mfu(ref, fpt, rate)
+        add_mfu(ctx, ref, fpt, rate)
         entry[f"pytorch_{mode}"] = ref
         for who, n in (("", nn), ("graphs_", entry.get("nnstrain_graphs", {}))):
             if n.get("tokens_per_s") and ref.get("tokens_per_s"):
@@ -1102,7 +1122,9 @@ def write_summary(r, path):
     if r.get("phases"):
         L.append("- phases (rc 124 = timed out): " + "; ".join(r["phases"]))
     L += ["", "ms/step: nnstrain = mean over the timed steps of its metrics records; PyTorch = CUDA events over "
-          "the timed steps. MFU = nnstrain's FLOPs/token x tokens/s / the matmul rate above. Ratio > 1: nnstrain "
+          "the timed steps. MFU = nnstrain's FLOPs/token (the same count for every column) x tokens/s / the "
+          "matmul rate measured above; in brackets the same over the datasheet's dense bf16 peak "
+          f"({spec_peak_tflops(r.get('env', {})) or '-'} TFLOP/s). Ratio > 1: nnstrain "
           "faster. Memory: allocator peak (allocated) in MiB; estimate = `nnstrain plan` total.", "",
           "| benchmark | micro-batch x seq | ms/step nnstrain / eager / compile | tok/s nnstrain | "
           "MFU nnstrain / eager / compile | nnstrain vs eager / compile | peak MiB nnstrain / eager / compile | "
@@ -1125,7 +1147,8 @@ def write_summary(r, path):
             return fmt(x.get("ms_per_step"), ".2f") + extra
 
         def pct(x):
-            return fmt(100 * x["mfu"], ".1f") + "%" if x.get("mfu") is not None else "-"
+            got = fmt(100 * x["mfu"], ".1f") + "%" if x.get("mfu") is not None else "-"
+            return got + (f" ({100 * x['mfu_spec']:.1f}%)" if x.get("mfu_spec") is not None else "")
 
         est = (f"{fmt(pl.get('estimate_total_mb'), '.0f')} ({fmt(100 * pl['error'], '+.1f')}%)"
                if "error" in pl and isinstance(pl.get("error"), float) else pl.get("error", "-")[:60]
