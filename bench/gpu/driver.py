@@ -544,7 +544,7 @@ class KernelTables:
                 res["kernels_error"] = f"trace {trace}: {e!r}"
             subprocess.run(["gzip", "-f", str(trace)], check=False)  # kept, compressed (Perfetto opens .gz)
         elif "error" not in res:
-            res["kernels_error"] = "no trace written"
+            res["kernels_error"] = res.get("profile_error") or "no trace written"
         (self.dir / "kernels.md").write_text(self.kt.markdown(self.summaries, self.title))
         (self.dir / "kernels.json").write_text(json.dumps(self.summaries, indent=2) + "\n")
         self.ctx.save()
@@ -625,7 +625,8 @@ def bench_timed(ctx, name):
     # The same run with the whole step captured in a CUDA graph (compute_config.cuda_graphs;
     # one GPU only, so not in the CPU smoke test). Capture needs memory beside the
     # step's own: on OOM it steps down the remaining micro-batch candidates.
-    if not ctx.smoke and nn.get("rc") == 0 and b.get("graphs", True):
+    # (A run that failed only in its profiled steps after the timed ones still timed them.)
+    if not ctx.smoke and (nn.get("rc") == 0 or nn.get("steps_timed")) and b.get("graphs", True):
         rest = batches[batches.index(cfg["micro_batch_size"]):] if batches else [None]
         for mb in rest:
             g_over = [x for x in over]
@@ -655,7 +656,7 @@ def bench_timed(ctx, name):
         ref = run_reference(ctx, name, mode, cfg, batch, b[f"cap_{mode}"], extra=extra)
         batch = ref.get("batch", batch)
         if tables:
-            tables.add(f"{name}/{mode}", path if "ms_per_step" in ref else None, prof, ref)
+            tables.add(f"{name}/{mode}", path if "profile_trace" in ref else None, prof, ref)
         add_mfu(ctx, ref, fpt, rate)
         entry[f"pytorch_{mode}"] = ref
         for who, n in (("", nn), ("graphs_", entry.get("nnstrain_graphs", {}))):
