@@ -3,7 +3,9 @@
 // CUDA device, CUDA activities, and writes one Chrome-trace JSON per rank that
 // Perfetto and chrome://tracing open. The step and its parts are named ranges
 // (StepTimer), so the trace shows data, forward, backward, communication and
-// optimizer.
+// optimizer. On CUDA the device is synchronised at the window's two edges, so
+// the trace holds the window's kernels and no others (they run asynchronously:
+// the last step's would still be in flight when the profiler stops).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -28,9 +30,11 @@ class StepProfiler {
 
  private:
   void finish();
+  void synchronize() const;  // CUDA: every queued kernel done
 
   config::ProfileArgs args_;
   bool cuda_;
+  c10::DeviceIndex index_ = 0;
   std::string path_;
   bool running_ = false;
 };
