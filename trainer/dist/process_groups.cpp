@@ -641,29 +641,45 @@ c10::intrusive_ptr<c10d::Work> Runtime::p2p_async(Group& g, std::vector<P2POp> o
 c10::intrusive_ptr<c10d::Work> Runtime::coalesced(Group& g, std::vector<P2POp> ops, const char* what, const Traffic& add) {
   if (opts_.nccl_p2p_rules && !g.nccl && !g.nccl_rules)  // this communicator's "stream", made at its first transfer
     g.nccl_rules = std::make_shared<NcclRulesP2P>(g.backend, opts_.timeout);
-  if (g.nccl_rules) return issue(g, what, add, [&] { return g.nccl_rules->post(std::move(ops)); });
+  return issue(g, what, add, [&]() -> c10::intrusive_ptr<c10d::Work> {
+    // Gloo's send and recv move host memory only: they hand the tensor's pointer
+    // to the transport as it is, so a CUDA tensor travels through a host copy,
+    // and a received one lands on the device when the transfer is waited for.
+    std::vector<std::pair<at::Tensor, at::Tensor>> landing;  // (device tensor, its host copy)
+    if (!g.nccl)
+      for (auto& op : ops) {
+        if (!op.tensor.is_cuda()) continue;
+        auto host = op.send ? op.tensor.to(at::kCPU) : at::empty(op.tensor.sizes(), op.tensor.options().device(at::kCPU));
+        if (!op.send) landing.emplace_back(op.tensor, host);
+        op.tensor = host;
+      }
+    auto w = post_p2p(g, std::move(ops));
+    if (landing.empty()) return w;
+    return c10::make_intrusive<HostLanding>(std::move(w), std::move(landing));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Runtime::post_p2p(Group& g, std::vector<P2POp> ops) {
+  if (g.nccl_rules) return g.nccl_rules->post(std::move(ops));
   if (g.nccl || g.backend->supportsCoalescing()) {
     // One NCCL group: c10d gives a coalesced batch the group's own
     // communicator and stream, as batch_isend_irecv does; the tag is ignored.
-    return issue(g, what, add, [&] {
-      g.backend->startCoalescing();
-      for (auto& op : ops) {
-        std::vector<at::Tensor> v{op.tensor};
-        if (op.send) g.backend->send(v, op.peer, 0);
-        else g.backend->recv(v, op.peer, 0);
-      }
-      return g.backend->endCoalescing();
-    });
-  }
-  // Gloo: issued together, one tag, so the pairing is by order as on NCCL.
-  return issue(g, what, add, [&] {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    g.backend->startCoalescing();
     for (auto& op : ops) {
       std::vector<at::Tensor> v{op.tensor};
-      works.push_back(op.send ? g.backend->send(v, op.peer, 0) : g.backend->recv(v, op.peer, 0));
+      if (op.send) g.backend->send(v, op.peer, 0);
+      else g.backend->recv(v, op.peer, 0);
     }
-    return c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<WorkList>(std::move(works)));
-  });
+    return g.backend->endCoalescing();
+  }
+  // Gloo: issued together, one tag, so the pairing is by order as on NCCL.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (auto& op : ops) {
+    TORCH_CHECK(!op.tensor.is_cuda(), "Gloo point-to-point with a CUDA tensor (coalesced() stages them on the host)");
+    std::vector<at::Tensor> v{op.tensor};
+    works.push_back(op.send ? g.backend->send(v, op.peer, 0) : g.backend->recv(v, op.peer, 0));
+  }
+  return c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<WorkList>(std::move(works)));
 }
 
 c10::intrusive_ptr<c10d::Work> Runtime::ring_shift_async(Group& g, at::Tensor send, at::Tensor recv, const char* what) {

@@ -203,6 +203,7 @@ class Runtime {
   // `add` is the collective's traffic, counted on `g`.
   // p2p_async's group, counted as `add`.
   c10::intrusive_ptr<c10d::Work> coalesced(Group& g, std::vector<P2POp> ops, const char* what, const Traffic& add);
+  c10::intrusive_ptr<c10d::Work> post_p2p(Group& g, std::vector<P2POp> ops);  // coalesced's transfers, as given
   template <typename F>
   c10::intrusive_ptr<c10d::Work> issue(Group& g, const char* what, const Traffic& add, F&& issue);
   [[noreturn]] void fail(const Group& g, const char* what, const std::string& cause);
