@@ -46,13 +46,6 @@ bool WorkList::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
-bool HostLanding::wait(std::chrono::milliseconds timeout) {
-  work_->wait(timeout);
-  for (auto& [device, host] : landing_) device.copy_(host);
-  landing_.clear();
-  return true;
-}
-
 struct NcclRulesP2P::State {
   c10::intrusive_ptr<c10d::Backend> gloo;
   std::chrono::milliseconds timeout;

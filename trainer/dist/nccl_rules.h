@@ -18,7 +18,6 @@
 
 #include <chrono>
 #include <memory>
-#include <utility>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -45,23 +44,6 @@ class WorkList : public c10d::Work {
 
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-};
-
-// A Gloo transfer's work whose receives went into host copies of CUDA
-// tensors (Gloo's send and recv move host memory only): waiting for it copies
-// each into its device tensor.
-class HostLanding : public c10d::Work {
- public:
-  HostLanding(c10::intrusive_ptr<c10d::Work> work, std::vector<std::pair<at::Tensor, at::Tensor>> landing)
-      : work_(std::move(work)), landing_(std::move(landing)) {}
-  bool isCompleted() override { return work_->isCompleted(); }
-  bool isSuccess() const override { return work_->isSuccess(); }
-  std::exception_ptr exception() const override { return work_->exception(); }
-  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-
- private:
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> landing_;  // (device tensor, host copy), emptied by wait
 };
 
 class NcclRulesP2P {

@@ -26,6 +26,28 @@ namespace nnstrain::dist {
 
 namespace {
 
+// A Gloo transfer's work whose receives went into host copies of CUDA
+// tensors (Gloo's send and recv move host memory only, Runtime::coalesced):
+// waiting for it copies each into its device tensor.
+class HostLanding : public c10d::Work {
+ public:
+  HostLanding(c10::intrusive_ptr<c10d::Work> work, std::vector<std::pair<at::Tensor, at::Tensor>> landing)
+      : work_(std::move(work)), landing_(std::move(landing)) {}
+  bool isCompleted() override { return work_->isCompleted(); }
+  bool isSuccess() const override { return work_->isSuccess(); }
+  std::exception_ptr exception() const override { return work_->exception(); }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    work_->wait(timeout);
+    for (auto& [device, host] : landing_) device.copy_(host);
+    landing_.clear();
+    return true;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> landing_;  // (device tensor, host copy), emptied by wait
+};
+
 constexpr auto kHeartbeat = std::chrono::milliseconds(500);
 constexpr auto kMonitorPoll = std::chrono::milliseconds(100);
 // NCCL's watchdog fires this much after our monitor, which then has had time to
