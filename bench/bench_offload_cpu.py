@@ -4,7 +4,7 @@
 against the planner's estimate, and tokens/s, with and without offload.
 
 On a machine without a GPU offload runs its own code path with ordinary host
-buffers counted apart from the device's tensors (trainer/parallel/offload.h),
+buffers counted apart from the device's tensors (trainer/offload/offload.h),
 so the memory figures are exact and the throughput shows the cost of the
 extra copies and the bucket-by-bucket host step in CPU terms only: the device
 is the CPU too, so there is no PCIe link to hide and no GPU step to overlap

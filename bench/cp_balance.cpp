@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "models/common/context_attention.h"
-#include "trainer/parallel/context_parallel.h"
+#include "trainer/state/context_parallel.h"
 
 using namespace nnstrain;
 using models::common::CpAttentionOptions;

@@ -13,7 +13,7 @@ periods from the last rank's end of the step before the window to its end of
 the window's last (a step's start is no common mark once steps overlap): what
 the steps cost beyond the pipeline's compute, the optimizer and the steps'
 synchronisation included.
-The baseline is the simulator (trainer/parallel/pipeline_schedule.h) run on the
+The baseline is the simulator (trainer/pipeline/schedule.h) run on the
 same lists with the same costs (pipeline::simulate_steady: consecutive steps,
 synchronous or overlapping), logged by the run itself, and the published
 formula: GPipe and 1F1B (p-1)/(m+p-1) = 27.3% at p 4, m 8; interleaved

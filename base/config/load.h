@@ -50,7 +50,7 @@ struct IndexedKeys {
 struct ModuleChecks {
   // pas_config with pp_size > 1 and the step's micro-batches known: can the
   // scheduler run pp_size ranks, the stages and `micros` micro-batches?
-  // parallel::pipeline::check_config_schedule (trainer/parallel/pipeline_config_check.h).
+  // parallel::pipeline::check_config_schedule (trainer/pipeline/config_check.h).
   void (*pipeline_schedule)(const ArgMap& pas, const PipelineArgs& pipeline, int micros) = nullptr;
   // dataset.type indexed with check_files: each dataset's manifest and files, one
   // tokenizer for all, the join token, instruction data for mask_prompt.

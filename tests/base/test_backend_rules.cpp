@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/pipeline/schedule.h"
 
 using namespace nnstrain::parallel::pipeline;
 

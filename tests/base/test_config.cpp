@@ -14,7 +14,7 @@
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
 #include "data/indexed/config_check.h"
-#include "trainer/parallel/pipeline_config_check.h"
+#include "trainer/pipeline/config_check.h"
 
 namespace fs = std::filesystem;
 using namespace nnstrain::config;

@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/pipeline/schedule.h"
 
 using namespace nnstrain::parallel::pipeline;
 

@@ -3,7 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include "base/config/arg_map.h"
-#include "trainer/parallel/pipeline_stages.h"
+#include "trainer/pipeline/stages.h"
 
 using namespace nnstrain;
 using Catch::Matchers::Contains;

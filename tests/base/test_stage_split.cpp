@@ -10,8 +10,8 @@
 #include <numeric>
 #include <vector>
 
-#include "trainer/parallel/pipeline_schedule.h"
-#include "trainer/parallel/pipeline_stages.h"
+#include "trainer/pipeline/schedule.h"
+#include "trainer/pipeline/stages.h"
 
 using namespace nnstrain::parallel;
 using namespace nnstrain::parallel::pipeline;

@@ -16,7 +16,7 @@
 #include "trainer/checkpoint/manifest.h"
 #include "base/config/load.h"
 #include "data/indexed/config_check.h"
-#include "trainer/parallel/pipeline_config_check.h"
+#include "trainer/pipeline/config_check.h"
 #include "base/text.h"
 
 namespace fs = std::filesystem;

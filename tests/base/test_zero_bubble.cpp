@@ -19,7 +19,7 @@
 #include <algorithm>
 #include <string>
 
-#include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/pipeline/schedule.h"
 
 using namespace nnstrain::parallel::pipeline;
 using Catch::Matchers::Contains;

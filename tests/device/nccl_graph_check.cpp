@@ -34,8 +34,8 @@
 #endif
 
 #include "trainer/dist/process_groups.h"
-#include "trainer/parallel/grad_reducer.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/grad_reducer.h"
+#include "trainer/state/training_state.h"
 #include "trainer/train/step_graph.h"
 
 using namespace nnstrain;

@@ -8,7 +8,7 @@
 
 #include "base/config/load.h"
 #include "data/indexed/config_check.h"
-#include "trainer/parallel/pipeline_config_check.h"
+#include "trainer/pipeline/config_check.h"
 
 using namespace nnstrain::config;
 

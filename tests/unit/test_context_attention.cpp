@@ -22,7 +22,7 @@
 #include "models/common/varlen_attention.h"
 #include "models/llama/llama.h"
 #include "trainer/dist/process_groups.h"
-#include "trainer/parallel/context_parallel.h"
+#include "trainer/state/context_parallel.h"
 
 using namespace nnstrain;
 using models::common::CpAttentionOptions;

@@ -5,7 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
-#include "trainer/parallel/offload.h"
+#include "trainer/offload/offload.h"
 #include "trainer/train/cpu_memory.h"
 #include "trainer/train/metrics.h"
 

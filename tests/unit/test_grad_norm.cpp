@@ -5,8 +5,8 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
-#include "trainer/parallel/clip.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/clip.h"
+#include "trainer/state/training_state.h"
 
 using namespace nnstrain;
 

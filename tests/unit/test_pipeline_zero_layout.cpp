@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/training_state.h"
 
 using nnstrain::parallel::FlatLayout;
 using nnstrain::parallel::TrainingState;

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "models/gpt/gpt.h"
-#include "trainer/parallel/plan_agreement.h"
+#include "trainer/plan/plan_agreement.h"
 
 using namespace nnstrain;
 

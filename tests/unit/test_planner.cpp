@@ -18,8 +18,8 @@
 #include "trainer/cli/plan_command.h"
 #include "base/config/arg_map.h"
 #include "models/common/sharding.h"
-#include "trainer/parallel/plan.h"
-#include "trainer/parallel/planner.h"
+#include "trainer/plan/plan.h"
+#include "trainer/plan/planner.h"
 
 using namespace nnstrain;
 using parallel::Candidate;

@@ -8,7 +8,7 @@
 
 #include "models/common/sharding.h"
 #include "models/llama/llama.h"
-#include "trainer/parallel/planner.h"
+#include "trainer/plan/planner.h"
 
 using namespace nnstrain;
 using parallel::Candidate;

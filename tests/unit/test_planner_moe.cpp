@@ -11,8 +11,8 @@
 #include <numeric>
 
 #include "trainer/optim/precision.h"
-#include "trainer/parallel/planner.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/plan/planner.h"
+#include "trainer/state/training_state.h"
 
 using namespace nnstrain;
 using parallel::Candidate;

@@ -1,4 +1,4 @@
-// The optimizer's step in the cost model (trainer/parallel/cost_model.cpp
+// The optimizer's step in the cost model (trainer/plan/cost_model.cpp
 // optimizer_work, optimizer_time_term; docs/parallelism.md "The optimizer's
 // step"): AdamW's element-wise update, and Muon's Newton-Schulz FLOPs, owner
 // balance, gather and scatter, and state. The expected figures are worked out
@@ -10,7 +10,7 @@
 
 #include "models/gpt/gpt.h"
 #include "trainer/optim/muon/muon_config.h"
-#include "trainer/parallel/planner.h"
+#include "trainer/plan/planner.h"
 
 using namespace nnstrain;
 using parallel::Candidate;

@@ -22,8 +22,8 @@
 #include "trainer/sharding/shard_spec.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/adamw.h"
-#include "trainer/parallel/grad_reducer.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/grad_reducer.h"
+#include "trainer/state/training_state.h"
 
 using namespace nnstrain;
 

@@ -24,7 +24,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/interop/generate_command.h"
 #include "trainer/interop/merge_command.h"
-#include "trainer/parallel/pipeline_config_check.h"
+#include "trainer/pipeline/config_check.h"
 #include "trainer/cli/plan_command.h"
 #include "trainer/cli/report.h"
 #include "trainer/cli/version.h"

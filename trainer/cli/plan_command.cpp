@@ -1,7 +1,7 @@
 #include "trainer/cli/plan_command.h"
 
 #include "trainer/optim/precision.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/training_state.h"
 
 #include <torch/torch.h>
 
@@ -18,11 +18,11 @@
 #include "trainer/optim/registry.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
-#include "trainer/parallel/pipeline_config_check.h"
-#include "trainer/parallel/nvme_store.h"
-#include "trainer/parallel/plan.h"
-#include "trainer/parallel/pipeline_schedule.h"
-#include "trainer/parallel/planner.h"
+#include "trainer/pipeline/config_check.h"
+#include "trainer/offload/nvme_store.h"
+#include "trainer/plan/plan.h"
+#include "trainer/pipeline/schedule.h"
+#include "trainer/plan/planner.h"
 
 namespace nnstrain::cli {
 

@@ -11,7 +11,7 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "base/config/load.h"
-#include "trainer/parallel/pipeline_config_check.h"
+#include "trainer/pipeline/config_check.h"
 
 namespace fs = std::filesystem;
 

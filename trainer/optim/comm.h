@@ -2,7 +2,7 @@
 // rank): over the ranks that share this pipeline stage's parameters (dp x cp x
 // tp at this pp index, Runtime::stage). Every member calls them in the same
 // order; tensors live on device(). Implemented over the Runtime in
-// trainer/parallel/optimizer_comm.cpp, and for one process below.
+// trainer/state/optimizer_comm.cpp, and for one process below.
 #pragma once
 
 #include <ATen/core/Tensor.h>

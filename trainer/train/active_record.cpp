@@ -12,7 +12,7 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "models/common/kernels/grouped_gemm.h"
 #include "trainer/dist/process_groups.h"
-#include "trainer/parallel/nvme_tier.h"
+#include "trainer/offload/nvme_tier.h"
 #include "trainer/train/startup.h"
 
 namespace fs = std::filesystem;

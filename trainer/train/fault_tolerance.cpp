@@ -16,7 +16,7 @@
 #include "base/log.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/dist/process_groups.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/training_state.h"
 #include "trainer/train/metrics.h"
 
 namespace fs = std::filesystem;

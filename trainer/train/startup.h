@@ -25,11 +25,11 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/optim/optimizer.h"
 #include "trainer/optim/precision.h"
-#include "trainer/parallel/grad_reducer.h"
-#include "trainer/parallel/pipeline_runtime.h"
-#include "trainer/parallel/plan.h"
-#include "trainer/parallel/planner.h"
-#include "trainer/parallel/training_state.h"
+#include "trainer/state/grad_reducer.h"
+#include "trainer/pipeline/runtime.h"
+#include "trainer/plan/plan.h"
+#include "trainer/plan/planner.h"
+#include "trainer/state/training_state.h"
 #include "trainer/train/trainer.h"
 
 namespace nnstrain::train {
