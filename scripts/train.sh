@@ -4,8 +4,9 @@
 # when no GPU is present. Extra arguments go to nnstrain (overrides, --resume).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# The binary only: the test suite is scripts/test.sh's to build.
-NNSTRAIN_BUILD_TARGET=nnstrain "$root/scripts/setup.sh"
+# The binary only, and only what training needs: the test suite and its reference
+# packages are scripts/test.sh's to build and install.
+NNSTRAIN_SETUP=train NNSTRAIN_BUILD_TARGET=nnstrain "$root/scripts/setup.sh"
 cd "$root"
 build=${NNSTRAIN_BUILD_DIR:-$root/build}
 "$build/nnstrain" prepare shakespeare_char
