@@ -2,7 +2,7 @@
 // this rank's position in it, the options (device) to build on, and the
 // collectives its parallel layers need. Models read local sizes from here and
 // never see a rank or a process group: layers call the abstract TpComm, which
-// trainer/parallel implements over its tensor-parallel group.
+// trainer/state implements over its tensor-parallel group.
 #pragma once
 
 #include <ATen/core/Tensor.h>

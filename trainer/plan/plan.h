@@ -1,6 +1,6 @@
 // Plan: how one run is split over its ranks. Produced by the planner
 // (planner.h) from the config, the model's split declaration and a cost model;
-// applied by trainer/parallel; printed by `nnstrain plan`; saved in checkpoints.
+// applied by trainer/state, trainer/pipeline and the loop; printed by `nnstrain plan`; saved in checkpoints.
 #pragma once
 
 #include <cstdint>
