@@ -73,6 +73,14 @@ then
   "$venv/bin/pip" install -q "$torch_pin" ${py_pkgs[@]+"${py_pkgs[@]}"}
 fi
 
+# The chat-template parity corpus (tests/integration/test_chat_templates.py): llama-cpp-python's
+# source distribution, downloaded and never built, for the real models' templates it ships.
+sdist=$HOME/.cache/nnstrain/sdist
+if [ "$setup_for" = test ] && ! ls "$sdist"/llama_cpp_python-0.3.36.tar.gz >/dev/null 2>&1; then
+  say "downloading llama-cpp-python's source distribution into $sdist (chat templates for the tests)"
+  "$venv/bin/pip" download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$sdist"
+fi
+
 # 3. Configure (once) and build.
 torch_prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 if [ ! -f "$build/CMakeCache.txt" ]; then
