@@ -43,6 +43,11 @@ struct Saver::Impl {
   SaveContext ctx;
   SaveStore store;
   std::function<void(const SaveReport&)> on_published;
+  // Asynchronous saves started by this saver: every rank starts the same ones in
+  // the same order, so the count names a save in the store on every rank. The
+  // step alone does not: after a rewind a step is saved again, and its keys of
+  // the first save are still in the store.
+  int64_t saves = 0;
 
   std::vector<at::Tensor> host;  // snapshot buffers, reused while shapes and dtypes stay
   std::vector<bool> host_pinned;
@@ -120,8 +125,8 @@ struct Saver::Impl {
 
   // The background half of one save: (CPU) the copy, then write, agree through the store, publish.
   // `pieces` are the live tensors when `copy_first`, else the snapshot already.
-  void write_and_publish(int64_t step, std::vector<StateTensor> pieces, nlohmann::json state, nlohmann::json rank_state,
-                         std::chrono::steady_clock::time_point t0, bool copy_first) {
+  void write_and_publish(int64_t step, int64_t save_index, std::vector<StateTensor> pieces, nlohmann::json state,
+                         nlohmann::json rank_state, std::chrono::steady_clock::time_point t0, bool copy_first) {
     std::string copy_failure;
     if (copy_first) {
       try {
@@ -133,7 +138,7 @@ struct Saver::Impl {
       set_snapshot_done();
     }
     const bool multi = ctx.world_size > 1;
-    const std::string key = "nnstrain/checkpoint/" + std::to_string(step) + "/";
+    const std::string key = "nnstrain/checkpoint/" + std::to_string(save_index) + "/" + std::to_string(step) + "/";
     SaveReport report;
     report.step = step;
     try {
@@ -261,8 +266,10 @@ void Saver::save(int64_t step, const std::vector<StateTensor>& tensors, const nl
   } else {
     pieces = impl_->snapshot(tensors);  // enqueues the copies on a side stream: the host does not wait
   }
-  impl_->worker = std::thread([this, step, pieces = std::move(pieces), state, rank_state, t0, copy_in_worker]() mutable {
-    impl_->write_and_publish(step, std::move(pieces), std::move(state), std::move(rank_state), t0, copy_in_worker);
+  const int64_t index = impl_->saves++;
+  impl_->worker = std::thread([this, step, index, pieces = std::move(pieces), state, rank_state, t0,
+                               copy_in_worker]() mutable {
+    impl_->write_and_publish(step, index, std::move(pieces), std::move(state), std::move(rank_state), t0, copy_in_worker);
   });
 }
 

@@ -32,17 +32,18 @@ std::string rank_file(int rank, const char* ext) {
   return buf;
 }
 
-int remove_entry(const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }
-
-// Deletes a published folder without ever showing a half-deleted "step-*": first
-// renamed out of sight (atomic), then removed. A crash leaves a ".tmp-step-*",
-// which the next publish clears.
-void discard(const fs::path& step_folder) {
-  const auto aside = step_folder.parent_path() / (".tmp-" + step_folder.filename().string() + ".old");
-  remove_tree(aside.string());
-  fs::rename(step_folder, aside);
-  remove_tree(aside.string());
+// NNSTRAIN_TEST_REMOVE_FAILS_AFTER=N: remove_tree fails after N entries (a kill
+// in the middle of a deletion, for the tests of what such a kill leaves).
+thread_local long g_removed = 0;  // entries the current remove_tree has removed
+int remove_entry(const char* p, const struct stat*, int, struct FTW*) {
+  if (const char* n = std::getenv("NNSTRAIN_TEST_REMOVE_FAILS_AFTER"); n && g_removed++ >= std::atol(n)) {
+    errno = EIO;
+    return -1;
+  }
+  return ::remove(p);
 }
+
+void discard(const fs::path& step_folder) { discard_step(step_folder.string()); }
 
 // Drops the temporary folders of crashed or failed saves, then the oldest step folders.
 void prune(const fs::path& save_dir, int keep_last, const fs::path& keep) {
@@ -63,8 +64,17 @@ void prune(const fs::path& save_dir, int keep_last, const fs::path& keep) {
 }  // namespace
 
 void remove_tree(const std::string& path) {
+  g_removed = 0;
   if (::access(path.c_str(), F_OK) == 0 && ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
     throw CheckpointError("cannot remove " + path + ": " + std::strerror(errno));
+}
+
+void discard_step(const std::string& folder) {
+  const fs::path step_folder(folder);
+  const auto aside = step_folder.parent_path() / (".tmp-" + step_folder.filename().string() + ".old");
+  remove_tree(aside.string());
+  fs::rename(step_folder, aside);
+  remove_tree(aside.string());
 }
 
 void write_file_durable(const std::string& path_str, const std::string& text) {
@@ -171,6 +181,14 @@ std::string save(const SaveOptions& opts, const SaveContext& ctx, int64_t step,
   if (ctx.rank == 0) publish(opts, ctx.world_size, step, state);
   barrier();
   return (fs::path(opts.save_dir) / step_dir_name(step)).string();
+}
+
+void rewrite_state(const std::string& checkpoint_dir, const std::function<void(nlohmann::json& state)>& edit) {
+  const auto path = (fs::path(checkpoint_dir) / "manifest.json").string();
+  auto manifest = read_json_bounded(path);
+  edit(manifest.at("state"));
+  write_file_durable(path, manifest.dump(1));
+  fsync_dir(checkpoint_dir);
 }
 
 std::string latest(const std::string& save_dir) {

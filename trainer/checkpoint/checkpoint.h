@@ -105,4 +105,13 @@ void write_file_durable(const std::string& path, const std::string& text);
 // exports its own copy of it, which crashes when it wins symbol resolution (pytorch#133437).
 void remove_tree(const std::string& path);
 
+// Deletes a published step folder without ever showing a half-deleted "step-*"
+// (which --resume and restarts would pick): renamed out of sight first (atomic),
+// then removed. A crash leaves a ".tmp-step-*", which the next save clears.
+void discard_step(const std::string& step_folder);
+
+// Rank 0: edits the trainer state stored in a published checkpoint's manifest
+// (rewritten durably: a crash leaves the old manifest or the new one).
+void rewrite_state(const std::string& checkpoint_dir, const std::function<void(nlohmann::json& state)>& edit);
+
 }  // namespace nnstrain::checkpoint

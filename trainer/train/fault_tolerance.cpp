@@ -13,9 +13,11 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "base/config/arg_map.h"
 #include "base/log.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/optim/precision.h"
 #include "trainer/state/training_state.h"
 #include "trainer/train/metrics.h"
 
@@ -118,8 +120,25 @@ std::string checkpoint_before(const std::string& save_dir, int64_t below, int64_
   return best;
 }
 
+std::string restart_source(const config::TrainerArgs& args, const std::string& requested) {
+  const char* count = std::getenv("NNSTRAIN_RESTART_COUNT");
+  if (!count || std::atoi(count) <= 0) return requested;
+  const auto& save_dir = args.checkpoint.save_dir;
+  int64_t step = -1;
+  const std::string last =
+      save_dir.empty() ? "" : checkpoint_before(save_dir, std::numeric_limits<int64_t>::max(), &step);
+  if (!last.empty()) return last;
+  // Nothing saved by this run yet: it starts again from where it started.
+  const std::string from = requested.empty() ? args.checkpoint.resume_from : requested;
+  log::info("restart " + std::string(count) + ": no checkpoint under " +
+            (save_dir.empty() ? std::string("checkpoint.save_dir (not set)") : save_dir) + " yet: starting again " +
+            (from.empty() ? std::string("from scratch") : "from " + from));
+  return requested;
+}
+
 FaultTolerance::FaultTolerance(const config::TrainerArgs& args, dist::Runtime* rt, int rank, int world, bool pipeline,
-                               const std::string& device, const std::string& resumed_from, int64_t start_step)
+                               const std::string& device, const std::string& resumed_from, int64_t start_step,
+                               int zero_stage)
     : args_(args.fault_tolerance),
       save_dir_(args.checkpoint.save_dir),
       run_dir_(args.run_dir),
@@ -128,8 +147,25 @@ FaultTolerance::FaultTolerance(const config::TrainerArgs& args, dist::Runtime* r
       world_(world),
       pipeline_(pipeline),
       start_step_(start_step),
+      scaler_(optim::precision_setup(args.precision, "auto").loss_scaling),
       skipped_(skipped_windows(resumed_from)),
       slow_intervals_(world, 0) {
+  // The plan's stage, not the config's: autodist may choose ZeRO-3 itself.
+  if (args_.checksum_every_n_steps > 0 && zero_stage == 3)
+    throw config::ConfigError(
+        "fault_tolerance.checksum_every_n_steps compares replicated parameters, but the plan shards them with "
+        "ZeRO-3 (compute_config.use_zero, or chosen by autodist): set compute_config.use_zero to 0, 1 or 2, or "
+        "checksum_every_n_steps to 0");
+  // The spike detector's values before the checkpoint: a resumed run is not blind for spike_window steps.
+  if (!resumed_from.empty()) {
+    const checkpoint::Checkpoint ck(resumed_from);
+    const auto& st = ck.state();
+    if (st.contains("fault_tolerance") && st["fault_tolerance"].contains("history"))
+      for (const auto& h : st["fault_tolerance"]["history"])
+        if (h.size() == 3 && h[0].get<int64_t>() <= start_step)
+          history_[h[0].get<int64_t>()] = {h[1].get<double>(), h[2].get<double>()};
+    while (static_cast<int64_t>(history_.size()) > args_.spike_window) history_.erase(history_.begin());
+  }
   // Where each rank runs, for naming a straggler (read by rank 0 from the store, no collective).
   if (rt_ && rt_->store()) {
     const std::string w = host_name() + " " + device;
@@ -244,6 +280,10 @@ std::optional<Rewind> FaultTolerance::check_spike(int64_t step, const Values& v)
            " the first time: " +
            (reproduced ? "reproduced, so the data or the optimisation, not the hardware"
                        : "different, so a transient fault; nothing skipped");
+  } else if (scaler_ && std::isfinite(v.loss) && !finite) {
+    // A finite loss whose scaled gradients overflowed: the loss scaler skipped
+    // the update and backed off, as it is meant to (GradScaler's normal
+    // operation): neither a non-finite step nor a value for the medians.
   } else {
     std::string kind;
     if (!finite) {
@@ -298,27 +338,33 @@ std::optional<Rewind> FaultTolerance::check_spike(int64_t step, const Values& v)
     throw std::runtime_error("step " + std::to_string(step) + ": " + line +
                              "; training stops (fault_tolerance.on_spike: stop)");
   }
-  // Back to the last checkpoint before the first bad step.
-  const int64_t first_bad = rerun_step ? step : step - std::max<int64_t>(0, nonfinite_run_ - 1);
+  // Back to the last checkpoint before the first bad step (of a non-finite run, its first).
+  const int64_t run = rerun_step ? rerun_->run : std::max<int64_t>(1, nonfinite_run_);
+  const int64_t first_bad = step - (run - 1);
   Rewind r = checkpoint_for(first_bad);
   if (r.dir.empty())
     throw std::runtime_error("step " + std::to_string(step) + ": " + line + "; no checkpoint under " + save_dir_ +
                              " before step " + std::to_string(first_bad) +
                              " to rewind to (fault_tolerance.on_spike: rewind; checkpoint.every_n_train_steps)");
   if (action == kRerun) {
-    rerun_ = Rerun{step, v};
+    rerun_ = Rerun{step, v, run};
     what["action"] = "rerun";
     what["to_step"] = r.step;
     event(step, what, line + "; rerunning from the checkpoint of step " + std::to_string(r.step) +
                           " before deciding (rerun_check)");
     return r;
   }
-  // Skip the data of the spike step and of the window before it, no further
-  // back than the checkpoint's own next step.
+  // Skip the data of the spike step and of the window before it (at least the
+  // whole non-finite run, also when a rerun confirmed it), no further back than
+  // the checkpoint's own next step.
   const int64_t last = data_step(step - 1);
-  const int64_t len = std::max<int64_t>(args_.skip_window, rerun_step ? 1 : std::max<int64_t>(1, nonfinite_run_));
+  const int64_t len = std::max<int64_t>(args_.skip_window, run);
   const int64_t first = std::max(last - len + 1, data_step(r.step));
-  skipped_ = add_window(skipped_, first, last + 1);
+  {
+    std::lock_guard<std::mutex> lock(skipped_mu_);
+    skipped_ = add_window(skipped_, first, last + 1);
+    skipped_changed_ = true;
+  }
   skipped_at_.insert(step);
   what["action"] = "rewind";
   what["to_step"] = r.step;
@@ -330,9 +376,11 @@ std::optional<Rewind> FaultTolerance::check_spike(int64_t step, const Values& v)
 }
 
 std::optional<Rewind> FaultTolerance::check_replicas(int64_t step, const std::vector<parallel::ParamShard>& params) {
-  // Replicas of a parameter (shard) live on the dp x cp group, and the tied
-  // copies (the embedding the head reuses) on the first and last ranks of the
-  // pp group: every such group has the same size and every rank knows the tied
+  // Replicas of a dense parameter (shard) live on the dp x cp group, those of
+  // an expert shard on edp (the ranks holding the same experts; an ep peer
+  // holds others), and the tied copies (the embedding the head reuses) on the
+  // first and last ranks of the pp group: every such group has the same size
+  // and every rank of a stage the same parameters, and every rank knows the tied
   // names, so every rank checks or none does, with the same collectives.
   const bool replicas = rt_ && rt_->dp_cp.size() >= 2;
   const bool tied = rt_ && pipeline_ && rt_->pp.size() >= 2 && !tied_.empty();
@@ -343,14 +391,26 @@ std::optional<Rewind> FaultTolerance::check_replicas(int64_t step, const std::ve
   const auto c = torch::stack(sums);
   const auto mine = c.cpu();
   const auto n = static_cast<int64_t>(params.size());
-  int64_t bad = -1;  // 0..n-1: a parameter whose dp x cp replicas differ; n + t: tied name t
+  int64_t bad = -1;  // 0..n-1: a parameter whose replicas differ; n + t: tied name t
   if (replicas) {
-    auto both = torch::cat({c, -c});
-    rt_->all_reduce_max(rt_->dp_cp, both, "replica checksums (max and -min over dp x cp)");
-    const auto h = both.cpu();
-    const auto* p = h.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n && bad < 0; ++i)
-      if (p[i] != -p[n + i]) bad = i;
+    std::vector<int64_t> dense, expert;
+    for (int64_t i = 0; i < n; ++i) (params[i].expert ? expert : dense).push_back(i);
+    auto compare = [&](dist::Group& g, const std::vector<int64_t>& idx, const char* what) {
+      if (idx.empty() || g.size() < 2) return;
+      const auto sel = c.index_select(0, torch::tensor(idx, torch::kInt64).to(c.device()));
+      auto both = torch::cat({sel, -sel});
+      rt_->all_reduce_max(g, both, what);
+      const auto h = both.cpu();
+      const auto* p = h.data_ptr<int64_t>();
+      const auto k = static_cast<int64_t>(idx.size());
+      for (int64_t j = 0; j < k; ++j)
+        if (p[j] != -p[k + j] && (bad < 0 || idx[j] < bad)) {
+          bad = idx[j];
+          break;
+        }
+    };
+    compare(rt_->dp_cp, dense, "replica checksums (max and -min over dp x cp)");
+    compare(rt_->edp, expert, "expert replica checksums (max and -min over the ranks holding the same experts)");
   }
   // The tied copies: a stage without the parameter offers the lowest value to both maxima.
   std::vector<int64_t> tied_sum(tied_.size(), 0);
@@ -393,10 +453,11 @@ std::optional<Rewind> FaultTolerance::check_replicas(int64_t step, const std::ve
     msg.pop_back();
     msg += " (group " + rt_->pp.name + ")";
   } else if (bad >= 0) {
+    const dist::Group& g = params[bad].expert ? rt_->edp : rt_->dp_cp;
     msg += "parameter " + params[bad].name + " differs between replicas:";
-    for (int r : rt_->dp_cp.ranks) msg += " rank " + std::to_string(r) + " checksum " + std::to_string(v[world_ + r]) + ",";
+    for (int r : g.ranks) msg += " rank " + std::to_string(r) + " checksum " + std::to_string(v[world_ + r]) + ",";
     msg.pop_back();
-    msg += " (group " + rt_->dp_cp.name + " should hold the same values)";
+    msg += " (group " + g.name + " should hold the same values)";
   } else {
     msg += "replicas disagree on ranks";
     for (int r : disagree) msg += " " + std::to_string(r);
@@ -427,14 +488,38 @@ void FaultTolerance::rewound(const Rewind& r) {
   if (jsonl_)
     for (const auto& e : events_)
       if (e["step"].get<int64_t>() > r.step) jsonl_->write(e);
-  // Later checkpoints hold the state the rewind abandons: a restart must not resume from them.
+  // The windows this rewind added, into the checkpoint it went back to: a
+  // restart before the next save resumes from it and must skip them too.
+  SkipWindows windows;
+  bool changed = false;
+  {
+    std::lock_guard<std::mutex> lock(skipped_mu_);
+    windows = skipped_;
+    changed = std::exchange(skipped_changed_, false);
+  }
+  if (changed) {
+    nlohmann::json w = nlohmann::json::array();
+    for (const auto& [a, b] : windows) w.push_back({a, b});
+    checkpoint::rewrite_state(r.dir, [&](nlohmann::json& state) { state["data_cursor"]["skipped"] = w; });
+  }
+  // Later checkpoints hold the state the rewind abandons: a restart must not
+  // resume from them. Each is renamed out of sight before it is deleted, so a
+  // kill in between never leaves a half-deleted step folder for a restart to pick.
+  std::vector<fs::path> later;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(save_dir_, ec)) {
     const auto n = e.path().filename().string();
     if (n.size() == 13 && n.rfind("step-", 0) == 0 && std::all_of(n.begin() + 5, n.end(), ::isdigit) &&
-        std::stoll(n.substr(5)) > r.step) {
-      checkpoint::remove_tree(e.path().string());
-      log::info("fault_tolerance: removed " + e.path().string() + " (after the rewind point)");
+        std::stoll(n.substr(5)) > r.step)
+      later.push_back(e.path());
+  }
+  for (const auto& p : later) {
+    try {
+      checkpoint::discard_step(p.string());
+      log::info("fault_tolerance: removed " + p.string() + " (after the rewind point)");
+    } catch (const std::exception& e) {
+      // Out of sight already when only the deletion failed; the next save clears what is left.
+      log::warn("fault_tolerance: " + std::string(e.what()));
     }
   }
   checkpoint::write_file_durable((fs::path(save_dir_) / "latest").string(), checkpoint::step_dir_name(r.step) + "\n");
@@ -442,8 +527,14 @@ void FaultTolerance::rewound(const Rewind& r) {
 
 void FaultTolerance::annotate(nlohmann::json& state) const {
   nlohmann::json w = nlohmann::json::array();
-  for (const auto& [a, b] : skipped_) w.push_back({a, b});
+  {
+    std::lock_guard<std::mutex> lock(skipped_mu_);
+    for (const auto& [a, b] : skipped_) w.push_back({a, b});
+  }
   state["data_cursor"]["skipped"] = w;
+  nlohmann::json h = nlohmann::json::array();
+  for (const auto& [s, v] : history_) h.push_back({s, v.loss, v.grad_norm});
+  state["fault_tolerance"]["history"] = h;
 }
 
 void FaultTolerance::add_step_times(std::vector<int64_t>& values, const std::array<double, 6>& split_ms,

@@ -16,13 +16,20 @@
 // tags): with spike detection on, after every step the loss all-reduce over the
 // pipeline (pp > 1) and over dp x cp, then one host all-reduce (max) of the
 // decision on the CPU control group; every checksum step one all-reduce (max)
-// over dp x cp and one host all-reduce over the world. Every rank runs every
-// step, so each takes part in the same ones. The step times add no collective.
+// over dp x cp (the dense parameters), one over edp when it has 2+ ranks (the
+// expert shards: ep peers hold different experts, their replicas are the ranks
+// holding the same ones) and one host all-reduce over the world. Every rank
+// runs every step, so each takes part in the same ones. The step times add no
+// collective.
 //
 // The data position stays one number: training step index s (0-based) reads
 // data step data_step(s), which is s moved past every skipped window; the
 // windows travel in the checkpoint's state (data_cursor.skipped), so a resume
-// after a skip reads what the run that skipped read.
+// after a skip reads what the run that skipped read; a rewind that adds one
+// writes it into the state of the checkpoint it went back to at once, so a
+// crash before the next save does not train on the skipped data. The spike
+// detector's history travels there too (fault_tolerance.history), so a resume
+// is not blind for spike_window steps.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +38,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -63,6 +71,13 @@ SkipWindows add_window(SkipWindows windows, int64_t first, int64_t end);
 SkipWindows skipped_windows(const std::string& checkpoint_dir);
 // The newest complete checkpoint under save_dir whose step is below `below` ("" if none); *step set.
 std::string checkpoint_before(const std::string& save_dir, int64_t below, int64_t* step);
+// What a run resumes from (RunOptions::resume) given the command's `requested`
+// ("" / "last" / a folder). A restart (NNSTRAIN_RESTART_COUNT > 0, set by
+// `nnstrain launch --max-restarts` and the job scripts) continues from the newest
+// complete checkpoint under checkpoint.save_dir when it holds one, else from
+// where the run started (--resume PATH, checkpoint.resume_from, or scratch);
+// otherwise `requested` as it is.
+std::string restart_source(const config::TrainerArgs& args, const std::string& requested);
 
 // Where the loop goes back to.
 struct Rewind {
@@ -72,12 +87,18 @@ struct Rewind {
 
 class FaultTolerance {
  public:
-  // rt: null for one process; `pipeline`: the loss is on the last stage (pp > 1).
+  // rt: null for one process; `pipeline`: the loss is on the last stage (pp > 1);
+  // zero_stage: the plan's (checksums compare replicas, which ZeRO-3 does not
+  // keep: refused, whatever chose the stage).
   FaultTolerance(const config::TrainerArgs& args, dist::Runtime* rt, int rank, int world, bool pipeline,
-                 const std::string& device, const std::string& resumed_from, int64_t start_step);
+                 const std::string& device, const std::string& resumed_from, int64_t start_step, int zero_stage = 0);
   ~FaultTolerance();
 
-  int64_t data_step(int64_t s) const { return train::data_step(skipped_, s); }
+  // Called by the loader's prefetch thread while the loop may add a window.
+  int64_t data_step(int64_t s) const {
+    std::lock_guard<std::mutex> lock(skipped_mu_);
+    return train::data_step(skipped_, s);
+  }
   // The first non-finite step is this component's (nonfinite_steps > 0), not the loop's stop.
   bool handles_nonfinite() const { return args_.nonfinite_steps > 0; }
   void set_sink(JsonlSink* jsonl) { jsonl_ = jsonl; }
@@ -94,7 +115,8 @@ class FaultTolerance {
   // The loop has loaded `r` (every rank) and reopened the metrics sink (set_sink):
   // checkpoints after it are removed and the decisions recorded again (rank 0).
   void rewound(const Rewind& r);
-  // Into a checkpoint's state: the skipped windows (data_cursor.skipped).
+  // Into a checkpoint's state: the skipped windows (data_cursor.skipped) and
+  // the spike detector's history (fault_tolerance.history).
   void annotate(nlohmann::json& state) const;
 
   // Step times at a logging step: this rank's compute and waiting (ms, from the
@@ -111,8 +133,8 @@ class FaultTolerance {
   std::optional<Rewind> check_replicas(int64_t step, const std::vector<parallel::ParamShard>& params);
   void record_restart(int64_t step);
   void event(int64_t step, nlohmann::json what, const std::string& line);
-  int agree(int action);
-  Rewind checkpoint_for(int64_t below);  // the newest checkpoint below step `below`, agreed by every rank  // the largest action any rank proposes (0: none)
+  int agree(int action);                 // the largest action any rank proposes (0: none)
+  Rewind checkpoint_for(int64_t below);  // the newest checkpoint below step `below`, agreed by every rank
   std::string where(int rank);
 
   const config::FaultToleranceArgs args_;
@@ -123,7 +145,10 @@ class FaultTolerance {
   const int64_t start_step_;
   JsonlSink* jsonl_ = nullptr;
   std::function<void()> wait_saves_;
+  const bool scaler_;  // a loss scaler (fp16): its overflow steps are its own, not faults
+  mutable std::mutex skipped_mu_;  // skipped_: read by the prefetch thread
   SkipWindows skipped_;
+  bool skipped_changed_ = false;   // a rewind added a window: written into the checkpoint it went back to
   std::vector<std::string> tied_;  // pipelines: names held by the first and the last stage
   bool restart_recorded_ = false;
   std::map<int64_t, Values> history_;  // ordinary steps' values, for the rolling median
@@ -131,7 +156,7 @@ class FaultTolerance {
   struct Rerun {
     int64_t step;
     Values seen;
-    int64_t skip_first, skip_end;
+    int64_t run;  // its non-finite steps in a row (1 for a spike): all of them are skipped if reproduced
   };
   std::optional<Rerun> rerun_;  // a spike step awaiting its rerun
   std::set<int64_t> skipped_at_;  // spike steps rewound with a skip (a second spike there stops the run)

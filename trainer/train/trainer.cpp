@@ -278,7 +278,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
   if (args.log.empty() && rank_ == 0)
     jsonl_ = std::make_unique<JsonlSink>(jsonl_path_ = (fs::path(args.run_dir) / "metrics.jsonl").string(), start_step);
   ft_ = std::make_unique<FaultTolerance>(args, rt_.get(), rank_, world_, tr_.pipeline != nullptr, device.str(),
-                                         resumed_from, start_step);
+                                         resumed_from, start_step, plan_.zero_stage);
   ft_->set_sink(jsonl_.get());
   if (tr_.pipeline) ft_->set_tied(model_->head_ties());
   ft_->set_save_wait([this] { saver_->wait(); });
@@ -1009,7 +1009,8 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   auto tr = make_trainable(args, agreed.plan, local, rt.get(), env, device);
   local.initial_chunks = at::Tensor();  // the state holds what it needs of them (offload: on the host)
   int64_t start_step = 0;
-  const auto resumed_from = resume(args, opts, tr, data, env.rank, device, &start_step);
+  // A restart (nnstrain launch --max-restarts, the job scripts): the latest checkpoint if any, else the run's source.
+  const auto resumed_from = resume(args, RunOptions{restart_source(args, opts.resume)}, tr, data, env.rank, device, &start_step);
   // Into every rank's log file: what start-up (build, split, state, resume) cost in host memory.
   log::info("rank " + std::to_string(env.rank) + ": start-up peak host RSS " +
             fmt(peak_host_rss_bytes() / 1048576.0, 1) + " MiB, tensors in use " +
