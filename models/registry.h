@@ -33,10 +33,20 @@ struct ModelEntry {
   std::function<std::shared_ptr<CausalLM>(const config::ModelConfig&, const common::ShardingContext&)> build_sharded;
   // A Hugging Face config.json -> our config (for model.init_from); null if unsupported.
   std::function<std::shared_ptr<const config::ModelConfig>(const nlohmann::json&)> from_hf_config;
+  // config.json's model_type for this model (empty: its name).
+  std::string hf_model_type;
+  // The model's hf_config() -> its model.args (empty: the same keys; GPT's differ).
+  std::function<nlohmann::json(const nlohmann::json&)> args_of_hf;
 };
 
 const std::vector<ModelEntry>& registered_models();
 const ModelEntry* find_model(const std::string& name);   // nullptr if unknown
+// The model that reads config.json's `model_type` (nullptr if none).
+const ModelEntry* find_hf_model(const std::string& model_type);
+// A Hugging Face folder's model type and its model.args (JSON), from DIR/config.json
+// validated by the model's from_hf_config: what model.init_from alone builds.
+// Throws std::runtime_error naming the file and the key it cannot take.
+std::pair<std::string, nlohmann::json> folder_args(const std::string& dir);
 std::vector<std::string> model_names();
 // The registry as the config loader sees it (names + model.args parsers).
 config::ModelCatalog model_catalog();

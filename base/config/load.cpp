@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <sstream>
 
 #include "base/config/arg_map_impl.h"
@@ -382,6 +383,63 @@ std::optional<std::pair<std::string, std::string>> wsd_misfit(const LrSchedulerA
   return std::make_pair(std::string("decay_ratio"), format_double(s.decay_ratio) + ": " + phases);
 }
 
+// Whether a value given in model.args says what the folder's does (numbers by
+// value, so 1e-6 is 0.000001; mappings by the folder's keys).
+bool same_value(const YAML::Node& given, const YAML::Node& folder) {
+  if (folder.IsMap()) {
+    if (!given.IsMap()) return false;
+    for (const auto& kv : folder)
+      if (given[kv.first.Scalar()].IsDefined() && !same_value(given[kv.first.Scalar()], kv.second)) return false;
+    return true;
+  }
+  if (folder.IsSequence()) {
+    if (!given.IsSequence() || given.size() != folder.size()) return false;
+    for (size_t i = 0; i < folder.size(); ++i)
+      if (!same_value(given[i], folder[i])) return false;
+    return true;
+  }
+  if (!given.IsScalar() || !folder.IsScalar()) return given.IsNull() == folder.IsNull();
+  auto number = [](const std::string& t, double& out) {
+    char* end = nullptr;
+    out = std::strtod(t.c_str(), &end);
+    return !t.empty() && end == t.c_str() + t.size();
+  };
+  double a = 0, b = 0;
+  if (number(given.Scalar(), a) && number(folder.Scalar(), b))
+    return std::abs(a - b) <= 1e-12 * std::max(1.0, std::abs(b));
+  auto lower = [](std::string x) {
+    for (auto& ch : x) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return x;
+  };
+  return lower(given.Scalar()) == lower(folder.Scalar());
+}
+
+// model.init_from's folder fills the model.args keys not given; one given must agree.
+// Keys the model does not read are taken as read (config.json holds more than the model's args).
+void fill_from_folder(ArgMap::Impl& args, const std::string& json_text, const std::string& source) {
+  const YAML::Node folder = YAML::Load(json_text);
+  if (!folder.IsMap()) return;
+  for (const auto& kv : folder) {
+    const std::string key = kv.first.Scalar();
+    if (kv.second.IsNull()) continue;
+    const YAML::Node given = args.value(key, /*consume=*/false);
+    if (given.IsDefined() && !given.IsNull()) {
+      if (!same_value(given, kv.second)) {
+        YAML::Emitter a, b;
+        a << YAML::Flow << given;
+        b << YAML::Flow << kv.second;
+        args.fail(key, std::string(a.c_str()) + ", but " + source + " has " + b.c_str() +
+                           " (leave it out to take the folder's, or give a folder that has it)");
+      }
+      continue;
+    }
+    auto at = std::find_if(args.entries.begin(), args.entries.end(), [&](const auto& e) { return e.key == key; });
+    if (at != args.entries.end()) args.entries.erase(at);  // set to null: the folder's
+    args.entries.push_back({key, YAML::Node(), kv.second});
+    args.consumed.insert(key);
+  }
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> parse_overrides(const std::vector<std::string>& tokens) {
@@ -559,24 +617,46 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   // model: the registry parses `args`; the loader never names a model.
   auto model_impl = top_impl->child("model", true);
   ArgMap model(model_impl);
-  t.model.type = model.get_string("type");
+  // A Hugging Face folder is enough: its config.json names the type and fills model.args.
+  t.model.init_from = model.get_string("init_from", "");
+  std::optional<std::pair<std::string, std::string>> folder;
+  if (!t.model.init_from.empty() && opts.models.folder_args) {
+    std::error_code ec;
+    if (std::filesystem::exists(std::filesystem::path(t.model.init_from) / "config.json", ec)) {
+      try {
+        folder = opts.models.folder_args(t.model.init_from);
+      } catch (const std::exception& e) {
+        model.fail("init_from", e.what());
+      }
+    } else if (opts.check_files) {
+      model.fail("init_from", "'" + t.model.init_from + "' has no config.json (a folder transformers' save_pretrained wrote)");
+    }
+  }
+  t.model.type = folder ? model.get_string("type", folder->first) : model.get_string("type");
+  if (folder && t.model.type != folder->first)
+    model.fail("type", t.model.type + ", but " + t.model.init_from + "/config.json has model_type " + folder->first);
   const auto& names = opts.models.names;
   const bool check_type = opts.models.parse || !names.empty();
   if (check_type && std::find(names.begin(), names.end(), t.model.type) == names.end())
     model.fail("type", "unknown model type '" + t.model.type + "'" + did_you_mean(t.model.type, names) +
                            (names.empty() ? "; no models are registered" : "; registered: " + join(names)));
   if (opts.models.parse) {
-    ArgMap args = model.child("args");
+    auto args_impl = model_impl->child("args", false);
+    if (folder) fill_from_folder(*args_impl, folder->second, t.model.init_from + "/config.json");
+    ArgMap args(args_impl);
     t.model.args = opts.models.parse(t.model.type, args);
     if (const auto [key, p] = t.model.args->attention_dropout(); p > 0 && t.compute_config.context_parallel_size > 1)
       args.fail(key, format_double(p) + ": context-parallel attention (compute_config.context_parallel_size " +
                          std::to_string(t.compute_config.context_parallel_size) +
                          ") has no attention dropout; set it to 0 or context_parallel_size to 1");
+    if (const auto [key, why] = t.model.args->context_parallel_refusal();
+        !key.empty() && t.compute_config.context_parallel_size > 1)
+      args.fail(key, why + ": context-parallel attention (compute_config.context_parallel_size " +
+                         std::to_string(t.compute_config.context_parallel_size) + ") cannot run it");
     args.finish();
   } else {
     model_impl->take_raw("args");
   }
-  t.model.init_from = model.get_string("init_from", "");
   t.model.activation_checkpointing = model.get_bool("activation_checkpointing", false);
   t.model.loss = model.get_string("loss", "auto", {"auto", "plain", "chunked", "fused"});
   t.model.loss_chunk_size = static_cast<int>(model.get_int("loss_chunk_size", 4096, 1, 1 << 30));

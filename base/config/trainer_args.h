@@ -24,6 +24,9 @@ struct ModelConfig {
   // Mixture-of-Experts layers (their routers and experts take whole sequences,
   // so they refuse sequence parallelism).
   virtual bool mixture_of_experts() const { return false; }
+  // A model.args key whose setting context-parallel attention cannot run, and
+  // why ("": none; a sliding window), so cp > 1 refuses it naming the key.
+  virtual std::pair<std::string, std::string> context_parallel_refusal() const { return {"", ""}; }
 };
 
 // Offload to host memory (DeepSpeed's offload_optimizer / offload_param):

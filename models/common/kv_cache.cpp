@@ -20,8 +20,13 @@ std::pair<at::Tensor, at::Tensor> KvCache::append(size_t layer, const at::Tensor
   return {K.narrow(2, 0, length_ + T), V.narrow(2, 0, length_ + T)};
 }
 
-at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past) {
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
+                            int64_t window) {
   const int64_t T = q.size(2), S = k.size(2);
+  if (window > 0 && window < S) {  // a band: the diagonal moved right by `past`, window keys wide
+    const auto band = torch::ones({T, S}, q.options().dtype(torch::kBool)).tril(past).triu(past - window + 1);
+    return at::scaled_dot_product_attention(q, k, v, band, 0.0, /*is_causal=*/false);
+  }
   if (past == 0) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
   if (T == 1) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/false);
   // SDPA's is_causal aligns the mask top-left (query i sees keys <= i); with a

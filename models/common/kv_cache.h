@@ -35,6 +35,8 @@ class KvCache {
 // Causal attention of new queries q [B, H, T, D] (positions past..past+T-1)
 // against cached keys/values k, v [B, H, past+T, D]: query i sees keys up to
 // past + i. Without a past this is plain causal attention; one new token sees all.
-at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past);
+// `window` > 0: query i sees only keys past + i - window + 1 .. past + i (sliding window).
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
+                            int64_t window = 0);
 
 }  // namespace nnstrain::models::common

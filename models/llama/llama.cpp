@@ -1,10 +1,13 @@
 #include "models/llama/llama.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 
 #include "models/common/context_attention.h"
 #include "models/common/kernels/kernels.h"
+#include "models/common/kv_cache.h"
 
 
 namespace F = torch::nn::functional;
@@ -18,29 +21,10 @@ LlamaConfig LlamaConfig::resolved() const {
   return c;
 }
 
-// Mirrors transformers' op sequence (Python's `s / t` is t.reciprocal() * s) so
-// the frequencies match it bit for bit in fp32.
+// transformers' own op sequence (models/common/rope.h), so the frequencies match it bit for bit in fp32.
 torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
   const auto c = cfg.resolved();
-  const int64_t dim = c.head_dim;
-  const auto exponents = torch::arange(0, dim, 2, torch::kLong).to(torch::kFloat) / dim;
-  auto inv_freq = torch::pow(c.rope_theta, exponents).reciprocal();
-  const auto& rs = c.rope_scaling;
-  if (rs.rope_type != "llama3") return inv_freq;
-
-  // Llama 3.1: keep high frequencies, divide low ones by `factor`, blend between.
-  const double old_context_len = static_cast<double>(rs.original_max_position_embeddings);
-  const double low_freq_wavelen = old_context_len / rs.low_freq_factor;
-  const double high_freq_wavelen = old_context_len / rs.high_freq_factor;
-  const auto wavelen = inv_freq.reciprocal() * (2 * M_PI);
-  auto inv_freq_llama = torch::where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq);
-  const auto smooth_factor =
-      (wavelen.reciprocal() * old_context_len - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
-  const auto smoothed_inv_freq =
-      torch::rsub(smooth_factor, 1) * inv_freq_llama / rs.factor + smooth_factor * inv_freq_llama;
-  const auto is_medium_freq =
-      (wavelen < high_freq_wavelen).logical_not().logical_and((wavelen > low_freq_wavelen).logical_not());
-  return torch::where(is_medium_freq, smoothed_inv_freq, inv_freq_llama);
+  return common::rope_frequencies(c.rope_scaling, c.rope_theta, c.head_dim, c.max_position_embeddings).inv_freq;
 }
 
 namespace {
@@ -64,8 +48,9 @@ torch::Tensor qk(common::RMSNorm& norm, const torch::Tensor& t) { return norm ? 
 
 }  // namespace
 
-AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx)
+AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx, int64_t layer)
     : head_dim(cfg.head_dim),
+      window(cfg.window(layer)),
       kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")),
       cp_comm(ctx.cp_comm),
       cp_comm_type(ctx.cp_comm_type),
@@ -76,12 +61,16 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
   heads = kv_heads * group;
   const int64_t C = cfg.hidden_size, q = cfg.num_attention_heads * head_dim, kv = cfg.num_key_value_heads * head_dim;
   const auto init = common::InitRule::normal(cfg.initializer_range);
-  const bool b = cfg.attention_bias;
+  const bool b = cfg.attention_bias || cfg.qkv_bias;
   q_proj = register_module("q_proj",
                            common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{q}, group * head_dim, b, init));
   k_proj = register_module("k_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
   v_proj = register_module("v_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
-  o_proj = register_module("o_proj", common::RowParallelLinear(ctx, q, C, group * head_dim, b, init));
+  o_proj = register_module("o_proj",
+                           common::RowParallelLinear(ctx, q, C, group * head_dim, cfg.attention_bias, init));
+  // Ring attention has no window: refused here (the loader refuses it first, naming the key).
+  if (window > 0 && ctx.cp_comm)
+    throw std::invalid_argument("model.args.sliding_window: context parallelism has no sliding-window attention");
   if (cfg.qk_norm) {
     // Each tensor-parallel rank normalises only its heads, so the (replicated)
     // weights' gradients are partial: summed over the group, as a sequence-parallel norm's.
@@ -110,6 +99,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     auto y = common::context_parallel_attention(q, k, v, /*causal=*/true, cp_comm, o);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
+  TORCH_CHECK(window == 0 || !mask.defined(),
+              "model.args.sliding_window: packed documents (dataset document_mask) have no sliding-window attention");
   if (by_tiles) {
     auto y = common::document_attention(q, k, v, mask);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
@@ -123,6 +114,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
+  }
+  if (window > 0 && window < T) {  // each query sees itself and the window - 1 before it (transformers' overlay)
+    const auto band = torch::ones({T, T}, q.options().dtype(torch::kBool)).tril().triu(1 - window);
+    auto y = at::scaled_dot_product_attention(q, k, v, band, 0.0, false, std::nullopt, native_gqa);
+    return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
   auto y = at::scaled_dot_product_attention(q, k, v, attn_mask(mask), /*dropout_p=*/0.0,
                                             /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt, native_gqa);
@@ -142,7 +138,7 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch:
     K = K.repeat_interleave(heads / kv_heads, 1);
     V = V.repeat_interleave(heads / kv_heads, 1);
   }
-  const auto y = common::cached_attention(q, K, V, past);
+  const auto y = common::cached_attention(q, K, V, past, window);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
@@ -160,7 +156,7 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx, int64_t index,
                                    std::shared_ptr<common::AuxLossScale> aux_scale) {
-  self_attn = register_module("self_attn", Attention(cfg, ctx));
+  self_attn = register_module("self_attn", Attention(cfg, ctx, index));
   if (cfg.sparse(index))
     moe = register_module(cfg.moe_module, common::Moe(*cfg.moe, ctx, "layers." + std::to_string(index) + "." +
                                                                           cfg.moe_module, std::move(aux_scale)));
@@ -199,7 +195,11 @@ Llama::Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx) : cfg_(
   norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx));
   lm_head = common::ParallelLmHead(ctx, c.vocab_size, c.hidden_size, !c.tie_word_embeddings, init);
   if (!c.tie_word_embeddings) register_module("lm_head", lm_head);
-  inv_freq_ = rope_inv_freq(c);
+  TORCH_CHECK(c.layer_windows.empty() || int64_t(c.layer_windows.size()) == c.num_hidden_layers,
+              "llama: ", c.layer_windows.size(), " layer windows for ", c.num_hidden_layers, " layers");
+  const auto f = common::rope_frequencies(c.rope_scaling, c.rope_theta, c.head_dim, c.max_position_embeddings);
+  inv_freq_ = f.inv_freq;
+  rope_scale_ = f.attention_scaling;
   if (ctx.cp_comm) {
     cp_ = ctx.cp_comm->size();
     cp_rank_ = ctx.cp_comm->rank();
@@ -211,6 +211,15 @@ const torch::Tensor& Llama::head_weight() const {
   return cfg_.tie_word_embeddings ? embed_tokens->weight : lm_head->weight;
 }
 
+void Llama::rope_for(int64_t seq_len) {
+  // longrope's factors depend on the sequence (transformers: the largest position + 1 of the call).
+  if (!common::rope_depends_on_length(cfg_.rope_scaling)) return;
+  const auto f = common::rope_frequencies(cfg_.rope_scaling, cfg_.rope_theta, cfg_.head_dim,
+                                          cfg_.max_position_embeddings, seq_len);
+  if (!torch::equal(f.inv_freq, inv_freq_)) cos_ = torch::Tensor();
+  inv_freq_ = f.inv_freq;
+}
+
 std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::Device& device) {
   if (!cos_.defined() || cos_.size(0) != T || cos_.device() != device) {
     torch::NoGradGuard no_grad;
@@ -220,8 +229,8 @@ std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::De
                              : torch::arange(T, torch::kLong);
     const auto freqs = pos.to(torch::kFloat).unsqueeze(-1) * inv_freq_;
     const auto emb = torch::cat({freqs, freqs}, -1);
-    cos_ = emb.cos().to(device);
-    sin_ = emb.sin().to(device);
+    cos_ = (rope_scale_ == 1.0 ? emb.cos() : emb.cos() * rope_scale_).to(device);
+    sin_ = (rope_scale_ == 1.0 ? emb.sin() : emb.sin() * rope_scale_).to(device);
   }
   return {cos_, sin_};
 }
@@ -236,6 +245,7 @@ torch::Tensor Llama::embed(const torch::Tensor& idx, const Documents&) {
 torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
                             const Documents& docs) {
   auto x = input;
+  rope_for(seq_len * cp_);
   auto [cos, sin] = rotary(seq_len, x.device());
   torch::Tensor mask;
   if (docs.defined()) {
@@ -243,8 +253,8 @@ torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t e
     torch::NoGradGuard no_grad;
     const auto freqs = docs.positions.to(torch::kFloat).unsqueeze(-1) * inv_freq_.to(x.device());
     const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
-    cos = emb.cos();
-    sin = emb.sin();
+    cos = emb.cos() * rope_scale_;
+    sin = emb.sin() * rope_scale_;
     mask = docs.attention_input(/*by_tiles=*/true);  // segments: common::document_attention picks the kernel
   }
   for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
@@ -282,6 +292,7 @@ torch::Tensor Llama::decode_logits(const torch::Tensor& idx, common::KvCache& ca
   TORCH_CHECK(past + T <= cfg_.max_position_embeddings, "position ", past + T, " exceeds max_position_embeddings ",
               cfg_.max_position_embeddings);
   auto x = embed_tokens(idx);
+  rope_for(past + T);  // transformers' choice per call: the positions it holds
   // The tables for the cache's whole span (kept by rotary() across steps), at the new positions.
   const auto [cos_all, sin_all] = rotary(cache.capacity(), x.device());
   const auto cos = cos_all.narrow(0, past, T), sin = sin_all.narrow(0, past, T);
@@ -316,38 +327,65 @@ std::vector<HfTensor> Llama::hf_tensors() const {
   return t;
 }
 
+namespace {
+
+// Each layer's attention kind as transformers' layer_types names it.
+std::vector<std::string> layer_kinds(const LlamaConfig& c) {
+  std::vector<std::string> t;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const bool sliding = c.layer_types.empty()
+                             ? c.use_sliding_window && c.sliding_window > 0 && i >= c.max_window_layers
+                             : c.layer_types[i] == "sliding_attention";
+    t.push_back(sliding ? "sliding_attention" : "full_attention");
+  }
+  return t;
+}
+
+}  // namespace
+
 nlohmann::json Llama::hf_config() const {
   const auto& c = cfg_;
-  nlohmann::json rope_scaling = nullptr;
-  if (c.rope_scaling.rope_type == "llama3")
-    rope_scaling = {{"rope_type", "llama3"},
-                    {"factor", c.rope_scaling.factor},
-                    {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                    {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                    {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
   // rope_theta + rope_scaling as Meta's Llama 3.1 config.json has them (transformers 4 and 5 read it).
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"vocab_size", c.vocab_size},
-          {"hidden_size", c.hidden_size},
-          {"intermediate_size", c.intermediate_size},
-          {"num_hidden_layers", c.num_hidden_layers},
-          {"num_attention_heads", c.num_attention_heads},
-          {"num_key_value_heads", c.num_key_value_heads},
-          {"head_dim", c.head_dim},
-          {"hidden_act", "silu"},
-          {"max_position_embeddings", c.max_position_embeddings},
-          {"initializer_range", c.initializer_range},
-          {"rms_norm_eps", c.rms_norm_eps},
-          {"rope_theta", c.rope_theta},
-          {"rope_scaling", rope_scaling},
-          {"attention_bias", c.attention_bias},
-          {"attention_dropout", 0.0},
-          {"mlp_bias", c.mlp_bias},
-          {"tie_word_embeddings", c.tie_word_embeddings},
-          {"pretraining_tp", 1},
-          {"use_cache", true},
-          {"torch_dtype", "float32"}};
+  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                      {"model_type", "llama"},
+                      {"vocab_size", c.vocab_size},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.intermediate_size},
+                      {"num_hidden_layers", c.num_hidden_layers},
+                      {"num_attention_heads", c.num_attention_heads},
+                      {"num_key_value_heads", c.num_key_value_heads},
+                      {"head_dim", c.head_dim},
+                      {"hidden_act", "silu"},
+                      {"max_position_embeddings", c.max_position_embeddings},
+                      {"initializer_range", c.initializer_range},
+                      {"rms_norm_eps", c.rms_norm_eps},
+                      {"rope_theta", c.rope_theta},
+                      {"rope_scaling", common::rope_scaling_to_hf(c.rope_scaling)},
+                      {"attention_bias", c.attention_bias},
+                      {"attention_dropout", 0.0},
+                      {"mlp_bias", c.mlp_bias},
+                      {"tie_word_embeddings", c.tie_word_embeddings},
+                      {"pretraining_tp", 1},
+                      {"use_cache", true},
+                      {"torch_dtype", "float32"}};
+  const auto& t = c.model_type;
+  if (t == "llama") return j;
+  // The families' config classes: their own keys, none of Llama's they lack.
+  j["model_type"] = t;
+  j.erase("pretraining_tp");
+  j.erase("mlp_bias");
+  if (t != "qwen3") j.erase("attention_bias");
+  if (t == "qwen2" || t == "qwen3") {
+    j["architectures"] = {t == "qwen2" ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM"};
+    j["use_sliding_window"] = c.use_sliding_window;
+    j["sliding_window"] = c.use_sliding_window ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
+    j["max_window_layers"] = c.max_window_layers;
+    j["layer_types"] = layer_kinds(c);
+  } else if (t == "mistral") {
+    j["architectures"] = {"MistralForCausalLM"};
+    j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
+  }
+  return j;
 }
 
 namespace {
@@ -393,19 +431,11 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
     c->rope_theta = hf_get_or<double>(rope, "rope_theta", c->rope_theta);
   } else if (j.contains("rope_scaling") && j.at("rope_scaling").is_object()) {
     rope = j.at("rope_scaling");
+  } else if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null()) {
+    throw std::runtime_error("config.json: rope_scaling is not a mapping: " + j.at("rope_scaling").dump().substr(0, 100));
   }
-  auto& rs = c->rope_scaling;
-  rs.rope_type = hf_get_or<std::string>(rope, "rope_type", hf_get_or<std::string>(rope, "type", "default"));
-  if (rs.rope_type == "llama3") {
-    rs.factor = require<double>(rope, "factor");
-    rs.low_freq_factor = require<double>(rope, "low_freq_factor");
-    rs.high_freq_factor = require<double>(rope, "high_freq_factor");
-    rs.original_max_position_embeddings =
-        hf_get_or<int64_t>(rope, "original_max_position_embeddings", c->max_position_embeddings);
-  } else if (rs.rope_type != "default") {
-    throw std::runtime_error(std::string("config.json: ") + rope_key + ".rope_type '" + rs.rope_type +
-                             "' is not supported (only default and llama3)");
-  }
+  c->rope_scaling = common::rope_scaling_from_hf(rope, rope_key, j, c->max_position_embeddings, c->head_dim);
+  if (c->head_dim % 2 != 0) throw std::runtime_error("config.json: head_dim " + std::to_string(c->head_dim) + " is odd");
   return c;
 }
 
@@ -436,19 +466,7 @@ void parse_llama_args(config::ArgMap& a, LlamaConfig* out) {
   c->rope_theta = a.get_float("rope_theta", c->rope_theta, 1.0);
   if (a.has("rope_scaling")) {
     auto rs_args = a.child("rope_scaling");
-    auto& rs = c->rope_scaling;
-    rs.rope_type = rs_args.get_string("rope_type", std::nullopt, {"default", "llama3"});
-    if (rs.rope_type == "llama3") {
-      rs.factor = rs_args.get_float("factor", rs.factor, 1.0);
-      rs.low_freq_factor = rs_args.get_float("low_freq_factor", rs.low_freq_factor, 0.0);
-      rs.high_freq_factor = rs_args.get_float("high_freq_factor", rs.high_freq_factor, 0.0);
-      rs.original_max_position_embeddings =
-          rs_args.get_int("original_max_position_embeddings", rs.original_max_position_embeddings, 1);
-      if (!(rs.high_freq_factor > rs.low_freq_factor) || rs.low_freq_factor <= 0)
-        rs_args.fail("high_freq_factor", "need 0 < low_freq_factor < high_freq_factor, got " +
-                                             std::to_string(rs.low_freq_factor) + " and " +
-                                             std::to_string(rs.high_freq_factor));
-    }
+    c->rope_scaling = common::parse_rope_scaling(rs_args, c->max_position_embeddings, c->head_dim);
   }
   c->rms_norm_eps = a.get_float("rms_norm_eps", c->rms_norm_eps, 0.0);
   c->tie_word_embeddings = a.get_bool("tie_word_embeddings", c->tie_word_embeddings);
@@ -474,6 +492,109 @@ ModelEntry registry_entry() {
             return std::make_shared<Llama>(dynamic_cast<const LlamaConfig&>(c), ctx);
           },
           [](const nlohmann::json& j) -> std::shared_ptr<const config::ModelConfig> { return config_from_hf(j); }};
+}
+
+namespace {
+
+const std::vector<std::string> kLayerKinds = {"full_attention", "sliding_attention"};
+
+// Each layer's window from the family's keys, as transformers' configs derive them.
+void make_windows(LlamaConfig& c) {
+  c.layer_windows.assign(c.num_hidden_layers, 0);
+  if (c.model_type == "mistral") {
+    for (auto& w : c.layer_windows) w = c.sliding_window;
+    return;
+  }
+  if (c.model_type != "qwen2" && c.model_type != "qwen3") return;
+  const auto kinds = layer_kinds(c);
+  // Without use_sliding_window transformers sets sliding_window to None: every layer full.
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    c.layer_windows[i] = c.use_sliding_window && kinds[i] == "sliding_attention" ? c.sliding_window : 0;
+}
+
+bool qwen(const std::string& t) { return t == "qwen2" || t == "qwen3"; }
+
+// What the family fixes, and the keys it does not have.
+std::optional<std::pair<std::string, std::string>> family_problem(const LlamaConfig& c) {
+  const auto& t = c.model_type;
+  if (c.mlp_bias) return {{"mlp_bias", "true: " + t + " has no MLP biases"}};
+  if (c.attention_bias && t != "qwen3")
+    return {{"attention_bias", "true: " + t + (t == "qwen2" ? " has biases on q, k and v only (always)" : " has no attention biases")}};
+  if (qwen(t) && !c.layer_types.empty() && int64_t(c.layer_types.size()) != c.num_hidden_layers)
+    return {{"layer_types", "has " + std::to_string(c.layer_types.size()) + " entries for num_hidden_layers " +
+                                std::to_string(c.num_hidden_layers)}};
+  for (const auto& k : c.layer_types)
+    if (std::find(kLayerKinds.begin(), kLayerKinds.end(), k) == kLayerKinds.end())
+      return {{"layer_types", "'" + k + "' is not full_attention or sliding_attention"}};
+  return std::nullopt;
+}
+
+void finish_family(LlamaConfig& c) {
+  c.qkv_bias = c.model_type == "qwen2";
+  c.qk_norm = c.model_type == "qwen3";
+  make_windows(c);
+}
+
+std::shared_ptr<const config::ModelConfig> parse_family(config::ArgMap& a, const std::string& type) {
+  auto c = std::make_shared<LlamaConfig>();
+  c->model_type = type;
+  parse_llama_args(a, c.get());
+  if (qwen(type)) {
+    c->use_sliding_window = a.get_bool("use_sliding_window", false);
+    c->sliding_window = a.get_int("sliding_window", 4096, 1);
+    c->max_window_layers = a.get_int("max_window_layers", 28, 0);
+    c->layer_types = a.get_string_list("layer_types", std::vector<std::string>{});
+  } else if (type == "mistral") {
+    c->sliding_window = a.get_int("sliding_window", 4096, 0);  // 0: none (config.json's null)
+  }
+  if (const auto p = family_problem(*c)) a.fail(p->first, p->second);
+  finish_family(*c);
+  return c;
+}
+
+std::shared_ptr<const config::ModelConfig> family_from_hf(const nlohmann::json& j, const std::string& type) {
+  auto c = std::make_shared<LlamaConfig>(*config_from_hf(j));
+  c->model_type = type;
+  auto window_of = [&](int64_t def) {
+    if (!j.contains("sliding_window") || j.at("sliding_window").is_null()) return def;
+    const auto w = hf_get_or<int64_t>(j, "sliding_window", def);
+    if (w < 1) throw std::runtime_error("config.json: sliding_window " + std::to_string(w) + " must be at least 1 (or null)");
+    return w;
+  };
+  if (qwen(type)) {
+    c->sliding_window = window_of(4096);
+    // transformers: no sliding_window (null) means no sliding layer, whatever use_sliding_window says.
+    c->use_sliding_window = hf_get_or<bool>(j, "use_sliding_window", false) && j.contains("sliding_window") &&
+                            !j.at("sliding_window").is_null();
+    c->max_window_layers = hf_get_or<int64_t>(j, "max_window_layers", 28);
+    c->layer_types = hf_get_or<std::vector<std::string>>(j, "layer_types", {});
+  } else if (type == "mistral") {
+    c->sliding_window = window_of(0);
+    if (j.contains("layer_types") && !j.at("layer_types").is_null())
+      throw std::runtime_error("config.json: layer_types: transformers' Mistral has none (a Ministral folder?)");
+  }
+  if (const auto p = family_problem(*c)) throw std::runtime_error("config.json: " + p->first + " " + p->second);
+  finish_family(*c);
+  return c;
+}
+
+}  // namespace
+
+ModelEntry family_entry(const std::string& type) {
+  ModelEntry e{type, [type](config::ArgMap& a) { return parse_family(a, type); },
+               nullptr,  // registry: build_sharded + fresh initialisation
+               [](const config::ModelConfig& c, const common::ShardingContext& ctx) -> std::shared_ptr<CausalLM> {
+                 return std::make_shared<Llama>(dynamic_cast<const LlamaConfig&>(c), ctx);
+               },
+               [type](const nlohmann::json& j) -> std::shared_ptr<const config::ModelConfig> {
+                 return family_from_hf(j, type);
+               }};
+  if (type == "mistral")  // config.json's null window is model.args' 0
+    e.args_of_hf = [](nlohmann::json j) {
+      if (j.value("sliding_window", nlohmann::json()).is_null()) j["sliding_window"] = 0;
+      return j;
+    };
+  return e;
 }
 
 }  // namespace nnstrain::models::llama

@@ -11,20 +11,15 @@
 
 #include "models/common/layers.h"
 #include "models/common/moe.h"
+#include "models/common/rope.h"
 #include "models/model.h"
 #include "models/registry.h"
 
 namespace nnstrain::models::llama {
 
-// Hugging Face's `rope_scaling` (transformers 5: `rope_parameters`). Only the
-// "default" (none) and "llama3" types are supported.
-struct RopeScaling {
-  std::string rope_type = "default";
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
-};
+// Hugging Face's `rope_scaling` (transformers 5: `rope_parameters`): every kind
+// transformers computes (models/common/rope.h).
+using RopeScaling = common::RopeScaling;
 
 // Defaults are LlamaConfig's (Llama 2 7B), so a bare config.json reads the same.
 struct LlamaConfig : config::ModelConfig {
@@ -44,6 +39,25 @@ struct LlamaConfig : config::ModelConfig {
   bool mlp_bias = false;
   double initializer_range = 0.02;
 
+  // The families that are configurations of this decoder (registered by
+  // model_type: llama, qwen2, qwen3, mistral; docs/models.md's table).
+  // qkv_bias: biases on q, k, v but not o (Qwen2). layer_windows: each layer's
+  // sliding window (0: full causal attention; empty: all full), made from the
+  // family's keys below, which config.json round-trips.
+  std::string model_type = "llama";
+  bool qkv_bias = false;
+  std::vector<int64_t> layer_windows;
+  bool use_sliding_window = false;           // qwen2, qwen3
+  int64_t sliding_window = 4096;             // qwen2, qwen3, mistral (mistral: 0 = none)
+  int64_t max_window_layers = 28;            // qwen2, qwen3: layers from here slide (without layer_types)
+  std::vector<std::string> layer_types;      // qwen2, qwen3: full_attention | sliding_attention per layer
+  int64_t window(int64_t layer) const { return layer < int64_t(layer_windows.size()) ? layer_windows[layer] : 0; }
+  bool windowed() const {
+    for (auto w : layer_windows)
+      if (w > 0) return true;
+    return false;
+  }
+
   // The Mixture-of-Experts models built on Llama (models/moe: qwen3_moe,
   // mixtral) set these; plain Llama leaves them. qk_norm: Qwen3's RMSNorm of
   // each query and key head before the rotation. moe: the MoE block, on the
@@ -53,6 +67,11 @@ struct LlamaConfig : config::ModelConfig {
   std::vector<bool> sparse_layers;
   std::string moe_module = "mlp";
   bool sparse(int64_t layer) const { return moe && layer < int64_t(sparse_layers.size()) && sparse_layers[layer]; }
+
+  std::pair<std::string, std::string> context_parallel_refusal() const override {
+    if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
+    return {"", ""};
+  }
 
   // The same config with the 0 = derived fields filled in.
   LlamaConfig resolved() const;
@@ -64,7 +83,8 @@ torch::Tensor rope_inv_freq(const LlamaConfig& cfg);
 
 class AttentionImpl : public torch::nn::Module {
  public:
-  AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
+  // `layer`: its place in the stack (its sliding window).
+  AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {}, int64_t layer = 0);
   // cos/sin (Hugging Face's rotate_half layout): [T, head_dim] or, per token, [B, 1, T, head_dim]; mask: Documents::attention_mask()
   // (undefined: causal over the whole sequence).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -76,6 +96,7 @@ class AttentionImpl : public torch::nn::Module {
   common::RowParallelLinear o_proj{nullptr};
   common::RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qk_norm only
   int64_t head_dim, heads, kv_heads;  // this rank's heads
+  int64_t window = 0;                 // sliding window (0: full causal)
   c10::intrusive_ptr<common::CpComm> cp_comm;  // context parallelism (null at cp 1)
   common::CpCommType cp_comm_type = common::CpCommType::P2P;
   common::CpLayout cp_layout = common::CpLayout::Zigzag;
@@ -155,11 +176,13 @@ class Llama : public CausalLM {
  private:
   torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});
   std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, const torch::Device& device);
+  void rope_for(int64_t seq_len);  // longrope: the frequencies for a sequence of seq_len
   LlamaConfig cfg_;
   // Context parallelism: this rank's tokens sit at global positions (rotary).
   int cp_ = 1, cp_rank_ = 0;
   common::CpLayout cp_layout_ = common::CpLayout::Zigzag;
   torch::Tensor inv_freq_;  // on the CPU; not a parameter or buffer (transformers: non-persistent)
+  double rope_scale_ = 1.0;  // cos and sin times this (yarn, longrope)
   torch::Tensor cos_, sin_;  // cache for the last (T, device)
 };
 
@@ -185,5 +208,7 @@ T hf_get_or(const nlohmann::json& j, const char* key, T def) {
 }
 
 ModelEntry registry_entry();
+// The families that are configurations of this decoder: "qwen2", "qwen3", "mistral".
+ModelEntry family_entry(const std::string& model_type);
 
 }  // namespace nnstrain::models::llama

@@ -60,9 +60,12 @@ const char* const kMathKeys[] = {"vocab_size", "num_attention_heads", "n_head", 
                                  // Mixture of Experts: how tokens are routed and which layers are sparse
                                  "num_experts_per_tok", "norm_topk_prob", "scoring_func", "n_group", "topk_group",
                                  "routed_scaling_factor", "decoder_sparse_step", "mlp_only_layers",
-                                 "first_k_dense_replace"};
+                                 "first_k_dense_replace",
+                                 // attention windows (Mistral, Qwen2/3)
+                                 "sliding_window", "use_sliding_window", "layer_types"};
 const char* const kRopeScalingKeys[] = {"factor", "low_freq_factor", "high_freq_factor",
-                                        "original_max_position_embeddings"};
+                                        "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                                        "mscale_all_dim", "attention_factor", "short_factor", "long_factor"};
 
 // Those settings in one layout. transformers 5 nests rope_theta and the scaling under
 // `rope_parameters`; 4 writes top-level `rope_theta` + `rope_scaling` ("type" in
