@@ -21,7 +21,12 @@
   SIGUSR2 makes both ranks write their flight records while training goes on;
 - a parameter changed on one replica (NNSTRAIN_TEST_CORRUPT_PARAM) is named at
   the next checksum step and the run stops; so is the tied embedding changed
-  on the first of 2 pipeline stages.
+  on the first of 2 pipeline stages; under ep 2 on 2 ranks (each holding other
+  experts) the first check passes and the change is still found;
+- a restart before the run's first save resumes from the run's own --resume
+  PATH, and one without checkpoint.save_dir starts from scratch; a restart
+  after a spike rewind skips what the rewind skipped and, resumed before the
+  spike, still sees it (the detector's history travels in the checkpoint).
 
 Losses are compared as the JSON numbers the trainer wrote (shortest round trip:
 equality there is bitwise equality).
@@ -43,6 +48,7 @@ from conftest import CONFIGS, SOURCE, nnstrain_bin_path, read_metrics, single_pr
 
 DP = CONFIGS / "tiny_dp.yaml"
 TINY = CONFIGS / "tiny_gpt.yaml"
+MOE = CONFIGS / "tiny_moe_ep.yaml"
 
 
 def launch(nproc, args, *, restarts=None, env=None, timeout=240):
@@ -214,6 +220,40 @@ def test_failure_at_the_same_step_again_is_deterministic(tiny_tokens, tmp_path):
     assert "restart 2 of 3" not in out, out
 
 
+def plain_args(d, tokens, *more):
+    return ["--config", TINY, "--vars.data", tokens, "--run_dir", d, "--max_train_steps", "8",
+            "--val_every_n_train_steps", "0", "--lr_scheduler.args.decay_steps", "8",
+            "--checkpoint.async_save", "false", *more]
+
+
+def test_restart_before_the_first_save_resumes_from_the_runs_own_source(tiny_tokens, tmp_path):
+    """A run continued from another folder's checkpoint (--resume PATH), killed before its own first save:
+    the restart resumes from PATH again, not from random weights at step 0."""
+    a = tmp_path / "a"
+    rc, out = run_one(plain_args(a, tiny_tokens, "--checkpoint.save_dir", a / "ckpt",
+                                 "--checkpoint.every_n_train_steps", "4"))
+    assert rc == 0, out
+    b = tmp_path / "b"
+    rc, out = launch(1, plain_args(b, tiny_tokens, "--checkpoint.save_dir", b / "ckpt",
+                                   "--checkpoint.every_n_train_steps", "8", "--resume", a / "ckpt" / "step-00000004"),
+                     restarts=1, env={"NNSTRAIN_TEST_KILL_AT": "6"})
+    assert rc == 0, out
+    assert "restart 1 of 1: rank 0 was killed by signal 9 (SIGKILL) at step 6" in out, out
+    r = [json.loads(line) for line in (b / "restarts.jsonl").read_text().splitlines()]
+    assert len(r) == 1 and r[0]["resumed_at_step"] == 4, (r, out)
+    assert losses(b) == {s: v for s, v in losses(a).items() if s > 4}, out
+
+
+def test_restart_without_a_save_dir_starts_from_scratch(tiny_tokens, tmp_path):
+    rc, out = launch(1, plain_args(tmp_path, tiny_tokens, "--checkpoint.save_dir", ""), restarts=1,
+                     env={"NNSTRAIN_TEST_KILL_AT": "3"})
+    assert rc == 0, out
+    assert "restart 1: no checkpoint under checkpoint.save_dir (not set) yet: starting again from scratch" in out, out
+    r = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert len(r) == 1 and r[0]["resumed_at_step"] == 0, r
+    assert sorted(losses(tmp_path)) == list(range(1, 9))
+
+
 # --- loss spike: rerun, rewind, skip ----------------------------------------
 
 SEED, SEQ, BATCH, SPIKE_DATA_STEP, STEPS = 1337, 16, 4, 12, 20
@@ -285,6 +325,29 @@ def test_loss_spike_is_rerun_rewound_and_its_data_skipped(spiky_tokens, tmp_path
     resumed = losses(r)
     assert sorted(resumed) == list(range(16, STEPS + 1))
     assert all(resumed[s] == got[s] for s in resumed), (resumed, got)
+
+
+@pytest.mark.parametrize("kill_at", [12, 14], ids=["before_the_spike", "after_the_skip"])
+def test_a_restart_keeps_the_spike_detector_and_the_skipped_data(spiky_tokens, tmp_path, kill_at):
+    """Killed at step 12 (resumed from step 10, before the spike at 13): the detector's history from the
+    checkpoint sees the spike at once. Killed at step 14 (after the rewind to 10 that skipped data step 12,
+    before the next save at 15): the restart from step 10 skips it too and meets no spike."""
+    d = tmp_path / "run"
+    rc, out = launch(1, spike_args(spiky_tokens, d, "--checkpoint.async_save", "false"), restarts=1,
+                     env={"NNSTRAIN_TEST_KILL_AT": str(kill_at)})
+    assert rc == 0, out
+    assert f"restart 1 of 1: rank 0 was killed by signal 9 (SIGKILL) at step {kill_at}" in out, out
+    r = [json.loads(line) for line in (d / "restarts.jsonl").read_text().splitlines()]
+    assert len(r) == 1 and r[0]["resumed_at_step"] == 10, r
+    spike_step = SPIKE_DATA_STEP + 1
+    kinds = [(e["step"], e["fault_tolerance"]["event"], e["fault_tolerance"]["action"]) for e in events(d)]
+    # The metrics after the checkpoint are the restarted attempt's.
+    want = [(spike_step, "spike", "rerun"), (spike_step, "rerun_check", "rewind")] if kill_at == 12 else []
+    assert kinds == want, (kinds, out)
+    assert sorted(losses(d)) == list(range(1, STEPS + 1))
+    state = json.loads((d / "ckpt" / "step-00000020" / "manifest.json").read_text())["state"]
+    assert state["data_cursor"]["skipped"] == [[SPIKE_DATA_STEP, SPIKE_DATA_STEP + 1]], state["data_cursor"]
+    assert len(state["fault_tolerance"]["history"]) == 5, state["fault_tolerance"]
 
 
 # --- a transient fault, and a non-finite step keyed on its data ---------------
@@ -453,6 +516,21 @@ def test_tied_copy_changed_on_one_pipeline_stage_is_named(tiny_tokens, tmp_path)
     assert re.search(r"step 4: parameter wte\.weight differs between its tied copies on the first and last pipeline "
                      r"stages: rank 0 checksum \d+, rank 1 checksum \d+", out), out
     assert "step 2: parameter" not in out  # the check before the change passed
+
+
+def test_expert_shards_are_compared_over_their_replicas_not_their_ep_peers(tiny_tokens, tmp_path):
+    """ep 2 on 2 ranks: the dense parameters are replicas over dp 2, each rank's experts have none (its ep
+    peer holds the others). The check of step 2 passes; a dense parameter changed on rank 1 is named at 4."""
+    args = ["--config", MOE, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--global_batch_size", "4",
+            "--micro_batch_size", "2", "--compute_config.expert_parallel_size", "2", "--max_train_steps", "6",
+            "--val_every_n_train_steps", "0", "--fault_tolerance.checksum_every_n_steps", "2"]
+    rc, out = launch(2, args, env={"NNSTRAIN_TEST_CORRUPT_PARAM": "3:1"})
+    assert rc != 0, out
+    assert "step 2: parameter" not in out, out  # the first check passed
+    m = re.search(r"changed parameter (\S+) on rank 1 after step 3", out)
+    assert m, out
+    assert re.search(rf"step 4: parameter {re.escape(m.group(1))} differs between replicas: rank 0 checksum \d+, "
+                     rf"rank 1 checksum \d+", out), out
 
 
 # --- the configuration ----------------------------------------------------------

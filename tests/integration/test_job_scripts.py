@@ -184,9 +184,10 @@ def test_launch_then_env(nnstrain_bin, tmp_path):
 # --- automatic restart through the scheduler's requeue ------------------------
 
 def failing_nnstrain(tmp_path, status):
-    """Stands in for a training run that fails: records its arguments, exits `status`."""
+    """Stands in for a training run that fails: records its arguments and NNSTRAIN_RESTART_COUNT, exits `status`."""
     stub = tmp_path / "failing_nnstrain"
-    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{tmp_path}/runs"\nexit {status}\n')
+    stub.write_text(f'#!/bin/sh\nprintf "%s RESTART=%s\\n" "$*" "$NNSTRAIN_RESTART_COUNT" >> "{tmp_path}/runs"\n'
+                    f'exit {status}\n')
     stub.chmod(0o755)
     return stub
 
@@ -200,7 +201,9 @@ def requeue_job(script, env):
                                               ("scripts/pbs/train.pbs", "pbs")])
 def test_failed_job_is_requeued_then_found_deterministic(tmp_path, fake_bin, nnstrain_bin, script, scheduler):
     """A failure requeues the job (fake scontrol requeue / qrerun record the call); the requeued job
-    resumes; a second failure with no checkpoint since the first is deterministic: no requeue."""
+    resumes (NNSTRAIN_RESTART_COUNT set, the command as it was: nnstrain takes the latest checkpoint, or the
+    run's own source before the first save); a second failure with no checkpoint since the first is
+    deterministic: no requeue."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "latest").write_text("step-00000004\n")
@@ -229,7 +232,8 @@ def test_failed_job_is_requeued_then_found_deterministic(tmp_path, fake_bin, nns
     assert rc == 3 and calls.read_text().splitlines() == [requeue] * 2, err
     assert "restart 1 of 2: resuming from the latest checkpoint" in err
     runs = (tmp_path / "runs").read_text().splitlines()
-    assert not runs[0].endswith("--resume") and runs[1].endswith("--resume"), runs
+    assert runs[0].endswith("RESTART=") and runs[1].endswith("RESTART=1"), runs
+    assert "--resume" not in runs[1], runs
     # No checkpoint since: deterministic, not requeued.
     if scheduler == "slurm":
         env["SLURM_RESTART_COUNT"] = "2"
@@ -249,3 +253,19 @@ def test_sbatch_requeues_only_a_failure_with_restarts_left(tmp_path, fake_bin, n
     rc, err = requeue_job("scripts/slurm/train.sbatch", env)
     assert rc == status, err
     assert not calls.exists(), calls.read_text()
+
+
+def test_a_pbs_rerun_of_its_own_resumes(tmp_path, fake_bin, nnstrain_bin):
+    """PBS reruns a job itself (a node failure, an operator's qrerun) under the same job id: the rerun is a
+    restart for nnstrain (NNSTRAIN_RESTART_COUNT), never a fresh start over the run's save_dir."""
+    node_file = tmp_path / "nodefile"
+    node_file.write_text("localhost\n")
+    env = job_env(fake_bin, nnstrain_bin, PBS_JOBID="779.fake-pbs", PBS_NODEFILE=str(node_file),
+                  PBS_O_WORKDIR=str(tmp_path), GPUS="1", NNSTRAIN=str(failing_nnstrain(tmp_path, 0)),
+                  NNSTRAIN_ROOT=str(tmp_path))
+    for _ in range(2):
+        rc, err = requeue_job("scripts/pbs/train.pbs", env)
+        assert rc == 0, err
+    assert "job 779.fake-pbs rerun by PBS: resuming from the latest checkpoint" in err
+    runs = (tmp_path / "runs").read_text().splitlines()
+    assert [r.rsplit(" ", 1)[1] for r in runs] == ["RESTART=", "RESTART=1"], runs

@@ -34,6 +34,29 @@ std::string join(const std::vector<int>& v) {
 FlightRecorder::FlightRecorder(std::string path, size_t capacity, int rank, int world)
     : path_(std::move(path)), capacity_(std::max<size_t>(1, capacity)), rank_(rank), world_(world) {
   ring_.resize(capacity_);
+  // A record left by an earlier attempt (a restart, a rerun in the same
+  // run_dir) would be lined up with this one's by `nnstrain report`: moved to
+  // flight/earlier/, which the report does not read. Each rank moves its own;
+  // rank 0 also those of ranks this run does not have.
+  std::error_code ec;
+  const fs::path dir = fs::path(path_).parent_path();
+  const fs::path earlier = dir / "earlier";
+  auto move_aside = [&](const fs::path& f) {
+    if (!fs::exists(f, ec)) return;
+    fs::create_directories(earlier, ec);
+    fs::rename(f, earlier / f.filename(), ec);
+    if (ec) fs::remove(f, ec);
+  };
+  move_aside(path_);
+  if (rank_ != 0) return;
+  std::vector<fs::path> beyond;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const auto n = e.path().filename().string();
+    if (n.size() > 9 && n.size() < 24 && n.rfind("rank", 0) == 0 && n.compare(n.size() - 5, 5, ".json") == 0 &&
+        std::all_of(n.begin() + 4, n.end() - 5, ::isdigit) && std::stoll(n.substr(4, n.size() - 9)) >= world_)
+      beyond.push_back(e.path());
+  }
+  for (const auto& f : beyond) move_aside(f);
 }
 
 int64_t FlightRecorder::issued(const std::string& group, const std::vector<int>& ranks, const char* op,

@@ -41,7 +41,9 @@ Starts N worker processes on this node, as torchrun does, each running
 GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (and
 OMP_NUM_THREADS=1 unless it is set). Every line a worker prints is echoed as
 "[rank N] line". When a worker fails, the others get SIGTERM, then SIGKILL 5 s
-later. SIGINT, SIGTERM and SIGHUP are passed on to the workers.
+later. SIGINT, SIGTERM and SIGHUP are passed on to the workers and end the
+launch; SIGUSR1 (save and stop) and SIGUSR2 (write the flight records) are
+passed on and the launch goes on.
 
   --nproc-per-node N   workers on this node (one per GPU)
   --nnodes M           nodes in the job (default 1): run one launcher per node
@@ -51,12 +53,15 @@ later. SIGINT, SIGTERM and SIGHUP are passed on to the workers.
                        On node 0 the launcher holds it until rank 0 serves it;
                        one in use is an error (status 2)
   --max-restarts N     when a worker fails, stop the others and start them all
-                       again with --resume (the latest complete checkpoint), up
-                       to N times (default 0); a failure at the same step as the
-                       one before is deterministic and ends the launch. With
-                       several nodes the launchers agree on each restart through
-                       node 0's launcher, listening on --master-port; the workers
-                       get a fresh port per attempt
+                       again (NNSTRAIN_RESTART_COUNT set: from the latest
+                       complete checkpoint under checkpoint.save_dir, else from
+                       where the run started), up to N times (default 0); a
+                       failure at the same step as the one before is
+                       deterministic and ends the launch. With several nodes the
+                       launchers agree on each restart through node 0's
+                       launcher, listening on --master-port (joins carry
+                       NNSTRAIN_LAUNCH_TOKEN, or the job's id); the workers get
+                       a fresh port per attempt
   --exec               ARGS[0] is any program, not an nnstrain subcommand
                        (torchrun's --no-python; also accepted)
 )";
@@ -266,7 +271,10 @@ void on_signal(int sig) {
   errno = saved;
 }
 
-constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2};
+// Passed on without ending the launch: the workers' own requests (SIGUSR1: save
+// and stop, as #SBATCH --signal=USR1@120 sends it; SIGUSR2: flight records).
+bool ends_launch(int sig) { return sig != SIGUSR1 && sig != SIGUSR2; }
 
 class SignalScope {
  public:
@@ -521,10 +529,12 @@ class Launch {
       if (listen_fd_ >= 0) close(listen_fd_);
       listen_fd_ = -1;
     };
-    // Before attempt k > 0: what a restarted worker is told, and the command resumes.
+    // Before attempt k > 0: what a restarted worker is told. The command stays as
+    // it is: NNSTRAIN_RESTART_COUNT makes nnstrain continue from the latest
+    // checkpoint, or from the command's own source when none was saved yet
+    // (train::restart_source).
     auto prepare_restart = [&](const Verdict& v) {
       say(restart_line(v));
-      if (!c_.exec) resume_latest(argv);
       board->clear();
       first_failure_ = nullptr;
       stopped_by_peer_ = false;
@@ -551,10 +561,17 @@ class Launch {
         return v.status;
       }
       restart_env = prepare_restart(v);
-      // Rank 0's port again (its last holder is gone), held until the new rank 0 takes it.
-      if (node_rank == 0 && !c_.exec && world > 1) {
-        Reserved r = reserve_port(port);
+      // A fresh port per attempt, as with several nodes: a process of the last
+      // attempt that still holds the old one (a worker's orphan) or a client of
+      // it cannot meet this attempt's store, and the old one may be taken by now.
+      if (!c_.exec && world > 1) {
+        Reserved r = reserve_port(std::nullopt);
+        port = r.port;
         listen_fd_ = r.fd;
+      } else if (world > 1) {
+        Reserved r = reserve_port(std::nullopt);
+        port = r.port;
+        close(r.fd);
       }
     }
   }
@@ -566,11 +583,16 @@ class Launch {
   int run_group(int group_fd, const std::string& addr, int master_port, const SignalScope& signals,
                 SpawnAll& spawn_all, PrepareRestart& prepare_restart) {
     const int node_rank = c_.node_rank.value_or(0);
+    // The job's token: a join from another job (or a forged one without it) is dropped.
+    const std::string token = launch_token(c_.command);
+    int dropped = 0;
     RestartRendezvous link =
-        node_rank == 0
-            ? RestartRendezvous::host(group_fd, c_.nnodes, c_.nproc, c_.max_restarts, kJoinTimeoutS, signals.read_fd())
-            : RestartRendezvous::join(addr, master_port, node_rank, c_.nnodes, c_.nproc, c_.max_restarts,
-                                      kJoinTimeoutS, signals.read_fd());
+        node_rank == 0 ? RestartRendezvous::host(group_fd, c_.nnodes, c_.nproc, c_.max_restarts, kJoinTimeoutS,
+                                                 signals.read_fd(), token, &dropped)
+                       : RestartRendezvous::join(addr, master_port, node_rank, c_.nnodes, c_.nproc, c_.max_restarts,
+                                                 kJoinTimeoutS, signals.read_fd(), token);
+    if (dropped > 0)
+      say("dropped " + std::to_string(dropped) + " connection(s) to --master-port that were not a launcher of this job");
     link_ = &link;
     Verdict v;  // node 0 starts attempt 0; the others wait for its start
     v.restart = true;
@@ -638,7 +660,7 @@ class Launch {
 
   std::string restart_line(const Verdict& v) const {
     return "restart " + std::to_string(v.attempt) + " of " + std::to_string(c_.max_restarts) + ": " + v.cause +
-           "; starting every worker again with --resume";
+           "; starting every worker again from the latest checkpoint";
   }
 
   // After a failure in `attempt`: restart, or end because no restart is left or
@@ -685,22 +707,6 @@ class Launch {
         first = &e;
     if (!first) return v;  // every node's workers finished
     return decide(attempt, failed_step, *first);
-  }
-
-  // The command of a restart resumes from the latest checkpoint: any --resume
-  // (with its folder) gives way to a bare --resume.
-  static void resume_latest(std::vector<std::string>& argv) {
-    std::vector<std::string> out;
-    for (size_t i = 0; i < argv.size(); ++i) {
-      if (argv[i].rfind("--resume=", 0) == 0) continue;
-      if (argv[i] == "--resume") {
-        if (i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0) ++i;
-        continue;
-      }
-      out.push_back(argv[i]);
-    }
-    out.push_back("--resume");
-    argv = std::move(out);
   }
 
  private:
@@ -857,7 +863,7 @@ class Launch {
         while ((k = read(signals.read_fd(), sigs, sizeof sigs)) > 0)
           for (ssize_t i = 0; i < k; ++i) {
             if (sigs[i] == SIGCHLD) continue;  // reap() at the top of the loop
-            got_signal_ = sigs[i];
+            if (ends_launch(sigs[i])) got_signal_ = sigs[i];
             say("got " + signal_name(sigs[i]) + ", passing it on to the workers");
             signal_running(sigs[i]);
           }

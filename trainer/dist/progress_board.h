@@ -17,6 +17,10 @@ constexpr int kProgressFd = 4;
 // (the slot of LOCAL_RANK). Cheap: one store into shared memory.
 void publish_step(int64_t step);
 
+// Whether `fd` is a launcher's board (a memfd of that name, sealed against
+// resizing): what a worker checks before it maps descriptor kProgressFd.
+bool is_progress_board(int fd);
+
 // In the launcher: the board for `slots` workers.
 class ProgressBoard {
  public:

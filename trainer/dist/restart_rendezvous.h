@@ -13,7 +13,16 @@
 // every launcher logs the same line. A node reports `ended` only after all its
 // workers are reaped, and the workers of attempt k+1 rendezvous on a fresh port:
 // no worker of attempt k can meet one of attempt k+1.
-// Lines of tab-separated fields, newline-terminated.
+// Lines of tab-separated fields, newline-terminated, at most kMaxLineBytes.
+//
+// What may reach --master-port is not trusted: node 0 drops (and goes on
+// waiting) a connection that sends a malformed or overlong line, says nothing
+// within kJoinLineS, or joins with another job's token (`join NODE NNODES NPROC
+// MAX_RESTARTS TOKEN`, the token the same on every node of a job: launch_token()).
+// Only a join with this job's token that disagrees (a node rank taken twice,
+// other options) ends the launch. Every connection has SO_KEEPALIVE, so a node
+// that vanished (power, network) is noticed within about 90 s; a node waiting
+// for node 0's first start gives up at the join deadline.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +56,16 @@ struct Verdict {
   std::string message;       // logged by every launcher (empty: a clean end)
 };
 
+// The longest line either side accepts, and how long node 0 waits for a new
+// connection's join line before dropping it.
+constexpr size_t kMaxLineBytes = 4096;
+constexpr double kJoinLineS = 10;
+
+// The job's token, the same on every node: NNSTRAIN_LAUNCH_TOKEN when set, else
+// the scheduler's job id (SLURM_JOB_ID, PBS_JOBID), else a hash of `command`
+// (the workers' command line, which every node runs alike). Never a tab or newline.
+std::string launch_token(const std::vector<std::string>& command);
+
 class RestartRendezvous {
  public:
   // Node 0: takes `listen_fd` (bound to --master-port) and waits for the other
@@ -54,10 +73,12 @@ class RestartRendezvous {
   // Node R > 0: connects to addr:port, retrying, and joins. Either gives up after
   // `timeout_s`, or when a byte arrives on `signal_fd` (the launcher was
   // signalled); throws std::runtime_error with one line naming the node.
+  // `token`: launch_token(); a join with another is dropped, not obeyed.
+  // `dropped` (node 0, optional): how many connections were dropped.
   static RestartRendezvous host(int listen_fd, int nnodes, int nproc, int max_restarts, double timeout_s,
-                                int signal_fd);
+                                int signal_fd, const std::string& token, int* dropped = nullptr);
   static RestartRendezvous join(const std::string& addr, int port, int node, int nnodes, int nproc,
-                                int max_restarts, double timeout_s, int signal_fd);
+                                int max_restarts, double timeout_s, int signal_fd, const std::string& token);
   RestartRendezvous(RestartRendezvous&& o) noexcept { *this = std::move(o); }
   RestartRendezvous& operator=(RestartRendezvous&& o) noexcept;
   ~RestartRendezvous();
@@ -81,7 +102,8 @@ class RestartRendezvous {
   // Node 0: tells every node the run is over.
   void finish(const Verdict& v);
   // Node R > 0: reports its end of `attempt` (attempt -1: none yet) and waits
-  // for node 0's verdict (a start or the end).
+  // for node 0's verdict (a start or the end); for the first start no longer
+  // than join()'s timeout.
   Verdict report_and_wait(int attempt, const NodeEnd& mine, int signal_fd);
 
  private:
@@ -98,6 +120,7 @@ class RestartRendezvous {
   static bool take_line(Peer& p, std::string& line);
   int node_ = 0;
   int nnodes_ = 1;
+  int64_t join_deadline_ms_ = 0;  // node R: steady-clock ms by which node 0's first start must come
   std::vector<Peer> peers_;  // node 0: one per other node; else the one to node 0
   bool stop_sent_ = false;
   int attempt_ = 0;
