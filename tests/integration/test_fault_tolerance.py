@@ -405,6 +405,20 @@ def test_a_nonfinite_step_is_rewound_and_its_data_skipped(tiny_tokens, tmp_path,
     assert state["data_cursor"]["skipped"] == [[5, 6]], state["data_cursor"]
 
 
+def test_a_loss_scalers_overflow_steps_are_not_nonfinite_steps(tiny_tokens, tmp_path):
+    """16-mixed from a scale at which every step's gradients overflow: the scaler skips each update and backs
+    off, as it should; nonfinite_steps 2 with on_spike: stop does not stop the run."""
+    rc, out = run_one(plain_args(tmp_path, tiny_tokens, "--max_train_steps", "4", "--checkpoint.save_dir", "",
+                                 "--precision", "16-mixed", "--loss_scaler.init_scale", "1e30",
+                                 "--fault_tolerance.nonfinite_steps", "2", "--fault_tolerance.on_spike", "stop"))
+    assert rc == 0, out
+    train, _ = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in train if "loss" in r] == [1, 2, 3, 4], train  # the scaler's overflows
+    scales = [r["loss_scale"] for r in train if "loss" in r]
+    assert scales == sorted(scales, reverse=True) and scales[0] > scales[-1], scales
+    assert not events(tmp_path), events(tmp_path)
+
+
 # --- straggler and flight recorder --------------------------------------------
 
 def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
