@@ -22,6 +22,7 @@
 #include "trainer/dist/env_command.h"
 #include "trainer/dist/launcher.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/eval/eval_command.h"
 #include "trainer/interop/generate_command.h"
 #include "trainer/interop/merge_command.h"
 #include "trainer/pipeline/config_check.h"
@@ -40,6 +41,7 @@ constexpr const char* kUsage = R"(nnstrain: config-driven distributed trainer fo
   nnstrain launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- ARGS
   nnstrain merge CKPT --out DIR [--hf] [--dtype fp32|bf16|fp16]
   nnstrain generate CKPT|DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] ...
+  nnstrain eval CKPT|DIR --tasks FILE... [--limit N] [--batch-size B] [--json OUT]
   nnstrain plan --config FILE [--runtime-ngpus N] [--device NAME] [--memory-budget-gb X] [--explain] [--json]
   nnstrain prepare shakespeare_char [--input PATH] [--out DIR]
   nnstrain prepare text --input FILE --out DIR [--level char|byte]
@@ -158,6 +160,7 @@ int main(int argc, char** argv) {
   if (cmd == "plan") return plan_main(tail());
   if (cmd == "merge") return interop::merge_main(tail());
   if (cmd == "generate") return interop::generate_main(tail());
+  if (cmd == "eval") return eval::eval_main(tail());
   if (cmd == "report") return report_main(tail());
   if (cmd == "--version") {
     print_version(std::cout);
