@@ -480,6 +480,37 @@ void read_adamw_args(ArgMap& oargs, OptimizerArgs& o) {
   o.impl = oargs.get_string("impl", "auto", {"auto", "fused", "foreach", "loop"});
 }
 
+// lora: (docs/lora.md). Every key checked here; whether a target names a module
+// of the model is checked once the model is built (trainer/lora/converter.cpp).
+static void load_lora(ArgMap& top, TrainerArgs& t) {
+  if (!top.has("lora")) return;
+  ArgMap m = top.child("lora");
+  auto& l = t.lora;
+  l.enabled = true;
+  l.r = m.get_int("r", 8, 1, 1 << 16);
+  l.alpha = m.get_float("alpha", 8.0);
+  if (!(l.alpha > 0)) m.fail("alpha", "must be > 0");
+  l.dropout = m.get_float("dropout", 0.0, 0.0);
+  if (l.dropout >= 1) m.fail("dropout", "must be in [0, 1)");
+  l.target_modules = m.get_string_list("target_modules");
+  if (l.target_modules.empty()) m.fail("target_modules", "names no module (give names, globs or [all-linear])");
+  for (const auto& name : l.target_modules)
+    if (name == "all-linear" && l.target_modules.size() > 1)
+      m.fail("target_modules", "all-linear stands alone (it already names every linear layer but the output layer)");
+  l.use_rslora = m.get_bool("use_rslora", false);
+  l.init = m.get_string("init", "default", {"default", "gaussian"});
+  l.modules_to_save = m.get_string_list("modules_to_save", std::vector<std::string>{});
+  l.bias = m.get_string("bias", "none", {"none"});
+  l.base_quantization = m.get_string("base_quantization", "none", {"none", "nf4"});
+  l.double_quant = m.get_bool("double_quant", false);
+  if (l.double_quant && l.base_quantization != "nf4")
+    m.fail("double_quant", "quantizes the scales of an nf4 base; set base_quantization: nf4");
+  l.init_from = m.get_string("init_from", "");
+  for (const char* f : {"adapter_model.safetensors", "adapter_config.json"})
+    if (!l.init_from.empty() && !fs::is_regular_file(fs::path(l.init_from) / f))
+      m.fail("init_from", l.init_from + " holds no " + f + " (expected a peft adapter folder)");
+}
+
 TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) {
   return load_trainer_args_from_text(read_config_text(file), file, opts);
 }
@@ -841,6 +872,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     top.fail("memory_snapshot_step", "is set but memory_snapshot is false");
 
   load_fault_tolerance(top, t);  // after checkpoint and compute_config (its checks combine them)
+  load_lora(top, t);
 
   // Unknown keys before the checks that combine keys: a misspelt key would
   // otherwise surface as a confusing consequence of its default.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/config/fault_tolerance_args.h"
+#include "base/config/lora_args.h"
 
 namespace nnstrain::config {
 
@@ -265,6 +266,7 @@ struct TrainerArgs {
   bool memory_snapshot = false;       // CUDA allocator history and snapshots
   int64_t memory_snapshot_step = 0;   // dump after this step; 0 = the run's first step
   FaultToleranceArgs fault_tolerance;
+  LoraArgs lora;                      // absent: every weight trains
 
   std::string resolved_yaml;          // the resolved configuration, as YAML
 };
