@@ -135,6 +135,25 @@ void ShardedModule::replace_parameter(const std::string& name, at::Tensor t) {
   rebind();
 }
 
+void ShardedModule::freeze_parameter(const std::string& name) {
+  auto* slot = parameters_.find(name);
+  TORCH_CHECK(slot, "freeze_parameter: no parameter '", name, "'");
+  at::Tensor t = *slot;
+  t.set_requires_grad(false);
+  parameters_.erase(name);
+  register_buffer(name, t);
+}
+
+namespace {
+// The adapter's weight and output term, if one is attached.
+at::Tensor weight_of(const std::shared_ptr<LinearAdapter>& a, const at::Tensor& w) { return a ? a->weight(w) : w; }
+at::Tensor plus_delta(const std::shared_ptr<LinearAdapter>& a, at::Tensor y, const at::Tensor& x) {
+  if (!a) return y;
+  auto d = a->delta(x);
+  return d.defined() ? y + d : y;
+}
+}  // namespace
+
 torch::Tensor to_sequence_shard(const ShardingContext& ctx, const torch::Tensor& x, int64_t batch) {
   return ctx.sp() ? scatter_to_seq(x, ctx.tp, ctx.rank, ctx.comm, batch) : x;
 }
@@ -167,7 +186,9 @@ void LinearImpl::rebind() {
   bias = param_or_undefined(parameters_, "bias");
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return deferrable_linear(x, weight, bias); }
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  return plus_delta(adapter, deferrable_linear(x, weight_of(adapter, weight), bias), x);
+}
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim, InitRule init, const c10::TensorOptions& opts) {
   layouts_.push_back(replicated_layout("weight", {num, dim}, init));
@@ -243,9 +264,11 @@ void ColumnParallelLinearImpl::rebind() {
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  if (!ctx_.parallel()) return deferrable_linear(x, weight, bias);
-  if (ctx_.sp()) return sequence_parallel_linear(x, weight, bias, ctx_.tp, ctx_.comm);
-  return deferrable_linear(copy_to_tp(x, ctx_.comm), weight, bias);
+  const auto w = weight_of(adapter, weight);
+  if (!ctx_.parallel()) return plus_delta(adapter, deferrable_linear(x, w, bias), x);
+  if (ctx_.sp()) return plus_delta(adapter, sequence_parallel_linear(x, w, bias, ctx_.tp, ctx_.comm), x);
+  const auto xt = copy_to_tp(x, ctx_.comm);
+  return plus_delta(adapter, deferrable_linear(xt, w, bias), xt);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t in, int64_t out, int64_t unit,
@@ -263,8 +286,9 @@ void RowParallelLinearImpl::rebind() {
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  if (!ctx_.parallel()) return deferrable_linear(x, weight, bias);
-  const auto partial = deferrable_linear(x, weight);
+  const auto w = weight_of(adapter, weight);
+  if (!ctx_.parallel()) return plus_delta(adapter, deferrable_linear(x, w, bias), x);
+  const auto partial = plus_delta(adapter, deferrable_linear(x, w), x);  // the adapter's part summed with the layer's
   // Under sequence parallelism the bias is added to the shard, its gradient whole from the gathered one.
   if (ctx_.sp()) return reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm, bias);
   auto y = reduce_from_tp(partial, ctx_.comm);

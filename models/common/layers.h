@@ -35,6 +35,20 @@ struct Block {
 
 class ShardedModule;
 
+// What a model converter attaches to a linear layer (LoRA, models/lora/): the
+// weight the layer computes with (a quantized base dequantized; by default the
+// stored one) and a term added to its output. A column-parallel layer hands
+// delta() its input as it arrives (replicated, or this rank's tokens under
+// sequence parallelism) and adds this rank's output columns; a row-parallel one
+// hands it this rank's input columns and adds a partial output, reduced over
+// the group with its own. An undefined delta adds nothing (adapters off).
+class LinearAdapter {
+ public:
+  virtual ~LinearAdapter() = default;
+  virtual at::Tensor weight(const at::Tensor& stored) const { return stored; }
+  virtual at::Tensor delta(const at::Tensor& x) = 0;
+};
+
 // One parameter as its layer declares it.
 struct ParamLayout {
   std::string name;                   // as in named_parameters() once collected; layer-local before
@@ -55,6 +69,9 @@ class ShardedModule : public torch::nn::Module {
   // Replaces this module's parameter `name` (layer-local) by `t`, which must
   // have the local shape; t becomes a leaf requiring grad.
   void replace_parameter(const std::string& name, at::Tensor t);
+  // A frozen parameter (LoRA's base): kept as a buffer of the same name, out of
+  // named_parameters() and so out of param_layouts() and the training state.
+  void freeze_parameter(const std::string& name);
 
  protected:
   // Registers a parameter of `layout.local_shape` on `opts`: empty on meta,
@@ -92,6 +109,7 @@ class LinearImpl : public ShardedModule {
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight, bias;  // bias undefined when disabled
+  std::shared_ptr<LinearAdapter> adapter;  // null: none
 
  private:
   void rebind() override;
@@ -110,6 +128,7 @@ class ColumnParallelLinearImpl : public ShardedModule {
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   int64_t local_out() const { return weight.size(0); }
   torch::Tensor weight, bias;
+  std::shared_ptr<LinearAdapter> adapter;  // null: none
 
  private:
   void rebind() override;
@@ -126,6 +145,7 @@ class RowParallelLinearImpl : public ShardedModule {
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight, bias;
+  std::shared_ptr<LinearAdapter> adapter;  // null: none
 
  private:
   void rebind() override;
