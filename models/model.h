@@ -158,6 +158,9 @@ class CausalLM : public torch::nn::Module {
   virtual std::vector<HfTensor> hf_tensors() const { return {}; }
   virtual std::vector<HfBuffer> hf_buffers() { return {}; }
   virtual nlohmann::json hf_config() const { return nlohmann::json::object(); }
+  // Why the architecture hf_config() names cannot represent this model (merge
+  // --hf refuses, naming it); empty: it can.
+  virtual std::string hf_export_refusal() const { return {}; }
 
   virtual void set_runtime_options(const RuntimeOptions& opts) { runtime_ = opts; }
   const RuntimeOptions& runtime_options() const { return runtime_; }

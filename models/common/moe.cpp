@@ -2,6 +2,7 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -69,6 +70,37 @@ class AddAuxGrad : public torch::autograd::Function<AddAuxGrad> {
       g = g * h->scale->grad.to(aux.device(), aux.scalar_type());
     }
     return {grads[0], g, at::Tensor()};
+  }
+};
+
+struct GlobalHolder : torch::CustomClassHolder {
+  explicit GlobalHolder(std::shared_ptr<GlobalAux> g) : aux(std::move(g)) {}
+  std::shared_ptr<GlobalAux> aux;
+};
+
+// GlobalBatch: y unchanged; in backward the layer's summed router probabilities
+// `probs` [E] get d aux / d probs = coef E F / (L N)^2, F the micro-batch's
+// assignments over every layer (complete by then), times the LM loss's gradient.
+class AddGlobalAuxGrad : public torch::autograd::Function<AddGlobalAuxGrad> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& probs,
+                            c10::intrusive_ptr<GlobalHolder> g, c10::intrusive_ptr<ScaleHolder> h, double factor) {
+    ctx->saved_data["global"] = c10::IValue::make_capsule(std::move(g));
+    ctx->saved_data["scale"] = c10::IValue::make_capsule(std::move(h));
+    ctx->saved_data["factor"] = factor;
+    return y.view_as(y);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = c10::static_intrusive_pointer_cast<GlobalHolder>(ctx->saved_data["global"].toCapsule());
+    auto h = c10::static_intrusive_pointer_cast<ScaleHolder>(ctx->saved_data["scale"].toCapsule());
+    auto gp = g->aux->chose * ctx->saved_data["factor"].toDouble();
+    if (h->scale) {
+      TORCH_CHECK(h->scale->grad.defined(),
+                  "MoE balancing loss: no LM-loss gradient recorded to scale it by (backward must start from the "
+                  "model's loss)");
+      gp = gp * h->scale->grad.to(gp.device(), gp.scalar_type());
+    }
+    return {grads[0], gp, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -208,8 +240,10 @@ torch::Tensor SwigluMlpImpl::forward(const torch::Tensor& x) {
 MoeImpl::MoeImpl(const MoeOptions& o, const ShardingContext& ctx, std::string layer,
                  std::shared_ptr<AuxLossScale> scale)
     : o_(o), ctx_(ctx), layer_(std::move(layer)), scale_(std::move(scale)) {
-  if (o.router == RouterKind::DeepseekV3 && o.bias_update_speed > 0)
-    bias_ = torch::zeros({o.num_experts}, torch::kFloat);  // the selection bias, fp32 like the routing
+  // The selection bias, fp32 like the routing: moved by the trainer when bias_update_speed > 0,
+  // else fixed (zero, or what a folder's e_score_correction_bias holds: hf_buffers).
+  if (o.router == RouterKind::DeepseekV3) bias_ = torch::zeros({o.num_experts}, torch::kFloat);
+  if (o.aux_loss_form == AuxLossForm::GlobalBatch) global_ = scale_ ? scale_ : std::make_shared<AuxLossScale>();
   const auto init = InitRule::normal(o.initializer_range);
   gate = register_module("gate", Linear(o.hidden_size, o.num_experts, false, init, ctx.options));
   experts = register_module("experts", Experts(o, ctx));
@@ -270,7 +304,32 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
     const int cp = ctx_.cp_comm ? ctx_.cp_comm->size() : 1;
     const double tokens = double(T) * cp * (ctx_.sp() ? ctx_.tp : 1);
     aux = torch::zeros({}, logits.options());
-    if (o_.router_aux_loss_coef > 0) {
+    if (o_.router_aux_loss_coef > 0 && o_.aux_loss_form == AuxLossForm::GlobalBatch) {
+      // This micro-batch's sums over its tokens (all shards of its sequences) and,
+      // at backward, over every layer (GlobalAux): transformers' one loss.
+      auto chose = torch::zeros({N, E}, logits.options());
+      chose.scatter_add_(1, r.experts, torch::ones({N, o_.top_k}, logits.options()));
+      const auto f = sequence_sums(chose, B, T).sum(0).detach();
+      const auto P = sequence_sums(r.probs, B, T).sum(0);
+      auto& cur = global_->current;
+      if (counting) {
+        if (!cur || std::find(cur->layers.begin(), cur->layers.end(), this) != cur->layers.end()) {
+          cur = std::make_shared<GlobalAux>();  // the first layer of a new micro-batch
+          cur->chose = torch::zeros({E}, logits.options());
+          cur->probs = torch::zeros({E}, logits.options());
+          cur->tokens = tokens * double(B);
+          global_->taken.push_back(cur);
+        }
+        cur->layers.push_back(this);
+        cur->chose.add_(f);
+        cur->probs.add_(P.detach());
+      }
+      TORCH_CHECK(cur, "MoE balancing loss (global_batch): a recomputed forward before any forward");
+      const double LN = double(o_.moe_layers) * cur->tokens;
+      if (torch::GradMode::is_enabled() && P.requires_grad())
+        y = AddGlobalAuxGrad::apply(y, P, c10::make_intrusive<GlobalHolder>(cur), c10::make_intrusive<ScaleHolder>(scale_),
+                                    o_.router_aux_loss_coef * double(E) / (LN * LN));
+    } else if (o_.router_aux_loss_coef > 0) {
       auto chose = torch::zeros({N, E}, logits.options());
       chose.scatter_add_(1, r.experts, torch::ones({N, o_.top_k}, logits.options()));
       const auto f = sequence_sums(chose, B, T) / tokens;
@@ -314,6 +373,15 @@ MoeStats MoeImpl::take_stats() {
   s.tokens_per_expert = tokens_;
   s.dropped = dropped_;
   s.aux_loss = aux_;
+  if (global_ && !global_->taken.empty()) {
+    // GlobalBatch: each micro-batch's one loss, in the statistics of the first layer taken.
+    for (const auto& g : global_->taken) {
+      const double LN = double(o_.moe_layers) * g->tokens;
+      const auto v = o_.router_aux_loss_coef * double(o_.num_experts) * (g->chose * g->probs).sum() / (LN * LN);
+      s.aux_loss = s.aux_loss.defined() ? s.aux_loss + v : v;
+    }
+    global_->taken.clear();
+  }
   s.expert_bias = bias_;
   s.bias_update_speed = o_.bias_update_speed;
   tokens_.assign(o_.num_experts, 0);

@@ -12,8 +12,22 @@
 // tensor-parallel ranks (without sequence parallelism every tp rank holds the
 // same tokens); shared experts are column/row parallel like the dense MLP.
 //
-// Balancing losses (router_aux_loss_coef, router_z_loss_coef) are defined per
-// SEQUENCE, so no plan changes them: for sequence b of T tokens,
+// Balancing losses (router_aux_loss_coef, router_z_loss_coef). The load-balancing
+// loss has two forms (MoeOptions::aux_loss_form):
+//
+// GlobalBatch, transformers' load_balancing_loss_func (Mixtral, Qwen3-MoE): one
+// loss per micro-batch over all its tokens and every MoE layer of the model,
+//   aux = E * sum_e F_e * Pbar_e,  F_e = (assignments to e over all layers) / (L N),
+//         Pbar_e = (router probabilities of e summed over all layers and tokens) / (L N)
+// (N the micro-batch's tokens, L the MoE layers). F couples the layers, so each
+// layer's share of the gradient is made in backward, once every layer of the
+// micro-batch has counted its assignments (GlobalAux, kept by AuxLossScale). It
+// depends on the micro-batch's size, not on dp, cp, sp or accumulation; every MoE
+// layer must be on the rank (no pipeline stages).
+//
+// PerSequence (nnstrain's; DeepSeek's sequence-wise form up to its scaling,
+// which divides f by k: coef_DeepSeek = k x coef here), defined per
+// SEQUENCE, so no plan changes it: for sequence b of T tokens,
 //   aux_b = E * sum_e f_be * P_be,  f_be = (tokens of b choosing e) / T,
 //           P_be = mean over b's tokens of the router's probability of e
 //           (softmax; DeepSeek-V3: the sigmoid scores normalised per token)
@@ -44,6 +58,7 @@
 namespace nnstrain::models::common {
 
 enum class RouterKind { Softmax, DeepseekV3 };
+enum class AuxLossForm { PerSequence, GlobalBatch };
 
 struct MoeOptions {
   int64_t hidden_size = 0;
@@ -56,6 +71,8 @@ struct MoeOptions {
   int64_t n_shared_experts = 0;         // always-on shared experts, width n x moe_intermediate_size (DeepSeek)
   int64_t shared_expert_intermediate_size = 0;  // one sigmoid-gated shared expert (Qwen2-MoE)
   double router_aux_loss_coef = 0.0, router_z_loss_coef = 0.0;
+  AuxLossForm aux_loss_form = AuxLossForm::PerSequence;  // the load-balancing loss's definition (above)
+  int64_t moe_layers = 1;  // the model's MoE layers (GlobalBatch averages over them)
   double capacity_factor = 0.0;  // 0: dropless; else Megatron's per-expert capacity, lowest weights dropped
   double initializer_range = 0.02;
   // The experts' parameter names: Qwen3 / DeepSeek gate_proj, up_proj, down_proj; Mixtral w1, w3, w2.
@@ -83,8 +100,21 @@ void update_expert_bias(at::Tensor& bias, const at::Tensor& load, double speed);
 // The gradient the current micro-batch's mean LM loss received in backward (the
 // trainer's weight of it x the loss scale), which the balancing losses' gradients
 // are scaled by. record_loss_grad(mean) is the identity and stores it in backward.
+// One micro-batch's GlobalBatch statistics, summed over the MoE layers its
+// forward has passed: assignments and router probabilities per expert (fp32,
+// no graph), the layers counted, the micro-batch's tokens.
+struct GlobalAux {
+  at::Tensor chose, probs;
+  std::vector<const void*> layers;
+  double tokens = 0;
+};
 struct AuxLossScale {
   at::Tensor grad;  // undefined until a backward reached the loss
+  // GlobalBatch: the micro-batch the latest training forward is in (a recomputed
+  // forward in backward uses it: its micro-batch's backward comes before the next
+  // forward), and those since the statistics were last taken (for the value).
+  std::shared_ptr<GlobalAux> current;
+  std::vector<std::shared_ptr<GlobalAux>> taken;
 };
 at::Tensor record_loss_grad(const at::Tensor& mean, const std::shared_ptr<AuxLossScale>& scale);
 
@@ -142,6 +172,7 @@ class MoeImpl : public torch::nn::Module {
   ShardingContext ctx_;
   std::string layer_;
   std::shared_ptr<AuxLossScale> scale_;
+  std::shared_ptr<AuxLossScale> global_;  // GlobalBatch's statistics: the model's scale_, or the block's own
   at::Tensor bias_;
   std::vector<int64_t> tokens_;
   int64_t dropped_ = 0;

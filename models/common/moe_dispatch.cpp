@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <numeric>
 
 namespace nnstrain::models::common {
@@ -85,7 +86,11 @@ at::Tensor run_experts(const at::Tensor& x, const at::Tensor& expert, int64_t nu
     for (int64_t j = 0; j < local; ++j)
       for (int s = 0; s < ep; ++s)
         for (int64_t r = 0; r < g[s * local + j]; ++r) perm.push_back(start[s * local + j] + r);
-    const auto perm_t = torch::tensor(perm, torch::kLong).to(x.device());
+    // Through pinned memory: on CUDA an asynchronous copy (a pageable one blocks the host).
+    auto host = torch::empty({static_cast<int64_t>(perm.size())},
+                             torch::TensorOptions().dtype(torch::kLong).pinned_memory(x.is_cuda()));
+    std::copy(perm.begin(), perm.end(), host.data_ptr<int64_t>());
+    const auto perm_t = x.is_cuda() ? host.to(x.device(), /*non_blocking=*/true) : host;
     auto out = experts(arrived.index_select(0, perm_t), per_expert);
     const auto back = torch::empty_like(perm_t).scatter_(0, perm_t, torch::arange(perm_t.numel(), perm_t.options()));
     y = all_to_all_rows(out.index_select(0, back), recv, send, ctx.ep_comm);

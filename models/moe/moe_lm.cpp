@@ -1,7 +1,10 @@
 #include "models/moe/moe_lm.h"
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
+
+#include "base/config/arg_map.h"
 
 namespace nnstrain::models::moe {
 namespace {
@@ -15,6 +18,10 @@ struct Parsed : MoeLmConfig {
 };
 
 bool is_qwen(const std::string& type) { return type == "qwen3_moe"; }
+
+common::AuxLossForm aux_form(const std::string& name) {
+  return name == "global_batch" ? common::AuxLossForm::GlobalBatch : common::AuxLossForm::PerSequence;
+}
 
 // The first key whose value the model cannot take, and why (none: fine).
 std::optional<std::pair<std::string, std::string>> problem(const MoeLmConfig& c) {
@@ -51,6 +58,7 @@ void finish(MoeLmConfig& c, MoeOptions o) {
   c.qk_norm = is_qwen(c.model_type);
   c.moe_module = is_qwen(c.model_type) ? "mlp" : "block_sparse_moe";
   c.sparse_layers = sparse_layers(c.num_hidden_layers, c.decoder_sparse_step, c.mlp_only_layers, c.first_k_dense_replace);
+  o.moe_layers = std::max<int64_t>(1, std::count(c.sparse_layers.begin(), c.sparse_layers.end(), true));
   c.moe = std::make_shared<const MoeOptions>(o);
 }
 
@@ -64,7 +72,8 @@ std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a, const s
   o.top_k = a.get_int("num_experts_per_tok", 2, 1);
   o.moe_intermediate_size = qwen ? a.get_int("moe_intermediate_size", 768, 1) : c->intermediate_size;
   const auto scoring = a.get_string("scoring_func", "softmax", {"softmax", "sigmoid"});
-  o.norm_topk_prob = a.get_bool("norm_topk_prob", !qwen);  // Mixtral always renormalises
+  // Mixtral always renormalises; DeepSeek-V3's router does by default (its config's true); Qwen3's softmax not.
+  o.norm_topk_prob = a.get_bool("norm_topk_prob", !qwen || scoring == "sigmoid");
   if (!qwen && !o.norm_topk_prob && scoring == "softmax")
     a.fail("norm_topk_prob", "false: Mixtral's softmax router always renormalises its top-k weights");
   if (scoring == "sigmoid") {
@@ -81,6 +90,7 @@ std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a, const s
   o.shared_expert_intermediate_size = a.get_int("shared_expert_intermediate_size", 0, 0);
   o.router_aux_loss_coef = a.get_float("router_aux_loss_coef", 0.001, 0.0);
   o.router_z_loss_coef = a.get_float("router_z_loss_coef", 0.0, 0.0);
+  o.aux_loss_form = aux_form(a.get_string("router_aux_loss_form", "per_sequence", {"per_sequence", "global_batch"}));
   o.capacity_factor = a.get_float("capacity_factor", 0.0, 0.0);
   if (!qwen && a.get_float("router_jitter_noise", 0.0, 0.0) > 0)
     a.fail("router_jitter_noise", "is not supported (0 only)");
@@ -132,17 +142,36 @@ ModelDims MoeLm::dims() const {
   return d;
 }
 
+// Under pipeline parallelism a rank holds some layers (hold_only): their MoE
+// blocks are the ones it runs, tracks, saves and exports (another stage's block
+// here was never trained: its bias would overwrite the holder's on load).
+bool MoeLm::holds_moe(size_t i) {
+  auto l = layers->ptr<llama::DecoderLayerImpl>(i);
+  return l->moe && holds(l->moe->layer() + ".gate.weight");
+}
+
 std::vector<MoeStats> MoeLm::take_moe_stats() {
   std::vector<MoeStats> all;
-  for (size_t i = 0; i < layers->size(); ++i)
-    if (auto l = layers->ptr<llama::DecoderLayerImpl>(i); l->moe) all.push_back(l->moe->take_stats());
+  int64_t moe_here = 0, moe_all = 0;
+  for (size_t i = 0; i < layers->size(); ++i) {
+    if (!layers->ptr<llama::DecoderLayerImpl>(i)->moe) continue;
+    ++moe_all;
+    if (!holds_moe(i)) continue;
+    ++moe_here;
+    all.push_back(layers->ptr<llama::DecoderLayerImpl>(i)->moe->take_stats());
+  }
+  const auto& o = *mcfg_.moe;
+  if (moe_here < moe_all && o.router_aux_loss_coef > 0 && o.aux_loss_form == common::AuxLossForm::GlobalBatch)
+    throw config::ConfigError("model.args.router_aux_loss_form: global_batch is one loss over every MoE layer, and "
+                              "this pipeline stage holds " + std::to_string(moe_here) + " of " +
+                              std::to_string(moe_all) + ": use per_sequence under pipeline parallelism");
   return all;
 }
 
 std::vector<HfBuffer> MoeLm::hf_buffers() {
   std::vector<HfBuffer> out;
   for (size_t i = 0; i < layers->size(); ++i)
-    if (auto l = layers->ptr<llama::DecoderLayerImpl>(i); l->moe && l->moe->expert_bias().defined()) {
+    if (auto l = layers->ptr<llama::DecoderLayerImpl>(i); holds_moe(i) && l->moe->expert_bias().defined()) {
       const auto& name = l->moe->layer();
       out.push_back({"moe/" + name + ".expert_bias", "model." + name + ".gate.e_score_correction_bias",
                      l->moe->expert_bias()});
@@ -200,13 +229,21 @@ nlohmann::json MoeLm::hf_config() const {
   j.erase("pretraining_tp");
   j["num_experts_per_tok"] = o.top_k;
   j["router_aux_loss_coef"] = o.router_aux_loss_coef;
-  j["output_router_logits"] = false;
+  // transformers adds its load_balancing_loss_func (our global_batch) only with output_router_logits.
+  const bool global = o.aux_loss_form == common::AuxLossForm::GlobalBatch;
+  j["output_router_logits"] = global && o.router_aux_loss_coef > 0;
+  if (!global && o.router_aux_loss_coef > 0) j["router_aux_loss_form"] = "per_sequence";
   if (qwen) {
     j["num_experts"] = o.num_experts;
     j["moe_intermediate_size"] = o.moe_intermediate_size;
     j["norm_topk_prob"] = o.norm_topk_prob;
     j["decoder_sparse_step"] = mcfg_.decoder_sparse_step;
-    j["mlp_only_layers"] = mcfg_.mlp_only_layers;
+    // Qwen3MoeForCausalLM knows no first_k_dense_replace: those layers are in its mlp_only_layers.
+    auto dense = mcfg_.mlp_only_layers;
+    for (int64_t i = 0; i < mcfg_.first_k_dense_replace; ++i)
+      if (std::find(dense.begin(), dense.end(), i) == dense.end()) dense.push_back(i);
+    std::sort(dense.begin(), dense.end());
+    j["mlp_only_layers"] = dense;
     j["use_sliding_window"] = false;
   } else {
     j["num_local_experts"] = o.num_experts;
@@ -230,6 +267,24 @@ nlohmann::json MoeLm::hf_config() const {
   return j;
 }
 
+std::string MoeLm::hf_export_refusal() const {
+  const auto& o = *mcfg_.moe;
+  const std::string arch = is_qwen(mcfg_.model_type) ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
+  const auto refuse = [&](const std::string& key, const std::string& what) {
+    return "model.args." + key + " (" + what + ") has no counterpart in transformers' " + arch +
+           ", which would load the folder as another model without error; merge without --hf keeps every tensor";
+  };
+  if (o.router == RouterKind::DeepseekV3)
+    return refuse("scoring_func", "sigmoid: DeepSeek-V3's router, with n_group, topk_group, routed_scaling_factor and "
+                                  "the selection bias; " + arch + " routes by softmax");
+  if (o.n_shared_experts > 0) return refuse("n_shared_experts", "DeepSeek's shared experts, which it would drop");
+  if (o.shared_expert_intermediate_size > 0)
+    return refuse("shared_expert_intermediate_size", "a gated shared expert, which it would drop");
+  if (!is_qwen(mcfg_.model_type) && mcfg_.first_k_dense_replace > 0)
+    return refuse("first_k_dense_replace", "dense first layers; every Mixtral layer is sparse");
+  return {};
+}
+
 std::shared_ptr<const MoeLmConfig> config_from_hf(const nlohmann::json& j, const std::string& type) {
   const auto base = llama::config_from_hf(j);
   auto c = std::make_shared<Parsed>();
@@ -242,8 +297,8 @@ std::shared_ptr<const MoeLmConfig> config_from_hf(const nlohmann::json& j, const
   if (qwen) o.num_experts = llama::hf_get_or<int64_t>(j, "num_experts", j.contains("num_local_experts") ? o.num_experts : 128);
   o.top_k = llama::hf_get_or<int64_t>(j, "num_experts_per_tok", qwen ? 8 : 2);
   o.moe_intermediate_size = qwen ? llama::hf_get_or<int64_t>(j, "moe_intermediate_size", 768) : c->intermediate_size;
-  o.norm_topk_prob = llama::hf_get_or<bool>(j, "norm_topk_prob", !qwen);
   const auto scoring = llama::hf_get_or<std::string>(j, "scoring_func", "softmax");
+  o.norm_topk_prob = llama::hf_get_or<bool>(j, "norm_topk_prob", !qwen || scoring == "sigmoid");
   if (scoring == "sigmoid") {
     o.router = RouterKind::DeepseekV3;
     o.n_group = llama::hf_get_or<int64_t>(j, "n_group", 1);
@@ -256,6 +311,14 @@ std::shared_ptr<const MoeLmConfig> config_from_hf(const nlohmann::json& j, const
   o.n_shared_experts = llama::hf_get_or<int64_t>(j, "n_shared_experts", 0);
   o.shared_expert_intermediate_size = llama::hf_get_or<int64_t>(j, "shared_expert_intermediate_size", 0);
   o.router_aux_loss_coef = llama::hf_get_or<double>(j, "router_aux_loss_coef", 0.001);
+  // transformers' own loss (load_balancing_loss_func: global_batch) by default, and only with
+  // output_router_logits, as its models apply it; a folder nnstrain wrote may name per_sequence.
+  const auto form = llama::hf_get_or<std::string>(j, "router_aux_loss_form", "global_batch");
+  if (form != "global_batch" && form != "per_sequence")
+    throw std::runtime_error("config.json: router_aux_loss_form '" + form + "' is not global_batch or per_sequence");
+  o.aux_loss_form = aux_form(form);
+  if (o.aux_loss_form == common::AuxLossForm::GlobalBatch && !llama::hf_get_or<bool>(j, "output_router_logits", false))
+    o.router_aux_loss_coef = 0.0;
   o.router_z_loss_coef = llama::hf_get_or<double>(j, "router_z_loss_coef", 0.0);
   o.capacity_factor = llama::hf_get_or<double>(j, "capacity_factor", 0.0);
   if (llama::hf_get_or<double>(j, "router_jitter_noise", 0.0) > 0)

@@ -38,9 +38,12 @@ class MoeLm : public llama::Llama {
   ModelDims dims() const override;  // Llama's, with the MoE fields
   std::vector<HfTensor> hf_tensors() const override;
   nlohmann::json hf_config() const override;
+  // Refuses (naming the key) what Qwen3MoeForCausalLM / MixtralForCausalLM cannot hold.
+  std::string hf_export_refusal() const override;
   const MoeLmConfig& moe_config() const { return mcfg_; }
 
  private:
+  bool holds_moe(size_t layer);  // layer `layer` has an MoE block this instance holds
   MoeLmConfig mcfg_;
 };
 

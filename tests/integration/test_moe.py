@@ -97,3 +97,42 @@ def test_bad_input_exits_2_naming_the_key(tiny_tokens, overrides, key):
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode == 2, p.stdout + p.stderr
     assert len(lines) == 1 and key in lines[0], p.stderr
+
+
+def test_deepseek_selection_biases_survive_pipeline_checkpoints(tmp_path, tiny_tokens):
+    """Issue 58, item 3: DeepSeek-V3's selection bias on both layers (both sparse), trained under
+    pp 2 (one layer per stage) and saved: the checkpoint holds each layer's bias as one process
+    has it after the same steps (not a stage's zeros for the layer it does not hold), and
+    resuming that checkpoint's step 2 under pp 1 continues to the same biases at step 4."""
+    from safetensors.numpy import load_file
+    deepseek = ["--model.args.scoring_func", "sigmoid", "--model.args.bias_update_speed", "0.01",
+                "--model.args.mlp_only_layers", "[]", "--model.args.router_aux_loss_coef", "0",
+                "--checkpoint.every_n_train_steps", "2"]
+
+    def train(name, nproc, *extra):
+        run_dir = tmp_path / name
+        args = ["--config", str(CONFIG), "--vars.data", str(tiny_tokens), "--run_dir", str(run_dir),
+                "--max_train_steps", "4", "--checkpoint.save_dir", str(run_dir / "ck"), *deepseek,
+                *device_args(nproc), *map(str, extra)]
+        cmd = [str(nnstrain_bin_path()), *args] if nproc == 1 else \
+            [str(nnstrain_bin_path()), "launch", "--nproc-per-node", str(nproc), "--", *args]
+        p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=150)
+        assert p.returncode == 0, f"{name}\n{p.stdout}{p.stderr}"
+        return run_dir / "ck"
+
+    def biases(ck):
+        out = tmp_path / f"merged-{ck.parent.parent.name}-{ck.name}"
+        m = subprocess.run([str(nnstrain_bin_path()), "merge", str(ck), "--out", str(out)], cwd=SOURCE,
+                           env=single_process_env(1), capture_output=True, text=True, timeout=120)
+        assert m.returncode == 0, m.stdout + m.stderr
+        return {k: v for k, v in load_file(out / "state.safetensors").items() if k.endswith(".expert_bias")}
+
+    one = biases(train("one", 1, "--micro_batch_size", "4") / "step-00000004")
+    assert sorted(one) == ["moe/layers.0.mlp.expert_bias", "moe/layers.1.mlp.expert_bias"], sorted(one)
+    assert all(abs(b).max() >= 0.01 for b in one.values()), one  # both moved
+    pp = train("pp2", 2, "--micro_batch_size", "2", "--compute_config.pas_config.pp_size", "2")
+    resumed = train("resumed", 1, "--micro_batch_size", "4", "--resume", pp / "step-00000002")
+    for what, got in (("pp 2", biases(pp / "step-00000004")), ("pp 2 -> pp 1", biases(resumed / "step-00000004"))):
+        assert sorted(got) == sorted(one), (what, sorted(got))
+        for k in one:
+            assert abs(got[k] - one[k]).max() <= 1e-6, f"{what}: {k} {got[k]} vs one process {one[k]}"

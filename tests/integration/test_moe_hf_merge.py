@@ -83,31 +83,66 @@ def test_init_from_and_merge_hf_round_trip_bitwise(tmp_path, tiny_tokens, model_
     assert "EQUAL" in py("-c", COMPARE, hf, tmp_path / "merged")
 
 
-def test_deepseek_selection_bias_round_trips_as_e_score_correction_bias(tmp_path, tiny_tokens):
-    """DeepSeek-V3's router on the tiny Qwen3-MoE: the selection bias the trainer moved is written by
-    merge --hf as `<layer>.gate.e_score_correction_bias` (DeepseekV3's name) and read back by init_from."""
+ADD_BIAS = r"""
+import json, sys, torch
+from safetensors.torch import load_file, save_file
+d = sys.argv[1]
+t = load_file(d + "/model.safetensors")
+t["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.tensor([0.3, -0.2, 0.1, 0.0, -0.05, 0.25])
+save_file(t, d + "/model.safetensors", metadata={"format": "pt"})
+c = json.load(open(d + "/config.json"))
+c["scoring_func"] = "sigmoid"
+json.dump(c, open(d + "/config.json", "w"))
+"""
+
+
+def test_folder_selection_bias_is_used_at_speed_0_and_merge_hf_refuses_deepseek_routing(tmp_path, tiny_tokens):
+    """Issue 58, items 6 and 8. A Qwen3-MoE folder with DeepSeek-V3's `e_score_correction_bias`
+    (scoring_func sigmoid) read by init_from at bias_update_speed 0: the checkpoint holds the folder's
+    bias unchanged (a fixed bias, as in inference). merge --hf of that checkpoint is refused naming
+    scoring_func: transformers' Qwen3MoeForCausalLM would route by softmax without error."""
     from safetensors.numpy import load_file
-    deepseek = ["--model.args.scoring_func", "sigmoid", "--model.args.router_aux_loss_coef", "0"]
+    hf = tmp_path / "hf"
+    py("-c", MAKE, hf, "qwen3_moe")
+    py("-c", ADD_BIAS, hf)
+    args = ["--config", CONFIGS / "tiny_moe.yaml", "--vars.data", tiny_tokens, "--run_dir", tmp_path / "run",
+            "--micro_batch_size", "4", "--max_train_steps", "2", "--checkpoint.save_dir", tmp_path / "ck",
+            "--model.args.scoring_func", "sigmoid", "--model.args.router_aux_loss_coef", "0",
+            "--model.init_from", hf, *device_args(1)]
+    p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ck = sorted((tmp_path / "ck").glob("step-*"))[-1]
+    m = subprocess.run([nnstrain_bin_path(), "merge", ck, "--out", tmp_path / "merged"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert m.returncode == 0, m.stdout + m.stderr
+    state = load_file(tmp_path / "merged" / "state.safetensors")
+    assert "moe/layers.1.mlp.expert_bias" in state, sorted(state)
+    want = [0.3, -0.2, 0.1, 0.0, -0.05, 0.25]
+    assert abs(state["moe/layers.1.mlp.expert_bias"] - want).max() <= 1e-7, state["moe/layers.1.mlp.expert_bias"]
+    h = subprocess.run([nnstrain_bin_path(), "merge", ck, "--out", tmp_path / "merged_hf", "--hf"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    out = h.stdout + h.stderr
+    assert h.returncode != 0 and "scoring_func" in out and "Qwen3MoeForCausalLM" in out, out
+    assert "terminate called" not in out and not (tmp_path / "merged_hf").exists(), out
 
-    def train(run, *more):
-        args = ["--config", CONFIGS / "tiny_moe.yaml", "--vars.data", tiny_tokens, "--run_dir", tmp_path / run,
-                "--micro_batch_size", "4", "--checkpoint.save_dir", tmp_path / run / "ck", *deepseek, *more,
-                *device_args(1)]
-        p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1),
-                           capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout + p.stderr
-        ck = sorted((tmp_path / run / "ck").glob("step-*"))[-1]
-        m = subprocess.run([nnstrain_bin_path(), "merge", ck, "--out", tmp_path / run / "hf", "--hf"], cwd=SOURCE,
-                           env=single_process_env(1), capture_output=True, text=True, timeout=300)
-        assert m.returncode == 0, m.stdout + m.stderr
-        return {k: v for k, v in load_file(tmp_path / run / "hf" / "model.safetensors").items()
-                if k.endswith("e_score_correction_bias")}
 
-    moved = train("first", "--max_train_steps", "5", "--model.args.bias_update_speed", "0.01")
-    assert sorted(moved) == ["model.layers.1.mlp.gate.e_score_correction_bias"], sorted(moved)
-    (bias,) = moved.values()
-    assert abs(bias).max() >= 0.01, bias  # the trainer moved it (a multiple of the speed per step)
-    # Read back by init_from, then moved by at most 1e-9 in one step: the same values, not a fresh zero bias.
-    again = train("second", "--max_train_steps", "1", "--model.args.bias_update_speed", "1e-9",
-                  "--model.init_from", tmp_path / "first" / "hf")
-    assert abs(again["model.layers.1.mlp.gate.e_score_correction_bias"] - bias).max() <= 2e-9
+@pytest.mark.parametrize("overrides,key", [
+    (["--model.args.n_shared_experts", "1"], "n_shared_experts"),
+    (["--model.args.shared_expert_intermediate_size", "8"], "shared_expert_intermediate_size"),
+])
+def test_merge_hf_refuses_what_transformers_would_drop(tmp_path, tiny_tokens, overrides, key):
+    """Issue 58, item 6: shared experts have no place in Qwen3MoeForCausalLM: merge --hf refuses,
+    naming the option, rather than writing a folder transformers loads without them."""
+    args = ["--config", CONFIGS / "tiny_moe.yaml", "--vars.data", tiny_tokens, "--run_dir", tmp_path / "run",
+            "--micro_batch_size", "4", "--max_train_steps", "1", "--checkpoint.save_dir", tmp_path / "ck",
+            *overrides, *device_args(1)]
+    p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ck = sorted((tmp_path / "ck").glob("step-*"))[-1]
+    h = subprocess.run([nnstrain_bin_path(), "merge", ck, "--out", tmp_path / "merged_hf", "--hf"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    out = h.stdout + h.stderr
+    assert h.returncode != 0 and key in out, out
+    assert len([l for l in h.stderr.splitlines() if l.strip()]) == 1, out

@@ -127,6 +127,33 @@ TEST_CASE("grouped expert GEMM: loop and padded bmm equal a per-row reference, g
   }
 }
 
+TEST_CASE("grouped expert GEMM with no rows: the result stays in the graph, backward reaches inputs and weights",
+          "[moe][grouped_gemm]") {
+  // A rank whose experts receive no rows must still run its backward (the all-to-alls and,
+  // under sequence parallelism, the tp all-reduces behind its weights): issue 58, item 1.
+  namespace K = models::common::kernels;
+  const std::vector<int64_t> counts(20, 0);  // 20 local experts, none with rows (the CPU picks padded_bmm)
+  const int64_t C = 8, I = 8, G = 20;
+  for (auto which : {K::GroupedGemm::Auto, K::GroupedGemm::Loop, K::GroupedGemm::PaddedBmm}) {
+    INFO(K::grouped_gemm_name(which));
+    auto x = torch::randn({0, C}).requires_grad_(true), w = torch::randn({G, I, C}).requires_grad_(true);
+    const auto y = K::grouped_linear(x, w, counts, which);
+    REQUIRE(y.sizes() == torch::IntArrayRef{0, I});
+    REQUIRE(y.requires_grad());
+    y.sum().backward();
+    REQUIRE(x.grad().defined());
+    REQUIRE(w.grad().defined());
+    CHECK(w.grad().abs().max().item<double>() == 0.0);
+    auto g = torch::randn({G, I, C}).requires_grad_(true), u = torch::randn({G, I, C}).requires_grad_(true),
+         d = torch::randn({G, C, I}).requires_grad_(true), x2 = torch::randn({0, C}).requires_grad_(true);
+    const auto m = K::grouped_swiglu_mlp(x2, g, u, d, counts, which);
+    REQUIRE(m.requires_grad());
+    m.sum().backward();
+    for (const auto* t : {&x2, &g, &u, &d}) CHECK(t->grad().defined());
+  }
+  CHECK(K::choose_grouped_gemm(torch::zeros({0, C}), torch::zeros({G, I, C}), counts) == K::GroupedGemm::PaddedBmm);
+}
+
 TEST_CASE("grouped SwiGLU MLP: the loop's one node equals three grouped GEMMs, on one thread and two",
           "[moe][grouped_gemm]") {
   namespace K = models::common::kernels;

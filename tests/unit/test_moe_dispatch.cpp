@@ -7,10 +7,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
 
+#include "models/common/kernels/grouped_gemm.h"
 #include "models/common/moe_dispatch.h"
 
 using namespace nnstrain::models::common;
@@ -27,6 +29,7 @@ struct Exchange {
   int64_t generation = 0;
   std::vector<std::vector<at::Tensor>> posted;  // [source][destination]
   int64_t all_to_alls = 0;
+  std::vector<int64_t> calls = std::vector<int64_t>(n, 0);  // exchanges each rank entered
   void barrier() {
     std::unique_lock<std::mutex> lock(mu);
     const auto gen = generation;
@@ -35,7 +38,9 @@ struct Exchange {
       ++generation;
       cv.notify_all();
     } else {
-      cv.wait(lock, [&] { return generation != gen; });
+      // A peer that never comes (a rank that skipped a collective) fails the test, not hangs it.
+      if (!cv.wait_for(lock, std::chrono::seconds(20), [&] { return generation != gen; }))
+        throw std::runtime_error("a peer never reached the exchange (it skipped a collective)");
     }
   }
   std::vector<at::Tensor> swap(int me, std::vector<at::Tensor> out) {
@@ -43,6 +48,7 @@ struct Exchange {
       std::lock_guard<std::mutex> lock(mu);
       posted[me] = std::move(out);
       if (me == 0) ++all_to_alls;
+      ++calls[me];
     }
     barrier();
     std::vector<at::Tensor> in;
@@ -183,5 +189,51 @@ TEST_CASE("moe dispatch under expert parallelism equals ep 1: outputs and gradie
     int64_t sent = 0;
     for (const auto& s : stats) sent += s.rows_sent;
     CHECK(sent > 0);
+  }
+}
+
+TEST_CASE("moe dispatch: a rank whose experts receive no rows still runs its backward all-to-alls", "[moe]") {
+  // Issue 58, item 1: every token routes to rank 0's experts, so rank 1's experts get zero
+  // rows. Its backward must still issue the combine's and the dispatch's all-to-alls (its
+  // peer waits for them), whichever grouped GEMM runs its experts, and reach its weights.
+  namespace Kn = nnstrain::models::common::kernels;
+  for (auto which : {Kn::GroupedGemm::PaddedBmm, Kn::GroupedGemm::Loop}) {
+    INFO(Kn::grouped_gemm_name(which));
+    constexpr int ep = 2;
+    constexpr int64_t G = 20, H = 4;  // 40 experts, 20 per rank (the CPU's padded_bmm range)
+    Exchange ex(ep);
+    std::vector<std::string> errors(ep);
+    std::vector<at::Tensor> grads(ep);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ep; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          ShardingContext ctx;
+          ctx.ep = ep;
+          ctx.ep_rank = r;
+          ctx.ep_comm = c10::make_intrusive<ThreadEpComm>(ex, r);
+          torch::manual_seed(20 + r);
+          auto gate = torch::randn({G, H, C}).requires_grad_(true), up = torch::randn({G, H, C}).requires_grad_(true),
+               down = torch::randn({G, C, H}).requires_grad_(true);
+          auto x = torch::randn({N, C}).requires_grad_(true);
+          const auto ids = torch::randint(0, G, {N, K}, torch::kLong);  // rank 0's experts only
+          auto y = run_experts(x, ids, 2 * G, ctx, [&](const at::Tensor& rows, const std::vector<int64_t>& counts) {
+            return Kn::grouped_swiglu_mlp(rows, gate, up, down, counts, which);
+          });
+          (y.sum() + x.sum()).backward();  // the residual keeps x in the graph on every rank
+          grads[r] = gate.grad();
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < ep; ++r) {
+      INFO("rank " << r << ": " << errors[r]);
+      CHECK(errors[r].empty());
+      CHECK(grads[r].defined());  // the empty shard's weights are reached (zero gradient)
+    }
+    // Forward: counts, rows out, rows back; backward: two. The same on both ranks.
+    CHECK(ex.calls[0] == 5);
+    CHECK(ex.calls[1] == 5);
   }
 }

@@ -11,6 +11,9 @@
 
 #include <torch/torch.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "models/common/moe.h"
 #include "models/moe/moe_lm.h"
 #include "models/registry.h"
@@ -56,12 +59,20 @@ models = {
 for name, model in models.items():
     model = model.float().eval()
     model.config._attn_implementation = "eager"
+    model.config.output_router_logits = True  # transformers' balancing loss on (config.json says so)
     randomise(model)
     model.save_pretrained(f"{out}/{name}")
     with torch.no_grad():
         logits = model(input_ids=x).logits
     loss = F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1))
-    save_file({"x": x, "y": y, "logits": logits.contiguous(), "loss": loss.reshape(1)}, f"{out}/{name}.safetensors")
+    # load_balancing_loss_func's value (without the coefficient) and its gradient in each router.
+    model.train()
+    aux = model(input_ids=x, output_router_logits=True).aux_loss
+    aux.backward()
+    grads = {f"aux_grad_{n.split('.')[2]}": p.grad.detach().clone() for n, p in model.named_parameters()
+             if n.endswith("gate.weight") and p.shape == (5, 32)}
+    save_file({"x": x, "y": y, "logits": logits.contiguous(), "loss": loss.reshape(1), "aux": aux.detach().reshape(1),
+               **grads}, f"{out}/{name}.safetensors")
 
 cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=8, n_routed_experts=6, num_experts_per_tok=3,
                        n_group=3, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True)
@@ -120,6 +131,51 @@ TEST_CASE("MoE models and the DeepSeek-V3 block equal transformers'", "[moe][hf]
       INFO("logits rel err " << logit_err << ", loss rel err " << loss_err);
       CHECK(logit_err < 1e-5);
       CHECK(loss_err < 1e-5);
+    }
+  }
+  SECTION("imported from a folder, the balancing loss is transformers' load_balancing_loss_func") {
+    // Issue 58, item 5: one loss over every MoE layer and the whole batch (global_batch), applied
+    // as config.json's output_router_logits says; its value and each router's gradient.
+    for (const std::string type : {"qwen3_moe", "mixtral"}) {
+      INFO(type);
+      const auto* entry = models::find_model(type);
+      const auto cfg = interop::hf_model_config(*entry, dir.path + "/" + type);
+      const auto& mc = dynamic_cast<const models::moe::MoeLmConfig&>(*cfg);
+      REQUIRE(mc.moe->aux_loss_form == models::common::AuxLossForm::GlobalBatch);
+      const double coef = mc.moe->router_aux_loss_coef;
+      REQUIRE(coef == Approx(0.001));  // transformers' default, on: output_router_logits is true
+      // The same folder without output_router_logits: no balancing loss, as transformers.
+      auto j = nlohmann::json::parse(std::ifstream(dir.path + "/" + type + "/config.json"));
+      j["output_router_logits"] = false;
+      const auto off = entry->from_hf_config(j);
+      REQUIRE(dynamic_cast<const models::moe::MoeLmConfig&>(*off).moe->router_aux_loss_coef == 0.0);
+      const auto expected = checkpoint::load_tensors(dir.path + "/" + type + ".safetensors");
+      auto with = entry->build(*cfg), without = entry->build(*off);
+      interop::load_hf_weights(*with, dir.path + "/" + type);
+      interop::load_hf_weights(*without, dir.path + "/" + type);
+      with->train();
+      without->train();
+      with->loss(expected.at("x"), expected.at("y")).backward();
+      without->loss(expected.at("x"), expected.at("y")).backward();
+      double value = 0;
+      for (const auto& st : with->take_moe_stats())
+        if (st.aux_loss.defined()) value += st.aux_loss.item<double>();
+      const double want = expected.at("aux").item<double>();
+      INFO("aux " << value / coef << " vs transformers' " << want);
+      CHECK(std::abs(value / coef - want) <= 1e-5 * want);
+      const auto gw = with->named_parameters(), go = without->named_parameters();
+      int routers = 0;
+      for (const auto& p : gw) {
+        const auto& n = p.key();
+        if (n.size() < 12 || n.compare(n.size() - 12, 12, ".gate.weight") != 0 || p.value().size(0) != 5) continue;
+        const auto layer = n.substr(7, n.find('.', 7) - 7);  // "layers.N...."
+        INFO(n);
+        const auto diff = (p.value().grad() - go[n].grad()) / coef;
+        const auto theirs = expected.at("aux_grad_" + layer);
+        CHECK(rel_err(diff, theirs) < 1e-3);  // a difference of two gradients, in fp32
+        ++routers;
+      }
+      CHECK(routers == (type == "qwen3_moe" ? 2 : 2));
     }
   }
   SECTION("the DeepSeek-V3 router and MoE block against DeepseekV3MoE") {

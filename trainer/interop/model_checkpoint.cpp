@@ -60,6 +60,7 @@ void load_model_weights(const checkpoint::Checkpoint& ck, models::CausalLM& mode
 }
 
 checkpoint::HfExport hf_export(models::CausalLM& model) {
+  if (const auto why = model.hf_export_refusal(); !why.empty()) throw checkpoint::CheckpointError("merge --hf: " + why);
   checkpoint::HfExport e;
   for (const auto& h : model.hf_tensors()) {
     if (h.expert >= 0) {  // stacked experts: one tensor per expert in their layout

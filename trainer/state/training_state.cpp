@@ -43,6 +43,12 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
   l.offset.assign(numels.size(), 0);
   l.bucket_of.assign(numels.size(), 0);
   auto is_expert = [&](size_t k) { return !expert.empty() && expert[k]; };
+  // Every parameter and bucket starts, and every ZeRO chunk is cut, at a
+  // multiple of 16 elements: 16-byte aligned views in every dtype (1-byte ones
+  // too). CUDA kernels that load 16 bytes at a time (at::_grouped_mm checks it)
+  // take the parameters as they lie in the flat buffers.
+  constexpr int64_t kAlign = 16;
+  auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
   int64_t pos = 0;
   Bucket cur;
   auto close = [&] {
@@ -50,8 +56,7 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
     cur.expert = is_expert(cur.params.front());
     cur.zsize = cur.expert ? ezsize : zsize;
     cur.zrank = cur.expert ? ezrank : zrank;
-    const int64_t used = pos - cur.begin;
-    pos = cur.begin + (used + cur.zsize - 1) / cur.zsize * cur.zsize;
+    pos = cur.begin + up(pos - cur.begin, kAlign * cur.zsize);  // chunks of whole 16-element runs
     cur.end = pos;
     l.buckets.push_back(cur);
     cur = Bucket{};
@@ -65,7 +70,7 @@ FlatLayout FlatLayout::make(const std::vector<int64_t>& numels, int64_t cap, int
     l.offset[k] = pos;
     l.bucket_of[k] = l.buckets.size();
     cur.params.push_back(k);
-    pos += numels[k];
+    pos += up(numels[k], kAlign);
   }
   close();
   l.size = pos;

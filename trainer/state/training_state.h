@@ -7,6 +7,8 @@
 // produces gradients), cut into buckets of reducer_bucket_cap_mb (under ZeRO-3:
 // one bucket per unit, see below); under ZeRO each bucket is padded to a
 // multiple of the ZeRO group size and every rank owns one chunk of every bucket.
+// Every parameter, bucket and chunk starts at a multiple of 16 elements (16-byte
+// aligned views in every dtype, as CUDA's vectorised kernels require).
 //
 // ZeRO stages (docs/parallelism.md): 1 keeps whole parameters and a whole
 // gradient buffer and shards the optimizer (masters, moments); 2 also drops the

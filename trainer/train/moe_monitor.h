@@ -44,7 +44,9 @@ class MoeMonitor {
   // "moe_imbalance_max", "moe_dropped" (assignments per step); the interval restarts.
   void report(nlohmann::json& rec);
   // The routers' selection biases, for checkpoints ("moe/<layer>.expert_bias",
-  // replicated on `holders`: every rank holding the layer).
+  // replicated on `holders`: every rank holding the layer). Under pipeline
+  // parallelism only this stage's layers (CausalLM::take_moe_stats reports the
+  // layers this rank holds), so no stage writes another's bias.
   std::vector<sharding::StateTensor> state(const std::vector<int>& holders) const;
 
  private:

@@ -6,7 +6,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cstdint>
 #include <numeric>
 
 #ifdef NNSTRAIN_CUDA
@@ -18,14 +20,42 @@ namespace {
 
 std::atomic<int> last{-1};  // the GroupedGemm the last call ran
 
-// Compute capability major of x's CUDA device (0 when unknown).
+// Compute capability major of x's CUDA device (0 when unknown), asked once per
+// device: cudaGetDeviceProperties costs far more than the choice it informs.
 int cuda_major(const at::Tensor& x) {
 #ifdef NNSTRAIN_CUDA
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, x.device().index()) == cudaSuccess) return prop.major;
-#endif
+  static std::array<std::atomic<int>, 64> known{};  // major + 1; 0: not asked yet
+  const int d = x.device().index();
+  if (d < 0 || d >= static_cast<int>(known.size())) return 0;
+  int k = known[d].load(std::memory_order_relaxed);
+  if (k == 0) {
+    cudaDeviceProp prop{};
+    k = 1 + (cudaGetDeviceProperties(&prop, d) == cudaSuccess ? prop.major : 0);
+    known[d].store(k, std::memory_order_relaxed);
+  }
+  return k - 1;
+#else
   (void)x;
   return 0;
+#endif
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// Host integers on `d` as int64: on CUDA through pinned memory, so the copy is
+// asynchronous (a pageable one blocks the host per layer); the caching host
+// allocator keeps the block until the copy has run.
+at::Tensor to_device(const std::vector<int64_t>& v, const c10::Device& d) {
+  auto h = torch::empty({static_cast<int64_t>(v.size())},
+                        torch::TensorOptions().dtype(torch::kLong).pinned_memory(d.is_cuda()));
+  std::copy(v.begin(), v.end(), h.data_ptr<int64_t>());
+  return d.is_cuda() ? h.to(d, /*non_blocking=*/true) : h;
+}
+
+// No rows: [0, N] from x and w's first group, so autograd reaches both (zero
+// gradients) and every collective behind them runs in backward.
+at::Tensor no_rows(const at::Tensor& x, const at::Tensor& w) {
+  return torch::mm(x, (w.size(0) > 0 ? w[0] : w.sum(0)).t());
 }
 
 // Runs fn(g, first row of g) for every group with rows. On the CPU the groups are
@@ -121,7 +151,7 @@ at::Tensor loop(const at::Tensor& x, const at::Tensor& w, const std::vector<int6
     if (counts[g] > 0) parts.push_back(torch::mm(x.narrow(0, pos, counts[g]), w[g].t()));
     pos += counts[g];
   }
-  if (parts.empty()) return x.new_zeros({0, w.size(1)});
+  if (parts.empty()) return no_rows(x, w);
   return parts.size() == 1 ? parts[0] : torch::cat(parts);
 }
 
@@ -129,31 +159,38 @@ at::Tensor loop(const at::Tensor& x, const at::Tensor& w, const std::vector<int6
 at::Tensor padded_bmm(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts) {
   const int64_t G = static_cast<int64_t>(counts.size()), M = x.size(0), K = x.size(1);
   const int64_t most = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
-  if (M == 0 || most == 0) return x.new_zeros({M, w.size(1)});
-  std::vector<int64_t> slot(M);  // row -> g * most + its place in group g
-  int64_t r = 0;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < counts[g]; ++i) slot[r++] = g * most + i;
-  const auto index = torch::tensor(slot, torch::kLong).to(x.device());
+  if (M == 0 || most == 0) return no_rows(x, w);
+  // Row -> g * most + its place in group g, made on x's device from the G counts
+  // (one asynchronous copy of G integers, not M).
+  const auto n = to_device(counts, x.device());
+  const auto group = torch::repeat_interleave(torch::arange(G, n.options()), n, 0, M);
+  const auto first = n.cumsum(0) - n;
+  const auto index = group * most + torch::arange(M, n.options()) - first.index_select(0, group);
   auto batch = x.new_zeros({G * most, K}).index_copy(0, index, x).view({G, most, K});
   auto y = torch::bmm(batch, w.transpose(1, 2));  // [G, most, N]
   return y.reshape({G * most, -1}).index_select(0, index);
 }
 
+// offs (each group's end row, int32) computed on the device from the counts.
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts) {
-  std::vector<int32_t> ends(counts.size());
-  int64_t pos = 0;
-  for (size_t g = 0; g < counts.size(); ++g) ends[g] = static_cast<int32_t>(pos += counts[g]);
-  const auto offs = torch::tensor(ends, torch::kInt).to(x.device(), /*non_blocking=*/true);
+  const auto offs = to_device(counts, x.device()).cumsum(0).to(torch::kInt);
   return at::_grouped_mm(x, w.transpose(1, 2), offs);
 }
 
 }  // namespace
 
-GroupedGemm choose_grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts) {
+bool grouped_mm_fits(int cc_major, bool bf16, int64_t K, int64_t N, const std::vector<const void*>& operands) {
+  if (cc_major != 9 || !bf16 || K % 8 != 0 || N % 8 != 0) return false;
+  return std::all_of(operands.begin(), operands.end(), aligned16);
+}
+
+GroupedGemm choose_grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& counts,
+                                const std::vector<const at::Tensor*>& more) {
   if (x.is_cuda()) {
-    const bool fits = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 &&
-                      w.size(1) % 8 == 0 && cuda_major(x) >= 9;
+    bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16;
+    std::vector<const void*> ptrs = {x.data_ptr(), w.data_ptr()};
+    for (const auto* t : more) bf16 = bf16 && t->scalar_type() == at::kBFloat16, ptrs.push_back(t->data_ptr());
+    const bool fits = grouped_mm_fits(cuda_major(x), bf16, x.size(1), w.size(1), ptrs);
     return fits ? GroupedGemm::GroupedMm : GroupedGemm::PaddedBmm;
   }
   // CPU: a per-group mm costs a call each; padding costs copies of max x G rows.
@@ -172,6 +209,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const std::v
   if (which == GroupedGemm::Auto)
     which = impl() == Impl::Composite ? GroupedGemm::Loop : choose_grouped_gemm(x, w, counts);
   last.store(static_cast<int>(which));
+  if (x.size(0) == 0) return no_rows(x, w);  // every form: a result in the graph
   switch (which) {
     case GroupedGemm::GroupedMm: return grouped_mm(x, w, counts);
     case GroupedGemm::PaddedBmm: return padded_bmm(x, w, counts);
@@ -186,7 +224,7 @@ at::Tensor grouped_swiglu_mlp(const at::Tensor& x, const at::Tensor& gate, const
                   down.size(0) == gate.size(0),
               "grouped_swiglu_mlp: x [M, C], gate and up [G, I, C], down [G, C, I], one count per group");
   if (which == GroupedGemm::Auto)
-    which = impl() == Impl::Composite ? GroupedGemm::Loop : choose_grouped_gemm(x, gate, counts);
+    which = impl() == Impl::Composite ? GroupedGemm::Loop : choose_grouped_gemm(x, gate, counts, {&up, &down});
   if (which != GroupedGemm::Loop)
     return grouped_linear(swiglu(grouped_linear(x, gate, counts, which), grouped_linear(x, up, counts, which)), down,
                           counts, which);
