@@ -16,6 +16,14 @@ bounded host buffer), not what training computes.
   of a step's write-back leaves its folder with a note and resumes from its
   checkpoint to the uninterrupted run's numbers; a clean exit removes the folder.
 - Bad input exits 2 naming the key.
+- What already lies under offload.nvme_path is never trusted: each run works
+  in a private folder (rank<R>/run-XXXXXX, mode 0700, made fresh), so a
+  symlink planted at a name the tier once used is never followed and its
+  target never written; a rank folder that is a symlink, or owned by another
+  user, is refused in one line naming it.
+- A kernel whose io_uring lacks the read/write opcodes (5.1-5.5; the test hook
+  NNSTRAIN_TEST_NVME_URING_PROBE=unsupported makes the probe say so): `auto`
+  runs on the thread pool, `nvme_io: io_uring` exits 2 naming the key.
 """
 import json
 import os
@@ -23,6 +31,7 @@ import pathlib
 import re
 import resource
 import signal
+import stat
 import subprocess
 
 import pytest
@@ -43,9 +52,9 @@ SETUPS = {  # name: (processes, precision, overrides)
 }
 
 
-def command(tokens, run_dir, nproc, extra):
+def command(tokens, run_dir, nproc, extra, steps=STEPS):
     args = ["--config", str(CONFIG), "--vars.data", str(tokens), "--run_dir", str(run_dir),
-            "--max_train_steps", str(STEPS), *device_args(nproc), *extra]
+            "--max_train_steps", str(steps), *device_args(nproc), *extra]
     return [nnstrain_bin_path(), *args] if nproc == 1 else \
         [nnstrain_bin_path(), "launch", "--nproc-per-node", str(nproc), "--", *args]
 
@@ -103,7 +112,9 @@ def assert_files_used(run, params):
     for rank in range(nproc):
         off = records[rank]["offload"]
         nv = off["nvme"]
-        assert nv["folder"] == str(folder / f"rank{rank}") and nv["params"] == params, nv
+        run_folder = pathlib.Path(nv["folder"])  # the run's private folder
+        assert run_folder.parent == folder / f"rank{rank}" and re.fullmatch(r"run-\w{6}", run_folder.name), nv
+        assert nv["params"] == params, nv
         buckets = off["host_buckets"]
         assert 2 <= nv["slots"] < buckets, f"rank {rank}: {nv['slots']} slots for {buckets} buckets: nothing streamed"
         io = io_per_step(run_dir, rank)
@@ -163,6 +174,8 @@ def error_lines(stderr):
 def test_corrupt_chunk_is_named_at_the_next_read(tiny_tokens, tmp_path):
     folder = tmp_path / "nvme"
     folder.mkdir()
+    (folder / "rank0").mkdir(mode=0o755)  # a rank folder left open to others: the run closes it
+    os.chmod(folder / "rank0", 0o755)
     # The run stops itself (SIGSTOP) when step 3's optimizer step is about to
     # read its first chunk, after step 2's write-back is complete: the test
     # corrupts that chunk on disk while it is stopped.
@@ -170,7 +183,8 @@ def test_corrupt_chunk_is_named_at_the_next_read(tiny_tokens, tmp_path):
                       {"NNSTRAIN_TEST_NVME_FAULT": "3:stop"})
     _, status = os.waitpid(p.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), f"the run did not stop itself (status {status}): {p.communicate()}"
-    data = folder / "rank0" / "optimizer.bin"
+    run_folder = private_folder(folder)
+    data = run_folder / "optimizer.bin"
     with open(data, "r+b") as f:  # flip a byte of chunk 0's weights
         f.seek(100)
         b = f.read(1)
@@ -183,6 +197,19 @@ def test_corrupt_chunk_is_named_at_the_next_read(tiny_tokens, tmp_path):
     assert len(lines) == 1, err
     assert f"{data} chunk 0" in lines[0] and "rank 0" in lines[0] and "checksum mismatch" in lines[0], lines[0]
     print(f"\n{lines[0]}")
+
+
+def private_folder(folder, rank=0):
+    """The running rank's private folder under `folder`: rank<R>/run-XXXXXX, both mode 0700 and this user's."""
+    rank_folder = folder / f"rank{rank}"
+    runs = list(rank_folder.iterdir())
+    assert len(runs) == 1 and re.fullmatch(r"run-\w{6}", runs[0].name), runs
+    for d in (rank_folder, runs[0]):
+        st = os.lstat(d)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid(), \
+            f"{d}: mode {oct(st.st_mode)}, uid {st.st_uid}"
+    assert sorted(x.name for x in runs[0].iterdir()) == ["NOTE.txt", "optimizer.bin"], list(runs[0].iterdir())
+    return runs[0]
 
 
 def test_file_size_limit_fails_at_start_in_one_line(tiny_tokens, tmp_path):
@@ -198,7 +225,8 @@ def test_file_size_limit_fails_at_start_in_one_line(tiny_tokens, tmp_path):
     assert p.returncode == 1, out + err
     lines = error_lines(err)
     assert len(lines) == 1, err
-    assert f"{folder}/rank0/optimizer.bin" in lines[0] and "rank 0" in lines[0] and "File too large" in lines[0], lines[0]
+    assert re.search(rf"{folder}/rank0/run-\w{{6}}/optimizer.bin", lines[0]) and "rank 0" in lines[0] and \
+        "File too large" in lines[0], lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or "step" not in (tmp_path / "run" / "metrics.jsonl").read_text()
     print(f"\n{lines[0]}")
 
@@ -213,11 +241,10 @@ def test_killed_mid_step_resumes_from_the_checkpoint(tiny_tokens, tmp_path, runs
     p = launch_single(tiny_tokens, tmp_path / "first", extra, {"NNSTRAIN_TEST_NVME_FAULT": "5:kill"})
     out, err = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL, out + err
-    left = sorted(x.name for x in (folder / "rank0").iterdir())
-    assert left == ["NOTE.txt", "optimizer.bin"], left
-    assert "the run died" in (folder / "rank0" / "NOTE.txt").read_text()
+    left = private_folder(folder)
+    assert "the run died" in (left / "NOTE.txt").read_text()
     out2, recs = train_resumed(tiny_tokens, tmp_path / "second", extra)
-    assert "holds files a run that did not exit cleanly left" in out2 and "at step 4" in out2, out2
+    assert f"removed {left}, the files a run that did not exit cleanly left" in out2 and "at step 4" in out2, out2
     ref = runs("fp32", False)[1]  # the host tier's uninterrupted run
     for s in range(5, STEPS + 1):
         for key in ("loss", "grad_norm"):
@@ -234,11 +261,12 @@ def train_resumed(tokens, run_dir, extra):
     return p.stdout + p.stderr, {r["step"]: r for r in recs}
 
 
-def bad(tokens, tmp_path, *extra):
+def bad(tokens, tmp_path, *extra, env_extra=None, at_start=False):
+    """The one line a refused run prints (at_start: refused when the tier starts, after the start-up log)."""
     p = subprocess.run(command(tokens, tmp_path / "run", 1, ("--precision", "32-true", *extra)), cwd=SOURCE,
-                       env=single_process_env(1), capture_output=True, text=True, timeout=60)
+                       env=single_process_env(1, **(env_extra or {})), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stdout + p.stderr
-    lines = p.stderr.strip().splitlines()
+    lines = error_lines(p.stderr) if at_start else p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
     return lines[0]
 
@@ -296,3 +324,65 @@ def test_planner_takes_the_nvme_tier_last_where_a_disk_was_probed(tiny_tokens, t
     assert est["total_bytes"] <= budget * 2 ** 30 and est["host_bytes"] <= host_gb * 2 ** 30, est
     assert est["nvme_bytes"] >= 0.9 * host_tier["estimate"]["host_bytes"] * 12 / 20 and est["nvme_s"] > 0, est
     assert list(disk.iterdir()) == []  # the probe's files are gone
+
+
+def short_run(tokens, run_dir, folder, io="auto", env_extra=None, steps=2):
+    cmd = command(tokens, run_dir, 1, ("--precision", "32-true", *offload_args(folder, False, io)), steps=steps)
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1, **(env_extra or {})), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout}{p.stderr}"
+    assert sorted(io_per_step(run_dir, 0)) == list(range(1, steps + 1)), p.stdout + p.stderr  # the tier did its I/O
+    return p.stdout + p.stderr
+
+
+def test_kernel_without_io_uring_read_write_falls_back_to_threads(tiny_tokens, tmp_path):
+    """The probe says the kernel's io_uring has no IORING_OP_READ/WRITE (as 5.1-5.5): `auto` steps on the thread
+    pool and says why; `io_uring` asked for exits 2 in one line naming the key."""
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    hook = {"NNSTRAIN_TEST_NVME_URING_PROBE": "unsupported"}
+    out = short_run(tiny_tokens, tmp_path / "auto", folder, "auto", hook)
+    nv = active_records(tmp_path / "auto", 1)[0]["offload"]["nvme"]
+    assert nv["engine"] == "threads", nv
+    assert "I/O engine threads" in out and "IORING_OP_READ" in out, out
+    line = bad(tiny_tokens, tmp_path, *offload_args(folder, False, "io_uring"), env_extra=hook, at_start=True)
+    assert "compute_config.offload.nvme_io" in line and "io_uring" in line and "IORING_OP_READ" in line, line
+    assert list(folder.iterdir()) == [], list(folder.iterdir())
+    print(f"\n{line}")
+
+
+def test_planted_symlinks_are_never_followed(tiny_tokens, tmp_path):
+    """Another user's symlinks under offload.nvme_path: the rank folder as a symlink is refused naming it;
+    symlinks at the names the tier's files once had are left alone; their targets keep their content."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    theirs = {"optimizer.bin": b"their optimizer file", "params.bin": b"their params", "NOTE.txt": b"their note"}
+    for name, data in theirs.items():
+        (victim / name).write_bytes(data)
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    (folder / "rank0").symlink_to(victim)
+    line = bad(tiny_tokens, tmp_path, *offload_args(folder, False), at_start=True)
+    assert f"{folder}/rank0" in line and "symbolic link" in line and "compute_config.offload.nvme_path" in line, line
+    (folder / "rank0").unlink()
+    (folder / "rank0").mkdir(mode=0o700)
+    for name in theirs:
+        (folder / "rank0" / name).symlink_to(victim / name)
+    short_run(tiny_tokens, tmp_path / "run", folder)
+    assert {x.name: x.read_bytes() for x in victim.iterdir()} == theirs
+    left = sorted((x.name, x.is_symlink()) for x in (folder / "rank0").iterdir())
+    assert left == [(name, True) for name in sorted(theirs)], left  # untouched, nothing else left behind
+    print(f"\n{line}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_rank_folder_of_another_user_is_refused(tiny_tokens, tmp_path):
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    (folder / "rank0").mkdir(mode=0o777)
+    os.chmod(folder / "rank0", 0o777)  # even one this user could write into
+    os.chown(folder / "rank0", 65534, 65534)  # nobody
+    line = bad(tiny_tokens, tmp_path, *offload_args(folder, False), at_start=True)
+    assert f"{folder}/rank0" in line and "owned by uid 65534" in line and "compute_config.offload.nvme_path" in line, line
+    assert list((folder / "rank0").iterdir()) == []
+    print(f"\n{line}")

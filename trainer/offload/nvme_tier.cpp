@@ -64,7 +64,11 @@ NvmeTier::NvmeTier(const NvmeTierOptions& o, const std::vector<int64_t>& lens, c
     fault_step_ = step;
     fault_ = kind;
   }
-  store_ = std::make_unique<NvmeStore>(o_.path, o_.rank, o_.io);
+  try {
+    store_ = std::make_unique<NvmeStore>(o_.path, o_.rank, o_.io);
+  } catch (const NvmeSetupError& e) {  // the folder or the engine the config names: exit 2, naming the key
+    throw config::ConfigError("compute_config.offload." + e.key + ": " + e.what());
+  }
   std::vector<int64_t> opt_bytes, param_bytes;
   for (auto n : lens_) {
     opt_bytes.push_back(3 * n * wsize);
@@ -75,7 +79,7 @@ NvmeTier::NvmeTier(const NvmeTierOptions& o, const std::vector<int64_t>& lens, c
   store_->allocate();
 }
 
-NvmeTier::~NvmeTier() = default;
+NvmeTier::~NvmeTier() { store_.reset(); }  // its I/O in flight lands in the slots: done before they are freed
 
 at::Tensor NvmeTier::weights(size_t b) const { return slot_[slot_of(b)].narrow(0, 0, lens_[b]); }
 at::Tensor NvmeTier::exp_avg(size_t b) const { return slot_[slot_of(b)].narrow(0, lens_[b], lens_[b]); }
