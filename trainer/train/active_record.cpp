@@ -12,6 +12,7 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "models/common/kernels/grouped_gemm.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/lora/converter.h"
 #include "trainer/offload/nvme_tier.h"
 #include "trainer/train/startup.h"
 
@@ -119,6 +120,11 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
                                                 {"own_buckets", !so.expert.empty()}}
                                : nlohmann::json(nullptr);
   r["zero_stage"] = so.zero_stage;
+  {  // LoRA: the state holds adapters alone, the frozen base no gradient (trainer/lora/converter.h)
+    std::vector<std::string> names;
+    for (const auto& p : st.params()) names.push_back(p.name);
+    r["lora"] = lora::record(const_cast<models::CausalLM&>(model), names, st.optimizer_elements());
+  }
   // The optimizer built: how it runs, and its state by name (segments holding each).
   {
     std::map<std::string, int64_t> state;

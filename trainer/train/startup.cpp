@@ -9,6 +9,8 @@
 #include "models/common/init.h"
 #include "models/registry.h"
 #include "trainer/interop/hf_import.h"
+#include "trainer/lora/converter.h"
+#include "trainer/lora/peft_io.h"
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "base/config/arg_map.h"
@@ -203,6 +205,7 @@ std::vector<sharding::StateTensor> Trainable::state_tensors() {
     out.push_back(replicated("amp/growth_tracker", scaler->growth_tracker(), world));
   }
   for (auto& t : moe->state(moe_holders)) out.push_back(std::move(t));
+  if (auto id = lora::base_identity_tensor(); id.defined()) out.push_back(replicated(lora::kBaseIdentityName, id, world));
   return out;
 }
 
@@ -341,7 +344,7 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
   models::common::Filler after;
   std::shared_ptr<parallel::FlatLayout> layout;
   size_t next = 0;
-  if (plan.zero_stage == 3) {
+  if (plan.zero_stage == 3 && !args.lora.enabled) {  // under LoRA the state holds the adapters alone, made after this
     std::vector<int64_t> numels;
     for (const auto& l : local.model->param_layouts()) {
       int64_t n = 1;
@@ -361,6 +364,12 @@ LocalModel materialise_model(const config::TrainerArgs& args, const parallel::Pl
               std::to_string(r.bytes_read >> 20) + " of " + std::to_string(r.bytes_needed >> 20) + " MiB)");
   } else {
     models::common::materialise_fresh(*local.model, device, args.seed, after);
+  }
+  if (args.lora.enabled) {  // adapters on the filled base, which freezes (trainer/lora/converter.h)
+    lora::apply_lora(*local.model, args.lora, ctx, device,
+                     optim::precision_setup(args.precision, args.compute_config.reduce_dtype).param, args.seed,
+                     args.model.init_from);
+    if (plan.pipeline.pp > 1) parallel::hold_stages(*local.model, plan.pipeline, rt->pp.rank);  // with their adapters
   }
   return local;
 }
@@ -650,8 +659,10 @@ std::string resume(const config::TrainerArgs& args, const RunOptions& opts, Trai
                               saved_optimizer + "; resume with optimizer.type " + saved_optimizer +
                               " (or merge it with nnstrain merge --hf and start from its weights: model.init_from)");
   check_schedule_continues(args, data, st, dir, rank);
+  lora::check_resume_base(dir);  // a LoRA run resumes only on the base its adapters were trained on
   torch::NoGradGuard no_grad;
   for (auto& t : tr.state_tensors()) {
+    if (t.spec.name == lora::kBaseIdentityName) continue;  // checked above
     // A checkpoint saved without a loss scaler (another precision) keeps the fresh scale.
     if (t.spec.name.rfind("amp/", 0) == 0 && !ck.has(t.spec.name)) continue;
     ck.load_into(t);

@@ -19,6 +19,7 @@
 #include "trainer/checkpoint/rng_state.h"
 #include "trainer/dist/progress_board.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/lora/converter.h"
 #include "models/common/context_attention.h"
 #include "trainer/state/clip.h"
 #include "trainer/offload/nvme_tier.h"
@@ -915,6 +916,7 @@ void Trainer::after_step(const std::optional<RunCounts>& first_counts, int64_t m
     ran["micro_batches"] = micro_batches;
     const auto reduced = tr_.reducer->reduced_dtype();
     ran["reduce_dtype"] = reduced ? nlohmann::json(dtype_label(*reduced)) : nlohmann::json(nullptr);
+    ran["lora_frozen"] = lora::frozen_state(*model_);  // after backward and the update: no frozen tensor has a gradient
     record_->complete("first_step", std::move(ran));
   }
   if (auto* nvme = tr_.state->nvme()) {  // what the NVMe tier moved this step (its files were used)
