@@ -201,7 +201,7 @@ int run(const Options& o) {
   if (!o.json.empty()) {
     std::ofstream out(o.json);
     if (!out) throw UsageError("--json: cannot write " + o.json);
-    out << to_json(results).dump(1) << "\n";
+    out << to_json(results).dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   }
   return 0;
 }

@@ -1,0 +1,270 @@
+"""`nnstrain eval` against lm-evaluation-harness (its Hugging Face backend) on the same folders and task files.
+
+- Two tiny random Hugging Face models saved by save_pretrained: the GPT-2 this project trains and a
+  Llama of odd shape (GQA, head_dim 8, 3 layers, untied head, a BOS-adding tokenizer), each with a
+  byte-level BPE tokenizer trained here on the tasks' words (no downloads);
+- one task of each kind, written here as lm-eval task YAMLs over JSON-lines files: multiple_choice
+  (0 and 3 shots from a train split), loglikelihood_rolling (documents longer than the model: several
+  windows), generate_until (0 and 3 shots drawn from the test split itself, a regex filter, stop
+  sequences); the 3-shot contexts outgrow the 40-token models, so the harness's left truncation runs
+  (and is counted);
+- lm-eval runs once per model with every task; every per-request log-likelihood within 1e-5
+  relative, every acc/acc_norm decision identical, the perplexities within 1e-6 relative, the
+  generated answers identical; the same from 2 ranks (documents split, `nnstrain launch`);
+- bad task files (a malformed line, a gold index outside the choices, a missing field) exit 2 with
+  one line naming the file and line.
+"""
+import json
+import math
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SOURCE, nnstrain_bin_path, single_process_env
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+tokenizers = pytest.importorskip("tokenizers")
+import torch  # noqa: E402
+
+WORDS = ("the cat sat on a mat and ran to see my dog who is fat but not very quick red blue green "
+         "house tree river stone bird sings loud soft every day night").split()
+MAX_LEN = 40
+
+
+def sentence(rng, lo=3, hi=8):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def make_tasks(d):
+    """Task YAMLs (lm-eval's keys) and their JSON-lines files under d; returns {name: yaml path}."""
+    rng = random.Random(7)
+    mc = []
+    for _ in range(16):
+        choices = [sentence(rng, 1, 4) for _ in range(4)]
+        mc.append({"question": sentence(rng), "choices": choices, "label": rng.randrange(4)})
+    write_jsonl(d / "mc_test.jsonl", mc[:10])
+    write_jsonl(d / "mc_train.jsonl", mc[10:])
+    write_jsonl(d / "roll_test.jsonl", [{"page": " ".join(sentence(rng, 8, 14) + "." for _ in range(rng.randint(2, 12)))}
+                                        for _ in range(6)])
+    gen = [{"q": sentence(rng, 2, 5), "answer": rng.choice(WORDS)} for _ in range(10)]
+    write_jsonl(d / "gen_test.jsonl", gen)
+
+    def files(**splits):
+        return "dataset_path: json\ndataset_kwargs:\n  data_files:\n" + "".join(
+            f"    {k}: {d / v}\n" for k, v in splits.items())
+
+    tasks = {}
+    for shots in (0, 3):
+        name = f"tiny_mc_{shots}shot"
+        tasks[name] = d / f"{name}.yaml"
+        tasks[name].write_text(
+            f"task: {name}\n" + files(test="mc_test.jsonl", train="mc_train.jsonl") +
+            "test_split: test\nfewshot_split: train\noutput_type: multiple_choice\n"
+            "doc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
+            f"num_fewshot: {shots}\n"
+            "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+        name = f"tiny_gen_{shots}shot"
+        tasks[name] = d / f"{name}.yaml"
+        tasks[name].write_text(
+            f"task: {name}\n" + files(test="gen_test.jsonl") +
+            "test_split: test\nfewshot_split: test\noutput_type: generate_until\n"
+            "doc_to_text: \"{{q}} ->\"\ndoc_to_target: \"{{answer}}\"\n"
+            f"num_fewshot: {shots}\n"
+            "generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: 6\n  do_sample: false\n"
+            "filter_list:\n  - name: first_word\n    filter:\n      - function: regex\n"
+            "        regex_pattern: \"([a-z]+)\"\n      - function: take_first\n"
+            "metric_list:\n  - metric: exact_match\n")
+    tasks["tiny_roll"] = d / "tiny_roll.yaml"
+    tasks["tiny_roll"].write_text(
+        "task: tiny_roll\n" + files(test="roll_test.jsonl") +
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{page}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    return tasks
+
+
+def make_tokenizer(bos):
+    """A byte-level BPE over the tasks' words; `bos`: a template that prepends <s> (Llama's way)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers, processors
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>"] if bos else ["<|endoftext|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    rng = random.Random(3)
+    tok.train_from_iterator([sentence(rng) + ". " + sentence(rng) for _ in range(400)], trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[-1])
+    return fast
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eval")
+    tasks = make_tasks(d)
+    folders = {}
+    for arch in ("gpt2", "llama"):
+        tok = make_tokenizer(bos=arch == "llama")
+        torch.manual_seed(0)
+        if arch == "gpt2":
+            cfg = transformers.GPT2Config(vocab_size=len(tok), n_positions=MAX_LEN, n_embd=32, n_layer=2, n_head=2,
+                                          activation_function="gelu", initializer_range=0.2,
+                                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+            model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=72,
+                                           num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                                           max_position_embeddings=MAX_LEN, initializer_range=0.2,
+                                           tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                                           eos_token_id=tok.eos_token_id, pad_token_id=None)
+            model = transformers.LlamaForCausalLM(cfg)
+        out = d / arch
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        folders[arch] = out
+    return {"dir": d, "tasks": tasks, "folders": folders}
+
+
+LM_EVAL = r"""
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+folder, task_dir, out, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+res = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=names, batch_size=4,
+                      device="cpu", log_samples=True, task_manager=TaskManager(include_path=task_dir),
+                      fewshot_random_seed=1234)
+keep = {"results": res["results"], "samples": {}}
+for name, samples in res["samples"].items():
+    keep["samples"][name] = [{"doc_id": s["doc_id"], "resps": s["resps"], "filtered_resps": s["filtered_resps"],
+                              "arguments": s["arguments"]} for s in samples]
+json.dump(keep, open(out, "w"), default=str)
+"""
+
+
+def lm_eval_run(setup, arch):
+    out = setup["dir"] / f"lm_eval_{arch}.json"
+    if not out.exists():
+        env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   HF_DATASETS_CACHE=str(setup["dir"] / "hf_cache"), TOKENIZERS_PARALLELISM="false")
+        p = subprocess.run([sys.executable, "-c", LM_EVAL, str(setup["folders"][arch]), str(setup["dir"]), str(out),
+                            ",".join(sorted(setup["tasks"]))], env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def nnstrain_eval(setup, arch, *extra, nproc=1, name="one"):
+    out = setup["dir"] / f"nnstrain_{arch}_{name}.json"
+    args = ["eval", setup["folders"][arch], "--tasks", *sorted(setup["tasks"].values()), "--batch-size", 4,
+            "--json", out, "--device", "cpu", *extra]
+    cmd = [nnstrain_bin_path(), *map(str, args)]
+    if nproc > 1:
+        cmd = [nnstrain_bin_path(), "launch", "--nproc-per-node", str(nproc), "--", *map(str, args)]
+    p = subprocess.run(cmd, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(out.read_text()), p
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(ours, theirs):
+    """Asserts the parity; returns a row per task: (task, kind, documents, worst relative difference, identical decisions)."""
+    rows = []
+    for name, t in sorted(ours.items()):
+        samples = sorted(theirs["samples"][name], key=lambda s: s["doc_id"])
+        assert len(samples) == t["docs"] == len(t["per_doc"])
+        worst = 0.0
+        for doc, s in zip(t["per_doc"], samples):
+            if t["kind"] == "multiple_choice":
+                lls = [r[0][0] for r in s["resps"]]
+                greedy = [bool(r[0][1]) for r in s["resps"]]
+                for a, b in zip(doc["lls"], lls):
+                    worst = max(worst, rel(a, b))
+                    assert rel(a, b) < 1e-5, f"{name} {doc['where']}: ll {a} vs lm-eval {b}"
+                assert doc["greedy"] == greedy, f"{name} {doc['where']}"
+                import numpy as np
+                assert doc["pred"] == int(np.argmax(lls)), f"{name} {doc['where']}: acc decision"
+                norm = [ll / len(c) for ll, c in zip(lls, (a[1][1:] for a in s["arguments"]))]  # target_delimiter " "
+                assert doc["pred_norm"] == int(np.argmax(norm)), f"{name} {doc['where']}: acc_norm decision"
+            elif t["kind"] == "loglikelihood_rolling":
+                worst = max(worst, rel(doc["ll"], s["resps"][0][0]))
+                assert rel(doc["ll"], s["resps"][0][0]) < 1e-5, f"{name} {doc['where']}"
+            else:
+                assert doc["generated"] == s["resps"][0][0], f"{name} {doc['where']}: generated"
+                assert doc["filtered"] == s["filtered_resps"][0], f"{name} {doc['where']}: filtered"
+        ref = theirs["results"][name]
+        for m, v in t["metrics"].items():
+            want = ref[f"{m},none"] if f"{m},none" in ref else ref[f"{m},first_word"]
+            tol = 1e-6 if "perplexity" in m or m == "bits_per_byte" else 0
+            assert abs(v - want) <= tol * abs(want), f"{name} {m}: nnstrain {v} vs lm-eval {want}"
+        rows.append((name, t["kind"], t["docs"], worst, t["truncated"]))
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_scores_equal_lm_eval(setup, arch):
+    theirs = lm_eval_run(setup, arch)
+    ours, p = nnstrain_eval(setup, arch)
+    rows = compare(ours, theirs)
+    print(f"\n{arch}: task, kind, docs, worst relative ll difference, truncated requests")
+    for r in rows:
+        print("  ", r)
+    # The 3-shot multiple-choice contexts outgrow the model: the left truncation ran and was counted.
+    assert ours["tiny_mc_3shot"]["truncated"] > 0 and "first_truncated" in ours["tiny_mc_3shot"]
+    assert "cut from the left" in p.stderr
+    # The rolling documents took several windows each.
+    assert max(d["windows"] for d in ours["tiny_roll"]["per_doc"]) > 1
+    if arch == "gpt2":
+        two, _ = nnstrain_eval(setup, arch, nproc=2, name="dp2")
+        # Documents dealt over 2 ranks: other batches (other padding), the same scores to float rounding.
+        for name, t in ours.items():
+            for m, v in t["metrics"].items():
+                assert rel(two[name]["metrics"][m], v) <= 1e-6, (name, m)
+            for a, b in zip(two[name]["per_doc"], t["per_doc"]):
+                if "lls" in a:
+                    assert all(rel(x, y) < 1e-6 for x, y in zip(a["lls"], b["lls"])) and a["pred"] == b["pred"]
+                    assert a["pred_norm"] == b["pred_norm"]
+                elif "ll" in a:
+                    assert rel(a["ll"], b["ll"]) < 1e-6
+                else:
+                    assert a["generated"] == b["generated"]
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("malformed", "mc_test.jsonl:3: not valid JSON"),
+    ("gold", "mc_test.jsonl:2: the gold index 7 is outside the 4 choices"),
+    ("missing", "mc_test.jsonl:4: the field 'question' (used by doc_to_text) is missing"),
+])
+def test_bad_task_files(setup, tmp_path, fault, needle):
+    rows = [json.loads(line) for line in (setup["dir"] / "mc_test.jsonl").read_text().splitlines()]
+    lines = [json.dumps(r) for r in rows]
+    if fault == "malformed":
+        lines[2] = lines[2][:-3]
+    elif fault == "gold":
+        rows[1]["label"] = 7
+        lines[1] = json.dumps(rows[1])
+    else:
+        del rows[3]["question"]
+        lines[3] = json.dumps(rows[3])
+    (tmp_path / "mc_test.jsonl").write_text("\n".join(lines) + "\n")
+    y = setup["tasks"]["tiny_mc_0shot"].read_text().replace(str(setup["dir"] / "mc_test.jsonl"),
+                                                             str(tmp_path / "mc_test.jsonl"))
+    (tmp_path / "t.yaml").write_text(y)
+    p = subprocess.run([nnstrain_bin_path(), "eval", setup["folders"]["gpt2"], "--tasks", tmp_path / "t.yaml"],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert needle in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
