@@ -419,6 +419,20 @@ def test_a_loss_scalers_overflow_steps_are_not_nonfinite_steps(tiny_tokens, tmp_
     assert not events(tmp_path), events(tmp_path)
 
 
+def test_a_nonfinite_run_confirmed_by_its_rerun_is_skipped_whole(tiny_tokens, tmp_path):
+    """Steps 5 and 6 non-finite (step 5 by its number, step 6 by its data step 5), nonfinite_steps 2: the rerun
+    from step 4 reproduces them, and both data steps (4 and 5) are skipped, not skip_window's one."""
+    rc, out = run_one(nonfinite_args(tmp_path, tiny_tokens, "--fault_tolerance.nonfinite_steps", "2",
+                                     "--fault_tolerance.rerun_check", "true"),
+                      {"NNSTRAIN_TEST_NONFINITE_AT": "5", "NNSTRAIN_TEST_NONFINITE_DATA_AT": "5"})
+    assert rc == 0, out
+    ev = [e["fault_tolerance"] for e in events(tmp_path)]
+    assert [(e["event"], e["action"]) for e in ev] == [("nonfinite", "rerun"), ("rerun_check", "rewind")], out
+    assert ev[1]["to_step"] == 4 and ev[1]["skipped_data_steps"] == [4, 6], ev
+    state = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())["state"]
+    assert state["data_cursor"]["skipped"] == [[4, 6]], state["data_cursor"]
+
+
 # --- straggler and flight recorder --------------------------------------------
 
 def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
