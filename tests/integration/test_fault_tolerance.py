@@ -433,6 +433,25 @@ def test_a_nonfinite_run_confirmed_by_its_rerun_is_skipped_whole(tiny_tokens, tm
     assert state["data_cursor"]["skipped"] == [[4, 6]], state["data_cursor"]
 
 
+def test_an_async_save_of_a_step_saved_before_a_rewind(tiny_tokens, tmp_path):
+    """2 ranks, asynchronous saves every 4 steps, nonfinite_steps 2: steps 8 (by its number) and 9 (by its data
+    step 8) are non-finite, step 8 is saved between them, and the rewind goes back to step 4: step 8 (non-finite
+    again, its update skipped) is saved a second time, which every rank agrees on as on the first."""
+    args = ["--config", DP, "--vars.data", tiny_tokens, "--run_dir", tmp_path, "--micro_batch_size", "2",
+            "--max_train_steps", "12", "--val_every_n_train_steps", "0", "--lr_scheduler.args.decay_steps", "12",
+            "--checkpoint.save_dir", tmp_path / "ckpt", "--checkpoint.every_n_train_steps", "4",
+            "--checkpoint.async_save", "true", "--compute_config.collective_timeout_s", "20",
+            "--fault_tolerance.nonfinite_steps", "2", "--fault_tolerance.on_spike", "rewind"]
+    rc, out = launch(2, args, env={"NNSTRAIN_TEST_NONFINITE_AT": "8", "NNSTRAIN_TEST_NONFINITE_DATA_AT": "8"},
+                     timeout=120)
+    assert rc == 0, out
+    ev = [e["fault_tolerance"] for e in events(tmp_path)]
+    assert [(e["event"], e["action"], e["to_step"]) for e in ev] == [("nonfinite", "rewind", 4)], out
+    assert out.count("saved checkpoint " + str(tmp_path / "ckpt" / "step-00000008")) == 2, out  # twice (rank 0 logs it)
+    state = json.loads((tmp_path / "ckpt" / "step-00000012" / "manifest.json").read_text())["state"]
+    assert state["data_cursor"]["skipped"] == [[7, 9]], state["data_cursor"]
+
+
 # --- straggler and flight recorder --------------------------------------------
 
 def test_slow_rank_is_named_and_a_frozen_rank_is_found_in_the_flight_records(tiny_tokens, tmp_path):
