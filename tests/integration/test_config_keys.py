@@ -28,7 +28,7 @@ DOC = SOURCE / "docs" / "config.md"
 SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "model.", "optimizer": "optimizer.",
             "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
             "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile.",
-            "fault_tolerance": "fault_tolerance."}
+            "fault_tolerance": "fault_tolerance.", "lora": "lora."}
 # "### <heading>" tables inside a section: their own key prefix.
 SUBSECTIONS = {"offload": "compute_config.offload.", "pas_config": "compute_config.pas_config."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
@@ -105,6 +105,7 @@ def full_config(tmp_path):
         "loss_scaler": {},
         "profile": {"steps": [1, 2]},
         "fault_tolerance": {},
+        "lora": {"target_modules": ["c_attn"]},
         "log": [{"type": "console"}, {"type": "jsonl", "args": {"path": str(tmp_path / "m.jsonl")}},
                 {"type": "tensorboard", "args": {"dir": str(tmp_path / "tb")}}],
     }
