@@ -2,12 +2,15 @@
 // at the step's peak and in seconds per step. It knows the device (a table of
 // accelerators), the model (its declared splits and dimensions) and the
 // config; it chooses nothing (the search, planner.h, does). Each parallel
-// dimension is a term of its own (cost_model.cpp: the state under ZeRO,
-// activations under tensor/sequence parallelism and recompute, the loss, the
-// sharding's transients, compute, tensor-parallel and data-parallel
-// communication, offload, the optimizer's step as its registry entry prices
-// it), so a new dimension adds a term, not a branch.
-// docs/parallelism.md derives each term.
+// dimension is a term of its own, listed once in cost_model.cpp's table
+// (cost::cost_terms) and written in trainer/plan/cost/, a file per family:
+// the state under ZeRO, offload's memory, post-validation's backup, the
+// step's peak (activations under tensor/sequence parallelism and recompute,
+// the loss, the sharding's transients), compute, tensor-, context-, data- and
+// expert-parallel communication, the pipeline's bubble (the schedule
+// simulation), offload's time, the optimizer's step as its registry entry
+// prices it. A new dimension adds a term (a row and its file), not a branch.
+// docs/parallelism.md derives each term; trainer/plan/README.md maps the files.
 #pragma once
 
 #include <cstdint>
