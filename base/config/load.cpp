@@ -511,6 +511,33 @@ static void load_lora(ArgMap& top, TrainerArgs& t) {
       m.fail("init_from", l.init_from + " holds no " + f + " (expected a peft adapter folder)");
 }
 
+// eval: (docs/eval.md). The task files exist here; they are parsed (and
+// refused naming file and line) when the run starts, before its first step.
+static void load_eval(ArgMap& top, TrainerArgs& t) {
+  if (!top.has("eval")) return;
+  ArgMap m = top.child("eval");
+  auto& e = t.eval;
+  e.enabled = true;
+  e.tasks = m.get_string_list("tasks");
+  if (e.tasks.empty()) m.fail("tasks", "names no task file");
+  for (const auto& f : e.tasks)
+    if (!fs::is_regular_file(f)) m.fail("tasks", f + ": no such task file");
+  e.every_n_train_steps = m.get_int("every_n_train_steps", std::nullopt, 1);
+  e.limit = m.get_int("limit", 0, 0);
+  e.batch_size = m.get_int("batch_size", 8, 1, 1 << 20);
+  e.tokenizer = m.get_string("tokenizer", "");
+  if (!e.tokenizer.empty() && !fs::exists(e.tokenizer)) m.fail("tokenizer", e.tokenizer + ": no such file or folder");
+  // The evaluator reaches whole sequences through the model's logits(): no
+  // pipeline stage or context-parallel shard holds them.
+  const auto& c = t.compute_config;
+  if (c.pipeline.pp_size > 1)
+    m.fail("tasks", "in-training evaluation does not run under pipeline parallelism (compute_config.pas_config.pp_size " +
+                        std::to_string(c.pipeline.pp_size) + "); evaluate a checkpoint with nnstrain eval");
+  if (c.context_parallel_size > 1)
+    m.fail("tasks", "in-training evaluation does not run under context parallelism (compute_config.context_parallel_size " +
+                        std::to_string(c.context_parallel_size) + "); evaluate a checkpoint with nnstrain eval");
+}
+
 TrainerArgs load_trainer_args(const std::string& file, const LoadOptions& opts) {
   return load_trainer_args_from_text(read_config_text(file), file, opts);
 }
@@ -873,6 +900,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 
   load_fault_tolerance(top, t);  // after checkpoint and compute_config (its checks combine them)
   load_lora(top, t);
+  load_eval(top, t);  // after compute_config (it refuses pipeline and context parallelism)
 
   // Unknown keys before the checks that combine keys: a misspelt key would
   // otherwise surface as a confusing consequence of its default.

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/config/eval_args.h"
 #include "base/config/fault_tolerance_args.h"
 #include "base/config/lora_args.h"
 
@@ -267,6 +268,7 @@ struct TrainerArgs {
   int64_t memory_snapshot_step = 0;   // dump after this step; 0 = the run's first step
   FaultToleranceArgs fault_tolerance;
   LoraArgs lora;                      // absent: every weight trains
+  EvalArgs eval;                      // absent: no downstream tasks in the loop
 
   std::string resolved_yaml;          // the resolved configuration, as YAML
 };

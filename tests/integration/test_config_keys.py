@@ -28,7 +28,7 @@ DOC = SOURCE / "docs" / "config.md"
 SECTIONS = {"Top level": "", "compute_config": "compute_config.", "model": "model.", "optimizer": "optimizer.",
             "lr_scheduler": "lr_scheduler.", "dataset": "dataset.", "dataloader": "dataloader.",
             "checkpoint": "checkpoint.", "loss_scaler": "loss_scaler.", "profile": "profile.",
-            "fault_tolerance": "fault_tolerance.", "lora": "lora."}
+            "fault_tolerance": "fault_tolerance.", "lora": "lora.", "eval": "eval."}
 # "### <heading>" tables inside a section: their own key prefix.
 SUBSECTIONS = {"offload": "compute_config.offload.", "pas_config": "compute_config.pas_config."}
 OUTSIDE = ("vars.", "model.args.")  # not described by these tables
@@ -106,6 +106,7 @@ def full_config(tmp_path):
         "profile": {"steps": [1, 2]},
         "fault_tolerance": {},
         "lora": {"target_modules": ["c_attn"]},
+        "eval": {"tasks": [str(tokens)], "every_n_train_steps": 1},  # parsed at the run's start, not by --print-config
         "log": [{"type": "console"}, {"type": "jsonl", "args": {"path": str(tmp_path / "m.jsonl")}},
                 {"type": "tensorboard", "args": {"dir": str(tmp_path / "tb")}}],
     }

@@ -44,8 +44,12 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
-// metrics.jsonl, split into training records and validation records.
-void read_metrics(const fs::path& file, std::vector<nlohmann::json>& train, std::vector<nlohmann::json>& val) {
+// An in-training evaluation's record (eval: tasks): its keys are eval_<task>/<metric>.
+bool is_eval_record(const nlohmann::json& rec) { return rec.contains("eval_seconds"); }
+
+// metrics.jsonl, split into training, validation and task-evaluation records.
+void read_metrics(const fs::path& file, std::vector<nlohmann::json>& train, std::vector<nlohmann::json>& val,
+                  std::vector<nlohmann::json>& evals) {
   std::ifstream in(file);
   if (!in) throw ReportError(file.string() + ": not found (is this a run folder? it holds metrics.jsonl)");
   std::string line;
@@ -54,9 +58,9 @@ void read_metrics(const fs::path& file, std::vector<nlohmann::json>& train, std:
     auto rec = nlohmann::json::parse(line, nullptr, false);
     if (!rec.is_object() || !rec.contains("step") || !rec["step"].is_number_integer())
       throw ReportError(file.string() + " line " + std::to_string(n) + ": not a metrics record");
-    (rec.contains("val_loss") ? val : train).push_back(std::move(rec));
+    (rec.contains("val_loss") ? val : is_eval_record(rec) ? evals : train).push_back(std::move(rec));
   }
-  if (train.empty() && val.empty()) throw ReportError(file.string() + ": no records yet");
+  if (train.empty() && val.empty() && evals.empty()) throw ReportError(file.string() + ": no records yet");
 }
 
 std::string checkpoints_line(const fs::path& run_dir) {
@@ -179,9 +183,9 @@ int report_main(const std::vector<std::string>& args) {
   }
   if (out.empty()) out = (fs::path(run_dir) / "loss_curves.png").string();
 
-  std::vector<nlohmann::json> train, val;
+  std::vector<nlohmann::json> train, val, evals;
   try {
-    read_metrics(fs::path(run_dir) / "metrics.jsonl", train, val);
+    read_metrics(fs::path(run_dir) / "metrics.jsonl", train, val, evals);
   } catch (const ReportError& e) {
     std::cerr << "nnstrain report: " << e.what() << "\n";
     return 2;
@@ -211,6 +215,28 @@ int report_main(const std::vector<std::string>& args) {
       << " (last " << fixed(val.back()["val_loss"].get<double>(), 4) << " at step " << val.back()["step"] << ")\n";
   } else {
     s << "best val loss    none (no validation records)\n";
+  }
+  // Each task score: its first and last value (plot_run.py draws it against steps).
+  std::vector<std::string> scores;
+  for (const auto& r : evals)
+    for (const auto& [k, v] : r.items())
+      if (k.rfind("eval_", 0) == 0 && k != "eval_seconds" && v.is_number() &&
+          std::find(scores.begin(), scores.end(), k) == scores.end())
+        scores.push_back(k);
+  for (const auto& k : scores) {
+    const nlohmann::json *first = nullptr, *last = nullptr;
+    for (const auto& r : evals)
+      if (r.contains(k)) {
+        if (!first) first = &r;
+        last = &r;
+      }
+    s << "eval " << k.substr(5) << "  " << fixed((*first)[k].get<double>(), 4) << " (step " << (*first)["step"]
+      << ") -> " << fixed((*last)[k].get<double>(), 4) << " (step " << (*last)["step"] << ")\n";
+  }
+  if (!evals.empty()) {
+    double secs = 0;
+    for (const auto& r : evals) secs += r["eval_seconds"].get<double>();
+    s << "eval time        " << fixed(secs, 1) << " s over " << evals.size() << " evaluations\n";
   }
   if (auto v = column("tokens_per_s"); !v.empty()) s << "tokens/s         " << fixed(median(v), 0) << " (median)\n";
   if (auto v = column("mfu"); !v.empty()) s << "MFU              " << fixed(100 * median(v), 1) << "% (median)\n";

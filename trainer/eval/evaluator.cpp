@@ -122,7 +122,8 @@ std::vector<Scored> score(std::vector<LlRequest>& reqs, Backend& be, int64_t bat
   auto out = torch::zeros({int64_t(n), 2}, torch::kFloat64);
   auto acc = out.accessor<double, 2>();
   Progress bar(be.progress, label, int64_t(mine.size()));
-  torch::InferenceMode inference;
+  c10::InferenceMode inference(be.inference_mode);
+  torch::NoGradGuard no_grad;
   for (size_t b0 = 0; b0 < mine.size(); b0 += batch) {
     const size_t b1 = std::min(mine.size(), b0 + size_t(batch));
     std::vector<std::vector<int64_t>> inps;
@@ -202,7 +203,8 @@ std::string generate_one(const Task& t, const DocRequests& d, const TextCodec& c
   }
   if (ctx.empty()) ctx = {codec.prefix};
   std::vector<int64_t> seq = ctx, gen;
-  torch::InferenceMode inference;
+  c10::InferenceMode inference(be.inference_mode);
+  torch::NoGradGuard no_grad;
   models::common::KvCache cache(int64_t(ctx.size()) + t.max_gen_toks);
   std::vector<std::string> stops = t.until;
   if (codec.eos) {

@@ -38,6 +38,9 @@ struct Backend {
   bool kv_cache = true;       // false under tensor parallelism (decode_logits is whole-model only)
   int64_t seq_multiple = 1;   // input lengths padded to a multiple (sequence parallelism splits T)
   bool progress = false;      // this rank draws the progress bar (stderr)
+  // false in training: tensors a forward caches (ZeRO-3's gathered weights, rope
+  // tables) must stay usable by the next backward, so no-grad only.
+  bool inference_mode = true;
 };
 
 struct EvalOptions {

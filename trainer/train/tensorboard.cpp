@@ -61,7 +61,7 @@ std::string event_header(int64_t step) {
 }  // namespace
 
 std::string TensorBoardSink::tag_for(const std::string& key) {
-  for (const char* group : {"time", "val"}) {
+  for (const char* group : {"time", "val", "eval"}) {  // eval_<task>/<metric>: eval/<task>/<metric>
     const std::string prefix = std::string(group) + "_";
     if (key.rfind(prefix, 0) == 0 && key.size() > prefix.size())
       return std::string(group) + "/" + key.substr(prefix.size());

@@ -37,6 +37,7 @@
 #include "trainer/train/step_timer.h"
 #include "trainer/train/stop_decision.h"
 #include "trainer/train/tensorboard.h"
+#include "trainer/eval/in_training.h"
 
 namespace fs = std::filesystem;
 
@@ -160,7 +161,8 @@ class Trainer {
   void begin_step(int64_t max_steps);
   void replay_step(const std::vector<data::Batch>& batches);
   void after_step(const std::optional<RunCounts>& first_counts, int64_t micro_batches);
-  void evaluate_in_training();
+  void evaluate_in_training(bool last);
+  void make_task_eval();
   void finish(bool stopped_by_signal);
   void step(const std::vector<data::Batch>& batches);
   void optimizer_update(const at::Tensor& norm, double lr);
@@ -199,6 +201,7 @@ class Trainer {
   std::unique_ptr<StopDecision> stop_decision_;
   std::unique_ptr<StepGraph> graph_;  // after rt_: destroyed before its communicators (run()'s end)
   std::unique_ptr<ActiveRecord> record_;  // run_dir/active/rank<R>.json: what ran
+  std::unique_ptr<eval::InTrainingEval> task_eval_;  // eval: downstream tasks on the live model
   std::unique_ptr<FaultTolerance> ft_;    // fault_tolerance: spikes, rewinds, replica checks, step times
   std::string jsonl_path_;                // rank 0's metrics.jsonl (reopened at a rewind)
   bool timed_ = false;  // this step's time split is measured (step_timer.h)
@@ -345,10 +348,44 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
     else if (device.is_cuda() && rank_ == 0)
       log::info("compute_config.cuda_graphs auto: the step runs eagerly, since a graph " + blocker);
   }
+  make_task_eval();
   announce(start_step);
   nlohmann::json startup = startup_record(*model_, rt_.get(), tr_, rank_, world_);
   startup["micro_batches_per_step"] = accum_;
   record_ = std::make_unique<ActiveRecord>(args.run_dir, rank_, std::move(startup));
+}
+
+// eval: the tasks scored on this live model under its plan. Requests are dealt
+// over the data-parallel replicas (tp ranks of one replica run the same
+// batches; logits() gathers the vocabulary), unless a forward itself talks
+// over dp (ZeRO-3's gathers, MoE's all-to-alls): every rank then scores every
+// request, the same forwards in the same order.
+void Trainer::make_task_eval() {
+  if (!args_.eval.enabled) return;
+  if (plan_.pipeline.pp > 1 || plan_.context.cp > 1)
+    throw config::ConfigError("eval.tasks: in-training evaluation does not run under the plan's " +
+                              std::string(plan_.pipeline.pp > 1 ? "pipeline" : "context") +
+                              " parallelism; evaluate a checkpoint with nnstrain eval");
+  eval::Backend be;
+  be.model = model_.get();
+  be.device = device_;
+  be.inference_mode = false;
+  be.progress = rank_ == 0;
+  const bool lockstep = plan_.zero_stage == 3 || plan_.ep > 1;
+  if (rt_ && !lockstep && rt_->dp.size() > 1) {
+    be.dp_rank = rt_->dp.rank;
+    be.dp_size = rt_->dp.size();
+    auto* r = rt_.get();
+    be.dp_sum = [r](at::Tensor& t) { r->all_reduce(r->dp, t, "eval scores all-reduce"); };
+  }
+  be.before_forward = [this] { tr_.reducer->begin_forward(); };
+  be.after_forwards = [this] { tr_.reducer->release_params(); };
+  be.kv_cache = plan_.tp == 1;  // decode_logits is whole-model only
+  be.seq_multiple = plan_.tp > 1 && args_.compute_config.sequence_parallel ? plan_.tp : 1;
+  task_eval_ = std::make_unique<eval::InTrainingEval>(args_, std::move(be));
+  if (rank_ == 0)
+    log::info("eval: " + std::to_string(args_.eval.tasks.size()) + " tasks (" + std::to_string(task_eval_->documents()) +
+              " documents) every " + std::to_string(args_.eval.every_n_train_steps) + " steps");
 }
 
 // Batches for step s, micro-step a on this data-parallel rank: positions
@@ -845,7 +882,7 @@ int Trainer::run() {
 
     const bool last = step_ == max_steps;
     if (logs_step_) log_progress();
-    if (args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last)) evaluate_in_training();
+    evaluate_in_training(last);
     const bool periodic = args_.checkpoint.every_n_train_steps > 0 && step_ % args_.checkpoint.every_n_train_steps == 0;
     // Every rank stops at the same step if any was asked to (SLURM/PBS preemption).
     // Post-validation: a speculative step's requests travel with its norm and
@@ -877,6 +914,7 @@ void Trainer::begin_step(int64_t max_steps) {
   // logged, evaluated or saved, nor the last (their state must stand).
   speculate_ = post_validation_ && !logs && step_ + 1 < max_steps &&
                !(args_.val_every_n_train_steps > 0 && (step_ + 1) % args_.val_every_n_train_steps == 0) &&
+               !(task_eval_ && task_eval_->due(step_ + 1, false)) &&
                !(args_.checkpoint.every_n_train_steps > 0 && (step_ + 1) % args_.checkpoint.every_n_train_steps == 0);
   if (logs) reset_step_peak(device_);  // peak_tensor_mb: what this step holds at most
   // A step being captured records no timing events (they would join the graph);
@@ -931,16 +969,31 @@ void Trainer::after_step(const std::optional<RunCounts>& first_counts, int64_t m
 
 // Evaluation between steps: its traffic kept out of the per-step figures, and
 // the first one recorded.
-void Trainer::evaluate_in_training() {
+void Trainer::evaluate_in_training(bool last) {
+  const bool val = args_.val_every_n_train_steps > 0 && (step_ % args_.val_every_n_train_steps == 0 || last);
+  const bool tasks = task_eval_ && task_eval_->due(step_, last);
+  if (!val && !tasks) return;
   const auto before = rt_ ? rt_->tp.traffic : dist::Traffic{}, before_cp = rt_ ? rt_->cp.traffic : dist::Traffic{},
              before_ep = rt_ ? rt_->ep.traffic : dist::Traffic{};
   const bool first_eval = data_.val && args_.max_val_steps > 0 && !record_->has("first_evaluation");
   const auto counts = first_eval ? RunCounts::now(rt_.get()) : RunCounts{};
-  evaluate();
-  if (first_eval) {
+  if (val) evaluate();
+  if (val && first_eval) {
     auto ran = RunCounts::now(rt_.get()).since(counts);
     ran["step"] = step_;
     record_->complete("first_evaluation", std::move(ran));
+  }
+  if (tasks) {
+    tr_.flush();  // delayed update: score the weights of every step so far
+    const auto rec = task_eval_->run(step_);
+    if (rank_ == 0) {
+      std::string line = "step " + std::to_string(step_) + ": eval";
+      for (const auto& [k, v] : rec.items())
+        if (k != "step" && k != "eval_seconds") line += " " + k.substr(5) + " " + fmt(v.get<double>());
+      log::info(line + " (" + fmt(rec["eval_seconds"].get<double>(), 2) + " s)");
+      if (jsonl_) jsonl_->write(rec);
+      if (tb_) tb_->write(rec);
+    }
   }
   if (rt_) {  // the per-step tp and cp figures count training only
     interval_tp_ += rt_->tp.traffic - before;
