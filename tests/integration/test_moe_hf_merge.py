@@ -108,7 +108,7 @@ def test_folder_selection_bias_is_used_at_speed_0_and_merge_hf_refuses_deepseek_
     args = ["--config", CONFIGS / "tiny_moe.yaml", "--vars.data", tiny_tokens, "--run_dir", tmp_path / "run",
             "--micro_batch_size", "4", "--max_train_steps", "2", "--checkpoint.save_dir", tmp_path / "ck",
             "--model.args.scoring_func", "sigmoid", "--model.args.router_aux_loss_coef", "0",
-            "--model.init_from", hf, *device_args(1)]
+            "--model.init_from", hf, "--model.args.initializer_range", "0.02", *device_args(1)]
     p = subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
