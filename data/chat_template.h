@@ -1,77 +1,42 @@
-// Chat templates: a conversation rendered as Llama 3, ChatML (Qwen2) or
-// Mistral render it, with the text and ids equal to transformers'
-// apply_chat_template over those models' own template strings, and each token
-// flagged as a target (the assistant's words and its end-of-turn token) or
-// context. `prepare corpus --format chat` stores the flags with the dataset;
-// `nnstrain generate --chat` renders the history and stops at end_of_turn().
-// Torch-free. docs/data.md ("Chat data") states the rules.
+// Where a chat template comes from: one of the three built-in texts (llama3,
+// chatml, mistral: Meta-Llama-3-Instruct's, Qwen2's and Mistral-7B-Instruct-
+// v0.1's own templates), a .jinja file, a tokenizer_config.json, or a Hugging
+// Face folder (its chat_template.jinja, else tokenizer_config.json's
+// chat_template), with the special tokens the template sees from that folder's
+// tokenizer_config.json. The engine is data/chat/ (chat_template.h).
+// Torch-free. docs/chat_templates.md states the rules.
 #pragma once
 
-#include <cstdint>
-#include <stdexcept>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "data/tokenizer/tokenizer.h"
+#include "data/chat/chat_template.h"
 
 namespace nnstrain::data {
 
-// A conversation that cannot be rendered (unknown role, no assistant turn, a
-// role order the template refuses); one line.
-struct ChatError : std::runtime_error {
-  using std::runtime_error::runtime_error;
+struct ChatTemplateSpec {
+  std::string text;    // the Jinja source
+  std::string source;  // "built-in llama3", or the file it was read from
+  std::vector<std::pair<std::string, std::string>> special_tokens;  // bos_token, eos_token, ...
+  std::vector<std::string> needs;  // a built-in's special tokens, which the tokenizer must hold
 };
 
-struct ChatMessage {
-  std::string role;  // system, user or assistant
-  std::string content;
-};
+const std::vector<std::string>& builtin_chat_templates();
 
-enum class TrainOn { all_assistant, last_assistant };
+// `given`: a built-in name, a file (.jinja text, or a tokenizer_config.json),
+// or a folder; "" means the tokenizer's folder (nullopt when it has no
+// template). The special tokens come from the tokenizer folder's
+// tokenizer_config.json (a built-in's own when there is none). Throws ChatError.
+std::optional<ChatTemplateSpec> find_chat_template(const std::string& given, const std::string& tokenizer_path);
 
-struct ChatTokens {
-  std::vector<int32_t> ids;
-  std::vector<uint8_t> target;     // per id: 1 = the loss counts it
-  std::vector<size_t> turn_starts;  // ids indices where a user turn begins (cut points for splitting)
-};
+// The special tokens (bos_token, eos_token, ...) of the tokenizer folder's tokenizer_config.json.
+std::vector<std::pair<std::string, std::string>> chat_special_tokens(const std::string& tokenizer_path);
 
-class ChatTemplate {
- public:
-  // `name`: llama3, chatml or mistral. Throws ChatError naming the template and
-  // the missing token if the tokenizer lacks one of the template's special tokens.
-  ChatTemplate(const std::string& name, const tok::Tokenizer& tokenizer);
-  static const std::vector<std::string>& names();
-  // The name of the template whose Jinja text (tokenizer_config.json's
-  // chat_template) this is, exactly; "" for any other text.
-  static std::string identify(const std::string& jinja);
-
-  const std::string& name() const { return name_; }
-  // The rendered text (apply_chat_template(..., tokenize=False)).
-  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
-  // Ids of the rendered text: template tokens as their ids, message content as
-  // text (special-token strings in content stay text). For training (no
-  // generation prompt) a conversation needs an assistant turn.
-  ChatTokens encode(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                    TrainOn train_on = TrainOn::all_assistant) const;
-  int32_t end_of_turn() const { return end_of_turn_; }
-
- private:
-  struct Part {
-    std::string text;
-    bool special = false;
-    bool target = false;
-    bool user_turn_start = false;
-  };
-  std::vector<Part> parts(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                          TrainOn train_on) const;
-
-  std::string name_;
-  const tok::Tokenizer* tok_;
-  std::string bos_, eos_;  // mistral's <s> and </s>; llama3's <|begin_of_text|>
-  int32_t end_of_turn_ = -1;
-};
-
-// Python's str.strip(): Unicode whitespace off both ends (Jinja's `trim`).
-std::string strip_unicode_whitespace(const std::string& s);
+// The compiled template; a built-in whose tokens the tokenizer lacks is refused,
+// naming the token. Throws ChatError.
+ChatTemplate make_chat_template(const ChatTemplateSpec& spec, const tok::Tokenizer& tokenizer,
+                                ChatTemplateOptions options = {});
 
 }  // namespace nnstrain::data

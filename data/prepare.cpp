@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/chat/render_command.h"
 #include "data/sha256.h"
 
 extern char** environ;
@@ -430,6 +431,7 @@ int prepare_text(const Options& o, std::ostream& out) {
 
 int prepare_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   if (!args.empty() && args[0] == "corpus") return prepare_corpus_main({args.begin() + 1, args.end()}, out, err);
+  if (!args.empty() && args[0] == "chat-render") return chat_render_main({args.begin() + 1, args.end()}, out, err);
   try {
     const Options o = parse_args(args);
     if (o.help) {

@@ -44,17 +44,21 @@ PREFIX.manifest.json (tokenizer hash, input hashes, settings) last.
                          text:   each file one document, or split on --separator
                          alpaca: records {instruction, input, output} (a JSON array, or JSON lines);
                                  each document is two sequences, prompt then response
-                         chat:   JSON lines of conversations, OpenAI {"messages": [{role, content}]}
-                                 or ShareGPT {"conversations": [{from, value}]}; each document's
-                                 sequences alternate context, target (the assistant's turns)
-  --chat-template T    chat: llama3, chatml (Qwen2's) or mistral (required with --format chat)
+                         chat:   JSON lines of conversations, OpenAI {"messages": [{role, content, ...}],
+                                 "tools": [...]} or ShareGPT {"conversations": [{from, value}]}; each
+                                 document's sequences alternate context, target (the assistant's turns)
+  --chat-template T    chat: the Jinja template: a .jinja file, a tokenizer_config.json, a Hugging
+                         Face folder, or llama3, chatml (Qwen2's), mistral (built-in texts); default:
+                         the tokenizer folder's (chat_template.jinja, tokenizer_config.json)
+  --chat-template-kwargs J  chat: a JSON object of extra template variables (e.g. {"enable_thinking": false})
   --train-on W         chat: all (default: every assistant turn) or last (the last one only)
   --max-tokens N       chat: a conversation longer than N tokens follows --overlong
   --overlong R         chat: truncate (default: its first N tokens) or split (at user turns,
                          pieces of at most N tokens; a single exchange over N is truncated)
   --text-key K         the JSONL field holding the text (default: text)
   --separator S        text: split each file on S ("\n\n" etc. as written; default: one document per file)
-  --special-tokens P   special-token text in documents: text (default), special, error
+  --special-tokens P   special-token text in documents (chat: in the conversation's strings; the
+                         template's own are tokens): text (default), special, error
   --on-error P         a malformed record: stop (default) or skip (counted in the manifest)
   --threads N          tokenizer threads (default: all cores)
   --pattern P          for a tiktoken file: gpt2 or llama3
@@ -68,7 +72,7 @@ struct UsageError : std::runtime_error {
 struct Options {
   std::string tokenizer, out, format = "auto", text_key = "text", separator, special = "text", on_error = "stop";
   std::string pattern;
-  std::string chat_template, train_on = "all", overlong = "truncate";
+  std::string chat_template, chat_kwargs, train_on = "all", overlong = "truncate";
   int64_t max_tokens = 0;  // 0: no limit
   bool has_separator = false;
   std::vector<std::string> inputs;
@@ -115,6 +119,7 @@ Options parse(const std::vector<std::string>& args, bool& help) {
     else if (a == "--on-error") o.on_error = v;
     else if (a == "--pattern") o.pattern = v;
     else if (a == "--chat-template") o.chat_template = v;
+    else if (a == "--chat-template-kwargs") o.chat_kwargs = v;
     else if (a == "--train-on") o.train_on = v;
     else if (a == "--overlong") o.overlong = v;
     else if (a == "--max-tokens") {
@@ -141,9 +146,9 @@ Options parse(const std::vector<std::string>& args, bool& help) {
   if (o.out.empty()) throw UsageError("--out PREFIX is required");
   if (o.format != "auto" && o.format != "jsonl" && o.format != "text" && o.format != "alpaca" && o.format != "chat")
     throw UsageError("--format: '" + o.format + "' (expected auto, jsonl, text, alpaca or chat)");
-  if ((o.format == "chat") != !o.chat_template.empty())
-    throw UsageError(o.format == "chat" ? "--format chat needs --chat-template llama3|chatml|mistral"
-                                        : "--chat-template goes with --format chat");
+  if (o.format != "chat" && (!o.chat_template.empty() || !o.chat_kwargs.empty()))
+    throw UsageError(std::string(o.chat_template.empty() ? "--chat-template-kwargs" : "--chat-template") +
+                     " goes with --format chat");
   if (o.train_on != "all" && o.train_on != "last") throw UsageError("--train-on: expected all or last");
   if (o.overlong != "truncate" && o.overlong != "split") throw UsageError("--overlong: expected truncate or split");
   if (o.on_error != "stop" && o.on_error != "skip") throw UsageError("--on-error: expected stop or skip");
@@ -233,34 +238,53 @@ std::string read_input(const std::string& path) {
 struct Record {
   std::string text, response;
   std::string where;  // file:line
-  std::vector<ChatMessage> messages;
+  Conversation conversation;
+  size_t chat_bytes = 0;
 };
 
-// An OpenAI {"messages": [{role, content}]} or ShareGPT {"conversations":
-// [{from, value}]} record (ShareGPT's human and gpt are user and assistant).
-Record chat_record(const json& j, const std::string& where) {
+// An OpenAI {"messages": [{role, content, ...}], "tools": [...], "documents": [...]}
+// or ShareGPT {"conversations": [{from, value}]} record (ShareGPT's human and gpt
+// are user and assistant). Messages pass to the template as they are: what a
+// role or a field means is the template's business.
+Record chat_record(const std::string& line, const std::string& where) {
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(line);
+  } catch (const nlohmann::json::parse_error&) {
+    throw std::runtime_error(where + ": not a JSON object");
+  }
   if (!j.is_object()) throw std::runtime_error(where + ": a chat record must be a JSON object");
   const bool openai = j.contains("messages");
   if (!openai && !j.contains("conversations"))
     throw std::runtime_error(where + ": no 'messages' (OpenAI) or 'conversations' (ShareGPT) field");
-  const char *list = openai ? "messages" : "conversations", *role_key = openai ? "role" : "from",
-             *text_key = openai ? "content" : "value";
+  const char* list = openai ? "messages" : "conversations";
   if (!j[list].is_array() || j[list].empty())
     throw std::runtime_error(where + ": '" + list + "' is not a non-empty array");
-  Record r{"", "", where, {}};
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   for (size_t i = 0; i < j[list].size(); ++i) {
-    const auto& m = j[list][i];
+    auto& m = j[list][i];
     const std::string at = where + ": " + list + "[" + std::to_string(i) + "]";
-    if (!m.is_object() || !m.contains(role_key) || !m[role_key].is_string() || !m.contains(text_key) ||
-        !m[text_key].is_string())
-      throw std::runtime_error(at + ": expected {\"" + role_key + "\": string, \"" + text_key + "\": string}");
-    std::string role = m[role_key].get<std::string>();
-    if (!openai) role = role == "human" ? "user" : role == "gpt" ? "assistant" : role;
-    if (role != "system" && role != "user" && role != "assistant")
-      throw std::runtime_error(at + ": unknown role '" + m[role_key].get<std::string>() + "'" +
-                               (openai ? " (expected system, user or assistant)" : " (expected system, human or gpt)"));
-    r.messages.push_back({role, m[text_key].get<std::string>()});
-      }
+    if (openai) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+        throw std::runtime_error(at + ": expected an object with a string \"role\"");
+      messages.push_back(std::move(m));
+      continue;
+    }
+    if (!m.is_object() || !m.contains("from") || !m["from"].is_string() || !m.contains("value") ||
+        !m["value"].is_string())
+      throw std::runtime_error(at + ": expected {\"from\": string, \"value\": string}");
+    std::string role = m["from"].get<std::string>();
+    role = role == "human" ? "user" : role == "gpt" ? "assistant" : role;
+    messages.push_back({{"role", role}, {"content", m["value"]}});
+  }
+  Record r{"", "", where, {}, line.size()};
+  const auto* tools = j.contains("tools") ? &j["tools"] : nullptr;
+  const auto* docs = j.contains("documents") ? &j["documents"] : nullptr;
+  try {
+    r.conversation = Conversation::from_json(messages, tools, docs);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(where + ": " + e.what());
+  }
   return r;
 }
 
@@ -384,7 +408,15 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
     std::optional<ChatTemplate> tmpl;
     if (chat) {
       try {
-        tmpl.emplace(o.chat_template, tokenizer);
+        const auto spec = find_chat_template(o.chat_template, o.tokenizer);
+        if (!spec)
+          throw UsageError("--format chat: the tokenizer folder " + o.tokenizer +
+                           " has no chat template (chat_template.jinja or tokenizer_config.json's); give "
+                           "--chat-template NAME|PATH");
+        ChatTemplateOptions copt;
+        copt.content_specials = policy;
+        copt.kwargs_json = o.chat_kwargs;
+        tmpl.emplace(make_chat_template(*spec, tokenizer, copt));
       } catch (const ChatError& e) {
         throw UsageError(std::string("--chat-template: ") + e.what());
       }
@@ -403,7 +435,10 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
     json settings = {{"special_tokens", o.special}, {"on_error", o.on_error}};
     if (!instruction && !chat) settings["text_key"] = o.text_key;
     if (chat) {
-      settings["chat_template"] = o.chat_template;
+      settings["chat_template"] = o.chat_template.empty() ? tmpl->source() : o.chat_template;
+      settings["chat_template_sha256"] = tmpl->sha256();
+      settings["chat_template_source"] = tmpl->source();
+      if (!o.chat_kwargs.empty()) settings["chat_template_kwargs"] = json::parse(o.chat_kwargs);
       settings["train_on"] = o.train_on;
       settings["max_tokens"] = o.max_tokens;
       settings["overlong"] = o.overlong;
@@ -455,7 +490,9 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
             pool.emplace_back([&, w] {
               for (size_t k = w; k < batch.size(); k += nt) {
                 try {
-                  enc[k] = tmpl->encode(batch[k].messages, false, train_on);
+                  enc[k] = tmpl->encode(batch[k].conversation, false, train_on, o.overlong == "split");
+                  if (std::none_of(enc[k].target.begin(), enc[k].target.end(), [](uint8_t t) { return t != 0; }))
+                    throw ChatError("the conversation has no assistant turn");
                 } catch (const std::exception& e) {
                   errors[k] = e.what();
                 }
@@ -536,7 +573,7 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
       };
       auto add = [&](Record r) {
         size_t bytes = r.text.size() + r.response.size();
-        for (const auto& m : r.messages) bytes += m.content.size();
+        bytes += r.chat_bytes;
         // A long text goes on its own, so flush can cut it for the threads.
         if (bytes >= kBatchBytes && !batch.empty()) flush();
         batch_bytes += bytes;
@@ -594,27 +631,22 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
           start = end + 1;
           if (line_text.find_first_not_of(" \t\r") == std::string_view::npos) continue;
           const std::string where = file + ":" + std::to_string(lineno);
-          json j;
-          try {
-            j = json::parse(line_text);
-          } catch (const json::parse_error&) {
-            bad_record(where + ": not a JSON object");
-            continue;
-          }
           if (formats[fi] == "chat") {
             Record rec;
             try {
-              rec = chat_record(j, where);
-              try {  // what the template refuses (no assistant turn, a role order), in input order
-                tmpl->render(rec.messages, false);
-              } catch (const ChatError& e) {
-                throw std::runtime_error(where + ": " + e.what());
-              }
+              rec = chat_record(std::string(line_text), where);
             } catch (const std::runtime_error& e) {
               bad_record(e.what());
               continue;
             }
             add(std::move(rec));
+            continue;
+          }
+          json j;
+          try {
+            j = json::parse(line_text);
+          } catch (const json::parse_error&) {
+            bad_record(where + ": not a JSON object");
             continue;
           }
           if (formats[fi] == "alpaca") {

@@ -10,9 +10,9 @@ the ids of a reference written here that encodes content as text), and mark as
 targets exactly the tokens a reference written here marks: those overlapping an
 assistant's content and its end-of-turn token. Also: ShareGPT records equal
 OpenAI ones, train_on last, over-long conversations truncated or split at a user
-turn, and bad input (no assistant turn, an unknown role, a malformed line, a
-template whose tokens the tokenizer lacks) handled as --on-error says, naming
-file and line."""
+turn, and bad input (no assistant turn, a message without a role, a malformed
+line, a template whose tokens the tokenizer lacks) handled as --on-error says,
+naming file and line. The manifest records the template's source and SHA-256."""
 import json
 import subprocess
 
@@ -125,6 +125,9 @@ def test_templates_and_masks_match_transformers(tmp_path, hf, template):
     assert len(docs) == len(variants)
     manifest = json.loads((tmp_path / "chat.manifest.json").read_text())
     assert manifest["sequences_per_document"] == "alternating" and manifest["settings"]["chat_template"] == template
+    import hashlib
+    assert manifest["settings"]["chat_template_sha256"] == hashlib.sha256(TEMPLATES[template].encode()).hexdigest()
+    assert manifest["settings"]["chat_template_source"] == f"built-in {template}"
     for k, (conv, doc) in enumerate(zip(variants, docs)):
         rendered = tok.apply_chat_template(conv, tokenize=False)
         ids, mask = ids_and_mask(doc)
@@ -186,7 +189,7 @@ def test_bad_conversations_follow_on_error(tmp_path, hf):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     lines = [json.dumps(good),
              json.dumps({"messages": [{"role": "user", "content": "no answer"}]}),
-             json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+             json.dumps({"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}),
              "{not json",
              json.dumps(good)]
     src = tmp_path / "bad.jsonl"
@@ -198,7 +201,8 @@ def test_bad_conversations_follow_on_error(tmp_path, hf):
     p = prepare(tmp_path, "chatml", [src], "--on-error", "skip")
     assert p.returncode == 0, p.stderr
     assert "skipped 3 malformed records" in p.stdout, p.stdout
-    assert f"{src}:3: messages[0]: unknown role 'robot'" in p.stderr and f"{src}:4: not a JSON object" in p.stderr
+    assert f"{src}:3: messages[0]: expected an object with a string \"role\"" in p.stderr, p.stderr
+    assert f"{src}:4: not a JSON object" in p.stderr
     assert len(read_indexed(tmp_path / "chat")) == 2
     assert json.loads((tmp_path / "chat.manifest.json").read_text())["skipped_records"] == 3
     # A tokenizer without the template's tokens: refused before anything is read, naming the token.

@@ -65,9 +65,11 @@ constexpr const char* kUsage = R"(usage: nnstrain generate SOURCE [options]
                            streamed until the template's end-of-turn token; the oldest exchanges are
                            dropped when the history outgrows the model's context
   --system TEXT            --chat: the system prompt
-  --chat-template T        --chat: llama3, chatml or mistral (default: the one the checkpoint's
-                           dataset was prepared with, else the tokenizer folder's tokenizer_config.json
-                           chat_template when it is exactly one of those)
+  --chat-template T        --chat: the Jinja template: a .jinja file, a tokenizer_config.json, a Hugging
+                           Face folder, or llama3, chatml, mistral (built-in texts); default: the one the
+                           checkpoint's dataset was prepared with, else the tokenizer folder's
+                           (chat_template.jinja, or tokenizer_config.json's chat_template)
+  --chat-template-kwargs J --chat: a JSON object of extra template variables (e.g. {"enable_thinking": false})
 )";
 
 struct UsageError : std::runtime_error {
@@ -311,7 +313,7 @@ struct Options {
   std::string source, prompt = "\n", prompt_file, tokenizer, device = "auto", dtype = "fp32";
   bool chat = false;
   std::optional<std::string> system;
-  std::string chat_template;
+  std::string chat_template, chat_kwargs;
   std::optional<std::vector<int64_t>> prompt_ids;
   bool prompt_given = false, json = false, stop_at_eos = false;
   int64_t num_samples = 1, seed = 1337;
@@ -324,7 +326,7 @@ bool parse(const std::vector<std::string>& args, Options& o) {
   const std::vector<std::string> valued = {"--prompt",      "--prompt-file", "--prompt-ids", "--max-new-tokens",
                                            "--temperature", "--top-k",       "--top-p",      "--seed",
                                            "--num-samples", "--device",      "--dtype",      "--tokenizer",
-                                           "--system",      "--chat-template"};
+                                           "--system",      "--chat-template", "--chat-template-kwargs"};
   for (size_t i = 0; i < args.size(); ++i) {
     const auto& a = args[i];
     if (a == "-h" || a == "--help") return false;
@@ -375,9 +377,11 @@ bool parse(const std::vector<std::string>& args, Options& o) {
     } else if (k == "--tokenizer") o.tokenizer = v;
     else if (k == "--system") o.system = v;
     else if (k == "--chat-template") o.chat_template = v;
+    else if (k == "--chat-template-kwargs") o.chat_kwargs = v;
   }
-  if (!o.chat && (o.system || !o.chat_template.empty()))
-    throw UsageError(std::string(o.system ? "--system" : "--chat-template") + " goes with --chat");
+  if (!o.chat && (o.system || !o.chat_template.empty() || !o.chat_kwargs.empty()))
+    throw UsageError(std::string(o.system ? "--system" : !o.chat_template.empty() ? "--chat-template" : "--chat-template-kwargs") +
+                     " goes with --chat");
   if (o.chat && (values.count("--prompt-file") || values.count("--prompt-ids") || o.num_samples != 1))
     throw UsageError("--chat takes user turns as text: --prompt or standard input (no --prompt-file, --prompt-ids, --num-samples)");
   return true;
@@ -410,53 +414,43 @@ std::string dataset_chat_template(const std::string& source) {
   }
 }
 
-// The template a Hugging Face tokenizer folder's tokenizer_config.json names
-// ("" when it has none); a template nnstrain does not render is refused, naming the field.
-std::string config_chat_template(const std::string& tok_path) {
-  const fs::path dir = fs::is_directory(tok_path) ? fs::path(tok_path) : fs::path(tok_path).parent_path();
-  const auto file = dir / "tokenizer_config.json";
-  if (!fs::exists(file)) return "";
-  nlohmann::json j;
-  try {
-    j = checkpoint::read_json_bounded(file.string());
-  } catch (const std::exception& e) {
-    throw UsageError(file.string() + ": " + e.what());
-  }
-  if (!j.contains("chat_template")) return "";
-  if (!j["chat_template"].is_string())
-    throw UsageError(file.string() + ": chat_template is not one string (named templates are not read); give --chat-template");
-  const auto name = data::ChatTemplate::identify(j["chat_template"].get<std::string>());
-  if (name.empty())
-    throw UsageError(file.string() + ": chat_template is not one nnstrain renders (llama3, chatml or mistral, "
-                     "recognised by their exact text); give --chat-template to render as one of them");
-  return name;
-}
-
 // --chat: user turns from --prompt or standard input; each answer streamed to
 // standard output as it is sampled, ending at the template's end-of-turn token.
 // The template: --chat-template, else the checkpoint's dataset's, else the
-// tokenizer folder's tokenizer_config.json (a Hugging Face model).
+// tokenizer folder's (a Hugging Face model's chat_template.jinja or
+// tokenizer_config.json chat_template).
 int run_chat(const Options& o) {
-  std::string tmpl_name = o.chat_template.empty() ? dataset_chat_template(o.source) : o.chat_template;
+  std::string given = o.chat_template.empty() ? dataset_chat_template(o.source) : o.chat_template;
   auto src = load_source(o.source);
   const std::string tok_path = !o.tokenizer.empty() ? o.tokenizer : src.tokenizer ? *src.tokenizer : "";
   if (tok_path.empty()) throw UsageError("--chat: no tokenizer for " + o.source + "; give --tokenizer PATH");
-  if (tmpl_name.empty()) tmpl_name = config_chat_template(tok_path);
-  if (tmpl_name.empty())
-    throw UsageError("--chat: give --chat-template llama3|chatml|mistral (neither the checkpoint's dataset nor "
-                     "the tokenizer's tokenizer_config.json names one)");
   const auto tokenizer = tok::Tokenizer::load(tok_path);
   std::optional<data::ChatTemplate> tmpl;
   try {
-    tmpl.emplace(tmpl_name, tokenizer);
+    std::optional<data::ChatTemplateSpec> spec;
+    try {
+      spec = data::find_chat_template(given, tok_path);
+    } catch (const data::ChatError&) {
+      if (!o.chat_template.empty()) throw;
+      spec = data::find_chat_template("", tok_path);  // the dataset's template file is gone: the tokenizer's
+    }
+    if (!spec)
+      throw UsageError("--chat: give --chat-template NAME|PATH (neither the checkpoint's dataset nor the "
+                       "tokenizer folder " + tok_path + " has a chat template)");
+    data::ChatTemplateOptions copt;
+    copt.content_specials = tok::SpecialPolicy::text;  // what the user types cannot forge a control token
+    copt.kwargs_json = o.chat_kwargs;
+    tmpl.emplace(data::make_chat_template(*spec, tokenizer, copt));
   } catch (const data::ChatError& e) {
     throw UsageError(std::string("--chat-template: ") + e.what());
   }
+  if (tmpl->end_of_turn() < 0)
+    throw UsageError("--chat-template: " + tmpl->source() + " ends no assistant turn with a token the tokenizer knows");
   auto& model = *src.model;
   const auto device = dist::bind_device(o.device, dist::DistEnv{});
   model.to(device, o.dtype == "bf16" ? torch::kBFloat16 : o.dtype == "fp16" ? torch::kHalf : torch::kFloat);
   model.eval();
-  std::cerr << "nnstrain generate: " << src.what << " on " << device << "; chat template " << tmpl_name
+  std::cerr << "nnstrain generate: " << src.what << " on " << device << "; chat template " << tmpl->source()
             << "; tokenizer " << tok_path << "\n";
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(o.seed));
   auto opts = o.gen;
@@ -477,10 +471,10 @@ int run_chat(const Options& o) {
     history.push_back({"user", line});
     // The rendered history and room for the answer within the context window:
     // the oldest exchanges go first.
-    std::vector<int32_t> ids = tmpl->encode(history, true).ids;
+    std::vector<int32_t> ids = tmpl->encode(data::Conversation::from_messages(history), true, data::TrainOn::all_assistant, false).ids;
     while (int64_t(ids.size()) + opts.max_new_tokens > model.max_seq_len() && history.size() > kept_front + 2) {
       history.erase(history.begin() + long(kept_front), history.begin() + long(kept_front) + 2);
-      ids = tmpl->encode(history, true).ids;
+      ids = tmpl->encode(data::Conversation::from_messages(history), true, data::TrainOn::all_assistant, false).ids;
     }
     if (int64_t(ids.size()) >= model.max_seq_len()) {
       std::cerr << "nnstrain generate: this turn's " << ids.size() << " tokens fill the model's context of "

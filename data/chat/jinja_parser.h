@@ -1,0 +1,63 @@
+// Jinja tokens -> a syntax tree of statements and expressions, with jinja2's
+// operator precedence. What Hugging Face chat templates use is parsed; any other
+// tag, or a filter or test jinja2 does not know, is refused here (jinja2 refuses
+// those when it compiles the template, before rendering). Torch-free.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/chat/jinja_lexer.h"
+#include "data/chat/jinja_value.h"
+
+namespace nnstrain::jinja {
+
+struct Expr;
+struct Stmt;
+using ExprP = std::unique_ptr<Expr>;
+using Body = std::vector<std::unique_ptr<Stmt>>;
+
+struct Expr {
+  enum class K : uint8_t {
+    literal, name, attr, item, slice, call, filter, test, neg, pos, not_, binary, and_, or_, compare, cond,
+    list, tuple, dict, concat
+  };
+  K kind;
+  int line = 0, col = 0;
+  Value value;              // literal
+  std::string name;         // name, attr, filter, test; binary: the operator
+  std::vector<ExprP> args;  // operands / elements / positional arguments (args[0]: the subject for attr,
+                            // item, slice, call, filter, test); dict: key, value, key, value, ...
+  std::vector<std::pair<std::string, ExprP>> kwargs;
+  std::vector<std::string> ops;  // compare: the operators between args
+  bool negated = false;          // test: `is not`
+  bool has[3] = {false, false, false};  // slice: which of start, stop, step are given (args[1..3])
+};
+
+struct Stmt {
+  enum class K : uint8_t {
+    text, print, if_, for_, set, set_block, macro, call_block, filter_block, generation, break_, continue_
+  };
+  K kind;
+  int line = 0, col = 0;
+  std::string text;                // text
+  std::vector<ExprP> exprs;        // print: [e]; if: conditions; for: [iter, filter?]; set: [value];
+                                   // call_block: [call]; filter_block: filters as exprs over a null subject
+  std::vector<Body> bodies;        // if: one per condition, + else; for: [body, else]; others: [body]
+  std::vector<std::string> names;  // for/set targets; set ns.attr: [ns, attr] with attr_target
+  bool attr_target = false;        // set ns.attr = ...
+  std::string macro_name;
+  std::vector<std::pair<std::string, ExprP>> params;  // macro / call block: names, defaults (null: none)
+};
+
+struct Template {
+  Body body;
+  std::string source_name;
+  bool has_generation = false;  // {% generation %} blocks (transformers' assistant mask)
+};
+
+// Throws jinja::Error with the line and column of the construct.
+Template parse(const std::vector<Token>& tokens);
+
+}  // namespace nnstrain::jinja

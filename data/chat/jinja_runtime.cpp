@@ -1,0 +1,1180 @@
+#include "data/chat/jinja_runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <ctime>
+#include <memory>
+#include <unordered_map>
+
+#include "data/chat/jinja_strings.h"
+
+namespace nnstrain::jinja {
+
+namespace {
+
+using EK = Expr::K;
+using SK = Stmt::K;
+
+struct Frame {
+  std::vector<std::pair<std::string, Value>> vars;
+  std::shared_ptr<Frame> parent;
+
+  const Value* find(const std::string& name) const {
+    for (const Frame* f = this; f; f = f->parent.get())
+      for (auto it = f->vars.rbegin(); it != f->vars.rend(); ++it)
+        if (it->first == name) return &it->second;
+    return nullptr;
+  }
+  void set(const std::string& name, Value v) {
+    for (auto& [k, old] : vars)
+      if (k == name) {
+        old = std::move(v);
+        return;
+      }
+    vars.emplace_back(name, std::move(v));
+  }
+};
+using FrameP = std::shared_ptr<Frame>;
+
+enum class Flow { normal, break_, continue_ };
+
+[[noreturn]] void undefined_error(const Value& v) {
+  const auto& n = v.undefined_name();
+  throw Error(n.empty() ? "an undefined value is used" : n + " is undefined");
+}
+
+[[noreturn]] void type_error(const std::string& what) { throw Error(what); }
+
+int64_t floor_div(int64_t a, int64_t b) {
+  if (b == 0) throw Error("integer division or modulo by zero");
+  int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+
+int64_t py_mod(int64_t a, int64_t b) {
+  if (b == 0) throw Error("integer division or modulo by zero");
+  int64_t r = a % b;
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  return r;
+}
+
+// Python's list(x) for what a for loop or a filter iterates.
+List iterate(const Value& v) {
+  switch (v.type()) {
+    case Value::T::undefined: return {};
+    case Value::T::list: return v.list();
+    case Value::T::dict: {
+      List keys;
+      for (const auto& kv : v.map().items) keys.push_back(kv.first);
+      return keys;
+    }
+    case Value::T::string: {
+      List chars;
+      const auto& s = v.str();
+      const auto off = utf8_offsets(s);
+      for (size_t i = 0; i + 1 < off.size(); ++i) chars.emplace_back(s.substr(off[i], off[i + 1] - off[i]));
+      return chars;
+    }
+    default: type_error("'" + v.type_name() + "' object is not iterable");
+  }
+}
+
+Value items_of(const Value& d) {
+  List out;
+  for (const auto& [k, v] : d.map().items) out.emplace_back(List{k, v});
+  return Value(std::move(out));
+}
+
+// Python's normalisation of a slice or an index over n items.
+int64_t index_of(int64_t i, int64_t n) { return i < 0 ? i + n : i; }
+
+struct Slice {
+  int64_t start, stop, step;
+};
+std::vector<int64_t> slice_indices(int64_t n, const Value* a, const Value* b, const Value* c) {
+  int64_t step = c && !c->is_none() ? c->as_int() : 1;
+  if (c && !c->is_none() && !c->is_int()) type_error("slice indices must be integers or None");
+  if (step == 0) throw Error("slice step cannot be zero");
+  auto clamp = [&](const Value* v, int64_t def) {
+    if (!v || v->is_none()) return def;
+    if (!v->is_int()) type_error("slice indices must be integers or None");
+    int64_t i = v->as_int();
+    if (i < 0) i += n;
+    if (step > 0) return std::clamp<int64_t>(i, 0, n);
+    return std::clamp<int64_t>(i, -1, n - 1);
+  };
+  const int64_t start = clamp(a, step > 0 ? 0 : n - 1), stop = clamp(b, step > 0 ? n : -1);
+  std::vector<int64_t> out;
+  if (step > 0)
+    for (int64_t i = start; i < stop; i += step) out.push_back(i);
+  else
+    for (int64_t i = start; i > stop; i += step) out.push_back(i);
+  return out;
+}
+
+bool unsafe_method(const Value& obj, const std::string& name) {
+  if (obj.is_list())
+    return name == "append" || name == "pop" || name == "clear" || name == "extend" || name == "insert" ||
+           name == "remove" || name == "reverse" || name == "sort" || name == "__setitem__";
+  if (obj.is_dict())
+    return name == "clear" || name == "pop" || name == "popitem" || name == "setdefault" || name == "update";
+  return false;
+}
+
+bool known_method(const Value& obj, const std::string& name) {
+  if (obj.is_dict()) return name == "items" || name == "keys" || name == "values" || name == "get" || name == "copy";
+  if (obj.is_list()) return name == "index" || name == "count" || name == "copy";
+  if (obj.is_string()) return is_string_method(name);
+  return false;
+}
+
+class Interp {
+ public:
+  Interp(const Template& t, const Value& globals) : tpl_(t) {
+    root_ = std::make_shared<Frame>();
+    for (const auto& [k, v] : globals.map().items) root_->vars.emplace_back(k.str(), v);
+    add_builtins();
+  }
+
+  RenderResult run() {
+    RenderResult r;
+    out_ = &r.text;
+    top_ = &r.text;
+    gen_ = &r.generation;
+    exec(tpl_.body, root_);
+    return r;
+  }
+
+ private:
+  const Template& tpl_;
+  FrameP root_;
+  std::string* out_ = nullptr;
+  std::string* top_ = nullptr;
+  std::vector<std::pair<size_t, size_t>>* gen_ = nullptr;
+  int depth_ = 0;
+
+  void add_builtins() {
+    auto def = [&](const char* name, Func f) {
+      if (!root_->find(name)) root_->vars.emplace_back(name, Value::func(std::move(f), name));
+    };
+    def("range", [](CallArgs& a) {
+      int64_t start = 0, stop = 0, step = 1;
+      for (const auto& v : a.pos)
+        if (!v.is_int()) type_error("range() takes integers, not " + v.type_name());
+      if (a.pos.size() == 1) stop = a.pos[0].as_int();
+      else if (a.pos.size() >= 2) start = a.pos[0].as_int(), stop = a.pos[1].as_int();
+      if (a.pos.size() >= 3) step = a.pos[2].as_int();
+      if (a.pos.empty() || a.pos.size() > 3) type_error("range expected 1 to 3 arguments");
+      if (step == 0) throw Error("range() arg 3 must not be zero");
+      List l;
+      for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+        l.emplace_back(i);
+        if (l.size() > 100000) throw Error("range too big");  // the sandbox's MAX_RANGE
+      }
+      return Value(std::move(l));
+    });
+    auto mapping = [](CallArgs& a, Value d) {
+      if (!a.pos.empty()) {
+        if (a.pos.size() > 1) type_error("expected at most 1 positional argument");
+        if (a.pos[0].is_dict() || a.pos[0].is_ns()) {
+          for (const auto& kv : a.pos[0].map().items) d.map().set(kv.first, kv.second);
+        } else {
+          for (const auto& item : iterate(a.pos[0])) {
+            const List l = iterate(item);
+            if (l.size() != 2) type_error("dictionary update sequence element has the wrong length");
+            d.map().set(l[0], l[1]);
+          }
+        }
+      }
+      for (auto& [k, v] : a.kw) d.map().set(Value(k), v);
+      return d;
+    };
+    def("dict", [mapping](CallArgs& a) { return mapping(a, Value::dict()); });
+    def("namespace", [mapping](CallArgs& a) {
+      Value n = mapping(a, Value::ns());
+      for (const auto& kv : n.map().items)
+        if (kv.first.is_string() && !kv.first.str().empty() && kv.first.str()[0] == '_')
+          throw Error("chat templates cannot store underscore-prefixed attributes on a namespace");
+      return n;
+    });
+    def("raise_exception", [](CallArgs& a) -> Value {
+      Error e(a.pos.empty() ? "" : a.pos[0].to_str());
+      e.raised = true;
+      throw e;
+    });
+    def("strftime_now", [](CallArgs& a) -> Value {
+      if (a.pos.empty() || !a.pos[0].is_string()) type_error("strftime_now() takes a format string");
+      const std::time_t now = std::time(nullptr);
+      std::tm tm{};
+      localtime_r(&now, &tm);
+      char buf[512];
+      const size_t n = std::strftime(buf, sizeof buf, a.pos[0].str().c_str(), &tm);
+      return Value(std::string(buf, n));
+    });
+  }
+
+  // --- statements -------------------------------------------------------------
+
+  Flow exec(const Body& body, const FrameP& f) {
+    for (const auto& s : body) {
+      const Flow fl = exec(*s, f);
+      if (fl != Flow::normal) return fl;
+    }
+    return Flow::normal;
+  }
+
+  Flow exec(const Stmt& s, const FrameP& f) {
+    try {
+      return exec_inner(s, f);
+    } catch (Error& e) {
+      if (!e.line) e.line = s.line, e.col = s.col;
+      throw;
+    }
+  }
+
+  std::string capture(const Body& body, const FrameP& f) {
+    std::string buf;
+    std::string* saved = out_;
+    out_ = &buf;
+    try {
+      exec(body, f);
+    } catch (...) {
+      out_ = saved;
+      throw;
+    }
+    out_ = saved;
+    return buf;
+  }
+
+  void assign(const Stmt& s, const FrameP& f, Value v) {
+    if (s.attr_target) {
+      const Value* ns = f->find(s.names[0]);
+      if (!ns || !ns->is_ns()) throw Error("cannot assign attribute on non-namespace object '" + s.names[0] + "'");
+      if (!s.names[1].empty() && s.names[1][0] == '_')
+        throw Error("chat templates cannot store underscore-prefixed attributes on a namespace");
+      ns->map().set(Value(s.names[1]), std::move(v));
+      return;
+    }
+    if (s.names.size() == 1) {
+      f->set(s.names[0], std::move(v));
+      return;
+    }
+    const List l = iterate(v);
+    if (l.size() != s.names.size())
+      throw Error("cannot unpack " + std::to_string(l.size()) + " values into " + std::to_string(s.names.size()));
+    for (size_t i = 0; i < l.size(); ++i) f->set(s.names[i], l[i]);
+  }
+
+  Flow exec_inner(const Stmt& s, const FrameP& f) {
+    switch (s.kind) {
+      case SK::text: *out_ += s.text; return Flow::normal;
+      case SK::print: eval(*s.exprs[0], f).append_str(*out_); return Flow::normal;
+      case SK::if_:
+        for (size_t i = 0; i < s.exprs.size(); ++i)
+          if (eval(*s.exprs[i], f).truthy()) return exec(s.bodies[i], f);
+        if (s.bodies.size() > s.exprs.size()) return exec(s.bodies.back(), f);
+        return Flow::normal;
+      case SK::for_: return exec_for(s, f);
+      case SK::set: assign(s, f, eval(*s.exprs[0], f)); return Flow::normal;
+      case SK::set_block: {
+        Value v(capture(s.bodies[0], f));
+        if (!s.exprs.empty()) v = with_body(*s.exprs[0], f, v);
+        f->set(s.names[0], std::move(v));
+        return Flow::normal;
+      }
+      case SK::filter_block: {
+        Value v(capture(s.bodies[0], f));
+        with_body(*s.exprs[0], f, v).append_str(*out_);
+        return Flow::normal;
+      }
+      case SK::macro: f->set(s.macro_name, macro(s, f, s.macro_name)); return Flow::normal;
+      case SK::call_block: {
+        const Expr& c = *s.exprs[0];
+        Value callee = eval(*c.args[0], f);
+        CallArgs a = args_of(c, f);
+        a.kw.emplace_back("caller", macro(s, f, "caller"));
+        call(callee, a).append_str(*out_);
+        return Flow::normal;
+      }
+      case SK::generation: {
+        std::string body = capture(s.bodies[0], f);
+        const size_t start = top_->size();  // as transformers counts: the text rendered so far
+        gen_->emplace_back(start, start + body.size());
+        *out_ += body;
+        return Flow::normal;
+      }
+      case SK::break_: return Flow::break_;
+      case SK::continue_: return Flow::continue_;
+    }
+    return Flow::normal;
+  }
+
+  // The filter chain of a block set or {% filter %}, its subject the block's text.
+  Value with_body(const Expr& chain, const FrameP& f, const Value& body) {
+    auto inner = std::make_shared<Frame>();
+    inner->parent = f;
+    inner->vars.emplace_back(" body", body);
+    return eval(chain, inner);
+  }
+
+  Flow exec_for(const Stmt& s, const FrameP& f) {
+    const Value seq = eval(*s.exprs[0], f);
+    if (seq.is_none() || seq.is_int() || seq.type() == Value::T::floating || seq.is_func() || seq.is_ns())
+      type_error("'" + seq.type_name() + "' object is not iterable");
+    List items = iterate(seq);
+    auto bind = [&](Frame& fr, const Value& item) {
+      if (s.names.size() == 1) {
+        fr.set(s.names[0], item);
+        return;
+      }
+      const List parts = iterate(item);
+      if (parts.size() != s.names.size())
+        throw Error("cannot unpack " + std::to_string(parts.size()) + " values into " + std::to_string(s.names.size()));
+      for (size_t k = 0; k < parts.size(); ++k) fr.set(s.names[k], parts[k]);
+    };
+    if (s.exprs[1]) {  // for x in xs if cond: the loop sees the items that pass
+      List kept;
+      for (const auto& item : items) {
+        auto fr = std::make_shared<Frame>();
+        fr->parent = f;
+        bind(*fr, item);
+        if (eval(*s.exprs[1], fr).truthy()) kept.push_back(item);
+      }
+      items = std::move(kept);
+    }
+    if (items.empty()) {
+      if (!s.bodies[1].empty()) return exec(s.bodies[1], f);
+      return Flow::normal;
+    }
+    const int64_t n = int64_t(items.size());
+    Value loop = Value::dict();
+    auto index0 = std::make_shared<int64_t>(0);
+    auto& d = loop.map().items;
+    d.reserve(12);
+    const char* keys[] = {"index0", "index", "revindex", "revindex0", "first", "last", "length", "previtem",
+                          "nextitem", "depth", "depth0"};
+    for (const char* k : keys) d.emplace_back(Value(k), Value());
+    d[6].second = Value(n);
+    d[9].second = Value(int64_t(1));
+    d[10].second = Value(int64_t(0));
+    d.emplace_back(Value("cycle"), Value::func(
+                                       [index0](CallArgs& a) -> Value {
+                                         if (a.pos.empty()) type_error("no items for cycling given");
+                                         return a.pos[size_t(*index0 % int64_t(a.pos.size()))];
+                                       },
+                                       "loop.cycle"));
+    for (int64_t i = 0; i < n; ++i) {
+      *index0 = i;
+      d[0].second = Value(i);
+      d[1].second = Value(i + 1);
+      d[2].second = Value(n - i);
+      d[3].second = Value(n - i - 1);
+      d[4].second = Value(i == 0);
+      d[5].second = Value(i == n - 1);
+      d[7].second = i > 0 ? items[size_t(i - 1)] : Value::undefined("there is no previous item");
+      d[8].second = i + 1 < n ? items[size_t(i + 1)] : Value::undefined("there is no next item");
+      auto fr = std::make_shared<Frame>();
+      fr->parent = f;
+      fr->vars.emplace_back("loop", loop);
+      bind(*fr, items[size_t(i)]);
+      const Flow fl = exec(s.bodies[0], fr);
+      if (fl == Flow::break_) break;
+    }
+    return Flow::normal;
+  }
+
+  Value macro(const Stmt& s, const FrameP& defined_in, const std::string& name) {
+    const Stmt* sp = &s;
+    return Value::func(
+        [this, sp, defined_in, name](CallArgs& a) -> Value {
+          if (a.pos.size() > sp->params.size())
+            throw Error("macro '" + name + "' takes not more than " + std::to_string(sp->params.size()) +
+                        " argument(s)");
+          if (++depth_ > 200) throw Error("macro recursion too deep");
+          auto fr = std::make_shared<Frame>();
+          fr->parent = defined_in;
+          for (size_t i = 0; i < sp->params.size(); ++i) {
+            const auto& [pname, def] = sp->params[i];
+            const Value* given = a.get(i, pname.c_str());
+            if (given) fr->vars.emplace_back(pname, *given);
+            else if (def) fr->vars.emplace_back(pname, eval(*def, fr));
+            else fr->vars.emplace_back(pname, Value::undefined("'" + pname + "'"));
+          }
+          for (const auto& [k, v] : a.kw) {
+            bool known = k == "caller";
+            for (const auto& pr : sp->params) known = known || pr.first == k;
+            if (!known) throw Error("macro '" + name + "' takes no keyword argument '" + k + "'");
+            if (k == "caller") fr->vars.emplace_back(k, v);
+          }
+          std::string body;
+          try {
+            body = capture(sp->bodies[0], fr);
+          } catch (...) {
+            --depth_;
+            throw;
+          }
+          --depth_;
+          return Value(std::move(body));
+        },
+        name);
+  }
+
+  // --- expressions ---------------------------------------------------------------
+
+  Value eval(const Expr& e, const FrameP& f) {
+    try {
+      return eval_inner(e, f);
+    } catch (Error& x) {
+      if (!x.line) x.line = e.line, x.col = e.col;
+      throw;
+    }
+  }
+
+  CallArgs args_of(const Expr& e, const FrameP& f, size_t skip = 1) {
+    CallArgs a;
+    for (size_t i = skip; i < e.args.size(); ++i) a.pos.push_back(eval(*e.args[i], f));
+    for (const auto& [k, v] : e.kwargs) a.kw.emplace_back(k, eval(*v, f));
+    return a;
+  }
+
+  Value call(const Value& callee, CallArgs& a) {
+    if (callee.is_undefined()) undefined_error(callee);
+    if (!callee.is_func()) type_error("'" + callee.type_name() + "' object is not callable");
+    return callee.fn()(a);
+  }
+
+  Value attribute(const Value& obj, const std::string& name) {
+    if (obj.is_undefined()) undefined_error(obj);
+    if (!name.empty() && name[0] == '_') return Value::undefined("'" + name + "'");
+    if (obj.is_dict()) {
+      if (known_method(obj, name) || unsafe_method(obj, name)) return bound_method(obj, name);
+      if (const Value* v = obj.map().find(name)) return *v;
+      return Value::undefined("'dict object' has no attribute '" + name + "'");
+    }
+    if (obj.is_ns()) {
+      if (const Value* v = obj.map().find(name)) return *v;
+      return Value::undefined("'Namespace' has no attribute '" + name + "'");
+    }
+    if (known_method(obj, name) || unsafe_method(obj, name)) return bound_method(obj, name);
+    return Value::undefined("'" + obj.type_name() + " object' has no attribute '" + name + "'");
+  }
+
+  Value item(const Value& obj, const Value& key) {
+    if (obj.is_undefined()) undefined_error(obj);
+    if (obj.is_dict()) {
+      if (const Value* v = obj.map().find(key)) return *v;
+      if (key.is_string()) return attribute(obj, key.str());
+      return Value::undefined("'dict object' has no attribute " + key.repr());
+    }
+    if (obj.is_list() && key.is_int()) {
+      const int64_t n = int64_t(obj.list().size()), i = index_of(key.as_int(), n);
+      if (i < 0 || i >= n) return Value::undefined("list index out of range");
+      return obj.list()[size_t(i)];
+    }
+    if (obj.is_string() && key.is_int()) {
+      const auto off = utf8_offsets(obj.str());
+      const int64_t n = int64_t(off.size()) - 1, i = index_of(key.as_int(), n);
+      if (i < 0 || i >= n) return Value::undefined("string index out of range");
+      return Value(obj.str().substr(off[size_t(i)], off[size_t(i) + 1] - off[size_t(i)]));
+    }
+    if (key.is_string()) return attribute(obj, key.str());
+    return Value::undefined("no item " + key.repr());
+  }
+
+  Value bound_method(const Value& obj, const std::string& name) {
+    return Value::func([this, obj, name](CallArgs& a) { return method(obj, name, a); }, name);
+  }
+
+  Value method(const Value& obj, const std::string& name, CallArgs& a) {
+    if (unsafe_method(obj, name))
+      throw Error("access to attribute '" + name + "' of '" + obj.type_name() + "' object is unsafe");
+    if (obj.is_string()) return string_method(obj.str(), name, a);
+    if (obj.is_dict()) {
+      if (name == "items") return items_of(obj);
+      if (name == "keys") return Value(iterate(obj));
+      if (name == "values") {
+        List l;
+        for (const auto& kv : obj.map().items) l.push_back(kv.second);
+        return Value(std::move(l));
+      }
+      if (name == "get") {
+        if (a.pos.empty()) type_error("get expected at least 1 argument");
+        const Value* v = obj.map().find(a.pos[0]);
+        return v ? *v : a.pos.size() > 1 ? a.pos[1] : Value::none();
+      }
+      if (name == "copy") {
+        Value d = Value::dict();
+        d.map().items = obj.map().items;
+        return d;
+      }
+    }
+    if (obj.is_list()) {
+      if (name == "copy") return Value(obj.list());
+      if (a.pos.empty()) type_error(name + "() takes exactly one argument");
+      int64_t n = 0;
+      for (size_t i = 0; i < obj.list().size(); ++i)
+        if (equal(obj.list()[i], a.pos[0])) {
+          if (name == "index") return Value(int64_t(i));
+          ++n;
+        }
+      if (name == "index") throw Error(a.pos[0].repr() + " is not in list");
+      return Value(n);
+    }
+    throw Error("'" + obj.type_name() + "' object has no attribute '" + name + "'");
+  }
+
+  Value eval_inner(const Expr& e, const FrameP& f) {
+    switch (e.kind) {
+      case EK::literal: return e.value;
+      case EK::name: {
+        if (const Value* v = f->find(e.name)) return *v;
+        return Value::undefined("'" + e.name + "'");
+      }
+      case EK::attr: return attribute(eval(*e.args[0], f), e.name);
+      case EK::item: return item(eval(*e.args[0], f), eval(*e.args[1], f));
+      case EK::slice: {
+        const Value obj = eval(*e.args[0], f);
+        Value parts[3];
+        for (int i = 0; i < 3; ++i)
+          if (e.has[i]) parts[i] = eval(*e.args[size_t(i) + 1], f);
+        auto p = [&](int i) -> const Value* { return e.has[i] ? &parts[i] : nullptr; };
+        if (obj.is_undefined()) undefined_error(obj);
+        if (obj.is_list()) {
+          List out;
+          for (int64_t i : slice_indices(int64_t(obj.list().size()), p(0), p(1), p(2)))
+            out.push_back(obj.list()[size_t(i)]);
+          return Value(std::move(out));
+        }
+        if (obj.is_string()) {
+          const auto& s = obj.str();
+          const auto off = utf8_offsets(s);
+          const int64_t n = int64_t(off.size()) - 1;
+          const auto idx = slice_indices(n, p(0), p(1), p(2));
+          std::string out;
+          const bool step1 = !e.has[2] || (parts[2].is_int() && parts[2].as_int() == 1);
+          if (step1 && !idx.empty()) return Value(s.substr(off[size_t(idx.front())], off[size_t(idx.back()) + 1] - off[size_t(idx.front())]));
+          for (int64_t i : idx) out.append(s, off[size_t(i)], off[size_t(i) + 1] - off[size_t(i)]);
+          return Value(std::move(out));
+        }
+        return Value::undefined("'" + obj.type_name() + "' object is not subscriptable");
+      }
+      case EK::call: {
+        const Expr& callee = *e.args[0];
+        if (callee.kind == EK::attr) {  // a method call: no bound closure built
+          const Value obj = eval(*callee.args[0], f);
+          if (obj.is_undefined()) undefined_error(obj);
+          if (known_method(obj, callee.name) || unsafe_method(obj, callee.name)) {
+            CallArgs a = args_of(e, f);
+            return method(obj, callee.name, a);
+          }
+          Value fn = attribute(obj, callee.name);
+          CallArgs a = args_of(e, f);
+          return call(fn, a);
+        }
+        Value fn = eval(callee, f);
+        CallArgs a = args_of(e, f);
+        return call(fn, a);
+      }
+      case EK::filter: {
+        Value subject = eval(*e.args[0], f);
+        CallArgs a = args_of(e, f);
+        return apply_filter(e.name, subject, a);
+      }
+      case EK::test: {
+        Value subject = eval(*e.args[0], f);
+        CallArgs a = args_of(e, f);
+        const bool r = apply_test(e.name, subject, a);
+        return Value(e.negated ? !r : r);
+      }
+      case EK::neg:
+      case EK::pos: {
+        const Value v = eval(*e.args[0], f);
+        if (v.is_undefined()) undefined_error(v);
+        if (!v.is_number()) type_error("bad operand type for unary " + std::string(e.kind == EK::neg ? "-" : "+") + ": '" + v.type_name() + "'");
+        if (e.kind == EK::pos) return v.is_bool() ? Value(v.as_int()) : v;
+        return v.type() == Value::T::floating ? Value(-v.as_double()) : Value(-v.as_int());
+      }
+      case EK::not_: return Value(!eval(*e.args[0], f).truthy());
+      case EK::and_: {
+        Value a = eval(*e.args[0], f);
+        return a.truthy() ? eval(*e.args[1], f) : a;
+      }
+      case EK::or_: {
+        Value a = eval(*e.args[0], f);
+        return a.truthy() ? a : eval(*e.args[1], f);
+      }
+      case EK::cond:
+        if (eval(*e.args[0], f).truthy()) return eval(*e.args[1], f);
+        return e.args[2] ? eval(*e.args[2], f) : Value::undefined();
+      case EK::binary: return binary(e.name, eval(*e.args[0], f), eval(*e.args[1], f));
+      case EK::compare: {
+        Value left = eval(*e.args[0], f);
+        for (size_t i = 0; i < e.ops.size(); ++i) {
+          Value right = eval(*e.args[i + 1], f);
+          if (!compare(e.ops[i], left, right)) return Value(false);
+          left = std::move(right);
+        }
+        return Value(true);
+      }
+      case EK::concat: {
+        std::string s;
+        for (const auto& a : e.args) eval(*a, f).append_str(s);
+        return Value(std::move(s));
+      }
+      case EK::list:
+      case EK::tuple: {
+        List l;
+        l.reserve(e.args.size());
+        for (const auto& a : e.args) l.push_back(eval(*a, f));
+        return Value(std::move(l));
+      }
+      case EK::dict: {
+        Value d = Value::dict();
+        for (size_t i = 0; i + 1 < e.args.size(); i += 2) d.map().set(eval(*e.args[i], f), eval(*e.args[i + 1], f));
+        return d;
+      }
+    }
+    return Value();
+  }
+
+  static bool compare(const std::string& op, const Value& a, const Value& b) {
+    if (op == "==") return equal(a, b);
+    if (op == "!=") return !equal(a, b);
+    if (op == "in" || op == "notin") {
+      bool in = false;
+      if (b.is_string()) {
+        if (!a.is_string()) type_error("'in <string>' requires string as left operand, not " + a.type_name());
+        in = b.str().find(a.str()) != std::string::npos;
+      } else if (b.is_list()) {
+        for (const auto& x : b.list()) in = in || equal(x, a);
+      } else if (b.is_dict() || b.is_ns()) {
+        in = b.map().find(a) != nullptr;
+      } else if (b.is_undefined()) {
+        in = false;
+      } else {
+        type_error("argument of type '" + b.type_name() + "' is not iterable");
+      }
+      return op == "in" ? in : !in;
+    }
+    if (a.is_undefined()) undefined_error(a);
+    if (b.is_undefined()) undefined_error(b);
+    if (op == "<") return less(a, b);
+    if (op == ">") return less(b, a);
+    if (op == "<=") return less(a, b) || equal(a, b);
+    return less(b, a) || equal(a, b);  // >=
+  }
+
+  static Value binary(const std::string& op, const Value& a, const Value& b) {
+    if (a.is_undefined()) undefined_error(a);
+    if (b.is_undefined()) undefined_error(b);
+    const bool ints = a.is_int() && b.is_int(), nums = a.is_number() && b.is_number();
+    auto unsupported = [&]() -> Value {
+      type_error("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" + b.type_name() + "'");
+    };
+    if (op == "+") {
+      if (ints) return Value(a.as_int() + b.as_int());
+      if (nums) return Value(a.as_double() + b.as_double());
+      if (a.is_string() && b.is_string()) {
+        if (a.is_markup() != b.is_markup())
+          return Value::markup(a.is_markup() ? a.str() + html_escape(b.str()) : html_escape(a.str()) + b.str());
+        return a.is_markup() ? Value::markup(a.str() + b.str()) : Value(a.str() + b.str());
+      }
+      if (a.is_list() && b.is_list()) {
+        List l = a.list();
+        l.insert(l.end(), b.list().begin(), b.list().end());
+        return Value(std::move(l));
+      }
+      if (a.is_string() || b.is_string())
+        type_error("can only concatenate str (not \"" + (a.is_string() ? b : a).type_name() + "\") to str");
+      return unsupported();
+    }
+    if (op == "-") {
+      if (ints) return Value(a.as_int() - b.as_int());
+      if (nums) return Value(a.as_double() - b.as_double());
+      return unsupported();
+    }
+    if (op == "*") {
+      if (ints) return Value(a.as_int() * b.as_int());
+      if (nums) return Value(a.as_double() * b.as_double());
+      const Value* seq = a.is_int() ? &b : &a;
+      const Value* count = a.is_int() ? &a : &b;
+      if (count->is_int() && (seq->is_string() || seq->is_list())) {
+        const int64_t n = std::max<int64_t>(0, count->as_int());
+        if (seq->is_string()) {
+          std::string s;
+          for (int64_t i = 0; i < n; ++i) s += seq->str();
+          return Value(std::move(s));
+        }
+        List l;
+        for (int64_t i = 0; i < n; ++i) l.insert(l.end(), seq->list().begin(), seq->list().end());
+        return Value(std::move(l));
+      }
+      return unsupported();
+    }
+    if (op == "/") {
+      if (!nums) return unsupported();
+      if (b.as_double() == 0) throw Error("division by zero");
+      return Value(a.as_double() / b.as_double());
+    }
+    if (op == "//") {
+      if (ints) return Value(floor_div(a.as_int(), b.as_int()));
+      if (!nums) return unsupported();
+      if (b.as_double() == 0) throw Error("float floor division by zero");
+      return Value(std::floor(a.as_double() / b.as_double()));
+    }
+    if (op == "%") {
+      if (a.is_string()) return Value(percent_format(a.str(), b));
+      if (ints) return Value(py_mod(a.as_int(), b.as_int()));
+      if (!nums) return unsupported();
+      if (b.as_double() == 0) throw Error("float modulo");
+      double r = std::fmod(a.as_double(), b.as_double());
+      if (r != 0 && ((r < 0) != (b.as_double() < 0))) r += b.as_double();
+      return Value(r);
+    }
+    if (op == "**") {
+      if (ints && b.as_int() >= 0) {
+        int64_t r = 1;
+        for (int64_t i = 0; i < b.as_int(); ++i) r *= a.as_int();
+        return Value(r);
+      }
+      if (!nums) return unsupported();
+      return Value(std::pow(a.as_double(), b.as_double()));
+    }
+    return unsupported();
+  }
+
+  // --- filters and tests ------------------------------------------------------
+
+  bool apply_test(const std::string& name, const Value& v, CallArgs& a) {
+    auto arg = [&](size_t i) -> const Value& {
+      if (i >= a.pos.size()) type_error("test '" + name + "' needs an argument");
+      return a.pos[i];
+    };
+    if (name == "defined") return !v.is_undefined();
+    if (name == "undefined") return v.is_undefined();
+    if (name == "none") return v.is_none();
+    if (name == "boolean") return v.is_bool();
+    if (name == "true") return v.is_bool() && v.as_int();
+    if (name == "false") return v.is_bool() && !v.as_int();
+    if (name == "integer") return v.type() == Value::T::integer;
+    if (name == "float") return v.type() == Value::T::floating;
+    if (name == "number") return v.is_number();
+    if (name == "string") return v.is_string();
+    if (name == "mapping") return v.is_dict();
+    if (name == "iterable") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    if (name == "sequence") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    if (name == "callable") return v.is_func();
+    if (name == "escaped") return false;
+    if (name == "odd" || name == "even") {
+      if (!v.is_int()) type_error("not all arguments converted during string formatting");
+      return (py_mod(v.as_int(), 2) == 1) == (name == "odd");
+    }
+    if (name == "divisibleby") {
+      const Value& d = arg(0);
+      if (!v.is_int() || !d.is_int()) type_error("divisibleby takes integers");
+      return py_mod(v.as_int(), d.as_int()) == 0;
+    }
+    if (name == "eq" || name == "equalto" || name == "==") return equal(v, arg(0));
+    if (name == "ne" || name == "!=") return !equal(v, arg(0));
+    if (name == "lt" || name == "lessthan" || name == "<") return compare("<", v, arg(0));
+    if (name == "le" || name == "<=") return compare("<=", v, arg(0));
+    if (name == "gt" || name == "greaterthan" || name == ">") return compare(">", v, arg(0));
+    if (name == "ge" || name == ">=") return compare(">=", v, arg(0));
+    if (name == "in") return compare("in", v, arg(0));
+    if (name == "sameas") {
+      const Value& o = arg(0);
+      if (v.is_none() || o.is_none() || v.is_bool() || o.is_bool())
+        return v.type() == o.type() && (v.is_none() || v.as_int() == o.as_int());
+      if (v.is_list() && o.is_list()) return &v.list() == &o.list();
+      if ((v.is_dict() || v.is_ns()) && v.type() == o.type()) return &v.map() == &o.map();
+      return v.is_string() && o.is_string() && &v.str() == &o.str();
+    }
+    if (name == "lower" || name == "upper") {
+      if (!v.is_string()) return false;
+      CallArgs none;
+      return string_method(v.str(), name == "lower" ? "islower" : "isupper", none).truthy();
+    }
+    if (name == "filter") return v.is_string() && is_filter_name(v.str());
+    if (name == "test") return v.is_string() && is_test_name(v.str());
+    throw Error("no test named '" + name + "'");
+  }
+
+  static bool is_filter_name(const std::string& n) {
+    static const char* names[] = {"abs", "attr", "capitalize", "center", "count", "d", "default", "dictsort", "e",
+                                  "escape", "first", "float", "forceescape", "format", "indent", "int", "items",
+                                  "join", "last", "length", "list", "lower", "map", "max", "min", "reject",
+                                  "rejectattr", "replace", "reverse", "round", "safe", "select", "selectattr",
+                                  "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper", "wordcount"};
+    for (const char* x : names)
+      if (n == x) return true;
+    return false;
+  }
+  static bool is_jinja_filter(const std::string& n) {
+    static const char* names[] = {"batch", "filesizeformat", "groupby", "pprint", "random", "slice", "striptags",
+                                  "truncate", "urlencode", "urlize", "wordwrap", "xmlattr"};
+    for (const char* x : names)
+      if (n == x) return true;
+    return false;
+  }
+  static bool is_test_name(const std::string& n) {
+    static const char* names[] = {"boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped",
+                                  "even", "false", "float", "ge", "gt", "greaterthan", "in", "integer", "iterable",
+                                  "le", "lessthan", "lower", "lt", "mapping", "ne", "none", "number", "odd",
+                                  "sameas", "sequence", "string", "true", "undefined", "upper"};
+    for (const char* x : names)
+      if (n == x) return true;
+    return false;
+  }
+
+  // An item's attribute for map/selectattr/sort/...: "a.b" and "0" as jinja2 reads them.
+  Value attr_path(const Value& v, const std::string& path) {
+    Value cur = v;
+    size_t start = 0;
+    while (true) {
+      const size_t dot = path.find('.', start);
+      const std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (cur.is_undefined()) return cur;
+      cur = digits ? item(cur, Value(int64_t(std::stoll(part)))) : item(cur, Value(part));
+      if (dot == std::string::npos) return cur;
+      start = dot + 1;
+    }
+  }
+
+  static std::string key_text(const Value& v, bool case_sensitive) {
+    if (!v.is_string() || case_sensitive) return {};
+    return ascii_lower(v.str());
+  }
+  static bool sort_less(const Value& a, const Value& b, bool case_sensitive) {
+    if (!case_sensitive && a.is_string() && b.is_string()) return ascii_lower(a.str()) < ascii_lower(b.str());
+    return less(a, b);
+  }
+
+  Value apply_filter(const std::string& name, const Value& v, CallArgs& a) {
+    auto opt = [&](size_t i, const char* key) -> const Value* { return a.get(i, key); };
+    auto flag = [&](size_t i, const char* key, bool def) {
+      const Value* x = opt(i, key);
+      return x ? x->truthy() : def;
+    };
+    auto need_str = [&](const Value& x) {
+      if (x.is_undefined()) return std::string();
+      return x.to_str();
+    };
+    if (name == "safe") return v.is_string() ? Value::markup(v.str()) : Value::markup(v.to_str());
+    if (name == "string") return v.is_string() ? v : Value(v.to_str());
+    if (name == "tojson") {
+      // transformers' tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
+      const Value* ascii = opt(0, "ensure_ascii");
+      const Value* indent = opt(1, "indent");
+      const Value* seps = opt(2, "separators");
+      const Value* sort = opt(3, "sort_keys");
+      if (v.is_undefined()) throw Error("Object of type Undefined is not JSON serializable");
+      int ind = -1;
+      std::string istr;
+      const std::string* ip = nullptr;
+      if (indent && !indent->is_none()) {
+        if (indent->is_string()) istr = indent->str(), ip = &istr;
+        else if (indent->is_int()) ind = int(std::max<int64_t>(0, indent->as_int()));
+        else type_error("indent must be an int or a string");
+        if (!ip) istr = std::string(size_t(ind), ' '), ip = &istr;
+      }
+      std::string is, ks;
+      const std::string *isp = nullptr, *ksp = nullptr;
+      if (seps && !seps->is_none()) {
+        const List l = iterate(*seps);
+        if (l.size() != 2 || !l[0].is_string() || !l[1].is_string()) type_error("separators must be (item, key)");
+        is = l[0].str(), ks = l[1].str();
+        isp = &is, ksp = &ks;
+      }
+      return Value(v.to_json(ind, ip, isp, ksp, sort && sort->truthy(), ascii && ascii->truthy()));
+    }
+    if (name == "length" || name == "count") {
+      switch (v.type()) {
+        case Value::T::undefined: return Value(int64_t(0));
+        case Value::T::string: return Value(int64_t(utf8_length(v.str())));
+        case Value::T::list: return Value(int64_t(v.list().size()));
+        case Value::T::dict: return Value(int64_t(v.map().items.size()));
+        default: type_error("object of type '" + v.type_name() + "' has no len()");
+      }
+    }
+    if (name == "trim") {
+      const Value* chars = opt(0, "chars");
+      return Value(py_strip(need_str(v), chars && !chars->is_none() ? &chars->str() : nullptr, true, true));
+    }
+    if (name == "upper") return Value(ascii_upper(need_str(v)));
+    if (name == "lower") return Value(ascii_lower(need_str(v)));
+    if (name == "capitalize") return Value(capitalize(need_str(v)));
+    if (name == "title") {
+      CallArgs none;
+      return string_method(need_str(v), "title", none);
+    }
+    if (name == "default" || name == "d") {
+      const Value* def = opt(0, "default_value");
+      const bool boolean = flag(1, "boolean", false);
+      if (v.is_undefined() || (boolean && !v.truthy())) return def ? *def : Value(std::string());
+      return v;
+    }
+    if (name == "join") {
+      const Value* sep = opt(0, "d");
+      const Value* attr = opt(1, "attribute");
+      std::string out;
+      bool first = true;
+      for (const auto& x : iterate(v)) {
+        if (!first) out += sep ? sep->to_str() : "";
+        first = false;
+        (attr ? attr_path(x, attr->to_str()) : x).append_str(out);
+      }
+      return Value(std::move(out));
+    }
+    if (name == "first") {
+      if (v.is_string()) return v.str().empty() ? Value::undefined("No first item") : item(v, Value(int64_t(0)));
+      const List l = iterate(v);
+      return l.empty() ? Value::undefined("No first item, sequence was empty.") : l.front();
+    }
+    if (name == "last") {
+      if (v.is_undefined()) undefined_error(v);
+      const List l = iterate(v);
+      return l.empty() ? Value::undefined("No last item, sequence was empty.") : l.back();
+    }
+    if (name == "list") return Value(iterate(v));
+    if (name == "items") {
+      if (v.is_undefined()) return Value(List{});
+      if (!v.is_dict()) type_error("items() of a " + v.type_name() + ": expected a mapping");
+      return items_of(v);
+    }
+    if (name == "reverse") {
+      if (v.is_string()) {
+        const auto off = utf8_offsets(v.str());
+        std::string out;
+        for (size_t i = off.size() - 1; i > 0; --i) out.append(v.str(), off[i - 1], off[i] - off[i - 1]);
+        return Value(std::move(out));
+      }
+      List l = iterate(v);
+      std::reverse(l.begin(), l.end());
+      return Value(std::move(l));
+    }
+    if ((name == "map" || name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") &&
+        !v.truthy())
+      return Value(List{});  // jinja2 iterates these only `if seq`
+    if (name == "map") {
+      List out;
+      const Value* attr = nullptr;
+      for (const auto& [k, x] : a.kw)
+        if (k == "attribute") attr = &x;
+      if (attr) {
+        const Value* def = nullptr;
+        for (const auto& [k, x] : a.kw)
+          if (k == "default") def = &x;
+        for (const auto& x : iterate(v)) {
+          Value r = attr_path(x, attr->to_str());
+          out.push_back(r.is_undefined() && def ? *def : r);
+        }
+        return Value(std::move(out));
+      }
+      if (a.pos.empty()) type_error("map() needs a filter name or attribute=");
+      const std::string fname = a.pos[0].to_str();
+      if (!is_filter_name(fname)) throw Error("no filter named '" + fname + "'");
+      CallArgs rest;
+      rest.pos.assign(a.pos.begin() + 1, a.pos.end());
+      rest.kw = a.kw;
+      for (const auto& x : iterate(v)) {
+        CallArgs r = rest;
+        out.push_back(apply_filter(fname, x, r));
+      }
+      return Value(std::move(out));
+    }
+    if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
+      const bool attr = name.back() == 'r';
+      const bool keep_if = name[0] == 's';
+      size_t at = 0;
+      std::string path;
+      if (attr) {
+        if (a.pos.empty()) type_error(name + "() needs an attribute");
+        path = a.pos[0].to_str();
+        at = 1;
+      }
+      std::string test;
+      CallArgs targs;
+      if (a.pos.size() > at) {
+        test = a.pos[at].to_str();
+        if (!is_test_name(test)) throw Error("no test named '" + test + "'");
+        targs.pos.assign(a.pos.begin() + long(at) + 1, a.pos.end());
+      }
+      List out;
+      for (const auto& x : iterate(v)) {
+        const Value subject = attr ? attr_path(x, path) : x;
+        bool r;
+        if (test.empty()) {
+          r = subject.truthy();
+        } else {
+          CallArgs t = targs;
+          r = apply_test(test, subject, t);
+        }
+        if (r == keep_if) out.push_back(x);
+      }
+      return Value(std::move(out));
+    }
+    if (name == "unique") {
+      const bool cs = flag(0, "case_sensitive", false);
+      const Value* attr = opt(1, "attribute");
+      List out, seen;
+      for (const auto& x : iterate(v)) {
+        Value key = attr ? attr_path(x, attr->to_str()) : x;
+        if (!cs && key.is_string()) key = Value(ascii_lower(key.str()));
+        bool dup = false;
+        for (const auto& s : seen) dup = dup || equal(s, key);
+        if (!dup) seen.push_back(key), out.push_back(x);
+      }
+      return Value(std::move(out));
+    }
+    if (name == "sort") {
+      const bool rev = flag(0, "reverse", false), cs = flag(1, "case_sensitive", false);
+      const Value* attr = opt(2, "attribute");
+      List l = iterate(v);
+      std::stable_sort(l.begin(), l.end(), [&](const Value& x, const Value& y) {
+        const Value kx = attr ? attr_path(x, attr->to_str()) : x, ky = attr ? attr_path(y, attr->to_str()) : y;
+        return rev ? sort_less(ky, kx, cs) : sort_less(kx, ky, cs);
+      });
+      return Value(std::move(l));
+    }
+    if (name == "dictsort") {
+      if (!v.is_dict()) type_error("dictsort expects a mapping");
+      const bool cs = flag(0, "case_sensitive", false);
+      const Value* by = opt(1, "by");
+      const bool rev = flag(2, "reverse", false);
+      const bool by_value = by && by->is_string() && by->str() == "value";
+      List l = items_of(v).list();
+      std::stable_sort(l.begin(), l.end(), [&](const Value& x, const Value& y) {
+        const Value& kx = x.list()[by_value ? 1 : 0];
+        const Value& ky = y.list()[by_value ? 1 : 0];
+        return rev ? sort_less(ky, kx, cs) : sort_less(kx, ky, cs);
+      });
+      return Value(std::move(l));
+    }
+    if (name == "max" || name == "min") {
+      const bool cs = flag(0, "case_sensitive", false);
+      const Value* attr = opt(1, "attribute");
+      const List l = iterate(v);
+      if (l.empty()) return Value::undefined("No aggregated item, sequence was empty.");
+      size_t best = 0;
+      for (size_t i = 1; i < l.size(); ++i) {
+        const Value ki = attr ? attr_path(l[i], attr->to_str()) : l[i];
+        const Value kb = attr ? attr_path(l[best], attr->to_str()) : l[best];
+        if (name == "max" ? sort_less(kb, ki, cs) : sort_less(ki, kb, cs)) best = i;
+      }
+      return l[best];
+    }
+    if (name == "sum") {
+      const Value* attr = opt(0, "attribute");
+      const Value* start = opt(1, "start");
+      Value total = start ? *start : Value(int64_t(0));
+      for (const auto& x : iterate(v)) total = binary("+", total, attr ? attr_path(x, attr->to_str()) : x);
+      return total;
+    }
+    if (name == "int") {
+      const Value* def = opt(0, "default");
+      const Value fallback = def ? *def : Value(int64_t(0));
+      if (v.is_int()) return Value(v.as_int());
+      if (v.type() == Value::T::floating) return Value(int64_t(v.as_double()));
+      if (v.is_string()) {
+        const std::string s = py_strip(v.str(), nullptr, true, true);
+        try {
+          size_t used = 0;
+          const long long x = std::stoll(s, &used, 10);
+          if (used == s.size()) return Value(int64_t(x));
+          const double d = std::stod(s, &used);
+          if (used == s.size()) return Value(int64_t(d));
+        } catch (const std::exception&) {
+        }
+      }
+      return fallback;
+    }
+    if (name == "float") {
+      const Value* def = opt(0, "default");
+      if (v.is_number()) return Value(v.as_double());
+      if (v.is_string()) {
+        try {
+          size_t used = 0;
+          const std::string s = py_strip(v.str(), nullptr, true, true);
+          const double d = std::stod(s, &used);
+          if (used == s.size()) return Value(d);
+        } catch (const std::exception&) {
+        }
+      }
+      return def ? *def : Value(0.0);
+    }
+    if (name == "abs") {
+      if (v.type() == Value::T::floating) return Value(std::fabs(v.as_double()));
+      if (v.is_int()) return Value(int64_t(std::llabs(v.as_int())));
+      type_error("bad operand type for abs(): '" + v.type_name() + "'");
+    }
+    if (name == "round") {
+      const Value* prec = opt(0, "precision");
+      const Value* method = opt(1, "method");
+      const int64_t p = prec ? prec->as_int() : 0;
+      const std::string m = method ? method->to_str() : "common";
+      if (!v.is_number()) type_error("round() of a " + v.type_name());
+      if (m == "common" && v.is_int()) return Value(v.as_int());
+      const double scale = std::pow(10.0, double(p));
+      const double x = v.as_double() * scale;
+      const double r = m == "ceil" ? std::ceil(x) : m == "floor" ? std::floor(x) : std::nearbyint(x);
+      return Value(r / scale);
+    }
+    if (name == "replace") {
+      if (a.pos.size() < 2) type_error("replace() needs old and new");
+      CallArgs r;
+      r.pos = a.pos;
+      return string_method(need_str(v), "replace", r);
+    }
+    if (name == "indent") return Value(indent(need_str(v), opt(0, "width"), flag(1, "first", false), flag(2, "blank", false)));
+    if (name == "center") {
+      CallArgs r;
+      const Value* w = opt(0, "width");
+      r.pos.push_back(w ? *w : Value(int64_t(80)));
+      return string_method(need_str(v), "center", r);
+    }
+    if (name == "wordcount") return Value(int64_t(py_split(need_str(v), nullptr, -1).size()));
+    if (name == "e" || name == "escape" || name == "forceescape")
+      return v.is_markup() && name != "forceescape" ? v : Value::markup(html_escape(need_str(v)));
+    if (name == "format") {
+      if (!a.pos.empty()) return Value(percent_format(need_str(v), a.pos.size() == 1 ? a.pos[0] : Value(List(a.pos))));
+      return Value(need_str(v));
+    }
+    if (name == "attr") {
+      if (a.pos.empty()) type_error("attr() needs a name");
+      return attribute(v, a.pos[0].to_str());
+    }
+    if (is_jinja_filter(name)) throw Error("the filter '" + name + "' is not supported");
+    throw Error("no filter named '" + name + "'");
+  }
+
+  static std::string indent(const std::string& s0, const Value* width, bool first, bool blank) {
+    std::string ind = width ? (width->is_string() ? width->str() : std::string(size_t(std::max<int64_t>(0, width->as_int())), ' '))
+                            : std::string(4, ' ');
+    const std::string s = s0 + "\n";
+    const std::vector<std::string> lines = py_splitlines(s);
+    std::string rv;
+    if (blank) {
+      for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + ind : "") + lines[i];
+    } else {
+      rv = lines.empty() ? "" : lines[0];
+      for (size_t i = 1; i < lines.size(); ++i) rv += "\n" + (lines[i].empty() ? "" : ind) + lines[i];
+    }
+    if (first) rv = ind + rv;
+    return rv;
+  }
+
+  Value string_method(const std::string& s, const std::string& name, CallArgs& a) {
+    return call_string_method(s, name, a);
+  }
+};
+
+}  // namespace
+
+RenderResult render(const Template& tpl, const Value& globals) {
+  Interp in(tpl, globals);
+  return in.run();
+}
+
+}  // namespace nnstrain::jinja
