@@ -4,9 +4,16 @@
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <thread>
 
 #include <cerrno>
 #include <cstdio>
@@ -22,7 +29,9 @@
 
 #include "trainer/dist/dist_env.h"
 #include "trainer/dist/launcher.h"
+#include "trainer/dist/progress_board.h"
 #include "trainer/dist/rendezvous_socket.h"
+#include "trainer/dist/restart_rendezvous.h"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -442,4 +451,194 @@ TEST_CASE("launch: rank 0 takes only a socket listening on its MASTER_PORT", "[l
   close(p[0]);
   close(p[1]);
   CHECK(!listening_on(-1, held.port));
+}
+
+TEST_CASE("launch: SIGUSR1 and SIGUSR2 reach every worker and the launch goes on", "[launch]") {
+  TempDir dir;
+  const std::string d = dir.path.string() + "/";
+  // SIGUSR2 asks for flight records (the workers go on), SIGUSR1 to save and stop (they exit 0).
+  const std::string script = "trap \"echo USR2 >> '" + d + "got.'$RANK\" USR2; trap \"echo USR1 >> '" + d +
+                             "got.'$RANK\"'; exit 0' USR1; touch '" + d + "ready.'$RANK; if [ $RANK = 0 ]; then " +
+                             wait_for({d + "ready.0", d + "ready.1"}) + "kill -USR2 $PPID; " +
+                             wait_for({d + "got.0", d + "got.1"}) + "kill -USR1 $PPID; fi; while :; do sleep 0.05; done";
+  Result r = launch(dir, sh_workers(2, script));
+  INFO(r.err);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.err, Contains("got SIGUSR2, passing it on to the workers"));
+  CHECK_THAT(r.err, Contains("got SIGUSR1, passing it on to the workers"));
+  CHECK(slurp(d + "got.0") == "USR2\nUSR1\n");
+  CHECK(slurp(d + "got.1") == "USR2\nUSR1\n");
+}
+
+TEST_CASE("launch: a restart on one node gives the workers a fresh port, the command unchanged", "[launch]") {
+  TempDir dir;
+  const std::string d = dir.path.string() + "/";
+  // Attempt 0 fails before training; the restarted workers (NNSTRAIN_RESTART_COUNT set) succeed.
+  const std::string script = "echo \"$MASTER_PORT $*\" >> '" + d + "ports.'$RANK; [ -n \"$NNSTRAIN_RESTART_COUNT\" ] || exit 3";
+  auto args = sh_workers(2, script, {"--max-restarts", "1"});
+  args.insert(args.end(), {"sh", "--resume", "/some/where"});
+  Result r = launch(dir, args);
+  INFO(r.err);
+  CHECK(r.status == 0);
+  CHECK_THAT(r.err, Contains("restart 1 of 1: rank "));
+  for (int rank : {0, 1}) {
+    const auto runs = lines_of(slurp(d + "ports." + std::to_string(rank)));
+    REQUIRE(runs.size() == 2);
+    CHECK(runs[0].substr(0, runs[0].find(' ')) != runs[1].substr(0, runs[1].find(' ')));
+    // What the command named stays: nnstrain itself decides what a restart resumes from.
+    CHECK(runs[1].substr(runs[1].find(' ')) == " --resume /some/where");
+  }
+}
+
+TEST_CASE("launch: a worker maps only the launcher's progress board, never an inherited descriptor 4", "[launch]") {
+  using nnstrain::dist::is_progress_board;
+  nnstrain::dist::ProgressBoard board(2);
+  CHECK(is_progress_board(board.fd()));
+  TempDir dir;
+  const std::string file = dir / "data.bin";
+  std::ofstream(file) << std::string(64, 'A');
+  const int fd = open(file.c_str(), O_RDWR | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  CHECK(!is_progress_board(fd));
+  int p[2];
+  REQUIRE(pipe(p) == 0);
+  CHECK(!is_progress_board(p[0]));
+  close(p[0]);
+  close(p[1]);
+  // A process that inherited NNSTRAIN_PROGRESS_FD (a worker's child) whose descriptor 4 is a file of its own.
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    dup2(fd, nnstrain::dist::kProgressFd);
+    setenv(nnstrain::dist::kProgressFdVar, std::to_string(nnstrain::dist::kProgressFd).c_str(), 1);
+    setenv("LOCAL_RANK", "0", 1);
+    nnstrain::dist::publish_step(7);
+    _exit(fcntl(nnstrain::dist::kProgressFd, F_GETFD) >= 0 ? 0 : 1);  // and it is still open
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  close(fd);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(slurp(file) == std::string(64, 'A'));
+}
+
+namespace {
+
+using nnstrain::dist::RestartRendezvous;
+
+int connect_local(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  return fd;
+}
+
+void send_text(int fd, const std::string& s) { REQUIRE(send(fd, s.data(), s.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(s.size())); }
+
+// What node 0 sends before closing a dropped connection ("" when nothing), waiting up to 10 s.
+std::string read_until_closed(int fd) {
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string got;
+  char buf[512];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof buf, 0)) > 0) got.append(buf, static_cast<size_t>(n));
+  return n == 0 ? got : "(not closed)";
+}
+
+}  // namespace
+
+TEST_CASE("launchers' rendezvous: stray, overlong and forged connections are dropped, the join goes on",
+          "[launch][rendezvous]") {
+  auto [listen_fd, port] = nnstrain::dist::listen_on(0);
+  REQUIRE(listen_fd >= 0);
+  int sig[2];
+  REQUIRE(pipe2(sig, O_CLOEXEC | O_NONBLOCK) == 0);
+  int dropped = -1;
+  auto host = std::async(std::launch::async, [&, fd = listen_fd] {
+    return RestartRendezvous::host(fd, 2, 1, 1, 20, sig[0], "token=job-1", &dropped);
+  });
+  const int scanner = connect_local(port);  // a port scanner's probe
+  send_text(scanner, "\r\n");
+  CHECK(read_until_closed(scanner) == "");
+  const int flood = connect_local(port);  // a line without end
+  send_text(flood, std::string(nnstrain::dist::kMaxLineBytes + 100, 'x'));
+  CHECK(read_until_closed(flood) == "");
+  const int forged = connect_local(port);  // another job's (or a forger's) join for node 1's slot
+  send_text(forged, "join\t1\t2\t1\t1\ttoken=job-2\n");
+  CHECK_THAT(read_until_closed(forged), Contains("end\t2\tnode 0: this launch belongs to another job"));
+  const int silent = connect_local(port);  // says nothing: no obstacle to the others
+  // The real node 1 still gets its slot.
+  auto node1 = RestartRendezvous::join("127.0.0.1", port, 1, 2, 1, 1, 20, sig[0], "token=job-1");
+  REQUIRE(host.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+  auto node0 = host.get();
+  CHECK(dropped == 3);
+  CHECK(node0.fds().size() == 1);
+  int keepalive = 0;
+  socklen_t len = sizeof keepalive;
+  REQUIRE(getsockopt(node1.fds().at(0), SOL_SOCKET, SO_KEEPALIVE, &keepalive, &len) == 0);
+  CHECK(keepalive == 1);
+  for (int fd : {scanner, flood, forged, silent, sig[0], sig[1]}) close(fd);
+}
+
+TEST_CASE("launchers' rendezvous: node 0 drops a connection silent past the join line's deadline",
+          "[launch][rendezvous]") {
+  auto [listen_fd, port] = nnstrain::dist::listen_on(0);
+  REQUIRE(listen_fd >= 0);
+  int sig[2];
+  REQUIRE(pipe2(sig, O_CLOEXEC | O_NONBLOCK) == 0);
+  // A join deadline shorter than kJoinLineS: the silent peer is dropped at the deadline,
+  // and the timeout names the missing node.
+  const auto t0 = std::chrono::steady_clock::now();
+  const int silent = connect_local(port);
+  std::string why;
+  try {
+    RestartRendezvous::host(listen_fd, 2, 1, 1, 1.5, sig[0], "t");
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  CHECK_THAT(why, Contains("the launchers of node(s) 1 did not join within 1 s"));
+  for (int fd : {silent, sig[0], sig[1]}) close(fd);
+}
+
+TEST_CASE("launchers' rendezvous: a node waits for node 0's first start no longer than its deadline",
+          "[launch][rendezvous]") {
+  // What answers at --master-port accepts the connection and never speaks.
+  auto [listen_fd, port] = nnstrain::dist::listen_on(0);
+  REQUIRE(listen_fd >= 0);
+  int sig[2];
+  REQUIRE(pipe2(sig, O_CLOEXEC | O_NONBLOCK) == 0);
+  auto node1 = RestartRendezvous::join("127.0.0.1", port, 1, 2, 1, 1, 1, sig[0], "t");
+  auto waiting = std::async(std::launch::async, [&] {
+    try {
+      node1.report_and_wait(-1, nnstrain::dist::NodeEnd{}, sig[0]);
+      return std::string("returned");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+  });
+  const bool ended = waiting.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  close(listen_fd);  // ends a wait without deadline (the connection is reset), so the test ends either way
+  CHECK(ended);
+  CHECK_THAT(waiting.get(), Contains("node 1: node 0's launcher accepted the join but did not start the run in time"));
+  close(sig[0]);
+  close(sig[1]);
+}
+
+TEST_CASE("launchers' rendezvous: the job token", "[launch][rendezvous]") {
+  using nnstrain::dist::launch_token;
+  EnvVar a("NNSTRAIN_LAUNCH_TOKEN", std::nullopt), b("SLURM_JOB_ID", std::nullopt), c("PBS_JOBID", std::nullopt);
+  CHECK(launch_token({"--config", "x.yaml"}) == launch_token({"--config", "x.yaml"}));
+  CHECK(launch_token({"--config", "x.yaml"}) != launch_token({"--config", "y.yaml"}));
+  {
+    EnvVar job("SLURM_JOB_ID", std::string("4242"));
+    CHECK(launch_token({"--config", "x.yaml"}) == "SLURM_JOB_ID=4242");
+    EnvVar mine("NNSTRAIN_LAUNCH_TOKEN", std::string("s3cret"));
+    CHECK(launch_token({"--config", "y.yaml"}) == "NNSTRAIN_LAUNCH_TOKEN=s3cret");
+  }
 }
