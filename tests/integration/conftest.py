@@ -109,6 +109,8 @@ def read_metrics(path):
         if not line.strip():
             continue
         rec = json.loads(line)
+        if "eval_seconds" in rec:  # an eval: section's task scores (test_eval.py reads them)
+            continue
         (val if "val_loss" in rec else train).append(rec)
     return train, val
 
