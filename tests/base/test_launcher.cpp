@@ -473,8 +473,11 @@ TEST_CASE("launch: SIGUSR1 and SIGUSR2 reach every worker and the launch goes on
 TEST_CASE("launch: a restart on one node gives the workers a fresh port, the command unchanged", "[launch]") {
   TempDir dir;
   const std::string d = dir.path.string() + "/";
-  // Attempt 0 fails before training; the restarted workers (NNSTRAIN_RESTART_COUNT set) succeed.
-  const std::string script = "echo \"$MASTER_PORT $*\" >> '" + d + "ports.'$RANK; [ -n \"$NNSTRAIN_RESTART_COUNT\" ] || exit 3";
+  // In attempt 0 rank 1 fails once both have written their port (rank 0 waits, and is killed); the
+  // restarted workers (NNSTRAIN_RESTART_COUNT set) succeed.
+  const std::string script = "echo \"$MASTER_PORT $*\" >> '" + d + "ports.'$RANK; if [ -z \"$NNSTRAIN_RESTART_COUNT\" ]; then " +
+                             "if [ $RANK = 1 ]; then " + wait_for({d + "ports.0"}) + "exit 3; fi; " +
+                             "while :; do sleep 0.05; done; fi";
   auto args = sh_workers(2, script, {"--max-restarts", "1"});
   args.insert(args.end(), {"sh", "--resume", "/some/where"});
   Result r = launch(dir, args);
