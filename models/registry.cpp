@@ -125,7 +125,10 @@ config::ModelCatalog model_catalog() {
   c.parse = [](const std::string& type, config::ArgMap& args) { return find_model(type)->parse_args(args); };
   c.folder_args = [](const std::string& dir) {
     auto [type, args] = folder_args(dir);
-    return std::make_pair(type, args.dump());
+    // Settings of training, not of the weights' model: model.args may change them.
+    return config::ModelCatalog::Folder{type, args.dump(),
+                                        {"initializer_range", "router_aux_loss_coef", "router_z_loss_coef",
+                                         "capacity_factor", "bias_update_speed", "dropout", "attention_dropout"}};
   };
   return c;
 }

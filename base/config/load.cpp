@@ -416,15 +416,16 @@ bool same_value(const YAML::Node& given, const YAML::Node& folder) {
 
 // model.init_from's folder fills the model.args keys not given; one given must agree.
 // Keys the model does not read are taken as read (config.json holds more than the model's args).
-void fill_from_folder(ArgMap::Impl& args, const std::string& json_text, const std::string& source) {
-  const YAML::Node folder = YAML::Load(json_text);
+void fill_from_folder(ArgMap::Impl& args, const ModelCatalog::Folder& from, const std::string& source) {
+  const YAML::Node folder = YAML::Load(from.args_json);
   if (!folder.IsMap()) return;
   for (const auto& kv : folder) {
     const std::string key = kv.first.Scalar();
     if (kv.second.IsNull()) continue;
     const YAML::Node given = args.value(key, /*consume=*/false);
     if (given.IsDefined() && !given.IsNull()) {
-      if (!same_value(given, kv.second)) {
+      const bool free = std::find(from.free.begin(), from.free.end(), key) != from.free.end();
+      if (!free && !same_value(given, kv.second)) {
         YAML::Emitter a, b;
         a << YAML::Flow << given;
         b << YAML::Flow << kv.second;
@@ -677,7 +678,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
   ArgMap model(model_impl);
   // A Hugging Face folder is enough: its config.json names the type and fills model.args.
   t.model.init_from = model.get_string("init_from", "");
-  std::optional<std::pair<std::string, std::string>> folder;
+  std::optional<ModelCatalog::Folder> folder;
   if (!t.model.init_from.empty() && opts.models.folder_args) {
     std::error_code ec;
     if (std::filesystem::exists(std::filesystem::path(t.model.init_from) / "config.json", ec)) {
@@ -690,9 +691,9 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
       model.fail("init_from", "'" + t.model.init_from + "' has no config.json (a folder transformers' save_pretrained wrote)");
     }
   }
-  t.model.type = folder ? model.get_string("type", folder->first) : model.get_string("type");
-  if (folder && t.model.type != folder->first)
-    model.fail("type", t.model.type + ", but " + t.model.init_from + "/config.json has model_type " + folder->first);
+  t.model.type = folder ? model.get_string("type", folder->type) : model.get_string("type");
+  if (folder && t.model.type != folder->type)
+    model.fail("type", t.model.type + ", but " + t.model.init_from + "/config.json has model_type " + folder->type);
   const auto& names = opts.models.names;
   const bool check_type = opts.models.parse || !names.empty();
   if (check_type && std::find(names.begin(), names.end(), t.model.type) == names.end())
@@ -700,7 +701,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                            (names.empty() ? "; no models are registered" : "; registered: " + join(names)));
   if (opts.models.parse) {
     auto args_impl = model_impl->child("args", false);
-    if (folder) fill_from_folder(*args_impl, folder->second, t.model.init_from + "/config.json");
+    if (folder) fill_from_folder(*args_impl, *folder, t.model.init_from + "/config.json");
     ArgMap args(args_impl);
     t.model.args = opts.models.parse(t.model.type, args);
     if (const auto [key, p] = t.model.args->attention_dropout(); p > 0 && t.compute_config.context_parallel_size > 1)

@@ -23,9 +23,15 @@ struct ModelCatalog {
   std::function<std::shared_ptr<const ModelConfig>(const std::string& type, ArgMap& args)> parse;
   // model.init_from: DIR -> the folder's model type (its config.json's model_type)
   // and its model.args as JSON text, which fill the keys model.args leaves out;
-  // a key given there too must agree. Throws std::runtime_error naming the file
-  // and key it cannot read. Left empty, init_from fills nothing.
-  std::function<std::pair<std::string, std::string>(const std::string& dir)> folder_args;
+  // a key given there too must agree, unless it is one of `free` (training
+  // settings such as the init's std or a loss coefficient, which model.args may
+  // change). Throws std::runtime_error naming the file and key it cannot read.
+  // Left empty, init_from fills nothing.
+  struct Folder {
+    std::string type, args_json;
+    std::vector<std::string> free;
+  };
+  std::function<Folder(const std::string& dir)> folder_args;
 };
 
 // The optimizer registry as the config loader sees it. AdamW is the loader's

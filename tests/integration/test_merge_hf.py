@@ -336,9 +336,9 @@ def test_init_from_a_transformers_save_pretrained(tiny_tokens, tmp_path, layout)
     run = train("dp2", tiny_tokens, tmp_path / "run_zero3", "--micro_batch_size", 2, "--max_train_steps", 1,
                 "--val_every_n_train_steps", 0, "--model.init_from", hf_dir, "--compute_config.use_zero", 3)
     assert run.losses()[1] == pytest.approx(want, rel=1e-5), f"ZeRO-3: nnstrain {run.losses()[1]} vs transformers {want}"
-    # A model that does not fit the folder: an error naming the file and the tensor.
+    # model.args that disagree with the folder's config.json (issue 51): exit 2 naming the key and the file.
     args = [nnstrain_bin_path(), "--config", str(CONFIG), "--run_dir", str(tmp_path / "bad"),
             "--vars.data", str(tiny_tokens), "--model.init_from", str(hf_dir), "--model.args.n_embd", "48"]
     p = subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert ".safetensors" in p.stderr and "has shape" in p.stderr and "needs" in p.stderr, p.stderr
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "model.args.n_embd" in p.stderr and "config.json has 32" in p.stderr, p.stderr
