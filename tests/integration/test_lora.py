@@ -67,7 +67,7 @@ checkpoint: {{save_dir: {run}/ck}}
 """
 
 PP, CP, TP = "--compute_config.pas_config.pp_size", "--compute_config.context_parallel_size", "--compute_config.plan_ngpus"
-PLANS = {  # name: (ranks, overrides)
+PLANS = {  # name: (ranks, overrides); NNSTRAIN_LORA_PLANS picks some (debugging)
     "tp2": (2, [TP, "2", "--pas_policy", "tp"]),
     "pp2": (2, [PP, "2", "--micro_batch_size", "2", "--grad_accumulation_steps", "2"]),
     "cp2": (2, [CP, "2"]),
@@ -101,6 +101,7 @@ def batches(tokens, steps):
 
 def peft_train(model, tokens, steps):
     """torch AdamW over the trainable parameters, the trainer's loss: the mean next-token cross-entropy."""
+    model.train()  # (bitsandbytes' CPU Linear4bit takes an inference-only path in eval mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=WD)
     losses = []
@@ -199,7 +200,7 @@ def test_plans_equal_one_process(family, one):
     for plan, (ranks, overrides) in PLANS.items():
         d = family["dir"] / plan
         cfg = config_file(family["dir"] / f"{plan}.yaml", family, d)
-        got = run_ranks(ranks, d, ["--config", cfg, *overrides], overrides)
+        got = run_ranks(ranks, d, ["--config", str(cfg), *overrides], overrides)
         worst = max(rel(got[s][0], one["losses"][s]) for s in one["losses"])
         print(f"{plan}: worst loss difference to one process: {worst:.2e}")
         assert worst <= 1e-5, (plan, got, one["losses"])
@@ -244,3 +245,48 @@ def test_bad_targets_exit_2_naming_them(family, tmp_path):
         assert p.returncode == 2 and named in p.stderr, (key, p.stderr)
     p = nnstrain("--config", config_file(tmp_path / "c.yaml", family, tmp_path / "run", steps=1), "--lora.alpha", "8")
     assert p.returncode == 2 and "lora_alpha" in p.stderr, p.stderr  # the peft folder says 16
+
+
+QSTEPS = 10
+# bitsandbytes' native CPU dequantization is its Python reference's only when a row is whole
+# 64-element blocks (measured: a [48, 48] weight dequantizes 0.16 away from code x absmax), so
+# its reference model has widths of whole blocks: 64, 192.
+QLORA_MODEL = dict(COMMON, vocab_size=67, hidden_size=64, intermediate_size=192, num_attention_heads=4,
+                   num_key_value_heads=2)
+
+
+def test_qlora_equals_peft_with_bitsandbytes(tmp_path, tiny_tokens):
+    """NF4 base (double quantization) + adapters: peft over bitsandbytes' Linear4bit on the CPU, 10 steps."""
+    pytest.importorskip("bitsandbytes")
+    torch.manual_seed(4)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**QLORA_MODEL)).float()
+    randomise(base)
+    base.save_pretrained(tmp_path / "hf")
+    full = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in full.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn_like(p))
+    full.save_pretrained(tmp_path / "init")
+    float_losses = peft_train(full, tiny_tokens, 1)
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                        bnb_4bit_compute_dtype=torch.float32)
+    base4 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", quantization_config=q, device_map="cpu",
+                                                              dtype=torch.float32)
+    assert type(base4.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    model = peft.PeftModel.from_pretrained(base4, tmp_path / "init", is_trainable=True)
+    want = peft_train(model, tiny_tokens, QSTEPS)
+    fam = {"hf": tmp_path / "hf", "init": tmp_path / "init", "tokens": tiny_tokens}
+    cfg = config_file(tmp_path / "q.yaml", fam, tmp_path / "run", steps=QSTEPS)
+    p = nnstrain("--config", cfg, "--lora.base_quantization", "nf4", "--lora.double_quant", "true")
+    assert p.returncode == 0, p.stdout + p.stderr
+    train, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    got = [r["loss"] for r in train]
+    rec = active_records(tmp_path / "run", 1)[0]["lora"]
+    assert rec["quantized_layers"] == 3 * len(TARGETS), rec
+    worst = max(rel(g, w) for g, w in zip(got, want))
+    print(f"QLoRA vs peft + bitsandbytes: worst loss difference {worst:.2e} over {QSTEPS} steps; "
+          f"loss {want[0]:.4f} -> {want[-1]:.4f} (fp32 base: {float_losses[0]:.4f}); frozen base {rec['frozen_bytes']} bytes")
+    assert len(got) == QSTEPS and worst <= 1e-5, (got, want)
+    assert sum(got[-3:]) < sum(got[:3]), got  # a falling curve
+    assert abs(got[0] - float_losses[0]) > 1e-4, (got[0], float_losses[0])  # the NF4 base is not the float one

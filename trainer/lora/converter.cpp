@@ -96,7 +96,9 @@ at::Tensor local_piece(const at::Tensor& global, const models::common::ParamLayo
 }
 
 // lora.init_from: the adapter_config.json must agree with the section; every adapter's A and B from the file.
-void load_peft(const config::LoraArgs& args, const std::vector<std::pair<LinearRef, std::shared_ptr<LoraAdapter>>>& ads) {
+// `targeted`: every adapted layer's HF name, this rank's or not (a pipeline rank holds some).
+void load_peft(const config::LoraArgs& args, const std::vector<std::pair<LinearRef, std::shared_ptr<LoraAdapter>>>& ads,
+               const std::set<std::string>& targeted) {
   const std::string where = "lora.init_from: " + args.init_from;
   nlohmann::json cfg;
   try {
@@ -130,6 +132,8 @@ void load_peft(const config::LoraArgs& args, const std::vector<std::pair<LinearR
       used.insert(key);
     }
   }
+  for (const auto& hf : targeted)
+    for (const char* mat : {"lora_A", "lora_B"}) used.insert("base_model.model." + hf + "." + mat + ".weight");
   for (const auto& t : reader.tensors())
     if (!used.count(t.name))
       throw config::ConfigError(where + ": " + t.name + " is in adapter_model.safetensors but this run has no such "
@@ -256,8 +260,10 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
   shape.scale = args.scale();
   shape.dropout = args.dropout;
   std::vector<std::pair<LinearRef, std::shared_ptr<LoraAdapter>>> made;
+  std::set<std::string> targeted;
   for (const auto& l : chosen) {
     if (is_saved(l.name)) continue;
+    targeted.insert(l.hf);
     if (!model.holds(l.name + ".weight") || l.weight->is_meta()) continue;
     shape.kind = l.kind;
     auto ad = std::make_shared<LoraAdapter>(shape, ctx, weight_layout(*l.module), opts);
@@ -269,7 +275,7 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
     rep.adapted.push_back(l.name);
     rep.adapter_elements += ad->A->weight.numel() + ad->B->weight.numel();
   }
-  if (!args.init_from.empty()) load_peft(args, made);
+  if (!args.init_from.empty()) load_peft(args, made, targeted);
   // QLoRA: the adapted layers' weights to NF4 from their fp32 values (before the cast below).
   if (args.base_quantization == "nf4") {
     torch::NoGradGuard no_grad;
