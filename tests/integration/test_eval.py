@@ -122,6 +122,7 @@ def setup(tmp_path_factory):
         if arch == "gpt2":
             cfg = transformers.GPT2Config(vocab_size=len(tok), n_positions=MAX_LEN, n_embd=32, n_layer=2, n_head=2,
                                           activation_function="gelu", initializer_range=0.2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # trained in-loop below
                                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
             model = transformers.GPT2LMHeadModel(cfg)
         else:
@@ -268,3 +269,127 @@ def test_bad_task_files(setup, tmp_path, fault, needle):
                        cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert needle in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# --- eval: in training (the live sharded model, no checkpoint round trip) ---
+
+TRAIN = """
+run_dir: {run}
+pas_policy: dp
+compute_config: {{device: cpu, backend: gloo, reducer_bucket_cap_mb: 0.01, collective_timeout_s: 60}}
+model:
+  init_from: {hf}
+optimizer:
+  type: adamw
+  args: {{lr: 3.0e-3}}
+  clip_gnorm: 0.0
+lr_scheduler: {{type: constant}}
+dataset:
+  type: token_bin
+  train_args: {{path: {data}, dtype: uint16, seq_len: 32}}
+micro_batch_size: 4
+max_train_steps: 4
+log_progress_every_n_train_steps: 1
+seed: 1337
+checkpoint: {{save_dir: {run}/ck}}
+eval:
+  tasks: [{tasks}]
+  every_n_train_steps: 2
+  batch_size: 4
+"""
+IN_LOOP_TASKS = ("tiny_mc_3shot", "tiny_roll", "tiny_gen_0shot")
+IN_LOOP_PLANS = {  # name: (ranks, overrides)
+    "tp2": (2, ["--compute_config.plan_ngpus", "2", "--pas_policy", "tp"]),
+    "dp2": (2, ["--micro_batch_size", "2"]),
+    "zero3_dp2": (2, ["--micro_batch_size", "2", "--compute_config.use_zero", "3"]),
+}
+
+
+def train_config(setup, path, run, tasks=None):
+    tasks = tasks or [setup["tasks"][n] for n in IN_LOOP_TASKS]
+    path.write_text(TRAIN.format(run=run, hf=setup["folders"]["gpt2"], data=setup["tokens"],
+                                 tasks=", ".join(str(t) for t in tasks)))
+    return path
+
+
+def eval_records(run):
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in recs if "eval_seconds" in r}
+
+
+def same_scores(a, b, what):
+    keys = {k for k in a if k.startswith("eval_") and k != "eval_seconds"}
+    assert keys == {k for k in b if k.startswith("eval_") and k != "eval_seconds"}, (what, a, b)
+    for k in keys:
+        if "perplexity" in k or "bits_per_byte" in k:
+            assert rel(a[k], b[k]) <= 1e-6, (what, k, a[k], b[k])
+        else:  # acc, acc_norm, exact_match: the same decisions
+            assert a[k] == b[k], (what, k, a[k], b[k])
+
+
+@pytest.fixture(scope="module")
+def in_loop_one(setup, tiny_tokens):
+    setup["tokens"] = tiny_tokens
+    run = setup["dir"] / "train_one"
+    p = subprocess.run([nnstrain_bin_path(), "--config", train_config(setup, setup["dir"] / "train_one.yaml", run)],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return run, eval_records(run), p.stdout + p.stderr
+
+
+def test_in_training_scores_the_live_model(setup, in_loop_one):
+    """Every 2 steps and at the last: the scores move with training and the last equals nnstrain eval of
+    the step-4 checkpoint; TensorBoard's eval/ tags and nnstrain report's eval lines show them."""
+    run, recs, out = in_loop_one
+    assert sorted(recs) == [2, 4], recs
+    assert "eval tiny_roll/word_perplexity" in out or "tiny_roll/word_perplexity" in out, out
+    assert recs[2]["eval_tiny_roll/word_perplexity"] != recs[4]["eval_tiny_roll/word_perplexity"]
+    out_json = setup["dir"] / "ck_eval.json"
+    p = subprocess.run([nnstrain_bin_path(), "eval", str(run / "ck"), "--tasks",
+                        *[str(setup["tasks"][n]) for n in IN_LOOP_TASKS], "--batch-size", "4", "--json", str(out_json),
+                        "--device", "cpu", "--tokenizer", str(setup["folders"]["gpt2"] / "tokenizer.json")],
+                       cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ck = json.loads(out_json.read_text())
+    same_scores(recs[4], {"eval_" + t + "/" + m: v for t, r in ck.items() for m, v in r["metrics"].items()},
+                "in-loop vs nnstrain eval of the checkpoint")
+    r = subprocess.run([nnstrain_bin_path(), "report", str(run), "--no-plot"], cwd=SOURCE, env=single_process_env(1),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "eval tiny_mc_3shot/acc" in r.stdout and "eval time" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("plan", sorted(IN_LOOP_PLANS))
+def test_in_training_plans_equal_one_process(setup, in_loop_one, plan):
+    from conftest import run_ranks
+    ranks, overrides = IN_LOOP_PLANS[plan]
+    run = setup["dir"] / f"train_{plan}"
+    cfg = train_config(setup, setup["dir"] / f"train_{plan}.yaml", run)
+    run_ranks(ranks, run, ["--config", str(cfg), *overrides], overrides)
+    got, want = eval_records(run), in_loop_one[1]
+    assert sorted(got) == sorted(want), got
+    for step in want:
+        same_scores(got[step], want[step], f"{plan} step {step}")
+
+
+def test_in_training_refusals(setup, tiny_tokens, tmp_path):
+    setup["tokens"] = tiny_tokens
+    cfg = train_config(setup, tmp_path / "c.yaml", tmp_path / "run")
+    for args, needle in ((["--compute_config.pas_config.pp_size", "2"], "eval.tasks"),
+                         (["--compute_config.context_parallel_size", "2"], "eval.tasks"),
+                         (["--eval.tasks", "[" + str(tmp_path / "none.yaml") + "]"], "none.yaml: no such task file")):
+        p = subprocess.run([nnstrain_bin_path(), "--config", str(cfg), *args, "--print-config"], cwd=SOURCE,
+                           env=single_process_env(1), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, (args, p.stdout + p.stderr)
+    # A bad task file is refused when the run starts, before its first step, naming the file and line.
+    rows = (setup["dir"] / "mc_test.jsonl").read_text().splitlines()
+    rows[1] = rows[1][:-2]
+    (tmp_path / "mc_test.jsonl").write_text("\n".join(rows) + "\n")
+    y = setup["tasks"]["tiny_mc_0shot"].read_text().replace(str(setup["dir"] / "mc_test.jsonl"),
+                                                             str(tmp_path / "mc_test.jsonl"))
+    (tmp_path / "bad.yaml").write_text(y)
+    cfg = train_config(setup, tmp_path / "b.yaml", tmp_path / "run", tasks=[tmp_path / "bad.yaml"])
+    p = subprocess.run([nnstrain_bin_path(), "--config", str(cfg)], cwd=SOURCE, env=single_process_env(1),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "mc_test.jsonl:2: not valid JSON" in p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "run" / "metrics.jsonl").read_text()

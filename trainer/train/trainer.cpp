@@ -380,7 +380,8 @@ void Trainer::make_task_eval() {
   }
   be.before_forward = [this] { tr_.reducer->begin_forward(); };
   be.after_forwards = [this] { tr_.reducer->release_params(); };
-  be.kv_cache = plan_.tp == 1;  // decode_logits is whole-model only
+  // decode_logits is whole-model only, and runs the blocks outside ZeRO-3's gathering hooks
+  be.kv_cache = plan_.tp == 1 && plan_.zero_stage < 3;
   be.seq_multiple = plan_.tp > 1 && args_.compute_config.sequence_parallel ? plan_.tp : 1;
   task_eval_ = std::make_unique<eval::InTrainingEval>(args_, std::move(be));
   if (rank_ == 0)
