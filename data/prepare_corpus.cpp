@@ -636,6 +636,7 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
             try {
               rec = chat_record(std::string(line_text), where);
             } catch (const std::runtime_error& e) {
+              if (o.on_error == "stop") flush();  // an earlier record's rendering error comes first
               bad_record(e.what());
               continue;
             }

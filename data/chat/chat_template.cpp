@@ -332,8 +332,10 @@ std::vector<std::pair<size_t, size_t>> ChatTemplate::assistant_spans(const Conve
     {  // white space the template puts before the content (Mistral's " ") is not the answer's
       const Value* content = c.messages.list()[i].map().find(std::string("content"));
       const std::string text = content && content->is_string() ? content->str() : "";
-      if (text.empty() || b.compare(s, text.size(), text) != 0)
-        while (s < e && is_ws(b[s])) ++s;
+      size_t k = s;
+      while (k < e && is_ws(b[k])) ++k;
+      const size_t at = text.empty() ? std::string::npos : b.find(text, s);
+      s = at != std::string::npos && at <= k ? at : k;  // up to the content, which keeps its own white space
     }
     if (full.text.compare(0, b.size(), b) == 0) {
       if (e > s) spans.emplace_back(s, e);
