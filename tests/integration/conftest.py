@@ -356,8 +356,11 @@ def assert_active(run_dir, output, nproc, overrides):
         def sharded(part, on):
             if part == "moments" and not adamw:
                 assert 0 < held[part] < full[part], f"rank {rank}: {part} {held[part]} bytes, AdamW's {full[part]}"
-            elif not on or z == 1:  # whole, in the precision's dtype: exactly n elements of it
-                assert held[part] == full[part], f"rank {rank}: {part} {held[part]} bytes, whole is {full[part]} ({held})"
+            elif not on or z == 1:  # whole, in the precision's dtype: n elements of it, plus the flat
+                # layout's 16-element alignment (under 16 per tensor and bucket; the tests' models hold < 256)
+                pad = held[part] - full[part]
+                assert 0 <= pad <= 16 * 256 * eb[part], \
+                    f"rank {rank}: {part} {held[part]} bytes, whole is {full[part]} ({held})"
             else:
                 slack = 64 * z * eb[part]
                 share = ((held["elements"] - experts) / z + experts * want["ep"] / z) * eb[part]
