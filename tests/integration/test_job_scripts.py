@@ -140,7 +140,15 @@ def test_pbs_script(tmp_path, fake_bin, nnstrain_bin, hosts, per_node):
     env = job_env(fake_bin, nnstrain_bin, PBS_JOBID="4321.fake-pbs", PBS_NODEFILE=str(node_file),
                   PBS_O_WORKDIR=str(SOURCE), GPUS=str(per_node),
                   NNSTRAIN_ARGS="--max_train_steps 10 --seed 3")
-    proc = run_job("scripts/pbs/train.pbs", env, cwd=tmp_path)
+    # The script marks a started job in its working folder (PBS_O_WORKDIR, the checkout here); a marker
+    # left by an earlier run of this test would make this one a rerun by PBS.
+    marker = SOURCE / ".nnstrain-started-4321.fake-pbs"
+    marker.unlink(missing_ok=True)
+    try:
+        proc = run_job("scripts/pbs/train.pbs", env, cwd=tmp_path)
+    finally:
+        assert marker.exists()  # the script marked the job as started
+        marker.unlink()
     check_tasks(tasks_seen(proc.stdout), nodes, per_node, "pbs", hosts[0], 20000 + 4321,
                 f"--config {DEFAULT_CONFIG} --max_train_steps 10 --seed 3")
 
