@@ -259,8 +259,8 @@ TEST_CASE("llama hf_config round-trips through config_from_hf", "[llama]") {
   CHECK(b5->rope_scaling.original_max_position_embeddings == cfg.max_position_embeddings);
 
   auto bad = j;
-  bad["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  CHECK_THROWS_WITH(nnstrain::models::llama::config_from_hf(bad), Catch::Contains("rope_scaling.rope_type 'yarn'"));
+  bad["rope_scaling"] = {{"rope_type", "ntk-by-parts"}, {"factor", 4.0}};  // yarn and longrope are read (issue 51)
+  CHECK_THROWS_WITH(nnstrain::models::llama::config_from_hf(bad), Catch::Contains("rope_scaling.rope_type 'ntk-by-parts'"));
   bad = j;
   bad.erase("hidden_size");
   CHECK_THROWS_WITH(nnstrain::models::llama::config_from_hf(bad), Catch::Contains("'hidden_size'"));
@@ -288,7 +288,8 @@ TEST_CASE("llama model.args are parsed and validated with the numbers at fault",
                         Catch::Contains("num_key_value_heads 4"));
   CHECK_THROWS_WITH(parse_yaml_args("    hidden_size: 50\n    num_attention_heads: 4\n"),
                     Catch::Contains("hidden_size 50") && Catch::Contains("num_attention_heads 4"));
-  CHECK_THROWS_WITH(parse_yaml_args("    rope_scaling: {rope_type: yarn}\n"), Catch::Contains("rope_type"));
+  CHECK_THROWS_WITH(parse_yaml_args("    rope_scaling: {rope_type: ntk}\n"), Catch::Contains("rope_type"));
+  CHECK_THROWS_WITH(parse_yaml_args("    rope_scaling: {rope_type: yarn}\n"), Catch::Contains("rope_scaling.factor"));
   CHECK_THROWS_AS(parse_yaml_args("    num_kv_heads: 2\n"), ConfigError);  // unknown key
 }
 
