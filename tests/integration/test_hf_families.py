@@ -33,9 +33,8 @@ COMMON = dict(vocab_size=67, hidden_size=48, intermediate_size=72, num_hidden_la
               num_key_value_heads=2, max_position_embeddings=96, rms_norm_eps=1e-6, rope_theta=10000.0,
               tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 FAMILIES = {
-    # Qwen2.5: q/k/v biases, the last two layers sliding (window 12 < 32), YaRN, tied embeddings. head_dim 16:
-    # assert_active counts held parameter bytes exactly, and under tp a parameter whose local size is not a
-    # multiple of 16 elements is held padded (a 24-element bias as 32), so the biases stay multiples of 16.
+    # Qwen2.5: q/k/v biases, the last two layers sliding (window 12 < 32), YaRN, tied embeddings, an
+    # explicit head_dim of 16 (6 x 16 != 48).
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         **{**COMMON, "tie_word_embeddings": True}, head_dim=16, use_sliding_window=True, sliding_window=12,
         max_window_layers=1,
