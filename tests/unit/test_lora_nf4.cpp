@@ -66,8 +66,8 @@ TEST_CASE("NF4 codes and scales equal bitsandbytes' quantize_4bit bitwise", "[lo
       // fp32 rounding: one product level x absmax each (double quantization's scales add one more).
       const double tol = (dq ? 2 : 1) * 1.2e-7 * theirs.abs().max().item<double>();
       CHECK((ours - theirs).abs().max().item<double>() <= tol);
-      // The codes mean something: dequantization is close to the weight (NF4's error, not zero's).
-      CHECK((ours - w).abs().max().item<double>() < 0.1 * w.abs().max().item<double>() + 1e-6);
+      // The codes mean something: within half NF4's widest gap (0.72 to 1) of each block's absmax.
+      CHECK((ours - w).abs().max().item<double>() < 0.14 * w.abs().max().item<double>() + 1e-6);
     }
   }
 }
