@@ -1,6 +1,6 @@
 """LoRA and QLoRA (issue 53) against peft, the reference, run here.
 
-For a transformers Llama and Qwen2 (q/k/v biases) of odd shapes, peft builds a LoraConfig
+For a transformers Llama, Qwen2 (q/k/v biases) and GPT-2 (Conv1D, fused q/k/v) of odd shapes, peft builds a LoraConfig
 (r 8, alpha 16, attention and MLP projections, dropout 0) whose B is made non-zero, saves it,
 and trains it 20 steps with torch AdamW on the batches nnstrain's data stream draws. nnstrain
 starts from the same folders (model.init_from, lora.init_from) and:
@@ -8,7 +8,7 @@ starts from the same folders (model.init_from, lora.init_from) and:
   peft's final ones within 1e-5;
 - peft.PeftModel.from_pretrained(base, that folder) gives the logits of transformers on
   `merge --hf`'s merged folder (W + scale x B A) within 1e-5;
-- (Llama) dp 2 ZeRO-3, tp 2, pp 2 and cp 2 equal one process within 1e-5, each run's record
+- (Llama; GPT-2 tp 2) dp 2 ZeRO-3, tp 2, pp 2 and cp 2 equal one process within 1e-5, each run's record
   showing the plan ran (assert_active) and that the training state held the adapters alone
   (its parameter elements are the adapters', no other parameter in it, no frozen tensor
   requiring or holding a gradient after the first step);
@@ -38,7 +38,12 @@ COMMON = dict(vocab_size=67, hidden_size=48, intermediate_size=72, num_hidden_la
 FAMILIES = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, use_sliding_window=False)),
+    # GPT-2: Conv1D weights stored [in, out] (peft's fan_in_fan_out), q/k/v fused in c_attn (column-parallel in parts).
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=67, n_embd=48, n_layer=3, n_head=6, n_positions=96, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, activation_function="gelu", tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)),
 }
+FAMILY_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"]}
 
 CONFIG = """
 run_dir: {run}
@@ -84,7 +89,8 @@ def nnstrain(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def config_file(path, fam, run, steps=STEPS, init=None, targets=TARGETS, extra=""):
+def config_file(path, fam, run, steps=STEPS, init=None, targets=None, extra=""):
+    targets = targets or FAMILY_TARGETS.get(fam.get("name"), TARGETS)
     path.write_text(CONFIG.format(run=run, hf=fam["hf"], init=init or fam["init"], targets=", ".join(targets),
                                   lr=LR, wd=WD, data=fam["tokens"], seq=SEQ, micro=MICRO, steps=steps, seed=SEED)
                     + extra)
@@ -130,7 +136,8 @@ def family(request, tmp_path_factory, tiny_tokens):
     base = FAMILIES[name]().float()
     randomise(base)
     base.save_pretrained(d / "hf")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=FAMILY_TARGETS.get(name, TARGETS),
+                                                      lora_dropout=0.0, fan_in_fan_out=name == "gpt2"))
     with torch.no_grad():  # B = 0 (peft's init) would hide a misplaced B: start from a random one
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -170,6 +177,7 @@ def test_losses_and_adapters_equal_peft(family, one):
     from safetensors.torch import load_file
     ours = load_file(one["dir"] / "adapter" / "adapter_model.safetensors")
     assert sorted(ours) == sorted(family["final"]), sorted(set(ours) ^ set(family["final"]))
+    assert len(ours) == 2 * 3 * len(FAMILY_TARGETS.get(family["name"], TARGETS)) + (6 if family["name"] == "gpt2" else 0)
     diff = max((ours[k] - family["final"][k]).abs().max().item() for k in ours)
     print(f"{family['name']}: final adapters' largest difference to peft: {diff:.2e} over {len(ours)} tensors")
     moved = max((family["final"][k] - family["start"][k]).abs().max().item() for k in ours)
@@ -195,9 +203,10 @@ def test_peft_loads_the_adapter_with_merged_logits(family, one):
 
 def test_plans_equal_one_process(family, one):
     """dp 2 ZeRO-3, tp 2, pp 2, cp 2: one process's losses within 1e-5; the records show adapters alone."""
-    if family["name"] != "llama":
+    if family["name"] == "qwen2":
         pytest.skip("the plans run on the Llama (the same decoder); qwen2 checks peft parity")
-    for plan, (ranks, overrides) in PLANS.items():
+    plans = PLANS if family["name"] == "llama" else {"tp2": PLANS["tp2"]}  # GPT-2: c_attn's fused q/k/v split in parts
+    for plan, (ranks, overrides) in plans.items():
         d = family["dir"] / plan
         cfg = config_file(family["dir"] / f"{plan}.yaml", family, d)
         got = run_ranks(ranks, d, ["--config", str(cfg), *overrides], overrides)
