@@ -292,6 +292,7 @@ max_train_steps: 4
 log_progress_every_n_train_steps: 1
 seed: 1337
 checkpoint: {{save_dir: {run}/ck}}
+log: [{{type: console}}, {{type: jsonl, args: {{path: {run}/metrics.jsonl}}}}, {{type: tensorboard, args: {{dir: {run}/tb}}}}]
 eval:
   tasks: [{tasks}]
   every_n_train_steps: 2
@@ -357,6 +358,12 @@ def test_in_training_scores_the_live_model(setup, in_loop_one):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "eval tiny_mc_3shot/acc" in r.stdout and "eval time" in r.stdout, r.stdout
+    from test_observability import tb_scalars
+    scalars, _, _ = tb_scalars(run / "tb")
+    for k, v in recs[4].items():
+        if k.startswith("eval_") and k != "eval_seconds":
+            tag = "eval/" + k[5:]
+            assert sorted(scalars[tag]) == [2, 4] and rel(scalars[tag][4], v) < 1e-6, (tag, scalars.get(tag))
 
 
 @pytest.mark.parametrize("plan", sorted(IN_LOOP_PLANS))
