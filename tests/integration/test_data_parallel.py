@@ -269,11 +269,17 @@ def held_total(j):
 def test_zero3_holds_one_nth_of_the_state(job):
     # fp32 AdamW: 16 bytes per parameter element (weight, gradient, two moments).
     # ZeRO-3 over 4 ranks keeps a quarter of each, read from the tensors' storage
-    # after training, plus the padding of each unit to a multiple of 4 elements.
+    # after training, plus the padding: each parameter starts at a multiple of 16
+    # elements (FlatLayout's alignment, what _grouped_mm needs of a view) and each
+    # unit is cut into 4 chunks of a multiple of 16 (at most 15 per tensor, 63 per unit). A rank's
+    # chunks hold at most (n + padding) / 4 elements, the padding falling in some ranks' more than
+    # in others': at least (n + padding) / 4 - padding of them are parameters.
     z3, z1 = job("dp4_b4_zero3"), job("dp4_b4_zero1")
     n = int(re.search(r"model gpt: (\d+) parameters", z3.output).group(1))
     units = 2 + 2  # before the blocks, 2 blocks, after the blocks
-    lo, hi = 16 * n / 4, 16 * (n + units * 3) / 4
+    tensors = 5 + 2 * 12  # wte, wpe, ln_f (2) and the head's bias at most; per block 12 (weights and biases)
+    padding = 15 * tensors + 63 * units
+    lo, hi = 16 * (n - 3 * padding) / 4, 16 * (n + padding) / 4
     for rank, held in held_total(z3).items():
         assert lo <= held <= hi, f"rank {rank} holds {held} bytes, want 1/4 of {16 * n} (+ padding): [{lo}, {hi}]"
     # The figure tells stages apart: ZeRO-1 keeps whole weights and gradients.

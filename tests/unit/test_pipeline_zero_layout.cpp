@@ -20,11 +20,11 @@ std::vector<std::vector<size_t>> buckets_of(const FlatLayout& l) {
   return out;
 }
 
-TrainingStateOptions options(int zero_stage, std::vector<int> units) {
+TrainingStateOptions options(int zero_stage, std::vector<int> units, double cap_elements = 35) {
   TrainingStateOptions o;
   o.zero_stage = zero_stage;
   o.zero_size = 2;
-  o.bucket_cap_mb = 140.0 / 1048576.0;  // 35 fp32 elements
+  o.bucket_cap_mb = 4 * cap_elements / 1048576.0;  // fp32 elements
   o.units = std::move(units);
   return o;
 }
@@ -32,18 +32,20 @@ TrainingStateOptions options(int zero_stage, std::vector<int> units) {
 }  // namespace
 
 TEST_CASE("pipeline zero layout: ZeRO-2's buckets are capped and never hold two stages' parameters") {
-  const std::vector<int64_t> numels{10, 10, 10, 10};
-  // Without units the cap of 35 elements puts three parameters in one bucket;
+  // Parameters of whole 16-element runs (FlatLayout's alignment adds no padding between them).
+  const std::vector<int64_t> numels{16, 16, 16, 16};
+  // Without units a cap of 52 elements puts three parameters in one bucket;
   // parameters 0-1 (stage 0) and 2-3 (stage 1) must stay apart.
-  CHECK(buckets_of(TrainingState::layout_for(numels, options(2, {}))) == std::vector<std::vector<size_t>>{{3, 2, 1}, {0}});
-  const auto l = TrainingState::layout_for(numels, options(2, {0, 0, 1, 1}));
+  CHECK(buckets_of(TrainingState::layout_for(numels, options(2, {}, 52))) ==
+        std::vector<std::vector<size_t>>{{3, 2, 1}, {0}});
+  const auto l = TrainingState::layout_for(numels, options(2, {0, 0, 1, 1}, 52));
   CHECK(buckets_of(l) == std::vector<std::vector<size_t>>{{3, 2}, {1, 0}});
   // The cap still cuts within a stage.
-  CHECK(buckets_of(TrainingState::layout_for({10, 10, 10, 10}, options(2, {0, 0, 0, 0}))) ==
+  CHECK(buckets_of(TrainingState::layout_for(numels, options(2, {0, 0, 0, 0}, 52))) ==
         std::vector<std::vector<size_t>>{{3, 2, 1}, {0}});
-  // Padded per bucket to the ZeRO group size: each rank owns half of each.
-  CHECK(l.size == 40);
-  CHECK(l.shard_size == 20);
+  // Each bucket cut into ZeRO chunks of whole 16-element runs: each rank owns half of each.
+  CHECK(l.size == 64);
+  CHECK(l.shard_size == 32);
 }
 
 TEST_CASE("pipeline zero layout: a tied parameter alone is chunked alike whatever else the rank holds") {
@@ -55,8 +57,8 @@ TEST_CASE("pipeline zero layout: a tied parameter alone is chunked alike whateve
   const auto& b = last.buckets[last.bucket_of[0]];
   CHECK(a.params == std::vector<size_t>{0});
   CHECK(b.params == std::vector<size_t>{0});
-  CHECK(a.end - a.begin == 8);
-  CHECK(b.end - b.begin == 8);
+  CHECK(a.end - a.begin == 32);  // 7 elements, chunked over 2 ranks in whole 16-element runs
+  CHECK(b.end - b.begin == 32);
   CHECK(first.chunk_size(a) == last.chunk_size(b));
 }
 
