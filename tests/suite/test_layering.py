@@ -32,6 +32,13 @@ RULES = {
     "trainer/state": ["base/", "models/", "trainer/sharding/", "trainer/optim/", "trainer/dist/",
                       "trainer/checkpoint/", "trainer/offload/"],
     "trainer/offload": ["base/"],
+    # LoRA: the adapter math is model code (no ranks); the converter and peft I/O sit beside interop.
+    "models/lora": ["base/", "models/common/"],
+    "trainer/lora": ["base/", "data/sha256.h", "models/", "trainer/checkpoint/", "trainer/interop/",
+                     "trainer/state/tensor_parallel.h"],
+    # Evaluation: task files, scoring, the command and the in-training hook; never the planner.
+    "trainer/eval": ["base/", "data/chat/", "data/tokenizer/", "models/", "trainer/checkpoint/", "trainer/dist/",
+                     "trainer/interop/"],
 }
 
 
