@@ -40,7 +40,8 @@ std::pair<ParamLayout, ParamLayout> adapter_layouts(BaseKind kind, const ParamLa
   return {a, b};
 }
 
-// The rectangle `l` holds of a global tensor, as its local tensor.
+}  // namespace
+
 at::Tensor local_piece(const at::Tensor& global, const ParamLayout& l) {
   std::vector<at::Tensor> parts;
   for (const auto& blk : l.blocks) {
@@ -50,7 +51,6 @@ at::Tensor local_piece(const at::Tensor& global, const ParamLayout& l) {
   }
   return parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
 }
-}  // namespace
 
 AdaptersOff::AdaptersOff() { ++adapters_off; }
 AdaptersOff::~AdaptersOff() { --adapters_off; }

@@ -86,4 +86,8 @@ class LoraAdapter : public common::LinearAdapter {
   c10::ScalarType compute_ = c10::kFloat;
 };
 
+// The rectangle(s) `l` holds of a global tensor, as its local tensor (blocks stacked along dim 0):
+// an adapter's piece of a whole peft tensor, or a base weight's of a whole Hugging Face one.
+at::Tensor local_piece(const at::Tensor& global, const common::ParamLayout& l);
+
 }  // namespace nnstrain::models::lora

@@ -27,6 +27,7 @@ using models::common::LinearImpl;
 using models::common::RowParallelLinearImpl;
 using models::lora::BaseKind;
 using models::lora::LoraAdapter;
+using models::lora::local_piece;
 
 LoraReport g_report;
 bool g_applied = false;
@@ -84,16 +85,6 @@ models::common::ParamLayout weight_layout(const models::common::ShardedModule& m
   throw std::logic_error("a linear layer without a weight layout");
 }
 
-// The rectangle(s) this rank holds of a global [rows, cols] tensor (stacked along dim 0).
-at::Tensor local_piece(const at::Tensor& global, const models::common::ParamLayout& l) {
-  std::vector<at::Tensor> parts;
-  for (const auto& blk : l.blocks) {
-    auto t = global;
-    for (size_t d = 0; d < blk.shape.size(); ++d) t = t.narrow(d, blk.offsets[d], blk.shape[d]);
-    parts.push_back(t);
-  }
-  return parts.size() == 1 ? parts[0] : torch::cat(parts, 0);
-}
 
 // lora.init_from: the adapter_config.json must agree with the section; every adapter's A and B from the file.
 // `targeted`: every adapted layer's HF name, this rank's or not (a pipeline rank holds some).
