@@ -50,10 +50,11 @@ std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& promp
     const auto from = seq.end() - std::min(n, window);  // the context, cropped to the window
     if (!opts.kv_cache) {
       logits = model.logits(as_tensor(from, seq.end()));
-    } else if (cache.length() > 0 && cache.length() == n - 1 && n <= cache.capacity()) {
+    } else if (cache.length() > 0 && cache.length() == n - 1 && n <= cache.capacity() &&
+               !model.rebuild_cache(cache.length(), n)) {
       logits = model.decode_logits(as_tensor(seq.end() - 1, seq.end()), cache);  // one new token
     } else {
-      cache.reset();  // the prompt, or a window that slid: positions changed
+      cache.reset();  // the prompt, a window that slid (positions changed), or the model asks
       logits = model.decode_logits(as_tensor(from, seq.end()), cache);
     }
     const auto last = logits.select(0, 0).select(0, -1);

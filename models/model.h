@@ -29,6 +29,10 @@ struct HfTensor {
   // >= 0: `theirs` is one expert of a stacked [E, ...] parameter, ours[expert]
   // (MoE checkpoints name each expert's weights on their own); one entry per expert.
   int64_t expert = -1;
+  // >= 0: ours is rows [fused_offset, fused_offset + its rows) of `theirs`, a
+  // tensor Hugging Face fuses from several of ours (Phi-3's qkv_proj and
+  // gate_up_proj): split on import, concatenated again by merge --hf.
+  int64_t fused_offset = -1;
 };
 
 // State outside the parameters that Hugging Face checkpoints hold too
@@ -133,6 +137,11 @@ class CausalLM : public torch::nn::Module {
   // keys and values to the cache. Equal to logits() on the whole sequence at
   // those positions. Models without it throw.
   virtual torch::Tensor decode_logits(const torch::Tensor& idx, common::KvCache& cache);
+  // Whether generation must rebuild the cache from the whole sequence before
+  // decoding to `length` tokens from `cached` ones, as transformers does for
+  // the model (Phi-3: once, when the sequence first passes
+  // original_max_position_embeddings and its rope switches to the long factors).
+  virtual bool rebuild_cache(int64_t cached, int64_t length) const { return false; }
 
   virtual int64_t vocab_size() const = 0;
   virtual int64_t max_seq_len() const = 0;

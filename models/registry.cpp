@@ -39,6 +39,8 @@ const std::vector<ModelEntry>& registered_models() {
         llama::family_entry("qwen2"),
         llama::family_entry("qwen3"),
         llama::family_entry("mistral"),
+        llama::family_entry("phi3"),
+        llama::family_entry("gemma3"),
         moe::qwen3_moe_entry(),
         moe::mixtral_entry(),
     };

@@ -21,18 +21,18 @@ std::pair<at::Tensor, at::Tensor> KvCache::append(size_t layer, const at::Tensor
 }
 
 at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
-                            int64_t window) {
+                            int64_t window, std::optional<double> scale) {
   const int64_t T = q.size(2), S = k.size(2);
   if (window > 0 && window < S) {  // a band: the diagonal moved right by `past`, window keys wide
     const auto band = torch::ones({T, S}, q.options().dtype(torch::kBool)).tril(past).triu(past - window + 1);
-    return at::scaled_dot_product_attention(q, k, v, band, 0.0, /*is_causal=*/false);
+    return at::scaled_dot_product_attention(q, k, v, band, 0.0, /*is_causal=*/false, scale);
   }
-  if (past == 0) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-  if (T == 1) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/false);
+  if (past == 0) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale);
+  if (T == 1) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/false, scale);
   // SDPA's is_causal aligns the mask top-left (query i sees keys <= i); with a
   // past the diagonal moves right by `past`.
   const auto mask = torch::ones({T, S}, q.options().dtype(torch::kBool)).tril(past);
-  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/false);
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, /*is_causal=*/false, scale);
 }
 
 }  // namespace nnstrain::models::common

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -37,6 +38,6 @@ class KvCache {
 // past + i. Without a past this is plain causal attention; one new token sees all.
 // `window` > 0: query i sees only keys past + i - window + 1 .. past + i (sliding window).
 at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
-                            int64_t window = 0);
+                            int64_t window = 0, std::optional<double> scale = std::nullopt);
 
 }  // namespace nnstrain::models::common

@@ -236,11 +236,24 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx) :
   if (ctx.sp()) sp_comm_ = ctx.comm;
 }
 
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, const ShardingContext& ctx, bool offset) : eps(eps_), unit_offset(offset) {
+  layouts_.push_back(replicated_layout("weight", {dim}, offset ? InitRule::zeros() : InitRule::ones()));
+  add_param(layouts_[0], ctx.options);
+  layouts_[0].owner = this;
+  rebind();
+  if (ctx.sp()) sp_comm_ = ctx.comm;
+}
+
 void RMSNormImpl::rebind() { weight = param_or_undefined(parameters_, "weight"); }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // Hugging Face's LlamaRMSNorm (normalised in fp32, cast back, times the weight).
   const auto w = sp_comm_ ? sum_grads_over_tp(weight, {}, sp_comm_).first : weight;  // as LayerNorm's
+  if (unit_offset) {  // Gemma3RMSNorm's op sequence: all in fp32, then the input's dtype
+    const auto xf = x.to(torch::kFloat);
+    const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    return (normed * (w.to(torch::kFloat) + 1.0)).to(x.scalar_type());
+  }
   return kernels::rms_norm(x, w, eps);
 }
 
@@ -360,12 +373,14 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
   // gathered whole (their gradient reduce-scattered back), as copy_to_tp would.
   auto h = (ctx_.sp() ? gather_from_seq(hidden, ctx_.tp, ctx_.comm) : hidden).reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
+  if (softcap > 0) kind = LossKind::Plain;  // the capped logits whole: no chunked form caps them
+  const auto capped = [&](const torch::Tensor& l) { return softcap > 0 ? torch::tanh(l / softcap) * softcap : l; };
   if (!ctx_.parallel()) {
     if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     count_plain_loss_forward();
     return torch::nn::functional::cross_entropy(
-        deferrable_linear(h, w).to(torch::kFloat32), t,
+        capped(deferrable_linear(h, w)).to(torch::kFloat32), t,
         torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
   }
   const int64_t held = w.size(0);
@@ -374,10 +389,18 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
     return fused_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
   if (kind == LossKind::Chunked)
     return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
-  return vocab_parallel_cross_entropy(deferrable_linear(h, w), t, start_, held, ignore_index, ctx_.comm);
+  return vocab_parallel_cross_entropy(capped(deferrable_linear(h, w)), t, start_, held, ignore_index, ctx_.comm);
 }
 
 torch::Tensor ParallelLmHeadImpl::logits(const torch::Tensor& hidden, const torch::Tensor& w) const {
+  if (softcap > 0) {
+    const auto l = ParallelLmHeadImpl::uncapped_logits(hidden, w);
+    return torch::tanh(l / softcap) * softcap;
+  }
+  return uncapped_logits(hidden, w);
+}
+
+torch::Tensor ParallelLmHeadImpl::uncapped_logits(const torch::Tensor& hidden, const torch::Tensor& w) const {
   if (!ctx_.parallel()) return torch::nn::functional::linear(hidden, w);
   // Evaluation only: no gradient through the gather. Every rank's piece is
   // padded to padded_vocab / tp columns for the gather; the padding sits at the

@@ -207,10 +207,13 @@ class RMSNormImpl : public ShardedModule {
  public:
   RMSNormImpl(int64_t dim, double eps, const c10::TensorOptions& opts = {});
   RMSNormImpl(int64_t dim, double eps, const ShardingContext& ctx);  // sequence-parallel aware
+  // unit_offset: Gemma's norm, scaled by (1 + weight) in fp32 and cast back; the weight starts at zero.
+  RMSNormImpl(int64_t dim, double eps, const ShardingContext& ctx, bool unit_offset);
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;
   double eps;
+  bool unit_offset = false;
 
  private:
   void rebind() override;
@@ -249,8 +252,13 @@ class ParallelLmHeadImpl : public ShardedModule {
   torch::Tensor logits(const torch::Tensor& hidden, const torch::Tensor& weight) const;
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;  // undefined when tied
+  // Gemma's final_logit_softcapping: logits -> tanh(logits / softcap) x softcap
+  // (elementwise, so per vocabulary piece too) before the loss, which is then
+  // the plain one whatever the kind; 0: none.
+  double softcap = 0;
 
  private:
+  torch::Tensor uncapped_logits(const torch::Tensor& hidden, const torch::Tensor& w) const;
   void rebind() override;
   ShardingContext ctx_;
   int64_t vocab_ = 0, start_ = 0;

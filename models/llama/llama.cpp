@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -24,7 +25,7 @@ LlamaConfig LlamaConfig::resolved() const {
 // transformers' own op sequence (models/common/rope.h), so the frequencies match it bit for bit in fp32.
 torch::Tensor rope_inv_freq(const LlamaConfig& cfg) {
   const auto c = cfg.resolved();
-  return common::rope_frequencies(c.rope_scaling, c.rope_theta, c.head_dim, c.max_position_embeddings).inv_freq;
+  return common::rope_frequencies(c.rope_scaling, c.rope_theta, c.rotary_dim(), c.max_position_embeddings).inv_freq;
 }
 
 namespace {
@@ -38,12 +39,31 @@ std::optional<torch::Tensor> attn_mask(const torch::Tensor& mask) {
 // Meta's reference does), whatever dtype q/k arrive in. t is a view of its
 // projection's output, which nothing else keeps: rotated in place where the
 // kernel does so (models/common/kernels).
+// cos/sin narrower than the head (phi3's partial_rotary_factor): its leading
+// dimensions rotate, the rest pass, as transformers' apply_rotary_pos_emb.
 torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
-  return common::kernels::rotary_(t, cos, sin);
+  const auto rot = cos.size(-1), dim = t.size(-1);
+  if (rot == dim) return common::kernels::rotary_(t, cos, sin);
+  return torch::cat({common::kernels::rotary_(t.narrow(-1, 0, rot).contiguous(), cos, sin), t.narrow(-1, rot, dim - rot)},
+                    -1);
 }
 
 // Qwen3's per-head RMSNorm of queries or keys [B, heads, T, head_dim] (none: t).
 torch::Tensor qk(common::RMSNorm& norm, const torch::Tensor& t) { return norm ? norm(t) : t; }
+
+// Attention with tanh-capped scores (Gemma's attn_logit_softcapping), as
+// transformers' eager path: q [B, H, T, D] at positions past.., k/v [B, H, S, D]
+// (heads repeated); query i sees keys j <= past + i (and past + i - j < window).
+torch::Tensor softcapped_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   double scale, double cap, int64_t past, int64_t window) {
+  const int64_t T = q.size(2), S = k.size(2);
+  auto scores = torch::matmul(q, k.transpose(2, 3)) * scale;
+  scores = torch::tanh(scores / cap) * cap;
+  auto see = torch::ones({T, S}, q.options().dtype(torch::kBool)).tril(past);
+  if (window > 0) see = see.triu(past - window + 1);
+  scores = scores.masked_fill(see.logical_not(), -std::numeric_limits<float>::infinity());
+  return torch::matmul(torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type()), v);
+}
 
 
 }  // namespace
@@ -51,6 +71,7 @@ torch::Tensor qk(common::RMSNorm& norm, const torch::Tensor& t) { return norm ? 
 AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx, int64_t layer)
     : head_dim(cfg.head_dim),
       window(cfg.window(layer)),
+      softcap(cfg.attn_logit_softcapping),
       kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")),
       cp_comm(ctx.cp_comm),
       cp_comm_type(ctx.cp_comm_type),
@@ -76,9 +97,12 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
     // weights' gradients are partial: summed over the group, as a sequence-parallel norm's.
     auto heads_ctx = ctx;
     heads_ctx.sequence_parallel = true;
-    q_norm = register_module("q_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx));
-    k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx));
+    q_norm = register_module("q_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx, cfg.norm_unit_offset));
+    k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx, cfg.norm_unit_offset));
   }
+  if (cfg.query_pre_attn_scalar > 0) scale = 1.0 / std::sqrt(cfg.query_pre_attn_scalar);
+  if (softcap > 0 && ctx.cp_comm)
+    throw std::invalid_argument("model.args.attn_logit_softcapping: context parallelism has no soft-capped attention");
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -95,33 +119,40 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     common::CpAttentionOptions o;
     o.comm_type = cp_comm_type;
     o.layout = cp_layout;
+    o.scale = scale;
     if (by_tiles) o.segments = mask;
     auto y = common::context_parallel_attention(q, k, v, /*causal=*/true, cp_comm, o);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
   TORCH_CHECK(window == 0 || !mask.defined(),
               "model.args.sliding_window: packed documents (dataset document_mask) have no sliding-window attention");
+  TORCH_CHECK(softcap == 0 || !mask.defined(),
+              "model.args.attn_logit_softcapping: packed documents (dataset document_mask) have no soft-capped attention");
   if (by_tiles) {
-    auto y = common::document_attention(q, k, v, mask);
+    auto y = common::document_attention(q, k, v, mask, scale);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
   // GQA: flash attention on CUDA takes the KV heads as they are; elsewhere
   // enable_gqa would fall back to the math kernel, so repeat them (as HF's repeat_kv).
   bool native_gqa = false;
   if (heads != kv_heads) {
-    native_gqa = q.is_cuda() && (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16);
+    native_gqa = softcap == 0 && q.is_cuda() && (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16);
     if (!native_gqa) {
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
   }
+  if (softcap > 0) {
+    auto y = softcapped_attention(q, k, v, scale.value_or(1.0 / std::sqrt(double(head_dim))), softcap, 0, window);
+    return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+  }
   if (window > 0 && window < T) {  // each query sees itself and the window - 1 before it (transformers' overlay)
     const auto band = torch::ones({T, T}, q.options().dtype(torch::kBool)).tril().triu(1 - window);
-    auto y = at::scaled_dot_product_attention(q, k, v, band, 0.0, false, std::nullopt, native_gqa);
+    auto y = at::scaled_dot_product_attention(q, k, v, band, 0.0, false, scale, native_gqa);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
   auto y = at::scaled_dot_product_attention(q, k, v, attn_mask(mask), /*dropout_p=*/0.0,
-                                            /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt, native_gqa);
+                                            /*is_causal=*/!mask.defined(), scale, native_gqa);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
@@ -138,7 +169,9 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch:
     K = K.repeat_interleave(heads / kv_heads, 1);
     V = V.repeat_interleave(heads / kv_heads, 1);
   }
-  const auto y = common::cached_attention(q, K, V, past, window);
+  const auto y = softcap > 0 ? softcapped_attention(q, K, V, scale.value_or(1.0 / std::sqrt(double(head_dim))), softcap,
+                                                     past, window)
+                             : common::cached_attention(q, K, V, past, window, scale);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
@@ -148,9 +181,11 @@ MlpImpl::MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx) {
   gate_proj = register_module("gate_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{I}, 1, cfg.mlp_bias, init));
   up_proj = register_module("up_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{I}, 1, cfg.mlp_bias, init));
   down_proj = register_module("down_proj", common::RowParallelLinear(ctx, I, C, 1, cfg.mlp_bias, init));
+  gelu = cfg.hidden_act == "gelu_pytorch_tanh";
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  if (gelu) return down_proj(F::gelu(gate_proj(x), F::GELUFuncOptions().approximate("tanh")) * up_proj(x));
   return down_proj(common::kernels::swiglu(gate_proj(x), up_proj(x)));
 }
 
@@ -162,20 +197,33 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::Shardin
                                                                           cfg.moe_module, std::move(aux_scale)));
   else
     mlp = register_module("mlp", Mlp(cfg, ctx));
-  input_layernorm =
-      register_module("input_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx));
-  post_attention_layernorm =
-      register_module("post_attention_layernorm", common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx));
+  auto norm = [&](const char* name) {
+    return register_module(name, common::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx, cfg.norm_unit_offset));
+  };
+  input_layernorm = norm("input_layernorm");
+  post_attention_layernorm = norm("post_attention_layernorm");
+  if (cfg.sandwich_norms) {
+    pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
+    post_feedforward_layernorm = norm("post_feedforward_layernorm");
+  }
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask) {
+  if (pre_feedforward_layernorm) {  // Gemma: a norm on each branch's output too
+    auto h = x + post_attention_layernorm(self_attn->forward(input_layernorm(x), cos, sin, mask));
+    return h + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(h)));
+  }
   auto h = x + self_attn->forward(input_layernorm(x), cos, sin, mask);
   return h + feed_forward(post_attention_layernorm(h));
 }
 
 torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& cos,
                                                const torch::Tensor& sin, common::KvCache& cache, size_t layer) {
+  if (pre_feedforward_layernorm) {
+    auto h = x + post_attention_layernorm(self_attn->forward_cached(input_layernorm(x), cos, sin, cache, layer));
+    return h + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(h)));
+  }
   auto h = x + self_attn->forward_cached(input_layernorm(x), cos, sin, cache, layer);
   return h + feed_forward(post_attention_layernorm(h));
 }
@@ -186,20 +234,24 @@ Llama::Llama(const LlamaConfig& cfg, const common::ShardingContext& ctx) : cfg_(
   const auto& c = cfg_;
   TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, "llama: num_attention_heads ",
               c.num_attention_heads, " is not divisible by num_key_value_heads ", c.num_key_value_heads);
-  TORCH_CHECK(c.head_dim % 2 == 0, "llama: head_dim ", c.head_dim, " must be even for rotary embeddings");
+  TORCH_CHECK(c.rotary_dim() % 2 == 0 && c.rotary_dim() > 0, "llama: the rotary dimension ", c.rotary_dim(),
+              " must be even and positive");
   const auto init = common::InitRule::normal(c.initializer_range);
   embed_tokens = register_module("embed_tokens", common::VocabParallelEmbedding(ctx, c.vocab_size, c.hidden_size, init));
   layers = register_module("layers", torch::nn::ModuleList());
   if (c.moe) aux_scale_ = std::make_shared<common::AuxLossScale>();
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, ctx, i, aux_scale_));
-  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx));
+  norm = register_module("norm", common::RMSNorm(c.hidden_size, c.rms_norm_eps, ctx, c.norm_unit_offset));
   lm_head = common::ParallelLmHead(ctx, c.vocab_size, c.hidden_size, !c.tie_word_embeddings, init);
+  lm_head->softcap = c.final_logit_softcapping;
   if (!c.tie_word_embeddings) register_module("lm_head", lm_head);
   TORCH_CHECK(c.layer_windows.empty() || int64_t(c.layer_windows.size()) == c.num_hidden_layers,
               "llama: ", c.layer_windows.size(), " layer windows for ", c.num_hidden_layers, " layers");
-  const auto f = common::rope_frequencies(c.rope_scaling, c.rope_theta, c.head_dim, c.max_position_embeddings);
+  const auto f = common::rope_frequencies(c.rope_scaling, c.rope_theta, c.rotary_dim(), c.max_position_embeddings);
   inv_freq_ = f.inv_freq;
   rope_scale_ = f.attention_scaling;
+  if (c.rope_local_base_freq > 0)  // plain rope (transformers' sliding_attention default)
+    local_inv_freq_ = common::rope_frequencies({}, c.rope_local_base_freq, c.rotary_dim(), c.max_position_embeddings).inv_freq;
   if (ctx.cp_comm) {
     cp_ = ctx.cp_comm->size();
     cp_rank_ = ctx.cp_comm->rank();
@@ -214,32 +266,43 @@ const torch::Tensor& Llama::head_weight() const {
 void Llama::rope_for(int64_t seq_len) {
   // longrope's factors depend on the sequence (transformers: the largest position + 1 of the call).
   if (!common::rope_depends_on_length(cfg_.rope_scaling)) return;
-  const auto f = common::rope_frequencies(cfg_.rope_scaling, cfg_.rope_theta, cfg_.head_dim,
+  const auto f = common::rope_frequencies(cfg_.rope_scaling, cfg_.rope_theta, cfg_.rotary_dim(),
                                           cfg_.max_position_embeddings, seq_len);
   if (!torch::equal(f.inv_freq, inv_freq_)) cos_ = torch::Tensor();
   inv_freq_ = f.inv_freq;
 }
 
-std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::Device& device) {
-  if (!cos_.defined() || cos_.size(0) != T || cos_.device() != device) {
+std::pair<torch::Tensor, torch::Tensor> Llama::rotary(int64_t T, const torch::Device& device, bool local) {
+  auto& cos = local ? local_cos_ : cos_;
+  auto& sin = local ? local_sin_ : sin_;
+  const double scale = local ? 1.0 : rope_scale_;
+  if (!cos.defined() || cos.size(0) != T || cos.device() != device) {
     torch::NoGradGuard no_grad;
     // transformers: freqs = position * inv_freq, emb = cat(freqs, freqs), in fp32.
     // Under context parallelism the tokens' global positions.
     const auto pos = cp_ > 1 ? torch::tensor(common::cp_position_ids(T * cp_, cp_, cp_rank_, cp_layout_), torch::kLong)
                              : torch::arange(T, torch::kLong);
-    const auto freqs = pos.to(torch::kFloat).unsqueeze(-1) * inv_freq_;
+    const auto freqs = pos.to(torch::kFloat).unsqueeze(-1) * (local ? local_inv_freq_ : inv_freq_);
     const auto emb = torch::cat({freqs, freqs}, -1);
-    cos_ = (rope_scale_ == 1.0 ? emb.cos() : emb.cos() * rope_scale_).to(device);
-    sin_ = (rope_scale_ == 1.0 ? emb.sin() : emb.sin() * rope_scale_).to(device);
+    cos = (scale == 1.0 ? emb.cos() : emb.cos() * scale).to(device);
+    sin = (scale == 1.0 ? emb.sin() : emb.sin() * scale).to(device);
   }
-  return {cos_, sin_};
+  return {cos, sin};
+}
+
+torch::Tensor Llama::scaled_embed(const torch::Tensor& idx) {
+  auto x = embed_tokens(idx);
+  if (!cfg_.embed_scale) return x;
+  // transformers: a float32 sqrt(hidden_size) cast to the weight's dtype, then the product.
+  const auto scale = torch::tensor(std::sqrt(static_cast<double>(cfg_.hidden_size)), torch::kFloat);
+  return x * scale.to(x.options());
 }
 
 torch::Tensor Llama::embed(const torch::Tensor& idx, const Documents&) {
   const auto T = idx.size(1);
   TORCH_CHECK(T * cp_ <= cfg_.max_position_embeddings, "sequence of ", T * cp_, " tokens exceeds max_position_embeddings ",
               cfg_.max_position_embeddings);
-  return embed_tokens(idx);
+  return scaled_embed(idx);
 }
 
 torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
@@ -247,19 +310,27 @@ torch::Tensor Llama::blocks(const torch::Tensor& input, int64_t begin, int64_t e
   auto x = input;
   rope_for(seq_len * cp_);
   auto [cos, sin] = rotary(seq_len, x.device());
+  torch::Tensor local_cos, local_sin;  // the sliding layers' (rope_local_base_freq)
+  if (local_inv_freq_.defined()) std::tie(local_cos, local_sin) = rotary(seq_len, x.device(), /*local=*/true);
   torch::Tensor mask;
   if (docs.defined()) {
     // Packed documents: rotary angles of each token's position within its document, [B, 1, T, head_dim].
     torch::NoGradGuard no_grad;
-    const auto freqs = docs.positions.to(torch::kFloat).unsqueeze(-1) * inv_freq_.to(x.device());
-    const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
-    cos = emb.cos() * rope_scale_;
-    sin = emb.sin() * rope_scale_;
+    auto angles = [&](const torch::Tensor& inv_freq, double scale) {
+      const auto freqs = docs.positions.to(torch::kFloat).unsqueeze(-1) * inv_freq.to(x.device());
+      const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(1);
+      return std::make_pair(emb.cos() * scale, emb.sin() * scale);
+    };
+    std::tie(cos, sin) = angles(inv_freq_, rope_scale_);
+    if (local_inv_freq_.defined()) std::tie(local_cos, local_sin) = angles(local_inv_freq_, 1.0);
     mask = docs.attention_input(/*by_tiles=*/true);  // segments: common::document_attention picks the kernel
   }
   for (auto i = static_cast<size_t>(begin); i < static_cast<size_t>(end); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);
-    x = run_block(i, [layer, cos = cos, sin = sin, mask](const torch::Tensor& t) { return layer->forward(t, cos, sin, mask); },
+    const bool local = cfg_.local_rope(static_cast<int64_t>(i));
+    const auto& c = local ? local_cos : cos;
+    const auto& s = local ? local_sin : sin;
+    x = run_block(i, [layer, cos = c, sin = s, mask](const torch::Tensor& t) { return layer->forward(t, cos, sin, mask); },
                   x, nullptr);
   }
   return x;
@@ -291,12 +362,20 @@ torch::Tensor Llama::decode_logits(const torch::Tensor& idx, common::KvCache& ca
   const auto past = cache.length(), T = idx.size(1);
   TORCH_CHECK(past + T <= cfg_.max_position_embeddings, "position ", past + T, " exceeds max_position_embeddings ",
               cfg_.max_position_embeddings);
-  auto x = embed_tokens(idx);
+  auto x = scaled_embed(idx);
   rope_for(past + T);  // transformers' choice per call: the positions it holds
   // The tables for the cache's whole span (kept by rotary() across steps), at the new positions.
   const auto [cos_all, sin_all] = rotary(cache.capacity(), x.device());
   const auto cos = cos_all.narrow(0, past, T), sin = sin_all.narrow(0, past, T);
-  for (size_t i = 0; i < layers->size(); ++i) x = layers->ptr<DecoderLayerImpl>(i)->forward_cached(x, cos, sin, cache, i);
+  torch::Tensor local_cos, local_sin;
+  if (local_inv_freq_.defined()) {
+    const auto [lc, ls] = rotary(cache.capacity(), x.device(), /*local=*/true);
+    local_cos = lc.narrow(0, past, T), local_sin = ls.narrow(0, past, T);
+  }
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const bool local = cfg_.local_rope(static_cast<int64_t>(i));
+    x = layers->ptr<DecoderLayerImpl>(i)->forward_cached(x, local ? local_cos : cos, local ? local_sin : sin, cache, i);
+  }
   cache.advance(T);
   return lm_head->logits(norm(x), head_weight());
 }
@@ -319,12 +398,36 @@ ModelDims Llama::dims() const {
 }
 
 std::vector<HfTensor> Llama::hf_tensors() const {
+  const auto& c = cfg_;
+  const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  // Phi-3's checkpoints fuse q, k, v (in that order) and gate, up: our module -> (theirs, first row).
+  const std::vector<std::tuple<std::string, std::string, int64_t>> fused = {
+      {"self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0},
+      {"self_attn.k_proj.weight", "self_attn.qkv_proj.weight", q},
+      {"self_attn.v_proj.weight", "self_attn.qkv_proj.weight", q + kv},
+      {"mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0},
+      {"mlp.up_proj.weight", "mlp.gate_up_proj.weight", c.intermediate_size}};
   std::vector<HfTensor> t;
   for (const auto& p : named_parameters()) {
     const auto& ours = p.key();
-    t.push_back({ours, ours == "lm_head.weight" ? ours : "model." + ours, false});
+    HfTensor h{ours, ours == "lm_head.weight" ? ours : "model." + ours, false};
+    if (c.model_type == "phi3")
+      for (const auto& [part, whole, offset] : fused) {
+        const auto at = ours.size() - part.size();
+        if (ours.size() > part.size() && ours.compare(at, part.size(), part) == 0 && ours[at - 1] == '.') {
+          h.theirs = "model." + ours.substr(0, at) + whole;
+          h.fused_offset = offset;
+        }
+      }
+    t.push_back(h);
   }
   return t;
+}
+
+bool Llama::rebuild_cache(int64_t cached, int64_t length) const {
+  // transformers' Phi3ForCausalLM.prepare_inputs_for_generation, whatever the rope kind.
+  const auto orig = cfg_.original_max_position_embeddings;
+  return cfg_.model_type == "phi3" && orig > 0 && length >= orig + 1 && cached <= orig;
 }
 
 namespace {
@@ -384,6 +487,35 @@ nlohmann::json Llama::hf_config() const {
   } else if (t == "mistral") {
     j["architectures"] = {"MistralForCausalLM"};
     j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
+  } else if (t == "phi3") {
+    j["architectures"] = {"Phi3ForCausalLM"};
+    j.erase("head_dim");  // Phi3Config derives it (hidden_size / num_attention_heads)
+    j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nlohmann::json(nullptr);
+    j["original_max_position_embeddings"] = c.original_max_position_embeddings;
+    j["partial_rotary_factor"] = c.partial_rotary_factor;
+    j["resid_pdrop"] = 0.0;
+    j["embd_pdrop"] = 0.0;
+    // Phi3Config's token ids (bos 1, eos and pad 32000) where the vocabulary holds them, else none:
+    // transformers refuses a padding id outside the embedding.
+    for (const auto& [key, id] : {std::pair<const char*, int64_t>{"bos_token_id", 1}, {"eos_token_id", 32000},
+                                  {"pad_token_id", 32000}})
+      j[key] = id < c.vocab_size ? nlohmann::json(id) : nlohmann::json(nullptr);
+  } else if (t == "gemma3") {
+    auto cap = [](double v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(nullptr); };
+    j["architectures"] = {"Gemma3ForCausalLM"};
+    j["model_type"] = "gemma3_text";
+    j.erase("hidden_act");
+    j["hidden_activation"] = c.hidden_act;
+    j["attention_bias"] = c.attention_bias;
+    // Gemma3TextConfig types it int (strictly checked); a fractional one is kept as it is.
+    const auto qpas = c.query_pre_attn_scalar;
+    j["query_pre_attn_scalar"] = qpas == std::floor(qpas) ? nlohmann::json(static_cast<int64_t>(qpas)) : nlohmann::json(qpas);
+    j["sliding_window"] = c.sliding_window;
+    j["layer_types"] = layer_kinds(c);
+    j["rope_local_base_freq"] = c.rope_local_base_freq;
+    j["attn_logit_softcapping"] = cap(c.attn_logit_softcapping);
+    j["final_logit_softcapping"] = cap(c.final_logit_softcapping);
+    j["use_bidirectional_attention"] = false;
   }
   return j;
 }
@@ -415,8 +547,18 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
   c->attention_bias = hf_get_or<bool>(j, "attention_bias", c->attention_bias);
   c->mlp_bias = hf_get_or<bool>(j, "mlp_bias", c->mlp_bias);
   c->initializer_range = hf_get_or<double>(j, "initializer_range", c->initializer_range);
-  const auto act = hf_get_or<std::string>(j, "hidden_act", "silu");
-  if (act != "silu") throw std::runtime_error("config.json: hidden_act '" + act + "' is not supported (only silu)");
+  // Gemma 3 names its activation hidden_activation (a hidden_act beside it must agree).
+  const bool gemma = hf_get_or<std::string>(j, "model_type", "") == "gemma3_text";
+  const auto act = gemma ? hf_get_or<std::string>(j, "hidden_activation", "gelu_pytorch_tanh")
+                         : hf_get_or<std::string>(j, "hidden_act", "silu");
+  if (gemma && hf_get_or<std::string>(j, "hidden_act", act) != act)
+    throw std::runtime_error("config.json: hidden_act '" + hf_get_or<std::string>(j, "hidden_act", act) +
+                             "' disagrees with hidden_activation '" + act + "'");
+  const std::string supported = gemma ? "gelu_pytorch_tanh" : "silu";
+  if (act != supported)
+    throw std::runtime_error(std::string("config.json: ") + (gemma ? "hidden_activation" : "hidden_act") + " '" + act +
+                             "' is not supported (only " + supported + ")");
+  c->hidden_act = act;
   if (c->num_key_value_heads < 1 || c->num_attention_heads % c->num_key_value_heads != 0)
     throw std::runtime_error("config.json: num_attention_heads " + std::to_string(c->num_attention_heads) +
                              " is not divisible by num_key_value_heads " + std::to_string(c->num_key_value_heads));
@@ -434,8 +576,19 @@ std::shared_ptr<const LlamaConfig> config_from_hf(const nlohmann::json& j) {
   } else if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null()) {
     throw std::runtime_error("config.json: rope_scaling is not a mapping: " + j.at("rope_scaling").dump().substr(0, 100));
   }
-  c->rope_scaling = common::rope_scaling_from_hf(rope, rope_key, j, c->max_position_embeddings, c->head_dim);
-  if (c->head_dim % 2 != 0) throw std::runtime_error("config.json: head_dim " + std::to_string(c->head_dim) + " is odd");
+  // Phi-3: rope_parameters' (transformers 5) or the top-level partial_rotary_factor; others have none.
+  const auto partial = rope.contains("partial_rotary_factor") ? rope : j;
+  c->partial_rotary_factor = hf_get_or<double>(partial, "partial_rotary_factor", 1.0);
+  if (!(c->partial_rotary_factor > 0 && c->partial_rotary_factor <= 1))
+    throw std::runtime_error("config.json: partial_rotary_factor " + std::to_string(c->partial_rotary_factor) +
+                             " is not in (0, 1]");
+  if (c->partial_rotary_factor != 1.0 && hf_get_or<std::string>(j, "model_type", "") != "phi3")
+    throw std::runtime_error("config.json: partial_rotary_factor " + std::to_string(c->partial_rotary_factor) +
+                             ": only phi3 rotates part of each head here");
+  if (c->rotary_dim() % 2 != 0 || c->rotary_dim() < 2)
+    throw std::runtime_error("config.json: head_dim " + std::to_string(c->head_dim) + " x partial_rotary_factor " +
+                             std::to_string(c->partial_rotary_factor) + " is not an even rotary dimension");
+  c->rope_scaling = common::rope_scaling_from_hf(rope, rope_key, j, c->max_position_embeddings, c->rotary_dim());
   return c;
 }
 
@@ -466,7 +619,7 @@ void parse_llama_args(config::ArgMap& a, LlamaConfig* out) {
   c->rope_theta = a.get_float("rope_theta", c->rope_theta, 1.0);
   if (a.has("rope_scaling")) {
     auto rs_args = a.child("rope_scaling");
-    c->rope_scaling = common::parse_rope_scaling(rs_args, c->max_position_embeddings, c->head_dim);
+    c->rope_scaling = common::parse_rope_scaling(rs_args, c->max_position_embeddings, c->rotary_dim());
   }
   c->rms_norm_eps = a.get_float("rms_norm_eps", c->rms_norm_eps, 0.0);
   c->tie_word_embeddings = a.get_bool("tie_word_embeddings", c->tie_word_embeddings);
@@ -497,19 +650,22 @@ ModelEntry registry_entry() {
 namespace {
 
 const std::vector<std::string> kLayerKinds = {"full_attention", "sliding_attention"};
+// transformers' Gemma3Attention never passes it to the attention (Gemma 2's did): refused, not ignored.
+const char* const kGemma3NoAttnCap = "is set, but transformers' Gemma 3 does not apply it; leave it null (0)";
 
 // Each layer's window from the family's keys, as transformers' configs derive them.
 void make_windows(LlamaConfig& c) {
   c.layer_windows.assign(c.num_hidden_layers, 0);
-  if (c.model_type == "mistral") {
+  if (c.model_type == "mistral" || c.model_type == "phi3") {
     for (auto& w : c.layer_windows) w = c.sliding_window;
     return;
   }
-  if (c.model_type != "qwen2" && c.model_type != "qwen3") return;
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "gemma3") return;
   const auto kinds = layer_kinds(c);
-  // Without use_sliding_window transformers sets sliding_window to None: every layer full.
+  // Without use_sliding_window transformers sets sliding_window to None: every layer full (Qwen).
+  const bool slides = c.use_sliding_window || c.model_type == "gemma3";
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    c.layer_windows[i] = c.use_sliding_window && kinds[i] == "sliding_attention" ? c.sliding_window : 0;
+    c.layer_windows[i] = slides && kinds[i] == "sliding_attention" ? c.sliding_window : 0;
 }
 
 bool qwen(const std::string& t) { return t == "qwen2" || t == "qwen3"; }
@@ -518,27 +674,47 @@ bool qwen(const std::string& t) { return t == "qwen2" || t == "qwen3"; }
 std::optional<std::pair<std::string, std::string>> family_problem(const LlamaConfig& c) {
   const auto& t = c.model_type;
   if (c.mlp_bias) return {{"mlp_bias", "true: " + t + " has no MLP biases"}};
-  if (c.attention_bias && t != "qwen3")
+  if (c.attention_bias && t != "qwen3" && t != "gemma3")
     return {{"attention_bias", "true: " + t + (t == "qwen2" ? " has biases on q, k and v only (always)" : " has no attention biases")}};
-  if (qwen(t) && !c.layer_types.empty() && int64_t(c.layer_types.size()) != c.num_hidden_layers)
+  if ((qwen(t) || t == "gemma3") && !c.layer_types.empty() && int64_t(c.layer_types.size()) != c.num_hidden_layers)
     return {{"layer_types", "has " + std::to_string(c.layer_types.size()) + " entries for num_hidden_layers " +
                                 std::to_string(c.num_hidden_layers)}};
   for (const auto& k : c.layer_types)
     if (std::find(kLayerKinds.begin(), kLayerKinds.end(), k) == kLayerKinds.end())
       return {{"layer_types", "'" + k + "' is not full_attention or sliding_attention"}};
+  if (t == "phi3") {
+    if (c.head_dim != c.hidden_size / c.num_attention_heads)
+      return {{"head_dim", std::to_string(c.head_dim) + ": phi3's is hidden_size / num_attention_heads (" +
+                               std::to_string(c.hidden_size / c.num_attention_heads) + ")"}};
+    const auto& r = c.rope_scaling.rope_type;
+    if (r != "default" && r != "longrope")
+      return {{"rope_scaling.rope_type", r + ": Phi3Config takes default or longrope only"}};
+  }
   return std::nullopt;
 }
 
 void finish_family(LlamaConfig& c) {
+  const bool gemma = c.model_type == "gemma3";
   c.qkv_bias = c.model_type == "qwen2";
-  c.qk_norm = c.model_type == "qwen3";
+  c.qk_norm = c.model_type == "qwen3" || gemma;
+  c.norm_unit_offset = c.sandwich_norms = c.embed_scale = gemma;
+  if (gemma && c.layer_types.empty())  // Gemma3TextConfig's pattern: every sliding_window_pattern-th layer global
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.layer_types.push_back((i + 1) % c.sliding_window_pattern ? "sliding_attention" : "full_attention");
   make_windows(c);
 }
 
 std::shared_ptr<const config::ModelConfig> parse_family(config::ArgMap& a, const std::string& type) {
   auto c = std::make_shared<LlamaConfig>();
   c->model_type = type;
+  if (type == "phi3") {  // before the rope scaling, whose factors cover the rotary dimension
+    c->partial_rotary_factor = a.get_float("partial_rotary_factor", 1.0, 0.0, 1.0);
+    if (c->partial_rotary_factor == 0.0) a.fail("partial_rotary_factor", "0: nothing would rotate");
+  }
   parse_llama_args(a, c.get());
+  if (c->rotary_dim() % 2 != 0)
+    a.fail("partial_rotary_factor", "head_dim " + std::to_string(c->head_dim) + " x " +
+                                        std::to_string(c->partial_rotary_factor) + " is not an even rotary dimension");
   if (qwen(type)) {
     c->use_sliding_window = a.get_bool("use_sliding_window", false);
     c->sliding_window = a.get_int("sliding_window", 4096, 1);
@@ -546,13 +722,71 @@ std::shared_ptr<const config::ModelConfig> parse_family(config::ArgMap& a, const
     c->layer_types = a.get_string_list("layer_types", std::vector<std::string>{});
   } else if (type == "mistral") {
     c->sliding_window = a.get_int("sliding_window", 4096, 0);  // 0: none (config.json's null)
+  } else if (type == "gemma3") {
+    c->hidden_act = a.get_string("hidden_activation", "gelu_pytorch_tanh", {"gelu_pytorch_tanh"});
+    c->sliding_window = a.get_int("sliding_window", 4096, 1);
+    c->layer_types = a.get_string_list("layer_types", std::vector<std::string>{});
+    c->sliding_window_pattern = a.get_int("sliding_window_pattern", 6, 1);
+    c->query_pre_attn_scalar = a.get_float("query_pre_attn_scalar", 256.0, 1e-9);
+    c->rope_local_base_freq = a.get_float("rope_local_base_freq", 10000.0, 1.0);
+    c->attn_logit_softcapping = a.get_float("attn_logit_softcapping", 0.0, 0.0);  // 0: none (config.json's null)
+    if (c->attn_logit_softcapping > 0)
+      a.fail("attn_logit_softcapping", kGemma3NoAttnCap);
+    c->final_logit_softcapping = a.get_float("final_logit_softcapping", 0.0, 0.0);
+    if (a.get_bool("use_bidirectional_attention", false))
+      a.fail("use_bidirectional_attention", "true: nnstrain trains causal language models only");
+  } else if (type == "phi3") {
+    c->sliding_window = a.get_int("sliding_window", 0, 0);  // 0: none (config.json's null)
+    c->original_max_position_embeddings = a.get_int("original_max_position_embeddings", 4096, 1);
+    // transformers gives Phi-3's top-level value priority over the rope scaling's own.
+    c->rope_scaling.original_max_position_embeddings = c->original_max_position_embeddings;
+    for (const char* k : {"resid_pdrop", "embd_pdrop", "attention_dropout"})
+      if (a.get_float(k, 0.0, 0.0, 1.0) != 0.0) a.fail(k, "phi3 is trained here without dropout; set it to 0");
   }
   if (const auto p = family_problem(*c)) a.fail(p->first, p->second);
   finish_family(*c);
   return c;
 }
 
-std::shared_ptr<const config::ModelConfig> family_from_hf(const nlohmann::json& j, const std::string& type) {
+// Phi3Config reads the rope types "su" and "yarn" as longrope.
+nlohmann::json phi3_rope_names(nlohmann::json j) {
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!j.contains(key) || !j.at(key).is_object()) continue;
+    auto& r = j.at(key);
+    for (const char* k : {"rope_type", "type"})
+      if (r.contains(k) && (r.at(k) == "su" || r.at(k) == "yarn")) r[k] = "longrope";
+  }
+  return j;
+}
+
+// Gemma3TextConfig's defaults where they are not Llama's, and transformers 5's
+// rope_parameters by layer kind as one rope (full attention) and rope_local_base_freq.
+nlohmann::json gemma3_as_flat(nlohmann::json j) {
+  const std::pair<const char*, nlohmann::json> defaults[] = {
+      {"head_dim", 256}, {"max_position_embeddings", 131072}, {"tie_word_embeddings", true},
+      {"query_pre_attn_scalar", 256}, {"sliding_window", 4096}, {"rope_local_base_freq", 10000.0}};
+  for (const auto& [k, v] : defaults)
+    if (!j.contains(k)) j[k] = v;
+  if (j.contains("rope_parameters") && j.at("rope_parameters").is_object() &&
+      j.at("rope_parameters").contains("full_attention")) {
+    const auto by_kind = j.at("rope_parameters");
+    j["rope_parameters"] = by_kind.at("full_attention").is_object() ? by_kind.at("full_attention") : nlohmann::json::object();
+    if (!j["rope_parameters"].contains("rope_theta")) j["rope_parameters"]["rope_theta"] = 1000000.0;
+    const auto local = by_kind.value("sliding_attention", nlohmann::json());
+    if (local.is_object()) {
+      if (local.value("rope_type", std::string("default")) != "default")
+        throw std::runtime_error("config.json: rope_parameters.sliding_attention.rope_type '" +
+                                 local.value("rope_type", std::string()) + "' is not supported (only default)");
+      if (local.contains("rope_theta")) j["rope_local_base_freq"] = local.at("rope_theta");
+    }
+  } else if (!j.contains("rope_theta") && !(j.contains("rope_parameters") && j.at("rope_parameters").is_object())) {
+    j["rope_theta"] = 1000000.0;
+  }
+  return j;
+}
+
+std::shared_ptr<const config::ModelConfig> family_from_hf(const nlohmann::json& j_in, const std::string& type) {
+  const auto j = type == "phi3" ? phi3_rope_names(j_in) : type == "gemma3" ? gemma3_as_flat(j_in) : j_in;
   auto c = std::make_shared<LlamaConfig>(*config_from_hf(j));
   c->model_type = type;
   auto window_of = [&](int64_t def) {
@@ -572,6 +806,37 @@ std::shared_ptr<const config::ModelConfig> family_from_hf(const nlohmann::json& 
     c->sliding_window = window_of(0);
     if (j.contains("layer_types") && !j.at("layer_types").is_null())
       throw std::runtime_error("config.json: layer_types: transformers' Mistral has none (a Ministral folder?)");
+  } else if (type == "gemma3") {
+    if (j.at("sliding_window").is_null())
+      throw std::runtime_error("config.json: sliding_window is null: gemma3's sliding layers need one");
+    c->sliding_window = window_of(4096);
+    c->layer_types = hf_get_or<std::vector<std::string>>(j, "layer_types", {});
+    c->sliding_window_pattern = hf_get_or<int64_t>(j, "sliding_window_pattern", 6);
+    if (c->sliding_window_pattern < 1) throw std::runtime_error("config.json: sliding_window_pattern must be at least 1");
+    c->query_pre_attn_scalar = hf_get_or<double>(j, "query_pre_attn_scalar", 256.0);
+    c->rope_local_base_freq = hf_get_or<double>(j, "rope_local_base_freq", 10000.0);
+    c->attn_logit_softcapping = hf_get_or<double>(j, "attn_logit_softcapping", 0.0);
+    if (c->attn_logit_softcapping > 0)
+      throw std::runtime_error(std::string("config.json: attn_logit_softcapping ") + kGemma3NoAttnCap);
+    c->final_logit_softcapping = hf_get_or<double>(j, "final_logit_softcapping", 0.0);
+    for (const char* k : {"query_pre_attn_scalar", "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping"})
+      if (hf_get_or<double>(j, k, 0.0) < 0) throw std::runtime_error(std::string("config.json: ") + k + " is negative");
+    if (c->query_pre_attn_scalar <= 0 || c->rope_local_base_freq <= 0)
+      throw std::runtime_error("config.json: query_pre_attn_scalar and rope_local_base_freq must be positive");
+    if (hf_get_or<bool>(j, "use_bidirectional_attention", false))
+      throw std::runtime_error("config.json: use_bidirectional_attention true: nnstrain trains causal language models only");
+  } else if (type == "phi3") {
+    c->sliding_window = window_of(0);
+    if (j.contains("layer_types") && !j.at("layer_types").is_null())
+      throw std::runtime_error("config.json: layer_types: transformers' Phi3 has none (every layer is alike)");
+    c->original_max_position_embeddings = hf_get_or<int64_t>(j, "original_max_position_embeddings", 4096);
+    if (c->original_max_position_embeddings < 1)
+      throw std::runtime_error("config.json: original_max_position_embeddings must be at least 1");
+    c->rope_scaling.original_max_position_embeddings = c->original_max_position_embeddings;
+    for (const char* k : {"resid_pdrop", "embd_pdrop", "attention_dropout"})
+      if (hf_get_or<double>(j, k, 0.0) != 0.0)
+        throw std::runtime_error(std::string("config.json: ") + k + " " + std::to_string(hf_get_or<double>(j, k, 0.0)) +
+                                 ": phi3 is trained here without dropout");
   }
   if (const auto p = family_problem(*c)) throw std::runtime_error("config.json: " + p->first + " " + p->second);
   finish_family(*c);
@@ -589,7 +854,8 @@ ModelEntry family_entry(const std::string& type) {
                [type](const nlohmann::json& j) -> std::shared_ptr<const config::ModelConfig> {
                  return family_from_hf(j, type);
                }};
-  if (type == "mistral")  // config.json's null window is model.args' 0
+  if (type == "gemma3") e.hf_model_type = "gemma3_text";  // Gemma3ForCausalLM's config
+  if (type == "mistral" || type == "phi3")  // config.json's null window is model.args' 0
     e.args_of_hf = [](nlohmann::json j) {
       if (j.value("sliding_window", nlohmann::json()).is_null()) j["sliding_window"] = 0;
       return j;

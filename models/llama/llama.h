@@ -5,6 +5,7 @@
 // (parameters without the "model." prefix), so checkpoints map one to one.
 #pragma once
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -51,6 +52,29 @@ struct LlamaConfig : config::ModelConfig {
   int64_t sliding_window = 4096;             // qwen2, qwen3, mistral (mistral: 0 = none)
   int64_t max_window_layers = 28;            // qwen2, qwen3: layers from here slide (without layer_types)
   std::vector<std::string> layer_types;      // qwen2, qwen3: full_attention | sliding_attention per layer
+  // phi3: the first int(head_dim x partial_rotary_factor) dimensions of each head
+  // rotate (the rest pass); original_max_position_embeddings: where generation
+  // rebuilds its cache (longrope's switch, CausalLM::rebuild_cache); 0: none.
+  // Its checkpoints fuse q/k/v into qkv_proj and gate/up into gate_up_proj
+  // (hf_tensors' fused_offset); the modules stay Llama's.
+  double partial_rotary_factor = 1.0;
+  int64_t original_max_position_embeddings = 0;
+  // gemma3 (Gemma3ForCausalLM, model_type gemma3_text): norms scaled by (1 + w)
+  // (norm_unit_offset, q/k norms included), sandwich_norms (post_attention_layernorm
+  // on the attention's output, pre_/post_feedforward_layernorm around the MLP),
+  // hidden_act gelu_pytorch_tanh (GeGLU), embed_scale (embeddings times
+  // sqrt(hidden_size) in their dtype), scores times query_pre_attn_scalar^-0.5
+  // (0: head_dim's), the sliding layers' own rope theta (rope_local_base_freq, 0:
+  // none), tanh soft-capping of attention scores and of the logits (0: none).
+  bool norm_unit_offset = false, sandwich_norms = false, embed_scale = false;
+  std::string hidden_act = "silu";
+  double query_pre_attn_scalar = 0, rope_local_base_freq = 0;
+  double attn_logit_softcapping = 0, final_logit_softcapping = 0;
+  int64_t sliding_window_pattern = 6;  // gemma3 without layer_types: every sliding_window_pattern-th layer is global
+  bool local_rope(int64_t layer) const { return rope_local_base_freq > 0 && window(layer) > 0; }
+  int64_t rotary_dim() const {
+    return static_cast<int64_t>((head_dim ? head_dim : hidden_size / num_attention_heads) * partial_rotary_factor);
+  }
   int64_t window(int64_t layer) const { return layer < int64_t(layer_windows.size()) ? layer_windows[layer] : 0; }
   bool windowed() const {
     for (auto w : layer_windows)
@@ -70,6 +94,7 @@ struct LlamaConfig : config::ModelConfig {
 
   std::pair<std::string, std::string> context_parallel_refusal() const override {
     if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
+    if (attn_logit_softcapping > 0) return {"attn_logit_softcapping", "soft-capped attention scores"};
     return {"", ""};
   }
 
@@ -97,6 +122,8 @@ class AttentionImpl : public torch::nn::Module {
   common::RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qk_norm only
   int64_t head_dim, heads, kv_heads;  // this rank's heads
   int64_t window = 0;                 // sliding window (0: full causal)
+  std::optional<double> scale;        // of the scores (none: 1 / sqrt(head_dim))
+  double softcap = 0;                 // attn_logit_softcapping (0: none)
   c10::intrusive_ptr<common::CpComm> cp_comm;  // context parallelism (null at cp 1)
   common::CpCommType cp_comm_type = common::CpCommType::P2P;
   common::CpLayout cp_layout = common::CpLayout::Zigzag;
@@ -106,9 +133,10 @@ TORCH_MODULE(Attention);
 class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx = {});
-  torch::Tensor forward(const torch::Tensor& x);  // down(silu(gate(x)) * up(x))
+  torch::Tensor forward(const torch::Tensor& x);  // down(act(gate(x)) * up(x)), act silu or tanh GELU
   common::ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
   common::RowParallelLinear down_proj{nullptr};
+  bool gelu = false;
 };
 TORCH_MODULE(Mlp);
 
@@ -125,6 +153,7 @@ class DecoderLayerImpl : public torch::nn::Module {
   torch::Tensor forward_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                common::KvCache& cache, size_t layer);
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  common::RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};  // sandwich_norms only
   Attention self_attn{nullptr};
   Mlp mlp{nullptr};         // the dense feed-forward, or
   common::Moe moe{nullptr};  // the MoE one (registered as cfg.moe_module)
@@ -154,6 +183,7 @@ class Llama : public CausalLM {
   double flops_per_token(int64_t seq_len) const override;
   ModelDims dims() const override;
   std::vector<HfTensor> hf_tensors() const override;
+  bool rebuild_cache(int64_t cached, int64_t length) const override;
   nlohmann::json hf_config() const override;
   void set_loss_grad(const at::Tensor& g) override {
     if (aux_scale_) aux_scale_->grad = g;
@@ -175,7 +205,9 @@ class Llama : public CausalLM {
 
  private:
   torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});
-  std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, const torch::Device& device);
+  // The rotary tables of T positions; `local`: the sliding layers' (rope_local_base_freq).
+  std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T, const torch::Device& device, bool local = false);
+  torch::Tensor scaled_embed(const torch::Tensor& idx);  // embed_tokens, times sqrt(hidden_size) under embed_scale
   void rope_for(int64_t seq_len);  // longrope: the frequencies for a sequence of seq_len
   LlamaConfig cfg_;
   // Context parallelism: this rank's tokens sit at global positions (rotary).
@@ -184,6 +216,7 @@ class Llama : public CausalLM {
   torch::Tensor inv_freq_;  // on the CPU; not a parameter or buffer (transformers: non-persistent)
   double rope_scale_ = 1.0;  // cos and sin times this (yarn, longrope)
   torch::Tensor cos_, sin_;  // cache for the last (T, device)
+  torch::Tensor local_inv_freq_, local_cos_, local_sin_;  // rope_local_base_freq's (undefined: none)
 };
 
 // A Hugging Face config.json (LlamaForCausalLM; transformers 4 `rope_theta` +
@@ -208,7 +241,7 @@ T hf_get_or(const nlohmann::json& j, const char* key, T def) {
 }
 
 ModelEntry registry_entry();
-// The families that are configurations of this decoder: "qwen2", "qwen3", "mistral".
+// The families that are configurations of this decoder: "qwen2", "qwen3", "mistral", "phi3", "gemma3".
 ModelEntry family_entry(const std::string& model_type);
 
 }  // namespace nnstrain::models::llama

@@ -6,7 +6,8 @@ has one, a long-context rope scaling) and saves it with save_pretrained. nnstrai
 `model: {init_from: DIR}` and nothing else about the model, and:
 - its first-step loss is transformers' loss on the same batch (1e-6 relative);
 - `merge --hf` of a run that moved no weight writes every tensor bitwise equal under
-  transformers' names, and AutoModelForCausalLM loads it with no missing or unexpected key;
+  transformers' names (Phi-3's fused qkv_proj / gate_up_proj included), AutoModelForCausalLM
+  loads it with no missing or unexpected key, and it resumes as the sharded checkpoint does;
 - 10 steps under tp 2, pp 2, cp 2 (refused naming sliding_window where the family slides)
   and ZeRO-3 dp 2 equal one process within 1e-5, each run's record showing its plan ran;
 - `nnstrain generate` greedy, 64 tokens with the KV cache (past the window), equals
@@ -50,8 +51,24 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         **COMMON, sliding_window=12, head_dim=8,
         rope_parameters={"rope_type": "linear", "factor": 1.5, "rope_theta": 10000.0})),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint (split on import, fused again by merge --hf), longrope past
+    # original_max_position_embeddings 24 (the 32-token samples take the long factors; generation rebuilds its cache
+    # at 25 tokens as transformers does), 3/4 of each head rotating, every layer sliding (window 20).
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **COMMON, sliding_window=20, original_max_position_embeddings=24,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.3, 1.7], "long_factor": [1.2, 2.1, 3.4]})),
+    # Gemma 3 (text): (1 + w) norms around attention and MLP and on q/k, GeGLU, sqrt(hidden) embeddings, scores
+    # scaled by query_pre_attn_scalar 20 (not head_dim 16), local layers (window 12) with their own rope theta
+    # around a global one with linear scaling, the final logits soft-capped (2.0: the loss moves by ~30% with it).
+    # transformers' Gemma 3 does not apply attn_logit_softcapping: a folder that sets it is refused (below).
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**COMMON, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=20, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=2.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
 }
-SLIDING = {"qwen2", "mistral"}
+SLIDING = {"qwen2", "mistral", "phi3", "gemma3"}
 
 CONFIG = """
 run_dir: {run}
@@ -140,6 +157,14 @@ def test_first_loss_and_merge_hf_round_trip(family):
     assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # The merged folder still resumes (Phi-3's fused tensors read back by their manifest's key_offset):
+    # step 2 from it equals step 2 from the sharded checkpoint.
+    step2 = []
+    for src in (d / "ck" / "step-00000001", d / "merged"):
+        r = nnstrain("--config", cfg, "--resume", src, "--max_train_steps", "2", "--run_dir", d / f"resume_{src.name}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        step2.append(read_metrics(d / f"resume_{src.name}" / "metrics.jsonl")[0][-1])
+    assert step2[0]["step"] == step2[1]["step"] == 2 and step2[0]["loss"] == step2[1]["loss"], step2
     back, info = transformers.AutoModelForCausalLM.from_pretrained(d / "merged", output_loading_info=True)
     assert type(back).__name__.lower().startswith(family["name"]), type(back).__name__
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -189,12 +214,14 @@ def test_folder_disagreements_exit_2_naming_the_key(family, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     j = json.loads((family["hf"] / "config.json").read_text())
-    for key, value, named in (("rope_parameters", {"rope_type": "ntk-by-parts", "rope_theta": 1e4}, "rope_type"),
-                              ("hidden_act", "relu", "hidden_act")):
+    bads = [("rope_parameters", {"rope_type": "ntk-by-parts", "rope_theta": 1e4}, "rope_type"),
+            ("hidden_act", "relu", "hidden_act")]
+    if family["name"] == "gemma3":
+        bads.append(("attn_logit_softcapping", 50.0, "attn_logit_softcapping"))
+    for key, value, named in bads:
         (bad / "config.json").write_text(json.dumps({**j, key: value}))
         p = nnstrain("--config", config_file(tmp_path / "b.yaml", bad, family["tokens"], tmp_path / "r2", 1))
         assert p.returncode == 2 and named in p.stderr and "config.json" in p.stderr, p.stderr
-    if family["name"] != "mistral":
-        (bad / "config.json").write_text(json.dumps({**j, "layer_types": ["full_attention"] * 2}))
-        p = nnstrain("--config", config_file(tmp_path / "b.yaml", bad, family["tokens"], tmp_path / "r2", 1))
-        assert p.returncode == 2 and "layer_types" in p.stderr and "config.json" in p.stderr, p.stderr
+    (bad / "config.json").write_text(json.dumps({**j, "layer_types": ["full_attention"] * 2}))
+    p = nnstrain("--config", config_file(tmp_path / "b.yaml", bad, family["tokens"], tmp_path / "r2", 1))
+    assert p.returncode == 2 and "layer_types" in p.stderr and "config.json" in p.stderr, p.stderr

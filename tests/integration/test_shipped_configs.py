@@ -31,10 +31,12 @@ SHRINK = {
     "gpt": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": SEQ, "vocab_size": VOCAB},
     "llama": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
               "intermediate_size": 64, "max_position_embeddings": SEQ, "vocab_size": VOCAB},
-    # The families on Llama's decoder (issue 51): qwen3's explicit head_dim kept explicit.
+    # The families on Llama's decoder (issue 51): qwen3's and gemma3's explicit head_dim kept explicit
+    # (phi3 derives its own).
     **{t: {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
            "intermediate_size": 64, "max_position_embeddings": SEQ, "vocab_size": VOCAB,
-           **({"head_dim": 8} if t == "qwen3" else {})} for t in ("qwen2", "qwen3", "mistral")},
+           **({"head_dim": 8} if t in ("qwen3", "gemma3") else {})}
+       for t in ("qwen2", "qwen3", "mistral", "phi3", "gemma3")},
     "qwen3_moe": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
                   "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
                   "num_experts_per_tok": 2, "max_position_embeddings": SEQ, "vocab_size": VOCAB},

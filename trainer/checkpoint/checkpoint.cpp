@@ -283,7 +283,9 @@ void Checkpoint::load_into(StateTensor& want) const {
       throw CheckpointError(path + ": tensor '" + st.key + "' listed in manifest.json is not in the file");
     auto expect_shape = st.spec.shape;
     if (st.transposed) std::reverse(expect_shape.begin(), expect_shape.end());
-    if (dtype_name(info->dtype) != st.spec.dtype || info->numel() != st.spec.numel() ||
+    const bool part_of_key = st.key_offset >= 0;  // a fused tensor's rows (merge --hf)
+    if (dtype_name(info->dtype) != st.spec.dtype ||
+        (part_of_key ? st.key_offset + st.spec.numel() > info->numel() : info->numel() != st.spec.numel()) ||
         (st.transposed && info->shape != expect_shape))
       throw CheckpointError(path + ": tensor '" + st.key + "' disagrees with its manifest entry (dtype " +
                             dtype_name(info->dtype) + ", shape " + nlohmann::json(info->shape).dump() +
@@ -308,7 +310,7 @@ void Checkpoint::load_into(StateTensor& want) const {
     if (copies.empty()) continue;
     const auto* reader = readers[i];
     const auto* info = infos[i];
-    const uint8_t* src = reader->data(*info);
+    const uint8_t* src = reader->data(*info) + (st.key_offset > 0 ? st.key_offset * es : 0);
     at::Tensor untransposed;  // the stored transpose turned back, for a transposed piece
     if (st.transposed) {
       untransposed = torch::from_blob(const_cast<uint8_t*>(src), info->shape,

@@ -107,6 +107,12 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
       for (const auto& s : specs) {
         ManifestEntry e{s.get<ShardSpec>(), file, s.value("key", std::string()), s.value("transposed", false)};
         if (e.key.empty()) e.key = e.spec.name;
+        if (s.contains("key_offset")) {
+          if (!s.at("key_offset").is_number_integer() || s.at("key_offset").get<int64_t>() < 0 || e.transposed)
+            throw CheckpointError(where + ": " + quote_prefix(e.spec.name) + " in " + quote_prefix(file) +
+                                  " has a key_offset that is not a non-negative integer (or is transposed)");
+          e.key_offset = s.at("key_offset").get<int64_t>();
+        }
         if (e.transposed && (e.spec.global_shape.size() != 2 || !e.spec.is_full()))
           throw CheckpointError(where + ": " + quote_prefix(e.spec.name) + " in " + quote_prefix(file) +
                                 " is marked transposed but is not a whole 2-d tensor");

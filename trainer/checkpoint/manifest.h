@@ -52,6 +52,9 @@ struct ManifestEntry {
   std::string file;  // a plain name inside the checkpoint folder
   std::string key;   // the tensor's name inside the file (the spec's name unless given)
   bool transposed = false;
+  // >= 0: the piece is elements [key_offset, key_offset + numel) of a larger
+  // tensor `key` (merge --hf's fused tensors); -1: the whole tensor.
+  int64_t key_offset = -1;
 };
 
 // manifest.json, validated (no file opened): format and version, plain shard

@@ -34,6 +34,10 @@ struct Planned {
   std::string key;  // its name inside the file
   bool transposed = false;
   bool expert = false;  // written without the leading (expert) dimension
+  // Parts of one fused tensor (HfName::fused_offset), written one after the
+  // other: the first declares the whole (fused_rows), the rest only append.
+  int64_t fused_offset = -1, fused_rows = 0;
+  bool continues = false;
 };
 
 }  // namespace
@@ -56,6 +60,7 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
 
   // Plan every output file before writing a byte: names, shapes, coverage.
   std::map<std::string, std::vector<Planned>> files;  // file -> tensors in write order
+  std::map<std::string, std::map<int64_t, Planned>> fused;  // their name -> our parts by first row
   std::string model_dtype;
   for (const auto& name : ck.names()) {
     const auto pieces = ck.pieces(name);
@@ -102,7 +107,16 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
         if (p.transposed && p.spec.global_shape.size() != 2)
           throw CheckpointError("merge --hf: '" + p.key + "' is marked transposed but is not 2-d");
         p.key = it->second.theirs;
+        p.fused_offset = it->second.fused_offset;
         hf.erase(it);
+        if (p.fused_offset >= 0) {
+          if (p.transposed || p.spec.global_shape.empty())
+            throw CheckpointError("merge --hf: '" + p.spec.name + "' is fused into '" + p.key + "' but not by rows");
+          if (!fused[p.key].emplace(p.fused_offset, p).second)
+            throw CheckpointError("merge --hf: two tensors start at row " + std::to_string(p.fused_offset) + " of '" +
+                                  p.key + "'");
+          continue;
+        }
       }
     } else if (opts.hf && hf.count(name)) {  // state the Hugging Face layout keeps beside the weights
       file = "model.safetensors";
@@ -113,6 +127,26 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
       p.key = name.substr(6);
     }
     files[file].push_back(std::move(p));
+  }
+  // Each fused tensor: its parts cover its rows in order, agreeing on the other dimensions and dtype.
+  for (auto& [theirs, parts] : fused) {
+    int64_t rows = 0;
+    const auto& first = parts.begin()->second;
+    for (const auto& [offset, part] : parts) {
+      const auto& s = part.spec.global_shape;
+      if (offset != rows || s.size() != first.spec.global_shape.size() ||
+          !std::equal(s.begin() + 1, s.end(), first.spec.global_shape.begin() + 1) || part.spec.dtype != first.spec.dtype)
+        throw CheckpointError("merge --hf: '" + part.spec.name + "' does not continue '" + theirs + "' at row " +
+                              std::to_string(rows) + " (same width and dtype)");
+      rows += s[0];
+    }
+    bool head = true;
+    for (auto& [offset, part] : parts) {
+      part.fused_rows = rows;
+      part.continues = !head;
+      head = false;
+      files["model.safetensors"].push_back(std::move(part));
+    }
   }
   if (opts.hf && !hf.empty())
     throw CheckpointError("merge --hf: '" + hf.begin()->first + "' (Hugging Face '" + hf.begin()->second.theirs +
@@ -143,10 +177,13 @@ MergeReport merge(const std::string& ckpt_dir, const std::string& out_dir, const
       for (const auto& p : planned) {
         auto shape = p.expert ? std::vector<int64_t>(p.spec.shape.begin() + 1, p.spec.shape.end()) : p.spec.global_shape;
         if (p.transposed) std::swap(shape[0], shape[1]);
-        w.declare(p.key, *parse_dtype(p.spec.dtype), shape);
+        if (p.fused_offset >= 0) shape[0] = p.fused_rows;
+        if (!p.continues) w.declare(p.key, *parse_dtype(p.spec.dtype), shape);
         nlohmann::json j = p.spec;
         if (p.key != p.spec.name) j["key"] = p.key;
         if (p.transposed) j["transposed"] = true;
+        if (p.fused_offset >= 0)  // where its elements start in the fused tensor (resume reads them there)
+          j["key_offset"] = p.fused_offset * (p.spec.numel() / std::max<int64_t>(p.spec.global_shape[0], 1));
         entries.push_back(j);
       }
       // One global tensor in memory at a time.

@@ -39,6 +39,9 @@ struct HfName {
   // A stacked [E, ...] parameter (MoE experts) written as one tensor per
   // expert: experts[e] names ours[e] (then `theirs` is unused).
   std::vector<std::string> experts;
+  // >= 0: ours is rows [fused_offset, ..) of `theirs`, one tensor written from
+  // the parts naming it, concatenated in row order (Phi-3's qkv_proj).
+  int64_t fused_offset = -1;
 };
 
 // What --hf needs from the model: every parameter's HF name (by our name,

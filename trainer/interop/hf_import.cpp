@@ -3,6 +3,7 @@
 #include <cmath>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -62,7 +63,10 @@ const char* const kMathKeys[] = {"vocab_size", "num_attention_heads", "n_head", 
                                  "routed_scaling_factor", "decoder_sparse_step", "mlp_only_layers",
                                  "first_k_dense_replace",
                                  // attention windows (Mistral, Qwen2/3)
-                                 "sliding_window", "use_sliding_window", "layer_types"};
+                                 "sliding_window", "use_sliding_window", "layer_types",
+                                 // Phi-3's partial rotation; Gemma 3's activation, score scale, local rope, caps
+                                 "partial_rotary_factor", "hidden_activation", "query_pre_attn_scalar",
+                                 "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping"};
 const char* const kRopeScalingKeys[] = {"factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                                         "mscale_all_dim", "attention_factor", "short_factor", "long_factor"};
@@ -78,6 +82,11 @@ nlohmann::json math_settings(const nlohmann::json& j) {
   nlohmann::json rope = nullptr;
   if (j.contains("rope_parameters") && j.at("rope_parameters").is_object()) {
     rope = j.at("rope_parameters");
+    if (rope.contains("full_attention") && rope.at("full_attention").is_object()) {  // by layer kind (Gemma 3)
+      const auto local = rope.value("sliding_attention", nlohmann::json());
+      if (local.is_object() && local.contains("rope_theta")) out["rope_local_base_freq"] = local.at("rope_theta");
+      rope = rope.at("full_attention");
+    }
     if (rope.contains("rope_theta") && !rope.at("rope_theta").is_null()) out["rope_theta"] = rope.at("rope_theta");
   } else if (j.contains("rope_scaling")) {
     rope = j.at("rope_scaling");
@@ -155,6 +164,15 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
   // Our name -> its HF tensor, or one per expert of a stacked expert parameter (by expert).
   std::map<std::string, std::map<int64_t, const models::HfTensor*>> theirs_of;
   for (const auto& h : mapping) theirs_of[h.ours][h.expert] = &h;
+  // A tensor fused from several of ours (Phi-3's qkv_proj): its rows, the parts' together.
+  std::map<std::string, int64_t> fused_rows;
+  {
+    std::map<std::string, std::vector<int64_t>> global;
+    for (const auto& l : model.param_layouts()) global[l.name] = l.global_shape;
+    for (const auto& h : mapping)
+      if (h.fused_offset >= 0 && global.count(h.ours))
+        fused_rows[h.theirs] = std::max(fused_rows[h.theirs], h.fused_offset + global.at(h.ours).at(0));
+  }
 
   // Where the parameters go: where they are, or the CPU for a model on meta.
   c10::Device target = device.value_or(c10::Device(c10::kCPU));
@@ -188,6 +206,7 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
         if (want.size() != 2) throw CheckpointError("hf_tensors() marks '" + h.ours + "' transposed but it is not 2-d");
         std::swap(want[0], want[1]);
       }
+      if (h.fused_offset >= 0) want.at(0) = fused_rows.at(h.theirs);  // ours is rows of it
       if (info->shape != want)
         throw CheckpointError(path + ": tensor '" + h.theirs + "' has shape " + show(info->shape) + " but the model's '" +
                               h.ours + "' needs " + show(want) + (h.transpose ? " (stored transposed)" : ""));
@@ -216,8 +235,11 @@ HfLoadReport load_hf_weights(models::CausalLM& model, const std::string& dir_str
     const auto& h = *entries.begin()->second;
     auto& reader = source(h, l.global_shape);
     int64_t row = 0;
+    if (h.fused_offset >= 0 && h.transpose)
+      throw CheckpointError("hf_tensors() marks '" + h.ours + "' both fused and transposed");
     for (const auto& b : l.blocks) {
       auto off = b.offsets, size = b.shape;
+      if (h.fused_offset >= 0) off.at(0) += h.fused_offset;
       if (h.transpose) std::swap(off[0], off[1]), std::swap(size[0], size[1]);
       auto t = read_tensor_slice(reader, h.theirs, off, size);
       report.bytes_read += t.nbytes();

@@ -69,7 +69,7 @@ checkpoint::HfExport hf_export(models::CausalLM& model) {
       n.experts[h.expert] = h.theirs;
       continue;
     }
-    e.names[h.ours] = {h.theirs, h.transpose, {}};
+    e.names[h.ours] = {h.theirs, h.transpose, {}, h.fused_offset};
   }
   // State beside the parameters, by its full checkpoint name ("moe/...").
   for (const auto& b : model.hf_buffers()) e.names[b.ours] = {b.theirs, false, {}};
