@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -51,27 +50,12 @@ torch::Tensor apply_rope(const torch::Tensor& t, const torch::Tensor& cos, const
 // Qwen3's per-head RMSNorm of queries or keys [B, heads, T, head_dim] (none: t).
 torch::Tensor qk(common::RMSNorm& norm, const torch::Tensor& t) { return norm ? norm(t) : t; }
 
-// Attention with tanh-capped scores (Gemma's attn_logit_softcapping), as
-// transformers' eager path: q [B, H, T, D] at positions past.., k/v [B, H, S, D]
-// (heads repeated); query i sees keys j <= past + i (and past + i - j < window).
-torch::Tensor softcapped_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   double scale, double cap, int64_t past, int64_t window) {
-  const int64_t T = q.size(2), S = k.size(2);
-  auto scores = torch::matmul(q, k.transpose(2, 3)) * scale;
-  scores = torch::tanh(scores / cap) * cap;
-  auto see = torch::ones({T, S}, q.options().dtype(torch::kBool)).tril(past);
-  if (window > 0) see = see.triu(past - window + 1);
-  scores = scores.masked_fill(see.logical_not(), -std::numeric_limits<float>::infinity());
-  return torch::matmul(torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type()), v);
-}
-
 
 }  // namespace
 
 AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx, int64_t layer)
     : head_dim(cfg.head_dim),
       window(cfg.window(layer)),
-      softcap(cfg.attn_logit_softcapping),
       kv_heads(ctx.local(cfg.num_key_value_heads, "num_key_value_heads")),
       cp_comm(ctx.cp_comm),
       cp_comm_type(ctx.cp_comm_type),
@@ -101,8 +85,7 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
     k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx, cfg.norm_unit_offset));
   }
   if (cfg.query_pre_attn_scalar > 0) scale = 1.0 / std::sqrt(cfg.query_pre_attn_scalar);
-  if (softcap > 0 && ctx.cp_comm)
-    throw std::invalid_argument("model.args.attn_logit_softcapping: context parallelism has no soft-capped attention");
+
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -126,8 +109,6 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   TORCH_CHECK(window == 0 || !mask.defined(),
               "model.args.sliding_window: packed documents (dataset document_mask) have no sliding-window attention");
-  TORCH_CHECK(softcap == 0 || !mask.defined(),
-              "model.args.attn_logit_softcapping: packed documents (dataset document_mask) have no soft-capped attention");
   if (by_tiles) {
     auto y = common::document_attention(q, k, v, mask, scale);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
@@ -136,15 +117,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // enable_gqa would fall back to the math kernel, so repeat them (as HF's repeat_kv).
   bool native_gqa = false;
   if (heads != kv_heads) {
-    native_gqa = softcap == 0 && q.is_cuda() && (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16);
+    native_gqa = q.is_cuda() && (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16);
     if (!native_gqa) {
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
-  }
-  if (softcap > 0) {
-    auto y = softcapped_attention(q, k, v, scale.value_or(1.0 / std::sqrt(double(head_dim))), softcap, 0, window);
-    return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }
   if (window > 0 && window < T) {  // each query sees itself and the window - 1 before it (transformers' overlay)
     const auto band = torch::ones({T, T}, q.options().dtype(torch::kBool)).tril().triu(1 - window);
@@ -169,9 +146,7 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch:
     K = K.repeat_interleave(heads / kv_heads, 1);
     V = V.repeat_interleave(heads / kv_heads, 1);
   }
-  const auto y = softcap > 0 ? softcapped_attention(q, K, V, scale.value_or(1.0 / std::sqrt(double(head_dim))), softcap,
-                                                     past, window)
-                             : common::cached_attention(q, K, V, past, window, scale);
+  const auto y = common::cached_attention(q, K, V, past, window, scale);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
@@ -513,7 +488,7 @@ nlohmann::json Llama::hf_config() const {
     j["sliding_window"] = c.sliding_window;
     j["layer_types"] = layer_kinds(c);
     j["rope_local_base_freq"] = c.rope_local_base_freq;
-    j["attn_logit_softcapping"] = cap(c.attn_logit_softcapping);
+    j["attn_logit_softcapping"] = nullptr;  // refused when set (kGemma3NoAttnCap)
     j["final_logit_softcapping"] = cap(c.final_logit_softcapping);
     j["use_bidirectional_attention"] = false;
   }
@@ -729,8 +704,7 @@ std::shared_ptr<const config::ModelConfig> parse_family(config::ArgMap& a, const
     c->sliding_window_pattern = a.get_int("sliding_window_pattern", 6, 1);
     c->query_pre_attn_scalar = a.get_float("query_pre_attn_scalar", 256.0, 1e-9);
     c->rope_local_base_freq = a.get_float("rope_local_base_freq", 10000.0, 1.0);
-    c->attn_logit_softcapping = a.get_float("attn_logit_softcapping", 0.0, 0.0);  // 0: none (config.json's null)
-    if (c->attn_logit_softcapping > 0)
+    if (a.get_float("attn_logit_softcapping", 0.0, 0.0) > 0)  // 0: none (config.json's null)
       a.fail("attn_logit_softcapping", kGemma3NoAttnCap);
     c->final_logit_softcapping = a.get_float("final_logit_softcapping", 0.0, 0.0);
     if (a.get_bool("use_bidirectional_attention", false))
@@ -815,8 +789,7 @@ std::shared_ptr<const config::ModelConfig> family_from_hf(const nlohmann::json& 
     if (c->sliding_window_pattern < 1) throw std::runtime_error("config.json: sliding_window_pattern must be at least 1");
     c->query_pre_attn_scalar = hf_get_or<double>(j, "query_pre_attn_scalar", 256.0);
     c->rope_local_base_freq = hf_get_or<double>(j, "rope_local_base_freq", 10000.0);
-    c->attn_logit_softcapping = hf_get_or<double>(j, "attn_logit_softcapping", 0.0);
-    if (c->attn_logit_softcapping > 0)
+    if (hf_get_or<double>(j, "attn_logit_softcapping", 0.0) > 0)
       throw std::runtime_error(std::string("config.json: attn_logit_softcapping ") + kGemma3NoAttnCap);
     c->final_logit_softcapping = hf_get_or<double>(j, "final_logit_softcapping", 0.0);
     for (const char* k : {"query_pre_attn_scalar", "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping"})

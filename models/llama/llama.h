@@ -65,11 +65,12 @@ struct LlamaConfig : config::ModelConfig {
   // hidden_act gelu_pytorch_tanh (GeGLU), embed_scale (embeddings times
   // sqrt(hidden_size) in their dtype), scores times query_pre_attn_scalar^-0.5
   // (0: head_dim's), the sliding layers' own rope theta (rope_local_base_freq, 0:
-  // none), tanh soft-capping of attention scores and of the logits (0: none).
+  // none), tanh soft-capping of the logits (0: none; of the scores: refused, as
+  // transformers' Gemma 3 does not apply attn_logit_softcapping).
   bool norm_unit_offset = false, sandwich_norms = false, embed_scale = false;
   std::string hidden_act = "silu";
   double query_pre_attn_scalar = 0, rope_local_base_freq = 0;
-  double attn_logit_softcapping = 0, final_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
   int64_t sliding_window_pattern = 6;  // gemma3 without layer_types: every sliding_window_pattern-th layer is global
   bool local_rope(int64_t layer) const { return rope_local_base_freq > 0 && window(layer) > 0; }
   int64_t rotary_dim() const {
@@ -94,7 +95,6 @@ struct LlamaConfig : config::ModelConfig {
 
   std::pair<std::string, std::string> context_parallel_refusal() const override {
     if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
-    if (attn_logit_softcapping > 0) return {"attn_logit_softcapping", "soft-capped attention scores"};
     return {"", ""};
   }
 
@@ -123,7 +123,6 @@ class AttentionImpl : public torch::nn::Module {
   int64_t head_dim, heads, kv_heads;  // this rank's heads
   int64_t window = 0;                 // sliding window (0: full causal)
   std::optional<double> scale;        // of the scores (none: 1 / sqrt(head_dim))
-  double softcap = 0;                 // attn_logit_softcapping (0: none)
   c10::intrusive_ptr<common::CpComm> cp_comm;  // context parallelism (null at cp 1)
   common::CpCommType cp_comm_type = common::CpCommType::P2P;
   common::CpLayout cp_layout = common::CpLayout::Zigzag;
