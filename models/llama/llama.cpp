@@ -363,7 +363,14 @@ double Llama::flops_per_token(int64_t seq_len) const {
   // (the embedding lookup does no matmul), 6 FLOPs each per token; plus attention.
   const double per_layer = C * q * 2 + C * kv * 2 + 3.0 * C * c.intermediate_size;
   const double n = c.num_hidden_layers * per_layer + static_cast<double>(c.vocab_size) * C;
-  return 6 * n + 12.0 * c.num_hidden_layers * q * seq_len;
+  // Per layer 12 x width x T for causal attention (the planner takes half off: the mean keys a query
+  // sees); a sliding layer counts twice its own mean, 2w - w(w - 1) / T, so that half is right for it too.
+  double span = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const double w = static_cast<double>(c.window(i)), T = static_cast<double>(seq_len);
+    span += w > 0 && w < T ? 2 * w - w * (w - 1) / T : T;
+  }
+  return 6 * n + 12.0 * q * span;
 }
 
 ModelDims Llama::dims() const {
