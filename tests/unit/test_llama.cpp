@@ -223,6 +223,19 @@ TEST_CASE("llama flops_per_token is 6 x matmul parameters plus attention, and di
   }
 }
 
+TEST_CASE("llama flops_per_token counts a sliding layer's band, not the whole causal triangle", "[llama]") {
+  auto cfg = tiny_config();  // 2 layers, attention width 32
+  Llama full(cfg);
+  cfg.layer_windows = {0, 8};  // the second layer slides (window 8)
+  Llama sliding(cfg);
+  const int64_t T = 50;
+  // Its term is twice the mean keys a query sees: (8 x 50 - 8 x 7 / 2) / 50 keys on average.
+  const double band = 2 * (8.0 * T - 8.0 * 7 / 2) / T;
+  CHECK(sliding.flops_per_token(T) == Approx(full.flops_per_token(0) + 12.0 * 32 * (T + band)));
+  CHECK(sliding.flops_per_token(4) == Approx(full.flops_per_token(4)));  // a window past the sequence: all of it
+  CHECK(sliding.flops_per_token(0) == Approx(full.flops_per_token(0)));
+}
+
 TEST_CASE("llama hf_config round-trips through config_from_hf", "[llama]") {
   auto cfg = tiny_config();
   cfg.head_dim = 16;
