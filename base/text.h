@@ -1,9 +1,11 @@
-// Quoting untrusted text (a config key, a file name from a manifest) in messages:
+// Text for messages. Untrusted text (a config key, a file name from a manifest) is quoted as
 // at most a short, printable prefix, so a 10 MB key cannot become a 10 MB error.
 #pragma once
 
 #include <cstddef>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace nnstrain::util {
 
@@ -20,6 +22,22 @@ inline std::string quote_prefix(const std::string& text, size_t max_chars = 48) 
   }
   if (n < text.size()) return out + "...' (" + std::to_string(text.size()) + " bytes)";
   return out + "'";
+}
+
+// v with digits decimals ("3.14"), as printf's "%.*f" writes it.
+inline std::string fixed(double v, int digits) {
+  std::ostringstream out;
+  out.precision(digits);
+  out << std::fixed << v;
+  return out.str();
+}
+
+// The items with sep between them ("0, 1, 2"), for messages and tables.
+template <typename T>
+std::string join(const std::vector<T>& items, const std::string& sep) {
+  std::ostringstream out;
+  for (size_t i = 0; i < items.size(); ++i) out << (i ? sep : "") << items[i];
+  return out.str();
 }
 
 }  // namespace nnstrain::util

@@ -18,7 +18,7 @@ until its W. Per pipeline rank:
 The baseline is one process (no pipeline) in the same run, its peak beside
 its estimate. Goal: every rank within 10% of its estimate.
 
-The memory model follows each schedule's order (cost_model.cpp: a
+The memory model follows each schedule's order (trainer/plan/cost/pipeline.cpp: a
 micro-batch's activations live from its F until its B or I, W's inputs from
 its I until its W), so re-run this
 after a change to the schedule generators:

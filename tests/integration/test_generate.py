@@ -158,7 +158,7 @@ def test_save_dir_stands_for_its_latest_checkpoint(char_run):
 
 
 @pytest.mark.parametrize("args, status, needle", [
-    (["{missing}"], 1, "no such checkpoint or folder"),
+    (["{missing}"], 2, "no such checkpoint or folder"),
     (["{ckpt}", "--temperature", "-1"], 2, "--temperature: -1 is negative"),
     (["{ckpt}", "--top-p", "1.5"], 2, "--top-p: 1.5 is not in (0, 1]"),
     (["{ckpt}", "--top-k", "two"], 2, "--top-k: 'two' is not an integer"),

@@ -1,4 +1,4 @@
-// The optimizer's step in the cost model (trainer/plan/cost_model.cpp
+// The optimizer's step in the cost model (trainer/plan/cost/optimizer.cpp
 // optimizer_work, optimizer_time_term; docs/parallelism.md "The optimizer's
 // step"): AdamW's element-wise update, and Muon's Newton-Schulz FLOPs, owner
 // balance, gather and scatter, and state. The expected figures are worked out

@@ -5,7 +5,6 @@
 
 #include <torch/torch.h>
 
-
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -16,6 +15,7 @@
 #include "models/common/sharding.h"
 #include "models/registry.h"
 #include "trainer/optim/registry.h"
+#include "base/text.h"
 #include "base/config/arg_map.h"
 #include "base/config/load.h"
 #include "trainer/pipeline/config_check.h"
@@ -56,18 +56,12 @@ are allocated.
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
-}
-
 
 std::string count_text(double n) {
-  if (n >= 1e9) return fixed(n / 1e9, 2) + "B";
-  if (n >= 1e6) return fixed(n / 1e6, 2) + "M";
-  if (n >= 1e3) return fixed(n / 1e3, 1) + "K";
-  return fixed(n, 0);
+  if (n >= 1e9) return util::fixed(n / 1e9, 2) + "B";
+  if (n >= 1e6) return util::fixed(n / 1e6, 2) + "M";
+  if (n >= 1e3) return util::fixed(n / 1e3, 1) + "K";
+  return util::fixed(n, 0);
 }
 
 // The schedule's action grid (stage.micro per rank), each row cut at a
@@ -258,22 +252,22 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     {
       const auto ps = optim::precision_setup(targs.precision, cc.reduce_dtype);
       const auto sb = parallel::state_bytes(ps.param, ps.grad, ps.master_weights);
-      out << "state bytes/param (" << targs.precision << ", before ZeRO): " << fixed(sb.total(), 2) << " (param "
-          << fixed(sb.param, 2) << ", grad " << fixed(sb.grad, 2) << ", master " << fixed(sb.master, 2)
-          << ", moments " << fixed(sb.moments, 2) << ")";
+      out << "state bytes/param (" << targs.precision << ", before ZeRO): " << util::fixed(sb.total(), 2) << " (param "
+          << util::fixed(sb.param, 2) << ", grad " << util::fixed(sb.grad, 2) << ", master " << util::fixed(sb.master, 2)
+          << ", moments " << util::fixed(sb.moments, 2) << ")";
       // The header's moments are AdamW's two; another optimizer's state is in the estimate below.
       if (targs.optimizer.type != "adamw")
         out << "; moments as AdamW's, the memory estimate counts optimizer " << targs.optimizer.type << "'s state";
       out << "\n";
     }
-    out << "device: " << d.name << ": " << parallel::format_bytes(d.memory_bytes) << ", " << fixed(peak / 1e12, 1)
+    out << "device: " << d.name << ": " << parallel::format_bytes(d.memory_bytes) << ", " << util::fixed(peak / 1e12, 1)
         << " TFLOP/s peak for " << targs.precision << (targs.precision.rfind("32", 0) == 0 && cc.allow_tf32 ? " (tf32)" : "")
-        << ", " << fixed(d.intra_node_bw / 1e9, 0) << " GB/s within a node, " << fixed(d.inter_node_bw / 1e9, 2)
+        << ", " << util::fixed(d.intra_node_bw / 1e9, 0) << " GB/s within a node, " << util::fixed(d.inter_node_bw / 1e9, 2)
         << " GB/s between nodes, " << d.ranks_per_node << " ranks per node\n";
     if (d.host_memory_bytes > 0) out << "host: " << parallel::format_bytes(d.host_memory_bytes) << " per node\n";
     if (!probe_path.empty())
-      out << "disk: " << probe_path << ": write " << fixed(disk.write_bytes_per_s / 1e9, 2) << " GB/s, read "
-          << fixed(disk.read_bytes_per_s / 1e9, 2) << " GB/s per node (" << parallel::format_bytes(double(disk.bytes))
+      out << "disk: " << probe_path << ": write " << util::fixed(disk.write_bytes_per_s / 1e9, 2) << " GB/s, read "
+          << util::fixed(disk.read_bytes_per_s / 1e9, 2) << " GB/s per node (" << parallel::format_bytes(double(disk.bytes))
           << " probed, " << disk.engine << (disk.direct_io ? ", O_DIRECT" : ", buffered") << ")\n";
     out << "\n";
     out << parallel::describe(plan, explain);

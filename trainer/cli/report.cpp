@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/text.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/dist/flight_recorder.h"
 #include "trainer/train/step_timer.h"
@@ -26,18 +27,11 @@ namespace nnstrain::cli {
 
 namespace {
 
-constexpr const char* kUsage = "usage: nnstrain report RUN_DIR [--out PNG] [--no-plot]\n";
+constexpr const char* kReportUsage = "usage: nnstrain report RUN_DIR [--out PNG] [--no-plot]\n";
 
 struct ReportError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-std::string fixed(double v, int prec) {
-  std::ostringstream o;
-  o.precision(prec);
-  o << std::fixed << v;
-  return o.str();
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -94,7 +88,7 @@ void fault_lines(const fs::path& run_dir, const std::vector<nlohmann::json>& tra
     if (!r.is_object()) continue;
     s << "restart          " << r.value("restart", 0) << ": " << r.value("cause", std::string()) << "; resumed at step "
       << r.value("resumed_at_step", int64_t(0)) << ", step " << r.value("first_step", int64_t(0)) << " done "
-      << fixed(r.value("seconds_from_failure_to_first_step", -1.0), 1) << " s after the failure\n";
+      << util::fixed(r.value("seconds_from_failure_to_first_step", -1.0), 1) << " s after the failure\n";
   }
   std::vector<std::vector<double>> compute, wait;
   for (const auto& r : train) {
@@ -102,8 +96,8 @@ void fault_lines(const fs::path& run_dir, const std::vector<nlohmann::json>& tra
     if (r.contains("straggler")) {
       const auto& g = r["straggler"];
       s << "straggler        step " << r["step"] << ": rank " << g.value("rank", -1) << " ("
-        << g.value("where", std::string("?")) << "), compute " << fixed(g.value("compute_ms", 0.0), 1)
-        << " ms against the others' median " << fixed(g.value("others_median_ms", 0.0), 1) << " ms\n";
+        << g.value("where", std::string("?")) << "), compute " << util::fixed(g.value("compute_ms", 0.0), 1)
+        << " ms against the others' median " << util::fixed(g.value("others_median_ms", 0.0), 1) << " ms\n";
     }
     if (r.contains("rank_compute_ms") && r.contains("rank_wait_ms")) {
       const auto c = r["rank_compute_ms"].get<std::vector<double>>(), w = r["rank_wait_ms"].get<std::vector<double>>();
@@ -116,8 +110,8 @@ void fault_lines(const fs::path& run_dir, const std::vector<nlohmann::json>& tra
   if (!compute.empty()) {
     s << "rank step times ";
     for (size_t i = 0; i < compute.size(); ++i)
-      s << (i ? ", " : " ") << "rank " << i << " " << fixed(median(compute[i]), 1) << " / "
-        << fixed(i < wait.size() ? median(wait[i]) : 0.0, 1);
+      s << (i ? ", " : " ") << "rank " << i << " " << util::fixed(median(compute[i]), 1) << " / "
+        << util::fixed(i < wait.size() ? median(wait[i]) : 0.0, 1);
     s << " ms compute / waiting (medians)\n";
   }
   std::vector<nlohmann::json> records;
@@ -168,17 +162,17 @@ int report_main(const std::vector<std::string>& args) {
     } else if (args[i] == "--no-plot") {
       plot = false;
     } else if (args[i] == "-h" || args[i] == "--help") {
-      std::cout << kUsage;
+      std::cout << kReportUsage;
       return 0;
     } else if (args[i].rfind("-", 0) != 0 && run_dir.empty()) {
       run_dir = args[i];
     } else {
-      std::cerr << "nnstrain report: unexpected argument '" << args[i] << "'\n" << kUsage;
+      std::cerr << "nnstrain report: unexpected argument '" << args[i] << "'\n" << kReportUsage;
       return 2;
     }
   }
   if (run_dir.empty()) {
-    std::cerr << "nnstrain report: missing RUN_DIR\n" << kUsage;
+    std::cerr << "nnstrain report: missing RUN_DIR\n" << kReportUsage;
     return 2;
   }
   if (out.empty()) out = (fs::path(run_dir) / "loss_curves.png").string();
@@ -204,15 +198,15 @@ int report_main(const std::vector<std::string>& args) {
     s << "steps            " << first["step"].get<int64_t>() << " .. " << last["step"].get<int64_t>() << " ("
       << train.size() << " logged)\n";
     if (first.contains("loss") && last.contains("loss"))
-      s << "train loss       " << fixed(first["loss"].get<double>(), 4) << " (step " << first["step"] << ") -> "
-        << fixed(last["loss"].get<double>(), 4) << " (step " << last["step"] << ")\n";
+      s << "train loss       " << util::fixed(first["loss"].get<double>(), 4) << " (step " << first["step"] << ") -> "
+        << util::fixed(last["loss"].get<double>(), 4) << " (step " << last["step"] << ")\n";
   }
   if (!val.empty()) {
     const auto best = std::min_element(val.begin(), val.end(), [](const auto& a, const auto& b) {
       return a["val_loss"].template get<double>() < b["val_loss"].template get<double>();
     });
-    s << "best val loss    " << fixed((*best)["val_loss"].get<double>(), 4) << " at step " << (*best)["step"]
-      << " (last " << fixed(val.back()["val_loss"].get<double>(), 4) << " at step " << val.back()["step"] << ")\n";
+    s << "best val loss    " << util::fixed((*best)["val_loss"].get<double>(), 4) << " at step " << (*best)["step"]
+      << " (last " << util::fixed(val.back()["val_loss"].get<double>(), 4) << " at step " << val.back()["step"] << ")\n";
   } else {
     s << "best val loss    none (no validation records)\n";
   }
@@ -230,24 +224,24 @@ int report_main(const std::vector<std::string>& args) {
         if (!first) first = &r;
         last = &r;
       }
-    s << "eval " << k.substr(5) << "  " << fixed((*first)[k].get<double>(), 4) << " (step " << (*first)["step"]
-      << ") -> " << fixed((*last)[k].get<double>(), 4) << " (step " << (*last)["step"] << ")\n";
+    s << "eval " << k.substr(5) << "  " << util::fixed((*first)[k].get<double>(), 4) << " (step " << (*first)["step"]
+      << ") -> " << util::fixed((*last)[k].get<double>(), 4) << " (step " << (*last)["step"] << ")\n";
   }
   if (!evals.empty()) {
     double secs = 0;
     for (const auto& r : evals) secs += r["eval_seconds"].get<double>();
-    s << "eval time        " << fixed(secs, 1) << " s over " << evals.size() << " evaluations\n";
+    s << "eval time        " << util::fixed(secs, 1) << " s over " << evals.size() << " evaluations\n";
   }
-  if (auto v = column("tokens_per_s"); !v.empty()) s << "tokens/s         " << fixed(median(v), 0) << " (median)\n";
-  if (auto v = column("mfu"); !v.empty()) s << "MFU              " << fixed(100 * median(v), 1) << "% (median)\n";
+  if (auto v = column("tokens_per_s"); !v.empty()) s << "tokens/s         " << util::fixed(median(v), 0) << " (median)\n";
+  if (auto v = column("mfu"); !v.empty()) s << "MFU              " << util::fixed(100 * median(v), 1) << "% (median)\n";
   if (auto v = column("peak_mem_mb"); !v.empty())
-    s << "peak memory      " << fixed(*std::max_element(v.begin(), v.end()), 0) << " MB\n";
+    s << "peak memory      " << util::fixed(*std::max_element(v.begin(), v.end()), 0) << " MB\n";
   std::string split;
   for (int p = 0; p < train::StepTimer::kNumParts; ++p) {
     const auto part = train::StepTimer::Part(p);
     const auto v = column(train::StepTimer::metric_key(part));
     if (!v.empty()) split += std::string(split.empty() ? "" : " / ") + train::StepTimer::name(part) + " " +
-                             fixed(median(v), 1);
+                             util::fixed(median(v), 1);
   }
   if (!split.empty()) s << "step time split  " << split << " ms (median of logged steps)\n";
   s << "checkpoints      " << checkpoints_line(run_dir) << "\n";

@@ -9,6 +9,8 @@
 #include <set>
 #include <sstream>
 
+#include "base/text.h"
+
 namespace fs = std::filesystem;
 
 namespace nnstrain::dist {
@@ -21,12 +23,6 @@ extern "C" void on_dump_signal(int) { g_dump_requested.store(true); }
 int64_t wall_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::string join(const std::vector<int>& v) {
-  std::string s;
-  for (int r : v) s += (s.empty() ? "" : ",") + std::to_string(r);
-  return s;
 }
 
 }  // namespace
@@ -172,7 +168,7 @@ std::vector<std::string> align_flight_records(const std::vector<nlohmann::json>&
   for (int r = 0; r < world; ++r)
     if (!by_rank.count(r)) missing.push_back(r);
   if (!missing.empty())
-    lines.push_back("ranks with no flight record (gone or frozen before they could write): " + join(missing));
+    lines.push_back("ranks with no flight record (gone or frozen before they could write): " + util::join(missing, ","));
 
   struct Finding {
     int64_t t_ms;
@@ -229,12 +225,12 @@ std::vector<std::string> align_flight_records(const std::vector<nlohmann::json>&
       if (absent.empty() && differ.empty()) absent = unrecorded;
       const auto op_text = ref->at("op").get<std::string>() + " '" + ref->at("what").get<std::string>() + "' (" +
                            std::to_string(ref->at("bytes").get<int64_t>()) + " bytes)";
-      std::string line = "group " + group + " (ranks " + join(members) + ") collective #" + std::to_string(g) + ": ";
+      std::string line = "group " + group + " (ranks " + util::join(members, ",") + ") collective #" + std::to_string(g) + ": ";
       if (!differ.empty()) {
         line += "the ranks disagree: " + differ;
       } else {
-        line += "rank" + std::string(absent.size() > 1 ? "s " : " ") + join(absent) + " never joined " + op_text +
-                ", which rank" + (issued.size() > 1 ? "s " : " ") + join(issued) + " issued (state: " +
+        line += "rank" + std::string(absent.size() > 1 ? "s " : " ") + util::join(absent, ",") + " never joined " + op_text +
+                ", which rank" + (issued.size() > 1 ? "s " : " ") + util::join(issued, ",") + " issued (state: " +
                 ref->at("state").get<std::string>() + ")";
       }
       found.push_back({ref->at("t_ms").get<int64_t>(), line});

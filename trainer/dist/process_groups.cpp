@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "base/log.h"
+#include "base/text.h"
 #include "trainer/dist/rendezvous_socket.h"
 
 namespace nnstrain::dist {
@@ -91,12 +92,6 @@ Traffic one(int64_t Traffic::*kind, int64_t bytes) {
 const char* op_name(const Traffic& t) {
   return t.all_reduce ? "all_reduce" : t.all_gather ? "all_gather" : t.reduce_scatter ? "reduce_scatter"
          : t.send_recv ? "ring_shift" : "p2p";
-}
-
-std::string join(const std::vector<int>& v) {
-  std::ostringstream o;
-  for (size_t i = 0; i < v.size(); ++i) o << (i ? ", " : "") << v[i];
-  return o.str();
 }
 
 c10::intrusive_ptr<c10d::TCPStore> connect_store(const DistEnv& env, bool server, std::chrono::milliseconds timeout) {
@@ -437,7 +432,7 @@ void Runtime::dump_flight(const std::string& reason) {
 std::string Runtime::diagnose(const Group& g, const char* what, const std::string& cause, int64_t my_seq) {
   std::ostringstream msg;
   msg << "rank " << rank_ << ": collective '" << what << "' (#" << my_seq << ") on group " << g.name << " (ranks "
-      << join(g.ranks) << ") failed: " << cause;
+      << util::join(g.ranks, ", ") << ") failed: " << cause;
   // One process (NCCL groups of one rank): no peer to blame, nothing to ask.
   if (g.ranks.size() < 2 && !dynamic_cast<c10d::TCPStore*>(store_.get())) return msg.str() + "; this is the only rank";
   // Which ranks stopped answering: those whose heartbeat no longer moves, or
@@ -467,8 +462,8 @@ std::string Runtime::diagnose(const Group& g, const char* what, const std::strin
       if (now.second == first[i].second) gone.push_back(r);
       else if (now.first < my_seq) behind.push_back(r);
     }
-    if (!gone.empty()) msg << "; ranks not answering (process gone or frozen): " << join(gone);
-    if (!behind.empty()) msg << "; ranks alive but not in this collective: " << join(behind);
+    if (!gone.empty()) msg << "; ranks not answering (process gone or frozen): " << util::join(gone, ", ");
+    if (!behind.empty()) msg << "; ranks alive but not in this collective: " << util::join(behind, ", ");
     if (gone.empty() && behind.empty()) msg << "; every rank of the group is still alive";
   } catch (const std::exception&) {
     msg << "; the rendezvous store on rank 0 is unreachable: rank 0 is gone";

@@ -20,8 +20,7 @@
 #include "trainer/dist/process_groups.h"
 #include "trainer/eval/evaluator.h"
 #include "trainer/eval/report_table.h"
-#include "trainer/interop/hf_import.h"
-#include "trainer/interop/model_checkpoint.h"
+#include "trainer/interop/model_source.h"
 
 namespace fs = std::filesystem;
 
@@ -98,67 +97,13 @@ bool parse(const std::vector<std::string>& args, Options& o) {
   return true;
 }
 
-struct Source {
-  std::shared_ptr<models::CausalLM> model;
-  std::string what, tokenizer;
-};
-
-Source load_hf(const std::string& dir) {
-  const auto j = checkpoint::read_json_bounded((fs::path(dir) / "config.json").string());
-  const std::string type = j.is_object() ? j.value("model_type", "") : "";
-  for (const auto& entry : models::registered_models()) {
-    if (!entry.from_hf_config) continue;
-    std::shared_ptr<const config::ModelConfig> cfg;
-    try {
-      cfg = entry.from_hf_config(j);
-    } catch (const std::exception&) {
-      continue;
-    }
-    models::common::ShardingContext meta;
-    meta.options = meta.options.device(c10::kMeta);
-    auto model = entry.build_sharded(*cfg, meta);
-    if (model->hf_config().value("model_type", "") != type) continue;
-    interop::load_hf_weights(*model, dir, c10::Device(c10::kCPU));
-    Source s{model, "Hugging Face folder " + dir + " (" + type + ")", ""};
-    for (const char* f : {"tokenizer.json", "encoder.json"})
-      if (fs::exists(fs::path(dir) / f)) s.tokenizer = (fs::path(dir) / f).string();
-    return s;
-  }
-  throw std::runtime_error((fs::path(dir) / "config.json").string() + ": no registered model reads model_type '" + type + "'");
-}
-
-Source load_source(std::string src) {
-  if (!fs::exists(src)) throw UsageError(src + ": no such checkpoint or folder");
-  if (!fs::exists(fs::path(src) / "manifest.json") && fs::exists(fs::path(src) / "latest")) {
-    const auto l = checkpoint::latest(src);
-    if (l.empty()) throw UsageError(src + ": a save_dir without a complete checkpoint");
-    src = l;
-  }
-  if (fs::exists(fs::path(src) / "manifest.json")) {
-    const checkpoint::Checkpoint ck(src);
-    Source s;
-    s.model = interop::build_model(ck);
-    interop::load_model_weights(ck, *s.model);
-    s.what = "checkpoint " + src;
-    // A char/byte-level run: the meta.json beside its training data.
-    const auto args = interop::saved_args(ck);
-    if (args.dataset.type != "indexed" && !args.dataset.train_args.path.empty()) {
-      const fs::path meta = fs::path(args.dataset.train_args.path).parent_path() / "meta.json";
-      if (fs::exists(meta)) s.tokenizer = meta.string();
-    }
-    return s;
-  }
-  if (fs::exists(fs::path(src) / "config.json")) return load_hf(src);
-  throw UsageError(src + ": neither a checkpoint (manifest.json), a save_dir (latest) nor a Hugging Face folder");
-}
-
 int run(const Options& o) {
   const auto env = dist::read_dist_env();
   // The task files are read (and refused) before the model loads.
   std::vector<Task> tasks;
   for (const auto& f : o.tasks) tasks.push_back(load_task(f, o.limit));
-  auto src = load_source(o.source);
-  const std::string tok = !o.tokenizer.empty() ? o.tokenizer : src.tokenizer;
+  auto src = interop::load_model_source(o.source);
+  const std::string tok = !o.tokenizer.empty() ? o.tokenizer : src.tokenizer.value_or("");
   if (tok.empty()) throw UsageError("no tokenizer for " + o.source + "; give --tokenizer PATH");
   std::unique_ptr<TextCodec> codec;
   try {
@@ -218,6 +163,9 @@ int eval_main(const std::vector<std::string>& args) {
     return run(o);
   } catch (const UsageError& e) {
     std::cerr << "nnstrain eval: " << e.what() << " (see nnstrain eval --help)\n";
+    return 2;
+  } catch (const interop::ModelSourceError& e) {
+    std::cerr << "nnstrain eval: " << e.what() << "\n";
     return 2;
   } catch (const TaskError& e) {
     std::cerr << "nnstrain eval: " << e.what() << "\n";

@@ -29,6 +29,7 @@
 #include "trainer/dist/device.h"
 #include "trainer/interop/hf_import.h"
 #include "trainer/interop/model_checkpoint.h"
+#include "trainer/interop/model_source.h"
 
 namespace fs = std::filesystem;
 
@@ -178,104 +179,6 @@ Codec load_codec(const std::string& path) {
   return bpe_codec(path);
 }
 
-// A path the run's config names: as it is when absolute, else tried from here,
-// then from each folder above the checkpoint (the run was started from one of
-// them). `exists` decides what counts as found.
-std::optional<fs::path> find_from_run(const fs::path& p, const checkpoint::Checkpoint& ck,
-                                      const std::function<bool(const fs::path&)>& exists) {
-  if (p.is_absolute() || exists(p)) return exists(p) ? std::optional<fs::path>(p) : std::nullopt;
-  for (fs::path dir = fs::absolute(ck.dir()); dir.has_relative_path(); dir = dir.parent_path())
-    if (exists(dir / p)) return dir / p;
-  return std::nullopt;
-}
-
-// The tokenizer of a checkpoint's training data: the meta.json `nnstrain
-// prepare` writes beside token files, or the tokenizer an indexed dataset's
-// manifest records (checked against the manifest's hash, so ids are decoded by
-// the tokenizer that made them).
-std::optional<std::string> dataset_tokenizer(const checkpoint::Checkpoint& ck) {
-  const auto args = saved_args(ck);
-  const auto file = [](const fs::path& p) { return fs::exists(p); };
-  if (args.dataset.type != "indexed") {
-    if (args.dataset.train_args.path.empty()) return std::nullopt;
-    const auto meta = find_from_run(fs::path(args.dataset.train_args.path).parent_path() / "meta.json", ck, file);
-    return meta ? std::optional<std::string>(meta->string()) : std::nullopt;
-  }
-  if (args.dataset.indexed_train.datasets.empty()) return std::nullopt;
-  const auto manifest = find_from_run(args.dataset.indexed_train.datasets.front().path, ck, [](const fs::path& p) {
-    return fs::exists(p.string() + ".manifest.json") || (fs::is_regular_file(p) && fs::exists(p));
-  });
-  if (!manifest) return std::nullopt;
-  const auto m = indexed::read_manifest(manifest->string());
-  if (m.tokenizer_path.empty()) return std::nullopt;
-  auto tok = find_from_run(m.tokenizer_path, ck, file);
-  if (!tok && fs::exists(fs::path(m.path).parent_path() / m.tokenizer_path))
-    tok = fs::path(m.path).parent_path() / m.tokenizer_path;
-  if (!tok) return std::nullopt;
-  const auto sha = tok::Tokenizer::load(tok->string()).sha256();
-  if (sha != m.tokenizer_sha256)
-    throw std::runtime_error("the tokenizer " + tok->string() + " is not the one " + m.path +
-                             " was prepared with (sha256 " + sha.substr(0, 12) + "..., the manifest records " +
-                             m.tokenizer_sha256.substr(0, 12) + "...); give --tokenizer");
-  return tok->string();
-}
-
-struct Source {
-  std::shared_ptr<models::CausalLM> model;
-  std::string what;
-  std::optional<std::string> tokenizer;  // found beside it
-};
-
-// A Hugging Face folder: the registered model whose hf_config() has config.json's model_type.
-Source load_hf(const std::string& dir) {
-  const auto j = checkpoint::read_json_bounded((fs::path(dir) / "config.json").string());
-  const std::string type = j.is_object() ? j.value("model_type", "") : "";
-  std::string why;  // what each model said, if none takes it
-  for (const auto& entry : models::registered_models()) {
-    if (!entry.from_hf_config) continue;
-    std::shared_ptr<const config::ModelConfig> cfg;
-    try {
-      cfg = entry.from_hf_config(j);
-    } catch (const std::exception& e) {
-      why += "; " + entry.name + ": " + std::string(e.what()).substr(0, 200);
-      continue;  // not this model's config, or one it cannot represent
-    }
-    models::common::ShardingContext meta;
-    meta.options = meta.options.device(c10::kMeta);
-    auto model = entry.build_sharded(*cfg, meta);
-    if (model->hf_config().value("model_type", "") != type) continue;
-    load_hf_weights(*model, dir, c10::Device(c10::kCPU));
-    Source s{model, "Hugging Face folder " + dir + " (" + type + ")", std::nullopt};
-    for (const char* f : {"tokenizer.json", "encoder.json", "tokenizer.model"})
-      if (fs::exists(fs::path(dir) / f)) s.tokenizer = (fs::path(dir) / f).string();
-    return s;
-  }
-  throw std::runtime_error((fs::path(dir) / "config.json").string() + ": no registered model reads model_type '" +
-                           type + "'" + why);
-}
-
-Source load_source(std::string src) {
-  if (!fs::exists(src)) throw std::runtime_error(src + ": no such checkpoint or folder");
-  if (!fs::exists(fs::path(src) / "manifest.json") && fs::exists(fs::path(src) / "latest")) {
-    const auto l = checkpoint::latest(src);
-    if (l.empty()) throw std::runtime_error(src + ": a save_dir without a complete checkpoint");
-    src = l;
-  }
-  if (fs::exists(fs::path(src) / "manifest.json")) {
-    const checkpoint::Checkpoint ck(src);
-    Source s;
-    s.model = build_model(ck);
-    load_model_weights(ck, *s.model);  // whole tensors from the pieces of any plan
-    s.what = "checkpoint " + src + " (" + ck.state().value("model_type", "") + ", step " +
-             std::to_string(ck.state().value("step", int64_t{0})) + ")";
-    s.tokenizer = dataset_tokenizer(ck);
-    return s;
-  }
-  if (fs::exists(fs::path(src) / "config.json")) return load_hf(src);
-  throw std::runtime_error(src + ": neither a checkpoint (manifest.json), a run's save_dir (latest) nor a "
-                           "Hugging Face folder (config.json)");
-}
-
 int64_t parse_int(const std::string& option, const std::string& v, int64_t lo) {
   size_t used = 0;
   int64_t x = 0;
@@ -421,7 +324,7 @@ std::string dataset_chat_template(const std::string& source) {
 // tokenizer_config.json chat_template).
 int run_chat(const Options& o) {
   std::string given = o.chat_template.empty() ? dataset_chat_template(o.source) : o.chat_template;
-  auto src = load_source(o.source);
+  auto src = load_model_source(o.source);
   const std::string tok_path = !o.tokenizer.empty() ? o.tokenizer : src.tokenizer ? *src.tokenizer : "";
   if (tok_path.empty()) throw UsageError("--chat: no tokenizer for " + o.source + "; give --tokenizer PATH");
   const auto tokenizer = tok::Tokenizer::load(tok_path);
@@ -521,7 +424,7 @@ int run(const Options& o) {
   std::optional<Codec> codec;
   if (!o.tokenizer.empty()) codec = load_codec(o.tokenizer);
 
-  auto src = load_source(o.source);
+  auto src = load_model_source(o.source);
   if (!codec && src.tokenizer) codec = load_codec(*src.tokenizer);
   auto& model = *src.model;
   const int64_t vocab = model.vocab_size();
@@ -599,6 +502,9 @@ int generate_main(const std::vector<std::string>& args) {
     return run(o);
   } catch (const UsageError& e) {
     std::cerr << "nnstrain generate: " << e.what() << " (see nnstrain generate --help)\n";
+    return 2;
+  } catch (const ModelSourceError& e) {
+    std::cerr << "nnstrain generate: " << e.what() << "\n";
     return 2;
   } catch (const c10::Error& e) {
     std::string m = e.what_without_backtrace();

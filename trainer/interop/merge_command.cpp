@@ -14,7 +14,7 @@ namespace nnstrain::interop {
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: nnstrain merge CKPT --out DIR [--hf | --adapter] [--dtype fp32|bf16|fp16]
+constexpr const char* kMergeUsage = R"(usage: nnstrain merge CKPT --out DIR [--hf | --adapter] [--dtype fp32|bf16|fp16]
 
   CKPT   a checkpoint folder (sharded, deduped or merged), or a save_dir (its `latest` is used)
   --out  the folder to create; written as DIR.tmp, then renamed
@@ -34,7 +34,7 @@ int merge_main(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     const auto& a = args[i];
     if (a == "-h" || a == "--help") {
-      std::cout << kUsage;
+      std::cout << kMergeUsage;
       return 0;
     } else if (a == "--hf") {
       hf = true;
@@ -50,21 +50,21 @@ int merge_main(const std::vector<std::string>& args) {
       dtype = names.at(d);
     } else if (a == "--out") {
       if (i + 1 >= args.size()) {
-        std::cerr << "nnstrain merge: --out needs a folder\n\n" << kUsage;
+        std::cerr << "nnstrain merge: --out needs a folder\n\n" << kMergeUsage;
         return 2;
       }
       out = args[++i];
     } else if (a.rfind("--out=", 0) == 0) {
       out = a.substr(6);
     } else if (a.rfind("-", 0) == 0 || !src.empty()) {
-      std::cerr << "nnstrain merge: unexpected argument '" << a << "'\n\n" << kUsage;
+      std::cerr << "nnstrain merge: unexpected argument '" << a << "'\n\n" << kMergeUsage;
       return 2;
     } else {
       src = a;
     }
   }
   if (src.empty() || out.empty()) {
-    std::cerr << "nnstrain merge: need CKPT and --out DIR\n\n" << kUsage;
+    std::cerr << "nnstrain merge: need CKPT and --out DIR\n\n" << kMergeUsage;
     return 2;
   }
   if (hf && adapter) {

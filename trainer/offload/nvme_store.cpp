@@ -45,7 +45,7 @@ namespace {
 
 constexpr int kThreads = 4;
 
-std::string join(const std::string& dir, const std::string& name) {
+std::string path_in(const std::string& dir, const std::string& name) {
   return !dir.empty() && dir.back() == '/' ? dir + name : dir + "/" + name;
 }
 
@@ -195,7 +195,7 @@ struct NvmeStore::Impl {
       if (nfd >= 0) ::close(nfd);
       ::close(dfd);
       if (dead && ::unlinkat(rank_fd, name.c_str(), AT_REMOVEDIR) == 0)
-        log::warn(where() + "removed " + join(rank_folder, name) +
+        log::warn(where() + "removed " + path_in(rank_folder, name) +
                   ", the files a run that did not exit cleanly left (the training state is in its checkpoint)");
     }
   }
@@ -441,7 +441,7 @@ NvmeStore::NvmeStore(const std::string& dir, int rank, const std::string& engine
   m.base_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (m.base_fd < 0) m.fail(dir, std::string("cannot open: ") + std::strerror(errno));
   m.rank_name = "rank" + std::to_string(rank);
-  m.rank_folder = join(dir, m.rank_name);
+  m.rank_folder = path_in(dir, m.rank_name);
   if (::mkdirat(m.base_fd, m.rank_name.c_str(), 0700) != 0 && errno != EEXIST)
     m.fail(m.rank_folder, std::string("cannot create the rank's folder: ") + std::strerror(errno));
   m.rank_fd = m.open_folder(m.base_fd, m.rank_name, m.rank_folder);
@@ -459,14 +459,14 @@ NvmeStore::NvmeStore(const std::string& dir, int rank, const std::string& engine
     if (errno != EEXIST || tries >= 100)
       m.fail(m.rank_folder, std::string("cannot create the run's folder: ") + std::strerror(errno));
   }
-  m.folder = join(m.rank_folder, m.run_name);
+  m.folder = path_in(m.rank_folder, m.run_name);
   m.run_fd = m.open_folder(m.rank_fd, m.run_name, m.folder);
   if (::fchmod(m.run_fd, 0700) != 0)  // the umask may have taken more than group and other bits
     m.fail(m.folder, std::string("chmod 0700: ") + std::strerror(errno));
 
   // The note: why these files are here; locked while the run lives, so a
   // later run tells a dead run's folder from a live one's.
-  const std::string note = join(m.folder, "NOTE.txt");
+  const std::string note = path_in(m.folder, "NOTE.txt");
   m.note_fd = ::openat(m.run_fd, "NOTE.txt", O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (m.note_fd < 0) m.fail(note, std::string("cannot write: ") + std::strerror(errno));
   int lrc;
@@ -499,7 +499,7 @@ int NvmeStore::add_file(const std::string& name, const std::vector<int64_t>& chu
   auto& m = *impl_;
   File f;
   f.name = name;
-  f.path = join(m.folder, name);
+  f.path = path_in(m.folder, name);
   for (auto b : chunk_bytes) {
     f.offset.push_back(f.size);
     f.bytes.push_back(b);
@@ -683,7 +683,7 @@ void NvmeStore::close() {
 DiskProbe probe_disk(const std::string& dir, int64_t bytes, const std::string& engine) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw NvmeError("--probe-disk: " + dir + " is not a folder");
-  std::string sub = join(dir, "nnstrain-probe-XXXXXX");  // a fresh name: nothing planted at it is followed
+  std::string sub = path_in(dir, "nnstrain-probe-XXXXXX");  // a fresh name: nothing planted at it is followed
   if (!::mkdtemp(sub.data())) throw NvmeError("--probe-disk: cannot create a folder in " + dir + ": " + std::strerror(errno));
   DiskProbe r;
   {

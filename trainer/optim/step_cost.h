@@ -1,4 +1,4 @@
-// What the planner's cost model (trainer/plan/cost_model.cpp) asks of an
+// What the planner's cost model (trainer/plan/cost/optimizer.cpp) asks of an
 // optimizer: per parameter, the state it keeps and the work its step does on
 // whole matrices. The optimizer knows its arithmetic; the cost model knows the
 // plan (shards, owners, links, the device) and prices it. Each registered

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "base/text.h"
 #include "trainer/plan/planner.h"
 
 namespace nnstrain::parallel {
@@ -209,12 +210,6 @@ std::string fold_layers(const std::string& name) {
   return out;
 }
 
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
-}
-
 std::string pad(std::string s, size_t width) {
   if (s.size() < width) s.append(width - s.size(), ' ');
   return s;
@@ -253,12 +248,12 @@ std::string plan_summary(const Plan& p) {
     o << ", pipeline " << q.scheduler << " " << q.stages << " stages (layers " << layers << ")";
   }
   o << ", recompute " << std::count(p.recompute.begin(), p.recompute.end(), true) << " of " << p.recompute.size()
-    << " layers" << (p.offload_ratio > 0 ? ", offload " + fixed(100 * p.offload_ratio, 0) + "%" : std::string())
+    << " layers" << (p.offload_ratio > 0 ? ", offload " + util::fixed(100 * p.offload_ratio, 0) + "%" : std::string())
     << "; global batch " << p.micro_batch_size * p.grad_accumulation_steps * p.dp << " = micro "
     << p.micro_batch_size << " x accumulation " << p.grad_accumulation_steps << " x dp " << p.dp
     << (q.pp > 1 ? " (" + std::to_string(q.nmicros) + " micro-batches per pipeline flush)" : std::string())
-    << "; estimate " << fixed(p.estimate.total_bytes / 1048576.0, 1) << " MiB per rank, "
-    << fixed(p.estimate.step_s, 4) << " s per step";
+    << "; estimate " << util::fixed(p.estimate.total_bytes / 1048576.0, 1) << " MiB per rank, "
+    << util::fixed(p.estimate.step_s, 4) << " s per step";
   return o.str();
 }
 
@@ -272,7 +267,7 @@ std::string describe(const Plan& p, bool explain) {
     << ", zero " << (p.zero_stage ? "stage " + std::to_string(p.zero_stage) : std::string("off"));
   if (p.zero_stage && p.zero_ngroups > 1) o << " (" << p.zero_ngroups << " groups)";
   if (p.offload_ratio > 0 || p.offload_params)
-    o << ", offload: optimizer " << (p.offload_ratio > 0 ? fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
+    o << ", offload: optimizer " << (p.offload_ratio > 0 ? util::fixed(100 * p.offload_ratio, 0) + "%" : std::string("off"))
       << (p.offload_params ? ", params" : "") << (p.offload_nvme ? " (on NVMe)" : "");
   o << "\n  recompute: " << recompute_text(p.recompute) << "\n";
   const auto& e = p.estimate;
@@ -281,11 +276,11 @@ std::string describe(const Plan& p, bool explain) {
     if (p.ep > 1)
       o << "each MoE layer's over ep " << p.ep << " ranks of dp x cp = " << p.dp * cx.cp << " (expert state reduced and "
         << "sharded over the " << p.dp * cx.cp / p.ep << " holding the same), tokens by all-to-all "
-        << (e.a2a_cross_node ? "across nodes" : "within a node") << ": " << fixed(1e3 * e.a2a_layer_s, 3)
-        << " ms per MoE layer per micro-batch (forward + backward), the busiest rank receiving " << fixed(e.moe_imbalance, 2)
+        << (e.a2a_cross_node ? "across nodes" : "within a node") << ": " << util::fixed(1e3 * e.a2a_layer_s, 3)
+        << " ms per MoE layer per micro-batch (forward + backward), the busiest rank receiving " << util::fixed(e.moe_imbalance, 2)
         << " x the mean tokens";
     else
-      o << "every rank holds every expert (ep 1: no all-to-all; the imbalance allowance " << fixed(e.moe_imbalance, 2)
+      o << "every rank holds every expert (ep 1: no all-to-all; the imbalance allowance " << util::fixed(e.moe_imbalance, 2)
         << " applies at ep > 1)";
     o << "; expert state " << format_bytes(e.expert_bytes) << " per rank\n";
   }
@@ -303,7 +298,7 @@ std::string describe(const Plan& p, bool explain) {
     o << "  pipeline: " << q.stages << " stages over " << q.pp << " ranks"
       << (q.stages > q.pp ? " (" + std::to_string(q.stages / q.pp) + " per rank)" : std::string()) << ", schedule "
       << q.scheduler << ", " << q.nmicros << " micro-batches per step; predicted bubble "
-      << fixed(100 * p.estimate.pp_bubble, 1) << "%"
+      << util::fixed(100 * p.estimate.pp_bubble, 1) << "%"
       << (q.post_validation ? " (optimizer post-validation: consecutive steps overlapping, in steady state)"
                             : std::string())
       << "\n"
@@ -361,7 +356,7 @@ std::string describe(const Plan& p, bool explain) {
   o << "  " << pad("total", 12) << format_bytes(e.total_bytes);
   if (p.memory_budget_bytes > 0)
     o << " of budget " << format_bytes(p.memory_budget_bytes) << " ("
-      << fixed(100.0 * e.total_bytes / p.memory_budget_bytes, 1) << "%)";
+      << util::fixed(100.0 * e.total_bytes / p.memory_budget_bytes, 1) << "%)";
   o << "\n  " << pad("host", 12) << format_bytes(e.host_bytes)
     << (p.offload_nvme         ? " (gradient copy and the NVMe tier's buffer)"
         : e.host_bytes > 0 ? " (offloaded weights, moments, gradient copy, staging)"
@@ -371,51 +366,51 @@ std::string describe(const Plan& p, bool explain) {
       << (p.offload_params ? ", parameter chunks" : "") << ")\n";
 
   o << "\nstep time (estimated):\n";
-  o << "  " << pad("compute", 12) << fixed(e.compute_s, 4) << " s\n";
-  o << "  " << pad("comm", 12) << fixed(e.comm_s, 4) << " s (tensor parallel " << fixed(e.tp_comm_s, 4)
-    << " s, data parallel exposed " << fixed(e.dp_comm_s, 4) << " s"
-    << (cx.cp > 1 ? ", context parallel exposed " + fixed(e.cp_comm_s, 4) + " s" : std::string())
-    << (q.pp > 1 ? ", pipeline transfers " + fixed(e.pp_comm_s, 4) + " s" : std::string())
-    << (p.ep > 1 && e.moe_imbalance > 0 ? ", expert all-to-all " + fixed(e.ep_comm_s, 4) + " s" : std::string()) << ")\n";
+  o << "  " << pad("compute", 12) << util::fixed(e.compute_s, 4) << " s\n";
+  o << "  " << pad("comm", 12) << util::fixed(e.comm_s, 4) << " s (tensor parallel " << util::fixed(e.tp_comm_s, 4)
+    << " s, data parallel exposed " << util::fixed(e.dp_comm_s, 4) << " s"
+    << (cx.cp > 1 ? ", context parallel exposed " + util::fixed(e.cp_comm_s, 4) + " s" : std::string())
+    << (q.pp > 1 ? ", pipeline transfers " + util::fixed(e.pp_comm_s, 4) + " s" : std::string())
+    << (p.ep > 1 && e.moe_imbalance > 0 ? ", expert all-to-all " + util::fixed(e.ep_comm_s, 4) + " s" : std::string()) << ")\n";
   if (e.contention_s > 0)
-    o << "  " << pad("", 12) << "of which contention " << fixed(e.contention_s, 4)
+    o << "  " << pad("", 12) << "of which contention " << util::fixed(e.contention_s, 4)
       << " s (compute slowed by the collectives it overlaps)\n";
   if (q.pp > 1) {
     // The busiest rank's idle (the step waits for it); lighter ranks idle more,
     // which the mean over ranks counts. max: rounding leaves -0.0000.
     const double bubble_s = std::max(0.0, e.step_s - e.compute_s - e.comm_s - e.offload_s - e.optim_step_s);
-    o << "  " << pad("bubble", 12) << fixed(bubble_s, 4) << " s (the busiest rank's idle; "
-      << fixed(100 * e.pp_bubble, 1) << "% of the pipeline idle on average over ranks, simulated)\n";
+    o << "  " << pad("bubble", 12) << util::fixed(bubble_s, 4) << " s (the busiest rank's idle; "
+      << util::fixed(100 * e.pp_bubble, 1) << "% of the pipeline idle on average over ranks, simulated)\n";
   }
   if (p.offload_ratio > 0 || p.offload_params)
-    o << "  " << pad("offload", 12) << fixed(e.offload_s, 4) << " s exposed (host step " << fixed(e.host_step_s, 4)
-      << " s, copies " << fixed(e.copy_s, 4) << " s"
-      << (p.offload_nvme ? ", disk " + fixed(e.nvme_s, 4) + " s beside the host step" : std::string()) << ")\n";
+    o << "  " << pad("offload", 12) << util::fixed(e.offload_s, 4) << " s exposed (host step " << util::fixed(e.host_step_s, 4)
+      << " s, copies " << util::fixed(e.copy_s, 4) << " s"
+      << (p.offload_nvme ? ", disk " + util::fixed(e.nvme_s, 4) + " s beside the host step" : std::string()) << ")\n";
   // The optimizer's share: its element-wise update, and a whole-matrix
   // optimizer's work on the busiest owner and its gather and scatter.
-  o << "  " << pad("optimizer", 12) << fixed(e.optim_step_s, 4) << " s (" << p.optimizer << ", "
-    << fixed(e.step_s > 0 ? 100 * e.optim_step_s / e.step_s : 0.0, 1) << "% of the step): ";
+  o << "  " << pad("optimizer", 12) << util::fixed(e.optim_step_s, 4) << " s (" << p.optimizer << ", "
+    << util::fixed(e.step_s > 0 ? 100 * e.optim_step_s / e.step_s : 0.0, 1) << "% of the step): ";
   if (e.optim_matrix_flops > 0 || e.optim_exchange_s > 0)
-    o << (p.optimizer_work.empty() ? std::string("matrix work") : p.optimizer_work) << " " << fixed(e.optim_matrix_s, 4)
+    o << (p.optimizer_work.empty() ? std::string("matrix work") : p.optimizer_work) << " " << util::fixed(e.optim_matrix_s, 4)
       << " s on the busiest owner ("
-      << (e.optim_matrix_flops >= 1e9 ? fixed(e.optim_matrix_flops / 1e9, 2) + " GFLOP"
-                                      : fixed(e.optim_matrix_flops / 1e6, 2) + " MFLOP")
+      << (e.optim_matrix_flops >= 1e9 ? util::fixed(e.optim_matrix_flops / 1e9, 2) + " GFLOP"
+                                      : util::fixed(e.optim_matrix_flops / 1e6, 2) + " MFLOP")
       << "), gather and scatter "
-      << fixed(e.optim_exchange_s, 4) << " s (" << format_bytes(e.optim_gather_bytes) << " + "
+      << util::fixed(e.optim_exchange_s, 4) << " s (" << format_bytes(e.optim_gather_bytes) << " + "
       << format_bytes(e.optim_scatter_bytes) << "), ";
-  o << "element-wise " << fixed(e.optim_elementwise_s, 4) << " s"
+  o << "element-wise " << util::fixed(e.optim_elementwise_s, 4) << " s"
     << (e.host_step_s > 0 ? " (the host's share is offload's)" : "") << "\n";
-  o << "  " << pad("total", 12) << fixed(e.step_s, 4) << " s";
+  o << "  " << pad("total", 12) << util::fixed(e.step_s, 4) << " s";
   if (e.step_s > 0 && p.seq_len > 0) {
     const double tokens = double(p.micro_batch_size) * p.seq_len * p.grad_accumulation_steps * p.dp;
-    o << " (" << fixed(tokens / e.step_s, 0) << " tokens/s over all ranks)";
+    o << " (" << util::fixed(tokens / e.step_s, 0) << " tokens/s over all ranks)";
   }
   o << "\n";
 
   if (explain) {
     o << "\ncost model (docs/parallelism.md):\n"
       << "  compute = FLOPs per token (less causal attention's masked half) x tokens per rank / tp / (peak\n"
-      << "    FLOP/s x " << fixed(kAssumedEfficiency, 2) << "), +1/3 of a layer's FLOPs per recomputed layer\n"
+      << "    FLOP/s x " << util::fixed(kAssumedEfficiency, 2) << "), +1/3 of a layer's FLOPs per recomputed layer\n"
       << "  tensor parallel: 4 all-reduces of b x s x h per layer per micro-batch (2 more per recomputed\n"
       << "    layer, 2 for the vocab-parallel embedding and head), 2(t-1)/t x bytes / bandwidth, not overlapped\n"
       << "  data parallel: 2(d-1)/d x gradient bytes / bandwidth on the last micro-batch, overlapped with its\n"
@@ -423,7 +418,7 @@ std::string describe(const Plan& p, bool explain) {
       << "    (ZeRO-2 reduce-scatters every micro-batch); ZeRO-3 gathers every unit for forward and again for\n"
       << "    backward, overlapped except the first gather and the last reduce-scatter\n"
       << "  contention: compute beside a collective (data parallel, ZeRO, the context-parallel ring) is\n"
-      << "    slowed by " << fixed(100 * kOverlapContention, 1) << "% of the time they overlap (arXiv 2507.03114)\n"
+      << "    slowed by " << util::fixed(100 * kOverlapContention, 1) << "% of the time they overlap (arXiv 2507.03114)\n"
       << "  memory: state by ZeRO stage + activations at the step's peak (backward's start or the last block's\n"
       << "    backward) + what lives only around it (a parameter's gradient, ZeRO-2 buckets, ZeRO-3 units)\n"
       << "  optimizer: element-wise, the state's elements x (weight, state tensors read and written, the\n"
@@ -446,7 +441,7 @@ std::string describe(const Plan& p, bool explain) {
         << "    per rank, whole on every tp rank, ZeRO-sharded over dp x cp / ep; per MoE layer per micro-batch\n"
         << "    a counts exchange and 2 all-to-alls forward, 2 backward, each of tokens x top-k x h x (ep-1)/ep\n"
         << "    bytes (NVLink within a node, the NIC for members on other nodes), not overlapped; the busiest ep\n"
-        << "    rank gets " << fixed(e.moe_imbalance, 2)
+        << "    rank gets " << util::fixed(e.moe_imbalance, 2)
         << " x the mean tokens (compute_config.moe_imbalance) in its expert compute, activations\n"
         << "    and all-to-all; ep is chosen by speed among the sizes dividing dp x cp and the experts\n";
   }

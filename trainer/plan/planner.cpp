@@ -1,5 +1,6 @@
 #include "trainer/plan/planner.h"
 
+#include "base/text.h"
 #include "trainer/pipeline/schedule.h"
 
 #include <algorithm>
@@ -16,12 +17,6 @@ namespace nnstrain::parallel {
 
 namespace {
 
-std::string join(const std::vector<std::string>& v, const std::string& sep) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
-  return out;
-}
-
 // Tensor-parallel degrees the policy allows.
 std::vector<int> allowed_tps(const PlanRequest& req, const ModelFacts& f) {
   const auto& a = *req.args;
@@ -37,7 +32,7 @@ std::vector<int> allowed_tps(const PlanRequest& req, const ModelFacts& f) {
       throw PlanError("runtime_ngpus " + std::to_string(world) + " is not a multiple of compute_config.plan_ngpus " +
                       std::to_string(plan_ngpus));
     if (const auto fails = tp_failures(f, plan_ngpus); !fails.empty())
-      throw PlanError("tensor parallel size " + std::to_string(plan_ngpus) + " cannot split the model: " + join(fails, "; "));
+      throw PlanError("tensor parallel size " + std::to_string(plan_ngpus) + " cannot split the model: " + util::join(fails, "; "));
     return {plan_ngpus};
   }
   if (policy == "autodist") {
@@ -251,7 +246,7 @@ class Search {
                           std::to_string(req_.world_size));
     {
       const auto fails = tp_failures(f_, t);
-      if (!fails.empty()) return refuse_split(join(fails, "; "));
+      if (!fails.empty()) return refuse_split(util::join(fails, "; "));
     }
     // The step's accumulation is derived here; a config naming it (or, under
     // pp, pipeline_nmicros) keeps only the splits that agree.

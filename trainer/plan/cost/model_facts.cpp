@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 
+#include "base/text.h"
 #include "models/model.h"
 #include "trainer/plan/cost_model.h"
 #include "trainer/state/training_state.h"
@@ -18,12 +19,6 @@ namespace {
 int split_dim(const ParamFact& p) {
   if (p.split.style == models::SplitStyle::Row && p.shape.size() >= 2) return 1;
   return 0;
-}
-
-std::string join(const std::vector<std::string>& v, const std::string& sep) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
-  return out;
 }
 
 }  // namespace
@@ -138,7 +133,7 @@ std::vector<std::string> tp_failures(const ModelFacts& f, int tp) {
 void check_tp_feasible(const models::CausalLM& model, int tp) {
   const auto f = model_facts(model);
   const auto fails = tp_failures(f, tp);
-  if (!fails.empty()) throw PlanError("tensor parallel size " + std::to_string(tp) + " cannot split the model: " + join(fails, "; "));
+  if (!fails.empty()) throw PlanError("tensor parallel size " + std::to_string(tp) + " cannot split the model: " + util::join(fails, "; "));
 }
 
 int64_t seq_len_of(const config::TrainerArgs& a, const ModelFacts& f) {
