@@ -27,6 +27,8 @@ int prepare_main(const std::vector<std::string>& args, std::ostream& out, std::o
 
 // `nnstrain prepare corpus ...` (prepare_corpus.cpp): tokenized Megatron .bin/.idx files.
 int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+// `prepare corpus --format preference` (prepare_preference.cpp): TRL's preference pairs.
+int prepare_preference_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
 // Writes `bytes` to a temporary file beside `path`, fsyncs it and renames it over
 // `path`: readers see the old file or the whole new one. Throws std::runtime_error.

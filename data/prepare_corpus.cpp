@@ -39,7 +39,8 @@ constexpr const char* kUsage = R"(usage: nnstrain prepare corpus --tokenizer PAT
 Tokenizes documents into Megatron-compatible PREFIX.bin / PREFIX.idx and writes
 PREFIX.manifest.json (tokenizer hash, input hashes, settings) last.
 
-  --format F           auto (default: by extension), jsonl, text, alpaca, chat
+  --format F           auto (default: by extension), jsonl, text, alpaca, chat, preference
+                         (preference: TRL's prompt/chosen/rejected pairs; --format preference --help)
                          jsonl:  one JSON object per line, the document in --text-key (.zst too)
                          text:   each file one document, or split on --separator
                          alpaca: records {instruction, input, output} (a JSON array, or JSON lines);
@@ -381,6 +382,9 @@ void alpaca_record(const json& j, const std::string& where, std::vector<Record>&
 }  // namespace
 
 int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  for (size_t i = 0; i < args.size(); ++i)  // preference pairs: a format of their own (prepare_preference.cpp)
+    if (args[i] == "--format=preference" || (args[i] == "--format" && i + 1 < args.size() && args[i + 1] == "preference"))
+      return prepare_preference_main(args, out, err);
   Options o;
   try {
     bool help = false;
