@@ -199,7 +199,13 @@ int prepare_preference_main(const std::vector<std::string>& args, std::ostream& 
       }
       return *tmpl;
     };
-    const std::optional<int64_t> eos = tokenizer.eos_id();
+    // TRL appends the processing class's eos_token: tokenizer_config.json's, else the tokenizer's own.
+    std::optional<int64_t> eos = tokenizer.eos_id();
+    for (const auto& [k, v] : chat_special_tokens(o.tokenizer))
+      if (k == "eos_token") {
+        const auto ids = tokenizer.encode(v, tok::SpecialPolicy::special, false);
+        if (ids.size() == 1) eos = ids[0];
+      }
 
     nlohmann::json inputs = nlohmann::json::array();
     for (const auto& f : o.inputs) {
