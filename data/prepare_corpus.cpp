@@ -19,6 +19,7 @@
 
 #include "data/chat_template.h"
 #include "data/indexed/indexed_file.h"
+#include "base/cli_options.h"
 #include "data/prepare.h"
 #include "data/sha256.h"
 #include "data/tokenizer/progress.h"
@@ -95,21 +96,7 @@ std::string unescape(const std::string& s) {  // \n \t \\ in --separator
 
 Options parse(const std::vector<std::string>& args, bool& help) {
   Options o;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string a = args[i], v;
-    if (a == "-h" || a == "--help") {
-      help = true;
-      return o;
-    }
-    const size_t eq = a.find('=');
-    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    } else {
-      if (a.rfind("--", 0) != 0) throw UsageError("unexpected argument '" + a + "'");
-      if (i + 1 >= args.size()) throw UsageError("option " + a + " needs a value");
-      v = args[++i];
-    }
+  help = !util::for_each_option<UsageError>(args, [&](const std::string& a, const std::string& v) {
     if (a == "--tokenizer") o.tokenizer = v;
     else if (a == "--input") o.inputs.push_back(v);
     else if (a == "--out") o.out = v;
@@ -141,7 +128,8 @@ Options parse(const std::vector<std::string>& args, bool& help) {
     } else {
       throw UsageError("unknown option '" + a + "'");
     }
-  }
+  });
+  if (help) return o;
   if (o.tokenizer.empty()) throw UsageError("--tokenizer PATH is required");
   if (o.inputs.empty()) throw UsageError("--input PATH is required");
   if (o.out.empty()) throw UsageError("--out PREFIX is required");

@@ -13,6 +13,7 @@
 
 #include "data/chat_template.h"
 #include "data/indexed/indexed_file.h"
+#include "base/cli_options.h"
 #include "data/prepare.h"
 #include "data/sha256.h"
 #include "data/tokenizer/tokenizer.h"
@@ -49,21 +50,7 @@ struct PrefOptions {
 
 PrefOptions parse_pref(const std::vector<std::string>& args, bool& help) {
   PrefOptions o;
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string a = args[i], v;
-    if (a == "-h" || a == "--help") {
-      help = true;
-      return o;
-    }
-    const size_t eq = a.find('=');
-    if (a.rfind("--", 0) == 0 && eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    } else {
-      if (a.rfind("--", 0) != 0) throw PrefUsageError("unexpected argument '" + a + "'");
-      if (i + 1 >= args.size()) throw PrefUsageError("option " + a + " needs a value");
-      v = args[++i];
-    }
+  help = !util::for_each_option<PrefUsageError>(args, [&](const std::string& a, const std::string& v) {
     if (a == "--tokenizer") o.tokenizer = v;
     else if (a == "--input") o.inputs.push_back(v);
     else if (a == "--out") o.out = v;
@@ -74,7 +61,8 @@ PrefOptions parse_pref(const std::vector<std::string>& args, bool& help) {
     else if (a == "--chat-template") o.chat_template = v;
     else if (a == "--chat-template-kwargs") o.chat_kwargs = v;
     else throw PrefUsageError("unknown option '" + a + "' (for --format preference)");
-  }
+  });
+  if (help) return o;
   if (o.tokenizer.empty()) throw PrefUsageError("--tokenizer PATH is required");
   if (o.inputs.empty()) throw PrefUsageError("--input PATH is required");
   if (o.out.empty()) throw PrefUsageError("--out PREFIX is required");
