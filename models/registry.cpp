@@ -43,6 +43,7 @@ const std::vector<ModelEntry>& registered_models() {
         llama::family_entry("gemma3"),
         moe::qwen3_moe_entry(),
         moe::mixtral_entry(),
+        moe::deepseek_v3_entry(),
     };
     for (auto& e : v) {
       if (e.build) continue;

@@ -166,7 +166,10 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::ShardingContext& ctx, int64_t index,
                                    std::shared_ptr<common::AuxLossScale> aux_scale) {
-  self_attn = register_module("self_attn", Attention(cfg, ctx, index));
+  if (cfg.latent)
+    latent_attn = register_module("self_attn", common::LatentAttention(*cfg.latent, ctx));
+  else
+    self_attn = register_module("self_attn", Attention(cfg, ctx, index));
   if (cfg.sparse(index))
     moe = register_module(cfg.moe_module, common::Moe(*cfg.moe, ctx, "layers." + std::to_string(index) + "." +
                                                                           cfg.moe_module, std::move(aux_scale)));
@@ -186,20 +189,20 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg, const common::Shardin
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask) {
   if (pre_feedforward_layernorm) {  // Gemma: a norm on each branch's output too
-    auto h = x + post_attention_layernorm(self_attn->forward(input_layernorm(x), cos, sin, mask));
+    auto h = x + post_attention_layernorm(attention(input_layernorm(x), cos, sin, mask));
     return h + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(h)));
   }
-  auto h = x + self_attn->forward(input_layernorm(x), cos, sin, mask);
+  auto h = x + attention(input_layernorm(x), cos, sin, mask);
   return h + feed_forward(post_attention_layernorm(h));
 }
 
 torch::Tensor DecoderLayerImpl::forward_cached(const torch::Tensor& x, const torch::Tensor& cos,
                                                const torch::Tensor& sin, common::KvCache& cache, size_t layer) {
   if (pre_feedforward_layernorm) {
-    auto h = x + post_attention_layernorm(self_attn->forward_cached(input_layernorm(x), cos, sin, cache, layer));
+    auto h = x + post_attention_layernorm(attention_cached(input_layernorm(x), cos, sin, cache, layer));
     return h + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(h)));
   }
-  auto h = x + self_attn->forward_cached(input_layernorm(x), cos, sin, cache, layer);
+  auto h = x + attention_cached(input_layernorm(x), cos, sin, cache, layer);
   return h + feed_forward(post_attention_layernorm(h));
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "models/common/latent_attention.h"
 #include "models/common/layers.h"
 #include "models/common/moe.h"
 #include "models/common/rope.h"
@@ -92,6 +93,9 @@ struct LlamaConfig : config::ModelConfig {
   std::vector<bool> sparse_layers;
   std::string moe_module = "mlp";
   bool sparse(int64_t layer) const { return moe && layer < int64_t(sparse_layers.size()) && sparse_layers[layer]; }
+  // DeepSeek-V3 (models/moe): multi-head latent attention in every layer in place of Attention
+  // (null: grouped-query attention); head_dim is then its rope part, which the rotary tables cover.
+  std::shared_ptr<const common::LatentAttentionOptions> latent;
 
   std::pair<std::string, std::string> context_parallel_refusal() const override {
     if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
@@ -154,11 +158,21 @@ class DecoderLayerImpl : public torch::nn::Module {
   common::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   common::RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};  // sandwich_norms only
   Attention self_attn{nullptr};
+  common::LatentAttention latent_attn{nullptr};  // cfg.latent's, registered as "self_attn" in its place
   Mlp mlp{nullptr};         // the dense feed-forward, or
   common::Moe moe{nullptr};  // the MoE one (registered as cfg.moe_module)
 
  private:
   torch::Tensor feed_forward(const torch::Tensor& x) { return moe ? moe(x) : mlp(x); }
+  torch::Tensor attention(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& mask) {
+    return latent_attn ? latent_attn(x, cos, sin, mask) : self_attn(x, cos, sin, mask);
+  }
+  torch::Tensor attention_cached(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 common::KvCache& cache, size_t layer) {
+    return latent_attn ? latent_attn->forward_cached(x, cos, sin, cache, layer)
+                       : self_attn->forward_cached(x, cos, sin, cache, layer);
+  }
 };
 TORCH_MODULE(DecoderLayer);
 

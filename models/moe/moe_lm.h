@@ -4,6 +4,8 @@
 //   qwen3_moe  Qwen3-MoE: GQA attention with per-head QK RMSNorm; MoE on the
 //              layers decoder_sparse_step / mlp_only_layers name (module "mlp")
 //   mixtral    Mixtral: Llama attention; MoE on every layer (module "block_sparse_moe")
+//   deepseek_v3 DeepSeek-V3: multi-head latent attention (models/common/latent_attention.h),
+//              the sigmoid router always, shared experts, dense first layers (module "mlp")
 // Either takes DeepSeek-V3's router (scoring_func: sigmoid, n_group, topk_group,
 // routed_scaling_factor, bias_update_speed), shared experts and
 // first_k_dense_replace. Keys are named as transformers' Qwen3MoeConfig,
@@ -18,7 +20,7 @@
 namespace nnstrain::models::moe {
 
 struct MoeLmConfig : llama::LlamaConfig {
-  std::string model_type;  // "qwen3_moe" or "mixtral"
+  std::string model_type;  // "qwen3_moe", "mixtral" or "deepseek_v3"
   // Which layers are sparse (what sparse_layers was made from, for config.json).
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
@@ -58,5 +60,6 @@ std::shared_ptr<const MoeLmConfig> config_from_hf(const nlohmann::json& j, const
 
 ModelEntry qwen3_moe_entry();
 ModelEntry mixtral_entry();
+ModelEntry deepseek_v3_entry();
 
 }  // namespace nnstrain::models::moe
