@@ -10,6 +10,7 @@
 #include "models/common/init.h"
 #include "models/gpt/gpt.h"
 #include "models/llama/llama.h"
+#include "models/moe/gpt_oss.h"
 #include "models/moe/moe_lm.h"
 
 namespace nnstrain::models {
@@ -43,6 +44,7 @@ const std::vector<ModelEntry>& registered_models() {
         llama::family_entry("gemma3"),
         moe::qwen3_moe_entry(),
         moe::mixtral_entry(),
+        moe::gpt_oss_entry(),
         moe::deepseek_v3_entry(),
     };
     for (auto& e : v) {

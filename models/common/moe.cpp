@@ -199,17 +199,32 @@ at::Tensor record_loss_grad(const at::Tensor& mean, const std::shared_ptr<AuxLos
 ExpertsImpl::ExpertsImpl(const MoeOptions& o, const ShardingContext& ctx) : o_(o) {
   const int64_t E = o.num_experts, I = o.moe_intermediate_size, C = o.hidden_size;
   const auto init = InitRule::normal(o.initializer_range);
-  layouts_ = {expert_layout(o.gate_name, ctx, {E, I, C}, init), expert_layout(o.up_name, ctx, {E, I, C}, init),
-              expert_layout(o.down_name, ctx, {E, C, I}, init)};
+  auto bias = [&](const std::string& of, int64_t out) {
+    if (o.expert_bias) layouts_.push_back(expert_layout(of + "_bias", ctx, {E, out}, InitRule::zeros()));
+  };
+  if (o.interleaved_gate_up) {
+    layouts_ = {expert_layout("gate_up_proj", ctx, {E, C, 2 * I}, init), expert_layout(o.down_name, ctx, {E, I, C}, init)};
+    bias("gate_up_proj", 2 * I);
+  } else {
+    layouts_ = {expert_layout(o.gate_name, ctx, {E, I, C}, init), expert_layout(o.up_name, ctx, {E, I, C}, init),
+                expert_layout(o.down_name, ctx, {E, C, I}, init)};
+    bias(o_.gate_name, I);
+    bias(o_.up_name, I);
+  }
+  bias(o.down_name, C);
   for (auto& l : layouts_) add_param(l, ctx.options), l.owner = this;
   if (ctx.sp()) sp_comm_ = ctx.comm;
   rebind();
 }
 
 void ExpertsImpl::rebind() {
-  gate = parameters_[o_.gate_name];
-  up = parameters_[o_.up_name];
-  down = parameters_[o_.down_name];
+  auto get = [this](const std::string& name) {
+    const auto* p = parameters_.find(name);
+    return p ? *p : torch::Tensor();
+  };
+  gate = get(o_.gate_name), up = get(o_.up_name), down = get(o_.down_name), gate_up = get("gate_up_proj");
+  gate_bias = get(o_.gate_name + "_bias"), up_bias = get(o_.up_name + "_bias");
+  down_bias = get(o_.down_name + "_bias"), gate_up_bias = get("gate_up_proj_bias");
 }
 
 torch::Tensor ExpertsImpl::forward(const torch::Tensor& rows, const std::vector<int64_t>& counts) {
@@ -217,12 +232,36 @@ torch::Tensor ExpertsImpl::forward(const torch::Tensor& rows, const std::vector<
   const auto dev = rows.device().type();
   const auto dt = at::autocast::is_autocast_enabled(dev) ? at::autocast::get_autocast_dtype(dev) : rows.scalar_type();
   const auto r = rows.to(dt);
-  auto g = gate, u = up, d = down;
-  if (sp_comm_) {  // each tp rank ran its own tokens through the same experts
-    std::tie(g, u) = sum_grads_over_tp(gate, up, sp_comm_);
-    d = sum_grads_over_tp(down, {}, sp_comm_).first;
+  // Each tp rank ran its own tokens through the same experts (sequence parallelism): gradients summed.
+  auto used = [&](const torch::Tensor& w) {
+    if (!w.defined()) return w;
+    return (sp_comm_ ? sum_grads_over_tp(w, {}, sp_comm_).first : w).to(dt);
+  };
+  if (!gate_up.defined() && !down_bias.defined() && o_.activation == ExpertActivation::Swiglu)
+    return kernels::grouped_swiglu_mlp(r, used(gate), used(up), used(down), counts);
+  // GPT-OSS's experts: three grouped GEMMs, each row plus its expert's bias, the activation between.
+  const auto expert_of_row =
+      torch::repeat_interleave(torch::tensor(counts, torch::kLong)).to(rows.device());
+  auto linear = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, bool input_major) {
+    auto y = kernels::grouped_linear(x, input_major ? w.transpose(1, 2) : w, counts);  // input-major: x w[e]
+    return b.defined() ? y + b.index_select(0, expert_of_row) : y;
+  };
+  torch::Tensor g, u;
+  if (gate_up.defined()) {
+    const auto h = linear(r, used(gate_up), used(gate_up_bias), true);
+    g = h.slice(1, 0, h.size(1), 2), u = h.slice(1, 1, h.size(1), 2);  // interleaved: gate even, up odd
+  } else {
+    g = linear(r, used(gate), used(gate_bias), false), u = linear(r, used(up), used(up_bias), false);
   }
-  return kernels::grouped_swiglu_mlp(r, g.to(dt), u.to(dt), d.to(dt), counts);
+  torch::Tensor a;
+  if (o_.activation == ExpertActivation::ClampedSwiglu) {  // transformers' GptOssExperts, op for op
+    g = g.clamp_max(o_.swiglu_limit);
+    u = u.clamp(-o_.swiglu_limit, o_.swiglu_limit);
+    a = (u + 1) * (g * torch::sigmoid(g * o_.swiglu_alpha));
+  } else {
+    a = torch::silu(g) * u;
+  }
+  return linear(a, used(down), used(down_bias), gate_up.defined());
 }
 
 SwigluMlpImpl::SwigluMlpImpl(int64_t hidden, int64_t intermediate, double init_std, const ShardingContext& ctx) {
@@ -245,7 +284,7 @@ MoeImpl::MoeImpl(const MoeOptions& o, const ShardingContext& ctx, std::string la
   if (o.router == RouterKind::DeepseekV3) bias_ = torch::zeros({o.num_experts}, torch::kFloat);
   if (o.aux_loss_form == AuxLossForm::GlobalBatch) global_ = scale_ ? scale_ : std::make_shared<AuxLossScale>();
   const auto init = InitRule::normal(o.initializer_range);
-  gate = register_module("gate", Linear(o.hidden_size, o.num_experts, false, init, ctx.options));
+  gate = register_module(o.router_name, Linear(o.hidden_size, o.num_experts, o.router_bias, init, ctx.options));
   experts = register_module("experts", Experts(o, ctx));
   if (o.shared_expert_intermediate_size > 0) {  // Qwen2-MoE's names
     shared_experts = register_module(
@@ -269,7 +308,9 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x) {
   at::Tensor logits;
   {
     NoAutocast fp32(x.device().type());
-    logits = torch::mm(flat.to(torch::kFloat), on_shard(gate->weight).to(torch::kFloat).t());
+    const auto w = on_shard(gate->weight).to(torch::kFloat).t();
+    logits = gate->bias.defined() ? torch::addmm(on_shard(gate->bias).to(torch::kFloat), flat.to(torch::kFloat), w)
+                                  : torch::mm(flat.to(torch::kFloat), w);
     // Made at construction (so a checkpoint can load it before any step), moved to the tokens' device once.
     if (bias_.defined() && bias_.device() != logits.device()) bias_ = bias_.to(logits.device());
     r = route(logits, o_, bias_);

@@ -59,6 +59,9 @@ namespace nnstrain::models::common {
 
 enum class RouterKind { Softmax, DeepseekV3 };
 enum class AuxLossForm { PerSequence, GlobalBatch };
+// The experts' activation of gate g and up u: silu(g) u, or GPT-OSS's clamped form
+// (g clamped above at limit, u to [-limit, limit]): g sigmoid(alpha g) (u + 1).
+enum class ExpertActivation { Swiglu, ClampedSwiglu };
 
 struct MoeOptions {
   int64_t hidden_size = 0;
@@ -77,6 +80,15 @@ struct MoeOptions {
   double initializer_range = 0.02;
   // The experts' parameter names: Qwen3 / DeepSeek gate_proj, up_proj, down_proj; Mixtral w1, w3, w2.
   std::string gate_name = "gate_proj", up_name = "up_proj", down_name = "down_proj";
+  // GPT-OSS: the router's module name and bias; the activation; biases on the experts
+  // (<name>_bias, [E, out]); gate and up as one input-major gate_up_proj [E, C, 2I], gate
+  // in the even columns and up in the odd ones, and down_proj [E, I, C], as its checkpoints
+  // store them (so they load and save as they are).
+  std::string router_name = "gate";
+  bool router_bias = false;
+  ExpertActivation activation = ExpertActivation::Swiglu;
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;
+  bool expert_bias = false, interleaved_gate_up = false;
 };
 
 // A router's choice for N tokens: k experts each [N, k] int64, their weights
@@ -126,6 +138,9 @@ class ExpertsImpl : public ShardedModule {
   torch::Tensor forward(const torch::Tensor& rows, const std::vector<int64_t>& counts);
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor gate, up, down;  // [E_local, I, C], [E_local, I, C], [E_local, C, I]
+  // interleaved_gate_up: gate_up [E_local, C, 2I] in place of gate and up, down [E_local, I, C].
+  torch::Tensor gate_up;
+  torch::Tensor gate_bias, up_bias, down_bias, gate_up_bias;  // expert_bias only
 
  private:
   void rebind() override;
@@ -162,7 +177,7 @@ class MoeImpl : public torch::nn::Module {
   at::Tensor& expert_bias() { return bias_; }
   const std::string& layer() const { return layer_; }  // its module, e.g. "layers.3.mlp"
 
-  Linear gate{nullptr};  // the router, [E, C]
+  Linear gate{nullptr};  // the router, [E, C] (registered as options().router_name)
   Experts experts{nullptr};
   SwigluMlp shared_experts{nullptr};  // DeepSeek's (n_shared_experts), or Qwen2-MoE's gated one
   Linear shared_expert_gate{nullptr};  // [1, C], Qwen2-MoE

@@ -85,6 +85,11 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
     k_norm = register_module("k_norm", common::RMSNorm(head_dim, cfg.rms_norm_eps, heads_ctx, cfg.norm_unit_offset));
   }
   if (cfg.query_pre_attn_scalar > 0) scale = 1.0 / std::sqrt(cfg.query_pre_attn_scalar);
+  if (cfg.attention_sinks) {
+    if (ctx.cp_comm)  // the loader refuses it first, naming the key
+      throw std::invalid_argument("model.args.attention_sinks: context parallelism has no attention sinks");
+    sinks = register_module("sinks", common::AttentionSinks(ctx, cfg.num_attention_heads, group, init));
+  }
 
 }
 
@@ -109,6 +114,13 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   TORCH_CHECK(window == 0 || !mask.defined(),
               "model.args.sliding_window: packed documents (dataset document_mask) have no sliding-window attention");
+  TORCH_CHECK(!sinks || !mask.defined(),
+              "model.args.attention_sinks: packed documents (dataset document_mask) have no sink attention");
+  if (sinks) {  // the math form on every device (attention_sinks.h: no fused kernel takes a sink)
+    if (heads != kv_heads) k = k.repeat_interleave(heads / kv_heads, 1), v = v.repeat_interleave(heads / kv_heads, 1);
+    auto y = common::sink_attention(q, k, v, sinks->weight, 0, window, scale);
+    return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+  }
   if (by_tiles) {
     auto y = common::document_attention(q, k, v, mask, scale);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
@@ -146,7 +158,8 @@ torch::Tensor AttentionImpl::forward_cached(const torch::Tensor& x, const torch:
     K = K.repeat_interleave(heads / kv_heads, 1);
     V = V.repeat_interleave(heads / kv_heads, 1);
   }
-  const auto y = common::cached_attention(q, K, V, past, window, scale);
+  const auto y = sinks ? common::sink_attention(q, K, V, sinks->weight, past, window, scale)
+                       : common::cached_attention(q, K, V, past, window, scale);
   return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
@@ -366,14 +379,19 @@ double Llama::flops_per_token(int64_t seq_len) const {
   // (the embedding lookup does no matmul), 6 FLOPs each per token; plus attention.
   const double per_layer = C * q * 2 + C * kv * 2 + 3.0 * C * c.intermediate_size;
   const double n = c.num_hidden_layers * per_layer + static_cast<double>(c.vocab_size) * C;
-  // Per layer 12 x width x T for causal attention (the planner takes half off: the mean keys a query
-  // sees); a sliding layer counts twice its own mean, 2w - w(w - 1) / T, so that half is right for it too.
+  // 12 x width x T per layer for causal attention (the planner takes half off), windows counted.
+  return 6 * n + 12.0 * q * c.attention_span(seq_len);
+}
+
+double LlamaConfig::attention_span(int64_t seq_len) const {
+  // Twice the mean keys a query sees, so the planner's causal half is right for a sliding layer too.
+  // A sink is one more logit per query and head, no matmul: it adds no FLOPs here.
   double span = 0;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const double w = static_cast<double>(c.window(i)), T = static_cast<double>(seq_len);
+  for (int64_t i = 0; i < num_hidden_layers; ++i) {
+    const double w = static_cast<double>(window(i)), T = static_cast<double>(seq_len);
     span += w > 0 && w < T ? 2 * w - w * (w - 1) / T : T;
   }
-  return 6 * n + 12.0 * q * span;
+  return span;
 }
 
 ModelDims Llama::dims() const {

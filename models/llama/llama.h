@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "models/common/attention_sinks.h"
 #include "models/common/latent_attention.h"
 #include "models/common/layers.h"
 #include "models/common/moe.h"
@@ -83,6 +84,11 @@ struct LlamaConfig : config::ModelConfig {
       if (w > 0) return true;
     return false;
   }
+  // The keys the queries of a seq_len sequence see, summed over the layers, times two (a
+  // sliding layer's 2w - w(w - 1) / T, a full one's T): the planner's causal halving gives the work.
+  double attention_span(int64_t seq_len) const;
+  // gpt_oss: a learned sink logit per query head in every layer's softmax (models/common/attention_sinks.h).
+  bool attention_sinks = false;
 
   // The Mixture-of-Experts models built on Llama (models/moe: qwen3_moe,
   // mixtral) set these; plain Llama leaves them. qk_norm: Qwen3's RMSNorm of
@@ -98,6 +104,7 @@ struct LlamaConfig : config::ModelConfig {
   std::shared_ptr<const common::LatentAttentionOptions> latent;
 
   std::pair<std::string, std::string> context_parallel_refusal() const override {
+    if (attention_sinks) return {"attention_sinks", model_type + "'s attention sinks (a learned logit per head in the softmax)"};
     if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
     return {"", ""};
   }
@@ -124,6 +131,7 @@ class AttentionImpl : public torch::nn::Module {
   common::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   common::RowParallelLinear o_proj{nullptr};
   common::RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qk_norm only
+  common::AttentionSinks sinks{nullptr};              // attention_sinks only
   int64_t head_dim, heads, kv_heads;  // this rank's heads
   int64_t window = 0;                 // sliding window (0: full causal)
   std::optional<double> scale;        // of the scores (none: 1 / sqrt(head_dim))

@@ -193,7 +193,7 @@ ModelDims MoeLm::dims() const {
 // here was never trained: its bias would overwrite the holder's on load).
 bool MoeLm::holds_moe(size_t i) {
   auto l = layers->ptr<llama::DecoderLayerImpl>(i);
-  return l->moe && holds(l->moe->layer() + ".gate.weight");
+  return l->moe && holds(l->moe->layer() + "." + l->moe->options().router_name + ".weight");
 }
 
 std::vector<MoeStats> MoeLm::take_moe_stats() {
@@ -252,7 +252,7 @@ double MoeLm::flops_per_token(int64_t seq_len) const {
     n += C * o.num_experts + 3.0 * C * (double(o.top_k) * o.moe_intermediate_size + shared);
     if (o.shared_expert_intermediate_size > 0) n += C;  // its gate
   }
-  return 6 * n + 12.0 * c.num_hidden_layers * width * seq_len;
+  return 6 * n + 12.0 * width * c.attention_span(seq_len);  // sliding windows counted (gpt_oss)
 }
 
 std::vector<HfTensor> MoeLm::hf_tensors() const {
