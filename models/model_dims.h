@@ -14,6 +14,10 @@ struct ModelDims {
   // token's top-k of them, their width; the layers that are MoE (the rest
   // dense, of width ffn); always-on shared experts' total width (0: none).
   int64_t experts = 0, experts_per_token = 0, expert_ffn = 0, moe_layers = 0, shared_expert_ffn = 0;
+  // Latent attention (0: hidden-wide heads): per token, the queries' and keys' width (heads x qk
+  // head dim), the values' (heads x v head dim), and the compressed activations every tp rank keeps
+  // (the q and kv latents with the shared rope key; the K/V cache holds the kv part of them).
+  int64_t attn_qk = 0, attn_v = 0, attn_latent = 0;
 };
 
 }  // namespace nnstrain::models

@@ -185,6 +185,12 @@ ModelDims MoeLm::dims() const {
   d.expert_ffn = o.moe_intermediate_size;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) d.moe_layers += c.sparse(i) ? 1 : 0;
   d.shared_expert_ffn = o.n_shared_experts * o.moe_intermediate_size + o.shared_expert_intermediate_size;
+  if (const auto& l = c.latent) {
+    d.attn_qk = c.num_attention_heads * l->qk_head_dim();
+    d.attn_v = c.num_attention_heads * l->v_head_dim;
+    // q_a's output and its norm's, kv_a's output and the normed c (the rotated k_r beside it).
+    d.attn_latent = 2 * l->q_lora_rank + 2 * l->kv_lora_rank + 2 * l->qk_rope_head_dim;
+  }
   return d;
 }
 

@@ -14,7 +14,10 @@ CpLayer cp_layer(const Setting& x) {
   const double bw = x.t * x.cp <= std::max(1, dev.ranks_per_node) ? dev.intra_node_bw : dev.inter_node_bw;
   const double alpha = dev.collective_latency_s;
   const double kv_heads_local = std::ceil(x.kv / x.t), head_dim = x.h / x.heads;
-  const double kv = x.tokens * 2 * kv_heads_local * head_dim * x.pb.act;  // this rank's K and V
+  // Latent attention's expanded K and its V (padded to K's width) travel, not the compression.
+  const double kv_width = x.f.dims.attn_qk > 0 ? 2.0 * std::ceil(x.heads / x.t) * double(x.f.dims.attn_qk) / x.heads
+                                              : 2 * kv_heads_local * head_dim;
+  const double kv = x.tokens * kv_width * x.pb.act;  // this rank's K and V
   const double dkv = kv / x.pb.act * 4;                                    // their fp32 gradients
   const double peak =
       peak_flops_for(dev, x.a.precision, x.a.compute_config.allow_tf32) * kAssumedEfficiency;

@@ -112,6 +112,11 @@ Activations activation_term(const Setting& x) {
     const double norm_in = fp32_compute ? h : h * 4 / ea;
     layer_rep = 2 * (norm_in + 2 * h);
     layer_split = (native_gqa ? 2 * h + 2 * hkv : 4 * h) + 4 * ffn;
+    if (x.f.dims.attn_qk > 0) {  // latent attention: q, k, v and the output at their own widths, the latents whole
+      const double qk = double(x.f.dims.attn_qk), v = double(x.f.dims.attn_v);
+      layer_split += 2 * qk + 2 * v - (native_gqa ? 2 * h + 2 * hkv : 4 * h);
+      layer_rep += double(x.f.dims.attn_latent);
+    }
     head_in = norm_in;
     norm_extra = h;        // the final norm's normalised input
     wide_grads = 2 * ffn;  // backward of gate * up: both gradients and the incoming one (the product freed)
