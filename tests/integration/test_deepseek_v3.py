@@ -193,6 +193,8 @@ def test_bad_config_json_exits_2_naming_the_key(family, tmp_path):
     cfg = config_file(tmp_path / "c.yaml", family["hf"], family["tokens"], tmp_path / "run", steps=1)
     plan = nnstrain("plan", "--config", cfg)
     assert plan.returncode == 0, plan.stdout + plan.stderr
+    p = nnstrain("--config", cfg, "--model.args.kv_lora_rank", "16")  # model.args must agree with config.json
+    assert p.returncode == 2 and "model.args.kv_lora_rank" in p.stderr and "config.json" in p.stderr, p.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
     j = json.loads((family["hf"] / "config.json").read_text())
