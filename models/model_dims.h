@@ -18,6 +18,9 @@ struct ModelDims {
   // head dim), the values' (heads x v head dim), and the compressed activations every tp rank keeps
   // (the q and kv latents with the shared rope key; the K/V cache holds the kv part of them).
   int64_t attn_qk = 0, attn_v = 0, attn_latent = 0;
+  // Attention runs the math form (attention sinks: no fused kernel takes them), so the
+  // [heads, s, keys] scores are kept for backward whatever the request's kernel.
+  bool materialised_scores = false;
 };
 
 }  // namespace nnstrain::models

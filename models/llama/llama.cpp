@@ -385,19 +385,25 @@ double Llama::flops_per_token(int64_t seq_len) const {
 
 double LlamaConfig::attention_span(int64_t seq_len) const {
   // Twice the mean keys a query sees, so the planner's causal half is right for a sliding layer too.
-  // A sink is one more logit per query and head, no matmul: it adds no FLOPs here.
+  // Sink attention's math form (attention_sinks.h) computes the whole T x T square and masks it
+  // afterwards, window or not: 2T, so that half is the whole square. (The sink itself is one more
+  // logit per query and head, no matmul.)
+  const double T = static_cast<double>(seq_len);
+  if (attention_sinks) return 2 * T * num_hidden_layers;
   double span = 0;
   for (int64_t i = 0; i < num_hidden_layers; ++i) {
-    const double w = static_cast<double>(window(i)), T = static_cast<double>(seq_len);
+    const double w = static_cast<double>(window(i));
     span += w > 0 && w < T ? 2 * w - w * (w - 1) / T : T;
   }
   return span;
 }
 
 ModelDims Llama::dims() const {
-  return {cfg_.hidden_size,         cfg_.num_hidden_layers, cfg_.num_attention_heads,
-          cfg_.num_key_value_heads, cfg_.intermediate_size, cfg_.vocab_size,
-          cfg_.max_position_embeddings, cfg_.tie_word_embeddings};
+  ModelDims d{cfg_.hidden_size,         cfg_.num_hidden_layers, cfg_.num_attention_heads,
+              cfg_.num_key_value_heads, cfg_.intermediate_size, cfg_.vocab_size,
+              cfg_.max_position_embeddings, cfg_.tie_word_embeddings};
+  d.materialised_scores = cfg_.attention_sinks;  // sink attention's math form
+  return d;
 }
 
 std::vector<HfTensor> Llama::hf_tensors() const {

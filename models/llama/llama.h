@@ -86,6 +86,7 @@ struct LlamaConfig : config::ModelConfig {
   }
   // The keys the queries of a seq_len sequence see, summed over the layers, times two (a
   // sliding layer's 2w - w(w - 1) / T, a full one's T): the planner's causal halving gives the work.
+  // Under attention_sinks every layer's 2T: the math form computes the whole square.
   double attention_span(int64_t seq_len) const;
   // gpt_oss: a learned sink logit per query head in every layer's softmax (models/common/attention_sinks.h).
   bool attention_sinks = false;

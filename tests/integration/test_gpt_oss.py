@@ -202,3 +202,20 @@ def test_bad_config_json_exits_2_naming_file_and_key(oss, tmp_path):
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     plan = nnstrain("plan", "--config", config_file(tmp_path / "c.yaml", oss["hf"], oss["tokens"], tmp_path / "r", 1))
     assert plan.returncode == 0, plan.stdout + plan.stderr
+
+
+def test_planner_counts_the_math_form(oss, tmp_path):
+    """Sink attention runs the math form: the planner counts each layer's whole score square (a
+    sliding layer's band is masked after the products, not skipped), so the window changes no FLOP."""
+    def compute_s(folder):
+        cfg = config_file(tmp_path / f"{folder.name}.yaml", folder, oss["tokens"], tmp_path / "r", 1)
+        p = nnstrain("plan", "--config", cfg, "--device", "H100", "--json")
+        assert p.returncode == 0, p.stdout + p.stderr
+        return json.loads(p.stdout)["plan"]["estimate"]["compute_s"]
+    full = tmp_path / "full"
+    full.mkdir()
+    j = json.loads((oss["hf"] / "config.json").read_text())
+    assert "sliding_attention" in j["layer_types"]
+    (full / "config.json").write_text(json.dumps({**j, "layer_types": ["full_attention"] * len(j["layer_types"])}))
+    (full / "model.safetensors").symlink_to(oss["hf"] / "model.safetensors")
+    assert compute_s(oss["hf"]) == compute_s(full)

@@ -40,6 +40,11 @@ SHRINK = {
     "qwen3_moe": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
                   "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
                   "num_experts_per_tok": 2, "max_position_embeddings": SEQ, "vocab_size": VOCAB},
+    # gpt_oss: two layers (one sliding, window 8 < 16 tokens), biased experts, sinks.
+    "gpt_oss": {"num_hidden_layers": 2, "layer_types": "[sliding_attention, full_attention]", "sliding_window": 8,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "head_dim": 8,
+                "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "max_position_embeddings": SEQ, "vocab_size": VOCAB},
 }
 
 

@@ -146,7 +146,7 @@ Activations activation_term(const Setting& x) {
   Activations act;
   act.layer_full = tokens * (layer_rep * rep + layer_split / t) * ea;
   act.layer_input = tokens * h * rep * ea;
-  act.scores = x.req.fused_attention ? 0.0 : tokens * 2 * (x.heads / t) * x.s * ea;
+  act.scores = x.req.fused_attention && !x.f.dims.materialised_scores ? 0.0 : tokens * 2 * (x.heads / t) * x.s * ea;
   // Under pp the rank's stages' layers, for every micro-batch in flight.
   act.saved_layers = x.live * ((x.Lr - x.kr) * (act.layer_full + act.scores) + x.kr * act.layer_input);
   act.pending_w = x.w_live > 0 ? x.w_live * pending_w_bytes(x) : 0.0;
