@@ -5,7 +5,9 @@ two, GQA with an explicit head_dim, sliding and full layers alternating with a w
 than the sequence, YaRN without truncation, 6 biased experts with top-2 routing whose clamped
 SwiGLU limit the activations reach) and saves it with save_pretrained. nnstrain is given
 `model: {init_from: DIR}` and nothing else about the model, and:
-- its first-step loss is transformers' loss on the same batch (1e-6 relative);
+- its first-step loss is transformers' loss on the same batch (1e-6 relative), and its
+  log-probabilities (`nnstrain eval`'s multiple-choice log-likelihoods, char-level, sequences past
+  the window) are those of transformers' logits (1e-5 relative);
 - the sinks and the clamp matter: transformers' loss moves with them zeroed / unclamped;
 - `merge --hf` of a run that moved no weight writes every tensor bitwise equal under
   transformers' names, and AutoModelForCausalLM loads it with no missing or unexpected key;
@@ -17,6 +19,7 @@ SwiGLU limit the activations reach) and saves it with save_pretrained. nnstrain 
   naming the file and the key.
 """
 import json
+import random
 import subprocess
 
 import numpy as np
@@ -159,6 +162,40 @@ def test_first_loss_and_merge_hf_round_trip(oss):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     for key in ("layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha", "num_local_experts", "rope_parameters"):
         assert getattr(back.config, key) == getattr(transformers.AutoConfig.from_pretrained(oss["hf"]), key), key
+
+
+def test_logprobs_equal_transformers_logits(oss, tmp_path):
+    """Sums of log-softmax(logits) over each choice's tokens: nnstrain eval against transformers' logits."""
+    chars = list(" abcdefghijklmnopqrstuvwxyz.")
+    (tmp_path / "meta.json").write_text(json.dumps({"level": "char", "itos": chars}))
+    rng = random.Random(5)
+    words = "the cat sat on a mat and ran to see my dog who is fat but not quick red blue tree".split()
+    say = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    docs = [{"question": say(6) + ".", "choices": [say(rng.randint(1, 4)) for _ in range(3)], "label": 0}
+            for _ in range(6)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "mc.yaml").write_text(
+        f"task: oss_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{question}}\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    p = nnstrain("eval", oss["hf"], "--tasks", tmp_path / "mc.yaml", "--tokenizer", tmp_path / "meta.json",
+                 "--json", tmp_path / "out.json", "--device", "cpu", "--batch-size", 4)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ours = json.loads((tmp_path / "out.json").read_text())["oss_mc"]["per_doc"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(oss["hf"]).float().eval()
+    enc = lambda s: [chars.index(c) for c in s]  # noqa: E731
+    worst, longest = 0.0, 0
+    for doc, got in zip(docs, ours):
+        for choice, ll in zip(doc["choices"], got["lls"]):
+            ctx, cont = enc(doc["question"]), enc(" " + choice)
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids[:, :-1]).logits[0].float(), -1)
+            want = sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont))
+            worst, longest = max(worst, rel(ll, want)), max(longest, ids.size(1))
+            assert rel(ll, want) <= 1e-5, (doc, choice, ll, want)
+    assert longest > HF_CONFIG["sliding_window"] * 2  # the sliding layers' window cut in
+    print(f"gpt_oss log-likelihoods: worst relative difference {worst:.2e} over {len(docs) * 3} choices")
 
 
 def test_plans_equal_one_process(oss):
