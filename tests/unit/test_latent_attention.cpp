@@ -3,7 +3,8 @@
 // save_pretrained and read through model.init_from's path: the logits within
 // 1e-5 relative, with the q low-rank projection and interleaved YaRN rope (its
 // mscale_all_dim moving the softmax scale), and with q_proj and plain rope; and
-// generation over the compressed KV cache gives the full forward's logits.
+// generation over the compressed KV cache gives the full forward's logits;
+// packed documents give each document's loss on its own.
 #include <catch2/catch.hpp>
 
 #include <torch/torch.h>
@@ -90,5 +91,15 @@ TEST_CASE("deepseek_v3's latent attention equals transformers'", "[latent][hf]")
     const double cached = rel_err(torch::cat(steps, 1), logits);
     INFO("cached decoding rel err " << cached);
     CHECK(cached < 1e-5);
+    // Packed documents (the document attention, v padded to the key's width): two documents in one
+    // row give each one's loss on its own, positions restarting at the second.
+    const auto row = x.narrow(0, 0, 1), y = x.narrow(0, 1, 1);
+    const auto seg = torch::cat({torch::zeros({1, 8}, torch::kLong), torch::ones({1, 12}, torch::kLong)}, 1);
+    const auto pos = torch::cat({torch::arange(8, torch::kLong), torch::arange(12, torch::kLong)}).unsqueeze(0);
+    const double packed = model->loss(row, y, models::Documents{pos, seg}).item<double>();
+    const double apart = (8 * model->loss(row.narrow(1, 0, 8), y.narrow(1, 0, 8)).item<double>() +
+                          12 * model->loss(row.narrow(1, 8, 12), y.narrow(1, 8, 12)).item<double>()) / 20;
+    INFO("packed " << packed << " apart " << apart);
+    CHECK(std::abs(packed - apart) <= 1e-5 * apart);
   }
 }
