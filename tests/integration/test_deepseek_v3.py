@@ -206,3 +206,22 @@ def test_bad_config_json_exits_2_naming_the_key(family, tmp_path):
         named = "rope_type" if key == "rope_parameters" else key
         assert p.returncode == 2 and named in p.stderr and "config.json" in p.stderr, (key, p.stderr)
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_plan_declares_the_latent_split(family, tmp_path):
+    """Under tp 2 the planner sees the heads split (q_b_proj and kv_b_proj by rows, o_proj by columns)
+    and the low-rank a-projections and their norms replicated, and counts transformers' parameters."""
+    cfg = config_file(tmp_path / "c.yaml", family["hf"], family["tokens"], tmp_path / "run", steps=1)
+    p = nnstrain("plan", "--config", cfg, "--runtime-ngpus", 2, "--pas_policy", "tp", TP, 2, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    plan = json.loads(p.stdout)["plan"]
+    assert plan["tp"] == 2, plan["tp"]
+    split = {q["param"]: (q["split"], q["global_shape"], q["local_shape"]) for q in plan["params"]}
+    attn = "layers.0.self_attn."
+    assert split[attn + "q_b_proj.weight"] == ("column", [60, 18], [30, 18]), split[attn + "q_b_proj.weight"]
+    assert split[attn + "kv_b_proj.weight"] == ("column", [96, 12], [48, 12]), split[attn + "kv_b_proj.weight"]
+    assert split[attn + "o_proj.weight"] == ("row", [48, 60], [48, 30]), split[attn + "o_proj.weight"]
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        assert split[f"{attn}{name}.weight"][0] == "replicate", (name, split[f"{attn}{name}.weight"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(family["hf"])
+    assert sum(int(np.prod(s[1])) for s in split.values()) == sum(q.numel() for q in hf.parameters())
