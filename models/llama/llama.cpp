@@ -621,7 +621,8 @@ void parse_llama_args(config::ArgMap& a, LlamaConfig* out) {
   if (c->hidden_size % c->num_attention_heads != 0)
     a.fail("hidden_size", "hidden_size " + std::to_string(c->hidden_size) +
                               " is not divisible by num_attention_heads " + std::to_string(c->num_attention_heads));
-  c->head_dim = a.get_int("head_dim", c->hidden_size / c->num_attention_heads, 1);
+  // A head_dim set before (deepseek_v3: its rope part) is the default; else hidden / heads.
+  c->head_dim = a.get_int("head_dim", c->head_dim > 0 ? c->head_dim : c->hidden_size / c->num_attention_heads, 1);
   if (c->head_dim % 2 != 0)
     a.fail("head_dim", "head_dim " + std::to_string(c->head_dim) + " must be even for rotary embeddings");
   c->max_position_embeddings = a.get_int("max_position_embeddings", c->max_position_embeddings, 1);

@@ -97,8 +97,9 @@ std::optional<std::pair<std::string, std::string>> latent_problem(const MoeLmCon
 std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a, const std::string& type) {
   auto c = std::make_shared<Parsed>();
   c->model_type = type;
-  llama::parse_llama_args(a, c.get());
   const bool qwen = is_qwen(type), deepseek = is_deepseek(type);
+  if (deepseek) c->head_dim = a.get_int("qk_rope_head_dim", 64, 2);  // DeepseekV3Config's head_dim: the rope part
+  llama::parse_llama_args(a, c.get());
   MoeOptions o;
   // DeepseekV3Config's defaults (the 671B model's) where it has the key.
   o.num_experts = a.get_int(experts_key(type), deepseek ? 256 : 8, 1);

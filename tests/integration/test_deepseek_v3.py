@@ -225,3 +225,23 @@ def test_plan_declares_the_latent_split(family, tmp_path):
         assert split[f"{attn}{name}.weight"][0] == "replicate", (name, split[f"{attn}{name}.weight"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(family["hf"])
     assert sum(int(np.prod(s[1])) for s in split.values()) == sum(q.numel() for q in hf.parameters())
+
+
+def test_model_args_alone_train_and_export(family, tmp_path):
+    """model.type deepseek_v3 from model.args (head_dim defaults to qk_rope_head_dim, as DeepseekV3Config's):
+    trained, merged with --hf, and loaded by transformers with no missing key, which gives its loss back."""
+    args = {k: v for k, v in SHAPE.items() if k not in ("rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id")}
+    cfg = tmp_path / "args.yaml"
+    cfg.write_text(CONFIG.format(run=tmp_path / "run", hf="", data=family["tokens"], seq=SEQ, steps=2).replace(
+        "  init_from: \n", f"  type: deepseek_v3\n  args: {json.dumps(args)}\n"))
+    p = nnstrain("--config", cfg, "--checkpoint.save_dir", tmp_path / "ck", "--checkpoint.every_n_train_steps", 2)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "head_dim: 4" in (tmp_path / "run" / "config.yaml").read_text()
+    m = nnstrain("merge", tmp_path / "ck" / "step-00000002", "--out", tmp_path / "hf", "--hf")
+    assert m.returncode == 0, m.stdout + m.stderr
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # The merged folder as init_from: nnstrain's first loss on it is transformers'.
+    d = tmp_path / "again"
+    d.mkdir()
+    assert rel(first_loss(d, tmp_path / "hf", family["tokens"]), hf_loss(back.float().eval(), family["tokens"])) <= 1e-6
