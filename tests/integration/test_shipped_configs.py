@@ -45,6 +45,12 @@ SHRINK = {
                 "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "head_dim": 8,
                 "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "max_position_embeddings": SEQ, "vocab_size": VOCAB},
+    # deepseek_v3: latent attention (q and kv low-rank), a dense first layer, grouped routing, a shared expert.
+    "deepseek_v3": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 32,
+                    "head_dim": 4, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": 8,
+                    "kv_lora_rank": 8, "intermediate_size": 64, "moe_intermediate_size": 16, "n_routed_experts": 4,
+                    "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                    "max_position_embeddings": SEQ, "vocab_size": VOCAB},
 }
 
 
