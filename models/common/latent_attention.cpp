@@ -38,8 +38,11 @@ LatentAttentionImpl::LatentAttentionImpl(const LatentAttentionOptions& o, const 
 }
 
 torch::Tensor LatentAttentionImpl::a_proj(Linear& l, const torch::Tensor& x) {
+  if (!ctx_.sp()) return l(x);  // the layer's own forward (its adapter, the zero-bubble split)
   // Under sequence parallelism each rank projects its own tokens with the same weights.
-  auto [w, b] = ctx_.sp() ? sum_grads_over_tp(l->weight, l->bias, ctx_.comm) : std::make_pair(l->weight, l->bias);
+  TORCH_CHECK(!l->adapter, "latent attention: an adapter on a low-rank a-projection under sequence parallelism "
+              "is not supported; set compute_config.sequence_parallel: false");
+  auto [w, b] = sum_grads_over_tp(l->weight, l->bias, ctx_.comm);
   return torch::nn::functional::linear(x, w, b);
 }
 
