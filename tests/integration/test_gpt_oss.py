@@ -237,7 +237,10 @@ def test_bad_config_json_exits_2_naming_file_and_key(oss, tmp_path):
         p = nnstrain("--config", config_file(tmp_path / "b.yaml", bad, oss["tokens"], tmp_path / "r", 1))
         assert p.returncode == 2 and "layer_types" in p.stderr and "config.json" in p.stderr, p.stderr
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    plan = nnstrain("plan", "--config", config_file(tmp_path / "c.yaml", oss["hf"], oss["tokens"], tmp_path / "r", 1))
+    cfg = config_file(tmp_path / "c.yaml", oss["hf"], oss["tokens"], tmp_path / "r", 1)
+    p = nnstrain("--config", cfg, "--model.args.swiglu_limit", "3.0")  # model.args beside the folder must agree
+    assert p.returncode == 2 and "model.args.swiglu_limit" in p.stderr and "config.json" in p.stderr, p.stderr
+    plan = nnstrain("plan", "--config", cfg)
     assert plan.returncode == 0, plan.stdout + plan.stderr
 
 

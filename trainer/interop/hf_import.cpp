@@ -66,7 +66,9 @@ const char* const kMathKeys[] = {"vocab_size", "num_attention_heads", "n_head", 
                                  "sliding_window", "use_sliding_window", "layer_types",
                                  // Phi-3's partial rotation; Gemma 3's activation, score scale, local rope, caps
                                  "partial_rotary_factor", "hidden_activation", "query_pre_attn_scalar",
-                                 "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping"};
+                                 "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping",
+                                 // GPT-OSS's clamped SwiGLU
+                                 "swiglu_alpha", "swiglu_limit"};
 const char* const kRopeScalingKeys[] = {"factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                                         "mscale_all_dim", "attention_factor", "short_factor", "long_factor"};
