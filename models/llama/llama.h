@@ -105,7 +105,7 @@ struct LlamaConfig : config::ModelConfig {
   std::shared_ptr<const common::LatentAttentionOptions> latent;
 
   std::pair<std::string, std::string> context_parallel_refusal() const override {
-    if (attention_sinks) return {"attention_sinks", model_type + "'s attention sinks (a learned logit per head in the softmax)"};
+    if (attention_sinks) return {"attention_sinks", "attention sinks (gpt_oss: a learned logit per head in the softmax)"};
     if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
     return {"", ""};
   }
