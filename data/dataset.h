@@ -18,6 +18,11 @@ struct Batch {
   // Document masking only (else undefined), [B, T] int64: each token's position
   // within its document and its document's number within the sample.
   at::Tensor positions, segments;
+  // Preference batches only (dataset.type preference, docs/alignment.md), [P]
+  // int64: the pairs' indices in the dataset; rows [0, P) of x and y are their
+  // chosen completions, rows [P, 2P) their rejected ones, in the same order.
+  at::Tensor pair_index;
+  int64_t pairs() const { return pair_index.defined() ? pair_index.size(0) : 0; }
 };
 
 class Dataset {

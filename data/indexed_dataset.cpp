@@ -24,6 +24,9 @@ IndexedDataset::IndexedDataset(const config::IndexedArgs& args, uint64_t seed, i
       throw config::ConfigError(where + ": " + e.what());
     }
     const auto& m = manifests_.back();
+    if (m.sequences_per_document == indexed::kPreferenceSequences)
+      throw config::ConfigError(where + ": " + m.path + " is a preference dataset (prompt, chosen, rejected): "
+                                "train on it with dataset.type preference and an alignment: section (docs/alignment.md)");
     // The over-long rule (prepare corpus --max-tokens / --overlong) holds each
     // conversation within one attention window only if the window is as long:
     // training shorter would cut conversations mid-turn, which the rule exists to prevent.

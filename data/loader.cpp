@@ -10,7 +10,7 @@ namespace nnstrain::data {
 namespace {
 Batch pinned(const Batch& b) {
   auto pin = [](const at::Tensor& t) { return t.defined() ? t.pin_memory() : t; };
-  return {pin(b.x), pin(b.y), pin(b.positions), pin(b.segments)};
+  return {pin(b.x), pin(b.y), pin(b.positions), pin(b.segments), pin(b.pair_index)};
 }
 }  // namespace
 
@@ -70,7 +70,7 @@ Batch PrefetchLoader::to_device(Batch b) const {
   // pinned block alive until the copy that reads it has run.
   if (pin_ && !b.x.is_pinned()) b = pinned(b);
   auto to = [&](const at::Tensor& t) { return t.defined() ? t.to(device_, /*non_blocking=*/pin_) : t; };
-  return {to(b.x), to(b.y), to(b.positions), to(b.segments)};
+  return {to(b.x), to(b.y), to(b.positions), to(b.segments), to(b.pair_index)};
 }
 
 Batch PrefetchLoader::next() {

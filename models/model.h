@@ -117,6 +117,9 @@ class CausalLM : public torch::nn::Module {
   virtual torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets);
   // Parameters outside the head that head_loss reads (a head tied to the token embedding).
   virtual std::vector<std::string> head_ties() const { return {}; }
+  // The LM head loss() ends in (the trainer sets a sequence objective on it,
+  // trainer/align/); null: the model has none and cannot be aligned.
+  virtual common::ParallelLmHeadImpl* lm_head_module() { return nullptr; }
 
   // What this instance holds (pipeline parallelism: a rank's stages): the
   // parameters before the blocks (embed), some blocks, those after (head) and

@@ -329,6 +329,16 @@ IndexedArgs read_indexed(const std::shared_ptr<Impl>& impl, const IndexedArgs* d
   return a;
 }
 
+// dataset.type preference: {path, seq_len, shuffle}; val_args takes what it does not set from train_args.
+PreferenceArgs read_preference(ArgMap& m, const PreferenceArgs* defaults) {
+  PreferenceArgs a;
+  a.path = m.get_string("path");
+  if (a.path.empty()) m.fail("path", "must not be empty");
+  a.seq_len = defaults ? m.get_int("seq_len", defaults->seq_len, 2) : m.get_int("seq_len", std::nullopt, 2);
+  a.shuffle = m.get_bool("shuffle", defaults ? defaults->shuffle : true);
+  return a;
+}
+
 // Canonical precision names, then the nnScaler spellings they also accept.
 const std::vector<std::pair<std::string, std::string>> kPrecisionAliases = {
     {"fp32", "32-true"}, {"fp16", "16-true"}, {"bf16", "bf16-true"}};
@@ -510,6 +520,46 @@ static void load_lora(ArgMap& top, TrainerArgs& t) {
   for (const char* f : {"adapter_model.safetensors", "adapter_config.json"})
     if (!l.init_from.empty() && !fs::is_regular_file(fs::path(l.init_from) / f))
       m.fail("init_from", l.init_from + " holds no " + f + " (expected a peft adapter folder)");
+}
+
+// alignment: (docs/alignment.md). Whether the run can serve the reference
+// (a plan, LoRA) is checked once the plan is made (trainer/align/).
+static void load_alignment(ArgMap& top, TrainerArgs& t) {
+  const bool preference = t.dataset.type == "preference";
+  if (!top.has("alignment")) {
+    if (preference)
+      top.fail("dataset", "type preference trains on preference pairs: add an alignment: section "
+                          "(loss_type, beta, reference; docs/alignment.md)");
+    return;
+  }
+  ArgMap m = top.child("alignment");
+  auto& a = t.alignment;
+  a.enabled = true;
+  a.loss_type = m.get_string("loss_type", "sigmoid", {"sigmoid", "ipo", "hinge", "simpo", "orpo"});
+  a.beta = m.get_float("beta", 0.1);
+  if (!(a.beta > 0) || !std::isfinite(a.beta)) m.fail("beta", "must be > 0, got " + format_double(a.beta));
+  a.label_smoothing = m.get_float("label_smoothing", 0.0);
+  if (!(a.label_smoothing >= 0 && a.label_smoothing < 0.5))
+    m.fail("label_smoothing", "must be in [0, 0.5), got " + format_double(a.label_smoothing));
+  if (a.label_smoothing > 0 && a.loss_type != "sigmoid" && a.loss_type != "simpo")
+    m.fail("label_smoothing", "smooths the sigmoid and simpo losses only, not " + a.loss_type);
+  a.simpo_gamma = m.get_float("simpo_gamma", 0.5);
+  if (m.has("simpo_gamma") && a.loss_type != "simpo") m.fail("simpo_gamma", "is simpo's margin; loss_type is " + a.loss_type);
+  a.reference = m.get_string("reference", a.reference_free() ? "none" : "auto",
+                             {"auto", "frozen", "precomputed", "adapters_off", "none"});
+  if (a.reference_free() && a.reference != "none")
+    m.fail("reference", a.loss_type + " is reference-free: it reads no reference (leave reference out or set none)");
+  if (!a.reference_free() && a.reference == "none")
+    m.fail("reference", a.loss_type + " compares with a reference: frozen, precomputed, adapters_off or auto");
+  if (a.reference == "auto") a.reference = t.lora.enabled ? "adapters_off" : "frozen";
+  if (a.reference == "adapters_off" && !t.lora.enabled)
+    m.fail("reference", "adapters_off is the LoRA base with its adapters switched off; this run has no lora: section "
+                        "(use frozen or precomputed)");
+  a.ref_log_probs = m.get_string("ref_log_probs", "");
+  if (!a.ref_log_probs.empty() && a.reference != "precomputed")
+    m.fail("ref_log_probs", "is where precomputed reference log-probabilities are stored; reference is " + a.reference);
+  if (!preference)
+    m.fail("loss_type", "trains on preference pairs: dataset.type must be preference (prepare corpus --format preference)");
 }
 
 // eval: (docs/eval.md). The task files exist here; they are parsed (and
@@ -775,14 +825,18 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 
   auto ds_impl = top_impl->child("dataset", true);
   ArgMap ds(ds_impl);
-  t.dataset.type = ds.get_string("type", "token_bin", {"token_bin", "indexed"});
+  t.dataset.type = ds.get_string("type", "token_bin", {"token_bin", "indexed", "preference"});
   const bool indexed = t.dataset.type == "indexed";
+  const bool preference = t.dataset.type == "preference";
   auto train_impl = ds_impl->child("train_args", true);
   ArgMap train_args(train_impl);
   std::vector<ArgMap> train_sources, val_sources;
   if (indexed) {
     t.dataset.indexed_train = read_indexed(train_impl, nullptr, &train_sources);
     t.dataset.train_args.seq_len = t.dataset.indexed_train.seq_len;  // the planner reads it for either type
+  } else if (preference) {
+    t.dataset.preference_train = read_preference(train_args, nullptr);
+    t.dataset.train_args.seq_len = t.dataset.preference_train.seq_len;
   } else {
     t.dataset.train_args = read_token_bin(train_args, nullptr);
   }
@@ -791,6 +845,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     auto val_impl = ds_impl->child("val_args", false);
     val_args.emplace(val_impl);
     if (indexed) t.dataset.indexed_val = read_indexed(val_impl, &t.dataset.indexed_train, &val_sources);
+    else if (preference) t.dataset.preference_val = read_preference(*val_args, &t.dataset.preference_train);
     else t.dataset.val_args = read_token_bin(*val_args, &t.dataset.train_args);
   }
 
@@ -901,6 +956,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
 
   load_fault_tolerance(top, t);  // after checkpoint and compute_config (its checks combine them)
   load_lora(top, t);
+  load_alignment(top, t);  // after lora (reference: auto) and dataset
   load_eval(top, t);  // after compute_config (it refuses pipeline and context parallelism)
 
   // Unknown keys before the checks that combine keys: a misspelt key would
@@ -940,7 +996,9 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
     };
     check(train_args, t.dataset.train_args.seq_len);
     // Indexed datasets keep the validation set's length in indexed_val (val_args, token_bin's, is unset).
-    if (val_args) check(*val_args, indexed ? t.dataset.indexed_val->seq_len : t.dataset.val_args->seq_len);
+    if (val_args)
+      check(*val_args, indexed ? t.dataset.indexed_val->seq_len
+                       : preference ? t.dataset.preference_val->seq_len : t.dataset.val_args->seq_len);
   }
   const int pp = c.pipeline.pp_size;
   if (pp > 1 && c.runtime_ngpus % (tp_fixed * cp * pp) != 0)
@@ -1088,7 +1146,7 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
       std::optional<IndexedKeys> val;
       if (val_args) val.emplace(IndexedKeys{*val_args, val_sources, *t.dataset.indexed_val});
       required(opts.checks.indexed_datasets, "indexed_datasets")(train, val ? &*val : nullptr);
-    } else {
+    } else if (!preference) {  // a preference dataset's manifest is read when the run opens it (data/preference_dataset)
       check_token_file(train_args, t.dataset.train_args);
       if (val_args) check_token_file(*val_args, *t.dataset.val_args);
     }

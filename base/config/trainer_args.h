@@ -13,6 +13,7 @@
 
 #include "base/config/eval_args.h"
 #include "base/config/fault_tolerance_args.h"
+#include "base/config/alignment_args.h"
 #include "base/config/lora_args.h"
 
 namespace nnstrain::config {
@@ -185,14 +186,28 @@ struct IndexedArgs {
   bool mask_prompt = false;       // instruction data: prompt tokens' targets are -100 (not learned)
 };
 
+// dataset.type: preference (`prepare corpus --format preference`; docs/alignment.md):
+// each pair's chosen and rejected completions after its prompt, one row each.
+struct PreferenceArgs {
+  std::string path;               // PREFIX or PREFIX.manifest.json
+  int64_t seq_len = 0;            // tokens per row: TRL's max_length (longer rows keep their start)
+  bool shuffle = true;            // pairs in a seeded order per epoch, else in the file's order
+};
+
 struct DatasetArgs {
-  std::string type = "token_bin";  // token_bin | indexed
+  std::string type = "token_bin";  // token_bin | indexed | preference
   TokenBinArgs train_args;         // token_bin
   std::optional<TokenBinArgs> val_args;
   IndexedArgs indexed_train;       // indexed
   std::optional<IndexedArgs> indexed_val;
-  int64_t seq_len() const { return type == "indexed" ? indexed_train.seq_len : train_args.seq_len; }
-  bool has_val() const { return type == "indexed" ? indexed_val.has_value() : val_args.has_value(); }
+  PreferenceArgs preference_train;  // preference
+  std::optional<PreferenceArgs> preference_val;
+  int64_t seq_len() const {
+    return type == "indexed" ? indexed_train.seq_len : type == "preference" ? preference_train.seq_len : train_args.seq_len;
+  }
+  bool has_val() const {
+    return type == "indexed" ? indexed_val.has_value() : type == "preference" ? preference_val.has_value() : val_args.has_value();
+  }
   bool document_mask() const { return type == "indexed" && indexed_train.document_mask; }
 };
 
@@ -269,6 +284,7 @@ struct TrainerArgs {
   FaultToleranceArgs fault_tolerance;
   LoraArgs lora;                      // absent: every weight trains
   EvalArgs eval;                      // absent: no downstream tasks in the loop
+  AlignmentArgs alignment;            // absent: the LM loss (dataset.type preference needs it)
 
   std::string resolved_yaml;          // the resolved configuration, as YAML
 };

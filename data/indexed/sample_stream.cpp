@@ -75,11 +75,9 @@ Manifest read_manifest(const std::string& path) {
     if (!t.at("eos_id").is_null()) m.eos_id = t.at("eos_id").get<int64_t>();
     if (!t.at("bos_id").is_null()) m.bos_id = t.at("bos_id").get<int64_t>();
     const auto& spd = j.at("sequences_per_document");
-    // Preference pairs (prompt, chosen, rejected) are for DPO, which does not train yet (issue 54).
-    if (spd.is_string() && spd.get<std::string>() == "preference")
-      throw std::runtime_error("a preference dataset (prepare corpus --format preference): "
-                               "training on preference pairs (DPO) is not implemented yet");
-    if (spd.is_string() && spd.get<std::string>() == "alternating") {
+    if (spd.is_string() && spd.get<std::string>() == "preference") {
+      m.sequences_per_document = kPreferenceSequences;  // prompt, chosen, rejected (data/preference_dataset.h)
+    } else if (spd.is_string() && spd.get<std::string>() == "alternating") {
       m.sequences_per_document = 0;
     } else {
       m.sequences_per_document = spd.get<int>();

@@ -35,12 +35,14 @@ struct Manifest {
   int64_t vocab_size = 0;
   std::optional<int64_t> eos_id, bos_id;
   // 1: plain documents; 2: prompt then response (instruction data); 0: any
-  // number, alternating context and target (chat data, "alternating").
+  // number, alternating context and target (chat data, "alternating");
+  // kPreferenceSequences: prompt, chosen, rejected ("preference": dataset.type preference only).
   int sequences_per_document = 1;
   // Chat data prepared with --max-tokens N (settings.max_tokens): no conversation
   // is longer than N tokens; 0: no cap recorded.
   int64_t max_tokens = 0;
 };
+constexpr int kPreferenceSequences = 3;
 // `path` is PREFIX or PREFIX.manifest.json. Throws std::runtime_error naming the file.
 Manifest read_manifest(const std::string& path);
 

@@ -375,6 +375,32 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
   auto t = targets.reshape({-1});
   if (softcap > 0) kind = LossKind::Plain;  // the capped logits whole: no chunked form caps them
   const auto capped = [&](const torch::Tensor& l) { return softcap > 0 ? torch::tanh(l / softcap) * softcap : l; };
+  if (objective) {
+    if (ctx_.parallel() && !ctx_.sp()) h = copy_to_tp(h, ctx_.comm);
+    auto logits = capped(deferrable_linear(h, w));
+    const auto acc = logits.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+    TokenScores s;
+    s.counted = t.ne(ignore_index).reshape(targets.sizes());
+    // The plain form, whole or over the split vocabulary; the reference's no-grad
+    // forwards are the alignment's to count (its run record), not the policy's loss.
+    if (torch::GradMode::is_enabled()) count_plain_loss_forward();
+    if (!ctx_.parallel()) {
+      s.nll = torch::nn::functional::cross_entropy(
+          logits.to(acc), t,
+          torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index).reduction(torch::kNone));
+      s.mean_logits = logits.detach().to(acc).mean(-1);
+    } else {
+      const int64_t held = w.size(0);
+      s.nll = vocab_parallel_token_nll(logits, t, start_, held, ignore_index, ctx_.comm);
+      torch::NoGradGuard no_grad;
+      auto sum = logits.detach().narrow(1, 0, held).to(acc).sum(-1).contiguous();
+      ctx_.comm->all_reduce(sum);  // every rank's vocabulary piece
+      s.mean_logits = sum / double(vocab_);
+    }
+    s.nll = s.nll.reshape(targets.sizes());
+    s.mean_logits = s.mean_logits.reshape(targets.sizes());
+    return objective->loss(s);
+  }
   if (!ctx_.parallel()) {
     if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
     if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);

@@ -14,6 +14,7 @@
 
 #include <vector>
 
+#include "models/common/sequence_objective.h"
 #include "models/common/sharding.h"
 
 namespace nnstrain::models::common {
@@ -256,6 +257,10 @@ class ParallelLmHeadImpl : public ShardedModule {
   // (elementwise, so per vocabulary piece too) before the loss, which is then
   // the plain one whatever the kind; 0: none.
   double softcap = 0;
+  // Set: loss() is this objective's over whole sequences (preference
+  // alignment), from every position's plain log-likelihood whatever `kind`
+  // (the logits exist whole, [tokens, vocab / tp]).
+  std::shared_ptr<SequenceObjective> objective;
 
  private:
   torch::Tensor uncapped_logits(const torch::Tensor& hidden, const torch::Tensor& w) const;

@@ -29,6 +29,47 @@ at::ScalarType matmul_dtype(const torch::Tensor& hidden, const torch::Tensor& we
 // Cross-entropy over vocabulary-split logits [N, rows]: per token, the global max,
 // sum of exponentials and target logit are reduced over the group (two
 // collectives: the max, then the other two packed in one tensor).
+// The per-token statistics both vocabulary-split forms below share: the loss of
+// each token (0 where ignored) and what backward needs (softmax, the local
+// target, whether it is local, whether it counts).
+struct VocabParallelTokens {
+  torch::Tensor per_token, softmax, local_t, in_range, valid;
+};
+VocabParallelTokens vocab_parallel_tokens(const torch::Tensor& logits, const torch::Tensor& targets,
+                                          int64_t vocab_start, int64_t held, int64_t ignore_index, TpComm& c) {
+  // Reduced in fp32 (fp64 for fp64 logits); padding columns never count.
+  const auto acc = logits.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  auto lf = logits.narrow(1, 0, held).to(acc);
+  auto mx = std::get<0>(lf.max(1)).contiguous();
+  c.all_reduce_max(mx);
+  auto shifted = lf - mx.unsqueeze(1);
+  const auto valid = targets.ne(ignore_index);
+  const auto in_range = valid & targets.ge(vocab_start) & targets.lt(vocab_start + held);
+  const auto local_t = (targets - vocab_start).masked_fill(in_range.logical_not(), 0);
+  auto target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(in_range.logical_not(), 0.0);
+  auto e = shifted.exp();
+  auto stats = torch::stack({target_logit, e.sum(1)});
+  c.all_reduce(stats);
+  const auto sum_exp = stats[1];
+  auto softmax = e.div_(sum_exp.unsqueeze(1));
+  auto per_token = (sum_exp.log() - stats[0]).masked_fill(valid.logical_not(), 0.0);
+  return {per_token, softmax, local_t, in_range, valid};
+}
+
+// d loss / d logits from the saved statistics: (softmax - onehot(target)) where
+// the token counts, times each token's incoming gradient `g_tok` ([N] or a
+// scalar), padded back to the local rows and in the logits' dtype.
+torch::Tensor vocab_parallel_logits_grad(AutogradContext* ctx, const torch::Tensor& g_tok) {
+  const auto saved = ctx->get_saved_variables();
+  auto grad = saved[0].clone();  // softmax - onehot(target) where the target is local
+  grad.scatter_add_(1, saved[1].unsqueeze(1), -saved[2].to(grad.scalar_type()).unsqueeze(1));
+  grad.mul_(saved[3].to(grad.scalar_type()).unsqueeze(1));
+  grad.mul_(g_tok.dim() == 0 ? g_tok : g_tok.to(grad.scalar_type()).unsqueeze(1));
+  const int64_t pad = ctx->saved_data["rows"].toInt() - grad.size(1);
+  if (pad > 0) grad = torch::constant_pad_nd(grad, {0, pad});
+  return grad.to(static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt()));
+}
+
 class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
@@ -36,38 +77,36 @@ class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallel
                                const c10::intrusive_ptr<TpComm>& comm) {
     g_plain.fetch_add(1, std::memory_order_relaxed);
     ctx->saved_data["comm"] = comm_capsule(comm);
-    auto& c = comm_from(ctx->saved_data["comm"]);
-    // Reduced in fp32 (fp64 for fp64 logits); padding columns never count.
-    const auto acc = logits.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-    auto lf = logits.narrow(1, 0, held).to(acc);
-    auto mx = std::get<0>(lf.max(1)).contiguous();
-    c.all_reduce_max(mx);
-    auto shifted = lf - mx.unsqueeze(1);
-    const auto valid = targets.ne(ignore_index);
-    const auto in_range = valid & targets.ge(vocab_start) & targets.lt(vocab_start + held);
-    const auto local_t = (targets - vocab_start).masked_fill(in_range.logical_not(), 0);
-    auto target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(in_range.logical_not(), 0.0);
-    auto e = shifted.exp();
-    auto stats = torch::stack({target_logit, e.sum(1)});
-    c.all_reduce(stats);
-    const auto sum_exp = stats[1];
-    auto softmax = e.div_(sum_exp.unsqueeze(1));
-    auto per_token = (sum_exp.log() - stats[0]).masked_fill(valid.logical_not(), 0.0);
-    auto count = valid.sum().to(acc);  // 0 counted -> NaN loss, zero gradients, as F::cross_entropy
-    ctx->save_for_backward({softmax, local_t, in_range, valid, count.clamp_min(1)});
+    auto s = vocab_parallel_tokens(logits, targets, vocab_start, held, ignore_index, comm_from(ctx->saved_data["comm"]));
+    auto count = s.valid.sum().to(s.per_token.scalar_type());  // 0 counted -> NaN loss, zero gradients, as F::cross_entropy
+    ctx->save_for_backward({s.softmax, s.local_t, s.in_range, s.valid, count.clamp_min(1)});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     ctx->saved_data["rows"] = logits.size(1);
-    return per_token.sum() / count;
+    return s.per_token.sum() / count;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    const auto saved = ctx->get_saved_variables();
-    auto grad = saved[0].clone();  // softmax - onehot(target) where the target is local
-    grad.scatter_add_(1, saved[1].unsqueeze(1), -saved[2].to(grad.scalar_type()).unsqueeze(1));
-    grad.mul_(saved[3].to(grad.scalar_type()).unsqueeze(1)).mul_(g[0] / saved[4]);
-    const int64_t pad = ctx->saved_data["rows"].toInt() - grad.size(1);
-    if (pad > 0) grad = torch::constant_pad_nd(grad, {0, pad});
-    return {grad.to(static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt())), torch::Tensor(), torch::Tensor(),
+    const auto count = ctx->get_saved_variables()[4];
+    return {vocab_parallel_logits_grad(ctx, (g[0] / count).reshape({})), torch::Tensor(), torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// Per token: [N] losses (0 where ignored), each with its own gradient.
+class VocabParallelTokenNll : public torch::autograd::Function<VocabParallelTokenNll> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
+                               int64_t vocab_start, int64_t held, int64_t ignore_index,
+                               const c10::intrusive_ptr<TpComm>& comm) {
+    ctx->saved_data["comm"] = comm_capsule(comm);
+    auto s = vocab_parallel_tokens(logits, targets, vocab_start, held, ignore_index, comm_from(ctx->saved_data["comm"]));
+    ctx->save_for_backward({s.softmax, s.local_t, s.in_range, s.valid});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    ctx->saved_data["rows"] = logits.size(1);
+    return s.per_token;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {vocab_parallel_logits_grad(ctx, g[0]), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -291,6 +330,16 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
               "vocab_parallel_cross_entropy: expected logits [N, rows] and targets [N], got ", logits.sizes(), " and ",
               targets.sizes());
   return VocabParallelCrossEntropy::apply(logits, targets.to(torch::kLong), vocab_start, held, ignore_index, comm);
+}
+
+torch::Tensor vocab_parallel_token_nll(const torch::Tensor& logits, const torch::Tensor& targets,
+                                       int64_t vocab_start, int64_t held, int64_t ignore_index,
+                                       const c10::intrusive_ptr<TpComm>& comm) {
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) && held >= 1 &&
+                  held <= logits.size(1),
+              "vocab_parallel_token_nll: expected logits [N, rows] and targets [N], got ", logits.sizes(), " and ",
+              targets.sizes());
+  return VocabParallelTokenNll::apply(logits, targets.to(torch::kLong), vocab_start, held, ignore_index, comm);
 }
 
 torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,

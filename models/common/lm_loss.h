@@ -41,6 +41,12 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                            int64_t vocab_start, int64_t held, int64_t ignore_index,
                                            const c10::intrusive_ptr<TpComm>& comm);
+// The same per token: [N] negative log-likelihoods (fp32, fp64 for fp64 logits;
+// 0 where ignored), each token's gradient its own (a loss over whole sequences,
+// models/common/sequence_objective.h).
+torch::Tensor vocab_parallel_token_nll(const torch::Tensor& logits, const torch::Tensor& targets,
+                                       int64_t vocab_start, int64_t held, int64_t ignore_index,
+                                       const c10::intrusive_ptr<TpComm>& comm);
 // Chunked over tokens as chunked_linear_cross_entropy: hidden [N, C] (already
 // replicated onto the group; its gradient here is this rank's partial sum),
 // weight [rows, C] local.

@@ -87,6 +87,7 @@ class Gpt : public CausalLM {
   torch::nn::ModuleList h{nullptr};
   common::LayerNorm ln_f{nullptr};
   common::ParallelLmHead lm_head{nullptr};  // weight tied to wte (not a module of its own)
+  common::ParallelLmHeadImpl* lm_head_module() override { return lm_head.get(); }
 
  private:
   torch::Tensor hidden(const torch::Tensor& idx, const Documents& docs = {});

@@ -218,6 +218,7 @@ class Llama : public CausalLM {
   // Loss and logits on head_weight(); the module "lm_head" with its own weight
   // when untied, a head on embed_tokens' weight (no module) when tied.
   common::ParallelLmHead lm_head{nullptr};
+  common::ParallelLmHeadImpl* lm_head_module() override { return lm_head.get(); }
 
   const torch::Tensor& head_weight() const;
 

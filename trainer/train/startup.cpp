@@ -1,5 +1,7 @@
 #include "trainer/train/startup.h"
 
+#include "data/preference_dataset.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -596,7 +598,12 @@ void check_schedule_continues(const config::TrainerArgs& args, const Data& data,
 
 Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, const parallel::Plan& plan) {
   Data d;
-  if (args.dataset.type == "indexed") {
+  if (args.dataset.type == "preference") {
+    auto train = std::make_unique<data::PreferenceDataset>(args.dataset.preference_train, args.seed,
+                                                           args.global_batch_size, "dataset.train_args");
+    train->check_vocab(model.vocab_size());
+    d.train = std::move(train);
+  } else if (args.dataset.type == "indexed") {
     auto train = std::make_unique<data::IndexedDataset>(args.dataset.indexed_train, args.seed, args.global_batch_size,
                                                         "dataset.train_args");
     train->check_vocab(model.vocab_size());

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "data/loader.h"
+#include "trainer/align/alignment.h"
 #include "base/config/arg_map.h"
 #include "trainer/checkpoint/async_save.h"
 #include "trainer/checkpoint/rng_state.h"
@@ -153,7 +154,8 @@ class Trainer {
  public:
   Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
           std::shared_ptr<models::CausalLM> model, Agreed agreed, std::unique_ptr<dist::Runtime> rt, Trainable tr,
-          Data data, int64_t start_step, const std::string& resumed_from, OomContext& oom);
+          Data data, int64_t start_step, const std::string& resumed_from, OomContext& oom,
+          std::unique_ptr<align::Alignment> align);
   int run();
 
  private:
@@ -184,6 +186,7 @@ class Trainer {
   std::unique_ptr<dist::Runtime> rt_;
   Trainable tr_;
   Data data_;
+  std::unique_ptr<align::Alignment> align_;  // alignment: the preference objective and its reference (else null)
   // dp_rank_: this rank's data-parallel index (which samples); cp_rank_ its
   // context-parallel index (which tokens of them).
   const int64_t micro_, global_batch_, accum_, dp_, dp_rank_, cp_rank_;
@@ -249,7 +252,8 @@ class Trainer {
 
 Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torch::Device device,
                  std::shared_ptr<models::CausalLM> model, Agreed agreed, std::unique_ptr<dist::Runtime> rt,
-                 Trainable tr, Data data, int64_t start_step, const std::string& resumed_from, OomContext& oom)
+                 Trainable tr, Data data, int64_t start_step, const std::string& resumed_from, OomContext& oom,
+                 std::unique_ptr<align::Alignment> align)
     : args_(args),
       rank_(env.rank),
       world_(env.world_size),
@@ -270,6 +274,7 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
       profiler_(args.profile, device, env.rank),
       step_(start_step),
       post_validation_(args.compute_config.pipeline.post_validation && tr_.pipeline != nullptr) {
+  align_ = std::move(align);
   if (device.is_cuda()) peak_flops_ = parallel::peak_flops_for(agreed.device, args.precision, args.compute_config.allow_tf32);
 
   // Logging sinks (rank 0 writes them).
@@ -486,8 +491,10 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
   // batch (dp, cp, accumulation, pipeline) gives one process's loss, masked
   // targets included, and an all-masked micro-batch adds 0. No rank's gradient
   // is ever larger than one process's (fp16: no earlier overflow, docs/precision.md).
+  // Under alignment a micro-batch weighs its pairs (the loss is the mean over the step's pairs).
   std::vector<at::Tensor> counts;
-  for (const auto& b : batches) counts.push_back(target_count(b));
+  for (const auto& b : batches) counts.push_back(align_ ? align_->count(b) : target_count(b));
+  if (align_) align_->begin_step();
   auto total = torch::stack(counts).sum();
   if (rt_) rt_->all_reduce(rt_->dp_cp, total, "target count all-reduce");
   targets_ = total;
@@ -523,6 +530,7 @@ void Trainer::step(const std::vector<data::Batch>& batches) {
     const bool measure = logs_ && a == accum_ - 1;
     const int64_t before = measure ? memory_in_use_bytes(device_) : 0;
     const auto& b = batches[a];
+    if (align_) align_->before_forward(b);  // the reference's log-probabilities of b's pairs
     auto loss = loss_sum(model_->loss(b.x, b.y, {b.positions, b.segments}), counts[a]) * inv_total;
     if (measure) activation_bytes_ = memory_in_use_bytes(device_) - before;
     if (poison_) loss = loss * std::numeric_limits<double>::infinity();
@@ -680,7 +688,8 @@ void Trainer::log_progress() {
   const auto now = std::chrono::steady_clock::now();
   const double secs = std::chrono::duration<double>(now - interval_start_).count();
   const double ms_per_step = 1000.0 * secs / interval_steps_;
-  const double tokens_per_s = interval_steps_ * global_batch_ * data_.seq_len / secs;
+  // A preference sample is a pair: two rows (chosen, rejected) of seq_len tokens.
+  const double tokens_per_s = interval_steps_ * global_batch_ * data_.seq_len * (align_ ? 2 : 1) / secs;
   nlohmann::json rec = {{"step", step_}, {"loss", loss}, {"lr", lr_}, {"grad_norm", gn},
                         {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},
@@ -722,6 +731,7 @@ void Trainer::log_progress() {
   if (rt_ && plan_.context.cp > 1) traffic("cp", rt_->cp.traffic, interval_cp_);  // ring steps or K/V gathers
   if (rt_ && plan_.ep > 1) traffic("ep", rt_->ep.traffic, interval_ep_);  // tokens to their experts and back
   tr_.moe->report(rec);  // balancing loss, imbalance and dropped tokens per MoE layer
+  if (align_) align_->report(rec);  // TRL's rewards/*, logps/*, logits/* over every dp x cp rank
   activation_bytes_ = -1;
   check_finite();
   std::string line = "step " + std::to_string(step_) + "/" + std::to_string(data_.max_steps) + ": loss " + fmt(loss) +
@@ -956,6 +966,7 @@ void Trainer::after_step(const std::optional<RunCounts>& first_counts, int64_t m
     const auto reduced = tr_.reducer->reduced_dtype();
     ran["reduce_dtype"] = reduced ? nlohmann::json(dtype_label(*reduced)) : nlohmann::json(nullptr);
     ran["lora_frozen"] = lora::frozen_state(*model_);  // after backward and the update: no frozen tensor has a gradient
+    if (align_) ran["alignment"] = align_->describe();  // its objective's and reference's forwards so far
     record_->complete("first_step", std::move(ran));
   }
   if (auto* nvme = tr_.state->nvme()) {  // what the NVMe tier moved this step (its files were used)
@@ -1074,8 +1085,27 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
   if (env.rank == 0)
     write_run_files(args, agreed.plan,
                     {env.world_size, device.str(), resumed_from, start_step, args.global_batch_size * data.seq_len});
+  std::unique_ptr<align::Alignment> align;
+  if (args.alignment.enabled) {
+    align::AlignmentContext a;
+    a.args = &args;
+    a.plan = &agreed.plan;
+    a.rt = rt.get();
+    a.device = device;
+    a.rank = env.rank;
+    a.dp = agreed.plan.dp;
+    a.dp_rank = env.rank / (agreed.plan.tp * agreed.plan.context.cp * agreed.plan.pipeline.pp);
+    a.micro_batch = args.micro_batch_size;
+    a.start_step = start_step;
+    a.build_reference = [&] { return materialise_model(args, agreed.plan, rt.get(), device, whole->vocab_size()).model; };
+    auto* reducer = tr.reducer.get();
+    a.begin_forward = [reducer] { reducer->begin_forward(); };
+    a.end_forward = [reducer] { reducer->release_params(); };
+    align = std::make_unique<align::Alignment>(a, local.model, *data.train);
+    align->prepare(*data.train);  // precomputed: the reference pass, before the first step
+  }
   Trainer trainer(args, env, device, std::move(local.model), std::move(agreed), std::move(rt), std::move(tr),
-                  std::move(data), start_step, resumed_from, oom);
+                  std::move(data), start_step, resumed_from, oom, std::move(align));
   return trainer.run();
 }
 

@@ -1,0 +1,290 @@
+"""Preference alignment (issue 54) against TRL: nnstrain's `alignment:` section on pairs
+`prepare corpus --format preference` stored, and the reference library on the same pairs.
+
+- sigmoid, ipo, hinge: TRL's DPOTrainer itself (the same text pairs, tokenized by TRL, in the
+  file's order, one batch per step, torch AdamW, no clipping), with a frozen reference and with
+  precomputed reference log-probabilities: every step's loss and TRL's eight metrics
+  (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+  logps/rejected, logits/chosen, logits/rejected) within 1e-5 relative.
+- simpo, orpo: CPOTrainer's and ORPOTrainer's loss functions (trl.experimental) on the
+  per-token averages their get_batch_logps computes, in a plain torch loop over the same
+  batches (their trainers tokenize on their own, with BOS and EOS rules of their own).
+- dp 2 under ZeRO-3 (precomputed) and tp 2 (frozen) equal one process; the run's record
+  shows the plan, the loss type and the reference that ran.
+- Bad keys exit 2 naming them.
+"""
+import json
+import math
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+
+from chat_common import read_indexed, write_tokenizer
+from conftest import SOURCE, active_records, assert_active, nnstrain_bin_path, read_metrics, single_process_env
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+SEQ, STEPS, PAIRS, LR, BETA = 48, 10, 4, 2e-3, 0.2
+METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected"]
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "fish"]
+
+
+def records(n=24, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        a, b, c = (WORDS[j] for j in rng.choice(len(WORDS), 3, replace=False))
+        out.append({"prompt": f"Q{i}: name the {a} and the {b}?",
+                    "chosen": f" The {a} and the {b}." + (" Yes." * int(rng.integers(0, 3))),
+                    "rejected": f" A {c}{'!' * int(rng.integers(1, 4))}"})
+    return out
+
+
+CONFIG = """
+run_dir: {run}
+compute_config: {{device: cpu, backend: gloo, collective_timeout_s: 60}}
+model:
+  init_from: {hf}
+alignment:
+{alignment}
+optimizer:
+  type: adamw
+  args: {{lr: {lr}, betas: [0.9, 0.999], eps: 1.0e-8, weight_decay: 0.0}}
+  clip_gnorm: 0.0
+lr_scheduler: {{type: constant}}
+dataset:
+  type: preference
+  train_args: {{path: {data}, seq_len: {seq}, shuffle: false}}
+micro_batch_size: {micro}
+global_batch_size: {pairs}
+max_train_steps: {steps}
+log_progress_every_n_train_steps: 1
+seed: 7
+"""
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-6)
+
+
+def run(*args, timeout=300):
+    return subprocess.run([nnstrain_bin_path(), *map(str, args)], cwd=SOURCE, env=single_process_env(1),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo")
+    tok_dir = write_tokenizer(d / "tok", "chatml")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    recs = records()
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = run("prepare", "corpus", "--format", "preference", "--tokenizer", tok_dir, "--input", d / "pairs.jsonl",
+            "--out", d / "pref")
+    assert p.returncode == 0, p.stderr
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=96,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                                   eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for n, q in model.named_parameters():
+            q.copy_(1.0 + 0.1 * torch.randn_like(q) if n.endswith("norm.weight") else 0.1 * torch.randn_like(q))
+    model.save_pretrained(d / "hf")
+    return {"dir": d, "tok": tok, "records": recs, "hf": d / "hf", "data": d / "pref"}
+
+
+def nnstrain_run(setup, name, alignment, *overrides, ranks=1, micro=PAIRS, steps=STEPS):
+    run_dir = setup["dir"] / name
+    cfg = setup["dir"] / f"{name}.yaml"
+    cfg.write_text(CONFIG.format(run=run_dir, hf=setup["hf"], alignment=alignment, lr=LR, data=setup["data"],
+                                 seq=SEQ, micro=micro, pairs=PAIRS, steps=steps))
+    args = ["--config", cfg, *overrides]
+    cmd = args if ranks == 1 else ["launch", "--nproc-per-node", ranks, "--", *args]
+    p = run(*cmd)
+    assert p.returncode == 0, p.stdout + p.stderr
+    train, _ = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    return train, active_records(run_dir, ranks), p.stdout + p.stderr
+
+
+def own_table(setup, name, reference):
+    """A run's own precomputed table, so each run computes it (test_precomputed_table_is_reused reads one back)."""
+    return f"\n  ref_log_probs: {setup['dir'] / (name + '.ref.safetensors')}" if reference == "precomputed" else ""
+
+
+def trl_dpo(setup, loss_type, precompute):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    class InOrder(DPOTrainer):  # the file's order, as nnstrain's shuffle: false
+        def _get_train_sampler(self, *a, **k):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    tok = setup["tok"]
+    tok.pad_token = tok.eos_token
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], torch_dtype=torch.float32)
+    ref = None if precompute else transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], torch_dtype=torch.float32)
+    args = DPOConfig(output_dir=str(setup["dir"] / f"trl_{loss_type}_{precompute}"), per_device_train_batch_size=PAIRS,
+                     max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0, logging_steps=1,
+                     report_to=[], save_strategy="no", loss_type=[loss_type], beta=BETA, max_length=SEQ,
+                     precompute_ref_log_probs=precompute, use_cpu=True, seed=7, dataloader_num_workers=0,
+                     bf16=False)  # DPOConfig defaults to bf16 autocast, the CPU included
+    t = InOrder(model=model, ref_model=ref, args=args, processing_class=tok,
+                train_dataset=Dataset.from_list(setup["records"]))
+    t.train()
+    logs = [h for h in t.state.log_history if "loss" in h and "step" in h]
+    assert [h["step"] for h in logs] == list(range(1, STEPS + 1))
+    return logs
+
+
+def compare(ours, theirs, keys, tol=1e-5, beta=BETA):
+    """Relative differences, each against the magnitude it is computed from: a reward or margin is
+    beta x a difference of two summed log-probabilities, so its rounding is that of beta x the sums;
+    logits/* is a mean of logits of either sign (this model's are of order 0.1-1), so against at least 0.1."""
+    worst = {}
+    for o, t in zip(ours, theirs):
+        for k in keys:
+            scale = abs(t[k])
+            if k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+                scale = max(scale, beta * abs(t["logps/chosen"]), beta * abs(t["logps/rejected"]))
+            if k.startswith("logits/"):  # a mean over the vocabulary of logits of either sign cancels toward 0
+                scale = max(scale, 0.1)
+            d = abs(o[k] - t[k]) / max(scale, 1e-6)
+            worst[k] = max(worst.get(k, 0.0), d)
+            assert d <= tol, (o["step"], k, o[k], t[k])
+    return worst
+
+
+@pytest.mark.parametrize("loss_type,reference", [("sigmoid", "frozen"), ("sigmoid", "precomputed"),
+                                                 ("ipo", "frozen"), ("hinge", "precomputed")])
+def test_dpo_equals_trl(setup, loss_type, reference):
+    theirs = trl_dpo(setup, loss_type, reference == "precomputed")
+    ours, rec, out = nnstrain_run(setup, f"{loss_type}_{reference}",
+                                  f"  loss_type: {loss_type}\n  beta: {BETA}\n  reference: {reference}" +
+                                  own_table(setup, f"{loss_type}_{reference}", reference))
+    ran = rec[0]["first_step"]["alignment"]
+    assert ran["loss_type"] == loss_type and ran["reference"] == reference and ran["policy_forwards"] == 1
+    assert ran["reference_forwards"] == (1 if reference == "frozen" else math.ceil(len(setup["records"]) / PAIRS))
+    # The comparison means something: the policy moved away from the reference.
+    assert abs(ours[-1]["rewards/margins"]) > 1e-3 and ours[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    worst = compare(ours, theirs, ["loss"] + METRICS)
+    print(loss_type, reference, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+def trl_formula_loop(setup, loss_type):
+    """simpo / orpo: TRL's loss functions over the pairs nnstrain stored, torch AdamW, one batch per step."""
+    from types import SimpleNamespace
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+    docs = read_indexed(setup["data"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    me = SimpleNamespace(beta=BETA, simpo_gamma=0.5, label_smoothing=0.0, alpha=0.0, loss_type="simpo",
+                         accelerator=SimpleNamespace(device=torch.device("cpu")))
+    out = []
+    for step in range(STEPS):
+        pairs = [docs[(step * PAIRS + i) % len(docs)] for i in range(PAIRS)]
+        rows = [p + c for p, c, _ in pairs] + [p + r for p, _, r in pairs]
+        labels = [[-100] * len(p) + c for p, c, _ in pairs] + [[-100] * len(p) + r for p, _, r in pairs]
+        L = max(map(len, rows))
+        x = torch.tensor([r + [0] * (L - len(r)) for r in rows])
+        y = torch.tensor([r + [-100] * (L - len(r)) for r in labels])
+        logits = model(input_ids=x).logits
+        avg = CPOTrainer.get_batch_logps(logits, y, average_log_prob=True)
+        c, r = avg[:PAIRS], avg[PAIRS:]
+        if loss_type == "simpo":
+            losses, cr, rr = CPOTrainer.cpo_loss(me, c, r)
+            loss = losses.mean()
+        else:
+            losses, cr, rr, _, _ = ORPOTrainer.odds_ratio_loss(me, c, r)
+            nll = torch.nn.functional.cross_entropy(logits[:PAIRS, :-1].reshape(-1, logits.size(-1)),
+                                                    y[:PAIRS, 1:].reshape(-1))
+            loss = nll - losses.mean()
+        out.append({"step": step + 1, "loss": loss.item(), "rewards/chosen": cr.mean().item(),
+                    "rewards/rejected": rr.mean().item(), "rewards/accuracies": (cr > rr).float().mean().item(),
+                    "rewards/margins": (cr - rr).mean().item(), "logps/chosen": c.mean().item(),
+                    "logps/rejected": r.mean().item()})
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["simpo", "orpo"])
+def test_reference_free_losses_equal_trls(setup, loss_type):
+    theirs = trl_formula_loop(setup, loss_type)
+    ours, rec, _ = nnstrain_run(setup, loss_type, f"  loss_type: {loss_type}\n  beta: {BETA}")
+    assert rec[0]["first_step"]["alignment"]["reference_forwards"] == 0
+    worst = compare(ours, theirs, ["loss"] + METRICS[:6])
+    print(loss_type, {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+PLANS = {
+    "zero3_dp2": (2, "precomputed", ["--micro_batch_size", "2", "--compute_config.use_zero", "3"]),
+    "tp2": (2, "frozen", ["--compute_config.plan_ngpus", "2", "--pas_policy", "tp"]),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_plans_equal_one_process(setup, plan):
+    ranks, reference, overrides = PLANS[plan]
+    alignment = f"  loss_type: sigmoid\n  beta: {BETA}\n  reference: {reference}"
+    one, _, _ = nnstrain_run(setup, f"one_{reference}", alignment + own_table(setup, f"one_{plan}", reference))
+    many, rec, out = nnstrain_run(setup, plan, alignment + own_table(setup, plan, reference), *overrides, ranks=ranks)
+    for r in rec.values():
+        ran = r["first_step"]["alignment"]
+        assert ran["reference"] == reference and ran["reference_forwards"] > 0, ran
+    assert_active(setup["dir"] / plan, out, ranks, overrides)  # the plan compared really ran
+    compare(many, one, ["loss"] + METRICS)
+
+
+def test_precomputed_table_is_reused(setup):
+    """The default table beside the dataset: computed once, read back by the next run of the same
+    reference (no reference forward), refused when it belongs to another, and when a resumed run lacks it."""
+    alignment = f"  loss_type: sigmoid\n  beta: {BETA}\n  reference: precomputed"
+    for t in setup["data"].parent.glob("pref.ref_logps-*.safetensors"):
+        t.unlink()
+    first, rec1, _ = nnstrain_run(setup, "table_first", alignment, steps=2)
+    tables = list(setup["data"].parent.glob("pref.ref_logps-*.safetensors"))
+    assert len(tables) == 1 and rec1[0]["first_step"]["alignment"]["reference_forwards"] > 0
+    again, rec2, out = nnstrain_run(setup, "table_again", alignment, steps=2)
+    assert rec2[0]["first_step"]["alignment"]["reference_forwards"] == 0 and "read from" in out
+    assert [r["loss"] for r in again] == [r["loss"] for r in first]
+    other = setup["dir"] / "other.safetensors"
+    other.write_bytes(tables[0].read_bytes())
+    cfg = setup["dir"] / "table_again.yaml"
+    p = run("--config", cfg, "--alignment.ref_log_probs", other, "--dataset.train_args.seq_len", "40")
+    assert p.returncode == 2 and "alignment.ref_log_probs" in p.stderr and "another" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("beta", "0", "alignment.beta"),
+    ("loss_type", "kto", "alignment.loss_type"),
+    ("reference", "adapters_off", "alignment.reference"),
+])
+def test_bad_alignment_keys_exit_2(setup, key, value, needle):
+    run_dir = setup["dir"] / f"bad_{key}"
+    cfg = setup["dir"] / f"bad_{key}.yaml"
+    cfg.write_text(CONFIG.format(run=run_dir, hf=setup["hf"], alignment="  loss_type: sigmoid", lr=LR,
+                                 data=setup["data"], seq=SEQ, micro=PAIRS, pairs=PAIRS, steps=1))
+    p = run("--config", cfg, f"--alignment.{key}", value)
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_pipeline_is_refused_naming_the_key(setup):
+    run_dir = setup["dir"] / "pp"
+    cfg = setup["dir"] / "pp.yaml"
+    cfg.write_text(CONFIG.format(run=run_dir, hf=setup["hf"], alignment="  loss_type: sigmoid", lr=LR,
+                                 data=setup["data"], seq=SEQ, micro=2, pairs=PAIRS, steps=1))
+    p = run("launch", "--nproc-per-node", 2, "--", "--config", cfg, "--compute_config.pas_config.pp_size", "2",
+            "--grad_accumulation_steps", "2")
+    assert p.returncode == 2 and "pp_size" in p.stderr, p.stderr

@@ -1,0 +1,284 @@
+#include "trainer/align/alignment.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+
+#include "base/config/arg_map.h"
+#include "base/log.h"
+#include "data/preference_dataset.h"
+#include "data/sha256.h"
+#include "models/lora/lora_linear.h"
+#include "models/model.h"
+#include "trainer/align/preference_loss.h"
+#include "trainer/checkpoint/tensor_io.h"
+#include "trainer/dist/process_groups.h"
+#include "trainer/plan/plan.h"
+
+namespace fs = std::filesystem;
+
+namespace nnstrain::align {
+
+// The objective the heads run: the policy's preference loss, or (collect) a
+// reference pass that only keeps each row's summed log-probabilities.
+class PreferenceObjective : public models::common::SequenceObjective {
+ public:
+  explicit PreferenceObjective(const config::AlignmentArgs& a, bool collect) : a_(a), collect_(collect) {}
+
+  at::Tensor loss(const models::common::TokenScores& s) override {
+    const auto sums = -s.nll.sum(1);  // [2P]: each row's completion log-probability
+    if (collect_) {
+      collected = sums.detach();
+      ++forwards;
+      return torch::zeros({}, sums.options());
+    }
+    TORCH_CHECK(sums.size(0) % 2 == 0, "a preference batch holds chosen and rejected rows, got ", sums.size(0));
+    const int64_t P = sums.size(0) / 2;
+    const auto counted = s.counted.to(sums.scalar_type()).sum(1);
+    const auto lens = counted.clamp_min(1);
+    PairScores ps{sums.narrow(0, 0, P), sums.narrow(0, P, P), lens.narrow(0, 0, P), lens.narrow(0, P, P), {}, {}, {}};
+    if (!a_.reference_free()) {
+      TORCH_CHECK(ref.defined() && ref.size(0) == 2 * P, "alignment: no reference log-probabilities for this batch");
+      ps.ref_chosen = ref.narrow(0, 0, P).to(sums.scalar_type());
+      ps.ref_rejected = ref.narrow(0, P, P).to(sums.scalar_type());
+    }
+    if (a_.loss_type == "orpo") ps.chosen_nll_sum = s.nll.narrow(0, 0, P).sum();
+    auto out = preference_loss(a_, ps);
+    ref = at::Tensor();  // one policy forward per reference
+    ++forwards;
+    torch::NoGradGuard no_grad;
+    const auto d = [](const at::Tensor& t) { return t.to(torch::kDouble); };
+    const auto logit_sums = (s.mean_logits * s.counted.to(s.mean_logits.scalar_type())).sum(1);
+    const auto zero = torch::zeros({}, sums.options().dtype(torch::kDouble));
+    const double p = double(P);
+    auto m = torch::stack({zero + p, d(out.chosen_rewards.sum()), d(out.rejected_rewards.sum()),
+                           d(out.chosen_rewards.gt(out.rejected_rewards).sum()),
+                           d((out.chosen_rewards - out.rejected_rewards).sum()), d(out.logps_chosen.sum()),
+                           d(out.logps_rejected.sum()), d(logit_sums.narrow(0, 0, P).sum()),
+                           d(counted.narrow(0, 0, P).sum()), d(logit_sums.narrow(0, P, P).sum()),
+                           d(counted.narrow(0, P, P).sum()),
+                           a_.loss_type == "orpo" ? d(ps.chosen_nll_sum.detach() / ps.chosen_len.sum()) * p : zero,
+                           out.log_odds_ratio.defined() ? d(out.log_odds_ratio) * p : zero,
+                           out.log_odds_chosen.defined() ? d(out.log_odds_chosen) * p : zero});
+    metrics = metrics.defined() ? metrics + m : m;
+    return out.loss;
+  }
+
+  at::Tensor ref;        // [2P]: the reference's row sums for the next policy forward
+  at::Tensor collected;  // collect: the last forward's row sums
+  at::Tensor metrics;    // sums since begin_step (kMetricNames' order)
+  int64_t forwards = 0;
+
+ private:
+  config::AlignmentArgs a_;
+  bool collect_;
+};
+
+namespace {
+
+// The order of PreferenceObjective::metrics.
+enum Metric { kPairs, kRewChosen, kRewRejected, kAccuracy, kMargin, kLogpChosen, kLogpRejected, kLogitChosen,
+              kTokChosen, kLogitRejected, kTokRejected, kNll, kLogOddsRatio, kLogOddsChosen, kNumMetrics };
+
+[[noreturn]] void refuse(const std::string& key, const std::string& why) { throw config::ConfigError(key + ": " + why); }
+
+// What the precomputed table depends on: the starting model (its section, the
+// folder's config and weight files, LoRA's, the seed for a fresh start), the
+// precision, the dataset's files and the row length.
+std::string reference_fingerprint(const config::TrainerArgs& args, const data::PreferenceDataset& ds) {
+  std::string key;
+  const YAML::Node root = YAML::Load(args.resolved_yaml);
+  for (const char* section : {"model", "lora", "precision"})
+    if (root[section]) {
+      YAML::Emitter e;
+      e << YAML::Flow << root[section];
+      key += std::string(section) + "=" + e.c_str() + "\n";
+    }
+  if (!args.model.init_from.empty()) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(args.model.init_from, ec)) {
+      const auto name = entry.path().filename().string();
+      if (name == "config.json") key += "config.json=" + data::sha256_file_hex(entry.path().string()) + "\n";
+      else if (entry.path().extension() == ".safetensors")
+        key += name + ":" + std::to_string(entry.file_size(ec)) + "\n";
+    }
+  } else {
+    key += "seed=" + std::to_string(args.seed) + "\n";
+  }
+  key += "manifest=" + data::sha256_file_hex(ds.manifest().path) + "\n";
+  key += "bin=" + std::to_string(fs::file_size(ds.manifest().prefix + ".bin")) + "\n";
+  key += "seq_len=" + std::to_string(ds.seq_len()) + "\n";
+  return data::sha256_hex(key);
+}
+
+}  // namespace
+
+Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::CausalLM> policy, const data::Dataset& train)
+    : ctx_(ctx), a_(ctx.args->alignment), policy_(std::move(policy)) {
+  const auto& args = *ctx.args;
+  const auto& plan = *ctx.plan;
+  // Each row's sums need its whole sequence and the pair's two rows together in one forward.
+  if (plan.pipeline.pp > 1)
+    refuse("compute_config.pas_config.pp_size", std::to_string(plan.pipeline.pp) +
+                                                    ": preference alignment does not run under pipeline parallelism yet");
+  if (plan.context.cp > 1)
+    refuse("compute_config.context_parallel_size", std::to_string(plan.context.cp) +
+                                                       ": preference alignment does not run under context parallelism yet");
+  if (args.dataset.preference_val)
+    refuse("dataset.val_args", "validation on preference pairs is not implemented yet (leave val_args out)");
+  if (args.compute_config.cuda_graphs == "true")
+    refuse("compute_config.cuda_graphs", "true: a preference step reads its reference outside the graph; set auto or false");
+  auto* head = policy_->lm_head_module();
+  if (!head) refuse("model.type", args.model.type + " has no LM head an alignment objective can run on");
+  objective_ = std::make_shared<PreferenceObjective>(a_, false);
+  head->objective = objective_;
+  collector_ = std::make_shared<PreferenceObjective>(a_, true);
+  if (a_.reference == "frozen") {
+    if (plan.zero_stage >= 3)
+      refuse("alignment.reference", "frozen: under ZeRO-3 a frozen copy would hold whole parameters on every rank; "
+                                    "use precomputed (or adapters_off with lora)");
+    {  // built after a resume restored the generators: whatever it draws leaves them as they were
+      auto gen = at::detail::getDefaultCPUGenerator();
+      const auto state = gen.get_state();
+      frozen_ = ctx.build_reference();
+      gen.set_state(state);
+    }
+    frozen_->eval();
+    for (auto& p : frozen_->parameters()) p.requires_grad_(false);
+    auto* fh = frozen_->lm_head_module();
+    if (!fh) refuse("model.type", args.model.type + " has no LM head a reference can run on");
+    fh->objective = collector_;
+  }
+  (void)train;
+}
+
+Alignment::~Alignment() = default;
+
+void Alignment::prepare(const data::Dataset& train) {
+  if (a_.reference != "precomputed") return;
+  const auto& ds = dynamic_cast<const data::PreferenceDataset&>(train);
+  const int64_t N = ds.samples_per_epoch();
+  const std::string fp = reference_fingerprint(*ctx_.args, ds);
+  table_path_ = !a_.ref_log_probs.empty() ? a_.ref_log_probs
+                                           : ds.manifest().prefix + ".ref_logps-" + fp.substr(0, 12) + ".safetensors";
+  if (fs::exists(table_path_)) {
+    std::map<std::string, at::Tensor> t;
+    std::map<std::string, std::string> meta;
+    try {
+      checkpoint::SafetensorsReader r(table_path_);
+      meta = r.metadata();
+      t = checkpoint::load_tensors(table_path_);
+    } catch (const std::exception& e) {
+      refuse("alignment.ref_log_probs", std::string(e.what()));
+    }
+    if (meta["fingerprint"] != fp || !t.count("ref_logps") || t["ref_logps"].sizes() != at::IntArrayRef({N, 2}))
+      refuse("alignment.ref_log_probs", table_path_ + " holds another reference's or dataset's log-probabilities "
+                                                      "(delete it or name another file)");
+    table_ = t["ref_logps"].to(ctx_.device);
+    if (ctx_.rank == 0) log::info("alignment: reference log-probabilities of " + std::to_string(N) + " pairs read from " + table_path_);
+    return;
+  }
+  if (ctx_.start_step > 0)
+    refuse("alignment.ref_log_probs", table_path_ + " is missing, and this run resumes at step " +
+                                          std::to_string(ctx_.start_step) +
+                                          ", where the policy is no longer the starting model it was computed from");
+  // Chunks of micro_batch pairs dealt round the dp ranks; every rank runs as many
+  // forwards (ZeRO-3 gathers in each), the last ones repeats that are dropped.
+  const int64_t m = ctx_.micro_batch, chunks = (N + m - 1) / m, rounds = (chunks + ctx_.dp - 1) / ctx_.dp;
+  auto table = torch::zeros({N, 2}, torch::TensorOptions().device(ctx_.device).dtype(torch::kFloat32));
+  {
+    torch::NoGradGuard no_grad;
+    std::optional<models::lora::AdaptersOff> off;
+    if (ctx_.args->lora.enabled) off.emplace();
+    auto* head = policy_->lm_head_module();
+    head->objective = collector_;
+    policy_->eval();
+    for (int64_t k = 0; k < rounds; ++k) {
+      const int64_t c = k * ctx_.dp + ctx_.dp_rank;
+      const int64_t first = c < chunks ? c * m : 0, n = std::min(m, N - first);
+      auto b = ds.pairs(first, n);
+      if (ctx_.begin_forward) ctx_.begin_forward();
+      policy_->loss(b.x.to(ctx_.device), b.y.to(ctx_.device));
+      if (c < chunks) {
+        const auto sums = collector_->collected.to(torch::kFloat32);
+        table.narrow(0, first, n).select(1, 0).copy_(sums.narrow(0, 0, n));
+        table.narrow(0, first, n).select(1, 1).copy_(sums.narrow(0, n, n));
+      }
+    }
+    if (ctx_.end_forward) ctx_.end_forward();
+    policy_->train();
+    head->objective = objective_;
+  }
+  if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp_cp, table, "reference log-probabilities all-reduce");
+  table_ = table;
+  if (ctx_.rank == 0) {
+    const std::string tmp = table_path_ + ".tmp";
+    checkpoint::save_tensors(tmp, {{"ref_logps", table.cpu()}}, {{"fingerprint", fp}, {"pairs", std::to_string(N)}});
+    fs::rename(tmp, table_path_);
+    log::info("alignment: reference log-probabilities of " + std::to_string(N) + " pairs computed (" +
+              std::to_string(rounds) + " forwards per rank) and stored in " + table_path_);
+  }
+}
+
+at::Tensor Alignment::count(const data::Batch& b) const {
+  return torch::full({}, b.pairs(), b.y.options());
+}
+
+void Alignment::begin_step() { objective_->metrics = at::Tensor(); }
+
+at::Tensor Alignment::reference_sums(const data::Batch& b) {
+  torch::NoGradGuard no_grad;
+  if (a_.reference == "precomputed") {
+    const auto rows = table_.index_select(0, b.pair_index.to(table_.device()));  // [P, 2]
+    return torch::cat({rows.select(1, 0), rows.select(1, 1)});
+  }
+  if (a_.reference == "frozen") {
+    frozen_->loss(b.x, b.y);
+    return collector_->collected;
+  }
+  // adapters_off: the policy's own forward on its base (its train mode kept, as TRL's)
+  models::lora::AdaptersOff off;
+  auto* head = policy_->lm_head_module();
+  head->objective = collector_;
+  policy_->loss(b.x, b.y);
+  head->objective = objective_;
+  return collector_->collected;
+}
+
+void Alignment::before_forward(const data::Batch& b) {
+  if (!a_.reference_free()) objective_->ref = reference_sums(b);
+}
+
+void Alignment::report(nlohmann::json& rec) {
+  auto m = objective_->metrics.defined() ? objective_->metrics.clone()
+                                          : torch::zeros({kNumMetrics}, torch::TensorOptions().device(ctx_.device).dtype(torch::kDouble));
+  if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp_cp, m, "alignment metrics all-reduce");
+  m = m.cpu();
+  const auto v = [&](int i) { return m[i].item<double>(); };
+  const double P = std::max(1.0, v(kPairs));
+  rec["rewards/chosen"] = v(kRewChosen) / P;
+  rec["rewards/rejected"] = v(kRewRejected) / P;
+  rec["rewards/accuracies"] = v(kAccuracy) / P;
+  rec["rewards/margins"] = v(kMargin) / P;
+  rec["logps/chosen"] = v(kLogpChosen) / P;
+  rec["logps/rejected"] = v(kLogpRejected) / P;
+  rec["logits/chosen"] = v(kTokChosen) > 0 ? v(kLogitChosen) / v(kTokChosen) : 0.0;
+  rec["logits/rejected"] = v(kTokRejected) > 0 ? v(kLogitRejected) / v(kTokRejected) : 0.0;
+  rec["pairs"] = int64_t(v(kPairs));
+  if (a_.loss_type == "orpo") {
+    rec["nll_loss"] = v(kNll) / P;
+    rec["log_odds_ratio"] = v(kLogOddsRatio) / P;
+    rec["log_odds_chosen"] = v(kLogOddsChosen) / P;
+  }
+}
+
+nlohmann::json Alignment::describe() const {
+  nlohmann::json j = {{"loss_type", a_.loss_type}, {"beta", a_.beta}, {"reference", a_.reference},
+                      {"policy_forwards", objective_->forwards}, {"reference_forwards", collector_->forwards}};
+  if (!table_path_.empty()) j["ref_log_probs"] = table_path_;
+  return j;
+}
+
+}  // namespace nnstrain::align
