@@ -127,6 +127,16 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
             for i in range(len(ds[split]["datasets"])):
                 overrides += [f"--dataset.{split}.datasets.{i}.path", prefix]
             overrides += [f"--dataset.{split}.seq_len", INDEXED_SEQ]
+    elif ds.get("type") == "preference":
+        # Preference pairs as the config's comment says to make them: the shipped pairs and
+        # byte-level tokenizer (whose 257 ids the model keeps), the file's seq_len.
+        shrink.pop("vocab_size")
+        shrink.pop("max_position_embeddings")
+        p = nnstrain("prepare", "corpus", "--format", "preference", "--tokenizer",
+                     CONFIG_DIR / "data" / "byte_tokenizer", "--input", CONFIG_DIR / "data" / "arith_pairs.jsonl",
+                     "--out", tmp_path / "pairs")
+        assert p.returncode == 0, p.stderr
+        overrides += ["--dataset.train_args.path", tmp_path / "pairs"]
     else:
         for split, path in files.items():
             write_tokens(path, ds[split].get("dtype", "uint16"), seed=len(split))
