@@ -119,7 +119,7 @@ def own_table(setup, name, reference):
     return f"\n  ref_log_probs: {setup['dir'] / (name + '.ref.safetensors')}" if reference == "precomputed" else ""
 
 
-def trl_dpo(setup, loss_type, precompute):
+def trl_dpo(setup, loss_type, precompute, model=None):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -129,9 +129,11 @@ def trl_dpo(setup, loss_type, precompute):
 
     tok = setup["tok"]
     tok.pad_token = tok.eos_token
-    model = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], torch_dtype=torch.float32)
-    ref = None if precompute else transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], torch_dtype=torch.float32)
-    args = DPOConfig(output_dir=str(setup["dir"] / f"trl_{loss_type}_{precompute}"), per_device_train_batch_size=PAIRS,
+    peft_model = model is not None  # a peft model: its reference is its base, the adapters disabled
+    model = model or transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
+    ref = None if precompute or peft_model else transformers.AutoModelForCausalLM.from_pretrained(
+        setup["hf"], dtype=torch.float32)
+    args = DPOConfig(output_dir=str(setup["dir"] / f"trl_{loss_type}_{precompute}_{peft_model}"), per_device_train_batch_size=PAIRS,
                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                      adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0, logging_steps=1,
                      report_to=[], save_strategy="no", loss_type=[loss_type], beta=BETA, max_length=SEQ,
@@ -179,13 +181,50 @@ def test_dpo_equals_trl(setup, loss_type, reference):
     print(loss_type, reference, {k: f"{v:.1e}" for k, v in worst.items()})
 
 
+def test_lora_adapters_off_equals_trl_with_peft(setup):
+    """LoRA's base as the reference (adapters switched off, no copy): TRL's DPOTrainer on the same
+    fresh peft adapter (A random, B zero: the start is the base), ref_model None. A starting adapter
+    whose B is not zero is not its base: adapters_off is refused for it, naming the key."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "v_proj", "down_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
+    torch.manual_seed(1)
+    start = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    start.save_pretrained(setup["dir"] / "adapter")
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32), setup["dir"] / "adapter",
+        is_trainable=True)
+    theirs = trl_dpo(setup, "sigmoid", False, model=model)
+    lora = (f"\nlora: {{r: 4, alpha: 8, dropout: 0.0, target_modules: [{', '.join(targets)}], "
+            "init_from: ADAPTER}")
+    ours, rec, _ = nnstrain_run(setup, "lora_off",
+                                f"  loss_type: sigmoid\n  beta: {BETA}" + lora.replace("ADAPTER", str(setup["dir"] / "adapter")))
+    ran = rec[0]["first_step"]["alignment"]
+    assert ran["reference"] == "adapters_off" and ran["reference_forwards"] == 1, ran  # auto under lora
+    assert abs(ours[-1]["rewards/margins"]) > 1e-3  # the adapters moved the policy off its base
+    worst = compare(ours, theirs, ["loss"] + METRICS)
+    print("lora adapters_off", {k: f"{v:.1e}" for k, v in worst.items()})
+
+    with torch.no_grad():
+        for n, q in start.named_parameters():
+            if "lora_B" in n:
+                q.normal_(0, 0.05)
+    start.save_pretrained(setup["dir"] / "adapter_b")
+    cfg = setup["dir"] / "lora_b.yaml"
+    cfg.write_text(CONFIG.format(run=setup["dir"] / "lora_b", hf=setup["hf"], lr=LR, data=setup["data"], seq=SEQ,
+                                 micro=PAIRS, pairs=PAIRS, steps=1,
+                                 alignment="  loss_type: sigmoid" + lora.replace("ADAPTER", str(setup["dir"] / "adapter_b"))))
+    p = run("--config", cfg)
+    assert p.returncode == 2 and "alignment.reference" in p.stderr and "precomputed" in p.stderr, p.stderr
+
+
 def trl_formula_loop(setup, loss_type):
     """simpo / orpo: TRL's loss functions over the pairs nnstrain stored, torch AdamW, one batch per step."""
     from types import SimpleNamespace
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer
     docs = read_indexed(setup["data"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     me = SimpleNamespace(beta=BETA, simpo_gamma=0.5, label_smoothing=0.0, alpha=0.0, loss_type="simpo",
                          accelerator=SimpleNamespace(device=torch.device("cpu")))

@@ -135,6 +135,17 @@ Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::Causal
   objective_ = std::make_shared<PreferenceObjective>(a_, false);
   head->objective = objective_;
   collector_ = std::make_shared<PreferenceObjective>(a_, true);
+  // The reference is the starting model. The LoRA base is that only while every
+  // adapter adds nothing: a starting adapter (lora.init_from) whose B is not zero
+  // makes the start differ from its base (read from its file: every rank decides alike).
+  if ((a_.reference == "adapters_off" || a_.reference == "frozen") && !args.lora.init_from.empty()) {
+    const auto file = (fs::path(args.lora.init_from) / "adapter_model.safetensors").string();
+    for (const auto& [name, t] : checkpoint::load_tensors(file))
+      if (name.find("lora_B") != std::string::npos && t.abs().max().item<double>() > 0)
+        refuse("alignment.reference", a_.reference + ": the reference must be the starting model, and " +
+                                          args.lora.init_from + "'s adapters (" + name +
+                                          " is not zero) make it differ from the base; use precomputed");
+  }
   if (a_.reference == "frozen") {
     if (plan.zero_stage >= 3)
       refuse("alignment.reference", "frozen: under ZeRO-3 a frozen copy would hold whole parameters on every rank; "
@@ -190,8 +201,7 @@ void Alignment::prepare(const data::Dataset& train) {
   auto table = torch::zeros({N, 2}, torch::TensorOptions().device(ctx_.device).dtype(torch::kFloat32));
   {
     torch::NoGradGuard no_grad;
-    std::optional<models::lora::AdaptersOff> off;
-    if (ctx_.args->lora.enabled) off.emplace();
+    // The starting policy itself (LoRA: its starting adapters on), before any step.
     auto* head = policy_->lm_head_module();
     head->objective = collector_;
     policy_->eval();
