@@ -327,3 +327,21 @@ def test_pipeline_is_refused_naming_the_key(setup):
     p = run("launch", "--nproc-per-node", 2, "--", "--config", cfg, "--compute_config.pas_config.pp_size", "2",
             "--grad_accumulation_steps", "2")
     assert p.returncode == 2 and "pp_size" in p.stderr, p.stderr
+
+
+def test_resume_under_another_plan_equals_the_uninterrupted_run(setup):
+    """5 steps on one process, a checkpoint, the other 5 resumed under tp 2 (the frozen reference
+    built again from the starting model): steps 6-10 equal the uninterrupted run's."""
+    alignment = f"  loss_type: sigmoid\n  beta: {BETA}\n  reference: frozen"
+    whole, _, _ = nnstrain_run(setup, "resume_whole", alignment)
+    ck = setup["dir"] / "resume_ck"
+    first, _, _ = nnstrain_run(setup, "resume_first", alignment, "--checkpoint.save_dir", ck, steps=5)
+    run_dir = setup["dir"] / "resume_first"
+    p = run("launch", "--nproc-per-node", 2, "--", "--config", setup["dir"] / "resume_first.yaml",
+            "--max_train_steps", STEPS, "--resume", ck / "step-00000005", "--compute_config.plan_ngpus", 2,
+            "--pas_policy", "tp")
+    assert p.returncode == 0, p.stdout + p.stderr
+    train, _ = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert all(r["groups"]["tp"]["size"] == 2 for r in active_records(run_dir, 2).values())
+    compare(train[5:], whole[5:], ["loss"] + METRICS)
