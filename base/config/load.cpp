@@ -543,8 +543,9 @@ static void load_alignment(ArgMap& top, TrainerArgs& t) {
     m.fail("label_smoothing", "must be in [0, 0.5), got " + format_double(a.label_smoothing));
   if (a.label_smoothing > 0 && a.loss_type != "sigmoid" && a.loss_type != "simpo")
     m.fail("label_smoothing", "smooths the sigmoid and simpo losses only, not " + a.loss_type);
-  a.simpo_gamma = m.get_float("simpo_gamma", 0.5);
-  if (m.has("simpo_gamma") && a.loss_type != "simpo") m.fail("simpo_gamma", "is simpo's margin; loss_type is " + a.loss_type);
+  // Read (and so written to the resolved config) only where it acts: a saved config loads again.
+  if (a.loss_type == "simpo") a.simpo_gamma = m.get_float("simpo_gamma", 0.5);
+  else if (m.has("simpo_gamma")) m.fail("simpo_gamma", "is simpo's margin; loss_type is " + a.loss_type);
   a.reference = m.get_string("reference", a.reference_free() ? "none" : "auto",
                              {"auto", "frozen", "precomputed", "adapters_off", "none"});
   if (a.reference_free() && a.reference != "none")
