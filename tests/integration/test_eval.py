@@ -271,6 +271,22 @@ def test_bad_task_files(setup, tmp_path, fault, needle):
     assert needle in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+@pytest.mark.parametrize("option,nproc", [("--tp", 1), ("--tp", 2), ("--pp", 2)])
+def test_split_plans_refused(setup, option, nproc):
+    """Every rank of nnstrain eval holds the whole model: a plan that would split it is refused, never ignored."""
+    cmd = [nnstrain_bin_path(), "eval", setup["folders"]["gpt2"], "--tasks", setup["tasks"]["tiny_mc_0shot"],
+           option, "2", "--device", "cpu"]
+    if nproc > 1:
+        cmd = [nnstrain_bin_path(), "launch", "--nproc-per-node", str(nproc), "--", *cmd[1:]]
+    p = subprocess.run([str(c) for c in cmd], cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [line for line in p.stderr.splitlines() if "nnstrain eval:" in line]
+    assert lines and all(f"{option}: nnstrain eval does not split the model" in line for line in lines), p.stderr
+    assert len(lines) == nproc and "Traceback" not in p.stderr, p.stderr  # one line per rank
+    assert ("eval:)" in lines[0]) == (option == "--tp"), lines[0]  # tp is served in training
+
+
 # --- eval: in training (the live sharded model, no checkpoint round trip) ---
 
 TRAIN = """
