@@ -9,8 +9,9 @@
 - simpo, orpo: CPOTrainer's and ORPOTrainer's loss functions (trl.experimental) on the
   per-token averages their get_batch_logps computes, in a plain torch loop over the same
   batches (their trainers tokenize on their own, with BOS and EOS rules of their own).
-- dp 2 under ZeRO-3 (precomputed) and tp 2 (frozen) equal one process; the run's record
-  shows the plan, the loss type and the reference that ran.
+- dp 2 under ZeRO-3 (precomputed), tp 2 (frozen) and cp 2 (frozen, precomputed) equal one
+  process; the run's record shows the plan, the loss type and the reference that ran; a run
+  resumed under tp 2 equals the uninterrupted one, and its checkpoint merges.
 - Bad keys exit 2 naming them.
 """
 import json
@@ -269,6 +270,8 @@ def test_reference_free_losses_equal_trls(setup, loss_type):
 PLANS = {
     "zero3_dp2": (2, "precomputed", ["--micro_batch_size", "2", "--compute_config.use_zero", "3"]),
     "tp2": (2, "frozen", ["--compute_config.plan_ngpus", "2", "--pas_policy", "tp"]),
+    "cp2": (2, "frozen", ["--compute_config.context_parallel_size", "2"]),
+    "cp2_precomputed": (2, "precomputed", ["--compute_config.context_parallel_size", "2"]),
 }
 
 
@@ -345,3 +348,5 @@ def test_resume_under_another_plan_equals_the_uninterrupted_run(setup):
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert all(r["groups"]["tp"]["size"] == 2 for r in active_records(run_dir, 2).values())
     compare(train[5:], whole[5:], ["loss"] + METRICS)
+    p = run("merge", ck / "step-00000005", "--out", setup["dir"] / "resume_merged", "--hf")  # its saved config loads
+    assert p.returncode == 0, p.stderr

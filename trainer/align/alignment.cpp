@@ -21,14 +21,51 @@ namespace fs = std::filesystem;
 
 namespace nnstrain::align {
 
+namespace {
+// Under context parallelism each rank holds a slice of every row: its partial
+// sums are summed over the cp group in forward, and so are their gradients in
+// backward. Every cp rank then computes the same loss with weight 1/cp of its
+// pairs (the trainer's count is all-reduced over dp x cp), and summing the
+// incoming gradient over the group restores each rank's share of d loss / d sum.
+// The collectives run in the same order on every cp rank (the same graph), as NCCL needs.
+class CpRowSum : public torch::autograd::Function<CpRowSum> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t rt) {
+    ctx->saved_data["rt"] = rt;
+    auto y = x.contiguous().clone();
+    auto* r = reinterpret_cast<dist::Runtime*>(rt);
+    r->all_reduce(r->cp, y, "alignment row sums over cp");
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    auto* r = reinterpret_cast<dist::Runtime*>(ctx->saved_data["rt"].toInt());
+    auto y = g[0].contiguous().clone();
+    r->all_reduce(r->cp, y, "alignment row-sum gradients over cp");
+    return {y, torch::Tensor()};
+  }
+};
+}  // namespace
+
 // The objective the heads run: the policy's preference loss, or (collect) a
 // reference pass that only keeps each row's summed log-probabilities.
 class PreferenceObjective : public models::common::SequenceObjective {
  public:
-  explicit PreferenceObjective(const config::AlignmentArgs& a, bool collect) : a_(a), collect_(collect) {}
+  PreferenceObjective(const config::AlignmentArgs& a, bool collect, dist::Runtime* cp_rt)
+      : a_(a), collect_(collect), cp_rt_(cp_rt) {}
+
+  // Per row over its whole sequence (summed over the cp ranks' slices).
+  at::Tensor row_sum(const at::Tensor& t, bool grad) const {
+    auto r = t.sum(1);
+    if (!cp_rt_) return r;
+    if (grad) return CpRowSum::apply(r, reinterpret_cast<int64_t>(cp_rt_));
+    auto y = r.detach().contiguous().clone();
+    cp_rt_->all_reduce(cp_rt_->cp, y, "alignment row statistics over cp");
+    return y;
+  }
 
   at::Tensor loss(const models::common::TokenScores& s) override {
-    const auto sums = -s.nll.sum(1);  // [2P]: each row's completion log-probability
+    const auto sums = -row_sum(s.nll, !collect_ && torch::GradMode::is_enabled());  // [2P]: each row's completion log-probability
     if (collect_) {
       collected = sums.detach();
       ++forwards;
@@ -36,7 +73,7 @@ class PreferenceObjective : public models::common::SequenceObjective {
     }
     TORCH_CHECK(sums.size(0) % 2 == 0, "a preference batch holds chosen and rejected rows, got ", sums.size(0));
     const int64_t P = sums.size(0) / 2;
-    const auto counted = s.counted.to(sums.scalar_type()).sum(1);
+    const auto counted = row_sum(s.counted.to(sums.scalar_type()), false);
     const auto lens = counted.clamp_min(1);
     PairScores ps{sums.narrow(0, 0, P), sums.narrow(0, P, P), lens.narrow(0, 0, P), lens.narrow(0, P, P), {}, {}, {}};
     if (!a_.reference_free()) {
@@ -44,13 +81,13 @@ class PreferenceObjective : public models::common::SequenceObjective {
       ps.ref_chosen = ref.narrow(0, 0, P).to(sums.scalar_type());
       ps.ref_rejected = ref.narrow(0, P, P).to(sums.scalar_type());
     }
-    if (a_.loss_type == "orpo") ps.chosen_nll_sum = s.nll.narrow(0, 0, P).sum();
+    if (a_.loss_type == "orpo") ps.chosen_nll_sum = -sums.narrow(0, 0, P).sum();
     auto out = preference_loss(a_, ps);
     ref = at::Tensor();  // one policy forward per reference
     ++forwards;
     torch::NoGradGuard no_grad;
     const auto d = [](const at::Tensor& t) { return t.to(torch::kDouble); };
-    const auto logit_sums = (s.mean_logits * s.counted.to(s.mean_logits.scalar_type())).sum(1);
+    const auto logit_sums = row_sum(s.mean_logits * s.counted.to(s.mean_logits.scalar_type()), false);
     const auto zero = torch::zeros({}, sums.options().dtype(torch::kDouble));
     const double p = double(P);
     auto m = torch::stack({zero + p, d(out.chosen_rewards.sum()), d(out.rejected_rewards.sum()),
@@ -74,6 +111,7 @@ class PreferenceObjective : public models::common::SequenceObjective {
  private:
   config::AlignmentArgs a_;
   bool collect_;
+  dist::Runtime* cp_rt_;  // cp > 1: the runtime whose cp group splits every row
 };
 
 namespace {
@@ -123,18 +161,16 @@ Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::Causal
   if (plan.pipeline.pp > 1)
     refuse("compute_config.pas_config.pp_size", std::to_string(plan.pipeline.pp) +
                                                     ": preference alignment does not run under pipeline parallelism yet");
-  if (plan.context.cp > 1)
-    refuse("compute_config.context_parallel_size", std::to_string(plan.context.cp) +
-                                                       ": preference alignment does not run under context parallelism yet");
   if (args.dataset.preference_val)
     refuse("dataset.val_args", "validation on preference pairs is not implemented yet (leave val_args out)");
   if (args.compute_config.cuda_graphs == "true")
     refuse("compute_config.cuda_graphs", "true: a preference step reads its reference outside the graph; set auto or false");
   auto* head = policy_->lm_head_module();
   if (!head) refuse("model.type", args.model.type + " has no LM head an alignment objective can run on");
-  objective_ = std::make_shared<PreferenceObjective>(a_, false);
+  dist::Runtime* cp_rt = plan.context.cp > 1 ? ctx.rt : nullptr;
+  objective_ = std::make_shared<PreferenceObjective>(a_, false, cp_rt);
   head->objective = objective_;
-  collector_ = std::make_shared<PreferenceObjective>(a_, true);
+  collector_ = std::make_shared<PreferenceObjective>(a_, true, cp_rt);
   // The reference is the starting model. The LoRA base is that only while every
   // adapter adds nothing: a starting adapter (lora.init_from) whose B is not zero
   // makes the start differ from its base (read from its file: every rank decides alike).
@@ -208,7 +244,7 @@ void Alignment::prepare(const data::Dataset& train) {
     for (int64_t k = 0; k < rounds; ++k) {
       const int64_t c = k * ctx_.dp + ctx_.dp_rank;
       const int64_t first = c < chunks ? c * m : 0, n = std::min(m, N - first);
-      auto b = ds.pairs(first, n);
+      auto b = ctx_.slice ? ctx_.slice(ds.pairs(first, n)) : ds.pairs(first, n);
       if (ctx_.begin_forward) ctx_.begin_forward();
       policy_->loss(b.x.to(ctx_.device), b.y.to(ctx_.device));
       if (c < chunks) {
@@ -221,7 +257,8 @@ void Alignment::prepare(const data::Dataset& train) {
     policy_->train();
     head->objective = objective_;
   }
-  if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp_cp, table, "reference log-probabilities all-reduce");
+  // Over dp only: the cp ranks of a row already share its whole sums.
+  if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp, table, "reference log-probabilities all-reduce");
   table_ = table;
   if (ctx_.rank == 0) {
     const std::string tmp = table_path_ + ".tmp";
@@ -265,7 +302,7 @@ void Alignment::report(nlohmann::json& rec) {
   auto m = objective_->metrics.defined() ? objective_->metrics.clone()
                                           : torch::zeros({kNumMetrics}, torch::TensorOptions().device(ctx_.device).dtype(torch::kDouble));
   if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp_cp, m, "alignment metrics all-reduce");
-  m = m.cpu();
+  m = m.cpu() / double(ctx_.plan->context.cp);  // every cp rank of a row holds the same statistics
   const auto v = [&](int i) { return m[i].item<double>(); };
   const double P = std::max(1.0, v(kPairs));
   rec["rewards/chosen"] = v(kRewChosen) / P;

@@ -42,6 +42,8 @@ struct AlignmentContext {
   int64_t micro_batch = 1, start_step = 0;
   // A fresh copy of the starting model split as the policy (reference: frozen).
   std::function<std::shared_ptr<models::CausalLM>()> build_reference;
+  // This rank's tokens of a batch (context parallelism: its slice of every row).
+  std::function<data::Batch(data::Batch)> slice;
   // ZeRO-3's forward-only bracket (gather the parameters outside the blocks, release after).
   std::function<void()> begin_forward, end_forward;
 };

@@ -1098,6 +1098,9 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     a.micro_batch = args.micro_batch_size;
     a.start_step = start_step;
     a.build_reference = [&] { return materialise_model(args, agreed.plan, rt.get(), device, whole->vocab_size()).model; };
+    const auto context = agreed.plan.context;
+    const int cp_rank = env.rank / agreed.plan.tp % agreed.plan.context.cp;
+    a.slice = [context, cp_rank](data::Batch b) { return cp_slice(std::move(b), context, cp_rank); };
     auto* reducer = tr.reducer.get();
     a.begin_forward = [reducer] { reducer->begin_forward(); };
     a.end_forward = [reducer] { reducer->release_params(); };
