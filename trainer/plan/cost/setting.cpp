@@ -95,7 +95,8 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   Setting x{req, a, f, c, pb, state_layout(a, f, c, pb, part.held)};
   x.t = c.tp;
   x.d = c.dp;
-  x.b = double(a.micro_batch_size);
+  // Rows per micro-batch: a preference micro-batch of P pairs runs 2P (chosen, rejected; trainer/align).
+  x.b = double(a.micro_batch_size) * (a.alignment.enabled ? 2 : 1);
   x.s = double(seq_len_of(a, f));
   x.h = double(f.dims.hidden);
   x.heads = double(f.dims.heads);
@@ -104,7 +105,7 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   x.V = double(f.dims.vocab);
   x.L = double(f.layers);
   x.k = c.recompute_layers;
-  x.micro_steps = std::max(1.0, std::floor(double(a.global_batch_size) / (x.b * x.d)));
+  x.micro_steps = std::max(1.0, std::floor(double(a.global_batch_size) / (double(a.micro_batch_size) * x.d)));
   x.cp = std::max(1, c.cp);
   x.tokens = x.b * x.s / x.cp;
   x.sp = c.tp > 1 && a.compute_config.sequence_parallel;
