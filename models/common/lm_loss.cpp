@@ -322,23 +322,26 @@ torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const to
 
 namespace nnstrain::models::common {
 
+namespace {
+void check_vocab_parallel_inputs(const char* what, const torch::Tensor& logits, const torch::Tensor& targets,
+                                 int64_t held) {
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) && held >= 1 &&
+                  held <= logits.size(1),
+              what, ": expected logits [N, rows] and targets [N], got ", logits.sizes(), " and ", targets.sizes());
+}
+}  // namespace
+
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                            int64_t vocab_start, int64_t held, int64_t ignore_index,
                                            const c10::intrusive_ptr<TpComm>& comm) {
-  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) && held >= 1 &&
-                  held <= logits.size(1),
-              "vocab_parallel_cross_entropy: expected logits [N, rows] and targets [N], got ", logits.sizes(), " and ",
-              targets.sizes());
+  check_vocab_parallel_inputs("vocab_parallel_cross_entropy", logits, targets, held);
   return VocabParallelCrossEntropy::apply(logits, targets.to(torch::kLong), vocab_start, held, ignore_index, comm);
 }
 
 torch::Tensor vocab_parallel_token_nll(const torch::Tensor& logits, const torch::Tensor& targets,
                                        int64_t vocab_start, int64_t held, int64_t ignore_index,
                                        const c10::intrusive_ptr<TpComm>& comm) {
-  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) && held >= 1 &&
-                  held <= logits.size(1),
-              "vocab_parallel_token_nll: expected logits [N, rows] and targets [N], got ", logits.sizes(), " and ",
-              targets.sizes());
+  check_vocab_parallel_inputs("vocab_parallel_token_nll", logits, targets, held);
   return VocabParallelTokenNll::apply(logits, targets.to(torch::kLong), vocab_start, held, ignore_index, comm);
 }
 
