@@ -299,3 +299,21 @@ def test_qlora_equals_peft_with_bitsandbytes(tmp_path, tiny_tokens):
     assert len(got) == QSTEPS and worst <= 1e-5, (got, want)
     assert sum(got[-3:]) < sum(got[:3]), got  # a falling curve
     assert abs(got[0] - float_losses[0]) > 1e-4, (got[0], float_losses[0])  # the NF4 base is not the float one
+
+
+def test_generate_on_the_checkpoint_equals_peft(family, one):
+    """`nnstrain generate CKPT` of a LoRA run: greedy tokens are peft's generate(do_sample=False) on --adapter."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(family["hf"]).float().eval()
+    x, _ = next(batches(family["tokens"], 1))
+    prompt = x[:1, :8]
+    new = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        plain = base.generate(prompt, **new)[0, 8:].tolist()
+        model = peft.PeftModel.from_pretrained(base, one["dir"] / "adapter").eval()
+        want = model.generate(input_ids=prompt, **new)[0, 8:].tolist()
+    assert want != plain, "the adapters do not change greedy decoding here: the test would prove nothing"
+    p = nnstrain("generate", one["ck"], "--prompt-ids", ",".join(map(str, prompt[0].tolist())), "--temperature", 0,
+                 "--max-new-tokens", 16, "--json", "--device", "cpu")
+    assert p.returncode == 0, p.stdout + p.stderr
+    (s,) = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert s["ids"] == want, f"nnstrain {s['ids']}\npeft {want}\nbase {plain}"

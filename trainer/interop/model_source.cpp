@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "base/config/trainer_args.h"
@@ -13,6 +15,7 @@
 #include "trainer/checkpoint/manifest.h"
 #include "trainer/interop/hf_import.h"
 #include "trainer/interop/model_checkpoint.h"
+#include "trainer/lora/peft_io.h"
 
 namespace fs = std::filesystem;
 
@@ -87,6 +90,35 @@ ModelSource hf_folder(const std::string& dir) {
                            type + "'" + why);
 }
 
+// A LoRA run's checkpoint holds its adapters alone (the base is frozen, not
+// saved): the model is merge --hf's, the base folder with W + scale x B A,
+// written to a temporary folder and read back as a Hugging Face folder.
+ModelSource lora_checkpoint(const std::string& src) {
+  const checkpoint::Checkpoint ck(src);
+  const auto tmp = fs::temp_directory_path() / ("nnstrain-lora-merged-" + std::to_string(::getpid()));
+  struct Remove {
+    fs::path p;
+    ~Remove() {
+      std::error_code ec;
+      fs::remove_all(p, ec);
+      fs::remove_all(p.string() + ".tmp", ec);  // where the merge writes before its rename
+    }
+  } remove{tmp};
+  fs::remove_all(tmp);  // a folder a killed run left
+  fs::remove_all(tmp.string() + ".tmp");
+  lora::write_merged_hf(src, tmp.string(), "F32");  // the merge in fp32; --dtype casts later
+  ModelSource s = hf_folder(tmp.string());
+  s.what = "LoRA checkpoint " + src + " (" + ck.state().value("model_type", "") + ", step " +
+           std::to_string(ck.state().value("step", int64_t{0})) + ", adapters merged into " +
+           saved_args(ck).model.init_from + ")";
+  s.tokenizer = dataset_tokenizer(ck);
+  if (!s.tokenizer)
+    for (const char* f : {"tokenizer.json", "encoder.json", "tokenizer.model"})
+      if (fs::exists(fs::path(saved_args(ck).model.init_from) / f))
+        s.tokenizer = (fs::path(saved_args(ck).model.init_from) / f).string();
+  return s;
+}
+
 }  // namespace
 
 ModelSource load_model_source(std::string src) {
@@ -96,6 +128,7 @@ ModelSource load_model_source(std::string src) {
     if (l.empty()) throw ModelSourceError(src + ": a save_dir without a complete checkpoint");
     src = l;
   }
+  if (fs::exists(fs::path(src) / "manifest.json") && lora::is_lora_checkpoint(src)) return lora_checkpoint(src);
   if (fs::exists(fs::path(src) / "manifest.json")) {
     const checkpoint::Checkpoint ck(src);
     ModelSource s;
