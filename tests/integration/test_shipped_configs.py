@@ -129,8 +129,8 @@ def test_config_trains_two_steps_on_cpu(config, tmp_path):
             overrides += [f"--dataset.{split}.seq_len", INDEXED_SEQ]
     elif ds.get("type") == "preference":
         # Preference pairs as the config's comment says to make them: the shipped pairs and
-        # byte-level tokenizer (whose 257 ids the model keeps), the file's seq_len.
-        shrink.pop("vocab_size")
+        # byte-level tokenizer (257 ids), the file's seq_len.
+        shrink["vocab_size"] = 257
         shrink.pop("max_position_embeddings")
         p = nnstrain("prepare", "corpus", "--format", "preference", "--tokenizer",
                      CONFIG_DIR / "data" / "byte_tokenizer", "--input", CONFIG_DIR / "data" / "arith_pairs.jsonl",
