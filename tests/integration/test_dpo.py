@@ -350,3 +350,12 @@ def test_resume_under_another_plan_equals_the_uninterrupted_run(setup):
     compare(train[5:], whole[5:], ["loss"] + METRICS)
     p = run("merge", ck / "step-00000005", "--out", setup["dir"] / "resume_merged", "--hf")  # its saved config loads
     assert p.returncode == 0, p.stderr
+
+
+def test_frozen_reference_under_zero3_is_refused(setup):
+    """A frozen copy under ZeRO-3 would be whole on every rank: exit 2 naming the key, before any step."""
+    cfg = setup["dir"] / "z3.yaml"
+    cfg.write_text(CONFIG.format(run=setup["dir"] / "z3", hf=setup["hf"], lr=LR, data=setup["data"], seq=SEQ,
+                                 micro=2, pairs=PAIRS, steps=1, alignment="  loss_type: sigmoid\n  reference: frozen"))
+    p = run("launch", "--nproc-per-node", 2, "--", "--config", cfg, "--compute_config.use_zero", "3")
+    assert p.returncode == 2 and "alignment.reference" in p.stderr and "precomputed" in p.stderr, p.stderr
