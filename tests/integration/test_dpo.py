@@ -9,8 +9,8 @@
 - simpo, orpo: CPOTrainer's and ORPOTrainer's loss functions (trl.experimental) on the
   per-token averages their get_batch_logps computes, in a plain torch loop over the same
   batches (their trainers tokenize on their own, with BOS and EOS rules of their own).
-- dp 2 under ZeRO-3 (precomputed), tp 2 (frozen) and cp 2 (frozen, precomputed) equal one
-  process; the run's record shows the plan, the loss type and the reference that ran; a run
+- dp 2 under ZeRO-3 (precomputed), tp 2 (frozen), cp 2 (frozen, precomputed) and pp 2
+  (precomputed: the last stage reads each micro-batch's row of the table) equal one process; the run's record shows the plan, the loss type and the reference that ran; a run
   resumed under tp 2 equals the uninterrupted one, and its checkpoint merges.
 - Bad keys exit 2 naming them.
 """
@@ -272,6 +272,8 @@ PLANS = {
     "tp2": (2, "frozen", ["--compute_config.plan_ngpus", "2", "--pas_policy", "tp"]),
     "cp2": (2, "frozen", ["--compute_config.context_parallel_size", "2"]),
     "cp2_precomputed": (2, "precomputed", ["--compute_config.context_parallel_size", "2"]),
+    "pp2_precomputed": (2, "precomputed", ["--compute_config.pas_config.pp_size", "2", "--micro_batch_size", "2",
+                                           "--grad_accumulation_steps", "2"]),
 }
 
 
@@ -281,9 +283,9 @@ def test_plans_equal_one_process(setup, plan):
     alignment = f"  loss_type: sigmoid\n  beta: {BETA}\n  reference: {reference}"
     one, _, _ = nnstrain_run(setup, f"one_{reference}", alignment + own_table(setup, f"one_{plan}", reference))
     many, rec, out = nnstrain_run(setup, plan, alignment + own_table(setup, plan, reference), *overrides, ranks=ranks)
-    for r in rec.values():
-        ran = r["first_step"]["alignment"]
-        assert ran["reference"] == reference and ran["reference_forwards"] > 0, ran
+    ran = [r["first_step"]["alignment"] for r in rec.values()]
+    assert all(x["reference"] == reference for x in ran), ran
+    assert max(x["reference_forwards"] for x in ran) > 0, ran  # under pp: the last stage's ranks
     assert_active(setup["dir"] / plan, out, ranks, overrides)  # the plan compared really ran
     compare(many, one, ["loss"] + METRICS)
 
@@ -322,14 +324,14 @@ def test_bad_alignment_keys_exit_2(setup, key, value, needle):
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-def test_pipeline_is_refused_naming_the_key(setup):
+def test_pipeline_refuses_a_reference_forward_naming_the_key(setup):
     run_dir = setup["dir"] / "pp"
     cfg = setup["dir"] / "pp.yaml"
     cfg.write_text(CONFIG.format(run=run_dir, hf=setup["hf"], alignment="  loss_type: sigmoid", lr=LR,
                                  data=setup["data"], seq=SEQ, micro=2, pairs=PAIRS, steps=1))
     p = run("launch", "--nproc-per-node", 2, "--", "--config", cfg, "--compute_config.pas_config.pp_size", "2",
             "--grad_accumulation_steps", "2")
-    assert p.returncode == 2 and "pp_size" in p.stderr, p.stderr
+    assert p.returncode == 2 and "alignment.reference" in p.stderr and "pp_size" in p.stderr, p.stderr
 
 
 def test_resume_under_another_plan_equals_the_uninterrupted_run(setup):

@@ -158,9 +158,11 @@ Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::Causal
   const auto& args = *ctx.args;
   const auto& plan = *ctx.plan;
   // Each row's sums need its whole sequence and the pair's two rows together in one forward.
-  if (plan.pipeline.pp > 1)
-    refuse("compute_config.pas_config.pp_size", std::to_string(plan.pipeline.pp) +
-                                                    ": preference alignment does not run under pipeline parallelism yet");
+  // Under pipeline parallelism the head (the last stage) reads each micro-batch's
+  // reference from the precomputed table; a reference forward would be a second pipeline pass.
+  if (plan.pipeline.pp > 1 && (a_.reference == "frozen" || a_.reference == "adapters_off"))
+    refuse("alignment.reference", a_.reference + " under pipeline parallelism (pas_config.pp_size " +
+                                      std::to_string(plan.pipeline.pp) + "): use precomputed or a reference-free loss");
   if (args.dataset.preference_val)
     refuse("dataset.val_args", "validation on preference pairs is not implemented yet (leave val_args out)");
   if (args.compute_config.cuda_graphs == "true")
@@ -246,8 +248,12 @@ void Alignment::prepare(const data::Dataset& train) {
       const int64_t first = c < chunks ? c * m : 0, n = std::min(m, N - first);
       auto b = ctx_.slice ? ctx_.slice(ds.pairs(first, n)) : ds.pairs(first, n);
       if (ctx_.begin_forward) ctx_.begin_forward();
-      policy_->loss(b.x.to(ctx_.device), b.y.to(ctx_.device));
-      if (c < chunks) {
+      collector_->collected = at::Tensor();
+      b.x = b.x.to(ctx_.device);
+      b.y = b.y.to(ctx_.device);
+      if (ctx_.pipeline_forward) ctx_.pipeline_forward(b);
+      else policy_->loss(b.x, b.y);
+      if (c < chunks && collector_->collected.defined()) {  // under pp: the last stage's ranks
         const auto sums = collector_->collected.to(torch::kFloat32);
         table.narrow(0, first, n).select(1, 0).copy_(sums.narrow(0, 0, n));
         table.narrow(0, first, n).select(1, 1).copy_(sums.narrow(0, n, n));
@@ -259,6 +265,8 @@ void Alignment::prepare(const data::Dataset& train) {
   }
   // Over dp only: the cp ranks of a row already share its whole sums.
   if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp, table, "reference log-probabilities all-reduce");
+  if (ctx_.rt && ctx_.plan->pipeline.pp > 1)  // from the last stage to every stage
+    ctx_.rt->all_reduce(ctx_.rt->pp, table, "reference log-probabilities all-reduce (pipeline)");
   table_ = table;
   if (ctx_.rank == 0) {
     const std::string tmp = table_path_ + ".tmp";
@@ -302,6 +310,8 @@ void Alignment::report(nlohmann::json& rec) {
   auto m = objective_->metrics.defined() ? objective_->metrics.clone()
                                           : torch::zeros({kNumMetrics}, torch::TensorOptions().device(ctx_.device).dtype(torch::kDouble));
   if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp_cp, m, "alignment metrics all-reduce");
+  if (ctx_.rt && ctx_.plan->pipeline.pp > 1)  // held by the last stage's ranks
+    ctx_.rt->all_reduce(ctx_.rt->pp, m, "alignment metrics all-reduce (pipeline)");
   m = m.cpu() / double(ctx_.plan->context.cp);  // every cp rank of a row holds the same statistics
   const auto v = [&](int i) { return m[i].item<double>(); };
   const double P = std::max(1.0, v(kPairs));

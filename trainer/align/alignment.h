@@ -44,6 +44,9 @@ struct AlignmentContext {
   std::function<std::shared_ptr<models::CausalLM>()> build_reference;
   // This rank's tokens of a batch (context parallelism: its slice of every row).
   std::function<data::Batch(data::Batch)> slice;
+  // Pipeline parallelism: a forward of the whole model stage after stage (the
+  // pipeline's evaluation pass; the head runs on the last stage's ranks only).
+  std::function<void(const data::Batch&)> pipeline_forward;
   // ZeRO-3's forward-only bracket (gather the parameters outside the blocks, release after).
   std::function<void()> begin_forward, end_forward;
 };

@@ -157,6 +157,7 @@ std::vector<int> pipeline_units(const models::CausalLM& model, const PipelinePla
 }
 
 struct PipelineExecutor::Impl {
+  std::function<void(const data::Batch&)> before_head;  // set_before_head
   models::CausalLM& model;
   PipelinePlan plan;
   dist::Runtime& rt;
@@ -438,6 +439,7 @@ struct PipelineExecutor::Impl {
       // Token-weighted, as the trainer's own loop: this micro-batch's mean x its
       // share of the targets (0, not NaN, when it counts none).
       const auto w = weights[j];
+      if (before_head) before_head(b);
       auto mean = model.head_loss(y, b.y);
       auto loss = torch::where(w.gt(0), mean, torch::zeros_like(mean)) * w.to(mean.scalar_type());
       if (poison) loss = loss * std::numeric_limits<double>::infinity();
@@ -695,6 +697,8 @@ at::Tensor PipelineExecutor::finish_step() {
   return I.loss_sum;
 }
 
+void PipelineExecutor::set_before_head(std::function<void(const data::Batch&)> f) { impl_->before_head = std::move(f); }
+
 at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
   auto& I = *impl_;
   torch::NoGradGuard no_grad;
@@ -722,7 +726,10 @@ at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
     const int s = a.stage;
     const bool local = s > 0 && I.sched.stage_rank[s - 1] == I.me;  // handed over on this rank
     auto y = I.forward(s, batch, s == 0 ? at::Tensor() : local ? out.at(s - 1) : in.at(s));
-    if (s == I.S - 1) loss = I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
+    if (s == I.S - 1) {
+      if (I.before_head) I.before_head(batch);
+      loss = I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
+    }
     else out[s] = y;
     ++k;
   }

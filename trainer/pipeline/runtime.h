@@ -123,6 +123,9 @@ class PipelineExecutor {
   // Forward only, stage after stage (evaluation): the batch's loss on the
   // rank holding the last stage, 0 elsewhere.
   at::Tensor eval_loss(const data::Batch& batch);
+  // Called on the last stage before each micro-batch's head loss, with that
+  // micro-batch (preference alignment: its pairs' reference log-probabilities).
+  void set_before_head(std::function<void(const data::Batch&)> f);
 
  private:
   struct Impl;

@@ -1101,11 +1101,13 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     const auto context = agreed.plan.context;
     const int cp_rank = env.rank / agreed.plan.tp % agreed.plan.context.cp;
     a.slice = [context, cp_rank](data::Batch b) { return cp_slice(std::move(b), context, cp_rank); };
+    if (auto* pipe = tr.pipeline.get()) a.pipeline_forward = [pipe](const data::Batch& b) { pipe->eval_loss(b); };
     auto* reducer = tr.reducer.get();
     a.begin_forward = [reducer] { reducer->begin_forward(); };
     a.end_forward = [reducer] { reducer->release_params(); };
     align = std::make_unique<align::Alignment>(a, local.model, *data.train);
     align->prepare(*data.train);  // precomputed: the reference pass, before the first step
+    if (tr.pipeline) tr.pipeline->set_before_head([a = align.get()](const data::Batch& b) { a->before_forward(b); });
   }
   Trainer trainer(args, env, device, std::move(local.model), std::move(agreed), std::move(rt), std::move(tr),
                   std::move(data), start_step, resumed_from, oom, std::move(align));
