@@ -98,7 +98,16 @@ def setup(tmp_path_factory):
         for n, q in model.named_parameters():
             q.copy_(1.0 + 0.1 * torch.randn_like(q) if n.endswith("norm.weight") else 0.1 * torch.randn_like(q))
     model.save_pretrained(d / "hf")
-    return {"dir": d, "tok": tok, "records": recs, "hf": d / "hf", "data": d / "pref"}
+    # A second family: Qwen2 (biases on q, k, v), the same widths.
+    qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{k: v for k, v in cfg.to_dict().items() if k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")},
+        use_sliding_window=False, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    with torch.no_grad():
+        for n, q in qwen.named_parameters():
+            q.copy_(1.0 + 0.1 * torch.randn_like(q) if n.endswith("norm.weight") else 0.1 * torch.randn_like(q))
+    qwen.save_pretrained(d / "qwen2")
+    return {"dir": d, "tok": tok, "records": recs, "hf": d / "hf", "qwen2": d / "qwen2", "data": d / "pref"}
 
 
 def nnstrain_run(setup, name, alignment, *overrides, ranks=1, micro=PAIRS, steps=STEPS):
@@ -134,7 +143,7 @@ def trl_dpo(setup, loss_type, precompute, model=None):
     model = model or transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
     ref = None if precompute or peft_model else transformers.AutoModelForCausalLM.from_pretrained(
         setup["hf"], dtype=torch.float32)
-    args = DPOConfig(output_dir=str(setup["dir"] / f"trl_{loss_type}_{precompute}_{peft_model}"), per_device_train_batch_size=PAIRS,
+    args = DPOConfig(output_dir=str(setup["dir"] / f"trl_{loss_type}_{precompute}_{peft_model}_{setup['hf'].name}"), per_device_train_batch_size=PAIRS,
                      max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                      adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0, logging_steps=1,
                      report_to=[], save_strategy="no", loss_type=[loss_type], beta=BETA, max_length=SEQ,
@@ -166,20 +175,22 @@ def compare(ours, theirs, keys, tol=1e-5, beta=BETA):
     return worst
 
 
-@pytest.mark.parametrize("loss_type,reference", [("sigmoid", "frozen"), ("sigmoid", "precomputed"),
-                                                 ("ipo", "frozen"), ("hinge", "precomputed")])
-def test_dpo_equals_trl(setup, loss_type, reference):
+@pytest.mark.parametrize("loss_type,reference,family", [
+    ("sigmoid", "frozen", "hf"), ("sigmoid", "precomputed", "hf"), ("ipo", "frozen", "hf"),
+    ("hinge", "precomputed", "hf"), ("sigmoid", "frozen", "qwen2")])
+def test_dpo_equals_trl(setup, loss_type, reference, family):
+    setup = dict(setup, hf=setup[family])
     theirs = trl_dpo(setup, loss_type, reference == "precomputed")
-    ours, rec, out = nnstrain_run(setup, f"{loss_type}_{reference}",
+    ours, rec, out = nnstrain_run(setup, f"{loss_type}_{reference}_{family}",
                                   f"  loss_type: {loss_type}\n  beta: {BETA}\n  reference: {reference}" +
-                                  own_table(setup, f"{loss_type}_{reference}", reference))
+                                  own_table(setup, f"{loss_type}_{reference}_{family}", reference))
     ran = rec[0]["first_step"]["alignment"]
     assert ran["loss_type"] == loss_type and ran["reference"] == reference and ran["policy_forwards"] == 1
     assert ran["reference_forwards"] == (1 if reference == "frozen" else math.ceil(len(setup["records"]) / PAIRS))
     # The comparison means something: the policy moved away from the reference.
     assert abs(ours[-1]["rewards/margins"]) > 1e-3 and ours[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     worst = compare(ours, theirs, ["loss"] + METRICS)
-    print(loss_type, reference, {k: f"{v:.1e}" for k, v in worst.items()})
+    print(family, loss_type, reference, {k: f"{v:.1e}" for k, v in worst.items()})
 
 
 def test_lora_adapters_off_equals_trl_with_peft(setup):
@@ -361,3 +372,19 @@ def test_frozen_reference_under_zero3_is_refused(setup):
                                  micro=2, pairs=PAIRS, steps=1, alignment="  loss_type: sigmoid\n  reference: frozen"))
     p = run("launch", "--nproc-per-node", 2, "--", "--config", cfg, "--compute_config.use_zero", "3")
     assert p.returncode == 2 and "alignment.reference" in p.stderr and "precomputed" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_label_smoothing_is_the_conservative_loss(setup, loss_type):
+    """label_smoothing eps (TRL 1.16 keeps it on CPOTrainer's sigmoid and simpo, not on DPOTrainer's
+    sigmoid): with one pair per step, each step's loss is -(1-eps) log s(z) - eps log s(-z) of that
+    pair's z, which the logged margin gives (z = margin; simpo: z = margin - gamma)."""
+    eps, gamma = 0.2, 0.5
+    steps, _, _ = nnstrain_run(setup, f"smooth_{loss_type}", f"  loss_type: {loss_type}\n  beta: {BETA}\n"
+                               f"  label_smoothing: {eps}", "--global_batch_size", 1, micro=1, steps=4)
+    logsig = lambda z: -math.log1p(math.exp(-z))
+    for r in steps:
+        z = r["rewards/margins"] - (gamma if loss_type == "simpo" else 0.0)
+        want = -(1 - eps) * logsig(z) - eps * logsig(-z)
+        assert rel(r["loss"], want) < 1e-5, (r["step"], r["loss"], want)
+    assert any(abs(r["rewards/margins"]) > 1e-3 for r in steps)  # z moved off 0, where eps would not show
