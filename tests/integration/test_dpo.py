@@ -388,3 +388,19 @@ def test_label_smoothing_is_the_conservative_loss(setup, loss_type):
         want = -(1 - eps) * logsig(z) - eps * logsig(-z)
         assert rel(r["loss"], want) < 1e-5, (r["step"], r["loss"], want)
     assert any(abs(r["rewards/margins"]) > 1e-3 for r in steps)  # z moved off 0, where eps would not show
+
+
+def test_planner_counts_the_frozen_copy(setup):
+    """nnstrain plan: a frozen reference holds a second copy of the weights (none of its own gradients
+    or moments); precomputed none; a preference micro-batch is two rows per pair."""
+    cfg = setup["dir"] / "plan.yaml"
+    cfg.write_text(CONFIG.format(run=setup["dir"] / "plan", hf=setup["hf"], lr=LR, data=setup["data"], seq=SEQ,
+                                 micro=PAIRS, pairs=PAIRS, steps=1, alignment="  loss_type: sigmoid"))
+    est = {}
+    for ref in ("frozen", "precomputed"):
+        p = run("plan", "--config", cfg, "--json", "--alignment.reference", ref)
+        assert p.returncode == 0, p.stderr
+        est[ref] = json.loads(p.stdout)["plan"]["estimate"]
+    assert est["frozen"]["param_bytes"] == 2 * est["precomputed"]["param_bytes"] > 0
+    assert est["frozen"]["grad_bytes"] == est["precomputed"]["grad_bytes"]
+    assert est["frozen"]["optim_bytes"] == est["precomputed"]["optim_bytes"]

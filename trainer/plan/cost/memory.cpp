@@ -84,6 +84,11 @@ void state_term(const Setting& x, Interim&, PlanEstimate& e) {
     }
   };
   part(x.st.padded, x.st.shard, e.param_bytes, e.grad_bytes, e.optim_bytes);
+  // A frozen reference (alignment.reference frozen, trainer/align): a second copy
+  // of this rank's weights, split as the policy (never under ZeRO-3), no gradient
+  // or optimizer state.
+  if (x.a.alignment.enabled && x.a.alignment.reference == "frozen" && !x.a.lora.enabled)
+    e.param_bytes += x.st.padded * pb.param;
   double p = 0, g = 0, o = 0;
   if (x.c.ep > 1) part(x.st.expert_padded, x.st.expert_shard, p, g, o);
   else part(x.st.expert_elements, x.st.expert_elements / x.st.z, p, g, o);  // in the common buckets
