@@ -404,3 +404,5 @@ def test_planner_counts_the_frozen_copy(setup):
     assert est["frozen"]["param_bytes"] == 2 * est["precomputed"]["param_bytes"] > 0
     assert est["frozen"]["grad_bytes"] == est["precomputed"]["grad_bytes"]
     assert est["frozen"]["optim_bytes"] == est["precomputed"]["optim_bytes"]
+    # Its no-grad forward per micro-batch: a third of forward + backward more compute.
+    assert est["frozen"]["compute_s"] == pytest.approx(est["precomputed"]["compute_s"] * 4 / 3, rel=1e-6)

@@ -18,7 +18,8 @@ double work_per_token(const Setting& x) {
 }
 
 // Compute: the training FLOPs per token (work_per_token), one more forward per
-// recomputed layer, divided over tp, at kAssumedEfficiency of the peak.
+// recomputed layer (and per micro-batch for a preference reference), divided
+// over tp, at kAssumedEfficiency of the peak.
 void compute_term(const Setting& x, Interim& s, PlanEstimate& e) {
   const double peak =
       peak_flops_for(x.req.device, x.a.precision, x.a.compute_config.allow_tf32) * kAssumedEfficiency;
@@ -26,6 +27,9 @@ void compute_term(const Setting& x, Interim& s, PlanEstimate& e) {
   cm.flops_token = work_per_token(x);
   const double layer_flops = std::max(0.0, cm.flops_token - 6 * x.V * x.h) / std::max(1.0, x.L);
   cm.recompute_flops = x.k * layer_flops / 3;  // one more forward (1/3 of fwd+bwd) per recomputed layer
+  // A reference forward per micro-batch (alignment.reference frozen or adapters_off, trainer/align): a third.
+  const auto& ref = x.a.alignment.reference;
+  if (x.a.alignment.enabled && (ref == "frozen" || ref == "adapters_off")) cm.recompute_flops += cm.flops_token / 3;
   const double tokens_rank = x.micro_steps * x.tokens;  // cp ranks share a sequence's tokens
   e.compute_s = tokens_rank * (cm.flops_token + cm.recompute_flops) / x.t / peak;
 }
