@@ -129,7 +129,7 @@ def own_table(setup, name, reference):
     return f"\n  ref_log_probs: {setup['dir'] / (name + '.ref.safetensors')}" if reference == "precomputed" else ""
 
 
-def trl_dpo(setup, loss_type, precompute, model=None):
+def trl_dpo(setup, loss_type, precompute, model=None, evaluate=False):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -148,10 +148,14 @@ def trl_dpo(setup, loss_type, precompute, model=None):
                      adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0, logging_steps=1,
                      report_to=[], save_strategy="no", loss_type=[loss_type], beta=BETA, max_length=SEQ,
                      precompute_ref_log_probs=precompute, use_cpu=True, seed=7, dataloader_num_workers=0,
+                     per_device_eval_batch_size=PAIRS, eval_strategy="no",
                      bf16=False)  # DPOConfig defaults to bf16 autocast, the CPU included
     t = InOrder(model=model, ref_model=ref, args=args, processing_class=tok,
-                train_dataset=Dataset.from_list(setup["records"]))
+                train_dataset=Dataset.from_list(setup["records"]),
+                eval_dataset=Dataset.from_list(setup["records"][:PAIRS]) if evaluate else None)
     t.train()
+    if evaluate:
+        return t.evaluate()
     logs = [h for h in t.state.log_history if "loss" in h and "step" in h]
     assert [h["step"] for h in logs] == list(range(1, STEPS + 1))
     return logs
@@ -406,3 +410,21 @@ def test_planner_counts_the_frozen_copy(setup):
     assert est["frozen"]["optim_bytes"] == est["precomputed"]["optim_bytes"]
     # Its no-grad forward per micro-batch: a third of forward + backward more compute.
     assert est["frozen"]["compute_s"] == pytest.approx(est["precomputed"]["compute_s"] * 4 / 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("reference", ["frozen", "precomputed"])
+def test_validation_pairs_equal_trls_evaluate(setup, reference):
+    """dataset.val_args of preference pairs: after the 10 steps, val_loss and val_rewards/* equal
+    DPOTrainer.evaluate()'s eval_loss and eval_rewards/* on the same pairs (precomputed: its own table)."""
+    theirs = trl_dpo(setup, "sigmoid", reference == "precomputed", evaluate=True)
+    run_dir = setup["dir"] / f"val_{reference}"
+    _, _, _ = nnstrain_run(setup, f"val_{reference}", f"  loss_type: sigmoid\n  beta: {BETA}\n  reference: {reference}" +
+                           own_table(setup, f"val_{reference}", reference),
+                           "--dataset.val_args.path", setup["data"], "--val_every_n_train_steps", STEPS,
+                           "--max_val_steps", 1)
+    _, val = read_metrics(run_dir / "metrics.jsonl")
+    assert len(val) == 1 and val[0]["step"] == STEPS and val[0]["val_pairs"] == PAIRS, val
+    ours = {"step": STEPS, "loss": val[0]["val_loss"], **{k: val[0]["val_" + k] for k in METRICS}}
+    ref = {"loss": theirs["eval_loss"], **{k: theirs["eval_" + k] for k in METRICS}}
+    assert abs(ours["rewards/margins"]) > 1e-3  # the trained policy is not its reference
+    compare([ours], [ref], ["loss"] + METRICS)

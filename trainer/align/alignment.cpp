@@ -163,8 +163,6 @@ Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::Causal
   if (plan.pipeline.pp > 1 && (a_.reference == "frozen" || a_.reference == "adapters_off"))
     refuse("alignment.reference", a_.reference + " under pipeline parallelism (pas_config.pp_size " +
                                       std::to_string(plan.pipeline.pp) + "): use precomputed or a reference-free loss");
-  if (args.dataset.preference_val)
-    refuse("dataset.val_args", "validation on preference pairs is not implemented yet (leave val_args out)");
   if (args.compute_config.cuda_graphs == "true")
     refuse("compute_config.cuda_graphs", "true: a preference step reads its reference outside the graph; set auto or false");
   auto* head = policy_->lm_head_module();
@@ -205,32 +203,37 @@ Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::Causal
 
 Alignment::~Alignment() = default;
 
-void Alignment::prepare(const data::Dataset& train) {
+void Alignment::prepare(const data::Dataset& train, const data::Dataset* val) {
   if (a_.reference != "precomputed") return;
-  const auto& ds = dynamic_cast<const data::PreferenceDataset&>(train);
+  table_ = reference_table(train, a_.ref_log_probs, &table_path_);
+  if (val) val_table_ = reference_table(*val, a_.ref_log_probs.empty() ? "" : a_.ref_log_probs + ".val", &val_table_path_);
+}
+
+at::Tensor Alignment::reference_table(const data::Dataset& dataset, const std::string& path_override,
+                                      std::string* path) {
+  const auto& ds = dynamic_cast<const data::PreferenceDataset&>(dataset);
   const int64_t N = ds.samples_per_epoch();
   const std::string fp = reference_fingerprint(*ctx_.args, ds);
-  table_path_ = !a_.ref_log_probs.empty() ? a_.ref_log_probs
-                                           : ds.manifest().prefix + ".ref_logps-" + fp.substr(0, 12) + ".safetensors";
-  if (fs::exists(table_path_)) {
+  *path = !path_override.empty() ? path_override : ds.manifest().prefix + ".ref_logps-" + fp.substr(0, 12) + ".safetensors";
+  const std::string& file = *path;
+  if (fs::exists(file)) {
     std::map<std::string, at::Tensor> t;
     std::map<std::string, std::string> meta;
     try {
-      checkpoint::SafetensorsReader r(table_path_);
+      checkpoint::SafetensorsReader r(file);
       meta = r.metadata();
-      t = checkpoint::load_tensors(table_path_);
+      t = checkpoint::load_tensors(file);
     } catch (const std::exception& e) {
       refuse("alignment.ref_log_probs", std::string(e.what()));
     }
     if (meta["fingerprint"] != fp || !t.count("ref_logps") || t["ref_logps"].sizes() != at::IntArrayRef({N, 2}))
-      refuse("alignment.ref_log_probs", table_path_ + " holds another reference's or dataset's log-probabilities "
+      refuse("alignment.ref_log_probs", file + " holds another reference's or dataset's log-probabilities "
                                                       "(delete it or name another file)");
-    table_ = t["ref_logps"].to(ctx_.device);
-    if (ctx_.rank == 0) log::info("alignment: reference log-probabilities of " + std::to_string(N) + " pairs read from " + table_path_);
-    return;
+    if (ctx_.rank == 0) log::info("alignment: reference log-probabilities of " + std::to_string(N) + " pairs read from " + file);
+    return t["ref_logps"].to(ctx_.device);
   }
   if (ctx_.start_step > 0)
-    refuse("alignment.ref_log_probs", table_path_ + " is missing, and this run resumes at step " +
+    refuse("alignment.ref_log_probs", file + " is missing, and this run resumes at step " +
                                           std::to_string(ctx_.start_step) +
                                           ", where the policy is no longer the starting model it was computed from");
   // Chunks of micro_batch pairs dealt round the dp ranks; every rank runs as many
@@ -267,14 +270,14 @@ void Alignment::prepare(const data::Dataset& train) {
   if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp, table, "reference log-probabilities all-reduce");
   if (ctx_.rt && ctx_.plan->pipeline.pp > 1)  // from the last stage to every stage
     ctx_.rt->all_reduce(ctx_.rt->pp, table, "reference log-probabilities all-reduce (pipeline)");
-  table_ = table;
   if (ctx_.rank == 0) {
-    const std::string tmp = table_path_ + ".tmp";
+    const std::string tmp = file + ".tmp";
     checkpoint::save_tensors(tmp, {{"ref_logps", table.cpu()}}, {{"fingerprint", fp}, {"pairs", std::to_string(N)}});
-    fs::rename(tmp, table_path_);
+    fs::rename(tmp, file);
     log::info("alignment: reference log-probabilities of " + std::to_string(N) + " pairs computed (" +
-              std::to_string(rounds) + " forwards per rank) and stored in " + table_path_);
+              std::to_string(rounds) + " forwards per rank) and stored in " + file);
   }
+  return table;
 }
 
 at::Tensor Alignment::count(const data::Batch& b) const {
@@ -286,7 +289,8 @@ void Alignment::begin_step() { objective_->metrics = at::Tensor(); }
 at::Tensor Alignment::reference_sums(const data::Batch& b) {
   torch::NoGradGuard no_grad;
   if (a_.reference == "precomputed") {
-    const auto rows = table_.index_select(0, b.pair_index.to(table_.device()));  // [P, 2]
+    const auto& table = in_eval_ ? val_table_ : table_;
+    const auto rows = table.index_select(0, b.pair_index.to(table.device()));  // [P, 2]
     return torch::cat({rows.select(1, 0), rows.select(1, 1)});
   }
   if (a_.reference == "frozen") {
@@ -306,35 +310,52 @@ void Alignment::before_forward(const data::Batch& b) {
   if (!a_.reference_free()) objective_->ref = reference_sums(b);
 }
 
-void Alignment::report(nlohmann::json& rec) {
-  auto m = objective_->metrics.defined() ? objective_->metrics.clone()
-                                          : torch::zeros({kNumMetrics}, torch::TensorOptions().device(ctx_.device).dtype(torch::kDouble));
+void Alignment::report(nlohmann::json& rec) { rec.update(metrics_record(objective_->metrics, "")); }
+
+void Alignment::begin_eval() {
+  in_eval_ = true;
+  step_metrics_ = objective_->metrics;
+  objective_->metrics = at::Tensor();
+}
+
+void Alignment::end_eval(nlohmann::json& rec) {
+  rec.update(metrics_record(objective_->metrics, "val_"));
+  objective_->metrics = step_metrics_;
+  in_eval_ = false;
+}
+
+nlohmann::json Alignment::metrics_record(const at::Tensor& sums, const std::string& prefix) {
+  auto m = sums.defined() ? sums.clone()
+                          : torch::zeros({kNumMetrics}, torch::TensorOptions().device(ctx_.device).dtype(torch::kDouble));
   if (ctx_.rt) ctx_.rt->all_reduce(ctx_.rt->dp_cp, m, "alignment metrics all-reduce");
   if (ctx_.rt && ctx_.plan->pipeline.pp > 1)  // held by the last stage's ranks
     ctx_.rt->all_reduce(ctx_.rt->pp, m, "alignment metrics all-reduce (pipeline)");
   m = m.cpu() / double(ctx_.plan->context.cp);  // every cp rank of a row holds the same statistics
   const auto v = [&](int i) { return m[i].item<double>(); };
   const double P = std::max(1.0, v(kPairs));
-  rec["rewards/chosen"] = v(kRewChosen) / P;
-  rec["rewards/rejected"] = v(kRewRejected) / P;
-  rec["rewards/accuracies"] = v(kAccuracy) / P;
-  rec["rewards/margins"] = v(kMargin) / P;
-  rec["logps/chosen"] = v(kLogpChosen) / P;
-  rec["logps/rejected"] = v(kLogpRejected) / P;
-  rec["logits/chosen"] = v(kTokChosen) > 0 ? v(kLogitChosen) / v(kTokChosen) : 0.0;
-  rec["logits/rejected"] = v(kTokRejected) > 0 ? v(kLogitRejected) / v(kTokRejected) : 0.0;
-  rec["pairs"] = int64_t(v(kPairs));
+  nlohmann::json rec;
+  rec[prefix + "rewards/chosen"] = v(kRewChosen) / P;
+  rec[prefix + "rewards/rejected"] = v(kRewRejected) / P;
+  rec[prefix + "rewards/accuracies"] = v(kAccuracy) / P;
+  rec[prefix + "rewards/margins"] = v(kMargin) / P;
+  rec[prefix + "logps/chosen"] = v(kLogpChosen) / P;
+  rec[prefix + "logps/rejected"] = v(kLogpRejected) / P;
+  rec[prefix + "logits/chosen"] = v(kTokChosen) > 0 ? v(kLogitChosen) / v(kTokChosen) : 0.0;
+  rec[prefix + "logits/rejected"] = v(kTokRejected) > 0 ? v(kLogitRejected) / v(kTokRejected) : 0.0;
+  rec[prefix + "pairs"] = int64_t(v(kPairs));
   if (a_.loss_type == "orpo") {
-    rec["nll_loss"] = v(kNll) / P;
-    rec["log_odds_ratio"] = v(kLogOddsRatio) / P;
-    rec["log_odds_chosen"] = v(kLogOddsChosen) / P;
+    rec[prefix + "nll_loss"] = v(kNll) / P;
+    rec[prefix + "log_odds_ratio"] = v(kLogOddsRatio) / P;
+    rec[prefix + "log_odds_chosen"] = v(kLogOddsChosen) / P;
   }
+  return rec;
 }
 
 nlohmann::json Alignment::describe() const {
   nlohmann::json j = {{"loss_type", a_.loss_type}, {"beta", a_.beta}, {"reference", a_.reference},
                       {"policy_forwards", objective_->forwards}, {"reference_forwards", collector_->forwards}};
   if (!table_path_.empty()) j["ref_log_probs"] = table_path_;
+  if (!val_table_path_.empty()) j["val_ref_log_probs"] = val_table_path_;
   return j;
 }
 

@@ -58,9 +58,10 @@ class Alignment {
   Alignment(const AlignmentContext& ctx, std::shared_ptr<models::CausalLM> policy, const data::Dataset& train);
   ~Alignment();
 
-  // Before the first step (precomputed): the reference pass over every pair, or
-  // its stored table read back. Every rank calls it.
-  void prepare(const data::Dataset& train);
+  // Before the first step (precomputed): the reference pass over every pair of
+  // the training set (and of the validation set, if any), or the stored tables
+  // read back. Every rank calls it.
+  void prepare(const data::Dataset& train, const data::Dataset* val);
   // What a micro-batch weighs in the step's mean: its pairs.
   at::Tensor count(const data::Batch& b) const;
   void begin_step();
@@ -68,18 +69,27 @@ class Alignment {
   void before_forward(const data::Batch& b);
   // TRL's metrics of the step just taken (over every dp x cp rank) into rec.
   void report(nlohmann::json& rec);
+  // Validation: between begin_eval and end_eval the batches are the validation
+  // set's (its table, under precomputed) and their metrics go to end_eval's
+  // record as val_rewards/chosen, ... (TRL's eval_ metrics), the step's kept apart.
+  void begin_eval();
+  void end_eval(nlohmann::json& rec);
   // For the run record and the log: loss type and reference mode.
   nlohmann::json describe() const;
 
  private:
   at::Tensor reference_sums(const data::Batch& b);
+  at::Tensor reference_table(const data::Dataset& ds, const std::string& path_override, std::string* path);
+  nlohmann::json metrics_record(const at::Tensor& sums, const std::string& prefix);
 
   AlignmentContext ctx_;
   config::AlignmentArgs a_;
   std::shared_ptr<models::CausalLM> policy_, frozen_;
   std::shared_ptr<PreferenceObjective> objective_, collector_;
-  at::Tensor table_;  // precomputed: [pairs, 2] (chosen, rejected) on the device
-  std::string table_path_;
+  at::Tensor table_, val_table_;  // precomputed: [pairs, 2] (chosen, rejected) on the device
+  std::string table_path_, val_table_path_;
+  bool in_eval_ = false;
+  at::Tensor step_metrics_;  // the step's, kept while validation runs
 };
 
 }  // namespace nnstrain::align

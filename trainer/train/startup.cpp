@@ -603,6 +603,12 @@ Data open_data(const config::TrainerArgs& args, const models::CausalLM& model, c
                                                            args.global_batch_size, "dataset.train_args");
     train->check_vocab(model.vocab_size());
     d.train = std::move(train);
+    if (args.dataset.preference_val) {  // in the file's order (val_batch), whatever shuffle says
+      auto val = std::make_unique<data::PreferenceDataset>(*args.dataset.preference_val, 0, args.global_batch_size,
+                                                           "dataset.val_args");
+      val->check_vocab(model.vocab_size());
+      d.val = std::move(val);
+    }
   } else if (args.dataset.type == "indexed") {
     auto train = std::make_unique<data::IndexedDataset>(args.dataset.indexed_train, args.seed, args.global_batch_size,
                                                         "dataset.train_args");

@@ -782,15 +782,20 @@ void Trainer::evaluate() {
   // about once a second, as between training steps, and all leave together.
   StopDecision stop(rt_.get());
   int64_t done = 0;
+  if (align_) align_->begin_eval();  // the validation pairs' reference, their metrics apart from the step's
   for (; done < args_.max_val_steps; ++done) {
     auto b = cp_slice(data_.val->val_batch(done, dp_rank_ * micro_, micro_), plan_.context, cp_rank_);
     tr_.reducer->begin_forward();  // ZeRO-3: the parameters outside the blocks
     const auto docs = b.segments.defined() ? models::Documents{b.positions.to(device_), b.segments.to(device_)}
                                            : models::Documents{};
-    const auto count = target_count(b).to(device_);
+    if (align_) {
+      b.x = b.x.to(device_), b.y = b.y.to(device_), b.pair_index = b.pair_index.to(device_);
+      if (!tr_.pipeline) align_->before_forward(b);  // under pp the last stage's head asks for it
+    }
+    const auto count = (align_ ? align_->count(b) : target_count(b)).to(device_);
     at::Tensor mean;
     if (tr_.pipeline) {
-      mean = tr_.pipeline->eval_loss({b.x.to(device_), b.y.to(device_), docs.positions, docs.segments});
+      mean = tr_.pipeline->eval_loss({b.x.to(device_), b.y.to(device_), docs.positions, docs.segments, b.pair_index});
       rt_->all_reduce(rt_->pp, mean, "validation loss all-reduce (pipeline: from the last stage)");
     } else {
       mean = model_->loss(b.x.to(device_), b.y.to(device_), docs).detach().to(torch::kFloat32);
@@ -804,6 +809,8 @@ void Trainer::evaluate() {
   tr_.reducer->release_params();
   model_->train();
   if (done < args_.max_val_steps) {
+    nlohmann::json dropped;
+    if (align_) align_->end_eval(dropped);  // every rank leaves together (the stop decision is agreed)
     if (rank_ == 0)
       log::warn("step " + std::to_string(step_) + ": validation cut short by a stop request after " +
                 std::to_string(done) + " of " + std::to_string(args_.max_val_steps) + " batches; no val loss recorded");
@@ -811,9 +818,10 @@ void Trainer::evaluate() {
   }
   if (rt_) rt_->all_reduce(rt_->dp_cp, sum, "validation loss all-reduce");
   const double val_loss = sum[0].item<double>() / std::max(1.0, sum[1].item<double>());
+  nlohmann::json rec = {{"step", step_}, {"val_loss", val_loss}};
+  if (align_) align_->end_eval(rec);  // val_rewards/*, ... over every rank (a collective: before rank 0 alone goes on)
   if (rank_ != 0) return;
   log::info("step " + std::to_string(step_) + ": val loss " + fmt(val_loss));
-  const nlohmann::json rec = {{"step", step_}, {"val_loss", val_loss}};
   if (jsonl_) jsonl_->write(rec);
   if (tb_) tb_->write(rec);
 }
@@ -1106,7 +1114,7 @@ int train_loop(const config::TrainerArgs& args, const dist::DistEnv& env, const 
     a.begin_forward = [reducer] { reducer->begin_forward(); };
     a.end_forward = [reducer] { reducer->release_params(); };
     align = std::make_unique<align::Alignment>(a, local.model, *data.train);
-    align->prepare(*data.train);  // precomputed: the reference pass, before the first step
+    align->prepare(*data.train, data.val.get());  // precomputed: the reference pass, before the first step
     if (tr.pipeline) tr.pipeline->set_before_head([a = align.get()](const data::Batch& b) { a->before_forward(b); });
   }
   Trainer trainer(args, env, device, std::move(local.model), std::move(agreed), std::move(rt), std::move(tr),
