@@ -47,7 +47,7 @@ PreferenceDataset::PreferenceDataset(const config::PreferenceArgs& args, uint64_
       throw config::ConfigError(key + ".path: " + manifest_.prefix + ".idx: pair " + std::to_string(d) + " has " +
                                 std::to_string(reader_.doc_begin(d + 1) - s) +
                                 " sequences, not 3 (prompt, chosen, rejected)");
-    if (reader_.seq_length(s) >= args.seq_len)
+    if (reader_.seq_length(s) >= (args.pack ? args.seq_len / 2 : args.seq_len))
       throw config::ConfigError(key + ".seq_len: " + std::to_string(args.seq_len) + " tokens leave no completion " +
                                 "for pair " + std::to_string(d) + " of " + manifest_.path + " (its prompt has " +
                                 std::to_string(reader_.seq_length(s)) +
@@ -69,28 +69,44 @@ void PreferenceDataset::check_vocab(int64_t model_vocab) const {
 }
 
 Batch PreferenceDataset::rows(const std::vector<int64_t>& ids) const {
-  const int64_t P = int64_t(ids.size()), T = args_.seq_len;
-  auto x = torch::full({2 * P, T}, pad_id_, torch::kInt64), y = torch::full({2 * P, T}, kIgnoreTarget, torch::kInt64);
+  // Unpacked: rows [0, P) chosen, [P, 2P) rejected, each of seq_len. Packed: row i
+  // holds pair i's chosen (document 0) then rejected (document 1), each cut to
+  // seq_len / 2, the rest padding (document 2).
+  const bool pack = args_.pack;
+  const int64_t P = int64_t(ids.size()), T = args_.seq_len, L = pack ? T / 2 : T;
+  const int64_t R = pack ? P : 2 * P;
+  auto x = torch::full({R, T}, pad_id_, torch::kInt64), y = torch::full({R, T}, kIgnoreTarget, torch::kInt64);
+  at::Tensor pos, seg;
+  if (pack) pos = torch::zeros({R, T}, torch::kInt64), seg = torch::full({R, T}, 2, torch::kInt64);
   int64_t *px = x.data_ptr<int64_t>(), *py = y.data_ptr<int64_t>();
   std::vector<int64_t> tokens;
   for (int64_t i = 0; i < P; ++i) {
     const int64_t s = reader_.doc_begin(ids[size_t(i)]);
     const int64_t prompt = reader_.seq_length(s);
+    int64_t at = 0;  // packed: where this document starts in its row
     for (int which = 0; which < 2; ++which) {
       const int64_t comp = reader_.seq_length(s + 1 + which);
-      const int64_t n = std::min(prompt + comp, T);  // keep_start
+      const int64_t n = std::min(prompt + comp, L);  // keep_start
       tokens.resize(size_t(prompt + comp));
       reader_.read(reader_.seq_offset(s), prompt, tokens.data());
       reader_.read(reader_.seq_offset(s + 1 + which), comp, tokens.data() + prompt);
-      const int64_t r = which * P + i;
-      for (int64_t t = 0; t < n; ++t) px[r * T + t] = tokens[size_t(t)];
+      const int64_t r = pack ? i : which * P + i, o = r * T + (pack ? at : 0);
+      for (int64_t t = 0; t < n; ++t) px[o + t] = tokens[size_t(t)];
       // Position t predicts token t + 1: a target where that token is the completion's.
-      for (int64_t t = std::max<int64_t>(prompt - 1, 0); t + 1 < n; ++t) py[r * T + t] = tokens[size_t(t + 1)];
+      for (int64_t t = std::max<int64_t>(prompt - 1, 0); t + 1 < n; ++t) py[o + t] = tokens[size_t(t + 1)];
+      if (pack) {
+        for (int64_t t = 0; t < n; ++t) pos.data_ptr<int64_t>()[o + t] = t, seg.data_ptr<int64_t>()[o + t] = which;
+        at += n;
+      }
     }
+    if (pack)  // the padding's positions run on (it is its own document, never a target)
+      for (int64_t t = at; t < T; ++t) pos.data_ptr<int64_t>()[i * T + t] = t - at;
   }
   Batch b;
   b.x = x;
   b.y = y;
+  b.positions = pos;
+  b.segments = seg;
   b.pair_index = torch::tensor(ids, torch::kInt64);
   return b;
 }

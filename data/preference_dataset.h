@@ -3,7 +3,9 @@
 // each (prompt, chosen completion, rejected completion). A batch of P pairs is
 // 2P rows, chosen first, as TRL's concatenated forward: row = prompt then
 // completion, cut to seq_len from its start (TRL's max_length, keep_start),
-// padded; targets only on the completion's tokens. Pair order: global pair
+// padded; targets only on the completion's tokens. With pack: one row per pair,
+// chosen and rejected two documents of it (segments 0 and 1, padding 2), each
+// cut to seq_len / 2. Pair order: global pair
 // g = step x global_batch + position is pair permute(g mod N, N, key(seed,
 // epoch)) of the N pairs (the file's order without shuffle), so any rank
 // computes any batch (the data-stream contract of docs/data.md).

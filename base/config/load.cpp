@@ -336,6 +336,8 @@ PreferenceArgs read_preference(ArgMap& m, const PreferenceArgs* defaults) {
   if (a.path.empty()) m.fail("path", "must not be empty");
   a.seq_len = defaults ? m.get_int("seq_len", defaults->seq_len, 2) : m.get_int("seq_len", std::nullopt, 2);
   a.shuffle = m.get_bool("shuffle", defaults ? defaults->shuffle : true);
+  a.pack = m.get_bool("pack", defaults ? defaults->pack : false);
+  if (a.pack && a.seq_len % 2 != 0) m.fail("seq_len", std::to_string(a.seq_len) + " does not halve: pack puts chosen and rejected in halves of a row");
   return a;
 }
 

@@ -192,6 +192,9 @@ struct PreferenceArgs {
   std::string path;               // PREFIX or PREFIX.manifest.json
   int64_t seq_len = 0;            // tokens per row: TRL's max_length (longer rows keep their start)
   bool shuffle = true;            // pairs in a seeded order per epoch, else in the file's order
+  // One row per pair: chosen then rejected as two documents (attention within each,
+  // positions restarting), each cut to seq_len / 2 from its start; else two rows of seq_len.
+  bool pack = false;
 };
 
 struct DatasetArgs {

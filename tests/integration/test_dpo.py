@@ -428,3 +428,15 @@ def test_validation_pairs_equal_trls_evaluate(setup, reference):
     ref = {"loss": theirs["eval_loss"], **{k: theirs["eval_" + k] for k in METRICS}}
     assert abs(ours["rewards/margins"]) > 1e-3  # the trained policy is not its reference
     compare([ours], [ref], ["loss"] + METRICS)
+
+
+@pytest.mark.parametrize("reference", ["frozen", "precomputed"])
+def test_packed_pairs_equal_two_rows(setup, reference):
+    """pack: true puts each pair's chosen and rejected into one row of 2 x seq_len as two documents
+    (attention within each, positions restarting): every step equals the two-row run at seq_len."""
+    alignment = f"  loss_type: sigmoid\n  beta: {BETA}\n  reference: {reference}"
+    rows, _, _ = nnstrain_run(setup, f"rows_{reference}", alignment + own_table(setup, f"rows_{reference}", reference))
+    packed, rec, _ = nnstrain_run(setup, f"packed_{reference}", alignment + own_table(setup, f"packed_{reference}", reference),
+                                  "--dataset.train_args.seq_len", 2 * SEQ, "--dataset.train_args.pack", "true")
+    assert rec[0]["first_step"]["document_tiles"] > 0  # attention ran within the documents
+    compare(packed, rows, ["loss"] + METRICS)

@@ -56,6 +56,10 @@ class PreferenceObjective : public models::common::SequenceObjective {
 
   // Per row over its whole sequence (summed over the cp ranks' slices).
   at::Tensor row_sum(const at::Tensor& t, bool grad) const {
+    if (segments.defined()) {  // packed: [chosen of each row; rejected of each row], as two rows would give
+      const auto seg = segments.to(t.device());
+      return torch::cat({(t * seg.eq(0).to(t.scalar_type())).sum(1), (t * seg.eq(1).to(t.scalar_type())).sum(1)});
+    }
     auto r = t.sum(1);
     if (!cp_rt_) return r;
     if (grad) return CpRowSum::apply(r, reinterpret_cast<int64_t>(cp_rt_));
@@ -103,6 +107,7 @@ class PreferenceObjective : public models::common::SequenceObjective {
     return out.loss;
   }
 
+  at::Tensor segments;   // packed pairs ([P, T]: 0 chosen, 1 rejected, 2 padding); undefined: two rows a pair
   at::Tensor ref;        // [2P]: the reference's row sums for the next policy forward
   at::Tensor collected;  // collect: the last forward's row sums
   at::Tensor metrics;    // sums since begin_step (kMetricNames' order)
@@ -119,6 +124,12 @@ namespace {
 // The order of PreferenceObjective::metrics.
 enum Metric { kPairs, kRewChosen, kRewRejected, kAccuracy, kMargin, kLogpChosen, kLogpRejected, kLogitChosen,
               kTokChosen, kLogitRejected, kTokRejected, kNll, kLogOddsRatio, kLogOddsChosen, kNumMetrics };
+
+// A batch's packed documents for the model (undefined: two rows a pair).
+models::Documents documents(const data::Batch& b, const c10::Device& device) {
+  if (!b.segments.defined()) return {};
+  return {b.positions.to(device), b.segments.to(device)};
+}
 
 [[noreturn]] void refuse(const std::string& key, const std::string& why) { throw config::ConfigError(key + ": " + why); }
 
@@ -163,6 +174,9 @@ Alignment::Alignment(const AlignmentContext& ctx, std::shared_ptr<models::Causal
   if (plan.pipeline.pp > 1 && (a_.reference == "frozen" || a_.reference == "adapters_off"))
     refuse("alignment.reference", a_.reference + " under pipeline parallelism (pas_config.pp_size " +
                                       std::to_string(plan.pipeline.pp) + "): use precomputed or a reference-free loss");
+  if (args.dataset.preference_train.pack && plan.context.cp > 1)
+    refuse("dataset.train_args.pack", "true under compute_config.context_parallel_size " +
+                                          std::to_string(plan.context.cp) + ": a packed row's documents are not split by cp yet");
   if (args.compute_config.cuda_graphs == "true")
     refuse("compute_config.cuda_graphs", "true: a preference step reads its reference outside the graph; set auto or false");
   auto* head = policy_->lm_head_module();
@@ -254,8 +268,9 @@ at::Tensor Alignment::reference_table(const data::Dataset& dataset, const std::s
       collector_->collected = at::Tensor();
       b.x = b.x.to(ctx_.device);
       b.y = b.y.to(ctx_.device);
+      collector_->segments = b.segments;
       if (ctx_.pipeline_forward) ctx_.pipeline_forward(b);
-      else policy_->loss(b.x, b.y);
+      else policy_->loss(b.x, b.y, documents(b, ctx_.device));
       if (c < chunks && collector_->collected.defined()) {  // under pp: the last stage's ranks
         const auto sums = collector_->collected.to(torch::kFloat32);
         table.narrow(0, first, n).select(1, 0).copy_(sums.narrow(0, 0, n));
@@ -293,20 +308,22 @@ at::Tensor Alignment::reference_sums(const data::Batch& b) {
     const auto rows = table.index_select(0, b.pair_index.to(table.device()));  // [P, 2]
     return torch::cat({rows.select(1, 0), rows.select(1, 1)});
   }
+  collector_->segments = b.segments;
   if (a_.reference == "frozen") {
-    frozen_->loss(b.x, b.y);
+    frozen_->loss(b.x, b.y, documents(b, b.x.device()));
     return collector_->collected;
   }
   // adapters_off: the policy's own forward on its base (its train mode kept, as TRL's)
   models::lora::AdaptersOff off;
   auto* head = policy_->lm_head_module();
   head->objective = collector_;
-  policy_->loss(b.x, b.y);
+  policy_->loss(b.x, b.y, documents(b, b.x.device()));
   head->objective = objective_;
   return collector_->collected;
 }
 
 void Alignment::before_forward(const data::Batch& b) {
+  objective_->segments = b.segments;
   if (!a_.reference_free()) objective_->ref = reference_sums(b);
 }
 

@@ -688,8 +688,9 @@ void Trainer::log_progress() {
   const auto now = std::chrono::steady_clock::now();
   const double secs = std::chrono::duration<double>(now - interval_start_).count();
   const double ms_per_step = 1000.0 * secs / interval_steps_;
-  // A preference sample is a pair: two rows (chosen, rejected) of seq_len tokens.
-  const double tokens_per_s = interval_steps_ * global_batch_ * data_.seq_len * (align_ ? 2 : 1) / secs;
+  // A preference sample is a pair: two rows (chosen, rejected) of seq_len tokens, or one packed row.
+  const bool two_rows = align_ && !args_.dataset.preference_train.pack;
+  const double tokens_per_s = interval_steps_ * global_batch_ * data_.seq_len * (two_rows ? 2 : 1) / secs;
   nlohmann::json rec = {{"step", step_}, {"loss", loss}, {"lr", lr_}, {"grad_norm", gn},
                         {"tokens_per_s", tokens_per_s}, {"ms_per_step", ms_per_step},
                         {"peak_mem_mb", peak_memory_bytes(device_) / 1048576.0},

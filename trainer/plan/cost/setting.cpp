@@ -95,8 +95,8 @@ Setting setting(const PlanRequest& req, const ModelFacts& f, const Candidate& c,
   Setting x{req, a, f, c, pb, state_layout(a, f, c, pb, part.held)};
   x.t = c.tp;
   x.d = c.dp;
-  // Rows per micro-batch: a preference micro-batch of P pairs runs 2P (chosen, rejected; trainer/align).
-  x.b = double(a.micro_batch_size) * (a.alignment.enabled ? 2 : 1);
+  // Rows per micro-batch: a preference micro-batch of P pairs runs 2P (chosen, rejected; trainer/align), P packed.
+  x.b = double(a.micro_batch_size) * (a.alignment.enabled && !a.dataset.preference_train.pack ? 2 : 1);
   x.s = double(seq_len_of(a, f));
   x.h = double(f.dims.hidden);
   x.heads = double(f.dims.heads);
