@@ -83,11 +83,31 @@ at::Tensor LoraAdapter::weight(const at::Tensor& stored) const {
   return quantized() ? dequantize_nf4(quantized_, compute_) : stored;
 }
 
+// The input's dropout mask as one process draws it (torch's dropout: bernoulli_
+// over the input's shape, divided by 1 - p) from the generator every tp rank
+// holds alike: drawn over the whole input, this rank's part taken, so the
+// draws (and how many) are one process's. A row-parallel adapter's input holds
+// this rank's columns; a column-parallel one's under sequence parallelism this
+// rank's run of the B x T tokens (tp_ops.cpp).
+at::Tensor LoraAdapter::dropout_mask(const at::Tensor& x) const {
+  const double keep = 1.0 - shape_.dropout;
+  const auto& la = A->layout();
+  auto sizes = x.sizes().vec();
+  const int64_t width = sizes.back(), tokens = x.numel() / width;
+  const bool seq = ctx_.sp() && shape_.kind == BaseKind::Column;
+  sizes.back() = la.global_shape.at(1);
+  if (seq) sizes.at(1) *= ctx_.tp;
+  auto mask = torch::empty(sizes, x.options()).bernoulli_(keep).div_(keep);
+  if (sizes.back() != width) mask = mask.narrow(-1, la.blocks.at(0).offsets.at(1), width);
+  if (seq) mask = mask.reshape({-1, width}).narrow(0, ctx_.rank * tokens, tokens).view(x.sizes());
+  return mask;
+}
+
 at::Tensor LoraAdapter::delta(const at::Tensor& x) {
   if (AdaptersOff::active()) return {};
   namespace F = torch::nn::functional;
   auto in = x;
-  if (shape_.dropout > 0 && A->is_training()) in = F::dropout(in, F::DropoutFuncOptions().p(shape_.dropout).training(true));
+  if (shape_.dropout > 0 && A->is_training()) in = in * dropout_mask(in);
   at::Tensor a = A->weight, b = B->weight;
   const bool tp = ctx_.parallel();
   // The replicated matrix's gradient is partial on each rank: summed over the group.

@@ -66,6 +66,7 @@ class LoraAdapter : public common::LinearAdapter {
               const c10::TensorOptions& opts);
   at::Tensor weight(const at::Tensor& stored) const override;
   at::Tensor delta(const at::Tensor& x) override;
+  at::Tensor dropout_mask(const at::Tensor& x) const;  // lora.dropout's, drawn as one process would
 
   // Fills A and B as one process would (global tensors drawn from `seed`, this
   // rank's slices kept): A Kaiming-uniform (a = sqrt(5), peft's default) or

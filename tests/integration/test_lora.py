@@ -317,3 +317,23 @@ def test_generate_on_the_checkpoint_equals_peft(family, one):
     assert p.returncode == 0, p.stdout + p.stderr
     (s,) = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
     assert s["ids"] == want, f"nnstrain {s['ids']}\npeft {want}\nbase {plain}"
+
+
+def test_dropout_under_tp_equals_one_process(family, one, tmp_path):
+    """lora.dropout 0.1: tp 2 (with and without sequence parallelism) draws one process's masks, within 1e-5."""
+    if family["name"] != "llama":
+        pytest.skip("one family suffices")
+    drop = ["--lora.dropout", "0.1"]
+    cfg = config_file(tmp_path / "d.yaml", family, tmp_path / "one", steps=4)
+    p = nnstrain("--config", cfg, *drop)
+    assert p.returncode == 0, p.stdout + p.stderr
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")[0]}
+    assert max(rel(want[s], one["losses"][s]) for s in want) > 1e-4, "dropout changed nothing: it did not run"
+    for name, extra in (("tp2_sp", []), ("tp2", ["--compute_config.sequence_parallel", "false"])):
+        ranks, plan = PLANS["tp2"]
+        d, overrides = tmp_path / name, [*plan, *extra]
+        cfg = config_file(tmp_path / f"{name}.yaml", family, d, steps=4)
+        got = run_ranks(ranks, d, ["--config", str(cfg), *drop, *overrides], overrides)
+        worst = max(rel(got[s][0], want[s]) for s in want)
+        print(f"{name}: dropout 0.1, worst loss difference to one process: {worst:.2e}")
+        assert worst <= 1e-5, (name, got, want)
