@@ -316,6 +316,7 @@ IndexedArgs read_indexed(const std::shared_ptr<Impl>& impl, const IndexedArgs* d
     src.weight = item.get_float("weight", 1.0);
     if (!(src.weight > 0) || !std::isfinite(src.weight))
       item.fail("weight", "must be a positive number, got " + format_double(src.weight));
+    src.allow_other_chat_template = item.get_bool("allow_other_chat_template", false);
     item.finish();
     a.datasets.push_back(src);
     sources->push_back(item);
@@ -1145,9 +1146,9 @@ TrainerArgs load_trainer_args_from_text(const std::string& text, const std::stri
                                      "compute_config.cuda_graphs: false or document_mask: false");
   if (opts.check_files) {
     if (indexed) {
-      const IndexedKeys train{train_args, train_sources, t.dataset.indexed_train};
+      const IndexedKeys train{train_args, train_sources, t.dataset.indexed_train, t.model.init_from};
       std::optional<IndexedKeys> val;
-      if (val_args) val.emplace(IndexedKeys{*val_args, val_sources, *t.dataset.indexed_val});
+      if (val_args) val.emplace(IndexedKeys{*val_args, val_sources, *t.dataset.indexed_val, t.model.init_from});
       required(opts.checks.indexed_datasets, "indexed_datasets")(train, val ? &*val : nullptr);
     } else if (!preference) {  // a preference dataset's manifest is read when the run opens it (data/preference_dataset)
       check_token_file(train_args, t.dataset.train_args);

@@ -51,6 +51,7 @@ struct IndexedKeys {
   const ArgMap& args;
   const std::vector<ArgMap>& datasets;
   const IndexedArgs& values;
+  const std::string& init_from;  // model.init_from ("": none): its chat template against the datasets'
 };
 
 // The checks that need a module above base/ (base/ includes nothing from trainer/,

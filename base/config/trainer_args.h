@@ -177,6 +177,7 @@ struct TokenBinArgs {
 struct IndexedSource {
   std::string path;               // PREFIX or PREFIX.manifest.json
   double weight = 1.0;            // blending weight (> 0; normalised over the list)
+  bool allow_other_chat_template = false;  // chat data prepared with another template than model.init_from's
 };
 struct IndexedArgs {
   std::vector<IndexedSource> datasets;

@@ -8,7 +8,9 @@
 namespace nnstrain::indexed {
 
 // Each dataset's manifest and its .bin/.idx; one tokenizer for all (train and
-// val); the join token exists; mask_prompt has instruction data to act on.
+// val); the join token exists; mask_prompt has instruction data to act on;
+// chat data was rendered with model.init_from's chat template, where both are
+// known, unless the dataset sets allow_other_chat_template.
 // Fails through the ArgMaps it is given (config::ConfigError naming key and line).
 void check_config_datasets(const config::IndexedKeys& train, const config::IndexedKeys* val);
 

@@ -89,6 +89,8 @@ Manifest read_manifest(const std::string& path) {
       const auto& st = j["settings"];
       if (st.contains("max_tokens") && st["max_tokens"].is_number_integer())
         m.max_tokens = std::max<int64_t>(0, st["max_tokens"].get<int64_t>());
+      m.chat_template_sha256 = st.value("chat_template_sha256", "");
+      m.chat_template_source = st.value("chat_template_source", "");
     }
   } catch (const std::exception& e) {
     throw std::runtime_error("dataset manifest '" + m.path + "': " + e.what());

@@ -41,6 +41,9 @@ struct Manifest {
   // Chat data prepared with --max-tokens N (settings.max_tokens): no conversation
   // is longer than N tokens; 0: no cap recorded.
   int64_t max_tokens = 0;
+  // Chat data: the SHA-256 of the template text it was rendered with and where that
+  // text came from (settings.chat_template_sha256/_source); "" for other data.
+  std::string chat_template_sha256, chat_template_source;
 };
 constexpr int kPreferenceSequences = 3;
 // `path` is PREFIX or PREFIX.manifest.json. Throws std::runtime_error naming the file.

@@ -179,3 +179,56 @@ def test_seq_len_shorter_than_the_prepared_cap_is_refused(chat_data, tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "dataset.train_args.seq_len: 32 is shorter than the 64 tokens" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_dataset_prepared_with_another_template_than_the_models_is_refused(chat_data, tmp_path):
+    """The data was rendered with llama3's template (its manifest records the text's SHA-256); a model
+    folder whose tokenizer_config.json holds ChatML's is refused naming the dataset and both hashes,
+    unless the dataset sets allow_other_chat_template (then it trains); on a folder holding llama3's
+    own template the key is meaningless and refused."""
+    import hashlib
+
+    import torch
+    import transformers
+    from chat_common import TEMPLATES
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=416, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    folders = {}
+    for name in ("chatml", "llama3"):
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
+        folders[name] = write_tokenizer(tmp_path / name, name)
+    sha = {name: hashlib.sha256(TEMPLATES[name].encode()).hexdigest() for name in folders}
+    manifest = json.loads((chat_data / "chat.manifest.json").read_text())
+    assert manifest["settings"]["chat_template_sha256"] == sha["llama3"], manifest["settings"]
+
+    def run(folder, *extra):
+        args = [nnstrain_bin_path(), "--config", str(SOURCE / "configs" / "llama3_chat_sft.yaml"),
+                "--vars.hf_model", str(folder), "--vars.data", str(chat_data / "chat"), "--vars.seq_len", "64",
+                "--run_dir", str(tmp_path / "run"), "--checkpoint.save_dir", str(tmp_path / "ckpt"),
+                "--compute_config.device", "cpu", "--precision", "32-true", "--pas_policy", "dp",
+                "--global_batch_size", "2", "--micro_batch_size", "2", "--max_epochs", "0", "--max_train_steps", "1",
+                "--lr_scheduler.args.warmup_steps", "0", "--model.activation_checkpointing", "false", *extra]
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings"):
+            args += [f"--model.args.{k}", str(getattr(cfg, k))]
+        return subprocess.run(args, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=120)
+
+    allow = ["--dataset.train_args.datasets.0.allow_other_chat_template", "true"]
+    p = run(folders["chatml"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = "dataset.train_args.datasets[0].path"
+    assert line in p.stderr and str(chat_data / "chat.manifest.json") in p.stderr, p.stderr
+    assert f"chat template {sha['llama3'][:16]}... (built-in llama3)" in p.stderr, p.stderr
+    assert f"model.init_from's is {sha['chatml'][:16]}..." in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 2, p.stderr
+
+    p = run(folders["chatml"], *allow)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) >= 1
+
+    p = run(folders["llama3"], *allow)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert ("dataset.train_args.datasets[0].allow_other_chat_template" in p.stderr
+            and "model.init_from's own chat template" in p.stderr), p.stderr
