@@ -181,7 +181,8 @@ def compare(ours, theirs, keys, tol=1e-5, beta=BETA):
 
 @pytest.mark.parametrize("loss_type,reference,family", [
     ("sigmoid", "frozen", "hf"), ("sigmoid", "precomputed", "hf"), ("ipo", "frozen", "hf"),
-    ("hinge", "precomputed", "hf"), ("sigmoid", "frozen", "qwen2")])
+    ("ipo", "precomputed", "hf"), ("hinge", "frozen", "hf"), ("hinge", "precomputed", "hf"),
+    ("sigmoid", "frozen", "qwen2")])
 def test_dpo_equals_trl(setup, loss_type, reference, family):
     setup = dict(setup, hf=setup[family])
     theirs = trl_dpo(setup, loss_type, reference == "precomputed")
