@@ -7,9 +7,8 @@
 #include "base/config/arg_map.h"
 
 namespace nnstrain::models::moe {
-namespace {
-
-using llama::hf_get_or;
+// A named namespace so a unity batch holding moe_lm.cpp (its own Parsed, finish) still compiles.
+namespace gpt_oss_detail {
 
 struct Parsed : MoeLmConfig {
   bool mixture_of_experts() const override { return true; }
@@ -86,7 +85,9 @@ std::shared_ptr<const config::ModelConfig> parse_args(config::ArgMap& a) {
   return c;
 }
 
-}  // namespace
+}  // namespace gpt_oss_detail
+
+using llama::hf_get_or;
 
 std::shared_ptr<const MoeLmConfig> gpt_oss_config_from_hf(const nlohmann::json& j_in) {
   auto j = j_in;
@@ -102,7 +103,7 @@ std::shared_ptr<const MoeLmConfig> gpt_oss_config_from_hf(const nlohmann::json& 
     if (!j.contains("rope_theta")) j["rope_theta"] = 150000.0;
   }
   const auto base = llama::config_from_hf(j);
-  auto c = std::make_shared<Parsed>();
+  auto c = std::make_shared<gpt_oss_detail::Parsed>();
   static_cast<llama::LlamaConfig&>(*c) = *base;
   c->model_type = "gpt_oss";
   c->sliding_window = j.at("sliding_window").is_null() ? 0 : hf_get_or<int64_t>(j, "sliding_window", 128);
@@ -124,8 +125,8 @@ std::shared_ptr<const MoeLmConfig> gpt_oss_config_from_hf(const nlohmann::json& 
     o.router_aux_loss_coef = 0.0;
   if (hf_get_or<double>(j, "attention_dropout", 0.0) != 0.0)
     throw std::runtime_error("config.json: attention_dropout is not 0: gpt_oss's sink attention is trained here without dropout");
-  if (const auto p = problem(*c, o)) throw std::runtime_error("config.json: " + p->first + " " + p->second);
-  finish(*c, o);
+  if (const auto p = gpt_oss_detail::problem(*c, o)) throw std::runtime_error("config.json: " + p->first + " " + p->second);
+  gpt_oss_detail::finish(*c, o);
   return c;
 }
 
@@ -172,7 +173,7 @@ nlohmann::json GptOss::hf_config() const {
 }
 
 ModelEntry gpt_oss_entry() {
-  ModelEntry e{"gpt_oss", parse_args,
+  ModelEntry e{"gpt_oss", gpt_oss_detail::parse_args,
                nullptr,  // registry: build_sharded + fresh initialisation
                [](const config::ModelConfig& c, const common::ShardingContext& ctx) -> std::shared_ptr<CausalLM> {
                  return std::make_shared<GptOss>(dynamic_cast<const MoeLmConfig&>(c), ctx);
