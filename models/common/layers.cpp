@@ -147,6 +147,13 @@ void ShardedModule::freeze_parameter(const std::string& name) {
 namespace {
 // The adapter's weight and output term, if one is attached.
 at::Tensor weight_of(const std::shared_ptr<LinearAdapter>& a, const at::Tensor& w) { return a ? a->weight(w) : w; }
+// The base's linear: the adapter's where it computes one, else the layer's (deferrable) with its weight.
+at::Tensor base_linear(const std::shared_ptr<LinearAdapter>& a, const at::Tensor& x, const at::Tensor& w,
+                       const at::Tensor& bias = {}) {
+  if (a)
+    if (auto y = a->linear(x, bias); y.defined()) return y;
+  return deferrable_linear(x, weight_of(a, w), bias);
+}
 at::Tensor plus_delta(const std::shared_ptr<LinearAdapter>& a, at::Tensor y, const at::Tensor& x) {
   if (!a) return y;
   auto d = a->delta(x);
@@ -187,7 +194,7 @@ void LinearImpl::rebind() {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  return plus_delta(adapter, deferrable_linear(x, weight_of(adapter, weight), bias), x);
+  return plus_delta(adapter, base_linear(adapter, x, weight, bias), x);
 }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim, InitRule init, const c10::TensorOptions& opts) {
@@ -277,11 +284,11 @@ void ColumnParallelLinearImpl::rebind() {
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  const auto w = weight_of(adapter, weight);
-  if (!ctx_.parallel()) return plus_delta(adapter, deferrable_linear(x, w, bias), x);
-  if (ctx_.sp()) return plus_delta(adapter, sequence_parallel_linear(x, w, bias, ctx_.tp, ctx_.comm), x);
+  if (!ctx_.parallel()) return plus_delta(adapter, base_linear(adapter, x, weight, bias), x);
+  // (Under sequence parallelism a QLoRA weight is dequantized once and kept for backward.)
+  if (ctx_.sp()) return plus_delta(adapter, sequence_parallel_linear(x, weight_of(adapter, weight), bias, ctx_.tp, ctx_.comm), x);
   const auto xt = copy_to_tp(x, ctx_.comm);
-  return plus_delta(adapter, deferrable_linear(xt, w, bias), xt);
+  return plus_delta(adapter, base_linear(adapter, xt, weight, bias), xt);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const ShardingContext& ctx, int64_t in, int64_t out, int64_t unit,
@@ -299,9 +306,8 @@ void RowParallelLinearImpl::rebind() {
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  const auto w = weight_of(adapter, weight);
-  if (!ctx_.parallel()) return plus_delta(adapter, deferrable_linear(x, w, bias), x);
-  const auto partial = plus_delta(adapter, deferrable_linear(x, w), x);  // the adapter's part summed with the layer's
+  if (!ctx_.parallel()) return plus_delta(adapter, base_linear(adapter, x, weight, bias), x);
+  const auto partial = plus_delta(adapter, base_linear(adapter, x, weight), x);  // the adapter's part summed with the layer's
   // Under sequence parallelism the bias is added to the shard, its gradient whole from the gathered one.
   if (ctx_.sp()) return reduce_scatter_to_seq(partial, ctx_.tp, ctx_.comm, bias);
   auto y = reduce_from_tp(partial, ctx_.comm);

@@ -47,6 +47,9 @@ class LinearAdapter {
  public:
   virtual ~LinearAdapter() = default;
   virtual at::Tensor weight(const at::Tensor& stored) const { return stored; }
+  // The base's own `x W^T + b`, where the adapter computes it itself (QLoRA:
+  // dequantized again in backward instead of kept); undefined: the layer's.
+  virtual at::Tensor linear(const at::Tensor& x, const at::Tensor& bias) const { return {}; }
   virtual at::Tensor delta(const at::Tensor& x) = 0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <optional>
 
 #include "models/common/tp_ops.h"
 
@@ -81,6 +82,32 @@ void LoraAdapter::init(const std::string& kind, uint64_t seed) {
 
 at::Tensor LoraAdapter::weight(const at::Tensor& stored) const {
   return quantized() ? dequantize_nf4(quantized_, compute_) : stored;
+}
+
+namespace {
+// The NF4 base's matmul. The graph holds the adapter by address: a model
+// outlives the backward of its own forward.
+struct Nf4LinearFunction : torch::autograd::Function<Nf4LinearFunction> {
+  // The frozen bias travels as an optional, not as an input: autograd asks every
+  // tensor input for its device, and a layer without one has an undefined bias.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const std::optional<at::Tensor>& bias, int64_t adapter) {
+    ctx->saved_data["adapter"] = adapter;
+    const auto w = reinterpret_cast<const LoraAdapter*>(adapter)->weight({});
+    return at::linear(x, w, bias);  // w freed here, not saved
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const auto* a = reinterpret_cast<const LoraAdapter*>(ctx->saved_data["adapter"].toInt());
+    return {grad[0].matmul(a->weight({})), at::Tensor(), at::Tensor()};  // the frozen bias has no gradient
+  }
+};
+}  // namespace
+
+at::Tensor LoraAdapter::linear(const at::Tensor& x, const at::Tensor& bias) const {
+  if (!quantized()) return {};
+  const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  return Nf4LinearFunction::apply(x, b, reinterpret_cast<int64_t>(this));
 }
 
 // The input's dropout mask as one process draws it (torch's dropout: bernoulli_

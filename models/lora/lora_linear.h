@@ -65,6 +65,10 @@ class LoraAdapter : public common::LinearAdapter {
   LoraAdapter(const AdapterShape& shape, const common::ShardingContext& ctx, const common::ParamLayout& base_weight,
               const c10::TensorOptions& opts);
   at::Tensor weight(const at::Tensor& stored) const override;
+  // QLoRA: x W^T + b with W dequantized in forward and again in backward for
+  // x's gradient, so no layer's dequantized weight lives from forward to
+  // backward (W is frozen: it needs no gradient). Undefined unless quantized.
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& bias) const override;
   at::Tensor delta(const at::Tensor& x) override;
   at::Tensor dropout_mask(const at::Tensor& x) const;  // lora.dropout's, drawn as one process would
 

@@ -222,6 +222,25 @@ def test_plans_equal_one_process(family, one):
             assert lo["frozen_requiring_grad"] == 0 and lo["frozen_tensors"] > 0, (plan, rank, lo)
             fz = rec["first_step"]["lora_frozen"]
             assert fz["with_grad"] == 0 and fz["requiring_grad"] == 0, (plan, rank, fz)
+        check_planner(cfg, ranks, overrides, d, plan)
+
+
+def check_planner(cfg, ranks, overrides, run_dir, plan):
+    """`nnstrain plan` for the run's config and world prices what the run held: the frozen base
+    (the converter's bytes, from the record) and the training state (the log's bytes held between
+    steps) of one of its ranks, the adapters alone."""
+    p = nnstrain("plan", "--config", cfg, "--runtime-ngpus", ranks, "--json", *overrides)
+    assert p.returncode == 0, p.stdout + p.stderr
+    est = json.loads(p.stdout)["plan"]["estimate"]
+    recs = active_records(run_dir, ranks)
+    held = held_between_steps(run_dir, ranks)
+    ran = [(recs[r]["lora"]["frozen_bytes"], held[r]["param"] + held[r]["grad"] + held[r]["master"] + held[r]["moments"],
+            recs[r]["lora"]["state_adapter_params"]) for r in recs]
+    state = est["param_bytes"] + est["grad_bytes"] + est["optim_bytes"]
+    print(f"{plan}: planner frozen {est['frozen_bytes']:.0f} B, state {state:.0f} B; ranks (frozen, state): {ran}")
+    # The estimate is one rank's (the largest's): its frozen base exactly, its state within the
+    # flat layout's padding (under 16 elements a tensor, 16 bytes an element at 32-true with AdamW).
+    assert any(est["frozen_bytes"] == f and abs(state - h) <= 16 * 16 * n for f, h, n in ran), (plan, est, ran)
 
 
 def test_resume_refuses_another_base(family, one, tmp_path):
@@ -298,6 +317,18 @@ def test_qlora_equals_peft_with_bitsandbytes(tmp_path, tiny_tokens):
           f"loss {want[0]:.4f} -> {want[-1]:.4f} (fp32 base: {float_losses[0]:.4f}); frozen base {rec['frozen_bytes']} bytes")
     assert len(got) == QSTEPS and worst <= 1e-5, (got, want)
     assert sum(got[-3:]) < sum(got[:3]), got  # a falling curve
+    # Backward dequantizes again (LoraAdapter::linear): the forward keeps no dequantized weight, so
+    # QLoRA's activations are LoRA's (same model and batch), not LoRA's plus the adapted weights.
+    p = nnstrain("--config", config_file(tmp_path / "l.yaml", fam, tmp_path / "lora", steps=2))
+    assert p.returncode == 0, p.stdout + p.stderr
+    act = {name: max(r["activation_mb"] for r in read_metrics(tmp_path / name / "metrics.jsonl")[0] if "activation_mb" in r)
+           for name in ("run", "lora")}
+    h, f, kv = QLORA_MODEL["hidden_size"], QLORA_MODEL["intermediate_size"], QLORA_MODEL["num_key_value_heads"]
+    kv_width = kv * h // QLORA_MODEL["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * kv_width * h + 3 * f * h  # q, o; k, v; gate, up, down
+    dequantized = QLORA_MODEL["num_hidden_layers"] * per_layer * 4 / 2**20  # fp32
+    print(f"activations: QLoRA {act['run']:.3f} MiB, LoRA {act['lora']:.3f} MiB; the adapted weights {dequantized:.3f} MiB")
+    assert act["run"] - act["lora"] < 0.25 * dequantized, (act, dequantized)
     assert abs(got[0] - float_losses[0]) > 1e-4, (got[0], float_losses[0])  # the NF4 base is not the float one
 
 
@@ -337,3 +368,33 @@ def test_dropout_under_tp_equals_one_process(family, one, tmp_path):
         worst = max(rel(got[s][0], want[s]) for s in want)
         print(f"{name}: dropout 0.1, worst loss difference to one process: {worst:.2e}")
         assert worst <= 1e-5, (name, got, want)
+
+
+def test_planner_prices_the_frozen_base_and_chooses_with_it(family, one, tmp_path):
+    """One process: the plan shows what trains and the frozen base (--explain); a budget the
+    LoRA run fits in and full training of the same model does not: the first plans, the second
+    is refused, naming the budget."""
+    if family["name"] != "llama":
+        pytest.skip("one family suffices")
+    check_planner(one["cfg"], 1, [], one["dir"], "one")
+    p = nnstrain("plan", "--config", one["cfg"], "--explain")
+    assert p.returncode == 0, p.stderr
+    assert "trains: lora r 8 on 21 linear layers" in p.stdout and "frozen base" in p.stdout, p.stdout
+    est = json.loads(nnstrain("plan", "--config", one["cfg"], "--json").stdout)["plan"]["estimate"]
+    full_cfg = tmp_path / "full.yaml"
+    text = one["cfg"].read_text()
+    full_cfg.write_text(text[:text.index("lora:")] + text[text.index("optimizer:"):])
+    full = nnstrain("plan", "--config", full_cfg, "--json")
+    assert full.returncode == 0, full.stderr
+    full_est = json.loads(full.stdout)["plan"]["estimate"]
+    assert est["total_bytes"] < full_est["total_bytes"], (est, full_est)
+    # Frozen weights skip their weight gradients: less compute than full training's.
+    assert est["compute_s"] < full_est["compute_s"], (est, full_est)
+    # Between the two: LoRA's plan stays as it is, full training's must recompute activations to fit.
+    budget = str((est["total_bytes"] + full_est["total_bytes"]) / 2 / 2**30)
+    plans = {}
+    for name, cfg in (("lora", one["cfg"]), ("full", full_cfg)):
+        p = nnstrain("plan", "--config", cfg, "--memory-budget-gb", budget, "--json")
+        assert p.returncode == 0, p.stdout + p.stderr
+        plans[name] = json.loads(p.stdout)["plan"]
+    assert not any(plans["lora"]["recompute"]) and any(plans["full"]["recompute"]), plans

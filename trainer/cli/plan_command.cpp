@@ -23,6 +23,7 @@
 #include "trainer/plan/plan.h"
 #include "trainer/pipeline/schedule.h"
 #include "trainer/plan/planner.h"
+#include "trainer/lora/converter.h"
 
 namespace nnstrain::cli {
 
@@ -199,6 +200,12 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out, std::ostr
     req.search_pipeline = req.search_context = true;
     const auto model = build_model_for_planning(targs);
     req.model = model.get();
+    if (targs.lora.enabled) {  // as the trainer plans it (train/startup.cpp decide_plan)
+      const auto base = optim::precision_setup(targs.precision, cc.reduce_dtype).param;
+      req.adjust_facts = [&targs, &model, base](parallel::ModelFacts& f) {
+        lora::lora_plan_facts(*model, targs.lora, base, f);
+      };
+    }
 
     std::vector<parallel::Rejected> rejected;
     const auto plan = parallel::make_plan(req, &rejected);

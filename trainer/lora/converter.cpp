@@ -10,11 +10,13 @@
 
 #include "base/config/arg_map.h"
 #include "base/log.h"
+#include "base/text.h"
 #include "models/lora/lora_linear.h"
 #include "models/model.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/tensor_io.h"
 #include "trainer/lora/peft_io.h"
+#include "trainer/plan/cost_model.h"
 
 namespace fs = std::filesystem;
 
@@ -131,6 +133,54 @@ void load_peft(const config::LoraArgs& args, const std::vector<std::pair<LinearR
                                 "adapter (lora.target_modules)");
 }
 
+// What lora.target_modules and modules_to_save name: the linears to adapt
+// (every target must name one) and the modules trained whole.
+struct Selection {
+  std::vector<LinearRef> chosen;
+  std::vector<std::string> saved;  // our module names
+  bool is_saved(const std::string& name) const {
+    for (const auto& s : saved)
+      if (name == s || name.rfind(s + ".", 0) == 0) return true;
+    return false;
+  }
+};
+
+Selection select_targets(models::CausalLM& model, const config::LoraArgs& args,
+                         const std::map<std::string, std::string>& hf) {
+  Selection sel;
+  const auto all = linears(model, hf);
+  const bool all_linear = args.target_modules.size() == 1 && args.target_modules[0] == "all-linear";
+  std::set<std::string> chosen_names;
+  for (const auto& key : args.target_modules) {
+    int hits = 0;
+    for (const auto& l : all)
+      if (all_linear || matches(key, l.hf) || matches(key, l.name)) {
+        ++hits;
+        if (chosen_names.insert(l.name).second) sel.chosen.push_back(l);
+      }
+    if (!hits) {
+      std::set<std::string> leaves;
+      for (const auto& l : all) leaves.insert(l.hf.substr(l.hf.rfind('.') + 1));
+      std::string names;
+      for (const auto& n : leaves) names += (names.empty() ? "" : ", ") + n;
+      throw config::ConfigError("lora.target_modules: '" + key + "' matches no linear layer of the model (its linear layers: " + names + ")");
+    }
+  }
+  // modules_to_save: whole modules, matched as targets are, over every module.
+  for (const auto& key : args.modules_to_save) {
+    int hits = 0;
+    for (const auto& item : model.named_modules("", false)) {
+      const auto it = hf.find(item.key());
+      if (matches(key, it == hf.end() ? item.key() : it->second) || matches(key, item.key())) {
+        ++hits;
+        sel.saved.push_back(item.key());
+      }
+    }
+    if (!hits) throw config::ConfigError("lora.modules_to_save: '" + key + "' matches no module of the model");
+  }
+  return sel;
+}
+
 }  // namespace
 
 std::map<std::string, std::string> hf_module_names(const models::CausalLM& model) {
@@ -206,44 +256,10 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
   rep.base_dir = base_dir;
   rep.base_sha256 = base_dir.empty() ? "fresh-init seed " + std::to_string(seed) : base_identity(base_dir);
   const auto hf = hf_module_names(model);
-  const auto all = linears(model, hf);
-  const bool all_linear = args.target_modules.size() == 1 && args.target_modules[0] == "all-linear";
-  // Which linears each target names (every target must name one).
-  std::vector<LinearRef> chosen;
-  std::set<std::string> chosen_names;
-  for (const auto& key : args.target_modules) {
-    int hits = 0;
-    for (const auto& l : all)
-      if (all_linear || matches(key, l.hf) || matches(key, l.name)) {
-        ++hits;
-        if (chosen_names.insert(l.name).second) chosen.push_back(l);
-      }
-    if (!hits) {
-      std::set<std::string> leaves;
-      for (const auto& l : all) leaves.insert(l.hf.substr(l.hf.rfind('.') + 1));
-      std::string names;
-      for (const auto& n : leaves) names += (names.empty() ? "" : ", ") + n;
-      throw config::ConfigError("lora.target_modules: '" + key + "' matches no linear layer of the model (its linear layers: " + names + ")");
-    }
-  }
-  // modules_to_save: whole modules, matched as targets are, over every module.
-  std::vector<std::string> saved;
-  for (const auto& key : args.modules_to_save) {
-    int hits = 0;
-    for (const auto& item : model.named_modules("", false)) {
-      const auto it = hf.find(item.key());
-      if (matches(key, it == hf.end() ? item.key() : it->second) || matches(key, item.key())) {
-        ++hits;
-        saved.push_back(item.key());
-      }
-    }
-    if (!hits) throw config::ConfigError("lora.modules_to_save: '" + key + "' matches no module of the model");
-  }
-  auto is_saved = [&](const std::string& name) {
-    for (const auto& s : saved)
-      if (name == s || name.rfind(s + ".", 0) == 0) return true;
-    return false;
-  };
+  const auto sel = select_targets(model, args, hf);
+  const auto& chosen = sel.chosen;
+  const auto& saved = sel.saved;
+  auto is_saved = [&](const std::string& name) { return sel.is_saved(name); };
   // The adapters, on the held layers only (a pipeline rank's stages).
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   models::lora::AdapterShape shape;
@@ -311,6 +327,78 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
   g_report = rep;
   g_applied = true;
   return rep;
+}
+
+// The planner's view (trainer/plan/cost_model.h ParamFact::frozen_bytes): the
+// base as apply_lora leaves it, without building anything. The adapters follow
+// their layer's own parameters, as the module tree registers them.
+void lora_plan_facts(const models::CausalLM& model, const config::LoraArgs& args, c10::ScalarType base_dtype,
+                     parallel::ModelFacts& f) {
+  auto& m = const_cast<models::CausalLM&>(model);  // only read: named_modules() is not const
+  const auto hf = hf_module_names(m);
+  const auto sel = select_targets(m, args, hf);
+  std::map<std::string, BaseKind> adapted;
+  for (const auto& l : sel.chosen)
+    if (!sel.is_saved(l.name)) adapted.emplace(l.name, l.kind);
+  const double elem = double(c10::elementSize(base_dtype));
+  // NF4: a code per half byte and an fp32 absmax per 64 (double_quant: a byte, an fp32 scale per 256 of those).
+  const double nf4 = 0.5 + (args.double_quant ? (1.0 + 4.0 / 256) / 64 : 4.0 / 64);
+  const bool quantize = args.base_quantization == "nf4";
+  auto module_of = [](const std::string& param) { return param.substr(0, param.rfind('.')); };
+  const double V = double(f.dims.vocab), h = double(f.dims.hidden);
+  std::vector<parallel::ParamFact> out;
+  std::vector<int> units;
+  double adapter_elements = 0, frozen_elements = 0, trained_elements = 0;
+  bool outer_all_frozen = true, outer_any = false;  // the embedding and head (CausalLM::flops_per_token's 6 V h)
+  for (size_t i = 0; i < f.params.size(); ++i) {
+    auto p = f.params[i];
+    const auto module = module_of(p.name);
+    const auto it = adapted.find(module);
+    if (!sel.is_saved(module)) {
+      p.frozen_bytes = quantize && it != adapted.end() && p.name == module + ".weight" ? nf4 : elem;
+      frozen_elements += double(p.numel);
+      // Its weight gradient's 2 FLOPs per element per token are not run (experts: not counted here).
+      if (p.shape.size() == 2 && p.split.style != models::SplitStyle::Expert && p.unit >= 0)
+        f.frozen_weight_grad_flops += 2.0 * double(p.numel);
+    } else {
+      trained_elements += double(p.numel);
+    }
+    if (p.unit < 0 && p.shape.size() == 2 && double(p.shape[0]) >= V) outer_any = true, outer_all_frozen &= p.frozen();
+    out.push_back(p);
+    units.push_back(f.zero3_units.at(i));
+    const bool last_of_module = i + 1 == f.params.size() || module_of(f.params[i + 1].name) != module;
+    if (it == adapted.end() || !last_of_module) continue;
+    const parallel::ParamFact* w = nullptr;
+    for (const auto& q : f.params)
+      if (q.name == module + ".weight") w = &q;
+    if (!w || w->shape.size() != 2) continue;
+    const int64_t o = w->shape[0], in = w->shape[1], r = args.r;
+    parallel::ParamFact a, b;  // A [r, in], B [out, r], split as adapter_layouts splits them (models/lora)
+    a.name = module + ".lora_A.weight", a.shape = {r, in}, a.numel = r * in, a.unit = w->unit;
+    b.name = module + ".lora_B.weight", b.shape = {o, r}, b.numel = o * r, b.unit = w->unit;
+    a.split.param = a.name, b.split.param = b.name;
+    if (it->second == BaseKind::Column && w->split.style == models::SplitStyle::Column) {
+      b.split = w->split, b.split.param = b.name;
+    } else if (it->second == BaseKind::Row && w->split.style == models::SplitStyle::Row) {
+      a.split = w->split, a.split.param = a.name;
+    }
+    for (auto* ad : {&a, &b}) {
+      out.push_back(*ad);
+      units.push_back(f.zero3_units.at(i));
+      adapter_elements += double(ad->numel);
+    }
+    f.adapter_flops += 6.0 * double(r * (in + o));
+  }
+  if (outer_any && outer_all_frozen) f.frozen_weight_grad_flops += 2.0 * V * h;  // the head's
+  f.params = std::move(out);
+  f.zero3_units = std::move(units);
+  auto count = [](double n) { return util::fixed(n / 1e6, 2) + "M"; };
+  f.frozen_what = "lora r " + std::to_string(args.r) + " on " + std::to_string(adapted.size()) +
+                  " linear layers: " + count(adapter_elements) + " adapter elements" +
+                  (trained_elements > 0 ? " and " + count(trained_elements) + " in modules_to_save" : std::string()) +
+                  " trained; the base's " + count(frozen_elements) + " frozen, held as buffers in " +
+                  (quantize ? "NF4 (adapted weights) and " : "") + std::string(c10::toString(base_dtype)) +
+                  " (no gradients, masters or optimizer state; not ZeRO-sharded)";
 }
 
 }  // namespace nnstrain::lora

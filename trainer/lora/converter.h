@@ -28,6 +28,10 @@ struct ShardingContext;
 }
 }  // namespace nnstrain::models
 
+namespace nnstrain::parallel {
+struct ModelFacts;
+}
+
 namespace nnstrain::lora {
 
 // What apply_lora did on this rank (logged; the run's record shows it).
@@ -68,5 +72,15 @@ nlohmann::json frozen_state(models::CausalLM& model);
 // Our adapter parameter name -> peft's ("layers.0.self_attn.q_proj.lora_A.weight" ->
 // "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"); empty when not an adapter's.
 std::string peft_name(const std::string& ours, const std::map<std::string, std::string>& hf_modules);
+
+// The planner's facts of a LoRA run (PlanRequest::adjust_facts): every base
+// parameter outside modules_to_save frozen at its held bytes per element
+// (base_dtype; NF4 for adapted weights under base_quantization), each adapted
+// layer's lora_A and lora_B added as trained parameters split as the converter
+// splits them, the FLOPs the frozen weights' gradients save and the adapters
+// add. `model`: the whole model the planner reads (nothing is built or changed).
+// Throws config::ConfigError as apply_lora does for a target matching nothing.
+void lora_plan_facts(const models::CausalLM& model, const config::LoraArgs& args, c10::ScalarType base_dtype,
+                     parallel::ModelFacts& f);
 
 }  // namespace nnstrain::lora

@@ -27,6 +27,8 @@ const std::vector<Term>& cost_terms() {
       // name, what it prices, the fields it fills, over pipeline ranks, its time, comm, function
       {"state", "parameters, gradients and optimizer state between steps under ZeRO",
        "param_bytes grad_bytes optim_bytes expert_bytes", O::Worst, nullptr, false, state_term},
+      {"frozen", "a frozen base's weights (LoRA) held beside the training state, never ZeRO-sharded",
+       "frozen_bytes", O::Worst, nullptr, false, frozen_term},
       {"offload_memory", "the optimizer state (and ZeRO-3 chunks) moved to host memory or NVMe",
        "optim_bytes param_bytes host_bytes nvme_bytes", O::Worst, nullptr, false, offload_memory_term},
       {"post_validation", "optimizer post-validation's backup of what the speculative step changes",
@@ -138,7 +140,7 @@ PlanEstimate estimate(const PlanRequest& req, const ModelFacts& f, const Candida
 
 PlanEstimate estimate(const PlanRequest& req, const Candidate& c) {
   if (!req.args || !req.model) throw PlanError("plan request without config or model");
-  return estimate(req, model_facts(*req.model), c);
+  return estimate(req, model_facts(req), c);
 }
 
 }  // namespace nnstrain::parallel

@@ -80,6 +80,8 @@ std::vector<std::string> known_devices();
 // The FLOP/s the cost model uses for `precision` on `device`.
 double peak_flops_for(const DeviceSpec& device, const std::string& precision, bool allow_tf32);
 
+struct ModelFacts;
+
 struct PlanRequest {
   const config::TrainerArgs* args = nullptr;
   const models::CausalLM* model = nullptr;  // only its declarations and parameter shapes are read
@@ -96,6 +98,10 @@ struct PlanRequest {
   // Mixture-of-Experts: the busiest expert-parallel rank receives this many
   // times the mean tokens (0: compute_config.moe_imbalance, default 1.25).
   double moe_imbalance = 0;
+  // A model converter's say in the facts (LoRA: trainer/lora/converter.h
+  // lora_plan_facts marks the frozen base and adds the adapters), applied to
+  // model_facts(*model) before any estimate. Empty: the model as built.
+  std::function<void(ModelFacts&)> adjust_facts;
 };
 
 constexpr double kDefaultMemoryFraction = 0.9;
@@ -152,6 +158,12 @@ struct ParamFact {
   int64_t numel = 0;
   models::ParamSplit split;  // style Replicate when not declared
   int unit = -1;             // the block it belongs to (CausalLM::block_of); -1 outside blocks
+  // A frozen weight (LoRA's base, trainer/lora): held as a buffer at this many
+  // bytes per element (the compute dtype, or NF4's codes and scales), outside
+  // the training state: no gradient, master, optimizer state or ZeRO sharding.
+  // 0: a trained parameter.
+  double frozen_bytes = 0;
+  bool frozen() const { return frozen_bytes > 0; }
 };
 
 struct ModelFacts {
@@ -167,10 +179,16 @@ struct ModelFacts {
   // the routed ones and the shared ones).
   std::function<double(int64_t)> flops_per_token;
   int64_t experts = 0;  // routed experts per MoE layer (0: dense), from the dims or the Expert splits
+  // LoRA (PlanRequest::adjust_facts): per token, the weight-gradient FLOPs the
+  // frozen base's matmuls skip, and the adapters' own training FLOPs.
+  double frozen_weight_grad_flops = 0, adapter_flops = 0;
+  std::string frozen_what;  // one line for `nnstrain plan`: what is frozen and what trains (empty: nothing frozen)
 };
 
 // Read once per plan: the model's dimensions, parameters and declared splits.
 ModelFacts model_facts(const models::CausalLM& model);
+// The request's model's facts, with its adjust_facts applied.
+ModelFacts model_facts(const PlanRequest& req);
 
 // What the optimizer (optimizer.type's registry entry, OptimizerEntry::cost)
 // says its step costs per parameter of f; the cost model lays it over a plan.

@@ -32,6 +32,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
         {{"param_bytes", e.param_bytes},
          {"grad_bytes", e.grad_bytes},
          {"optim_bytes", e.optim_bytes},
+         {"frozen_bytes", e.frozen_bytes},
          {"activation_bytes", e.activation_bytes},
          {"transient_bytes", e.transient_bytes},
          {"total_bytes", e.total_bytes},
@@ -56,6 +57,7 @@ void to_json(nlohmann::json& j, const Plan& p) {
          {"optim_scatter_bytes", e.optim_scatter_bytes},
          {"step_s", e.step_s}}},
        {"optimizer", {{"type", p.optimizer}, {"work", p.optimizer_work}}},
+       {"frozen", p.frozen},
        {"memory_budget_bytes", p.memory_budget_bytes},
        {"device", p.device},
        {"micro_batch_size", p.micro_batch_size},
@@ -121,6 +123,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       e.param_bytes = ej.value("param_bytes", 0.0);
       e.grad_bytes = ej.value("grad_bytes", 0.0);
       e.optim_bytes = ej.value("optim_bytes", 0.0);
+      e.frozen_bytes = ej.value("frozen_bytes", 0.0);
       e.activation_bytes = ej.value("activation_bytes", 0.0);
       e.transient_bytes = ej.value("transient_bytes", 0.0);
       e.total_bytes = ej.value("total_bytes", 0.0);
@@ -157,6 +160,7 @@ void from_json(const nlohmann::json& j, Plan& p) {
       p.optimizer = j.at("optimizer").value("type", std::string("adamw"));
       p.optimizer_work = j.at("optimizer").value("work", std::string());
     }
+    p.frozen = j.value("frozen", std::string());
     p.memory_budget_bytes = j.value("memory_budget_bytes", 0.0);
     p.device = j.value("device", std::string());
     p.micro_batch_size = j.value("micro_batch_size", int64_t{1});
@@ -305,6 +309,7 @@ std::string describe(const Plan& p, bool explain) {
       << "  stage layers: " << split << " (embedding on stage 0, final norm and head on stage " << q.stages - 1
       << ")\n";
   }
+  if (!p.frozen.empty()) o << "  trains: " << p.frozen << "\n";
   if (p.zero_stage == 3) {
     auto names = [](const std::vector<std::string>& v) {
       std::string s;
@@ -348,6 +353,7 @@ std::string describe(const Plan& p, bool explain) {
 
   o << "\nmemory per rank (estimated), device:\n";
   auto row = [&](const char* what, double bytes) { o << "  " << pad(what, 12) << format_bytes(bytes) << "\n"; };
+  if (e.frozen_bytes > 0) row("frozen base", e.frozen_bytes);
   row("params", e.param_bytes);
   row("grads", e.grad_bytes);
   row("optimizer", e.optim_bytes);

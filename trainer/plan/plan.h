@@ -21,6 +21,7 @@ struct ParamPlan {
 // Per-rank estimates, bytes and seconds.
 struct PlanEstimate {
   double param_bytes = 0, grad_bytes = 0, optim_bytes = 0, activation_bytes = 0, transient_bytes = 0;
+  double frozen_bytes = 0;  // a frozen base's weights (LoRA), outside the training state
   double total_bytes = 0;
   double compute_s = 0, comm_s = 0, step_s = 0;
   double tp_comm_s = 0, dp_comm_s = 0;  // comm_s = tp_comm_s + dp_comm_s (exposed part of DP/ZeRO)
@@ -102,6 +103,7 @@ struct Plan {
   // The optimizer (optimizer.type) and its matrix work, if any
   // (OptimizerEntry::cost: "Newton-Schulz (5 steps, bf16)").
   std::string optimizer = "adamw", optimizer_work;
+  std::string frozen;  // a frozen base (LoRA: ModelFacts::frozen_what); empty: every weight trains
   int64_t micro_batch_size = 1, seq_len = 0;
   int64_t grad_accumulation_steps = 1;  // per rank per step: global batch / (micro x dp)
 };

@@ -559,6 +559,7 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
   p.device = req.device.name;
   p.optimizer = a.optimizer.type;
   p.optimizer_work = optimizer_cost(req, f).what;
+  p.frozen = f.frozen_what;
   p.micro_batch_size = a.micro_batch_size;
   p.seq_len = seq_len_of(a, f);
   p.grad_accumulation_steps = a.global_batch_size / (a.micro_batch_size * p.dp);
@@ -569,7 +570,7 @@ Plan to_plan(const PlanRequest& req, const ModelFacts& f, const Entry& best, dou
 
 Plan make_plan(const PlanRequest& req, std::vector<Rejected>* rejected) {
   if (!req.args || !req.model) throw PlanError("plan request without config or model");
-  return make_plan(req, model_facts(*req.model), rejected);
+  return make_plan(req, model_facts(req), rejected);
 }
 
 Plan make_plan(const PlanRequest& req, const ModelFacts& f, std::vector<Rejected>* rejected) {

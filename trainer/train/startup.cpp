@@ -430,6 +430,10 @@ Agreed decide_plan(const config::TrainerArgs& args, const dist::DistEnv& env, co
   req.memory_budget_bytes = args.compute_config.memory_budget_gb * 1073741824.0;
   // Autodist chooses pp and cp as `nnstrain plan` does (a size the config names stays).
   req.search_pipeline = req.search_context = true;
+  if (args.lora.enabled) {  // the frozen base and the adapters, as apply_lora will leave them
+    const auto base = optim::precision_setup(args.precision, args.compute_config.reduce_dtype).param;
+    req.adjust_facts = [&args, &model, base](parallel::ModelFacts& f) { lora::lora_plan_facts(model, args.lora, base, f); };
+  }
   Agreed a{{}, req.device, nullptr};
   if (env.world_size > 1) a.store = dist::rendezvous(env, timeout);
   try {

@@ -12,9 +12,10 @@ namespace nnstrain::parallel::cost {
 // Routed experts run whole on every tensor-parallel rank, on all of its tokens
 // (1/tp of them under SP), and the busiest expert-parallel rank runs imb x the
 // mean: their FLOPs are scaled so that the terms' division by tp comes out so.
+// A frozen base (LoRA) skips its weight gradients and adds the adapters' work.
 double work_per_token(const Setting& x) {
   return x.f.flops_per_token(static_cast<int64_t>(x.s)) - 0.5 * x.attn_flops * x.L +
-         x.expert_flops * (x.t * x.rep * x.imb - 1);
+         x.expert_flops * (x.t * x.rep * x.imb - 1) - x.f.frozen_weight_grad_flops + x.f.adapter_flops;
 }
 
 // Compute: the training FLOPs per token (work_per_token), one more forward per

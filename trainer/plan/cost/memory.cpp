@@ -95,6 +95,11 @@ void state_term(const Setting& x, Interim&, PlanEstimate& e) {
   e.expert_bytes = p + g + o;
 }
 
+// A frozen base (LoRA, ParamFact::frozen_bytes): this rank's held weights in
+// the form the converter keeps them (compute dtype, or NF4 codes and scales),
+// split as tensor and pipeline parallelism split them, never by ZeRO.
+void frozen_term(const Setting& x, Interim&, PlanEstimate& e) { e.frozen_bytes = x.st.frozen_bytes; }
+
 double pending_w_bytes(const Setting& x) {
   double bytes = x.Lr * layer_w_bytes(x);
   if (x.last && config::resolved_loss(x.a.model, int64_t(x.tokens)) == "plain")
@@ -262,7 +267,8 @@ void peak_term(const Setting& x, Interim&, PlanEstimate& e) {
   });
   e.activation_bytes = peak_phase.acts;
   e.transient_bytes = peak_phase.transient;
-  e.total_bytes = e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
+  e.total_bytes =
+      e.frozen_bytes + e.param_bytes + e.grad_bytes + e.optim_bytes + e.activation_bytes + e.transient_bytes;
 }
 
 // Optimizer post-validation: the backup of what the speculative step changes,

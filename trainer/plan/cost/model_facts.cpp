@@ -57,6 +57,12 @@ ModelFacts model_facts(const models::CausalLM& model) {
   return f;
 }
 
+ModelFacts model_facts(const PlanRequest& req) {
+  auto f = model_facts(*req.model);
+  if (req.adjust_facts) req.adjust_facts(f);
+  return f;
+}
+
 const char* split_style_name(models::SplitStyle s) {
   switch (s) {
     case models::SplitStyle::Column: return "column";

@@ -16,12 +16,19 @@ namespace nnstrain::parallel {
 optim::StepCost optimizer_cost(const PlanRequest& req, const ModelFacts& f) {
   const auto& o = req.args->optimizer;
   const auto& entry = optim::optimizer_entry(o.type);
-  std::vector<optim::CostParam> params;
-  for (const auto& p : f.params) params.push_back({p.name, p.shape, p.unit >= 0});
+  std::vector<optim::CostParam> params;  // the trained ones (a frozen base weight has no optimizer state)
+  for (const auto& p : f.params)
+    if (!p.frozen()) params.push_back({p.name, p.shape, p.unit >= 0});
   auto cost = entry.cost ? entry.cost(o, params, req.device.name != "cpu") : optim::StepCost{};
   cost.state_tensors.resize(params.size(), 2);  // an entry without a cost hook: AdamW's shape
   cost.matrix_flops.resize(params.size(), 0.0);
-  return cost;
+  // Back to f.params' order, the frozen at zero.
+  optim::StepCost all = cost;
+  all.state_tensors.assign(f.params.size(), 0);
+  all.matrix_flops.assign(f.params.size(), 0.0);
+  for (size_t i = 0, k = 0; i < f.params.size(); ++i)
+    if (!f.params[i].frozen()) all.state_tensors[i] = cost.state_tensors[k], all.matrix_flops[i] = cost.matrix_flops[k++];
+  return all;
 }
 
 namespace cost {
@@ -38,7 +45,7 @@ OptimizerWork optimizer_work(const optim::StepCost& cost, const ModelFacts& f, c
   std::vector<Matrix> mats;
   double elements = 0, state = 0, matrix = 0;
   for (size_t i = 0; i < f.params.size(); ++i) {
-    if (!held.empty() && !held[i]) continue;
+    if ((!held.empty() && !held[i]) || f.params[i].frozen()) continue;
     const auto& p = f.params[i];
     double n = 1;
     for (auto d : local_shape(p, c.tp, c.ep)) n *= double(d);

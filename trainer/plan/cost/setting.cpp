@@ -35,6 +35,11 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
     const auto& p = f.params[i];
     int64_t n = 1;
     for (auto dim : local_shape(p, c.tp, c.ep)) n *= dim;
+    if (p.frozen()) {  // a buffer beside the training state (LoRA's base)
+      st.frozen_elements += double(n);
+      st.frozen_bytes += double(n) * p.frozen_bytes;
+      continue;
+    }
     numels.push_back(n);
     params.push_back(&p);
     if (c.zero_stage == 3) units.push_back(f.zero3_units[i]);

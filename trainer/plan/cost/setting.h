@@ -44,6 +44,8 @@ struct StateLayout {
   // Offload: the optimizer elements on the host (whole buckets, as the
   // training state takes them) and the last of those buckets.
   double host_elements = 0, last_host_bucket = 0;
+  // A frozen base (LoRA): this rank's held frozen weights, not in the buffers above.
+  double frozen_elements = 0, frozen_bytes = 0;
 };
 
 // The gradient-reduction (and ZeRO) group: parameters are replicated over

@@ -57,6 +57,7 @@ const std::vector<Term>& cost_terms();
 // ---- memory (memory.cpp) -------------------------------------------------------
 
 void state_term(const Setting& x, Interim&, PlanEstimate& e);
+void frozen_term(const Setting& x, Interim&, PlanEstimate& e);  // LoRA's frozen base
 void post_validation_term(const Setting& x, Interim&, PlanEstimate& e);
 void peak_term(const Setting& x, Interim&, PlanEstimate& e);  // activation_term's, at the step's peak
 
