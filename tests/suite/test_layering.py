@@ -35,7 +35,7 @@ RULES = {
     # LoRA: the adapter math is model code (no ranks); the converter and peft I/O sit beside interop.
     "models/lora": ["base/", "models/common/"],
     "trainer/lora": ["base/", "data/sha256.h", "models/", "trainer/checkpoint/", "trainer/interop/",
-                     "trainer/state/tensor_parallel.h"],
+                     "trainer/state/tensor_parallel.h", "trainer/plan/cost_model.h"],  # (its facts for the planner)
     # Evaluation: task files, scoring, the command and the in-training hook; never the planner.
     "trainer/eval": ["base/", "data/chat/", "data/tokenizer/", "models/", "trainer/checkpoint/", "trainer/dist/",
                      "trainer/interop/"],
