@@ -379,7 +379,6 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
   // gathered whole (their gradient reduce-scattered back), as copy_to_tp would.
   auto h = (ctx_.sp() ? gather_from_seq(hidden, ctx_.tp, ctx_.comm) : hidden).reshape({-1, hidden.size(-1)});
   auto t = targets.reshape({-1});
-  if (softcap > 0) kind = LossKind::Plain;  // the capped logits whole: no chunked form caps them
   const auto capped = [&](const torch::Tensor& l) { return softcap > 0 ? torch::tanh(l / softcap) * softcap : l; };
   if (objective) {
     if (ctx_.parallel() && !ctx_.sp()) h = copy_to_tp(h, ctx_.comm);
@@ -408,8 +407,8 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
     return objective->loss(s);
   }
   if (!ctx_.parallel()) {
-    if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
-    if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index);
+    if (kind == LossKind::Fused) return fused_linear_cross_entropy(h, w, t, chunk_size, ignore_index, softcap);
+    if (kind == LossKind::Chunked) return chunked_linear_cross_entropy(h, w, t, chunk_size, ignore_index, softcap);
     count_plain_loss_forward();
     return torch::nn::functional::cross_entropy(
         capped(deferrable_linear(h, w)).to(torch::kFloat32), t,
@@ -418,9 +417,9 @@ torch::Tensor ParallelLmHeadImpl::loss(const torch::Tensor& hidden, const torch:
   const int64_t held = w.size(0);
   if (!ctx_.sp()) h = copy_to_tp(h, ctx_.comm);
   if (kind == LossKind::Fused)
-    return fused_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
+    return fused_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm, softcap);
   if (kind == LossKind::Chunked)
-    return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm);
+    return chunked_vocab_parallel_cross_entropy(h, w, t, start_, held, chunk_size, ignore_index, ctx_.comm, softcap);
   return vocab_parallel_cross_entropy(capped(deferrable_linear(h, w)), t, start_, held, ignore_index, ctx_.comm);
 }
 

@@ -257,8 +257,8 @@ class ParallelLmHeadImpl : public ShardedModule {
   std::vector<ParamLayout> layouts() const override { return layouts_; }
   torch::Tensor weight;  // undefined when tied
   // Gemma's final_logit_softcapping: logits -> tanh(logits / softcap) x softcap
-  // (elementwise, so per vocabulary piece too) before the loss, which is then
-  // the plain one whatever the kind; 0: none.
+  // (elementwise, so per vocabulary piece too) before the loss, in every loss
+  // kind (the chunked and fused ones cap each chunk); 0: none.
   double softcap = 0;
   // Set: loss() is this objective's over whole sequences (preference
   // alignment), from every position's plain log-likelihood whatever `kind`

@@ -32,6 +32,16 @@ at::ScalarType matmul_dtype(const torch::Tensor& hidden, const torch::Tensor& we
 // The per-token statistics both vocabulary-split forms below share: the loss of
 // each token (0 where ignored) and what backward needs (softmax, the local
 // target, whether it is local, whether it counts).
+// Gemma's final_logit_softcapping: logits -> c tanh(logits / c) (c 0: none),
+// and its derivative 1 - (capped / c)^2 from the capped logits (undefined: none).
+torch::Tensor cap_logits(torch::Tensor logits, double softcap) {
+  return softcap > 0 ? logits.div_(softcap).tanh_().mul_(softcap) : logits;
+}
+torch::Tensor cap_derivative(const torch::Tensor& capped, double softcap) {
+  if (softcap <= 0) return {};
+  return 1 - (capped / softcap).square();
+}
+
 struct VocabParallelTokens {
   torch::Tensor per_token, softmax, local_t, in_range, valid;
 };
@@ -118,7 +128,7 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
                                const torch::Tensor& targets, int64_t vocab_start, int64_t held, int64_t chunk,
-                               int64_t ignore_index, const c10::intrusive_ptr<TpComm>& comm) {
+                               int64_t ignore_index, double softcap, const c10::intrusive_ptr<TpComm>& comm) {
     g_chunked.fetch_add(1, std::memory_order_relaxed);
     ctx->saved_data["comm"] = comm_capsule(comm);
     auto& c = comm_from(ctx->saved_data["comm"]);
@@ -130,7 +140,7 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
     auto total = torch::zeros({}, hidden.options().dtype(acc));
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
-      auto logits = torch::mm(hidden.narrow(0, s, n).to(mm), w.t()).to(acc);
+      auto logits = cap_logits(torch::mm(hidden.narrow(0, s, n).to(mm), w.t()).to(acc), softcap);
       const auto t = targets.narrow(0, s, n);
       const auto valid = t.ne(ignore_index);
       const auto in_range = valid & t.ge(vocab_start) & t.lt(vocab_start + held);
@@ -152,6 +162,7 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
     ctx->saved_data["vocab_start"] = vocab_start;
     ctx->saved_data["held"] = held;
     ctx->saved_data["mm_dtype"] = static_cast<int64_t>(mm);
+    ctx->saved_data["softcap"] = softcap;
     return total / count;
   }
 
@@ -162,6 +173,7 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const int64_t vocab_start = ctx->saved_data["vocab_start"].toInt(), held = ctx->saved_data["held"].toInt();
     const auto mm = static_cast<at::ScalarType>(ctx->saved_data["mm_dtype"].toInt());
+    const double softcap = ctx->saved_data["softcap"].toDouble();
     const auto acc = lse.scalar_type();
     const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const int64_t N = hidden.size(0);
@@ -176,18 +188,20 @@ class ChunkedVocabParallelCrossEntropy : public torch::autograd::Function<Chunke
       const auto t = targets.narrow(0, s, n);
       const auto valid = t.ne(ignore_index);
       const auto in_range = valid & t.ge(vocab_start) & t.lt(vocab_start + held);
-      auto g = torch::mm(h, w.t()).to(acc);
+      auto g = cap_logits(torch::mm(h, w.t()).to(acc), softcap);
+      const auto dcap = cap_derivative(g, softcap);
       g.sub_(lse.narrow(0, s, n).unsqueeze(1)).exp_();
       g.scatter_add_(1, (t - vocab_start).masked_fill(in_range.logical_not(), 0).unsqueeze(1),
                      -in_range.to(acc).unsqueeze(1));
       g.mul_(torch::where(valid, scale, torch::zeros_like(scale)).unsqueeze(1));
+      if (dcap.defined()) g.mul_(dcap);
       const auto gm = g.to(mm);
       if (need_h) grad_h.narrow(0, s, n).copy_(torch::mm(gm, w));  // this rank's part; the group sums it
       if (need_w) grad_w.narrow(0, 0, held).add_(torch::mm(gm.t(), h).to(acc));
     }
     if (need_w) grad_w = grad_w.to(weight.scalar_type());
     return {grad_h, grad_w, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -203,7 +217,8 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
                                const torch::Tensor& targets, int64_t vocab_start, int64_t held, int64_t chunk,
-                               int64_t ignore_index, bool need_h, bool need_w, const c10::intrusive_ptr<TpComm>& comm) {
+                               int64_t ignore_index, bool need_h, bool need_w, double softcap,
+                               const c10::intrusive_ptr<TpComm>& comm) {
     g_fused.fetch_add(1, std::memory_order_relaxed);
     auto& c = *comm;
     const auto mm = matmul_dtype(hidden, weight);
@@ -219,7 +234,8 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
       const auto h = hidden.narrow(0, s, n).to(mm);
-      auto logits = torch::mm(h, w.t()).to(acc);
+      auto logits = cap_logits(torch::mm(h, w.t()).to(acc), softcap);
+      const auto dcap = need_h || need_w ? cap_derivative(logits, softcap) : torch::Tensor();  // before exp_ below
       const auto t = targets.narrow(0, s, n);
       const auto valid = t.ne(ignore_index);
       const auto in_range = valid & t.ge(vocab_start) & t.lt(vocab_start + held);
@@ -237,6 +253,7 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
       auto& g = logits.div_(stats[1].unsqueeze(1));
       g.scatter_add_(1, local_t, -in_range.to(acc).unsqueeze(1));
       g.mul_(valid.to(acc).unsqueeze(1));
+      if (dcap.defined()) g.mul_(dcap);  // through the cap: d(c tanh(x / c)) / dx
       const auto gm = g.to(mm);
       // hidden's: this rank's part (the group sums it); written in place when
       // the dtypes allow, else through a compute-dtype temporary.
@@ -273,10 +290,11 @@ class FusedVocabParallelCrossEntropy : public torch::autograd::Function<FusedVoc
                 "fused linear cross-entropy: backward ran twice (its gradients, made in forward, are consumed by the "
                 "first); retain_graph is not supported");
     ctx->saved_data["done"] = true;
-    if (!grad_out[0].defined()) return variable_list(10);
+    if (!grad_out[0].defined()) return variable_list(11);
     auto gh = take("grad_h", "h_dtype"), gw = take("grad_w", "w_dtype");
     return {gh,
             gw,
+            torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
@@ -312,10 +330,11 @@ void count_plain_loss_forward() { g_plain.fetch_add(1, std::memory_order_relaxed
 
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t chunk_size,
-                                           int64_t ignore_index) {
+                                           int64_t ignore_index, double softcap) {
   check_head_inputs("chunked_linear_cross_entropy", hidden, weight, targets, weight.size(0), chunk_size);
   return ChunkedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), /*vocab_start=*/0,
-                                                 /*held=*/weight.size(0), chunk_size, ignore_index, solo_comm());
+                                                 /*held=*/weight.size(0), chunk_size, ignore_index, softcap,
+                                                 solo_comm());
 }
 
 }  // namespace nnstrain::models::common
@@ -348,28 +367,29 @@ torch::Tensor vocab_parallel_token_nll(const torch::Tensor& logits, const torch:
 torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                                    const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                    int64_t chunk_size, int64_t ignore_index,
-                                                   const c10::intrusive_ptr<TpComm>& comm) {
+                                                   const c10::intrusive_ptr<TpComm>& comm, double softcap) {
   check_head_inputs("chunked_vocab_parallel_cross_entropy", hidden, weight, targets, held, chunk_size);
   return ChunkedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
-                                                 chunk_size, ignore_index, comm);
+                                                 chunk_size, ignore_index, softcap, comm);
 }
 
 torch::Tensor fused_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                                  const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                  int64_t chunk_size, int64_t ignore_index,
-                                                 const c10::intrusive_ptr<TpComm>& comm) {
+                                                 const c10::intrusive_ptr<TpComm>& comm, double softcap) {
   check_head_inputs("fused linear cross-entropy", hidden, weight, targets, held, chunk_size);
   // Gradients only where backward can come: grad mode on and the input requiring them.
   const bool grad = torch::GradMode::is_enabled();
   return FusedVocabParallelCrossEntropy::apply(hidden, weight, targets.to(torch::kLong), vocab_start, held,
                                                chunk_size, ignore_index, grad && hidden.requires_grad(),
-                                               grad && weight.requires_grad(), comm ? comm : solo_comm());
+                                               grad && weight.requires_grad(), softcap, comm ? comm : solo_comm());
 }
 
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
-                                         const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index) {
+                                         const torch::Tensor& targets, int64_t chunk_size, int64_t ignore_index,
+                                         double softcap) {
   return fused_vocab_parallel_cross_entropy(hidden, weight, targets, 0, weight.size(0), chunk_size, ignore_index,
-                                            solo_comm());
+                                            solo_comm(), softcap);
 }
 
 }  // namespace nnstrain::models::common

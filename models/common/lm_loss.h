@@ -29,9 +29,11 @@ void count_plain_loss_forward();
 // dtype autocast (if on) or the inputs give, and reduced in fp32 (fp64 for fp64
 // inputs); the loss is fp32 (fp64 for fp64 inputs). Only the per-token
 // logsumexp is kept for backward: O(N) extra memory instead of O(N x V).
+// softcap > 0: the logits are c tanh(logits / c) first (Gemma's
+// final_logit_softcapping), recomputed so in backward; the same for every form below.
 torch::Tensor chunked_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                            const torch::Tensor& targets, int64_t chunk_size,
-                                           int64_t ignore_index = -100);
+                                           int64_t ignore_index = -100, double softcap = 0);
 
 // The same loss over a vocabulary split across the tensor-parallel group. This
 // rank holds the rows [vocab_start, vocab_start + held) of the head weight (rows
@@ -53,7 +55,7 @@ torch::Tensor vocab_parallel_token_nll(const torch::Tensor& logits, const torch:
 torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                                    const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                    int64_t chunk_size, int64_t ignore_index,
-                                                   const c10::intrusive_ptr<TpComm>& comm);
+                                                   const c10::intrusive_ptr<TpComm>& comm, double softcap = 0);
 
 // The fused linear + cross-entropy: the same loss (and gradients) as
 // chunked_linear_cross_entropy, dtype rules included, but the gradients of
@@ -66,12 +68,12 @@ torch::Tensor chunked_vocab_parallel_cross_entropy(const torch::Tensor& hidden, 
 // none). One backward per forward (no retain_graph).
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                          const torch::Tensor& targets, int64_t chunk_size,
-                                         int64_t ignore_index = -100);
+                                         int64_t ignore_index = -100, double softcap = 0);
 // Over a vocabulary split across the tensor-parallel group, as
 // chunked_vocab_parallel_cross_entropy (hidden's gradient is this rank's partial).
 torch::Tensor fused_vocab_parallel_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                                  const torch::Tensor& targets, int64_t vocab_start, int64_t held,
                                                  int64_t chunk_size, int64_t ignore_index,
-                                                 const c10::intrusive_ptr<TpComm>& comm);
+                                                 const c10::intrusive_ptr<TpComm>& comm, double softcap = 0);
 
 }  // namespace nnstrain::models::common

@@ -70,3 +70,31 @@ def test_unknown_loss_is_refused(nnstrain, tiny_tokens, tmp_path):
                  check=False)
     assert p.returncode == 2, p.output
     assert "model.loss" in p.output and "fused" in p.output, p.output
+
+
+# Gemma 3's capped head (final_logit_softcapping 2.0: logits within +-2, so the cap shapes every step).
+GEMMA = ["--model.type", "gemma3", "--model.args",
+         "{vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+         "num_key_value_heads: 2, head_dim: 8, query_pre_attn_scalar: 8, max_position_embeddings: 16, "
+         "sliding_window: 8, final_logit_softcapping: CAP}"]
+
+
+def test_softcapped_head_every_loss_equals_plain(nnstrain, tiny_tokens, tmp_path):
+    """The chunked and fused losses cap each chunk's logits and carry the cap's derivative: 20 steps
+    of each equal the plain (capped composite) loss; the cap changes the run (so it is what ran)."""
+    common = ["--vars.data", tiny_tokens, "--max_train_steps", STEPS, "--val_every_n_train_steps", 0,
+              "--model.loss_chunk_size", 24]
+    gemma = [a.replace("CAP", "2.0") for a in GEMMA]
+    runs = {}
+    for kind in ("plain", "chunked", "fused"):
+        runs[kind] = per_step(nnstrain("tiny_gpt.yaml", *common, *gemma, "--model.loss", kind, run_dir=tmp_path / kind))
+        assert_loss(tmp_path / kind, kind)
+    for kind in ("chunked", "fused"):
+        worst = max(max(rel(runs[kind][s][0], runs["plain"][s][0]), rel(runs[kind][s][1], runs["plain"][s][1]))
+                    for s in runs["plain"])
+        print(f"softcapped head: {kind} vs plain over {STEPS} steps: {worst:.2e}")
+        assert worst < TOL, (kind, runs[kind], runs["plain"])
+    uncapped = per_step(nnstrain("tiny_gpt.yaml", *common, *[a.replace("CAP", "0") for a in GEMMA],
+                                 "--model.loss", "fused", run_dir=tmp_path / "uncapped"))
+    moved = max(rel(uncapped[s][1], runs["plain"][s][1]) for s in uncapped)  # gradient norms: 3.7% at step 20
+    assert moved > 1e-2, (uncapped, runs["plain"])

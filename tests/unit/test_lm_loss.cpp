@@ -380,3 +380,32 @@ TEST_CASE("fused cross-entropy in bf16 (autocast and bf16 weights) and fp16 with
     }
   }
 }
+
+TEST_CASE("soft-capped logits: chunked and fused equal the capped composite's loss and gradients (fp64)", "[loss]") {
+  torch::manual_seed(11);
+  const double cap = 1.5;  // logits of scale ~4: the cap bends most of them
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  const auto h0 = torch::randn({13, 8}, opts), w0 = torch::randn({29, 8}, opts) * 0.5;
+  auto t = torch::randint(29, {13}, torch::kLong);
+  t[3] = -100;
+  auto composite = [&](bool capped) {
+    auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    auto l = F::linear(h, w);
+    if (capped) l = torch::tanh(l / cap) * cap;
+    auto loss = F::cross_entropy(l, t);
+    loss.backward();
+    return Result{loss.detach(), h.grad(), w.grad()};
+  };
+  const auto want = composite(true), uncapped = composite(false);
+  CHECK(rel_err(uncapped.grad_w, want.grad_w) > 1e-2);  // the cap matters here
+  for (int kind = 1; kind <= 2; ++kind) {
+    INFO("kind " << kind << " (1 chunked, 2 fused)");
+    auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    auto loss = kind == 1 ? chunked_linear_cross_entropy(h, w, t, 4, -100, cap)
+                          : fused_linear_cross_entropy(h, w, t, 4, -100, cap);
+    loss.backward();
+    CHECK(rel_err(loss, want.loss) < 1e-12);
+    CHECK(rel_err(h.grad(), want.grad_h) < 1e-12);
+    CHECK(rel_err(w.grad(), want.grad_w) < 1e-12);
+  }
+}
