@@ -12,11 +12,8 @@ Reported per run: peak tensor memory (metrics.jsonl peak_tensor_mb, the counting
 allocator: every tensor storage), peak RSS (wait4's ru_maxrss), the bytes of optimizer state
 held between steps (the start-up line "held between steps": AdamW's moments, plus masters
 under a mixed precision), trainable elements, mean step time, and the planner's per-rank
-estimate (plan.json estimate.total_bytes) against the measured peak. The planner does not
-count LoRA's frozen base yet (docs/lora.md, "Not yet"): it prices every run as full training.
-The "state term with LoRA" column is what its state term would give: its estimate less the
-full-training state of the frozen elements (bytes per element as the precision's), plus the
-state the run held (the adapters') and the frozen base's bytes (compute dtype or NF4).
+estimate (plan.json estimate.total_bytes, which prices LoRA's frozen base as held: docs/lora.md
+"The planner") against the measured peak.
 
 --render JSON rewrites the Markdown of a saved result.
 
@@ -90,35 +87,20 @@ def run(binary, name, tmp, data, steps, threads):
             "plan_estimate_mb": est.get("total_bytes", 0) / 1048576.0, "lora_line": lo.group(0) if lo else ""}
 
 
-def lora_aware_mb(r, per_element):
-    """The planner's estimate with the frozen base priced as held (see the top)."""
-    m = re.search(r"frozen base (\d+) elements, (\d+) bytes held", r["lora_line"])
-    if not m:
-        return r["plan_estimate_mb"]
-    frozen, held = int(m.group(1)), int(m.group(2))
-    state = r["param_bytes"] + r["grad_bytes"] + r["master_bytes"] + r["moment_bytes"]
-    return r["plan_estimate_mb"] + (state + held - frozen * per_element) / 2**20
-
-
 def render(rec):
     rows, steps, threads = rec["runs"], rec["steps"], rec["threads"]
-    full = next((r for r in rows if r["name"] == "full"), None)
-    # Bytes per element of full training's state (bf16-true: 2 + 2 + 4), measured from the full run.
-    per = ((full["param_bytes"] + full["grad_bytes"] + full["master_bytes"] + full["moment_bytes"]) /
-           full["trainable_elements"]) if full else 8.0
     md = [f"# Full fine-tuning vs LoRA vs QLoRA, Llama 1.1B on CPU ({rec['date'][:10]})", "", machine_line(rec),
           f"- binary built from {rec['binary_commit']}; {steps} steps, micro-batch 1 x 128 tokens, bf16-true, "
           f"{threads} threads; step time: mean of steps 2..{steps}", "",
           "| run | trainable elements | optimizer state (MiB) | gradients (MiB) | trained weights (MiB) | peak tensors (MiB) "
-          "| peak RSS (MiB) | s/step | planner estimate (MiB) | estimate / peak | state term with LoRA (MiB) | / peak |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| peak RSS (MiB) | s/step | planner estimate (MiB) | estimate / peak |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pk = r["peak_tensor_mb"] or 1
-        aware = lora_aware_mb(r, per)
         md.append(f"| {r['name']} | {r['trainable_elements']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} | "
                   f"{r['grad_bytes'] / 2**20:.1f} | {r['param_bytes'] / 2**20:.1f} | {r['peak_tensor_mb']:.0f} | "
                   f"{r['peak_rss_mb']:.0f} | {r['ms_per_step'] / 1000:.1f} | {r['plan_estimate_mb']:.0f} | "
-                  f"{r['plan_estimate_mb'] / pk:.2f} | {aware:.0f} | {aware / pk:.2f} |")
+                  f"{r['plan_estimate_mb'] / pk:.2f} |")
     md += ["", "trained weights: the training state's parameters; the frozen base is in the peak "
            "(LoRA: bf16; QLoRA: the adapted layers' NF4 codes and scales, embeddings, norms and head bf16). "
            "Optimizer state: AdamW's moments (bf16-true keeps no masters)."]

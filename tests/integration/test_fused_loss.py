@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import assert_active, loss_ran
+from conftest import CONFIGS, assert_active, loss_ran, run_ranks
 
 
 def assert_loss(run_dir, kind):
@@ -98,3 +98,13 @@ def test_softcapped_head_every_loss_equals_plain(nnstrain, tiny_tokens, tmp_path
                                  "--model.loss", "fused", run_dir=tmp_path / "uncapped"))
     moved = max(rel(uncapped[s][1], runs["plain"][s][1]) for s in uncapped)  # gradient norms: 3.7% at step 20
     assert moved > 1e-2, (uncapped, runs["plain"])
+    # Over a vocabulary split in two (tp 2): each rank caps its piece; chunked and fused equal one process.
+    for kind in ("chunked", "fused"):
+        d = tmp_path / f"tp2_{kind}"
+        tp = ["--compute_config.plan_ngpus", "2", "--pas_policy", "tp"]
+        got = run_ranks(2, d, ["--config", str(CONFIGS / "tiny_gpt.yaml"), "--run_dir", str(d), *map(str, common),
+                               *gemma, "--model.loss", kind, "--compute_config.backend", "gloo", *tp], tp)
+        assert_loss(d, kind)
+        worst = max(max(rel(got[s][0], runs["plain"][s][0]), rel(got[s][1], runs["plain"][s][1])) for s in got)
+        print(f"softcapped head, tp 2 {kind} vs one process plain: {worst:.2e}")
+        assert sorted(got) == list(range(1, STEPS + 1)) and worst < TOL, (kind, got)
