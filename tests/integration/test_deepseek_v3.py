@@ -245,3 +245,19 @@ def test_model_args_alone_train_and_export(family, tmp_path):
     d = tmp_path / "again"
     d.mkdir()
     assert rel(first_loss(d, tmp_path / "hf", family["tokens"]), hf_loss(back.float().eval(), family["tokens"])) <= 1e-6
+
+
+def test_lora_on_the_a_projections_under_sequence_parallelism_exits_2(family, tmp_path):
+    """LoRA on q_a_proj / kv_a_proj_with_mqa (unsplit layers that see this rank's tokens under sequence
+    parallelism): refused at load, naming the key and the layer; without sequence parallelism it trains."""
+    cfg = config_file(tmp_path / "c.yaml", family["hf"], family["tokens"], tmp_path / "run", steps=1)
+    cfg.write_text(cfg.read_text() + "lora: {r: 4, alpha: 8, target_modules: [q_a_proj, q_b_proj]}\n")
+    launch = [nnstrain_bin_path(), "launch", "--nproc-per-node", "2", "--", "--config", str(cfg), TP, "2",
+              "--pas_policy", "tp"]
+    p = subprocess.run(launch, cwd=SOURCE, env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "lora.target_modules: model.layers.0.self_attn.q_a_proj" in p.stderr and "sequence_parallel" in p.stderr, \
+        p.stderr
+    p = subprocess.run(launch + ["--compute_config.sequence_parallel", "false"], cwd=SOURCE,
+                       env=single_process_env(1), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -270,6 +270,12 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
   std::set<std::string> targeted;
   for (const auto& l : chosen) {
     if (is_saved(l.name)) continue;
+    // An unsplit layer under sequence parallelism sees this rank's tokens (latent attention's
+    // a-projections, a router): its adapter's gradients would be this rank's part alone.
+    if (ctx.sp() && l.kind == BaseKind::Plain)
+      throw config::ConfigError("lora.target_modules: " + l.hf + " is not split by tensor parallelism and sees only "
+                                "this rank's tokens under compute_config.sequence_parallel; leave it out of the "
+                                "targets or set sequence_parallel: false");
     targeted.insert(l.hf);
     if (!model.holds(l.name + ".weight") || l.weight->is_meta()) continue;
     shape.kind = l.kind;
