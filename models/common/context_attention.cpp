@@ -236,10 +236,13 @@ std::vector<std::vector<int64_t>> rank_positions(const at::Tensor& segments, int
 // The rows' document masks: the global positions of the two ranks' tokens and the segments on q's device.
 struct DocMask {
   at::Tensor seg, qpos, kpos;  // [B, T] int64; [Tl] int64 each
+  int64_t window = 0;          // > 0: a key at most window - 1 positions before its query
   at::Tensor operator()(const DocTile& t) const {
     auto qp = qpos.narrow(0, t.q0, t.qn), kp = kpos.narrow(0, t.k0, t.kn);
     auto qs = seg[t.b].index_select(0, qp), ks = seg[t.b].index_select(0, kp);
-    return qs.unsqueeze(1).eq(ks.unsqueeze(0)).logical_and(kp.unsqueeze(0).le(qp.unsqueeze(1)));
+    auto m = qs.unsqueeze(1).eq(ks.unsqueeze(0)).logical_and(kp.unsqueeze(0).le(qp.unsqueeze(1)));
+    if (window > 0) m = m.logical_and(kp.unsqueeze(0).gt(qp.unsqueeze(1) - window));
+    return m;
   }
 };
 
@@ -247,7 +250,7 @@ std::atomic<int64_t> doc_plans{0};
 
 // The tiles of q positions against k positions (each rank's, ascending) for host int64 segments.
 std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>& qpos,
-                              const std::vector<int64_t>& kpos, int64_t tile = 64) {
+                              const std::vector<int64_t>& kpos, int64_t window, int64_t tile = 64) {
   const int64_t B = seg.size(0), T = seg.size(1), tl = static_cast<int64_t>(qpos.size());
   std::vector<DocTile> out;
   std::vector<int64_t> start(static_cast<size_t>(T));
@@ -266,7 +269,9 @@ std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>&
       while (i + run < tl && qpos[i + run] == qpos[i] + run) ++run;
       for (int64_t q0 = i; q0 < i + run; q0 += tile) {
         const int64_t qn = std::min(tile, i + run - q0);
-        const int64_t lo = start[qpos[q0]], hi = qpos[q0 + qn - 1];
+        // (A window starts the range at the first query's window, if later.)
+        const int64_t lo = window > 0 ? std::max(start[qpos[q0]], qpos[q0] - window + 1) : start[qpos[q0]];
+        const int64_t hi = qpos[q0 + qn - 1];
         const int64_t k0 = std::lower_bound(kpos.begin(), kpos.end(), lo) - kpos.begin();
         const int64_t k1 = std::upper_bound(kpos.begin(), kpos.end(), hi) - kpos.begin();
         if (k1 > k0) out.push_back({b, q0, qn, k0, k1 - k0});
@@ -284,6 +289,7 @@ std::vector<DocTile> tiles_of(const at::Tensor& seg, const std::vector<int64_t>&
 // to the host (a stream sync on CUDA) and balanced the layout again.
 struct DocPlan {
   int cp = 0;
+  int64_t window = 0;
   CpLayout layout = CpLayout::Zigzag;
   at::Device device = at::kCPU;
   at::Tensor seg_host, seg_device;
@@ -295,13 +301,13 @@ struct DocPlans {
   std::deque<DocPlan> plans;  // one per (cp, layout, device) seen with this batch (references stay valid)
 };
 
-DocPlan& doc_plan(const at::Tensor& segments, int cp, CpLayout layout, const at::Device& device) {
+DocPlan& doc_plan(const at::Tensor& segments, int cp, CpLayout layout, const at::Device& device, int64_t window) {
   static thread_local SegmentsCache<DocPlans> cache;
   auto& plans = cache.get(segments, [](const at::Tensor&) { return DocPlans{}; }).plans;
   for (auto& p : plans)
-    if (p.cp == cp && p.layout == layout && p.device == device) return p;
+    if (p.cp == cp && p.layout == layout && p.device == device && p.window == window) return p;
   auto& p = plans.emplace_back();
-  p.cp = cp, p.layout = layout, p.device = device;
+  p.cp = cp, p.layout = layout, p.device = device, p.window = window;
   p.seg_host = segments.to(at::kCPU, at::kLong).contiguous();
   p.seg_device = p.seg_host.to(device);
   p.pos = rank_positions(p.seg_host, cp, layout);
@@ -311,14 +317,15 @@ DocPlan& doc_plan(const at::Tensor& segments, int cp, CpLayout layout, const at:
 }
 
 DocMask doc_mask(const DocPlan& plan, int q_rank, int k_rank) {
-  return {plan.seg_device, plan.pos_device[size_t(q_rank)], plan.pos_device[size_t(k_rank)]};
+  return {plan.seg_device, plan.pos_device[size_t(q_rank)], plan.pos_device[size_t(k_rank)], plan.window};
 }
 
 const std::vector<DocTile>& plan_tiles(DocPlan& plan, int q_rank, int k_rank) {
   auto it = plan.tiles.find({q_rank, k_rank});
   if (it == plan.tiles.end())
     it = plan.tiles.emplace(std::make_pair(q_rank, k_rank),
-                            tiles_of(plan.seg_host, plan.pos[size_t(q_rank)], plan.pos[size_t(k_rank)])).first;
+                            tiles_of(plan.seg_host, plan.pos[size_t(q_rank)], plan.pos[size_t(k_rank)], plan.window))
+             .first;
   return it->second;
 }
 
@@ -340,8 +347,8 @@ at::Tensor tile_probs(const at::Tensor& s, const at::Tensor& lse) {
 
 void doc_forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& segments,
                        int cp, int q_rank, int k_rank, CpLayout layout, double scale, at::Tensor& out,
-                       at::Tensor& lse) {
-  auto& plan = doc_plan(segments, cp, layout, q.device());
+                       at::Tensor& lse, int64_t window) {
+  auto& plan = doc_plan(segments, cp, layout, q.device(), window);
   const auto mask_of = doc_mask(plan, q_rank, k_rank);
   const int64_t hq = q.size(1);
   for (const auto& t : plan_tiles(plan, q_rank, k_rank)) {
@@ -359,8 +366,8 @@ void doc_forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 void doc_backward_block(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& segments, int cp, int q_rank,
                         int k_rank, CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc,
-                        at::Tensor& dv_acc) {
-  auto& plan = doc_plan(segments, cp, layout, q.device());
+                        at::Tensor& dv_acc, int64_t window) {
+  auto& plan = doc_plan(segments, cp, layout, q.device(), window);
   const auto mask_of = doc_mask(plan, q_rank, k_rank);
   const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(3);
   for (const auto& t : plan_tiles(plan, q_rank, k_rank)) {
@@ -402,8 +409,9 @@ at::Tensor rows(const at::Tensor& x, int64_t q0, int64_t n) { return x.narrow(2,
 // Adds one block (keys of k_rank) into the running fp32 out / lse.
 void forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int cp, int q_rank,
                    int k_rank, CpLayout layout, double scale, at::Tensor& out, at::Tensor& lse,
-                   const at::Tensor& segments) {
-  if (segments.defined()) return doc_forward_block(q, k, v, segments, cp, q_rank, k_rank, layout, scale, out, lse);
+                   const at::Tensor& segments, int64_t window) {
+  if (segments.defined())
+    return doc_forward_block(q, k, v, segments, cp, q_rank, k_rank, layout, scale, out, lse, window);
   for (const auto& p : block_pieces(cp, q_rank, k_rank, q.size(2), layout, causal)) {
     auto [o, l] = kernel_forward(rows(q, p.q0, p.qn).contiguous(), rows(k, p.k0, p.kn).contiguous(),
                                  rows(v, p.k0, p.kn).contiguous(), p.causal, scale);
@@ -417,10 +425,10 @@ void forward_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 void backward_block(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, bool causal, int cp, int q_rank, int k_rank,
                     CpLayout layout, double scale, at::Tensor& dq_acc, at::Tensor& dk_acc, at::Tensor& dv_acc,
-                    const at::Tensor& segments) {
+                    const at::Tensor& segments, int64_t window) {
   if (segments.defined())
     return doc_backward_block(dout, q, k, v, out, lse, segments, cp, q_rank, k_rank, layout, scale, dq_acc, dk_acc,
-                              dv_acc);
+                              dv_acc, window);
   for (const auto& p : block_pieces(cp, q_rank, k_rank, q.size(2), layout, causal)) {
     auto [dq, dk, dv] = kernel_backward(rows(dout, p.q0, p.qn).contiguous(), rows(q, p.q0, p.qn).contiguous(),
                                         rows(k, p.k0, p.kn).contiguous(), rows(v, p.k0, p.kn).contiguous(),
@@ -438,6 +446,7 @@ std::pair<at::Tensor, at::Tensor> cp_forward(const at::Tensor& q, const at::Tens
                                              bool causal, CpComm* comm, const CpAttentionOptions& o) {
   const int cp = comm ? comm->size() : 1, me = comm ? comm->rank() : 0;
   const auto& seg = o.segments;
+  TORCH_CHECK(o.window <= 0 || seg.defined(), "context-parallel attention: a window without segments");
   if (seg.defined())
     TORCH_CHECK(causal && seg.dim() == 2 && seg.size(0) == q.size(0) && seg.size(1) == q.size(2) * cp,
                 "document-masked attention: segments ", seg.sizes(), " do not cover the batch's ", q.size(2) * cp,
@@ -451,14 +460,14 @@ std::pair<at::Tensor, at::Tensor> cp_forward(const at::Tensor& q, const at::Tens
   if (comm && o.comm_type == CpCommType::AllGather) {
     auto all = comm->all_gather(kv);
     for (int src = 0; src < cp; ++src)
-      forward_block(q, all[src][0], all[src][1], causal, cp, me, src, o.layout, scale, out, lse, seg);
+      forward_block(q, all[src][0], all[src][1], causal, cp, me, src, o.layout, scale, out, lse, seg, o.window);
     return {out, lse};
   }
   for (int step = 0; step < cp; ++step) {
     const int src = ((me - step) % cp + cp) % cp;
     CpComm::Pending next;
     if (step + 1 < cp) next = comm->ring_shift_start(kv, 0);  // the next block travels while this one computes
-    forward_block(q, kv[0], kv[1], causal, cp, me, src, o.layout, scale, out, lse, seg);
+    forward_block(q, kv[0], kv[1], causal, cp, me, src, o.layout, scale, out, lse, seg, o.window);
     if (next) kv = next();
   }
   return {out, lse};
@@ -467,8 +476,9 @@ std::pair<at::Tensor, at::Tensor> cp_forward(const at::Tensor& q, const at::Tens
 struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, const c10::intrusive_ptr<CpComm>& comm, int64_t comm_type, int64_t layout,
-                            double scale, const at::Tensor& segments) {
+                            double scale, const at::Tensor& segments, int64_t window) {
     CpAttentionOptions o;
+    o.window = window;
     o.comm_type = static_cast<CpCommType>(comm_type);
     o.layout = static_cast<CpLayout>(layout);
     o.scale = scale;
@@ -482,6 +492,7 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
     ctx->saved_data["comm_type"] = comm_type;
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window"] = window;
     return out;
   }
 
@@ -498,6 +509,7 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
     const auto type = static_cast<CpCommType>(ctx->saved_data["comm_type"].toInt());
     const auto layout = static_cast<CpLayout>(ctx->saved_data["layout"].toInt());
     const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t window = ctx->saved_data["window"].toInt();
     const int cp = comm ? comm->size() : 1, me = comm ? comm->rank() : 0;
     const auto dout = grads[0].contiguous();
     auto f32 = q.options().dtype(at::kFloat);
@@ -508,7 +520,7 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
     if (!comm) {
       auto dkv = at::zeros(kv.sizes(), f32);
       auto dk = dkv[0], dv = dkv[1];
-      backward_block(dout, q, k, v, out, lse, causal, 1, 0, 0, layout, scale, dq, dk, dv, segments);
+      backward_block(dout, q, k, v, out, lse, causal, 1, 0, 0, layout, scale, dq, dk, dv, segments, window);
       dkv_home = dkv;
     } else if (type == CpCommType::AllGather) {
       auto all = comm->all_gather(kv);
@@ -516,7 +528,7 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
       for (int src = 0; src < cp; ++src) {
         auto dk = dkv_all[src][0], dv = dkv_all[src][1];
         backward_block(dout, q, all[src][0], all[src][1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv,
-                       segments);
+                       segments, window);
       }
       dkv_home = comm->reduce_scatter(dkv_all);
     } else {
@@ -530,16 +542,28 @@ struct CpAttentionFn : torch::autograd::Function<CpAttentionFn> {
         if (step + 1 < cp) kv_next = comm->ring_shift_start(kv, 0);
         auto dkv = step == 0 ? at::zeros(kv.sizes(), f32) : dkv_in();
         auto dk = dkv[0], dv = dkv[1];
-        backward_block(dout, q, kv[0], kv[1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv, segments);
+        backward_block(dout, q, kv[0], kv[1], out, lse, causal, cp, me, src, layout, scale, dq, dk, dv, segments,
+                       window);
         dkv_in = comm->ring_shift_start(dkv, 1);
         if (kv_next) kv = kv_next();
       }
       dkv_home = dkv_in();
     }
     return {dq.to(q.scalar_type()), dkv_home[0].to(k.scalar_type()), dkv_home[1].to(v.scalar_type()),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// A window over a sequence without documents: one document a row, the
+// masked-tile path's segments. The same tensor for the same shape, so the
+// batch's plan (SegmentsCache) is derived once, not per layer.
+CpAttentionOptions with_window_segments(CpAttentionOptions o, int64_t batch, int64_t tokens) {
+  if (o.window <= 0 || o.segments.defined()) return o;
+  static thread_local at::Tensor one;
+  if (!one.defined() || one.size(0) != batch || one.size(1) != tokens) one = at::zeros({batch, tokens}, at::kLong);
+  o.segments = one;
+  return o;
+}
 
 }  // namespace
 
@@ -561,8 +585,8 @@ std::pair<at::Tensor, at::Tensor> cp_attention_block(const at::Tensor& q, const 
   auto f32 = q.options().dtype(at::kFloat);
   auto out = at::zeros(q.sizes(), f32);
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(), f32);
-  forward_block(q, k, v, causal, cp, q_rank, k_rank, options.layout, scale_of(options, q), out, lse,
-                options.segments);
+  const auto o = with_window_segments(options, q.size(0), q.size(2) * cp);
+  forward_block(q, k, v, causal, cp, q_rank, k_rank, o.layout, scale_of(o, q), out, lse, o.segments, o.window);
   return {out, lse};
 }
 
@@ -572,16 +596,17 @@ std::pair<at::Tensor, at::Tensor> context_parallel_attention_lse(const at::Tenso
                                                                  const CpAttentionOptions& options) {
   TORCH_CHECK(comm, "context-parallel attention without a communicator");
   at::NoGradGuard no_grad;
-  auto [out, lse] = cp_forward(q, k, v, causal, comm.get(), options);
+  auto [out, lse] = cp_forward(q, k, v, causal, comm.get(), with_window_segments(options, q.size(0), q.size(2) * comm->size()));
   return {out.to(q.scalar_type()), lse};
 }
 
 at::Tensor context_parallel_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                                       const c10::intrusive_ptr<CpComm>& comm, const CpAttentionOptions& options) {
   TORCH_CHECK(comm, "context-parallel attention without a communicator");
-  return CpAttentionFn::apply(q, k, v, causal, comm, static_cast<int64_t>(options.comm_type),
-                              static_cast<int64_t>(options.layout), scale_of(options, q),
-                              options.segments.defined() ? options.segments : at::empty({0}, at::kLong));
+  const auto o = with_window_segments(options, q.size(0), q.size(2) * comm->size());
+  return CpAttentionFn::apply(q, k, v, causal, comm, static_cast<int64_t>(o.comm_type),
+                              static_cast<int64_t>(o.layout), scale_of(o, q),
+                              o.segments.defined() ? o.segments : at::empty({0}, at::kLong), o.window);
 }
 
 at::Tensor document_causal_mask(const at::Tensor& segments) {
@@ -606,14 +631,14 @@ at::Tensor document_attention(const at::Tensor& q, const at::Tensor& k, const at
   CpAttentionOptions o;
   o.scale = scale;
   return CpAttentionFn::apply(q, k, v, true, c10::intrusive_ptr<CpComm>(), static_cast<int64_t>(CpCommType::P2P),
-                              static_cast<int64_t>(CpLayout::Contiguous), scale_of(o, q), segments);
+                              static_cast<int64_t>(CpLayout::Contiguous), scale_of(o, q), segments, int64_t{0});
 }
 
 std::vector<DocTile> document_tiles(const at::Tensor& segments, int cp, int q_rank, int k_rank, CpLayout layout,
                                     int64_t tile) {
   const auto seg = segments.to(at::kCPU, at::kLong).contiguous();
   const auto pos = rank_positions(seg, cp, layout);
-  return tiles_of(seg, pos[size_t(q_rank)], pos[size_t(k_rank)], tile);
+  return tiles_of(seg, pos[size_t(q_rank)], pos[size_t(k_rank)], /*window=*/0, tile);
 }
 
 

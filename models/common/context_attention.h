@@ -47,6 +47,10 @@ struct CpAttentionOptions {
   // Document masking: [B, T] int64, the whole sequence's document number per
   // token in global order (non-decreasing along it), the same on every rank.
   at::Tensor segments;
+  // Sliding window (Mistral, Gemma's local layers): > 0, a query sees keys at
+  // most window - 1 positions before it; runs the masked-tile path (with
+  // segments, or one document a row), fp32 composite on every device.
+  int64_t window = 0;
 };
 
 // The rectangles a document-masked block computes: for batch row b, this

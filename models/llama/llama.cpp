@@ -73,9 +73,6 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg, const common::ShardingConte
   v_proj = register_module("v_proj", common::ColumnParallelLinear(ctx, C, std::vector<int64_t>{kv}, head_dim, b, init));
   o_proj = register_module("o_proj",
                            common::RowParallelLinear(ctx, q, C, group * head_dim, cfg.attention_bias, init));
-  // Ring attention has no window: refused here (the loader refuses it first, naming the key).
-  if (window > 0 && ctx.cp_comm)
-    throw std::invalid_argument("model.args.sliding_window: context parallelism has no sliding-window attention");
   if (cfg.qk_norm) {
     // Each tensor-parallel rank normalises only its heads, so the (replicated)
     // weights' gradients are partial: summed over the group, as a sequence-parallel norm's.
@@ -109,6 +106,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     o.layout = cp_layout;
     o.scale = scale;
     if (by_tiles) o.segments = mask;
+    if (window > 0 && window < T * cp_comm->size()) o.window = window;  // the masked tiles, windowed
     auto y = common::context_parallel_attention(q, k, v, /*causal=*/true, cp_comm, o);
     return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
   }

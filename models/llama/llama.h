@@ -106,7 +106,7 @@ struct LlamaConfig : config::ModelConfig {
 
   std::pair<std::string, std::string> context_parallel_refusal() const override {
     if (attention_sinks) return {"attention_sinks", "attention sinks (gpt_oss: a learned logit per head in the softmax)"};
-    if (windowed()) return {"sliding_window", "a sliding window (" + std::to_string(sliding_window) + " tokens)"};
+    // (Sliding windows run: context-parallel attention's masked tiles take the window.)
     return {"", ""};
   }
 
