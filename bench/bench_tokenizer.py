@@ -329,6 +329,7 @@ def main():
     ap.add_argument("--scaling", action="store_true", help="nnstrain alone, the same documents at each thread count")
     ap.add_argument("--before", help="another binary whose `tokenize` runs in the same rounds (a before row)")
     ap.add_argument("--whole-mb", type=float, default=0, help="also the whole tokenize process on a text of this many MB")
+    ap.add_argument("--whole-only", action="store_true", help="only the whole-process measurement (--whole-mb)")
     args = ap.parse_args()
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_tok_"))
@@ -350,7 +351,7 @@ def main():
     rows = []
     load = [round(os.getloadavg()[0], 2)]
     timed = ["nnstrain", "tiktoken"] + (["before"] if args.before else [])
-    for tok in ("gpt2", "llama3"):
+    for tok in ("gpt2", "llama3") if not args.whole_only else ():
         for name, path in paths.items():
             nbytes = path.stat().st_size
             for threads in args.threads:
