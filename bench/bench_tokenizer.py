@@ -15,7 +15,21 @@ everywhere (tiktoken encode_ordinary, tokenizers encode_special_tokens=True).
 Every run's ids are checked equal to tokenizers' (the reference) for the same input
 (one string, or the documents) before a time counts.
 
-    python bench/bench_tokenizer.py --nnstrain build/nnstrain [--threads 1 2] [--repeats 3]
+The machine's cores may be shared with other work: each measurement runs --repeats
+rounds with the libraries interleaved inside a round (nnstrain, tiktoken, nnstrain,
+tiktoken, ...), so that load falls on all of them alike and the ratio to tiktoken holds;
+best and median per library, every round's time and the load average around it in
+the .json. tokenizers (over 10x slower than both) runs once per measurement, for the
+reference ids and one timed row. --before BIN adds a row for another binary's
+`tokenize` (the tokenizer before a change) in the same rounds.
+
+--whole-mb N: also the whole `nnstrain tokenize` process (start, load the tokenizer,
+read, encode, write the ids) on an N MB text file (the bench's texts repeated,
+written under /tmp), at 1 and 2 threads, beside tiktoken's whole process (Python
+start, import, load, read, encode_ordinary, write) in the same rounds; ids checked
+equal to tiktoken's.
+
+    python bench/bench_tokenizer.py --nnstrain build/nnstrain [--threads 1 2] [--repeats 3] [--whole-mb 100]
 
 Writes bench/results/tokenizer_<UTC time>.json and .md.
 
@@ -38,6 +52,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -45,7 +60,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests" / "reference"))
-from bench_common import cpu_model, git_commit  # noqa: E402
+from bench_common import cpu_model, git_commit, libtorch_version  # noqa: E402
 import tokenizer_cases as tc  # noqa: E402
 
 # One reference measurement in a fresh interpreter, so RAYON_NUM_THREADS takes effect.
@@ -83,6 +98,98 @@ print(json.dumps({"wall": w1 - w0, "cpu": c1 - c0}))
 '''
 
 
+# tiktoken's whole process on a text file (the baseline for `nnstrain tokenize`'s).
+WHOLE_TIKTOKEN = r'''
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np, tiktoken
+import tokenizer_cases as tc
+from tiktoken.load import load_tiktoken_bpe, data_gym_to_mergeable_bpe_ranks
+tok, text_path, out = sys.argv[2], sys.argv[3], sys.argv[4]
+if tok == "gpt2":
+    enc_json, vocab_bpe = tc.gpt2_files()
+    ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(enc_json))
+    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+else:
+    ranks = load_tiktoken_bpe(str(tc.llama3_files()[1]))
+    pat = tc.LLAMA3_REGEX
+enc = tiktoken.Encoding(tok, pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+text = open(text_path, encoding="utf-8", newline="").read()
+np.asarray(enc.encode_ordinary(text), dtype=np.int32).tofile(out)
+'''
+
+
+def timed_process(cmd, env=None):
+    """Runs cmd; wall seconds and the child's CPU seconds (user + system), or exits with its output."""
+    import resource
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    w0 = time.perf_counter()
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - w0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(map(str, cmd))} failed: {p.stderr[-3000:]}")
+    return {"wall": wall, "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)}
+
+
+def whole_process(args, texts, tmp):
+    """`nnstrain tokenize` start to finish on a --whole-mb text file at 1 and 2 threads, tiktoken's whole
+    process beside it, interleaved round by round."""
+    unit = "".join(texts.values()).encode()
+    target = int(args.whole_mb * 1e6)
+    path = tmp / f"whole_{args.whole_mb:g}mb.txt"
+    with open(path, "wb") as f:
+        written = 0
+        while written < target:
+            chunk = unit[:target - written]
+            # whole characters only: cut back to a UTF-8 start byte
+            while chunk and len(chunk) < len(unit) and (unit[len(chunk)] & 0xC0) == 0x80:
+                chunk = chunk[:-1]
+            f.write(chunk)
+            written += len(chunk)
+            if len(chunk) < len(unit):
+                break
+    nbytes = path.stat().st_size
+    rows = []
+    for tok in ("gpt2", "llama3"):
+        tok_path = tc.gpt2_files()[0] if tok == "gpt2" else tc.llama3_files()[0]
+        runs, ref = {}, None
+        entries = [("tiktoken", 1)] + [(b, t) for b in (["before"] if args.before else []) + ["nnstrain"]
+                                       for t in (1, 2)]
+        for _ in range(args.repeats):
+            for lib, threads in entries:
+                out = tmp / f"whole_{lib}_{threads}.bin"
+                before = os.getloadavg()[0]
+                if lib == "tiktoken":
+                    r = timed_process([sys.executable, "-c", WHOLE_TIKTOKEN, ROOT / "tests" / "reference", tok, path, out])
+                else:
+                    binary = args.nnstrain if lib == "nnstrain" else args.before
+                    r = timed_process([binary, "tokenize", "--tokenizer", tok_path, "--threads", threads,
+                                       "--input", path, "--out", out])
+                ids = np.fromfile(out, dtype=np.int32)
+                out.unlink()
+                if ref is None:
+                    ref = ids
+                elif ids.shape != ref.shape or not bool((ids == ref).all()):
+                    sys.exit(f"whole process {tok} {lib} threads={threads}: ids differ from tiktoken's")
+                r["load"] = [round(before, 2), round(os.getloadavg()[0], 2)]
+                runs.setdefault((lib, threads), []).append(r)
+        base = min(r["wall"] for r in runs[("tiktoken", 1)])
+        for (lib, threads), rs in runs.items():
+            best = min(rs, key=lambda r: r["wall"])
+            walls = [r["wall"] for r in rs]
+            row = {"tokenizer": tok, "bytes": nbytes, "ids": int(ref.size), "library": lib, "threads": threads,
+                   "best_wall_s": round(best["wall"], 3), "median_wall_s": round(float(np.median(walls)), 3),
+                   "MB_per_s_best": round(nbytes / 1e6 / best["wall"], 2),
+                   "process_cpu_s_best": round(best["cpu"], 3),
+                   "x_tiktoken_wall_best": round(base / best["wall"], 2),
+                   "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rs]}
+            rows.append(row)
+            print(f"whole {tok:6} {lib:9} threads {threads} {row['MB_per_s_best']:7.2f} MB/s (best wall "
+                  f"{row['best_wall_s']} s, x{row['x_tiktoken_wall_best']} tiktoken)", flush=True)
+    return rows
+
+
 def run_reference(lib, tok, text_path, threads, out):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
     p = subprocess.run([sys.executable, "-c", WORKER, str(ROOT / "tests" / "reference"), lib, tok, str(text_path),
@@ -93,6 +200,7 @@ def run_reference(lib, tok, text_path, threads, out):
 
 
 def run_ours(binary, tok, text_path, threads, out):
+    """nnstrain tokenize's own timing (encoding only) on the text (1 thread) or its documents."""
     path = tc.gpt2_files()[0] if tok == "gpt2" else tc.llama3_files()[0]
     args = [str(binary), "tokenize", "--tokenizer", str(path), "--threads", str(threads), "--out", str(out)]
     if threads == 1:
@@ -219,6 +327,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="best of N per measurement")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--scaling", action="store_true", help="nnstrain alone, the same documents at each thread count")
+    ap.add_argument("--before", help="another binary whose `tokenize` runs in the same rounds (a before row)")
+    ap.add_argument("--whole-mb", type=float, default=0, help="also the whole tokenize process on a text of this many MB")
+    ap.add_argument("--whole-only", action="store_true", help="only the whole-process measurement (--whole-mb)")
     args = ap.parse_args()
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_tok_"))
@@ -239,57 +350,99 @@ def main():
 
     rows = []
     load = [round(os.getloadavg()[0], 2)]
-    for tok in ("gpt2", "llama3"):
+    timed = ["nnstrain", "tiktoken"] + (["before"] if args.before else [])
+    for tok in ("gpt2", "llama3") if not args.whole_only else ():
         for name, path in paths.items():
             nbytes = path.stat().st_size
-            refs = {}  # one string vs documents: their ids differ where lines meet
             for threads in args.threads:
-                mode = "whole" if threads == 1 else "docs"
-                for lib in ("tokenizers", "tiktoken", "nnstrain"):
-                    best = None
-                    for _ in range(args.repeats):
+                # The reference ids (one string, or the documents: they differ where lines meet), timed once.
+                out = tmp / "tokenizers.bin"
+                before = os.getloadavg()[0]
+                r = run_reference("tokenizers", tok, path, threads, out)
+                r["load"] = [round(before, 2), round(os.getloadavg()[0], 2)]
+                ref_ids = np.fromfile(out, dtype=np.int32)
+                runs = {"tokenizers": [r]}
+                for _ in range(args.repeats):
+                    for lib in timed:  # interleaved: nnstrain, tiktoken[, before], nnstrain, tiktoken, ...
                         out = tmp / f"{lib}.bin"
-                        r = (run_ours(args.nnstrain, tok, path, threads, out) if lib == "nnstrain"
-                             else run_reference(lib, tok, path, threads, out))
+                        before = os.getloadavg()[0]
+                        if lib == "tiktoken":
+                            r = run_reference(lib, tok, path, threads, out)
+                        else:
+                            r = run_ours(args.nnstrain if lib == "nnstrain" else args.before, tok, path, threads, out)
+                        r["load"] = [round(before, 2), round(os.getloadavg()[0], 2)]
                         ids = np.fromfile(out, dtype=np.int32)
-                        if lib == "tokenizers" and mode not in refs:
-                            refs[mode] = ids
-                        ref_ids = refs.get(mode)
-                        same = ref_ids is not None and ids.shape == ref_ids.shape and bool((ids == ref_ids).all())
-                        if not same:
+                        if ids.shape != ref_ids.shape or not bool((ids == ref_ids).all()):
                             sys.exit(f"{lib} {tok} {name} threads={threads}: ids differ from tokenizers'")
-                        if best is None or r["wall"] < best["wall"]:
-                            best = r
+                        runs.setdefault(lib, []).append(r)
+                tik = min(runs["tiktoken"], key=lambda r: r["wall"])
+                for lib in ("tokenizers", "tiktoken", "before", "nnstrain"):
+                    if lib not in runs:
+                        continue
+                    rs = runs[lib]
+                    best = min(rs, key=lambda r: r["wall"])
+                    best_cpu = min(r["cpu"] for r in rs)
                     row = {"tokenizer": tok, "text": name, "bytes": nbytes, "threads": threads, "library": lib,
-                           "ids": int(ref_ids.size), "wall_s": round(best["wall"], 4), "cpu_s": round(best["cpu"], 4),
+                           "ids": int(ref_ids.size), "runs_n": len(rs),
+                           "wall_s": round(best["wall"], 4), "cpu_s": round(best_cpu, 4),
                            "MB_per_s_wall": round(nbytes / 1e6 / best["wall"], 2),
-                           "MB_per_s_cpu": round(nbytes / 1e6 / best["cpu"], 2) if best["cpu"] > 0 else None}
+                           "MB_per_s_wall_median": round(nbytes / 1e6 / float(np.median([r["wall"] for r in rs])), 2),
+                           "MB_per_s_cpu": round(nbytes / 1e6 / best_cpu, 2) if best_cpu > 0 else None,
+                           "x_tiktoken_wall": round(tik["wall"] / best["wall"], 2),
+                           "x_tiktoken_cpu": round(min(r["cpu"] for r in runs["tiktoken"]) / best_cpu, 2)
+                           if best_cpu > 0 else None,
+                           "runs": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rs]}
                     rows.append(row)
                     print(f"{tok:6} {name:20} threads {threads} {lib:10} {row['MB_per_s_wall']:7.2f} MB/s wall "
-                          f"{row['MB_per_s_cpu'] or 0:7.2f} MB/s cpu", flush=True)
+                          f"{row['MB_per_s_cpu'] or 0:7.2f} MB/s cpu  x{row['x_tiktoken_wall']} tiktoken (wall) "
+                          f"x{row['x_tiktoken_cpu']} (cpu)", flush=True)
+    whole = whole_process(args, texts, tmp) if args.whole_mb else []
     load.append(round(os.getloadavg()[0], 2))
 
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
         "benchmark": "tokenizer", "date": now.isoformat(timespec="seconds"), "commit": git_commit(),
-        "device": f"{cpu_model()}, {os.cpu_count()} cores", "load_avg_1min": load,
+        "device": f"{cpu_model()}, {os.cpu_count()} cores", "libtorch": libtorch_version(args.nnstrain),
+        "load_avg_1min": load, "repeats": args.repeats, "before": args.before,
         "versions": {p: md.version(p) for p in ("tokenizers", "tiktoken")} | {"python": sys.version.split()[0]},
-        "results": rows,
+        "results": rows, "whole_process": whole,
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"tokenizer_{now.strftime('%Y%m%d-%H%M%S')}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     lines = [f"# Tokenizer speed: nnstrain vs tiktoken and tokenizers", "",
-             f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}",
-             f"- device: {record['device']}; load average (1 min) before/after: {load}",
+             f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; commit {record['commit']}; LibTorch {record['libtorch']}",
+             f"- device: {record['device']}; load average (1 min) before/after: {load}"
+             + ("; **the cores were shared with other work** (load above 1): wall MB/s are lower bounds, the "
+                "per-core (CPU time) figures and the ratios to tiktoken (same rounds) are the ones to compare"
+                if max(load) > 1.0 else ""),
              f"- versions: {record['versions']}",
-             "- ids of every run equal to tokenizers' (checked); MB/s = input bytes / encode time",
-             "", "| tokenizer | text | threads | library | MB/s (wall) | MB/s per core (CPU time) |",
-             "|---|---|---|---|---|---|"]
+             f"- {args.repeats} rounds per measurement, libraries interleaved in each round ({', '.join(timed)}); "
+             "best wall (and median) per library; tokenizers once (the reference ids); every run's ids equal "
+             "to tokenizers' (checked); MB/s = input bytes / encode time (nnstrain: tokenize's own encode "
+             "timing, without start-up, load, read, write)"]
+    if args.before:
+        lines.append(f"- before: `{args.before} tokenize` (the tokenizer before the change), in the same rounds")
+    lines += ["", "| tokenizer | text | threads | library | MB/s (best wall) | MB/s (median wall) "
+                  "| MB/s per core (CPU time) | x tiktoken (wall) | x tiktoken (CPU) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tokenizer']} | {r['text']} | {r['threads']} | {r['library']} | {r['MB_per_s_wall']} | "
-                     f"{r['MB_per_s_cpu']} |")
+                     f"{r['MB_per_s_wall_median']} | {r['MB_per_s_cpu']} | {r['x_tiktoken_wall']} | "
+                     f"{r['x_tiktoken_cpu']} |")
+    if whole:
+        lines += ["", f"## The whole process on a {whole[0]['bytes'] / 1e6:.0f} MB text file", "",
+                  "`nnstrain tokenize --tokenizer T --threads N --input FILE --out IDS` start to finish (wall "
+                  "around the process: start-up, load, read, encode, write), beside tiktoken's whole process "
+                  "(`python -c`: import, load, read, encode_ordinary, write) in the same rounds; ids equal "
+                  "(checked). CPU: the process's user + system time.", "",
+                  "| tokenizer | library | threads | MB/s (best wall) | best wall s | median wall s | process CPU s "
+                  "| x tiktoken (wall) |", "|---|---|---|---|---|---|---|---|"]
+        for r in whole:
+            lines.append(f"| {r['tokenizer']} | {r['library']} | {r['threads']} | {r['MB_per_s_best']} | "
+                         f"{r['best_wall_s']} | {r['median_wall_s']} | {r['process_cpu_s_best']} | "
+                         f"{r['x_tiktoken_wall_best']} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md")
 

@@ -25,6 +25,9 @@ class BpeModel {
   // The merge (a, b) -> merged at `rank`; a later merge of the same pair replaces it.
   void add_merge(int32_t a, int32_t b, uint32_t rank, int32_t merged);
   void set_ignore_merges(bool v) { ignore_merges_ = v; }
+  // Room for n tokens / merges, so that loading does not rehash as it goes.
+  void reserve(size_t n) { vocab_.reserve(n); }
+  void reserve_merges(size_t n) { merges_.reserve(n); }
 
   // The id of a whole byte string, or -1.
   int32_t find(std::string_view bytes) const {

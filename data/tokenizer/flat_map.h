@@ -40,6 +40,9 @@ class StringMap {
     count_ = 0;
   }
   size_t arena_bytes() const { return arena_.size(); }
+  void reserve(size_t n) {
+    while ((n + 1) * 4 >= slots_.size() * 3) grow();
+  }
 
   const V* find(std::string_view key) const {
     if (slots_.empty()) return nullptr;
@@ -101,23 +104,28 @@ class StringMap {
   size_t count_ = 0;
 };
 
+// Keys must not be ~0 (the empty slot's mark): the encoder's keys are two ids
+// (below 2^31) packed in 64 bits. A slot is the key and the value (16 bytes for
+// BPE's merges: four to a cache line), at most 60% full (most lookups are of pairs
+// that are no merge, and a miss probes until an empty slot).
 template <class V>
 class U64Map {
  public:
+  static constexpr uint64_t kEmpty = ~0ULL;
   const V* find(uint64_t key) const {
     if (slots_.empty()) return nullptr;
     for (size_t i = mix(key) & mask_;; i = (i + 1) & mask_) {
       const Slot& s = slots_[i];
-      if (!s.used) return nullptr;
       if (s.key == key) return &s.value;
+      if (s.key == kEmpty) return nullptr;
     }
   }
   void put(uint64_t key, const V& value) {
-    if ((count_ + 1) * 2 >= slots_.size()) grow();
+    if ((count_ + 1) * 5 >= slots_.size() * 3) grow();
     for (size_t i = mix(key) & mask_;; i = (i + 1) & mask_) {
       Slot& s = slots_[i];
-      if (!s.used) {
-        s = Slot{key, value, true};
+      if (s.key == kEmpty) {
+        s = Slot{key, value};
         ++count_;
         return;
       }
@@ -128,12 +136,14 @@ class U64Map {
     }
   }
   size_t size() const { return count_; }
+  void reserve(size_t n) {
+    while ((n + 1) * 5 >= slots_.size() * 3) grow();
+  }
 
  private:
   struct Slot {
-    uint64_t key = 0;
+    uint64_t key = kEmpty;
     V value{};
-    bool used = false;
   };
   static uint64_t mix(uint64_t x) {
     x ^= x >> 33;
@@ -146,9 +156,9 @@ class U64Map {
     slots_.assign(old.empty() ? 64 : old.size() * 2, Slot{});
     mask_ = slots_.size() - 1;
     for (const Slot& s : old)
-      if (s.used) {
+      if (s.key != kEmpty) {
         size_t i = mix(s.key) & mask_;
-        while (slots_[i].used) i = (i + 1) & mask_;
+        while (slots_[i].key != kEmpty) i = (i + 1) & mask_;
         slots_[i] = s;
       }
   }

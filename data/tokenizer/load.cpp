@@ -45,7 +45,7 @@ const ByteLevelMap kByteLevel;
 
 // The bytes a byte-level token string stands for; false if a character is not one of
 // the 256 byte characters.
-bool unmap_byte_level(const std::string& s, std::string& out) {
+bool unmap_byte_level(std::string_view s, std::string& out) {
   out.clear();
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const auto* end = p + s.size();
@@ -67,36 +67,278 @@ std::string type_of(const json& j) {
   return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "?";
 }
 
+// A tokenizer.json or encoder.json read as nlohmann's DOM, except for the vocabulary
+// and the merges (hundreds of thousands of entries: as a std::map of json values they
+// took most of a Llama 3 load), which go straight into flat lists. What the DOM
+// would have done is kept: a repeated key's last value wins, the vocabulary is
+// walked in key order (the order its errors are found in), anything but an object
+// (vocab) or an array (merges) is left to the DOM and refused from there.
+struct VocabEntry {
+  std::string key;
+  int64_t id = 0;
+  bool integer = false;  // the value was an integer (else: refused, naming the key)
+};
+struct MergeEntry {
+  std::string a, b;  // b empty with `pair` false: the "a b" string form, in a
+  bool pair = false;
+  bool valid = true;  // a string or an array of two strings
+};
+
+class TokenizerJsonReader {
+ public:
+  using string_t = json::string_t;
+  // flat_vocab: the whole document is the vocabulary (encoder.json); else model.vocab
+  // and model.merges of a tokenizer.json.
+  TokenizerJsonReader(json& root, bool flat_vocab) : dom_(root), flat_vocab_(flat_vocab) {}
+
+  bool has_vocab = false, has_merges = false;
+  std::vector<VocabEntry> vocab;
+  std::vector<MergeEntry> merges;
+
+  // The vocabulary in key order, a repeated key's last value kept (std::map's view).
+  void finish_vocab() {
+    std::stable_sort(vocab.begin(), vocab.end(), [](const VocabEntry& x, const VocabEntry& y) { return x.key < y.key; });
+    size_t out = 0;
+    for (size_t i = 0; i < vocab.size(); ++i) {
+      if (out > 0 && vocab[out - 1].key == vocab[i].key) vocab[out - 1] = std::move(vocab[i]);
+      else if (out != i) vocab[out++] = std::move(vocab[i]);
+      else ++out;
+    }
+    vocab.resize(out);
+  }
+
+  bool null() { return scalar([&] { return dom_.null(); }); }
+  bool boolean(bool v) { return scalar([&] { return dom_.boolean(v); }); }
+  bool number_integer(json::number_integer_t v) {
+    if (mode_ == Mode::vocab && skip_ == 0) return vocab_value(static_cast<int64_t>(v), true);
+    return scalar([&] { return dom_.number_integer(v); });
+  }
+  bool number_unsigned(json::number_unsigned_t v) {
+    if (mode_ == Mode::vocab && skip_ == 0) return vocab_value(static_cast<int64_t>(v), true);
+    return scalar([&] { return dom_.number_unsigned(v); });
+  }
+  bool number_float(json::number_float_t v, const string_t& s) { return scalar([&] { return dom_.number_float(v, s); }); }
+  bool binary(json::binary_t& v) { return scalar([&] { return dom_.binary(v); }); }
+  bool string(string_t& v) {
+    if (mode_ == Mode::merges && skip_ == 0) {
+      if (!in_pair_) {
+        merges.push_back({std::move(v), std::string(), false, true});
+      } else {
+        MergeEntry& m = merges.back();
+        if (pair_items_ == 0) m.a = std::move(v);
+        else if (pair_items_ == 1) m.b = std::move(v);
+        ++pair_items_;
+      }
+      return true;
+    }
+    return scalar([&] { return dom_.string(v); });
+  }
+  bool key(string_t& k) {
+    if (mode_ == Mode::vocab && skip_ == 0) {
+      key_ = std::move(k);
+      return true;
+    }
+    if (mode_ != Mode::none) return true;
+    if (depth_ == 1) root_key_ = k;
+    if (depth_ == 2 && in_model_ && (k == "vocab" || k == "merges")) {
+      pending_ = std::move(k);  // captured if an object (vocab) or an array (merges) follows
+      return true;
+    }
+    return dom_.key(k);
+  }
+  bool start_object(std::size_t n) {
+    if (mode_ != Mode::none) return open_in_capture(false);
+    if (flat_vocab_ && depth_ == 0) {
+      has_vocab = true;
+      mode_ = Mode::vocab;
+      ++depth_;
+      return true;
+    }
+    if (pending_ == "vocab") {
+      pending_.clear();
+      has_vocab = true;
+      vocab.clear();
+      mode_ = Mode::vocab;
+      return true;
+    }
+    if (!flush_pending()) return false;
+    ++depth_;
+    if (depth_ == 2 && root_key_ == "model") {  // a later "model" replaces an earlier one, as in the DOM
+      in_model_ = true;
+      has_vocab = has_merges = false;
+      vocab.clear();
+      merges.clear();
+    }
+    return dom_.start_object(n);
+  }
+  bool end_object() {
+    if (mode_ == Mode::vocab && skip_ == 0) {
+      mode_ = Mode::none;
+      if (flat_vocab_) --depth_;
+      return true;
+    }
+    if (mode_ != Mode::none) return close_in_capture();
+    if (depth_ == 2) in_model_ = false;
+    --depth_;
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) {
+    if (mode_ != Mode::none) return open_in_capture(true);
+    if (pending_ == "merges") {
+      pending_.clear();
+      has_merges = true;
+      merges.clear();
+      mode_ = Mode::merges;
+      return true;
+    }
+    if (!flush_pending()) return false;
+    ++depth_;
+    return dom_.start_array(n);
+  }
+  bool end_array() {
+    if (mode_ == Mode::merges && skip_ == 0) {
+      if (in_pair_) {
+        in_pair_ = false;
+        MergeEntry& m = merges.back();
+        if (pair_items_ != 2) m.valid = false;
+        return true;
+      }
+      mode_ = Mode::none;
+      return true;
+    }
+    if (mode_ != Mode::none) return close_in_capture();
+    --depth_;
+    return dom_.end_array();
+  }
+  template <class Exception>
+  bool parse_error(std::size_t pos, const std::string& token, const Exception& ex) {
+    return dom_.parse_error(pos, token, ex);
+  }
+
+ private:
+  enum class Mode { none, vocab, merges };
+  template <class F>
+  bool scalar(F&& to_dom) {
+    if (mode_ == Mode::vocab) return skip_ > 0 || vocab_value(0, false);
+    if (mode_ == Mode::merges) {
+      if (skip_ > 0) return true;
+      if (in_pair_) {
+        merges.back().valid = false;
+        ++pair_items_;
+      } else {
+        merges.push_back({std::string(), std::string(), false, false});
+      }
+      return true;
+    }
+    if (!flush_pending()) return false;
+    return to_dom();
+  }
+  bool vocab_value(int64_t id, bool integer) {
+    vocab.push_back({std::move(key_), id, integer});
+    key_.clear();
+    return true;
+  }
+  // An object or array inside a captured list: an entry of the wrong type (skipped
+  // whole), or a merge's [a, b] pair.
+  bool open_in_capture(bool array) {
+    if (skip_ > 0) {
+      ++skip_;
+      return true;
+    }
+    if (mode_ == Mode::vocab) {
+      vocab_value(0, false);
+    } else if (array && !in_pair_) {
+      merges.push_back({std::string(), std::string(), true, true});
+      in_pair_ = true;
+      pair_items_ = 0;
+      return true;
+    } else if (in_pair_) {
+      merges.back().valid = false;
+      ++pair_items_;
+    } else {
+      merges.push_back({std::string(), std::string(), false, false});
+    }
+    skip_ = 1;
+    return true;
+  }
+  bool close_in_capture() {
+    --skip_;
+    return true;
+  }
+  // A "vocab" or "merges" key followed by something the lists do not take: the DOM gets it.
+  bool flush_pending() {
+    if (pending_.empty()) return true;
+    if (pending_ == "vocab") has_vocab = false;
+    else has_merges = false;
+    string_t k = std::move(pending_);
+    pending_.clear();
+    return dom_.key(k);
+  }
+
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  const bool flat_vocab_;
+  Mode mode_ = Mode::none;
+  int depth_ = 0;       // open containers the DOM sees
+  bool in_model_ = false;
+  std::string root_key_, pending_, key_;
+  int skip_ = 0;        // open containers inside a skipped entry
+  bool in_pair_ = false;
+  int pair_items_ = 0;
+};
+
+// Parses `text` (a tokenizer.json, or with flat_vocab an encoder.json); refuses
+// invalid JSON naming the file.
+void read_tokenizer_json(const std::string& path, const std::string& text, TokenizerJsonReader& reader) {
+  try {
+    json::sax_parse(text, &reader);
+  } catch (const json::parse_error& e) {
+    refuse(path, std::string("not valid JSON: ") + e.what());
+  }
+  reader.finish_vocab();
+}
+
 // Fills the BPE vocabulary from byte-level token strings.
-void add_vocab(const std::string& path, const json& vocab, BpeModel& bpe,
+void add_vocab(const std::string& path, const TokenizerJsonReader& reader, BpeModel& bpe,
                std::vector<std::pair<std::string, int32_t>>* not_byte_level) {
-  if (!vocab.is_object()) refuse(path, "model.vocab is not an object");
+  if (!reader.has_vocab) refuse(path, "model.vocab is not an object");
+  bpe.reserve(reader.vocab.size());
   std::string bytes;
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    if (!it.value().is_number_integer()) refuse(path, "vocab entry '" + it.key() + "' has no integer id");
-    const int64_t id = it.value().get<int64_t>();
-    if (id < 0 || id >= (1 << 30)) refuse(path, "vocab entry '" + it.key() + "' has id " + std::to_string(id));
-    if (!unmap_byte_level(it.key(), bytes)) {
+  for (const VocabEntry& e : reader.vocab) {
+    if (!e.integer) refuse(path, "vocab entry '" + e.key + "' has no integer id");
+    const int64_t id = e.id;
+    if (id < 0 || id >= (1 << 30)) refuse(path, "vocab entry '" + e.key + "' has id " + std::to_string(id));
+    if (!unmap_byte_level(e.key, bytes)) {
       // Tolerated only when an added token of the same text covers it (GPT-2's <|endoftext|>
       // is both); load_hf_json checks.
       if (not_byte_level) {
-        not_byte_level->push_back({it.key(), static_cast<int32_t>(id)});
+        not_byte_level->push_back({e.key, static_cast<int32_t>(id)});
         continue;
       }
-      refuse(path, "vocab entry '" + it.key() + "' is not byte-level (only byte-level BPE is supported)");
+      refuse(path, "vocab entry '" + e.key + "' is not byte-level (only byte-level BPE is supported)");
     }
     if (!bpe.add_token(bytes, static_cast<int32_t>(id)))
-      refuse(path, "vocab entry '" + it.key() + "' (id " + std::to_string(id) + ") repeats an id or a token");
+      refuse(path, "vocab entry '" + e.key + "' (id " + std::to_string(id) + ") repeats an id or a token");
   }
 }
 
-void add_merge(const std::string& path, size_t index, const std::string& a, const std::string& b, BpeModel& bpe) {
-  std::string ba, bb;
-  const bool ok = unmap_byte_level(a, ba) && unmap_byte_level(b, bb);
-  const int32_t ia = ok ? bpe.find(ba) : -1, ib = ok ? bpe.find(bb) : -1;
-  const int32_t merged = ok ? bpe.find(ba + bb) : -1;
+// Scratch for add_merge: no allocation per merge.
+struct MergeScratch {
+  std::string a, b, ab;
+};
+
+void add_merge(const std::string& path, size_t index, std::string_view a, std::string_view b, BpeModel& bpe,
+               MergeScratch& m) {
+  const bool ok = unmap_byte_level(a, m.a) && unmap_byte_level(b, m.b);
+  int32_t ia = -1, ib = -1, merged = -1;
+  if (ok) {
+    ia = bpe.find(m.a);
+    ib = bpe.find(m.b);
+    m.ab.assign(m.a).append(m.b);
+    merged = bpe.find(m.ab);
+  }
   if (ia < 0 || ib < 0 || merged < 0)
-    refuse(path, "merge " + std::to_string(index + 1) + " ('" + a + "' '" + b + "') names a token not in the vocabulary");
+    refuse(path, "merge " + std::to_string(index + 1) + " ('" + std::string(a) + "' '" + std::string(b) +
+                     "') names a token not in the vocabulary");
   bpe.add_merge(ia, ib, static_cast<uint32_t>(index), merged);
 }
 
@@ -179,11 +421,8 @@ void parse_post_processor(const std::string& path, const json& pp, Tokenizer::Im
 void load_hf_json(const std::string& path, Tokenizer::Impl& t) {
   const std::string text = read_file(path);
   json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    refuse(path, std::string("not valid JSON: ") + e.what());
-  }
+  TokenizerJsonReader reader(j, false);
+  read_tokenizer_json(path, text, reader);
   if (!j.is_object() || !j.contains("model")) refuse(path, "no 'model' (not a Hugging Face tokenizer.json)");
   for (const char* key : {"truncation", "padding"})
     if (j.contains(key) && !j[key].is_null()) refuse(path, std::string(key) + " is set (not supported; set it to null)");
@@ -203,21 +442,39 @@ void load_hf_json(const std::string& path, Tokenizer::Impl& t) {
     refuse(path, "decoder '" + type_of(j["decoder"]) + "' is not supported (ByteLevel)");
 
   std::vector<std::pair<std::string, int32_t>> not_byte_level;
-  add_vocab(path, m.value("vocab", json()), t.bpe, &not_byte_level);
+  add_vocab(path, reader, t.bpe, &not_byte_level);
   require_all_bytes(path, t.bpe);
-  const json& merges = m.value("merges", json::array());
-  for (size_t i = 0; i < merges.size(); ++i) {
-    const json& mg = merges[i];
-    if (mg.is_string()) {
-      const std::string s = mg.get<std::string>();
-      const size_t sp = s.find(' ');
-      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
-        refuse(path, "merge " + std::to_string(i + 1) + " '" + s + "' is not two tokens separated by one space");
-      add_merge(path, i, s.substr(0, sp), s.substr(sp + 1), t.bpe);
-    } else if (mg.is_array() && mg.size() == 2 && mg[0].is_string() && mg[1].is_string()) {
-      add_merge(path, i, mg[0].get<std::string>(), mg[1].get<std::string>(), t.bpe);
-    } else {
-      refuse(path, "merge " + std::to_string(i + 1) + " is neither \"a b\" nor [\"a\", \"b\"]");
+  MergeScratch scratch;
+  if (reader.has_merges) {
+    t.bpe.reserve_merges(reader.merges.size());
+    for (size_t i = 0; i < reader.merges.size(); ++i) {
+      const MergeEntry& mg = reader.merges[i];
+      if (!mg.valid) refuse(path, "merge " + std::to_string(i + 1) + " is neither \"a b\" nor [\"a\", \"b\"]");
+      if (mg.pair) {
+        add_merge(path, i, mg.a, mg.b, t.bpe, scratch);
+        continue;
+      }
+      const std::string& str = mg.a;
+      const size_t sp = str.find(' ');
+      if (sp == std::string::npos || str.find(' ', sp + 1) != std::string::npos)
+        refuse(path, "merge " + std::to_string(i + 1) + " '" + str + "' is not two tokens separated by one space");
+      add_merge(path, i, std::string_view(str).substr(0, sp), std::string_view(str).substr(sp + 1), t.bpe, scratch);
+    }
+  } else {  // absent (no merges), or not an array: as the DOM gives it
+    const json& merges = m.value("merges", json::array());
+    for (size_t i = 0; i < merges.size(); ++i) {
+      const json& mg = merges[i];
+      if (mg.is_string()) {
+        const std::string str = mg.get<std::string>();
+        const size_t sp = str.find(' ');
+        if (sp == std::string::npos || str.find(' ', sp + 1) != std::string::npos)
+          refuse(path, "merge " + std::to_string(i + 1) + " '" + str + "' is not two tokens separated by one space");
+        add_merge(path, i, std::string_view(str).substr(0, sp), std::string_view(str).substr(sp + 1), t.bpe, scratch);
+      } else if (mg.is_array() && mg.size() == 2 && mg[0].is_string() && mg[1].is_string()) {
+        add_merge(path, i, mg[0].get<std::string>(), mg[1].get<std::string>(), t.bpe, scratch);
+      } else {
+        refuse(path, "merge " + std::to_string(i + 1) + " is neither \"a b\" nor [\"a\", \"b\"]");
+      }
     }
   }
   t.bpe.set_ignore_merges(m.value("ignore_merges", false));
@@ -257,24 +514,24 @@ void load_hf_json(const std::string& path, Tokenizer::Impl& t) {
 void load_gpt2_files(const std::string& encoder_json, const std::string& vocab_bpe, Tokenizer::Impl& t) {
   const std::string enc_text = read_file(encoder_json), bpe_text = read_file(vocab_bpe);
   json enc;
-  try {
-    enc = json::parse(enc_text);
-  } catch (const json::parse_error& e) {
-    refuse(encoder_json, std::string("not valid JSON: ") + e.what());
-  }
-  add_vocab(encoder_json, enc, t.bpe, nullptr);
+  TokenizerJsonReader reader(enc, true);
+  read_tokenizer_json(encoder_json, enc_text, reader);
+  add_vocab(encoder_json, reader, t.bpe, nullptr);
   require_all_bytes(encoder_json, t.bpe);
-  std::istringstream lines(bpe_text);
-  std::string line;
+  MergeScratch scratch;
   size_t rank = 0, lineno = 0;
-  while (std::getline(lines, line)) {
+  for (size_t at = 0; at < bpe_text.size();) {  // lines as std::getline cuts them
+    size_t nl = bpe_text.find('\n', at);
+    if (nl == std::string::npos) nl = bpe_text.size();
+    const std::string_view line(bpe_text.data() + at, nl - at);
+    at = nl + 1;
     ++lineno;
     if (line.rfind("#version", 0) == 0 || line.empty()) continue;
     const size_t sp = line.find(' ');
     if (sp == std::string::npos || line.find(' ', sp + 1) != std::string::npos)
       refuse(vocab_bpe, "line " + std::to_string(lineno) + " is not two tokens separated by one space");
     try {
-      add_merge(vocab_bpe, rank, line.substr(0, sp), line.substr(sp + 1), t.bpe);
+      add_merge(vocab_bpe, rank, line.substr(0, sp), line.substr(sp + 1), t.bpe, scratch);
     } catch (const TokenizerError&) {
       refuse(vocab_bpe, "line " + std::to_string(lineno) + " names a token not in " + encoder_json);
     }

@@ -88,7 +88,7 @@ size_t whitespace_piece(const Text& t, size_t i) {
   return last;
 }
 
-size_t gpt2_piece(const Text& t, size_t i) {
+inline __attribute__((always_inline)) size_t gpt2_piece(const Text& t, size_t i) {
   const size_t n = t.size();
   const Char c0 = t.at(i);
   if (c0.cp == '\'' && i + 1 < n) {
@@ -107,7 +107,7 @@ size_t gpt2_piece(const Text& t, size_t i) {
   return whitespace_piece(t, i);
 }
 
-size_t llama3_piece(const Text& t, size_t i) {
+inline __attribute__((always_inline)) size_t llama3_piece(const Text& t, size_t i) {
   const size_t n = t.size();
   const Char c0 = t.at(i);
   if (c0.cp == '\'' && i + 1 < n) {  // contractions, case-insensitive (U+017F folds to s)
@@ -192,6 +192,23 @@ size_t piece_end(Pattern p, std::string_view text, size_t i) {
     case Pattern::llama3: return llama3_piece(Text(text), i);
     default: return text.size();
   }
+}
+
+size_t piece_ends(Pattern p, std::string_view text, size_t i, size_t* ends, size_t max) {
+  const Text t(text);
+  const size_t n = text.size();
+  size_t k = 0;
+  switch (p) {
+    case Pattern::gpt2:
+      for (; k < max && i < n; ++k) ends[k] = i = gpt2_piece(t, i);
+      break;
+    case Pattern::llama3:
+      for (; k < max && i < n; ++k) ends[k] = i = llama3_piece(t, i);
+      break;
+    default:
+      if (i < n && max > 0) ends[k++] = n;
+  }
+  return k;
 }
 
 void pretokenize(Pattern p, std::string_view text, std::vector<size_t>& ends) {

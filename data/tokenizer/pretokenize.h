@@ -28,6 +28,11 @@ const char* pattern_regex(Pattern p);
 // throughout: a text may be larger than 4 GiB.
 size_t piece_end(Pattern p, std::string_view text, size_t i);
 
+// Writes the end offsets of up to `max` pieces starting at `i` to `ends`, in order;
+// returns how many (fewer than `max` only at the end of the text). The encoder's
+// loop: one call per batch of pieces, the scanner inlined over the batch.
+size_t piece_ends(Pattern p, std::string_view text, size_t i, size_t* ends, size_t max);
+
 // Appends to `ends` the end offset of every piece of `text` (valid UTF-8), in order;
 // the pieces cover the text. (The encoder calls piece_end instead: no list of a
 // long text's pieces.)

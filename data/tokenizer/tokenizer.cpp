@@ -31,19 +31,32 @@ const char* special_policy_name(SpecialPolicy p) {
 void AddedMatcher::add(const AddedToken* t) {
   if (t->content.empty()) return;
   tokens_.push_back(t);
-  auto& bucket = by_first_[static_cast<unsigned char>(t->content[0])];
+  const unsigned char first = static_cast<unsigned char>(t->content[0]);
+  if (!is_first_[first]) {
+    is_first_[first] = true;
+    ++first_bytes_;
+    first_ = first;
+  }
+  auto& bucket = by_first_[first];
   bucket.push_back(t);
   std::stable_sort(bucket.begin(), bucket.end(),
                    [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
 }
 
 bool AddedMatcher::find(std::string_view text, size_t from, size_t& at, const AddedToken*& which) const {
+  if (tokens_.empty()) return false;
+  const char* const data = text.data();
   for (size_t i = from; i < text.size(); ++i) {
-    const auto& bucket = by_first_[static_cast<unsigned char>(text[i])];
-    if (bucket.empty()) continue;
-    for (const AddedToken* t : bucket) {
+    if (first_bytes_ == 1) {  // GPT-2's and Llama 3's tokens all start with '<'
+      const void* hit = std::memchr(data + i, first_, text.size() - i);
+      if (!hit) return false;
+      i = static_cast<const char*>(hit) - data;
+    } else if (!is_first_[static_cast<unsigned char>(data[i])]) {
+      continue;
+    }
+    for (const AddedToken* t : by_first_[static_cast<unsigned char>(data[i])]) {
       const std::string& c = t->content;
-      if (c.size() <= text.size() - i && std::memcmp(text.data() + i, c.data(), c.size()) == 0) {
+      if (c.size() <= text.size() - i && std::memcmp(data + i, c.data(), c.size()) == 0) {
         at = i;
         which = t;
         return true;
@@ -70,13 +83,127 @@ void Tokenizer::Impl::finish() {
 
 // ---------------------------------------------------------------- encoding
 
+namespace {
+
+constexpr size_t kPieceBatch = 256;  // piece ends the pre-tokenizer finds per call
+
+// Pieces of at most 16 bytes (nearly all of a text's) keyed by their bytes in two
+// zero-padded words: a lookup is a multiply and two compares, no memcmp, no arena.
+// One id (the common case: a whole word is a token) is held in the slot.
+class ShortPieceCache {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "key() masks a word's first bytes as its lowest");
+
+ public:
+  static constexpr size_t kMaxBytes = 16;
+  static constexpr size_t kMaxPieces = 1 << 17;  // then cleared: bounded memory (4 MiB of slots)
+
+  // The two words of p[0, n) (n <= 16); `room`: bytes readable from p (whole words
+  // are loaded when there is room, then masked).
+  static void key(const char* p, size_t n, size_t room, uint64_t& k0, uint64_t& k1) {
+    if (room >= 16) {
+      std::memcpy(&k0, p, 8);
+      std::memcpy(&k1, p + 8, 8);
+    } else {
+      char buf[16] = {};
+      std::memcpy(buf, p, n);
+      std::memcpy(&k0, buf, 8);
+      std::memcpy(&k1, buf + 8, 8);
+      return;
+    }
+    if (n <= 8) {
+      k0 &= n == 8 ? ~0ULL : ((1ULL << (8 * n)) - 1);
+      k1 = 0;
+    } else if (n < 16) {
+      k1 &= (1ULL << (8 * (n - 8))) - 1;
+    }
+  }
+  // The ids of the piece, or false; a hit sets `ids` and `count`.
+  bool find(uint64_t k0, uint64_t k1, uint32_t n, const int32_t*& ids, uint32_t& count) const {
+    if (slots_.empty()) return false;
+    for (size_t i = index(k0, k1, n);; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.meta == 0) return false;
+      if (s.k0 == k0 && s.k1 == k1 && (s.meta & 0xFF) == n) {
+        count = s.meta >> 8;
+        ids = count == 1 ? &s.value : ids_.data() + s.value;
+        return true;
+      }
+    }
+  }
+  // Starts loading the slot a find will look at first (the table outgrows the L2 cache:
+  // a batch of pieces' loads then overlap instead of waiting one after another).
+  void prefetch(uint64_t k0, uint64_t k1, uint32_t n) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[index(k0, k1, n)]);
+  }
+  void put(uint64_t k0, uint64_t k1, uint32_t n, const int32_t* ids, uint32_t count) {
+    if (used_ >= kMaxPieces) clear();
+    if ((used_ + 1) * 4 >= slots_.size() * 3) grow();
+    size_t i = index(k0, k1, n);
+    while (slots_[i].meta != 0) i = (i + 1) & mask_;
+    Slot& s = slots_[i];
+    s.k0 = k0;
+    s.k1 = k1;
+    s.meta = n | (count << 8);
+    if (count == 1) {
+      s.value = ids[0];
+    } else {
+      s.value = static_cast<int32_t>(ids_.size());
+      ids_.insert(ids_.end(), ids, ids + count);
+    }
+    ++used_;
+  }
+  void clear() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    ids_.clear();
+    used_ = 0;
+  }
+
+ private:
+  struct Slot {
+    uint64_t k0 = 0, k1 = 0;
+    uint32_t meta = 0;  // 0: empty; else length (1..16) | id count << 8
+    int32_t value = 0;  // the id (count 1) or the offset of the ids in ids_
+  };
+  size_t index(uint64_t k0, uint64_t k1, uint32_t n) const {
+    uint64_t h = (k0 ^ n) * 0x9E3779B97F4A7C15ULL;
+    h ^= (k1 + (h >> 29)) * 0xBF58476D1CE4E5B9ULL;
+    return (h ^ (h >> 32)) & mask_;
+  }
+  void grow() {
+    std::vector<Slot> old;
+    old.swap(slots_);
+    slots_.assign(old.empty() ? 4096 : old.size() * 2, Slot{});
+    mask_ = slots_.size() - 1;
+    for (const Slot& s : old) {
+      if (s.meta == 0) continue;
+      size_t i = index(s.k0, s.k1, s.meta & 0xFF);
+      while (slots_[i].meta != 0) i = (i + 1) & mask_;
+      slots_[i] = s;
+    }
+  }
+  std::vector<Slot> slots_;
+  std::vector<int32_t> ids_;
+  size_t mask_ = 0;
+  size_t used_ = 0;
+};
+
+}  // namespace
+
 struct EncodeCache::Impl {
   const void* owner = nullptr;
-  // piece -> (offset, count) in ids: 32 bits do, as the cache holds at most
-  // kCacheMaxPieces pieces of at most kCachedPieceMax bytes.
+  ShortPieceCache short_pieces;
+  // Longer pieces: piece -> (offset, count) in ids: 32 bits do, as the cache holds at
+  // most kCacheMaxPieces pieces of at most kCachedPieceMax bytes.
   StringMap<std::pair<uint32_t, uint32_t>> pieces;
   std::vector<int32_t> ids;
   std::string scratch;
+  std::vector<size_t> ends;  // a batch of piece ends (pretokenize.h: piece_ends)
+  uint64_t k0[kPieceBatch], k1[kPieceBatch];  // the batch's short pieces' keys
+  void clear() {
+    short_pieces.clear();
+    pieces.clear();
+    ids.clear();
+  }
 };
 
 EncodeCache::EncodeCache() : impl_(std::make_unique<Impl>()) {}
@@ -151,31 +278,75 @@ void encode_text(const Tokenizer::Impl& t, std::string_view text, size_t base, E
     text = c.scratch;
     shift = 1;
   }
-  // One piece at a time (size_t offsets, no list of the pieces): a text of any
-  // size, however many pieces it has.
-  for (size_t begin = 0, end; begin < text.size(); begin = end) {
-    end = piece_end(t.pattern, text, begin);
-    const std::string_view piece = text.substr(begin, end - begin);
-    if (piece.size() > BpeModel::kMaxPiece)
-      throw TokenizerError("a pre-tokenized piece of " + std::to_string(piece.size()) + " bytes at byte " +
-                           std::to_string(base + begin - std::min(begin, shift)) + ": BPE encodes pieces of at most " +
-                           std::to_string(BpeModel::kMaxPiece) + " bytes (2^31 - 1)");
-    if (piece.size() > kCachedPieceMax) {
+  // Pieces a batch at a time (size_t offsets, no list of a long text's pieces): a
+  // text of any size, however many pieces it has.
+  const char* const data = text.data();
+  const size_t size = text.size();
+  std::vector<size_t>& ends = c.ends;
+  ends.resize(kPieceBatch);
+  for (size_t begin = 0; begin < size;) {
+    const size_t got = piece_ends(t.pattern, text, begin, ends.data(), kPieceBatch);
+    // The short pieces' keys first, their slots prefetched; then the lookups.
+    for (size_t e = 0, b = begin; e < got; b = ends[e++]) {
+      const size_t len = ends[e] - b;
+      if (len < 2 || len > ShortPieceCache::kMaxBytes) continue;
+      ShortPieceCache::key(data + b, len, size - b, c.k0[e], c.k1[e]);
+      c.short_pieces.prefetch(c.k0[e], c.k1[e], static_cast<uint32_t>(len));
+    }
+    for (size_t e = 0; e < got; ++e) {
+      const size_t end = ends[e];
+      const size_t len = end - begin;
+      const char* p = data + begin;
+      if (len <= ShortPieceCache::kMaxBytes) {
+        if (len == 1) {  // a single byte is its byte's token
+          out.push_back(t.bpe.byte_id(static_cast<unsigned char>(*p)));
+          begin = end;
+          continue;
+        }
+        const uint64_t k0 = c.k0[e], k1 = c.k1[e];
+        const int32_t* hit;
+        uint32_t count;
+        if (c.short_pieces.find(k0, k1, static_cast<uint32_t>(len), hit, count)) {
+          if (count == 1) {
+            out.push_back(*hit);
+          } else {
+            const size_t at = out.size();
+            out.resize(at + count);
+            std::memcpy(out.data() + at, hit, count * sizeof(int32_t));
+          }
+        } else {
+          const size_t first = out.size();
+          t.bpe.encode(std::string_view(p, len), out);
+          c.short_pieces.put(k0, k1, static_cast<uint32_t>(len), out.data() + first,
+                             static_cast<uint32_t>(out.size() - first));
+        }
+        begin = end;
+        continue;
+      }
+      const std::string_view piece(p, len);
+      begin = end;
+      if (piece.size() > BpeModel::kMaxPiece)
+        throw TokenizerError("a pre-tokenized piece of " + std::to_string(piece.size()) + " bytes at byte " +
+                             std::to_string(base + (p - data) - std::min<size_t>(p - data, shift)) +
+                             ": BPE encodes pieces of at most " + std::to_string(BpeModel::kMaxPiece) +
+                             " bytes (2^31 - 1)");
+      if (piece.size() > kCachedPieceMax) {
+        t.bpe.encode(piece, out);
+        continue;
+      }
+      if (const auto* hit = c.pieces.find(piece)) {
+        out.insert(out.end(), c.ids.begin() + hit->first, c.ids.begin() + hit->first + hit->second);
+        continue;
+      }
+      const size_t first = out.size();
       t.bpe.encode(piece, out);
-      continue;
+      if (c.pieces.size() >= kCacheMaxPieces) {
+        c.pieces.clear();
+        c.ids.clear();
+      }
+      c.pieces.put(piece, {static_cast<uint32_t>(c.ids.size()), static_cast<uint32_t>(out.size() - first)});
+      c.ids.insert(c.ids.end(), out.begin() + first, out.end());
     }
-    if (const auto* hit = c.pieces.find(piece)) {
-      out.insert(out.end(), c.ids.begin() + hit->first, c.ids.begin() + hit->first + hit->second);
-      continue;
-    }
-    const size_t first = out.size();
-    t.bpe.encode(piece, out);
-    if (c.pieces.size() >= kCacheMaxPieces) {
-      c.pieces.clear();
-      c.ids.clear();
-    }
-    c.pieces.put(piece, {static_cast<uint32_t>(c.ids.size()), static_cast<uint32_t>(out.size() - first)});
-    c.ids.insert(c.ids.end(), out.begin() + first, out.end());
   }
 }
 
@@ -184,8 +355,7 @@ void encode_body(const Tokenizer::Impl& t, std::string_view text, size_t base, S
   if (const size_t bad = utf8_first_invalid(text); bad != std::string_view::npos)
     throw TokenizerError("text is not valid UTF-8 at byte " + std::to_string(base + bad));
   if (c.owner != &t) {  // a cache serves one tokenizer
-    c.pieces.clear();
-    c.ids.clear();
+    c.clear();
     c.owner = &t;
   }
   if (t.raw_matcher.empty() && t.normalized_matcher.empty()) {
@@ -317,10 +487,14 @@ std::vector<int32_t> Tokenizer::encode_large(std::string_view text, SpecialPolic
   std::vector<std::vector<int32_t>> out(parts);
   if (progress) progress->parts += parts;
   parallel_for(parts, k, [&](size_t i, size_t worker) {
+    // Room for the ids of most text (GPT-2 on the multilingual corpus: 0.57 ids a
+    // byte), so the vector rarely grows by copying; at most 1 GiB held in advance.
+    out[i].reserve(std::min<size_t>((cuts[i + 1] - cuts[i]) / 3 * 2 + 16, size_t(1) << 28));
     encode_body(*impl_, text.substr(cuts[i], cuts[i + 1] - cuts[i]), cuts[i], policy, caches[worker].impl(), out[i]);
     if (progress) progress->bytes += cuts[i + 1] - cuts[i];
   }, progress ? &progress->busiest_thread_cpu_ns : nullptr);
   if (progress) progress->docs += 1;
+  if (parts == 1) return std::move(out[0]);
   size_t total = 0;
   for (const auto& o : out) total += o.size();
   std::vector<int32_t> ids;

@@ -21,6 +21,9 @@ class AddedMatcher {
  private:
   std::vector<const AddedToken*> tokens_;
   std::vector<const AddedToken*> by_first_[256];  // longest first
+  bool is_first_[256] = {};  // a token starts with this byte
+  int first_bytes_ = 0;      // how many distinct first bytes
+  unsigned char first_ = 0;  // the first byte, when all tokens share one (memchr finds candidates)
 };
 
 struct Tokenizer::Impl {

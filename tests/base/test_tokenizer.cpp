@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -216,6 +217,84 @@ TEST_CASE("tokenizer: unsupported tokenizer.json files are refused naming what i
       CHECK(m.find('\n') == std::string::npos);
     }
   }
+}
+
+// The loader reads a tokenizer.json's vocabulary and merges into flat lists (not
+// the DOM); what the DOM gave is kept: a repeated key's last value (first-wins would
+// give "hell" id 1, byte 1's id, and refuse the file), and each wrong entry named.
+TEST_CASE("tokenizer: tokenizer.json vocabulary and merges read as the JSON DOM reads them", "[tokenizer]") {
+  TempDir d;
+  const std::string good = tiny_tokenizer(false, false).dump();
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const size_t at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at, from.size(), to);
+    const auto path = (d.path / "t.json").string();
+    std::ofstream(path) << text;
+    return path;
+  };
+  const auto repeated = Tokenizer::load(with("\"vocab\":{", "\"vocab\":{\"hell\":1,"));
+  CHECK(repeated.token_id("hell") == std::optional<int32_t>(260));
+  CHECK(repeated.encode("the hello the") == std::vector<int32_t>{257, 32, 260, 'o', 259});
+  // A later "vocab" or "merges" key replaces an earlier one, whatever its type.
+  CHECK(Tokenizer::load(with("\"merges\":[", "\"merges\":[\"x y\"],\"merges\":[")).encode("hello") ==
+        std::vector<int32_t>{260, 'o'});
+  for (const auto& [from, to, what] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"vocab\":{", "\"vocab\":{\"zz\":\"7\",", "vocab entry 'zz' has no integer id"},
+           {"\"vocab\":{", "\"vocab\":{\"zz\":[7],", "vocab entry 'zz' has no integer id"},
+           {"\"vocab\":{", "\"vocab\":{\"zz\":-3,", "vocab entry 'zz' has id -3"},
+           {"\"vocab\":{", "\"vocab\":5,\"unused\":{", "model.vocab is not an object"},
+           {"\"merges\":[", "\"merges\":[\"h e\",[\"l\"],", "merge 2 is neither"},
+           {"\"merges\":[", "\"merges\":[\"h e\",[\"l\",[\"l\"]],", "merge 2 is neither"},
+           {"\"merges\":[", "\"merges\":[{\"a\":\"b\"},", "merge 1 is neither"},
+           {"\"merges\":[", "\"merges\":[\"h  e\",", "merge 1 'h  e' is not two tokens separated by one space"},
+           {"\"version\":\"1.0\"}", "\"version\":\"1.0\"", "not valid JSON"}}) {
+    INFO(what);
+    const std::string path = with(from, to);
+    try {
+      Tokenizer::load(path);
+      FAIL("accepted: " + what);
+    } catch (const TokenizerError& e) {
+      CHECK_THAT(e.what(), Catch::Contains(what));
+    }
+  }
+}
+
+// The piece cache (pieces of up to 16 bytes keyed by their bytes; longer ones to 64
+// in another; cleared when full) gives what encoding the pieces afresh gives: texts
+// of distinct pieces encoded with one cache that has seen them all before (hits,
+// and over its bound: cleared, misses again) equal the same texts each encoded with
+// a fresh cache (every piece a miss: BPE). Each text ends in a piece of its own
+// length (fewer than 16 bytes left after it: keys read byte by byte).
+TEST_CASE("tokenizer: the piece cache gives BPE's ids, at the end of a text and past its bound", "[tokenizer]") {
+  TempDir d;
+  const auto t = Tokenizer::load(write(d, "t.json", tiny_tokenizer(false, false)));
+  std::vector<std::string> texts;
+  std::string text;
+  const std::string letters = "helot";  // "he", "the", "ll", "hell" merge inside the pieces
+  for (int i = 0; i < 150000; ++i) {    // more distinct pieces than the cache holds (2^17)
+    std::string word = " ";
+    for (int v = i; v > 0 || word.size() == 1; v /= 5) word += letters[v % 5];
+    text += word;
+    if (i % 1000 == 999) {
+      const size_t k = 1 + (i / 1000) % 70;  // a last piece of 1..70 bytes, none of it a word above
+      text += " " + std::string(k, 'l');
+      texts.push_back(text);
+      text.clear();
+    }
+  }
+  nnstrain::tok::EncodeCache cache;
+  for (int round = 0; round < 2; ++round) {
+    size_t differ = 0;
+    for (const auto& x : texts) {
+      std::vector<int32_t> ids;
+      t.encode(x, SpecialPolicy::text, false, cache, ids);
+      if (ids != t.encode(x)) ++differ;
+    }
+    CHECK(differ == 0);
+  }
+  CHECK(t.decode(t.encode(texts[3])) == texts[3]);
 }
 
 // safe_cuts: every cut is where pre-tokenizing the whole text puts a piece
