@@ -1,7 +1,10 @@
 #include "data/chat/jinja_runtime.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <memory>
 #include <unordered_map>
@@ -64,6 +67,12 @@ List iterate(const Value& v) {
   switch (v.type()) {
     case Value::T::undefined: return {};
     case Value::T::list: return v.list();
+    case Value::T::gen: {  // what is left of it
+      List rest;
+      Value x;
+      while (v.gen().next(x)) rest.push_back(std::move(x));
+      return rest;
+    }
     case Value::T::dict: {
       List keys;
       for (const auto& kv : v.map().items) keys.push_back(kv.first);
@@ -80,9 +89,37 @@ List iterate(const Value& v) {
   }
 }
 
+// Python's iter(v) as a pull function (a generator's own items, a list's in
+// turn, else a snapshot of what iterate() gives).
+using JinjaPull = std::function<bool(Value&)>;
+JinjaPull jinja_iter_of(const Value& v) {
+  if (v.is_gen()) return [v](Value& out) { return v.gen().next(out); };
+  Value seq = v.is_list() ? v : Value(iterate(v));
+  return [seq, i = size_t(0)](Value& out) mutable {
+    if (i >= seq.list().size()) return false;
+    out = seq.list()[i++];
+    return true;
+  };
+}
+
+// A generator whose body (`start`: what runs before its first item, returning
+// the pull function of its items) runs when it is first iterated, as a Python
+// generator function's does: its errors surface where it is consumed.
+Value jinja_lazy(std::function<JinjaPull()> start, const char* type = "generator") {
+  return Value::generator(
+      [start = std::move(start), pull = JinjaPull()](Value& out) mutable {
+        if (start) {
+          pull = start();
+          start = nullptr;
+        }
+        return pull && pull(out);
+      },
+      type);
+}
+
 Value items_of(const Value& d) {
   List out;
-  for (const auto& [k, v] : d.map().items) out.emplace_back(List{k, v});
+  for (const auto& [k, v] : d.map().items) out.push_back(Value::tuple(List{k, v}));
   return Value(std::move(out));
 }
 
@@ -456,6 +493,7 @@ class Interp {
       if (const Value* v = obj.map().find(name)) return *v;
       return Value::undefined("'Namespace' has no attribute '" + name + "'");
     }
+    if (obj.is_group() && (name == "grouper" || name == "list")) return obj.list()[name == "list"];
     if (known_method(obj, name) || unsafe_method(obj, name)) return bound_method(obj, name);
     return Value::undefined("'" + obj.type_name() + " object' has no attribute '" + name + "'");
   }
@@ -544,7 +582,7 @@ class Interp {
           List out;
           for (int64_t i : slice_indices(int64_t(obj.list().size()), p(0), p(1), p(2)))
             out.push_back(obj.list()[size_t(i)]);
-          return Value(std::move(out));
+          return obj.is_tuple() ? Value::tuple(std::move(out)) : Value(std::move(out));
         }
         if (obj.is_string()) {
           const auto& s = obj.str();
@@ -627,7 +665,7 @@ class Interp {
         List l;
         l.reserve(e.args.size());
         for (const auto& a : e.args) l.push_back(eval(*a, f));
-        return Value(std::move(l));
+        return e.kind == EK::tuple ? Value::tuple(std::move(l)) : Value(std::move(l));
       }
       case EK::dict: {
         Value d = Value::dict();
@@ -650,6 +688,9 @@ class Interp {
         for (const auto& x : b.list()) in = in || equal(x, a);
       } else if (b.is_dict() || b.is_ns()) {
         in = b.map().find(a) != nullptr;
+      } else if (b.is_gen()) {  // consumes it up to the match, as Python does
+        Value x;
+        while (!in && b.gen().next(x)) in = equal(x, a);
       } else if (b.is_undefined()) {
         in = false;
       } else {
@@ -681,9 +722,12 @@ class Interp {
         return a.is_markup() ? Value::markup(a.str() + b.str()) : Value(a.str() + b.str());
       }
       if (a.is_list() && b.is_list()) {
+        if (a.is_tuple() != b.is_tuple())
+          type_error(std::string("can only concatenate ") + (a.is_tuple() ? "tuple" : "list") + " (not \"" +
+                     b.type_name() + "\") to " + (a.is_tuple() ? "tuple" : "list"));
         List l = a.list();
         l.insert(l.end(), b.list().begin(), b.list().end());
-        return Value(std::move(l));
+        return a.is_tuple() ? Value::tuple(std::move(l)) : Value(std::move(l));
       }
       if (a.is_string() || b.is_string())
         type_error("can only concatenate str (not \"" + (a.is_string() ? b : a).type_name() + "\") to str");
@@ -708,7 +752,7 @@ class Interp {
         }
         List l;
         for (int64_t i = 0; i < n; ++i) l.insert(l.end(), seq->list().begin(), seq->list().end());
-        return Value(std::move(l));
+        return seq->is_tuple() ? Value::tuple(std::move(l)) : Value(std::move(l));
       }
       return unsupported();
     }
@@ -762,7 +806,7 @@ class Interp {
     if (name == "number") return v.is_number();
     if (name == "string") return v.is_string();
     if (name == "mapping") return v.is_dict();
-    if (name == "iterable") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    if (name == "iterable") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined() || v.is_gen();
     if (name == "sequence") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
     if (name == "callable") return v.is_func();
     if (name == "escaped") return false;
@@ -787,7 +831,8 @@ class Interp {
       if (v.is_none() || o.is_none() || v.is_bool() || o.is_bool())
         return v.type() == o.type() && (v.is_none() || v.as_int() == o.as_int());
       if (v.is_list() && o.is_list()) return &v.list() == &o.list();
-      if ((v.is_dict() || v.is_ns()) && v.type() == o.type()) return &v.map() == &o.map();
+      if ((v.is_dict() || v.is_ns() || v.is_gen() || v.is_func()) && v.type() == o.type())
+        return v.identity() == o.identity();
       return v.is_string() && o.is_string() && &v.str() == &o.str();
     }
     if (name == "lower" || name == "upper") {
@@ -801,18 +846,21 @@ class Interp {
   }
 
   static bool is_filter_name(const std::string& n) {
-    static const char* names[] = {"abs", "attr", "capitalize", "center", "count", "d", "default", "dictsort", "e",
-                                  "escape", "first", "float", "forceescape", "format", "indent", "int", "items",
-                                  "join", "last", "length", "list", "lower", "map", "max", "min", "reject",
-                                  "rejectattr", "replace", "reverse", "round", "safe", "select", "selectattr",
-                                  "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper", "wordcount"};
+    static const char* names[] = {"abs", "attr", "batch", "capitalize", "center", "count", "d", "default",
+                                  "dictsort", "e", "escape", "filesizeformat", "first", "float", "forceescape",
+                                  "format", "groupby", "indent", "int", "items", "join", "last", "length", "list",
+                                  "lower", "map", "max", "min", "reject", "rejectattr", "replace", "reverse",
+                                  "round", "safe", "select", "selectattr", "slice", "sort", "string", "sum",
+                                  "title", "tojson", "trim", "truncate", "unique", "upper", "urlencode",
+                                  "wordcount"};
     for (const char* x : names)
       if (n == x) return true;
     return false;
   }
   static bool is_jinja_filter(const std::string& n) {
-    static const char* names[] = {"batch", "filesizeformat", "groupby", "pprint", "random", "slice", "striptags",
-                                  "truncate", "urlencode", "urlize", "wordwrap", "xmlattr"};
+    // pprint (pformat's line breaking), random (not reproducible), striptags (HTML entities), urlize,
+    // wordwrap (textwrap), xmlattr: no chat template needs them.
+    static const char* names[] = {"pprint", "random", "striptags", "urlize", "wordwrap", "xmlattr"};
     for (const char* x : names)
       if (n == x) return true;
     return false;
@@ -835,7 +883,6 @@ class Interp {
       const size_t dot = path.find('.', start);
       const std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
       bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
-      if (cur.is_undefined()) return cur;
       cur = digits ? item(cur, Value(int64_t(std::stoll(part)))) : item(cur, Value(part));
       if (dot == std::string::npos) return cur;
       start = dot + 1;
@@ -929,19 +976,26 @@ class Interp {
     }
     if (name == "first") {
       if (v.is_string()) return v.str().empty() ? Value::undefined("No first item") : item(v, Value(int64_t(0)));
+      if (v.is_gen()) {  // next(iter(seq)): one item taken
+        Value x;
+        return v.gen().next(x) ? x : Value::undefined("No first item, sequence was empty.");
+      }
       const List l = iterate(v);
       return l.empty() ? Value::undefined("No first item, sequence was empty.") : l.front();
     }
     if (name == "last") {
       if (v.is_undefined()) undefined_error(v);
+      if (v.is_gen()) type_error("'" + v.type_name() + "' object is not reversible");
       const List l = iterate(v);
       return l.empty() ? Value::undefined("No last item, sequence was empty.") : l.back();
     }
     if (name == "list") return Value(iterate(v));
-    if (name == "items") {
-      if (v.is_undefined()) return Value(List{});
-      if (!v.is_dict()) type_error("items() of a " + v.type_name() + ": expected a mapping");
-      return items_of(v);
+    if (name == "items") {  // a generator in jinja2: a non-mapping raises when it is iterated
+      return jinja_lazy([v]() -> JinjaPull {
+        if (v.is_undefined()) return nullptr;
+        if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
+        return jinja_iter_of(items_of(v));
+      });
     }
     if (name == "reverse") {
       if (v.is_string()) {
@@ -950,92 +1004,162 @@ class Interp {
         for (size_t i = off.size() - 1; i > 0; --i) out.append(v.str(), off[i - 1], off[i] - off[i - 1]);
         return Value(std::move(out));
       }
+      // reversed(value): an iterator over a list or a dict's keys; anything else (a generator) as a list
+      if (v.is_list() || v.is_dict()) {
+        Value seq = v.is_list() ? v : Value(iterate(v));
+        return Value::generator(
+            [seq, i = seq.list().size()](Value& out) mutable {
+              if (i == 0) return false;
+              out = seq.list()[--i];
+              return true;
+            },
+            v.is_list() ? "list_reverseiterator" : "dict_reversekeyiterator");
+      }
       List l = iterate(v);
       std::reverse(l.begin(), l.end());
       return Value(std::move(l));
     }
-    if ((name == "map" || name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") &&
-        !v.truthy())
-      return Value(List{});  // jinja2 iterates these only `if seq`
-    if (name == "map") {
-      List out;
-      const Value* attr = nullptr;
-      for (const auto& [k, x] : a.kw)
-        if (k == "attribute") attr = &x;
-      if (attr) {
+    if (name == "map") {  // jinja2: `if value: for item in value: yield func(item)`, all of it lazy
+      return jinja_lazy([this, v, a]() -> JinjaPull {
+        if (!v.truthy()) return nullptr;
+        std::function<Value(const Value&)> func;
+        const Value* attr = nullptr;
         const Value* def = nullptr;
-        for (const auto& [k, x] : a.kw)
+        for (const auto& [k, x] : a.kw) {
+          if (k == "attribute") attr = &x;
           if (k == "default") def = &x;
-        for (const auto& x : iterate(v)) {
-          Value r = attr_path(x, attr->to_str());
-          out.push_back(r.is_undefined() && def ? *def : r);
         }
-        return Value(std::move(out));
-      }
-      if (a.pos.empty()) type_error("map() needs a filter name or attribute=");
-      const std::string fname = a.pos[0].to_str();
-      if (!is_filter_name(fname)) throw Error("no filter named '" + fname + "'");
-      CallArgs rest;
-      rest.pos.assign(a.pos.begin() + 1, a.pos.end());
-      rest.kw = a.kw;
-      for (const auto& x : iterate(v)) {
-        CallArgs r = rest;
-        out.push_back(apply_filter(fname, x, r));
-      }
-      return Value(std::move(out));
+        if (attr && a.pos.empty()) {  // make_attrgetter(attribute, default): a None default is none
+          const std::string path = attr->to_str();
+          const Value fallback = def ? *def : Value();
+          const bool has_def = def && !def->is_none();
+          func = [this, path, fallback, has_def](const Value& x) {
+            Value r = attr_path(x, path);
+            return r.is_undefined() && has_def ? fallback : r;
+          };
+        } else {
+          if (a.pos.empty()) type_error("map requires a filter argument");
+          const std::string fname = a.pos[0].to_str();
+          const bool known = is_filter_name(fname);
+          CallArgs rest;
+          rest.pos.assign(a.pos.begin() + 1, a.pos.end());
+          rest.kw = a.kw;
+          func = [this, fname, known, rest](const Value& x) {
+            if (!known) throw Error("No filter named '" + fname + "'.");  // per item, as jinja2's call_filter
+            CallArgs r = rest;
+            return apply_filter(fname, x, r);
+          };
+        }
+        return [func, in = jinja_iter_of(v)](Value& out) {
+          Value x;
+          if (!in(x)) return false;
+          out = func(x);
+          return true;
+        };
+      });
     }
     if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
-      const bool attr = name.back() == 'r';
-      const bool keep_if = name[0] == 's';
-      size_t at = 0;
-      std::string path;
-      if (attr) {
-        if (a.pos.empty()) type_error(name + "() needs an attribute");
-        path = a.pos[0].to_str();
-        at = 1;
-      }
-      std::string test;
-      CallArgs targs;
-      if (a.pos.size() > at) {
-        test = a.pos[at].to_str();
-        if (!is_test_name(test)) throw Error("no test named '" + test + "'");
-        targs.pos.assign(a.pos.begin() + long(at) + 1, a.pos.end());
-      }
-      List out;
-      for (const auto& x : iterate(v)) {
-        const Value subject = attr ? attr_path(x, path) : x;
-        bool r;
-        if (test.empty()) {
-          r = subject.truthy();
-        } else {
-          CallArgs t = targs;
-          r = apply_test(test, subject, t);
+      return jinja_lazy([this, v, a, name]() -> JinjaPull {
+        if (!v.truthy()) return nullptr;
+        const bool attr = name.back() == 'r';
+        const bool keep_if = name[0] == 's';
+        size_t at = 0;
+        std::string path;
+        if (attr) {
+          if (a.pos.empty()) type_error("Missing parameter for attribute name");
+          path = a.pos[0].to_str();
+          at = 1;
         }
-        if (r == keep_if) out.push_back(x);
-      }
-      return Value(std::move(out));
+        std::string test;
+        CallArgs targs;
+        bool known = true;
+        if (a.pos.size() > at) {
+          test = a.pos[at].to_str();
+          known = is_test_name(test);
+          targs.pos.assign(a.pos.begin() + long(at) + 1, a.pos.end());
+          targs.kw = a.kw;
+        }
+        return [this, attr, keep_if, path, test, known, targs, in = jinja_iter_of(v)](Value& out) {
+          Value x;
+          while (in(x)) {
+            const Value subject = attr ? attr_path(x, path) : x;
+            bool r;
+            if (test.empty()) {
+              r = subject.truthy();
+            } else {
+              if (!known) throw Error("No test named '" + test + "'.");
+              CallArgs t = targs;
+              r = apply_test(test, subject, t);
+            }
+            if (r == keep_if) {
+              out = std::move(x);
+              return true;
+            }
+          }
+          return false;
+        };
+      });
     }
-    if (name == "unique") {
+    if (name == "unique") {  // a generator in jinja2; keys go into a set (lists and dicts are unhashable)
       const bool cs = flag(0, "case_sensitive", false);
-      const Value* attr = opt(1, "attribute");
-      List out, seen;
-      for (const auto& x : iterate(v)) {
-        Value key = attr ? attr_path(x, attr->to_str()) : x;
-        if (!cs && key.is_string()) key = Value(ascii_lower(key.str()));
-        bool dup = false;
-        for (const auto& s : seen) dup = dup || equal(s, key);
-        if (!dup) seen.push_back(key), out.push_back(x);
-      }
-      return Value(std::move(out));
+      const Value* attr_arg = opt(1, "attribute");
+      const bool has_attr = attr_arg != nullptr;
+      const std::string path = attr_arg ? attr_arg->to_str() : "";
+      return jinja_lazy([this, v, cs, has_attr, path]() -> JinjaPull {
+        auto seen = std::make_shared<List>();
+        return [this, cs, has_attr, path, seen, in = jinja_iter_of(v)](Value& out) {
+          Value x;
+          while (in(x)) {
+            Value key = has_attr ? attr_path(x, path) : x;
+            if (!cs && key.is_string()) key = Value(ascii_lower(key.str()));
+            if (key.is_list() || key.is_dict() || key.is_ns())
+              type_error("unhashable type: '" + key.type_name() + "'");
+            bool dup = false;
+            for (const auto& k : *seen) dup = dup || equal(k, key);
+            if (!dup) {
+              seen->push_back(std::move(key));
+              out = std::move(x);
+              return true;
+            }
+          }
+          return false;
+        };
+      });
     }
     if (name == "sort") {
       const bool rev = flag(0, "reverse", false), cs = flag(1, "case_sensitive", false);
       const Value* attr = opt(2, "attribute");
       List l = iterate(v);
-      std::stable_sort(l.begin(), l.end(), [&](const Value& x, const Value& y) {
-        const Value kx = attr ? attr_path(x, attr->to_str()) : x, ky = attr ? attr_path(y, attr->to_str()) : y;
-        return rev ? sort_less(ky, kx, cs) : sort_less(kx, ky, cs);
+      // attribute="a,b.c": make_multi_attrgetter, the keys compared in turn
+      std::vector<std::string> paths;
+      if (attr) {
+        const std::string all = attr->to_str();
+        for (size_t at = 0;;) {
+          const size_t comma = all.find(',', at);
+          paths.push_back(all.substr(at, comma == std::string::npos ? std::string::npos : comma - at));
+          if (comma == std::string::npos) break;
+          at = comma + 1;
+        }
+      }
+      std::vector<std::pair<List, Value>> keyed;
+      keyed.reserve(l.size());
+      for (auto& x : l) {
+        List key;
+        if (paths.empty()) key.push_back(x);
+        for (const auto& p : paths) key.push_back(attr_path(x, p));
+        keyed.emplace_back(std::move(key), std::move(x));
+      }
+      auto key_less = [&](const List& kx, const List& ky) {
+        for (size_t i = 0; i < kx.size(); ++i) {
+          if (sort_less(kx[i], ky[i], cs)) return true;
+          if (sort_less(ky[i], kx[i], cs)) return false;
+        }
+        return false;
+      };
+      std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
+        return rev ? key_less(y.first, x.first) : key_less(x.first, y.first);
       });
+      for (size_t i = 0; i < l.size(); ++i) l[i] = std::move(keyed[i].second);
       return Value(std::move(l));
     }
     if (name == "dictsort") {
@@ -1116,6 +1240,12 @@ class Interp {
       const std::string m = method ? method->to_str() : "common";
       if (!v.is_number()) type_error("round() of a " + v.type_name());
       if (m == "common" && v.is_int()) return Value(v.as_int());
+      if (m == "common" && p >= 0 && p < 300 && std::isfinite(v.as_double())) {
+        // Python's round(x, p): the exact binary value rounded half to even, as printf rounds it
+        char buf[400];
+        std::snprintf(buf, sizeof buf, "%.*f", int(p), v.as_double());
+        return Value(std::strtod(buf, nullptr));
+      }
       const double scale = std::pow(10.0, double(p));
       const double x = v.as_double() * scale;
       const double r = m == "ceil" ? std::ceil(x) : m == "floor" ? std::floor(x) : std::nearbyint(x);
@@ -1138,12 +1268,172 @@ class Interp {
     if (name == "e" || name == "escape" || name == "forceescape")
       return v.is_markup() && name != "forceescape" ? v : Value::markup(html_escape(need_str(v)));
     if (name == "format") {
-      if (!a.pos.empty()) return Value(percent_format(need_str(v), a.pos.size() == 1 ? a.pos[0] : Value(List(a.pos))));
+      if (!a.pos.empty()) return Value(percent_format(need_str(v), Value::tuple(List(a.pos))));  // str % args
       return Value(need_str(v));
     }
     if (name == "attr") {
       if (a.pos.empty()) type_error("attr() needs a name");
-      return attribute(v, a.pos[0].to_str());
+      const std::string n = a.pos[0].to_str();
+      if (v.is_dict() && !known_method(v, n) && !unsafe_method(v, n))  // getattr only: no dict keys
+        return Value::undefined("'dict object' has no attribute '" + n + "'");
+      return attribute(v, n);
+    }
+    if (name == "batch") {  // a generator of lists of linecount items, the last filled up with fill_with
+      const Value count = a.pos.empty() ? (opt(0, "linecount") ? *opt(0, "linecount") : Value()) : a.pos[0];
+      if (count.is_undefined()) type_error("do_batch() missing 1 required positional argument: 'linecount'");
+      const Value* fill = opt(1, "fill_with");
+      const Value fill_with = fill ? *fill : Value::none();
+      return jinja_lazy([v, count, fill_with]() -> JinjaPull {
+        auto pending = std::make_shared<List>();
+        return [count, fill_with, pending, in = jinja_iter_of(v), ended = false](Value& out) mutable {
+          Value x;
+          while (!ended && in(x)) {
+            if (equal(Value(pending->size()), count)) {
+              out = Value(std::move(*pending));
+              *pending = List{std::move(x)};
+              return true;
+            }
+            pending->push_back(std::move(x));
+          }
+          ended = true;
+          if (pending->empty()) return false;
+          if (!fill_with.is_none() && count.is_int())
+            while (int64_t(pending->size()) < count.as_int()) pending->push_back(fill_with);
+          out = Value(std::move(*pending));
+          pending->clear();
+          return true;
+        };
+      });
+    }
+    if (name == "slice") {  // a generator of `slices` lists, the first ones one longer, the rest filled up
+      const Value* n_arg = opt(0, "slices");
+      if (!n_arg) type_error("sync_do_slice() missing 1 required positional argument: 'slices'");
+      const Value slices = *n_arg;
+      const Value* fill = opt(1, "fill_with");
+      const Value fill_with = fill ? *fill : Value::none();
+      return jinja_lazy([v, slices, fill_with]() -> JinjaPull {
+        const List seq = iterate(v);
+        if (!slices.is_int()) type_error("'" + slices.type_name() + "' object cannot be interpreted as an integer");
+        const int64_t n = slices.as_int(), length = int64_t(seq.size());
+        const int64_t per = floor_div(length, n), extra = py_mod(length, n);
+        auto parts = std::make_shared<List>();
+        int64_t offset = 0;
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t start = offset + k * per;
+          if (k < extra) ++offset;
+          const int64_t end = offset + (k + 1) * per;
+          List part;  // seq[start:end]
+          for (int64_t i = start; i < std::min(end, length); ++i) part.push_back(seq[size_t(i)]);
+          if (!fill_with.is_none() && k >= extra) part.push_back(fill_with);
+          parts->push_back(Value(std::move(part)));
+        }
+        return jinja_iter_of(Value(std::move(*parts)));
+      });
+    }
+    if (name == "truncate") {  // truncate(length=255, killwords=False, end='...', leeway=None): leeway 5
+      const Value* len_arg = opt(0, "length");
+      const Value* end_arg = opt(2, "end");
+      const Value* lee_arg = opt(3, "leeway");
+      const int64_t length = len_arg ? len_arg->as_int() : 255;
+      const bool killwords = flag(1, "killwords", false);
+      const std::string end = end_arg ? end_arg->to_str() : "...";
+      const int64_t leeway = lee_arg && !lee_arg->is_none() ? lee_arg->as_int() : 5;  // policies["truncate.leeway"]
+      const int64_t end_len = int64_t(utf8_length(end));
+      if ((len_arg && !len_arg->is_int()) || (lee_arg && !lee_arg->is_none() && !lee_arg->is_int()))
+        type_error("truncate() takes integer length and leeway");
+      if (length < end_len) throw Error("expected length >= " + std::to_string(end_len) + ", got " + std::to_string(length));
+      if (leeway < 0) throw Error("expected leeway >= 0, got " + std::to_string(leeway));
+      if (v.is_undefined()) return v;
+      if (!v.is_string()) {  // len(s) of a list or dict: kept when short, else (slicing then rsplit) refused
+        CallArgs none;
+        const Value len = apply_filter("length", v, none);
+        if (len.as_int() <= length + leeway) return v;
+        type_error("truncate() of a " + v.type_name());
+      }
+      const auto off = utf8_offsets(v.str());
+      const int64_t n = int64_t(off.size()) - 1;
+      if (n <= length + leeway) return v;
+      std::string head = v.str().substr(0, off[size_t(length - end_len)]);
+      if (killwords) return Value(head + end);
+      const size_t sp = head.rfind(' ');  // rsplit(" ", 1)[0]
+      if (sp != std::string::npos) head.resize(sp);
+      return Value(head + end);
+    }
+    if (name == "groupby") {  // sorted by the attribute, then grouped: a list of (grouper, list) tuples
+      const Value* attr_arg = opt(0, "attribute");
+      if (!attr_arg) type_error("sync_do_groupby() missing 1 required positional argument: 'attribute'");
+      const std::string path = attr_arg->to_str();
+      const Value* def = opt(1, "default");
+      const bool cs = flag(2, "case_sensitive", false);
+      auto key_of = [&](const Value& x, bool fold) {  // make_attrgetter(attribute, postprocess, default)
+        Value cur = x;
+        size_t start = 0;
+        while (true) {
+          const size_t dot = path.find('.', start);
+          cur = attr_path(cur, path.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+          if (def && !def->is_none() && cur.is_undefined()) cur = *def;
+          if (dot == std::string::npos) break;
+          start = dot + 1;
+        }
+        if (fold && cur.is_string()) return Value(ascii_lower(cur.str()));
+        return cur;
+      };
+      List items = iterate(v);
+      std::vector<std::pair<Value, Value>> keyed;
+      keyed.reserve(items.size());
+      for (auto& x : items) keyed.emplace_back(key_of(x, !cs), std::move(x));
+      std::stable_sort(keyed.begin(), keyed.end(), [](const auto& p, const auto& q) { return less(p.first, q.first); });
+      List out;
+      for (size_t i = 0; i < keyed.size();) {
+        size_t j = i;
+        List group;
+        while (j < keyed.size() && equal(keyed[j].first, keyed[i].first)) group.push_back(keyed[j++].second);
+        Value grouper = cs ? keyed[i].first : key_of(group.front(), false);  // the first item's own case
+        out.push_back(Value::tuple(List{std::move(grouper), Value(std::move(group))}, true));
+        i = j;
+      }
+      return Value(std::move(out));
+    }
+    if (name == "filesizeformat") {
+      const bool binary = flag(0, "binary", false);
+      CallArgs none;
+      const Value as_float = apply_filter("float", v, none);
+      if (!v.is_number() && !(v.is_string() && !as_float.is_undefined()))
+        type_error("float() argument must be a string or a real number, not '" + v.type_name() + "'");
+      const double bytes = as_float.as_double(), base = binary ? 1024 : 1000;
+      static const char* dec[] = {"kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
+      static const char* bin[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+      if (bytes == 1) return Value("1 Byte");
+      if (bytes < base) return Value(std::to_string(int64_t(bytes)) + " Bytes");
+      double unit = base;
+      char buf[64];
+      for (int i = 0; i < 8; ++i) {
+        unit *= base;
+        if (bytes < unit || i == 7) {
+          std::snprintf(buf, sizeof buf, "%.1f %s", base * bytes / unit, binary ? bin[i] : dec[i]);
+          return Value(std::string(buf));
+        }
+      }
+    }
+    if (name == "urlencode") {  // urllib.parse.quote (a string: "/" kept) or key=value&... (for_qs: "+")
+      auto quote = [](const std::string& s, bool qs) {
+        std::string out;
+        char buf[4];
+        for (unsigned char c : s) {
+          if (std::isalnum(c) || c == '_' || c == '.' || c == '-' || c == '~' || (c == '/' && !qs)) out += char(c);
+          else if (c == ' ' && qs) out += '+';
+          else std::snprintf(buf, sizeof buf, "%%%02X", c), out += buf;
+        }
+        return out;
+      };
+      if (v.is_string() || !(v.is_list() || v.is_dict() || v.is_gen())) return Value(quote(v.to_str(), false));
+      std::string out;
+      for (const auto& kv : v.is_dict() ? iterate(items_of(v)) : iterate(v)) {
+        const List pair = iterate(kv);
+        if (pair.size() != 2) type_error("cannot unpack a " + kv.type_name() + " into key, value");
+        out += (out.empty() ? "" : "&") + quote(pair[0].to_str(), true) + "=" + quote(pair[1].to_str(), true);
+      }
+      return Value(std::move(out));
     }
     if (is_jinja_filter(name)) throw Error("the filter '" + name + "' is not supported");
     throw Error("no filter named '" + name + "'");

@@ -260,7 +260,7 @@ std::string html_escape(const std::string& s) {
 }
 
 std::string percent_format(const std::string& fmt, const Value& args) {
-  List vals = args.is_list() ? args.list() : List{args};
+  List vals = args.is_tuple() ? args.list() : List{args};  // Python: only a tuple is the arguments
   size_t next = 0;
   std::string out;
   for (size_t i = 0; i < fmt.size(); ++i) {
