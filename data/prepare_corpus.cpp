@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <malloc.h>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -399,6 +400,10 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
     const tok::Tokenizer tokenizer = tok::Tokenizer::load(o.tokenizer, lo);
     std::optional<ChatTemplate> tmpl;
     if (chat) {
+      // Rendering allocates and frees a few hundred KiB per conversation: glibc would
+      // hand that back to the kernel and grow the thread's heap again (mprotect calls
+      // and page faults) for the next one.
+      mallopt(M_TRIM_THRESHOLD, 256 << 20);
       try {
         const auto spec = find_chat_template(o.chat_template, o.tokenizer);
         if (!spec)

@@ -1,6 +1,8 @@
 #include "data/chat/chat_template.h"
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 
 #include <nlohmann/json.hpp>
 
@@ -116,6 +118,26 @@ std::string Conversation::role(size_t i) const {
 
 // --- the template ----------------------------------------------------------------
 
+struct ChatTemplate::Scratch {
+  std::mutex mu;
+  std::vector<std::unique_ptr<tok::EncodeCache>> caches;  // idle ones
+  std::unique_ptr<std::atomic<int32_t>[]> token_len;      // -1: not yet known
+  size_t vocab = 0;
+  std::vector<uint32_t> first_bytes[256];  // control_tokens_ indices (longest first) by first byte
+
+  std::unique_ptr<tok::EncodeCache> take() {
+    std::lock_guard<std::mutex> g(mu);
+    if (caches.empty()) return std::make_unique<tok::EncodeCache>();
+    auto c = std::move(caches.back());
+    caches.pop_back();
+    return c;
+  }
+  void give(std::unique_ptr<tok::EncodeCache> c) {
+    std::lock_guard<std::mutex> g(mu);
+    caches.push_back(std::move(c));
+  }
+};
+
 ChatTemplate::~ChatTemplate() = default;
 ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
 ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
@@ -146,8 +168,14 @@ ChatTemplate::ChatTemplate(const std::string& text, std::string source, const to
     if (t.content.empty() || blank) continue;
     if (t.special || text.find(t.content) != std::string::npos) control_tokens_.push_back(t.content);
   }
-  std::sort(control_tokens_.begin(), control_tokens_.end(),
-            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  std::stable_sort(control_tokens_.begin(), control_tokens_.end(),
+                   [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  scratch_ = std::make_unique<Scratch>();
+  scratch_->vocab = size_t(std::max<int32_t>(tokenizer.vocab_size(), 0));
+  scratch_->token_len = std::make_unique<std::atomic<int32_t>[]>(scratch_->vocab);
+  for (size_t i = 0; i < scratch_->vocab; ++i) scratch_->token_len[i].store(-1, std::memory_order_relaxed);
+  for (size_t i = 0; i < control_tokens_.size(); ++i)
+    scratch_->first_bytes[static_cast<unsigned char>(control_tokens_[i][0])].push_back(uint32_t(i));
   // The end of an assistant turn: the first added token after a probe answer.
   try {
     const std::string probe = "nnstrain probe answer";
@@ -186,25 +214,28 @@ void ChatTemplate::rethrow(const std::exception& e) const {
 
 Conversation ChatTemplate::marked(const Conversation& c) const {
   if (opt_.content_specials == tok::SpecialPolicy::special) return c;
-  // Every string of the conversation (not dict keys), markers first dropped so none can be forged.
+  // Every string of the conversation (not dict keys), markers first dropped so none can be forged;
+  // a list or dict none of whose strings change is kept as it is.
+  const Scratch& sc = *scratch_;
+  auto hit_at = [&](const std::string& s, size_t i) -> const std::string* {
+    for (uint32_t k : sc.first_bytes[static_cast<unsigned char>(s[i])]) {
+      const std::string& t = control_tokens_[k];
+      if (s.compare(i, t.size(), t) == 0) return &t;
+    }
+    return nullptr;
+  };
   std::function<Value(const Value&)> mark = [&](const Value& v) -> Value {
     if (v.is_string()) {
       std::string s = without_markers(v.str());
-      bool any = false;
-      for (const auto& t : control_tokens_)
-        if (s.find(t) != std::string::npos) any = true;
-      if (!any) return s.size() == v.str().size() ? v : Value(std::move(s));
+      size_t first = std::string::npos;
+      for (size_t i = 0; i < s.size() && first == std::string::npos; ++i)
+        if (hit_at(s, i)) first = i;
+      if (first == std::string::npos) return s.size() == v.str().size() ? v : Value(std::move(s));
       if (opt_.content_specials == tok::SpecialPolicy::error)
         throw ChatError("the conversation holds special-token text (--special-tokens error)");
-      std::string out;
-      for (size_t i = 0; i < s.size();) {
-        const std::string* hit = nullptr;
-        for (const auto& t : control_tokens_)
-          if (s.compare(i, t.size(), t) == 0) {
-            hit = &t;
-            break;
-          }
-        if (hit) {
+      std::string out = s.substr(0, first);
+      for (size_t i = first; i < s.size();) {
+        if (const std::string* hit = hit_at(s, i)) {
           out += kMarkStart + *hit + kMarkEnd;
           i += hit->size();
         } else {
@@ -215,13 +246,31 @@ Conversation ChatTemplate::marked(const Conversation& c) const {
     }
     if (v.is_list()) {
       jinja::List l;
-      for (const auto& x : v.list()) l.push_back(mark(x));
-      return Value(std::move(l));
+      bool changed = false;
+      const auto& src = v.list();
+      for (size_t i = 0; i < src.size(); ++i) {
+        Value x = mark(src[i]);
+        if (!changed && x.identity() != src[i].identity()) {
+          changed = true;
+          l.assign(src.begin(), src.begin() + long(i));
+        }
+        if (changed) l.push_back(std::move(x));
+      }
+      if (!changed) return v;
+      return v.is_tuple() ? Value::tuple(std::move(l)) : Value(std::move(l));
     }
     if (v.is_dict()) {
-      Value d = Value::dict();
-      for (const auto& kv : v.map().items) d.map().items.emplace_back(kv.first, mark(kv.second));
-      return d;
+      Value d;
+      const auto& src = v.map().items;
+      for (size_t i = 0; i < src.size(); ++i) {
+        Value x = mark(src[i].second);
+        if (d.is_undefined() && x.identity() != src[i].second.identity()) {
+          d = Value::dict();
+          d.map().items.assign(src.begin(), src.begin() + long(i));
+        }
+        if (!d.is_undefined()) d.map().items.emplace_back(src[i].first, std::move(x));
+      }
+      return d.is_undefined() ? v : d;
     }
     return v;
   };
@@ -268,15 +317,33 @@ std::string ChatTemplate::render(const Conversation& c, bool add_generation_prom
 // markers encoded with special tokens recognised, a marked token as plain text.
 void ChatTemplate::tokenize(const std::string& s, std::vector<int32_t>& ids, std::vector<size_t>& starts,
                             std::vector<size_t>& ends) const {
-  tok::EncodeCache cache;
+  Scratch& sc = *scratch_;
+  std::unique_ptr<tok::EncodeCache> cache = sc.take();
+  struct Give {  // the cache goes back to the pool, also when encoding throws
+    Scratch& sc;
+    std::unique_ptr<tok::EncodeCache>& c;
+    ~Give() { sc.give(std::move(c)); }
+  } give{sc, cache};
   std::vector<int32_t> piece_ids;
+  ids.reserve(ids.size() + s.size() / 3);
+  starts.reserve(starts.size() + s.size() / 3);
+  ends.reserve(ends.size() + s.size() / 3);
+  auto token_len = [&](int32_t id) -> size_t {
+    if (id < 0 || size_t(id) >= sc.vocab) return tok_->decode(&id, 1).size();
+    int32_t n = sc.token_len[size_t(id)].load(std::memory_order_relaxed);
+    if (n < 0) {
+      n = int32_t(tok_->decode(&id, 1).size());
+      sc.token_len[size_t(id)].store(n, std::memory_order_relaxed);
+    }
+    return size_t(n);
+  };
   auto piece = [&](size_t a, size_t b, tok::SpecialPolicy policy) {
     if (b <= a) return;
     piece_ids.clear();
-    tok_->encode(std::string_view(s).substr(a, b - a), policy, false, cache, piece_ids);
+    tok_->encode(std::string_view(s).substr(a, b - a), policy, false, *cache, piece_ids);
     size_t at = a;
     for (int32_t id : piece_ids) {
-      const size_t len = tok_->decode(&id, 1).size();
+      const size_t len = token_len(id);
       ids.push_back(id);
       starts.push_back(at);
       ends.push_back(std::min(b, at + len));

@@ -119,6 +119,10 @@ class ChatTemplate {
   jinja::Value kwargs_;
   std::vector<std::string> control_tokens_;  // longest first
   int32_t end_of_turn_ = -1;
+  // What encode() reuses across calls and threads: encode caches (one per thread
+  // at a time), each id's decoded byte length, control tokens by first byte.
+  struct Scratch;
+  std::unique_ptr<Scratch> scratch_;
 };
 
 // Python's str.strip(): Unicode whitespace off both ends (Jinja's `trim`).

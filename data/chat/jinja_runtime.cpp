@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <memory>
+#include <string_view>
 #include <unordered_map>
 
 #include "data/chat/jinja_strings.h"
@@ -16,19 +17,23 @@ namespace nnstrain::jinja {
 namespace {
 
 using EK = Expr::K;
+
+// Name dispatch: string_view's == compares the sizes first (std::string == a literal memcmps).
+inline std::string_view jinja_sv(const std::string& s) { return s; }
 using SK = Stmt::K;
 
+// A scope: names are the template's interned symbols, compared as pointers.
 struct Frame {
-  std::vector<std::pair<std::string, Value>> vars;
+  std::vector<std::pair<Sym, Value>> vars;
   std::shared_ptr<Frame> parent;
 
-  const Value* find(const std::string& name) const {
+  const Value* find(Sym name) const {
     for (const Frame* f = this; f; f = f->parent.get())
       for (auto it = f->vars.rbegin(); it != f->vars.rend(); ++it)
         if (it->first == name) return &it->second;
     return nullptr;
   }
-  void set(const std::string& name, Value v) {
+  void set(Sym name, Value v) {
     for (auto& [k, old] : vars)
       if (k == name) {
         old = std::move(v);
@@ -152,16 +157,16 @@ std::vector<int64_t> slice_indices(int64_t n, const Value* a, const Value* b, co
 
 bool unsafe_method(const Value& obj, const std::string& name) {
   if (obj.is_list())
-    return name == "append" || name == "pop" || name == "clear" || name == "extend" || name == "insert" ||
-           name == "remove" || name == "reverse" || name == "sort" || name == "__setitem__";
+    return jinja_sv(name) == "append" || jinja_sv(name) == "pop" || jinja_sv(name) == "clear" || jinja_sv(name) == "extend" || jinja_sv(name) == "insert" ||
+           jinja_sv(name) == "remove" || jinja_sv(name) == "reverse" || jinja_sv(name) == "sort" || jinja_sv(name) == "__setitem__";
   if (obj.is_dict())
-    return name == "clear" || name == "pop" || name == "popitem" || name == "setdefault" || name == "update";
+    return jinja_sv(name) == "clear" || jinja_sv(name) == "pop" || jinja_sv(name) == "popitem" || jinja_sv(name) == "setdefault" || jinja_sv(name) == "update";
   return false;
 }
 
 bool known_method(const Value& obj, const std::string& name) {
-  if (obj.is_dict()) return name == "items" || name == "keys" || name == "values" || name == "get" || name == "copy";
-  if (obj.is_list()) return name == "index" || name == "count" || name == "copy";
+  if (obj.is_dict()) return jinja_sv(name) == "items" || jinja_sv(name) == "keys" || jinja_sv(name) == "values" || jinja_sv(name) == "get" || jinja_sv(name) == "copy";
+  if (obj.is_list()) return jinja_sv(name) == "index" || jinja_sv(name) == "count" || jinja_sv(name) == "copy";
   if (obj.is_string()) return is_string_method(name);
   return false;
 }
@@ -170,8 +175,15 @@ class Interp {
  public:
   Interp(const Template& t, const Value& globals) : tpl_(t) {
     root_ = std::make_shared<Frame>();
-    for (const auto& [k, v] : globals.map().items) root_->vars.emplace_back(k.str(), v);
-    add_builtins();
+    root_->vars.reserve(globals.map().items.size() + 8);
+    // Only the names the template can look up: the others are never read.
+    for (const auto& [k, v] : globals.map().items)
+      if (Sym sym = k.is_string() ? tpl_.symbol(k.str()) : nullptr) root_->vars.emplace_back(sym, v);
+    for (const auto& [name, fn] : builtins())
+      if (Sym sym = tpl_.symbol(name); sym && !root_->find(sym)) root_->vars.emplace_back(sym, fn);
+    sym_loop_ = tpl_.symbol("loop");
+    sym_caller_ = tpl_.symbol("caller");
+    sym_body_ = tpl_.symbol(" body");
   }
 
   RenderResult run() {
@@ -190,11 +202,16 @@ class Interp {
   std::string* top_ = nullptr;
   std::vector<std::pair<size_t, size_t>>* gen_ = nullptr;
   int depth_ = 0;
+  Sym sym_loop_ = nullptr, sym_caller_ = nullptr, sym_body_ = nullptr;
 
-  void add_builtins() {
-    auto def = [&](const char* name, Func f) {
-      if (!root_->find(name)) root_->vars.emplace_back(name, Value::func(std::move(f), name));
-    };
+  // range, dict, namespace, raise_exception, strftime_now: built once, shared by every rendering.
+  static const std::vector<std::pair<std::string, Value>>& builtins() {
+    static const auto* all = make_builtins();
+    return *all;
+  }
+  static std::vector<std::pair<std::string, Value>>* make_builtins() {
+    auto* out = new std::vector<std::pair<std::string, Value>>;
+    auto def = [&](const char* name, Func f) { out->emplace_back(name, Value::func(std::move(f), name)); };
     def("range", [](CallArgs& a) {
       int64_t start = 0, stop = 0, step = 1;
       for (const auto& v : a.pos)
@@ -249,6 +266,7 @@ class Interp {
       const size_t n = std::strftime(buf, sizeof buf, a.pos[0].str().c_str(), &tm);
       return Value(std::string(buf, n));
     });
+    return out;
   }
 
   // --- statements -------------------------------------------------------------
@@ -286,7 +304,7 @@ class Interp {
 
   void assign(const Stmt& s, const FrameP& f, Value v) {
     if (s.attr_target) {
-      const Value* ns = f->find(s.names[0]);
+      const Value* ns = f->find(s.syms[0]);
       if (!ns || !ns->is_ns()) throw Error("cannot assign attribute on non-namespace object '" + s.names[0] + "'");
       if (!s.names[1].empty() && s.names[1][0] == '_')
         throw Error("chat templates cannot store underscore-prefixed attributes on a namespace");
@@ -294,13 +312,13 @@ class Interp {
       return;
     }
     if (s.names.size() == 1) {
-      f->set(s.names[0], std::move(v));
+      f->set(s.syms[0], std::move(v));
       return;
     }
     const List l = iterate(v);
     if (l.size() != s.names.size())
       throw Error("cannot unpack " + std::to_string(l.size()) + " values into " + std::to_string(s.names.size()));
-    for (size_t i = 0; i < l.size(); ++i) f->set(s.names[i], l[i]);
+    for (size_t i = 0; i < l.size(); ++i) f->set(s.syms[i], l[i]);
   }
 
   Flow exec_inner(const Stmt& s, const FrameP& f) {
@@ -317,7 +335,7 @@ class Interp {
       case SK::set_block: {
         Value v(capture(s.bodies[0], f));
         if (!s.exprs.empty()) v = with_body(*s.exprs[0], f, v);
-        f->set(s.names[0], std::move(v));
+        f->set(s.syms[0], std::move(v));
         return Flow::normal;
       }
       case SK::filter_block: {
@@ -325,7 +343,7 @@ class Interp {
         with_body(*s.exprs[0], f, v).append_str(*out_);
         return Flow::normal;
       }
-      case SK::macro: f->set(s.macro_name, macro(s, f, s.macro_name)); return Flow::normal;
+      case SK::macro: f->set(s.macro_sym, macro(s, f, s.macro_name)); return Flow::normal;
       case SK::call_block: {
         const Expr& c = *s.exprs[0];
         Value callee = eval(*c.args[0], f);
@@ -351,7 +369,7 @@ class Interp {
   Value with_body(const Expr& chain, const FrameP& f, const Value& body) {
     auto inner = std::make_shared<Frame>();
     inner->parent = f;
-    inner->vars.emplace_back(" body", body);
+    inner->vars.emplace_back(sym_body_, body);
     return eval(chain, inner);
   }
 
@@ -362,13 +380,13 @@ class Interp {
     List items = iterate(seq);
     auto bind = [&](Frame& fr, const Value& item) {
       if (s.names.size() == 1) {
-        fr.set(s.names[0], item);
+        fr.set(s.syms[0], item);
         return;
       }
       const List parts = iterate(item);
       if (parts.size() != s.names.size())
         throw Error("cannot unpack " + std::to_string(parts.size()) + " values into " + std::to_string(s.names.size()));
-      for (size_t k = 0; k < parts.size(); ++k) fr.set(s.names[k], parts[k]);
+      for (size_t k = 0; k < parts.size(); ++k) fr.set(s.syms[k], parts[k]);
     };
     if (s.exprs[1]) {  // for x in xs if cond: the loop sees the items that pass
       List kept;
@@ -389,13 +407,13 @@ class Interp {
     auto index0 = std::make_shared<int64_t>(0);
     auto& d = loop.map().items;
     d.reserve(12);
-    const char* keys[] = {"index0", "index", "revindex", "revindex0", "first", "last", "length", "previtem",
-                          "nextitem", "depth", "depth0"};
-    for (const char* k : keys) d.emplace_back(Value(k), Value());
+    static const std::vector<Value> keys = {"index0", "index",    "revindex", "revindex0", "first", "last",
+                                            "length", "previtem", "nextitem", "depth",     "depth0", "cycle"};
+    for (size_t k = 0; k + 1 < keys.size(); ++k) d.emplace_back(keys[k], Value());
     d[6].second = Value(n);
     d[9].second = Value(int64_t(1));
     d[10].second = Value(int64_t(0));
-    d.emplace_back(Value("cycle"), Value::func(
+    d.emplace_back(keys.back(), Value::func(
                                        [index0](CallArgs& a) -> Value {
                                          if (a.pos.empty()) type_error("no items for cycling given");
                                          return a.pos[size_t(*index0 % int64_t(a.pos.size()))];
@@ -413,7 +431,7 @@ class Interp {
       d[8].second = i + 1 < n ? items[size_t(i + 1)] : Value::undefined("there is no next item");
       auto fr = std::make_shared<Frame>();
       fr->parent = f;
-      fr->vars.emplace_back("loop", loop);
+      fr->vars.emplace_back(sym_loop_, loop);
       bind(*fr, items[size_t(i)]);
       const Flow fl = exec(s.bodies[0], fr);
       if (fl == Flow::break_) break;
@@ -434,15 +452,16 @@ class Interp {
           for (size_t i = 0; i < sp->params.size(); ++i) {
             const auto& [pname, def] = sp->params[i];
             const Value* given = a.get(i, pname.c_str());
-            if (given) fr->vars.emplace_back(pname, *given);
-            else if (def) fr->vars.emplace_back(pname, eval(*def, fr));
-            else fr->vars.emplace_back(pname, Value::undefined("'" + pname + "'"));
+            const Sym psym = sp->param_syms[i];
+            if (given) fr->vars.emplace_back(psym, *given);
+            else if (def) fr->vars.emplace_back(psym, eval(*def, fr));
+            else fr->vars.emplace_back(psym, Value::undefined("'" + pname + "'"));
           }
           for (const auto& [k, v] : a.kw) {
-            bool known = k == "caller";
+            bool known = jinja_sv(k) == "caller";
             for (const auto& pr : sp->params) known = known || pr.first == k;
             if (!known) throw Error("macro '" + name + "' takes no keyword argument '" + k + "'");
-            if (k == "caller") fr->vars.emplace_back(k, v);
+            if (jinja_sv(k) == "caller") fr->vars.emplace_back(sym_caller_, v);
           }
           std::string body;
           try {
@@ -493,7 +512,7 @@ class Interp {
       if (const Value* v = obj.map().find(name)) return *v;
       return Value::undefined("'Namespace' has no attribute '" + name + "'");
     }
-    if (obj.is_group() && (name == "grouper" || name == "list")) return obj.list()[name == "list"];
+    if (obj.is_group() && (jinja_sv(name) == "grouper" || jinja_sv(name) == "list")) return obj.list()[jinja_sv(name) == "list"];
     if (known_method(obj, name) || unsafe_method(obj, name)) return bound_method(obj, name);
     return Value::undefined("'" + obj.type_name() + " object' has no attribute '" + name + "'");
   }
@@ -529,34 +548,34 @@ class Interp {
       throw Error("access to attribute '" + name + "' of '" + obj.type_name() + "' object is unsafe");
     if (obj.is_string()) return string_method(obj.str(), name, a);
     if (obj.is_dict()) {
-      if (name == "items") return items_of(obj);
-      if (name == "keys") return Value(iterate(obj));
-      if (name == "values") {
+      if (jinja_sv(name) == "items") return items_of(obj);
+      if (jinja_sv(name) == "keys") return Value(iterate(obj));
+      if (jinja_sv(name) == "values") {
         List l;
         for (const auto& kv : obj.map().items) l.push_back(kv.second);
         return Value(std::move(l));
       }
-      if (name == "get") {
+      if (jinja_sv(name) == "get") {
         if (a.pos.empty()) type_error("get expected at least 1 argument");
         const Value* v = obj.map().find(a.pos[0]);
         return v ? *v : a.pos.size() > 1 ? a.pos[1] : Value::none();
       }
-      if (name == "copy") {
+      if (jinja_sv(name) == "copy") {
         Value d = Value::dict();
         d.map().items = obj.map().items;
         return d;
       }
     }
     if (obj.is_list()) {
-      if (name == "copy") return Value(obj.list());
+      if (jinja_sv(name) == "copy") return Value(obj.list());
       if (a.pos.empty()) type_error(name + "() takes exactly one argument");
       int64_t n = 0;
       for (size_t i = 0; i < obj.list().size(); ++i)
         if (equal(obj.list()[i], a.pos[0])) {
-          if (name == "index") return Value(int64_t(i));
+          if (jinja_sv(name) == "index") return Value(int64_t(i));
           ++n;
         }
-      if (name == "index") throw Error(a.pos[0].repr() + " is not in list");
+      if (jinja_sv(name) == "index") throw Error(a.pos[0].repr() + " is not in list");
       return Value(n);
     }
     throw Error("'" + obj.type_name() + "' object has no attribute '" + name + "'");
@@ -566,7 +585,7 @@ class Interp {
     switch (e.kind) {
       case EK::literal: return e.value;
       case EK::name: {
-        if (const Value* v = f->find(e.name)) return *v;
+        if (const Value* v = f->find(e.sym)) return *v;
         return Value::undefined("'" + e.name + "'");
       }
       case EK::attr: return attribute(eval(*e.args[0], f), e.name);
@@ -677,9 +696,9 @@ class Interp {
   }
 
   static bool compare(const std::string& op, const Value& a, const Value& b) {
-    if (op == "==") return equal(a, b);
-    if (op == "!=") return !equal(a, b);
-    if (op == "in" || op == "notin") {
+    if (jinja_sv(op) == "==") return equal(a, b);
+    if (jinja_sv(op) == "!=") return !equal(a, b);
+    if (jinja_sv(op) == "in" || jinja_sv(op) == "notin") {
       bool in = false;
       if (b.is_string()) {
         if (!a.is_string()) type_error("'in <string>' requires string as left operand, not " + a.type_name());
@@ -696,13 +715,13 @@ class Interp {
       } else {
         type_error("argument of type '" + b.type_name() + "' is not iterable");
       }
-      return op == "in" ? in : !in;
+      return jinja_sv(op) == "in" ? in : !in;
     }
     if (a.is_undefined()) undefined_error(a);
     if (b.is_undefined()) undefined_error(b);
-    if (op == "<") return less(a, b);
-    if (op == ">") return less(b, a);
-    if (op == "<=") return less(a, b) || equal(a, b);
+    if (jinja_sv(op) == "<") return less(a, b);
+    if (jinja_sv(op) == ">") return less(b, a);
+    if (jinja_sv(op) == "<=") return less(a, b) || equal(a, b);
     return less(b, a) || equal(a, b);  // >=
   }
 
@@ -713,7 +732,7 @@ class Interp {
     auto unsupported = [&]() -> Value {
       type_error("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" + b.type_name() + "'");
     };
-    if (op == "+") {
+    if (jinja_sv(op) == "+") {
       if (ints) return Value(a.as_int() + b.as_int());
       if (nums) return Value(a.as_double() + b.as_double());
       if (a.is_string() && b.is_string()) {
@@ -733,12 +752,12 @@ class Interp {
         type_error("can only concatenate str (not \"" + (a.is_string() ? b : a).type_name() + "\") to str");
       return unsupported();
     }
-    if (op == "-") {
+    if (jinja_sv(op) == "-") {
       if (ints) return Value(a.as_int() - b.as_int());
       if (nums) return Value(a.as_double() - b.as_double());
       return unsupported();
     }
-    if (op == "*") {
+    if (jinja_sv(op) == "*") {
       if (ints) return Value(a.as_int() * b.as_int());
       if (nums) return Value(a.as_double() * b.as_double());
       const Value* seq = a.is_int() ? &b : &a;
@@ -756,18 +775,18 @@ class Interp {
       }
       return unsupported();
     }
-    if (op == "/") {
+    if (jinja_sv(op) == "/") {
       if (!nums) return unsupported();
       if (b.as_double() == 0) throw Error("division by zero");
       return Value(a.as_double() / b.as_double());
     }
-    if (op == "//") {
+    if (jinja_sv(op) == "//") {
       if (ints) return Value(floor_div(a.as_int(), b.as_int()));
       if (!nums) return unsupported();
       if (b.as_double() == 0) throw Error("float floor division by zero");
       return Value(std::floor(a.as_double() / b.as_double()));
     }
-    if (op == "%") {
+    if (jinja_sv(op) == "%") {
       if (a.is_string()) return Value(percent_format(a.str(), b));
       if (ints) return Value(py_mod(a.as_int(), b.as_int()));
       if (!nums) return unsupported();
@@ -776,7 +795,7 @@ class Interp {
       if (r != 0 && ((r < 0) != (b.as_double() < 0))) r += b.as_double();
       return Value(r);
     }
-    if (op == "**") {
+    if (jinja_sv(op) == "**") {
       if (ints && b.as_int() >= 0) {
         int64_t r = 1;
         for (int64_t i = 0; i < b.as_int(); ++i) r *= a.as_int();
@@ -795,38 +814,38 @@ class Interp {
       if (i >= a.pos.size()) type_error("test '" + name + "' needs an argument");
       return a.pos[i];
     };
-    if (name == "defined") return !v.is_undefined();
-    if (name == "undefined") return v.is_undefined();
-    if (name == "none") return v.is_none();
-    if (name == "boolean") return v.is_bool();
-    if (name == "true") return v.is_bool() && v.as_int();
-    if (name == "false") return v.is_bool() && !v.as_int();
-    if (name == "integer") return v.type() == Value::T::integer;
-    if (name == "float") return v.type() == Value::T::floating;
-    if (name == "number") return v.is_number();
-    if (name == "string") return v.is_string();
-    if (name == "mapping") return v.is_dict();
-    if (name == "iterable") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined() || v.is_gen();
-    if (name == "sequence") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
-    if (name == "callable") return v.is_func();
-    if (name == "escaped") return false;
-    if (name == "odd" || name == "even") {
+    if (jinja_sv(name) == "defined") return !v.is_undefined();
+    if (jinja_sv(name) == "undefined") return v.is_undefined();
+    if (jinja_sv(name) == "none") return v.is_none();
+    if (jinja_sv(name) == "boolean") return v.is_bool();
+    if (jinja_sv(name) == "true") return v.is_bool() && v.as_int();
+    if (jinja_sv(name) == "false") return v.is_bool() && !v.as_int();
+    if (jinja_sv(name) == "integer") return v.type() == Value::T::integer;
+    if (jinja_sv(name) == "float") return v.type() == Value::T::floating;
+    if (jinja_sv(name) == "number") return v.is_number();
+    if (jinja_sv(name) == "string") return v.is_string();
+    if (jinja_sv(name) == "mapping") return v.is_dict();
+    if (jinja_sv(name) == "iterable") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined() || v.is_gen();
+    if (jinja_sv(name) == "sequence") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    if (jinja_sv(name) == "callable") return v.is_func();
+    if (jinja_sv(name) == "escaped") return false;
+    if (jinja_sv(name) == "odd" || jinja_sv(name) == "even") {
       if (!v.is_int()) type_error("not all arguments converted during string formatting");
-      return (py_mod(v.as_int(), 2) == 1) == (name == "odd");
+      return (py_mod(v.as_int(), 2) == 1) == (jinja_sv(name) == "odd");
     }
-    if (name == "divisibleby") {
+    if (jinja_sv(name) == "divisibleby") {
       const Value& d = arg(0);
       if (!v.is_int() || !d.is_int()) type_error("divisibleby takes integers");
       return py_mod(v.as_int(), d.as_int()) == 0;
     }
-    if (name == "eq" || name == "equalto" || name == "==") return equal(v, arg(0));
-    if (name == "ne" || name == "!=") return !equal(v, arg(0));
-    if (name == "lt" || name == "lessthan" || name == "<") return compare("<", v, arg(0));
-    if (name == "le" || name == "<=") return compare("<=", v, arg(0));
-    if (name == "gt" || name == "greaterthan" || name == ">") return compare(">", v, arg(0));
-    if (name == "ge" || name == ">=") return compare(">=", v, arg(0));
-    if (name == "in") return compare("in", v, arg(0));
-    if (name == "sameas") {
+    if (jinja_sv(name) == "eq" || jinja_sv(name) == "equalto" || jinja_sv(name) == "==") return equal(v, arg(0));
+    if (jinja_sv(name) == "ne" || jinja_sv(name) == "!=") return !equal(v, arg(0));
+    if (jinja_sv(name) == "lt" || jinja_sv(name) == "lessthan" || jinja_sv(name) == "<") return compare("<", v, arg(0));
+    if (jinja_sv(name) == "le" || jinja_sv(name) == "<=") return compare("<=", v, arg(0));
+    if (jinja_sv(name) == "gt" || jinja_sv(name) == "greaterthan" || jinja_sv(name) == ">") return compare(">", v, arg(0));
+    if (jinja_sv(name) == "ge" || jinja_sv(name) == ">=") return compare(">=", v, arg(0));
+    if (jinja_sv(name) == "in") return compare("in", v, arg(0));
+    if (jinja_sv(name) == "sameas") {
       const Value& o = arg(0);
       if (v.is_none() || o.is_none() || v.is_bool() || o.is_bool())
         return v.type() == o.type() && (v.is_none() || v.as_int() == o.as_int());
@@ -835,13 +854,13 @@ class Interp {
         return v.identity() == o.identity();
       return v.is_string() && o.is_string() && &v.str() == &o.str();
     }
-    if (name == "lower" || name == "upper") {
+    if (jinja_sv(name) == "lower" || jinja_sv(name) == "upper") {
       if (!v.is_string()) return false;
       CallArgs none;
-      return string_method(v.str(), name == "lower" ? "islower" : "isupper", none).truthy();
+      return string_method(v.str(), jinja_sv(name) == "lower" ? "islower" : "isupper", none).truthy();
     }
-    if (name == "filter") return v.is_string() && is_filter_name(v.str());
-    if (name == "test") return v.is_string() && is_test_name(v.str());
+    if (jinja_sv(name) == "filter") return v.is_string() && is_filter_name(v.str());
+    if (jinja_sv(name) == "test") return v.is_string() && is_test_name(v.str());
     throw Error("no test named '" + name + "'");
   }
 
@@ -908,9 +927,9 @@ class Interp {
       if (x.is_undefined()) return std::string();
       return x.to_str();
     };
-    if (name == "safe") return v.is_string() ? Value::markup(v.str()) : Value::markup(v.to_str());
-    if (name == "string") return v.is_string() ? v : Value(v.to_str());
-    if (name == "tojson") {
+    if (jinja_sv(name) == "safe") return v.is_string() ? Value::markup(v.str()) : Value::markup(v.to_str());
+    if (jinja_sv(name) == "string") return v.is_string() ? v : Value(v.to_str());
+    if (jinja_sv(name) == "tojson") {
       // transformers' tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
       const Value* ascii = opt(0, "ensure_ascii");
       const Value* indent = opt(1, "indent");
@@ -936,7 +955,7 @@ class Interp {
       }
       return Value(v.to_json(ind, ip, isp, ksp, sort && sort->truthy(), ascii && ascii->truthy()));
     }
-    if (name == "length" || name == "count") {
+    if (jinja_sv(name) == "length" || jinja_sv(name) == "count") {
       switch (v.type()) {
         case Value::T::undefined: return Value(int64_t(0));
         case Value::T::string: return Value(int64_t(utf8_length(v.str())));
@@ -945,24 +964,24 @@ class Interp {
         default: type_error("object of type '" + v.type_name() + "' has no len()");
       }
     }
-    if (name == "trim") {
+    if (jinja_sv(name) == "trim") {
       const Value* chars = opt(0, "chars");
       return Value(py_strip(need_str(v), chars && !chars->is_none() ? &chars->str() : nullptr, true, true));
     }
-    if (name == "upper") return Value(ascii_upper(need_str(v)));
-    if (name == "lower") return Value(ascii_lower(need_str(v)));
-    if (name == "capitalize") return Value(capitalize(need_str(v)));
-    if (name == "title") {
+    if (jinja_sv(name) == "upper") return Value(ascii_upper(need_str(v)));
+    if (jinja_sv(name) == "lower") return Value(ascii_lower(need_str(v)));
+    if (jinja_sv(name) == "capitalize") return Value(capitalize(need_str(v)));
+    if (jinja_sv(name) == "title") {
       CallArgs none;
       return string_method(need_str(v), "title", none);
     }
-    if (name == "default" || name == "d") {
+    if (jinja_sv(name) == "default" || jinja_sv(name) == "d") {
       const Value* def = opt(0, "default_value");
       const bool boolean = flag(1, "boolean", false);
       if (v.is_undefined() || (boolean && !v.truthy())) return def ? *def : Value(std::string());
       return v;
     }
-    if (name == "join") {
+    if (jinja_sv(name) == "join") {
       const Value* sep = opt(0, "d");
       const Value* attr = opt(1, "attribute");
       std::string out;
@@ -974,7 +993,7 @@ class Interp {
       }
       return Value(std::move(out));
     }
-    if (name == "first") {
+    if (jinja_sv(name) == "first") {
       if (v.is_string()) return v.str().empty() ? Value::undefined("No first item") : item(v, Value(int64_t(0)));
       if (v.is_gen()) {  // next(iter(seq)): one item taken
         Value x;
@@ -983,21 +1002,21 @@ class Interp {
       const List l = iterate(v);
       return l.empty() ? Value::undefined("No first item, sequence was empty.") : l.front();
     }
-    if (name == "last") {
+    if (jinja_sv(name) == "last") {
       if (v.is_undefined()) undefined_error(v);
       if (v.is_gen()) type_error("'" + v.type_name() + "' object is not reversible");
       const List l = iterate(v);
       return l.empty() ? Value::undefined("No last item, sequence was empty.") : l.back();
     }
-    if (name == "list") return Value(iterate(v));
-    if (name == "items") {  // a generator in jinja2: a non-mapping raises when it is iterated
+    if (jinja_sv(name) == "list") return Value(iterate(v));
+    if (jinja_sv(name) == "items") {  // a generator in jinja2: a non-mapping raises when it is iterated
       return jinja_lazy([v]() -> JinjaPull {
         if (v.is_undefined()) return nullptr;
         if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
         return jinja_iter_of(items_of(v));
       });
     }
-    if (name == "reverse") {
+    if (jinja_sv(name) == "reverse") {
       if (v.is_string()) {
         const auto off = utf8_offsets(v.str());
         std::string out;
@@ -1019,15 +1038,15 @@ class Interp {
       std::reverse(l.begin(), l.end());
       return Value(std::move(l));
     }
-    if (name == "map") {  // jinja2: `if value: for item in value: yield func(item)`, all of it lazy
+    if (jinja_sv(name) == "map") {  // jinja2: `if value: for item in value: yield func(item)`, all of it lazy
       return jinja_lazy([this, v, a]() -> JinjaPull {
         if (!v.truthy()) return nullptr;
         std::function<Value(const Value&)> func;
         const Value* attr = nullptr;
         const Value* def = nullptr;
         for (const auto& [k, x] : a.kw) {
-          if (k == "attribute") attr = &x;
-          if (k == "default") def = &x;
+          if (jinja_sv(k) == "attribute") attr = &x;
+          if (jinja_sv(k) == "default") def = &x;
         }
         if (attr && a.pos.empty()) {  // make_attrgetter(attribute, default): a None default is none
           const std::string path = attr->to_str();
@@ -1058,7 +1077,7 @@ class Interp {
         };
       });
     }
-    if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
+    if (jinja_sv(name) == "select" || jinja_sv(name) == "reject" || jinja_sv(name) == "selectattr" || jinja_sv(name) == "rejectattr") {
       return jinja_lazy([this, v, a, name]() -> JinjaPull {
         if (!v.truthy()) return nullptr;
         const bool attr = name.back() == 'r';
@@ -1100,7 +1119,7 @@ class Interp {
         };
       });
     }
-    if (name == "unique") {  // a generator in jinja2; keys go into a set (lists and dicts are unhashable)
+    if (jinja_sv(name) == "unique") {  // a generator in jinja2; keys go into a set (lists and dicts are unhashable)
       const bool cs = flag(0, "case_sensitive", false);
       const Value* attr_arg = opt(1, "attribute");
       const bool has_attr = attr_arg != nullptr;
@@ -1126,7 +1145,7 @@ class Interp {
         };
       });
     }
-    if (name == "sort") {
+    if (jinja_sv(name) == "sort") {
       const bool rev = flag(0, "reverse", false), cs = flag(1, "case_sensitive", false);
       const Value* attr = opt(2, "attribute");
       List l = iterate(v);
@@ -1162,7 +1181,7 @@ class Interp {
       for (size_t i = 0; i < l.size(); ++i) l[i] = std::move(keyed[i].second);
       return Value(std::move(l));
     }
-    if (name == "dictsort") {
+    if (jinja_sv(name) == "dictsort") {
       if (!v.is_dict()) type_error("dictsort expects a mapping");
       const bool cs = flag(0, "case_sensitive", false);
       const Value* by = opt(1, "by");
@@ -1176,7 +1195,7 @@ class Interp {
       });
       return Value(std::move(l));
     }
-    if (name == "max" || name == "min") {
+    if (jinja_sv(name) == "max" || jinja_sv(name) == "min") {
       const bool cs = flag(0, "case_sensitive", false);
       const Value* attr = opt(1, "attribute");
       const List l = iterate(v);
@@ -1185,18 +1204,18 @@ class Interp {
       for (size_t i = 1; i < l.size(); ++i) {
         const Value ki = attr ? attr_path(l[i], attr->to_str()) : l[i];
         const Value kb = attr ? attr_path(l[best], attr->to_str()) : l[best];
-        if (name == "max" ? sort_less(kb, ki, cs) : sort_less(ki, kb, cs)) best = i;
+        if (jinja_sv(name) == "max" ? sort_less(kb, ki, cs) : sort_less(ki, kb, cs)) best = i;
       }
       return l[best];
     }
-    if (name == "sum") {
+    if (jinja_sv(name) == "sum") {
       const Value* attr = opt(0, "attribute");
       const Value* start = opt(1, "start");
       Value total = start ? *start : Value(int64_t(0));
       for (const auto& x : iterate(v)) total = binary("+", total, attr ? attr_path(x, attr->to_str()) : x);
       return total;
     }
-    if (name == "int") {
+    if (jinja_sv(name) == "int") {
       const Value* def = opt(0, "default");
       const Value fallback = def ? *def : Value(int64_t(0));
       if (v.is_int()) return Value(v.as_int());
@@ -1214,7 +1233,7 @@ class Interp {
       }
       return fallback;
     }
-    if (name == "float") {
+    if (jinja_sv(name) == "float") {
       const Value* def = opt(0, "default");
       if (v.is_number()) return Value(v.as_double());
       if (v.is_string()) {
@@ -1228,19 +1247,19 @@ class Interp {
       }
       return def ? *def : Value(0.0);
     }
-    if (name == "abs") {
+    if (jinja_sv(name) == "abs") {
       if (v.type() == Value::T::floating) return Value(std::fabs(v.as_double()));
       if (v.is_int()) return Value(int64_t(std::llabs(v.as_int())));
       type_error("bad operand type for abs(): '" + v.type_name() + "'");
     }
-    if (name == "round") {
+    if (jinja_sv(name) == "round") {
       const Value* prec = opt(0, "precision");
       const Value* method = opt(1, "method");
       const int64_t p = prec ? prec->as_int() : 0;
       const std::string m = method ? method->to_str() : "common";
       if (!v.is_number()) type_error("round() of a " + v.type_name());
-      if (m == "common" && v.is_int()) return Value(v.as_int());
-      if (m == "common" && p >= 0 && p < 300 && std::isfinite(v.as_double())) {
+      if (jinja_sv(m) == "common" && v.is_int()) return Value(v.as_int());
+      if (jinja_sv(m) == "common" && p >= 0 && p < 300 && std::isfinite(v.as_double())) {
         // Python's round(x, p): the exact binary value rounded half to even, as printf rounds it
         char buf[400];
         std::snprintf(buf, sizeof buf, "%.*f", int(p), v.as_double());
@@ -1248,37 +1267,37 @@ class Interp {
       }
       const double scale = std::pow(10.0, double(p));
       const double x = v.as_double() * scale;
-      const double r = m == "ceil" ? std::ceil(x) : m == "floor" ? std::floor(x) : std::nearbyint(x);
+      const double r = jinja_sv(m) == "ceil" ? std::ceil(x) : jinja_sv(m) == "floor" ? std::floor(x) : std::nearbyint(x);
       return Value(r / scale);
     }
-    if (name == "replace") {
+    if (jinja_sv(name) == "replace") {
       if (a.pos.size() < 2) type_error("replace() needs old and new");
       CallArgs r;
       r.pos = a.pos;
       return string_method(need_str(v), "replace", r);
     }
-    if (name == "indent") return Value(indent(need_str(v), opt(0, "width"), flag(1, "first", false), flag(2, "blank", false)));
-    if (name == "center") {
+    if (jinja_sv(name) == "indent") return Value(indent(need_str(v), opt(0, "width"), flag(1, "first", false), flag(2, "blank", false)));
+    if (jinja_sv(name) == "center") {
       CallArgs r;
       const Value* w = opt(0, "width");
       r.pos.push_back(w ? *w : Value(int64_t(80)));
       return string_method(need_str(v), "center", r);
     }
-    if (name == "wordcount") return Value(int64_t(py_split(need_str(v), nullptr, -1).size()));
-    if (name == "e" || name == "escape" || name == "forceescape")
+    if (jinja_sv(name) == "wordcount") return Value(int64_t(py_split(need_str(v), nullptr, -1).size()));
+    if (jinja_sv(name) == "e" || jinja_sv(name) == "escape" || jinja_sv(name) == "forceescape")
       return v.is_markup() && name != "forceescape" ? v : Value::markup(html_escape(need_str(v)));
-    if (name == "format") {
+    if (jinja_sv(name) == "format") {
       if (!a.pos.empty()) return Value(percent_format(need_str(v), Value::tuple(List(a.pos))));  // str % args
       return Value(need_str(v));
     }
-    if (name == "attr") {
+    if (jinja_sv(name) == "attr") {
       if (a.pos.empty()) type_error("attr() needs a name");
       const std::string n = a.pos[0].to_str();
       if (v.is_dict() && !known_method(v, n) && !unsafe_method(v, n))  // getattr only: no dict keys
         return Value::undefined("'dict object' has no attribute '" + n + "'");
       return attribute(v, n);
     }
-    if (name == "batch") {  // a generator of lists of linecount items, the last filled up with fill_with
+    if (jinja_sv(name) == "batch") {  // a generator of lists of linecount items, the last filled up with fill_with
       const Value count = a.pos.empty() ? (opt(0, "linecount") ? *opt(0, "linecount") : Value()) : a.pos[0];
       if (count.is_undefined()) type_error("do_batch() missing 1 required positional argument: 'linecount'");
       const Value* fill = opt(1, "fill_with");
@@ -1305,7 +1324,7 @@ class Interp {
         };
       });
     }
-    if (name == "slice") {  // a generator of `slices` lists, the first ones one longer, the rest filled up
+    if (jinja_sv(name) == "slice") {  // a generator of `slices` lists, the first ones one longer, the rest filled up
       const Value* n_arg = opt(0, "slices");
       if (!n_arg) type_error("sync_do_slice() missing 1 required positional argument: 'slices'");
       const Value slices = *n_arg;
@@ -1330,7 +1349,7 @@ class Interp {
         return jinja_iter_of(Value(std::move(*parts)));
       });
     }
-    if (name == "truncate") {  // truncate(length=255, killwords=False, end='...', leeway=None): leeway 5
+    if (jinja_sv(name) == "truncate") {  // truncate(length=255, killwords=False, end='...', leeway=None): leeway 5
       const Value* len_arg = opt(0, "length");
       const Value* end_arg = opt(2, "end");
       const Value* lee_arg = opt(3, "leeway");
@@ -1359,7 +1378,7 @@ class Interp {
       if (sp != std::string::npos) head.resize(sp);
       return Value(head + end);
     }
-    if (name == "groupby") {  // sorted by the attribute, then grouped: a list of (grouper, list) tuples
+    if (jinja_sv(name) == "groupby") {  // sorted by the attribute, then grouped: a list of (grouper, list) tuples
       const Value* attr_arg = opt(0, "attribute");
       if (!attr_arg) type_error("sync_do_groupby() missing 1 required positional argument: 'attribute'");
       const std::string path = attr_arg->to_str();
@@ -1394,7 +1413,7 @@ class Interp {
       }
       return Value(std::move(out));
     }
-    if (name == "filesizeformat") {
+    if (jinja_sv(name) == "filesizeformat") {
       const bool binary = flag(0, "binary", false);
       CallArgs none;
       const Value as_float = apply_filter("float", v, none);
@@ -1415,7 +1434,7 @@ class Interp {
         }
       }
     }
-    if (name == "urlencode") {  // urllib.parse.quote (a string: "/" kept) or key=value&... (for_qs: "+")
+    if (jinja_sv(name) == "urlencode") {  // urllib.parse.quote (a string: "/" kept) or key=value&... (for_qs: "+")
       auto quote = [](const std::string& s, bool qs) {
         std::string out;
         char buf[4];
