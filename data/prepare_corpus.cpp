@@ -404,6 +404,7 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
       // hand that back to the kernel and grow the thread's heap again (mprotect calls
       // and page faults) for the next one.
       mallopt(M_TRIM_THRESHOLD, 256 << 20);
+      mallopt(M_TOP_PAD, 16 << 20);
       try {
         const auto spec = find_chat_template(o.chat_template, o.tokenizer);
         if (!spec)
@@ -483,18 +484,20 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
           std::vector<std::string> errors(batch.size());
           std::vector<std::thread> pool;
           const size_t nt = std::min<size_t>(size_t(o.threads), std::max<size_t>(batch.size(), 1));
-          for (size_t w = 0; w < nt; ++w)
-            pool.emplace_back([&, w] {
-              for (size_t k = w; k < batch.size(); k += nt) {
-                try {
-                  enc[k] = tmpl->encode(batch[k].conversation, false, train_on, o.overlong == "split");
-                  if (std::none_of(enc[k].target.begin(), enc[k].target.end(), [](uint8_t t) { return t != 0; }))
-                    throw ChatError("the conversation has no assistant turn");
-                } catch (const std::exception& e) {
-                  errors[k] = e.what();
-                }
+          auto work = [&](size_t w) {
+            for (size_t k = w; k < batch.size(); k += nt) {
+              try {
+                enc[k] = tmpl->encode(batch[k].conversation, false, train_on, o.overlong == "split");
+                if (std::none_of(enc[k].target.begin(), enc[k].target.end(), [](uint8_t t) { return t != 0; }))
+                  throw ChatError("the conversation has no assistant turn");
+              } catch (const std::exception& e) {
+                errors[k] = e.what();
               }
-            });
+            }
+          };
+          // One thread: this one (its heap grows by M_TOP_PAD steps; a new thread's by pages).
+          if (nt == 1) work(0);
+          for (size_t w = 0; nt > 1 && w < nt; ++w) pool.emplace_back(work, w);
           for (auto& t : pool) t.join();
           for (size_t k = 0; k < batch.size(); ++k) {
             if (!errors[k].empty()) {

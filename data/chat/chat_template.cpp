@@ -63,6 +63,8 @@ Value alias_reasoning(const Value& m) {
 }
 
 Value drop_nulls(const Value& m) {
+  if (std::none_of(m.map().items.begin(), m.map().items.end(), [](const auto& kv) { return kv.second.is_none(); }))
+    return m;
   Value out = Value::dict();
   for (const auto& kv : m.map().items)
     if (!kv.second.is_none()) out.map().items.push_back(kv);
@@ -124,6 +126,7 @@ struct ChatTemplate::Scratch {
   std::unique_ptr<std::atomic<int32_t>[]> token_len;      // -1: not yet known
   size_t vocab = 0;
   std::vector<uint32_t> first_bytes[256];  // control_tokens_ indices (longest first) by first byte
+  std::vector<std::pair<Value, Value>> base_globals;  // the special tokens, then the template's kwargs
 
   std::unique_ptr<tok::EncodeCache> take() {
     std::lock_guard<std::mutex> g(mu);
@@ -176,6 +179,12 @@ ChatTemplate::ChatTemplate(const std::string& text, std::string source, const to
   for (size_t i = 0; i < scratch_->vocab; ++i) scratch_->token_len[i].store(-1, std::memory_order_relaxed);
   for (size_t i = 0; i < control_tokens_.size(); ++i)
     scratch_->first_bytes[static_cast<unsigned char>(control_tokens_[i][0])].push_back(uint32_t(i));
+  {
+    Value g = Value::dict();
+    for (const auto& [k, v] : opt_.special_tokens) g.map().set(Value(k), Value(v));
+    for (const auto& kv : kwargs_.map().items) g.map().set(kv.first, kv.second);
+    scratch_->base_globals = g.map().items;
+  }
   // The end of an assistant turn: the first added token after a probe answer.
   try {
     const std::string probe = "nnstrain probe answer";
@@ -286,9 +295,9 @@ Value ChatTemplate::globals(const Conversation& c, bool add_generation_prompt) c
   Value g = Value::dict();
   auto& items = g.map().items;
   // apply_chat_template: {**special_tokens_map, **kwargs}, then messages, tools,
-  // documents, add_generation_prompt.
-  for (const auto& [k, v] : opt_.special_tokens) g.map().set(Value(k), Value(v));
-  for (const auto& kv : kwargs_.map().items) g.map().set(kv.first, kv.second);
+  // documents, add_generation_prompt. The first two are the template's (built once).
+  items.reserve(scratch_->base_globals.size() + c.kwargs.map().items.size() + 4);
+  items = scratch_->base_globals;
   for (const auto& kv : c.kwargs.map().items) g.map().set(kv.first, kv.second);
   g.map().set(Value("messages"), c.messages);
   g.map().set(Value("tools"), c.tools);
@@ -325,9 +334,10 @@ void ChatTemplate::tokenize(const std::string& s, std::vector<int32_t>& ids, std
     ~Give() { sc.give(std::move(c)); }
   } give{sc, cache};
   std::vector<int32_t> piece_ids;
-  ids.reserve(ids.size() + s.size() / 3);
-  starts.reserve(starts.size() + s.size() / 3);
-  ends.reserve(ends.size() + s.size() / 3);
+  // At most a token per byte; the ids are kept (a batch of them), so less is reserved for those.
+  ids.reserve(ids.size() + s.size() / 3 + 16);
+  starts.reserve(starts.size() + s.size() + 1);
+  ends.reserve(ends.size() + s.size() + 1);
   auto token_len = [&](int32_t id) -> size_t {
     if (id < 0 || size_t(id) >= sc.vocab) return tok_->decode(&id, 1).size();
     int32_t n = sc.token_len[size_t(id)].load(std::memory_order_relaxed);
@@ -390,7 +400,8 @@ std::vector<std::pair<size_t, size_t>> ChatTemplate::assistant_spans(const Conve
     std::string a, b;
     try {
       a = render_marked(c.prefix(i), true).text;
-      b = render_marked(c.prefix(i + 1), false).text;
+      // The whole conversation (encode renders it without the prompt): that rendering again.
+      b = i + 1 == c.size() ? full.text : render_marked(c.prefix(i + 1), false).text;
     } catch (const ChatError& e) {
       throw ChatError("rendering the conversation up to message " + std::to_string(i + 1) + ": " + e.what());
     }

@@ -324,7 +324,7 @@ class Interp {
   Flow exec_inner(const Stmt& s, const FrameP& f) {
     switch (s.kind) {
       case SK::text: *out_ += s.text; return Flow::normal;
-      case SK::print: eval(*s.exprs[0], f).append_str(*out_); return Flow::normal;
+      case SK::print: print(*s.exprs[0], f); return Flow::normal;
       case SK::if_:
         for (size_t i = 0; i < s.exprs.size(); ++i)
           if (eval(*s.exprs[i], f).truthy()) return exec(s.bodies[i], f);
@@ -363,6 +363,56 @@ class Interp {
       case SK::continue_: return Flow::continue_;
     }
     return Flow::normal;
+  }
+
+  // {{ a + b + c }} and {{ a ~ b }}: plain strings appended as they come, without the
+  // intermediate strings; from the first operand that is not one, Python's + as usual.
+  void print(const Expr& e, const FrameP& f) {
+    if (e.kind == EK::concat) {
+      for (const auto& a : e.args) eval(*a, f).append_str(*out_);
+      return;
+    }
+    if (e.kind != EK::binary || jinja_sv(e.name) != "+") {
+      eval(e, f).append_str(*out_);
+      return;
+    }
+    const Expr* leaves[64];
+    const Expr* nodes[64];  // nodes[k]: the + whose right operand is leaves[k]
+    size_t n = 0;
+    const Expr* cur = &e;
+    while (cur->kind == EK::binary && jinja_sv(cur->name) == "+" && n < 63) {
+      nodes[n] = cur;
+      leaves[n++] = cur->args[1].get();
+      cur = cur->args[0].get();
+    }
+    leaves[n++] = cur;  // the leftmost operand
+    const size_t start = out_->size();
+    Value acc;
+    bool plain = true;  // the operands so far: plain strings, appended
+    for (size_t k = n; k-- > 0;) {
+      Value v = eval(*leaves[k], f);
+      try {
+        if (plain) {
+          if (v.is_string() && !v.is_markup()) {
+            *out_ += v.str();
+            continue;
+          }
+          plain = false;
+          if (k == n - 1) {
+            acc = std::move(v);
+            continue;
+          }
+          acc = binary("+", Value(out_->substr(start)), v);
+          out_->resize(start);
+          continue;
+        }
+        acc = binary("+", acc, v);
+      } catch (Error& x) {
+        if (!x.line) x.line = nodes[k]->line, x.col = nodes[k]->col;
+        throw;
+      }
+    }
+    if (!plain) acc.append_str(*out_);
   }
 
   // The filter chain of a block set or {% filter %}, its subject the block's text.
@@ -419,6 +469,7 @@ class Interp {
                                          return a.pos[size_t(*index0 % int64_t(a.pos.size()))];
                                        },
                                        "loop.cycle"));
+    FrameP fr;
     for (int64_t i = 0; i < n; ++i) {
       *index0 = i;
       d[0].second = Value(i);
@@ -429,8 +480,13 @@ class Interp {
       d[5].second = Value(i == n - 1);
       d[7].second = i > 0 ? items[size_t(i - 1)] : Value::undefined("there is no previous item");
       d[8].second = i + 1 < n ? items[size_t(i + 1)] : Value::undefined("there is no next item");
-      auto fr = std::make_shared<Frame>();
-      fr->parent = f;
+      if (!fr || fr.use_count() > 1) {  // a fresh scope unless nothing (a macro) kept the last one
+        fr = std::make_shared<Frame>();
+        fr->parent = f;
+        fr->vars.reserve(4);
+      } else {
+        fr->vars.clear();
+      }
       fr->vars.emplace_back(sym_loop_, loop);
       bind(*fr, items[size_t(i)]);
       const Flow fl = exec(s.bodies[0], fr);
