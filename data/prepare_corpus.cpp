@@ -18,6 +18,7 @@
 #include <zstd.h>
 #endif
 
+#include "data/chat/jinja_value.h"
 #include "data/chat_template.h"
 #include "data/indexed/indexed_file.h"
 #include "base/cli_options.h"
@@ -237,41 +238,50 @@ struct Record {
 // are user and assistant). Messages pass to the template as they are: what a
 // role or a field means is the template's business.
 Record chat_record(const std::string& line, const std::string& where) {
-  nlohmann::ordered_json j;
+  // Parsed straight into the template's values (no JSON tree in between).
+  jinja::Value j;
+  bool parsed = false;
   try {
-    j = nlohmann::ordered_json::parse(line);
-  } catch (const nlohmann::json::parse_error&) {
-    throw std::runtime_error(where + ": not a JSON object");
+    parsed = jinja::Value::parse_json(line, j);
+  } catch (const std::exception&) {
   }
-  if (!j.is_object()) throw std::runtime_error(where + ": a chat record must be a JSON object");
-  const bool openai = j.contains("messages");
-  if (!openai && !j.contains("conversations"))
-    throw std::runtime_error(where + ": no 'messages' (OpenAI) or 'conversations' (ShareGPT) field");
+  if (!parsed) throw std::runtime_error(where + ": not a JSON object");
+  if (!j.is_dict()) throw std::runtime_error(where + ": a chat record must be a JSON object");
+  const jinja::Value* openai_list = j.map().find(std::string("messages"));
+  const bool openai = openai_list != nullptr;
+  const jinja::Value* list_v = openai ? openai_list : j.map().find(std::string("conversations"));
+  if (!list_v) throw std::runtime_error(where + ": no 'messages' (OpenAI) or 'conversations' (ShareGPT) field");
   const char* list = openai ? "messages" : "conversations";
-  if (!j[list].is_array() || j[list].empty())
+  if (!list_v->is_list() || list_v->is_tuple() || list_v->list().empty())
     throw std::runtime_error(where + ": '" + list + "' is not a non-empty array");
-  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-  for (size_t i = 0; i < j[list].size(); ++i) {
-    auto& m = j[list][i];
-    const std::string at = where + ": " + list + "[" + std::to_string(i) + "]";
+  jinja::List messages;
+  messages.reserve(list_v->list().size());
+  for (size_t i = 0; i < list_v->list().size(); ++i) {
+    const jinja::Value& m = list_v->list()[i];
+    auto at = [&] { return where + ": " + list + "[" + std::to_string(i) + "]"; };  // built only to fail
+    auto field = [&](const char* k) { return m.is_dict() ? m.map().find(std::string(k)) : nullptr; };
     if (openai) {
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-        throw std::runtime_error(at + ": expected an object with a string \"role\"");
-      messages.push_back(std::move(m));
+      const jinja::Value* role = field("role");
+      if (!role || !role->is_string())
+        throw std::runtime_error(at() + ": expected an object with a string \"role\"");
+      messages.push_back(m);
       continue;
     }
-    if (!m.is_object() || !m.contains("from") || !m["from"].is_string() || !m.contains("value") ||
-        !m["value"].is_string())
-      throw std::runtime_error(at + ": expected {\"from\": string, \"value\": string}");
-    std::string role = m["from"].get<std::string>();
+    const jinja::Value* from = field("from");
+    const jinja::Value* value = field("value");
+    if (!from || !from->is_string() || !value || !value->is_string())
+      throw std::runtime_error(at() + ": expected {\"from\": string, \"value\": string}");
+    std::string role = from->str();
     role = role == "human" ? "user" : role == "gpt" ? "assistant" : role;
-    messages.push_back({{"role", role}, {"content", m["value"]}});
+    jinja::Value d = jinja::Value::dict();
+    d.map().items.emplace_back(jinja::Value("role"), jinja::Value(std::move(role)));
+    d.map().items.emplace_back(jinja::Value("content"), *value);
+    messages.push_back(std::move(d));
   }
   Record r{"", "", where, {}, line.size()};
-  const auto* tools = j.contains("tools") ? &j["tools"] : nullptr;
-  const auto* docs = j.contains("documents") ? &j["documents"] : nullptr;
   try {
-    r.conversation = Conversation::from_json(messages, tools, docs);
+    r.conversation = Conversation::from_values(jinja::Value(std::move(messages)), j.map().find(std::string("tools")),
+                                               j.map().find(std::string("documents")));
   } catch (const std::exception& e) {
     throw std::runtime_error(where + ": " + e.what());
   }

@@ -47,10 +47,10 @@ bool is_ws(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
 
 // transformers' _alias_reasoning_fields: {"thinking": r, **message, "reasoning_content": r}.
 Value alias_reasoning(const Value& m) {
-  const char* fields[] = {"reasoning_content", "thinking", "reasoning"};
+  static const std::string fields[] = {"reasoning_content", "thinking", "reasoning"};
   const Value* r = nullptr;
-  for (const char* f : fields)
-    if (const Value* v = m.map().find(std::string(f)); v && !v->is_none()) {
+  for (const std::string& f : fields)
+    if (const Value* v = m.map().find(f); v && !v->is_none()) {
       r = v;
       break;
     }
@@ -88,6 +88,20 @@ Conversation Conversation::from_json(const nlohmann::ordered_json& messages, con
   c.messages = Value(std::move(l));
   if (tools && !tools->is_null()) c.tools = Value::from_json(*tools);
   if (documents && !documents->is_null()) c.documents = Value::from_json(*documents);
+  return c;
+}
+
+Conversation Conversation::from_values(const Value& messages, const Value* tools, const Value* documents) {
+  Conversation c;
+  jinja::List l;
+  l.reserve(messages.list().size());
+  for (const auto& m : messages.list()) {
+    if (!m.is_dict()) throw ChatError("a message is not a JSON object");
+    l.push_back(alias_reasoning(drop_nulls(m)));
+  }
+  c.messages = Value(std::move(l));
+  if (tools && !tools->is_none()) c.tools = *tools;
+  if (documents && !documents->is_none()) c.documents = *documents;
   return c;
 }
 

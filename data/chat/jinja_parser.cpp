@@ -682,7 +682,12 @@ struct JinjaInterner {
   Template& tpl;
   Sym intern(const std::string& n) { return &*tpl.symbols.insert(n).first; }
   void expr(Expr& e) {
-    if (e.kind == Expr::K::name) e.sym = intern(e.name);
+    // The Undefined a miss gives, built once (its text is only read by an error).
+    if (e.kind == Expr::K::name) e.sym = intern(e.name), e.value = Value::undefined("'" + e.name + "'");
+    if (e.kind == Expr::K::attr) e.value = Value::undefined("'dict object' has no attribute '" + e.name + "'");
+    if (e.kind == Expr::K::item && e.args.size() > 1 && e.args[1]->kind == Expr::K::literal &&
+        e.args[1]->value.is_string())
+      e.value = Value::undefined("'dict object' has no attribute '" + e.args[1]->value.str() + "'");
     for (auto& a : e.args)
       if (a) expr(*a);
     for (auto& kv : e.kwargs)

@@ -28,7 +28,7 @@ struct Expr {
   };
   K kind;
   int line = 0, col = 0;
-  Value value;              // literal
+  Value value;              // literal; name, attr, item: the Undefined a miss gives (dict's, for attr/item)
   std::string name;         // name, attr, filter, test; binary: the operator
   Sym sym = nullptr;        // name: interned
   std::vector<ExprP> args;  // operands / elements / positional arguments (args[0]: the subject for attr,

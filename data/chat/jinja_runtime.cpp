@@ -478,8 +478,10 @@ class Interp {
       d[3].second = Value(n - i - 1);
       d[4].second = Value(i == 0);
       d[5].second = Value(i == n - 1);
-      d[7].second = i > 0 ? items[size_t(i - 1)] : Value::undefined("there is no previous item");
-      d[8].second = i + 1 < n ? items[size_t(i + 1)] : Value::undefined("there is no next item");
+      static const Value no_prev = Value::undefined("there is no previous item");
+      static const Value no_next = Value::undefined("there is no next item");
+      d[7].second = i > 0 ? items[size_t(i - 1)] : no_prev;
+      d[8].second = i + 1 < n ? items[size_t(i + 1)] : no_next;
       if (!fr || fr.use_count() > 1) {  // a fresh scope unless nothing (a macro) kept the last one
         fr = std::make_shared<Frame>();
         fr->parent = f;
@@ -556,12 +558,14 @@ class Interp {
     return callee.fn()(a);
   }
 
-  Value attribute(const Value& obj, const std::string& name) {
+  // dict_miss: the Undefined for a dict without `name`, when the caller has it built.
+  Value attribute(const Value& obj, const std::string& name, const Value* dict_miss = nullptr) {
     if (obj.is_undefined()) undefined_error(obj);
     if (!name.empty() && name[0] == '_') return Value::undefined("'" + name + "'");
     if (obj.is_dict()) {
       if (known_method(obj, name) || unsafe_method(obj, name)) return bound_method(obj, name);
       if (const Value* v = obj.map().find(name)) return *v;
+      if (dict_miss && !dict_miss->undefined_name().empty()) return *dict_miss;
       return Value::undefined("'dict object' has no attribute '" + name + "'");
     }
     if (obj.is_ns()) {
@@ -573,11 +577,11 @@ class Interp {
     return Value::undefined("'" + obj.type_name() + " object' has no attribute '" + name + "'");
   }
 
-  Value item(const Value& obj, const Value& key) {
+  Value item(const Value& obj, const Value& key, const Value* dict_miss = nullptr) {
     if (obj.is_undefined()) undefined_error(obj);
     if (obj.is_dict()) {
       if (const Value* v = obj.map().find(key)) return *v;
-      if (key.is_string()) return attribute(obj, key.str());
+      if (key.is_string()) return attribute(obj, key.str(), dict_miss);
       return Value::undefined("'dict object' has no attribute " + key.repr());
     }
     if (obj.is_list() && key.is_int()) {
@@ -642,10 +646,10 @@ class Interp {
       case EK::literal: return e.value;
       case EK::name: {
         if (const Value* v = f->find(e.sym)) return *v;
-        return Value::undefined("'" + e.name + "'");
+        return e.value;
       }
-      case EK::attr: return attribute(eval(*e.args[0], f), e.name);
-      case EK::item: return item(eval(*e.args[0], f), eval(*e.args[1], f));
+      case EK::attr: return attribute(eval(*e.args[0], f), e.name, &e.value);
+      case EK::item: return item(eval(*e.args[0], f), eval(*e.args[1], f), &e.value);
       case EK::slice: {
         const Value obj = eval(*e.args[0], f);
         Value parts[3];

@@ -414,6 +414,70 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
   }
 }
 
+namespace {
+
+// nlohmann's SAX events into values: the containers being filled, innermost last.
+struct JinjaJsonSax {
+  using json = nlohmann::ordered_json;
+  std::vector<Value> stack;
+  std::vector<Value> keys;  // per open dict: the key whose value comes next
+  Value root;
+  bool done = false;
+
+  bool put(Value v) {
+    if (stack.empty()) {
+      root = std::move(v);
+      done = true;
+    } else if (stack.back().is_list()) {
+      stack.back().list().push_back(std::move(v));
+    } else {
+      stack.back().map().set(keys.back(), std::move(v));  // a repeated key: the last value, first place
+    }
+    return true;
+  }
+  bool null() { return put(Value::none()); }
+  bool boolean(bool b) { return put(Value(b)); }
+  bool number_integer(json::number_integer_t v) { return put(Value(int64_t(v))); }
+  bool number_unsigned(json::number_unsigned_t v) { return put(Value(int64_t(v))); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return put(Value(double(v))); }
+  bool string(json::string_t& v) { return put(Value(std::move(v))); }
+  bool binary(json::binary_t&) { return false; }
+  bool start_object(std::size_t) {
+    stack.push_back(Value::dict());
+    keys.emplace_back();
+    return true;
+  }
+  bool key(json::string_t& k) {
+    keys.back() = Value(std::move(k));
+    return true;
+  }
+  bool end_object() {
+    Value v = std::move(stack.back());
+    stack.pop_back();
+    keys.pop_back();
+    return put(std::move(v));
+  }
+  bool start_array(std::size_t) {
+    stack.push_back(Value(List{}));
+    return true;
+  }
+  bool end_array() {
+    Value v = std::move(stack.back());
+    stack.pop_back();
+    return put(std::move(v));
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) { return false; }
+};
+
+}  // namespace
+
+bool Value::parse_json(const std::string& text, Value& out) {
+  JinjaJsonSax sax;
+  if (!nlohmann::ordered_json::sax_parse(text, &sax) || !sax.done) return false;
+  out = std::move(sax.root);
+  return true;
+}
+
 // --- dict ----------------------------------------------------------------------
 
 const Value* Dict::find(const Value& key) const {

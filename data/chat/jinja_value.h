@@ -116,6 +116,9 @@ class Value {
                       const std::string* key_sep = nullptr, bool sort_keys = false, bool ensure_ascii = false) const;
 
   static Value from_json(const nlohmann::ordered_json& j);
+  // JSON text straight to a value (what from_json(parse(text)) gives, without the
+  // JSON tree); false (out untouched) when the text is not JSON.
+  static bool parse_json(const std::string& text, Value& out);
 
  private:
   static Value make(T t) {
