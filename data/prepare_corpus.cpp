@@ -36,6 +36,7 @@ using nlohmann::json;
 
 constexpr int kFormatVersion = 1;
 constexpr size_t kBatchBytes = 32 << 20;  // text tokenized per batch (bounded memory)
+constexpr size_t kChatBatchBytes = 2 << 20;  // chat records per batch (JSON bytes)
 
 constexpr const char* kUsage = R"(usage: nnstrain prepare corpus --tokenizer PATH --input PATH [--input PATH ...] --out PREFIX [options]
 
@@ -590,7 +591,9 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
         progress.bytes += bytes;
         progress.docs += 1;
         batch.push_back(std::move(r));
-        if (batch_bytes >= kBatchBytes) flush();
+        // Conversations: a batch in memory is many times its text (values, ids, offsets);
+        // a small one stays in cache and its memory is reused by the next.
+        if (batch_bytes >= (chat ? kChatBatchBytes : kBatchBytes)) flush();
       };
       for (size_t fi = 0; fi < files.size(); ++fi) {
         const std::string& file = files[fi];

@@ -249,11 +249,14 @@ Conversation ChatTemplate::marked(const Conversation& c) const {
   };
   std::function<Value(const Value&)> mark = [&](const Value& v) -> Value {
     if (v.is_string()) {
-      std::string s = without_markers(v.str());
+      std::string stripped;
+      const bool forged = v.str().find("\xf3\xb0\x80") != std::string::npos;
+      if (forged) stripped = without_markers(v.str());
+      const std::string& s = forged ? stripped : v.str();
       size_t first = std::string::npos;
       for (size_t i = 0; i < s.size() && first == std::string::npos; ++i)
         if (hit_at(s, i)) first = i;
-      if (first == std::string::npos) return s.size() == v.str().size() ? v : Value(std::move(s));
+      if (first == std::string::npos) return s.size() == v.str().size() ? v : Value(s);
       if (opt_.content_specials == tok::SpecialPolicy::error)
         throw ChatError("the conversation holds special-token text (--special-tokens error)");
       std::string out = s.substr(0, first);
@@ -313,10 +316,12 @@ Value ChatTemplate::globals(const Conversation& c, bool add_generation_prompt) c
   items.reserve(scratch_->base_globals.size() + c.kwargs.map().items.size() + 4);
   items = scratch_->base_globals;
   for (const auto& kv : c.kwargs.map().items) g.map().set(kv.first, kv.second);
-  g.map().set(Value("messages"), c.messages);
-  g.map().set(Value("tools"), c.tools);
-  g.map().set(Value("documents"), c.documents);
-  g.map().set(Value("add_generation_prompt"), Value(add_generation_prompt));
+  static const Value k_messages("messages"), k_tools("tools"), k_documents("documents"),
+      k_agp("add_generation_prompt");
+  g.map().set(k_messages, c.messages);
+  g.map().set(k_tools, c.tools);
+  g.map().set(k_documents, c.documents);
+  g.map().set(k_agp, Value(add_generation_prompt));
   (void)items;
   return g;
 }
