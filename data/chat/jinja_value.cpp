@@ -192,6 +192,18 @@ void repr_string(std::string& out, const std::string& s) {
 void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
   out += '"';
   for (size_t i = 0; i < s.size();) {
+    // A run that needs no escaping (printable ASCII but " and \, and UTF-8 unless ensure_ascii) at once.
+    size_t j = i;
+    while (j < s.size()) {
+      const auto b = static_cast<unsigned char>(s[j]);
+      if (b < 0x20 || b == '"' || b == '\\' || (b >= 0x80 && ensure_ascii)) break;
+      ++j;
+    }
+    if (j > i) {
+      out.append(s, i, j - i);
+      i = j;
+      continue;
+    }
     const auto c = static_cast<unsigned char>(s[i]);
     if (c < 0x80) {
       switch (c) {
