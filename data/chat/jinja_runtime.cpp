@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <memory>
 #include <string_view>
@@ -18,8 +19,12 @@ namespace {
 
 using EK = Expr::K;
 
-// Name dispatch: string_view's == compares the sizes first (std::string == a literal memcmps).
-inline std::string_view jinja_sv(const std::string& s) { return s; }
+// Name dispatch: the sizes first, then a compare of a size the compiler knows
+// (std::string == a literal memcmps whatever the sizes).
+template <size_t N>
+inline bool jinja_is(const std::string& s, const char (&lit)[N]) {
+  return s.size() == N - 1 && std::memcmp(s.data(), lit, N - 1) == 0;
+}
 using SK = Stmt::K;
 
 // A scope: names are the template's interned symbols, compared as pointers.
@@ -157,16 +162,16 @@ std::vector<int64_t> slice_indices(int64_t n, const Value* a, const Value* b, co
 
 bool unsafe_method(const Value& obj, const std::string& name) {
   if (obj.is_list())
-    return jinja_sv(name) == "append" || jinja_sv(name) == "pop" || jinja_sv(name) == "clear" || jinja_sv(name) == "extend" || jinja_sv(name) == "insert" ||
-           jinja_sv(name) == "remove" || jinja_sv(name) == "reverse" || jinja_sv(name) == "sort" || jinja_sv(name) == "__setitem__";
+    return jinja_is(name, "append") || jinja_is(name, "pop") || jinja_is(name, "clear") || jinja_is(name, "extend") || jinja_is(name, "insert") ||
+           jinja_is(name, "remove") || jinja_is(name, "reverse") || jinja_is(name, "sort") || jinja_is(name, "__setitem__");
   if (obj.is_dict())
-    return jinja_sv(name) == "clear" || jinja_sv(name) == "pop" || jinja_sv(name) == "popitem" || jinja_sv(name) == "setdefault" || jinja_sv(name) == "update";
+    return jinja_is(name, "clear") || jinja_is(name, "pop") || jinja_is(name, "popitem") || jinja_is(name, "setdefault") || jinja_is(name, "update");
   return false;
 }
 
 bool known_method(const Value& obj, const std::string& name) {
-  if (obj.is_dict()) return jinja_sv(name) == "items" || jinja_sv(name) == "keys" || jinja_sv(name) == "values" || jinja_sv(name) == "get" || jinja_sv(name) == "copy";
-  if (obj.is_list()) return jinja_sv(name) == "index" || jinja_sv(name) == "count" || jinja_sv(name) == "copy";
+  if (obj.is_dict()) return jinja_is(name, "items") || jinja_is(name, "keys") || jinja_is(name, "values") || jinja_is(name, "get") || jinja_is(name, "copy");
+  if (obj.is_list()) return jinja_is(name, "index") || jinja_is(name, "count") || jinja_is(name, "copy");
   if (obj.is_string()) return is_string_method(name);
   return false;
 }
@@ -372,7 +377,7 @@ class Interp {
       for (const auto& a : e.args) eval(*a, f).append_str(*out_);
       return;
     }
-    if (e.kind != EK::binary || jinja_sv(e.name) != "+") {
+    if (e.kind != EK::binary || !jinja_is(e.name, "+")) {
       eval(e, f).append_str(*out_);
       return;
     }
@@ -380,7 +385,7 @@ class Interp {
     const Expr* nodes[64];  // nodes[k]: the + whose right operand is leaves[k]
     size_t n = 0;
     const Expr* cur = &e;
-    while (cur->kind == EK::binary && jinja_sv(cur->name) == "+" && n < 63) {
+    while (cur->kind == EK::binary && jinja_is(cur->name, "+") && n < 63) {
       nodes[n] = cur;
       leaves[n++] = cur->args[1].get();
       cur = cur->args[0].get();
@@ -516,10 +521,10 @@ class Interp {
             else fr->vars.emplace_back(psym, Value::undefined("'" + pname + "'"));
           }
           for (const auto& [k, v] : a.kw) {
-            bool known = jinja_sv(k) == "caller";
+            bool known = jinja_is(k, "caller");
             for (const auto& pr : sp->params) known = known || pr.first == k;
             if (!known) throw Error("macro '" + name + "' takes no keyword argument '" + k + "'");
-            if (jinja_sv(k) == "caller") fr->vars.emplace_back(sym_caller_, v);
+            if (jinja_is(k, "caller")) fr->vars.emplace_back(sym_caller_, v);
           }
           std::string body;
           try {
@@ -572,7 +577,7 @@ class Interp {
       if (const Value* v = obj.map().find(name)) return *v;
       return Value::undefined("'Namespace' has no attribute '" + name + "'");
     }
-    if (obj.is_group() && (jinja_sv(name) == "grouper" || jinja_sv(name) == "list")) return obj.list()[jinja_sv(name) == "list"];
+    if (obj.is_group() && (jinja_is(name, "grouper") || jinja_is(name, "list"))) return obj.list()[jinja_is(name, "list")];
     if (known_method(obj, name) || unsafe_method(obj, name)) return bound_method(obj, name);
     return Value::undefined("'" + obj.type_name() + " object' has no attribute '" + name + "'");
   }
@@ -608,34 +613,34 @@ class Interp {
       throw Error("access to attribute '" + name + "' of '" + obj.type_name() + "' object is unsafe");
     if (obj.is_string()) return string_method(obj.str(), name, a);
     if (obj.is_dict()) {
-      if (jinja_sv(name) == "items") return items_of(obj);
-      if (jinja_sv(name) == "keys") return Value(iterate(obj));
-      if (jinja_sv(name) == "values") {
+      if (jinja_is(name, "items")) return items_of(obj);
+      if (jinja_is(name, "keys")) return Value(iterate(obj));
+      if (jinja_is(name, "values")) {
         List l;
         for (const auto& kv : obj.map().items) l.push_back(kv.second);
         return Value(std::move(l));
       }
-      if (jinja_sv(name) == "get") {
+      if (jinja_is(name, "get")) {
         if (a.pos.empty()) type_error("get expected at least 1 argument");
         const Value* v = obj.map().find(a.pos[0]);
         return v ? *v : a.pos.size() > 1 ? a.pos[1] : Value::none();
       }
-      if (jinja_sv(name) == "copy") {
+      if (jinja_is(name, "copy")) {
         Value d = Value::dict();
         d.map().items = obj.map().items;
         return d;
       }
     }
     if (obj.is_list()) {
-      if (jinja_sv(name) == "copy") return Value(obj.list());
+      if (jinja_is(name, "copy")) return Value(obj.list());
       if (a.pos.empty()) type_error(name + "() takes exactly one argument");
       int64_t n = 0;
       for (size_t i = 0; i < obj.list().size(); ++i)
         if (equal(obj.list()[i], a.pos[0])) {
-          if (jinja_sv(name) == "index") return Value(int64_t(i));
+          if (jinja_is(name, "index")) return Value(int64_t(i));
           ++n;
         }
-      if (jinja_sv(name) == "index") throw Error(a.pos[0].repr() + " is not in list");
+      if (jinja_is(name, "index")) throw Error(a.pos[0].repr() + " is not in list");
       return Value(n);
     }
     throw Error("'" + obj.type_name() + "' object has no attribute '" + name + "'");
@@ -756,9 +761,9 @@ class Interp {
   }
 
   static bool compare(const std::string& op, const Value& a, const Value& b) {
-    if (jinja_sv(op) == "==") return equal(a, b);
-    if (jinja_sv(op) == "!=") return !equal(a, b);
-    if (jinja_sv(op) == "in" || jinja_sv(op) == "notin") {
+    if (jinja_is(op, "==")) return equal(a, b);
+    if (jinja_is(op, "!=")) return !equal(a, b);
+    if (jinja_is(op, "in") || jinja_is(op, "notin")) {
       bool in = false;
       if (b.is_string()) {
         if (!a.is_string()) type_error("'in <string>' requires string as left operand, not " + a.type_name());
@@ -775,13 +780,13 @@ class Interp {
       } else {
         type_error("argument of type '" + b.type_name() + "' is not iterable");
       }
-      return jinja_sv(op) == "in" ? in : !in;
+      return jinja_is(op, "in") ? in : !in;
     }
     if (a.is_undefined()) undefined_error(a);
     if (b.is_undefined()) undefined_error(b);
-    if (jinja_sv(op) == "<") return less(a, b);
-    if (jinja_sv(op) == ">") return less(b, a);
-    if (jinja_sv(op) == "<=") return less(a, b) || equal(a, b);
+    if (jinja_is(op, "<")) return less(a, b);
+    if (jinja_is(op, ">")) return less(b, a);
+    if (jinja_is(op, "<=")) return less(a, b) || equal(a, b);
     return less(b, a) || equal(a, b);  // >=
   }
 
@@ -792,7 +797,7 @@ class Interp {
     auto unsupported = [&]() -> Value {
       type_error("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" + b.type_name() + "'");
     };
-    if (jinja_sv(op) == "+") {
+    if (jinja_is(op, "+")) {
       if (ints) return Value(a.as_int() + b.as_int());
       if (nums) return Value(a.as_double() + b.as_double());
       if (a.is_string() && b.is_string()) {
@@ -812,12 +817,12 @@ class Interp {
         type_error("can only concatenate str (not \"" + (a.is_string() ? b : a).type_name() + "\") to str");
       return unsupported();
     }
-    if (jinja_sv(op) == "-") {
+    if (jinja_is(op, "-")) {
       if (ints) return Value(a.as_int() - b.as_int());
       if (nums) return Value(a.as_double() - b.as_double());
       return unsupported();
     }
-    if (jinja_sv(op) == "*") {
+    if (jinja_is(op, "*")) {
       if (ints) return Value(a.as_int() * b.as_int());
       if (nums) return Value(a.as_double() * b.as_double());
       const Value* seq = a.is_int() ? &b : &a;
@@ -835,18 +840,18 @@ class Interp {
       }
       return unsupported();
     }
-    if (jinja_sv(op) == "/") {
+    if (jinja_is(op, "/")) {
       if (!nums) return unsupported();
       if (b.as_double() == 0) throw Error("division by zero");
       return Value(a.as_double() / b.as_double());
     }
-    if (jinja_sv(op) == "//") {
+    if (jinja_is(op, "//")) {
       if (ints) return Value(floor_div(a.as_int(), b.as_int()));
       if (!nums) return unsupported();
       if (b.as_double() == 0) throw Error("float floor division by zero");
       return Value(std::floor(a.as_double() / b.as_double()));
     }
-    if (jinja_sv(op) == "%") {
+    if (jinja_is(op, "%")) {
       if (a.is_string()) return Value(percent_format(a.str(), b));
       if (ints) return Value(py_mod(a.as_int(), b.as_int()));
       if (!nums) return unsupported();
@@ -855,7 +860,7 @@ class Interp {
       if (r != 0 && ((r < 0) != (b.as_double() < 0))) r += b.as_double();
       return Value(r);
     }
-    if (jinja_sv(op) == "**") {
+    if (jinja_is(op, "**")) {
       if (ints && b.as_int() >= 0) {
         int64_t r = 1;
         for (int64_t i = 0; i < b.as_int(); ++i) r *= a.as_int();
@@ -874,38 +879,38 @@ class Interp {
       if (i >= a.pos.size()) type_error("test '" + name + "' needs an argument");
       return a.pos[i];
     };
-    if (jinja_sv(name) == "defined") return !v.is_undefined();
-    if (jinja_sv(name) == "undefined") return v.is_undefined();
-    if (jinja_sv(name) == "none") return v.is_none();
-    if (jinja_sv(name) == "boolean") return v.is_bool();
-    if (jinja_sv(name) == "true") return v.is_bool() && v.as_int();
-    if (jinja_sv(name) == "false") return v.is_bool() && !v.as_int();
-    if (jinja_sv(name) == "integer") return v.type() == Value::T::integer;
-    if (jinja_sv(name) == "float") return v.type() == Value::T::floating;
-    if (jinja_sv(name) == "number") return v.is_number();
-    if (jinja_sv(name) == "string") return v.is_string();
-    if (jinja_sv(name) == "mapping") return v.is_dict();
-    if (jinja_sv(name) == "iterable") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined() || v.is_gen();
-    if (jinja_sv(name) == "sequence") return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
-    if (jinja_sv(name) == "callable") return v.is_func();
-    if (jinja_sv(name) == "escaped") return false;
-    if (jinja_sv(name) == "odd" || jinja_sv(name) == "even") {
+    if (jinja_is(name, "defined")) return !v.is_undefined();
+    if (jinja_is(name, "undefined")) return v.is_undefined();
+    if (jinja_is(name, "none")) return v.is_none();
+    if (jinja_is(name, "boolean")) return v.is_bool();
+    if (jinja_is(name, "true")) return v.is_bool() && v.as_int();
+    if (jinja_is(name, "false")) return v.is_bool() && !v.as_int();
+    if (jinja_is(name, "integer")) return v.type() == Value::T::integer;
+    if (jinja_is(name, "float")) return v.type() == Value::T::floating;
+    if (jinja_is(name, "number")) return v.is_number();
+    if (jinja_is(name, "string")) return v.is_string();
+    if (jinja_is(name, "mapping")) return v.is_dict();
+    if (jinja_is(name, "iterable")) return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined() || v.is_gen();
+    if (jinja_is(name, "sequence")) return v.is_list() || v.is_dict() || v.is_string() || v.is_undefined();
+    if (jinja_is(name, "callable")) return v.is_func();
+    if (jinja_is(name, "escaped")) return false;
+    if (jinja_is(name, "odd") || jinja_is(name, "even")) {
       if (!v.is_int()) type_error("not all arguments converted during string formatting");
-      return (py_mod(v.as_int(), 2) == 1) == (jinja_sv(name) == "odd");
+      return (py_mod(v.as_int(), 2) == 1) == (jinja_is(name, "odd"));
     }
-    if (jinja_sv(name) == "divisibleby") {
+    if (jinja_is(name, "divisibleby")) {
       const Value& d = arg(0);
       if (!v.is_int() || !d.is_int()) type_error("divisibleby takes integers");
       return py_mod(v.as_int(), d.as_int()) == 0;
     }
-    if (jinja_sv(name) == "eq" || jinja_sv(name) == "equalto" || jinja_sv(name) == "==") return equal(v, arg(0));
-    if (jinja_sv(name) == "ne" || jinja_sv(name) == "!=") return !equal(v, arg(0));
-    if (jinja_sv(name) == "lt" || jinja_sv(name) == "lessthan" || jinja_sv(name) == "<") return compare("<", v, arg(0));
-    if (jinja_sv(name) == "le" || jinja_sv(name) == "<=") return compare("<=", v, arg(0));
-    if (jinja_sv(name) == "gt" || jinja_sv(name) == "greaterthan" || jinja_sv(name) == ">") return compare(">", v, arg(0));
-    if (jinja_sv(name) == "ge" || jinja_sv(name) == ">=") return compare(">=", v, arg(0));
-    if (jinja_sv(name) == "in") return compare("in", v, arg(0));
-    if (jinja_sv(name) == "sameas") {
+    if (jinja_is(name, "eq") || jinja_is(name, "equalto") || jinja_is(name, "==")) return equal(v, arg(0));
+    if (jinja_is(name, "ne") || jinja_is(name, "!=")) return !equal(v, arg(0));
+    if (jinja_is(name, "lt") || jinja_is(name, "lessthan") || jinja_is(name, "<")) return compare("<", v, arg(0));
+    if (jinja_is(name, "le") || jinja_is(name, "<=")) return compare("<=", v, arg(0));
+    if (jinja_is(name, "gt") || jinja_is(name, "greaterthan") || jinja_is(name, ">")) return compare(">", v, arg(0));
+    if (jinja_is(name, "ge") || jinja_is(name, ">=")) return compare(">=", v, arg(0));
+    if (jinja_is(name, "in")) return compare("in", v, arg(0));
+    if (jinja_is(name, "sameas")) {
       const Value& o = arg(0);
       if (v.is_none() || o.is_none() || v.is_bool() || o.is_bool())
         return v.type() == o.type() && (v.is_none() || v.as_int() == o.as_int());
@@ -914,13 +919,13 @@ class Interp {
         return v.identity() == o.identity();
       return v.is_string() && o.is_string() && &v.str() == &o.str();
     }
-    if (jinja_sv(name) == "lower" || jinja_sv(name) == "upper") {
+    if (jinja_is(name, "lower") || jinja_is(name, "upper")) {
       if (!v.is_string()) return false;
       CallArgs none;
-      return string_method(v.str(), jinja_sv(name) == "lower" ? "islower" : "isupper", none).truthy();
+      return string_method(v.str(), jinja_is(name, "lower") ? "islower" : "isupper", none).truthy();
     }
-    if (jinja_sv(name) == "filter") return v.is_string() && is_filter_name(v.str());
-    if (jinja_sv(name) == "test") return v.is_string() && is_test_name(v.str());
+    if (jinja_is(name, "filter")) return v.is_string() && is_filter_name(v.str());
+    if (jinja_is(name, "test")) return v.is_string() && is_test_name(v.str());
     throw Error("no test named '" + name + "'");
   }
 
@@ -987,9 +992,9 @@ class Interp {
       if (x.is_undefined()) return std::string();
       return x.to_str();
     };
-    if (jinja_sv(name) == "safe") return v.is_string() ? Value::markup(v.str()) : Value::markup(v.to_str());
-    if (jinja_sv(name) == "string") return v.is_string() ? v : Value(v.to_str());
-    if (jinja_sv(name) == "tojson") {
+    if (jinja_is(name, "safe")) return v.is_string() ? Value::markup(v.str()) : Value::markup(v.to_str());
+    if (jinja_is(name, "string")) return v.is_string() ? v : Value(v.to_str());
+    if (jinja_is(name, "tojson")) {
       // transformers' tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
       const Value* ascii = opt(0, "ensure_ascii");
       const Value* indent = opt(1, "indent");
@@ -1015,7 +1020,7 @@ class Interp {
       }
       return Value(v.to_json(ind, ip, isp, ksp, sort && sort->truthy(), ascii && ascii->truthy()));
     }
-    if (jinja_sv(name) == "length" || jinja_sv(name) == "count") {
+    if (jinja_is(name, "length") || jinja_is(name, "count")) {
       switch (v.type()) {
         case Value::T::undefined: return Value(int64_t(0));
         case Value::T::string: return Value(int64_t(utf8_length(v.str())));
@@ -1024,24 +1029,24 @@ class Interp {
         default: type_error("object of type '" + v.type_name() + "' has no len()");
       }
     }
-    if (jinja_sv(name) == "trim") {
+    if (jinja_is(name, "trim")) {
       const Value* chars = opt(0, "chars");
       return Value(py_strip(need_str(v), chars && !chars->is_none() ? &chars->str() : nullptr, true, true));
     }
-    if (jinja_sv(name) == "upper") return Value(ascii_upper(need_str(v)));
-    if (jinja_sv(name) == "lower") return Value(ascii_lower(need_str(v)));
-    if (jinja_sv(name) == "capitalize") return Value(capitalize(need_str(v)));
-    if (jinja_sv(name) == "title") {
+    if (jinja_is(name, "upper")) return Value(ascii_upper(need_str(v)));
+    if (jinja_is(name, "lower")) return Value(ascii_lower(need_str(v)));
+    if (jinja_is(name, "capitalize")) return Value(capitalize(need_str(v)));
+    if (jinja_is(name, "title")) {
       CallArgs none;
       return string_method(need_str(v), "title", none);
     }
-    if (jinja_sv(name) == "default" || jinja_sv(name) == "d") {
+    if (jinja_is(name, "default") || jinja_is(name, "d")) {
       const Value* def = opt(0, "default_value");
       const bool boolean = flag(1, "boolean", false);
       if (v.is_undefined() || (boolean && !v.truthy())) return def ? *def : Value(std::string());
       return v;
     }
-    if (jinja_sv(name) == "join") {
+    if (jinja_is(name, "join")) {
       const Value* sep = opt(0, "d");
       const Value* attr = opt(1, "attribute");
       std::string out;
@@ -1053,7 +1058,7 @@ class Interp {
       }
       return Value(std::move(out));
     }
-    if (jinja_sv(name) == "first") {
+    if (jinja_is(name, "first")) {
       if (v.is_string()) return v.str().empty() ? Value::undefined("No first item") : item(v, Value(int64_t(0)));
       if (v.is_gen()) {  // next(iter(seq)): one item taken
         Value x;
@@ -1062,21 +1067,21 @@ class Interp {
       const List l = iterate(v);
       return l.empty() ? Value::undefined("No first item, sequence was empty.") : l.front();
     }
-    if (jinja_sv(name) == "last") {
+    if (jinja_is(name, "last")) {
       if (v.is_undefined()) undefined_error(v);
       if (v.is_gen()) type_error("'" + v.type_name() + "' object is not reversible");
       const List l = iterate(v);
       return l.empty() ? Value::undefined("No last item, sequence was empty.") : l.back();
     }
-    if (jinja_sv(name) == "list") return Value(iterate(v));
-    if (jinja_sv(name) == "items") {  // a generator in jinja2: a non-mapping raises when it is iterated
+    if (jinja_is(name, "list")) return Value(iterate(v));
+    if (jinja_is(name, "items")) {  // a generator in jinja2: a non-mapping raises when it is iterated
       return jinja_lazy([v]() -> JinjaPull {
         if (v.is_undefined()) return nullptr;
         if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
         return jinja_iter_of(items_of(v));
       });
     }
-    if (jinja_sv(name) == "reverse") {
+    if (jinja_is(name, "reverse")) {
       if (v.is_string()) {
         const auto off = utf8_offsets(v.str());
         std::string out;
@@ -1098,15 +1103,15 @@ class Interp {
       std::reverse(l.begin(), l.end());
       return Value(std::move(l));
     }
-    if (jinja_sv(name) == "map") {  // jinja2: `if value: for item in value: yield func(item)`, all of it lazy
+    if (jinja_is(name, "map")) {  // jinja2: `if value: for item in value: yield func(item)`, all of it lazy
       return jinja_lazy([this, v, a]() -> JinjaPull {
         if (!v.truthy()) return nullptr;
         std::function<Value(const Value&)> func;
         const Value* attr = nullptr;
         const Value* def = nullptr;
         for (const auto& [k, x] : a.kw) {
-          if (jinja_sv(k) == "attribute") attr = &x;
-          if (jinja_sv(k) == "default") def = &x;
+          if (jinja_is(k, "attribute")) attr = &x;
+          if (jinja_is(k, "default")) def = &x;
         }
         if (attr && a.pos.empty()) {  // make_attrgetter(attribute, default): a None default is none
           const std::string path = attr->to_str();
@@ -1137,7 +1142,7 @@ class Interp {
         };
       });
     }
-    if (jinja_sv(name) == "select" || jinja_sv(name) == "reject" || jinja_sv(name) == "selectattr" || jinja_sv(name) == "rejectattr") {
+    if (jinja_is(name, "select") || jinja_is(name, "reject") || jinja_is(name, "selectattr") || jinja_is(name, "rejectattr")) {
       return jinja_lazy([this, v, a, name]() -> JinjaPull {
         if (!v.truthy()) return nullptr;
         const bool attr = name.back() == 'r';
@@ -1179,7 +1184,7 @@ class Interp {
         };
       });
     }
-    if (jinja_sv(name) == "unique") {  // a generator in jinja2; keys go into a set (lists and dicts are unhashable)
+    if (jinja_is(name, "unique")) {  // a generator in jinja2; keys go into a set (lists and dicts are unhashable)
       const bool cs = flag(0, "case_sensitive", false);
       const Value* attr_arg = opt(1, "attribute");
       const bool has_attr = attr_arg != nullptr;
@@ -1205,7 +1210,7 @@ class Interp {
         };
       });
     }
-    if (jinja_sv(name) == "sort") {
+    if (jinja_is(name, "sort")) {
       const bool rev = flag(0, "reverse", false), cs = flag(1, "case_sensitive", false);
       const Value* attr = opt(2, "attribute");
       List l = iterate(v);
@@ -1241,7 +1246,7 @@ class Interp {
       for (size_t i = 0; i < l.size(); ++i) l[i] = std::move(keyed[i].second);
       return Value(std::move(l));
     }
-    if (jinja_sv(name) == "dictsort") {
+    if (jinja_is(name, "dictsort")) {
       if (!v.is_dict()) type_error("dictsort expects a mapping");
       const bool cs = flag(0, "case_sensitive", false);
       const Value* by = opt(1, "by");
@@ -1255,7 +1260,7 @@ class Interp {
       });
       return Value(std::move(l));
     }
-    if (jinja_sv(name) == "max" || jinja_sv(name) == "min") {
+    if (jinja_is(name, "max") || jinja_is(name, "min")) {
       const bool cs = flag(0, "case_sensitive", false);
       const Value* attr = opt(1, "attribute");
       const List l = iterate(v);
@@ -1264,18 +1269,18 @@ class Interp {
       for (size_t i = 1; i < l.size(); ++i) {
         const Value ki = attr ? attr_path(l[i], attr->to_str()) : l[i];
         const Value kb = attr ? attr_path(l[best], attr->to_str()) : l[best];
-        if (jinja_sv(name) == "max" ? sort_less(kb, ki, cs) : sort_less(ki, kb, cs)) best = i;
+        if (jinja_is(name, "max") ? sort_less(kb, ki, cs) : sort_less(ki, kb, cs)) best = i;
       }
       return l[best];
     }
-    if (jinja_sv(name) == "sum") {
+    if (jinja_is(name, "sum")) {
       const Value* attr = opt(0, "attribute");
       const Value* start = opt(1, "start");
       Value total = start ? *start : Value(int64_t(0));
       for (const auto& x : iterate(v)) total = binary("+", total, attr ? attr_path(x, attr->to_str()) : x);
       return total;
     }
-    if (jinja_sv(name) == "int") {
+    if (jinja_is(name, "int")) {
       const Value* def = opt(0, "default");
       const Value fallback = def ? *def : Value(int64_t(0));
       if (v.is_int()) return Value(v.as_int());
@@ -1293,7 +1298,7 @@ class Interp {
       }
       return fallback;
     }
-    if (jinja_sv(name) == "float") {
+    if (jinja_is(name, "float")) {
       const Value* def = opt(0, "default");
       if (v.is_number()) return Value(v.as_double());
       if (v.is_string()) {
@@ -1307,19 +1312,19 @@ class Interp {
       }
       return def ? *def : Value(0.0);
     }
-    if (jinja_sv(name) == "abs") {
+    if (jinja_is(name, "abs")) {
       if (v.type() == Value::T::floating) return Value(std::fabs(v.as_double()));
       if (v.is_int()) return Value(int64_t(std::llabs(v.as_int())));
       type_error("bad operand type for abs(): '" + v.type_name() + "'");
     }
-    if (jinja_sv(name) == "round") {
+    if (jinja_is(name, "round")) {
       const Value* prec = opt(0, "precision");
       const Value* method = opt(1, "method");
       const int64_t p = prec ? prec->as_int() : 0;
       const std::string m = method ? method->to_str() : "common";
       if (!v.is_number()) type_error("round() of a " + v.type_name());
-      if (jinja_sv(m) == "common" && v.is_int()) return Value(v.as_int());
-      if (jinja_sv(m) == "common" && p >= 0 && p < 300 && std::isfinite(v.as_double())) {
+      if (jinja_is(m, "common") && v.is_int()) return Value(v.as_int());
+      if (jinja_is(m, "common") && p >= 0 && p < 300 && std::isfinite(v.as_double())) {
         // Python's round(x, p): the exact binary value rounded half to even, as printf rounds it
         char buf[400];
         std::snprintf(buf, sizeof buf, "%.*f", int(p), v.as_double());
@@ -1327,37 +1332,37 @@ class Interp {
       }
       const double scale = std::pow(10.0, double(p));
       const double x = v.as_double() * scale;
-      const double r = jinja_sv(m) == "ceil" ? std::ceil(x) : jinja_sv(m) == "floor" ? std::floor(x) : std::nearbyint(x);
+      const double r = jinja_is(m, "ceil") ? std::ceil(x) : jinja_is(m, "floor") ? std::floor(x) : std::nearbyint(x);
       return Value(r / scale);
     }
-    if (jinja_sv(name) == "replace") {
+    if (jinja_is(name, "replace")) {
       if (a.pos.size() < 2) type_error("replace() needs old and new");
       CallArgs r;
       r.pos = a.pos;
       return string_method(need_str(v), "replace", r);
     }
-    if (jinja_sv(name) == "indent") return Value(indent(need_str(v), opt(0, "width"), flag(1, "first", false), flag(2, "blank", false)));
-    if (jinja_sv(name) == "center") {
+    if (jinja_is(name, "indent")) return Value(indent(need_str(v), opt(0, "width"), flag(1, "first", false), flag(2, "blank", false)));
+    if (jinja_is(name, "center")) {
       CallArgs r;
       const Value* w = opt(0, "width");
       r.pos.push_back(w ? *w : Value(int64_t(80)));
       return string_method(need_str(v), "center", r);
     }
-    if (jinja_sv(name) == "wordcount") return Value(int64_t(py_split(need_str(v), nullptr, -1).size()));
-    if (jinja_sv(name) == "e" || jinja_sv(name) == "escape" || jinja_sv(name) == "forceescape")
+    if (jinja_is(name, "wordcount")) return Value(int64_t(py_split(need_str(v), nullptr, -1).size()));
+    if (jinja_is(name, "e") || jinja_is(name, "escape") || jinja_is(name, "forceescape"))
       return v.is_markup() && name != "forceescape" ? v : Value::markup(html_escape(need_str(v)));
-    if (jinja_sv(name) == "format") {
+    if (jinja_is(name, "format")) {
       if (!a.pos.empty()) return Value(percent_format(need_str(v), Value::tuple(List(a.pos))));  // str % args
       return Value(need_str(v));
     }
-    if (jinja_sv(name) == "attr") {
+    if (jinja_is(name, "attr")) {
       if (a.pos.empty()) type_error("attr() needs a name");
       const std::string n = a.pos[0].to_str();
       if (v.is_dict() && !known_method(v, n) && !unsafe_method(v, n))  // getattr only: no dict keys
         return Value::undefined("'dict object' has no attribute '" + n + "'");
       return attribute(v, n);
     }
-    if (jinja_sv(name) == "batch") {  // a generator of lists of linecount items, the last filled up with fill_with
+    if (jinja_is(name, "batch")) {  // a generator of lists of linecount items, the last filled up with fill_with
       const Value count = a.pos.empty() ? (opt(0, "linecount") ? *opt(0, "linecount") : Value()) : a.pos[0];
       if (count.is_undefined()) type_error("do_batch() missing 1 required positional argument: 'linecount'");
       const Value* fill = opt(1, "fill_with");
@@ -1384,7 +1389,7 @@ class Interp {
         };
       });
     }
-    if (jinja_sv(name) == "slice") {  // a generator of `slices` lists, the first ones one longer, the rest filled up
+    if (jinja_is(name, "slice")) {  // a generator of `slices` lists, the first ones one longer, the rest filled up
       const Value* n_arg = opt(0, "slices");
       if (!n_arg) type_error("sync_do_slice() missing 1 required positional argument: 'slices'");
       const Value slices = *n_arg;
@@ -1409,7 +1414,7 @@ class Interp {
         return jinja_iter_of(Value(std::move(*parts)));
       });
     }
-    if (jinja_sv(name) == "truncate") {  // truncate(length=255, killwords=False, end='...', leeway=None): leeway 5
+    if (jinja_is(name, "truncate")) {  // truncate(length=255, killwords=False, end='...', leeway=None): leeway 5
       const Value* len_arg = opt(0, "length");
       const Value* end_arg = opt(2, "end");
       const Value* lee_arg = opt(3, "leeway");
@@ -1438,7 +1443,7 @@ class Interp {
       if (sp != std::string::npos) head.resize(sp);
       return Value(head + end);
     }
-    if (jinja_sv(name) == "groupby") {  // sorted by the attribute, then grouped: a list of (grouper, list) tuples
+    if (jinja_is(name, "groupby")) {  // sorted by the attribute, then grouped: a list of (grouper, list) tuples
       const Value* attr_arg = opt(0, "attribute");
       if (!attr_arg) type_error("sync_do_groupby() missing 1 required positional argument: 'attribute'");
       const std::string path = attr_arg->to_str();
@@ -1473,7 +1478,7 @@ class Interp {
       }
       return Value(std::move(out));
     }
-    if (jinja_sv(name) == "filesizeformat") {
+    if (jinja_is(name, "filesizeformat")) {
       const bool binary = flag(0, "binary", false);
       CallArgs none;
       const Value as_float = apply_filter("float", v, none);
@@ -1494,7 +1499,7 @@ class Interp {
         }
       }
     }
-    if (jinja_sv(name) == "urlencode") {  // urllib.parse.quote (a string: "/" kept) or key=value&... (for_qs: "+")
+    if (jinja_is(name, "urlencode")) {  // urllib.parse.quote (a string: "/" kept) or key=value&... (for_qs: "+")
       auto quote = [](const std::string& s, bool qs) {
         std::string out;
         char buf[4];
