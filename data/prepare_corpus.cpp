@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <malloc.h>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -17,6 +18,7 @@
 #include <zstd.h>
 #endif
 
+#include "data/chat/jinja_value.h"
 #include "data/chat_template.h"
 #include "data/indexed/indexed_file.h"
 #include "base/cli_options.h"
@@ -34,6 +36,7 @@ using nlohmann::json;
 
 constexpr int kFormatVersion = 1;
 constexpr size_t kBatchBytes = 32 << 20;  // text tokenized per batch (bounded memory)
+constexpr size_t kChatBatchBytes = 2 << 20;  // chat records per batch (JSON bytes)
 
 constexpr const char* kUsage = R"(usage: nnstrain prepare corpus --tokenizer PATH --input PATH [--input PATH ...] --out PREFIX [options]
 
@@ -236,41 +239,50 @@ struct Record {
 // are user and assistant). Messages pass to the template as they are: what a
 // role or a field means is the template's business.
 Record chat_record(const std::string& line, const std::string& where) {
-  nlohmann::ordered_json j;
+  // Parsed straight into the template's values (no JSON tree in between).
+  jinja::Value j;
+  bool parsed = false;
   try {
-    j = nlohmann::ordered_json::parse(line);
-  } catch (const nlohmann::json::parse_error&) {
-    throw std::runtime_error(where + ": not a JSON object");
+    parsed = jinja::Value::parse_json(line, j);
+  } catch (const std::exception&) {
   }
-  if (!j.is_object()) throw std::runtime_error(where + ": a chat record must be a JSON object");
-  const bool openai = j.contains("messages");
-  if (!openai && !j.contains("conversations"))
-    throw std::runtime_error(where + ": no 'messages' (OpenAI) or 'conversations' (ShareGPT) field");
+  if (!parsed) throw std::runtime_error(where + ": not a JSON object");
+  if (!j.is_dict()) throw std::runtime_error(where + ": a chat record must be a JSON object");
+  const jinja::Value* openai_list = j.map().find(std::string("messages"));
+  const bool openai = openai_list != nullptr;
+  const jinja::Value* list_v = openai ? openai_list : j.map().find(std::string("conversations"));
+  if (!list_v) throw std::runtime_error(where + ": no 'messages' (OpenAI) or 'conversations' (ShareGPT) field");
   const char* list = openai ? "messages" : "conversations";
-  if (!j[list].is_array() || j[list].empty())
+  if (!list_v->is_list() || list_v->is_tuple() || list_v->list().empty())
     throw std::runtime_error(where + ": '" + list + "' is not a non-empty array");
-  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-  for (size_t i = 0; i < j[list].size(); ++i) {
-    auto& m = j[list][i];
-    const std::string at = where + ": " + list + "[" + std::to_string(i) + "]";
+  jinja::List messages;
+  messages.reserve(list_v->list().size());
+  for (size_t i = 0; i < list_v->list().size(); ++i) {
+    const jinja::Value& m = list_v->list()[i];
+    auto at = [&] { return where + ": " + list + "[" + std::to_string(i) + "]"; };  // built only to fail
+    auto field = [&](const char* k) { return m.is_dict() ? m.map().find(std::string(k)) : nullptr; };
     if (openai) {
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-        throw std::runtime_error(at + ": expected an object with a string \"role\"");
-      messages.push_back(std::move(m));
+      const jinja::Value* role = field("role");
+      if (!role || !role->is_string())
+        throw std::runtime_error(at() + ": expected an object with a string \"role\"");
+      messages.push_back(m);
       continue;
     }
-    if (!m.is_object() || !m.contains("from") || !m["from"].is_string() || !m.contains("value") ||
-        !m["value"].is_string())
-      throw std::runtime_error(at + ": expected {\"from\": string, \"value\": string}");
-    std::string role = m["from"].get<std::string>();
+    const jinja::Value* from = field("from");
+    const jinja::Value* value = field("value");
+    if (!from || !from->is_string() || !value || !value->is_string())
+      throw std::runtime_error(at() + ": expected {\"from\": string, \"value\": string}");
+    std::string role = from->str();
     role = role == "human" ? "user" : role == "gpt" ? "assistant" : role;
-    messages.push_back({{"role", role}, {"content", m["value"]}});
+    jinja::Value d = jinja::Value::dict();
+    d.map().items.emplace_back(jinja::Value("role"), jinja::Value(std::move(role)));
+    d.map().items.emplace_back(jinja::Value("content"), *value);
+    messages.push_back(std::move(d));
   }
   Record r{"", "", where, {}, line.size()};
-  const auto* tools = j.contains("tools") ? &j["tools"] : nullptr;
-  const auto* docs = j.contains("documents") ? &j["documents"] : nullptr;
   try {
-    r.conversation = Conversation::from_json(messages, tools, docs);
+    r.conversation = Conversation::from_values(jinja::Value(std::move(messages)), j.map().find(std::string("tools")),
+                                               j.map().find(std::string("documents")));
   } catch (const std::exception& e) {
     throw std::runtime_error(where + ": " + e.what());
   }
@@ -399,6 +411,11 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
     const tok::Tokenizer tokenizer = tok::Tokenizer::load(o.tokenizer, lo);
     std::optional<ChatTemplate> tmpl;
     if (chat) {
+      // Rendering allocates and frees a few hundred KiB per conversation: glibc would
+      // hand that back to the kernel and grow the thread's heap again (mprotect calls
+      // and page faults) for the next one.
+      mallopt(M_TRIM_THRESHOLD, 256 << 20);
+      mallopt(M_TOP_PAD, 16 << 20);
       try {
         const auto spec = find_chat_template(o.chat_template, o.tokenizer);
         if (!spec)
@@ -478,18 +495,20 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
           std::vector<std::string> errors(batch.size());
           std::vector<std::thread> pool;
           const size_t nt = std::min<size_t>(size_t(o.threads), std::max<size_t>(batch.size(), 1));
-          for (size_t w = 0; w < nt; ++w)
-            pool.emplace_back([&, w] {
-              for (size_t k = w; k < batch.size(); k += nt) {
-                try {
-                  enc[k] = tmpl->encode(batch[k].conversation, false, train_on, o.overlong == "split");
-                  if (std::none_of(enc[k].target.begin(), enc[k].target.end(), [](uint8_t t) { return t != 0; }))
-                    throw ChatError("the conversation has no assistant turn");
-                } catch (const std::exception& e) {
-                  errors[k] = e.what();
-                }
+          auto work = [&](size_t w) {
+            for (size_t k = w; k < batch.size(); k += nt) {
+              try {
+                enc[k] = tmpl->encode(batch[k].conversation, false, train_on, o.overlong == "split");
+                if (std::none_of(enc[k].target.begin(), enc[k].target.end(), [](uint8_t t) { return t != 0; }))
+                  throw ChatError("the conversation has no assistant turn");
+              } catch (const std::exception& e) {
+                errors[k] = e.what();
               }
-            });
+            }
+          };
+          // One thread: this one (its heap grows by M_TOP_PAD steps; a new thread's by pages).
+          if (nt == 1) work(0);
+          for (size_t w = 0; nt > 1 && w < nt; ++w) pool.emplace_back(work, w);
           for (auto& t : pool) t.join();
           for (size_t k = 0; k < batch.size(); ++k) {
             if (!errors[k].empty()) {
@@ -572,7 +591,9 @@ int prepare_corpus_main(const std::vector<std::string>& args, std::ostream& out,
         progress.bytes += bytes;
         progress.docs += 1;
         batch.push_back(std::move(r));
-        if (batch_bytes >= kBatchBytes) flush();
+        // Conversations: a batch in memory is many times its text (values, ids, offsets);
+        // a small one stays in cache and its memory is reused by the next.
+        if (batch_bytes >= (chat ? kChatBatchBytes : kBatchBytes)) flush();
       };
       for (size_t fi = 0; fi < files.size(); ++fi) {
         const std::string& file = files[fi];

@@ -1,6 +1,8 @@
 #include "data/chat/chat_template.h"
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 
 #include <nlohmann/json.hpp>
 
@@ -45,10 +47,10 @@ bool is_ws(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
 
 // transformers' _alias_reasoning_fields: {"thinking": r, **message, "reasoning_content": r}.
 Value alias_reasoning(const Value& m) {
-  const char* fields[] = {"reasoning_content", "thinking", "reasoning"};
+  static const std::string fields[] = {"reasoning_content", "thinking", "reasoning"};
   const Value* r = nullptr;
-  for (const char* f : fields)
-    if (const Value* v = m.map().find(std::string(f)); v && !v->is_none()) {
+  for (const std::string& f : fields)
+    if (const Value* v = m.map().find(f); v && !v->is_none()) {
       r = v;
       break;
     }
@@ -61,6 +63,8 @@ Value alias_reasoning(const Value& m) {
 }
 
 Value drop_nulls(const Value& m) {
+  if (std::none_of(m.map().items.begin(), m.map().items.end(), [](const auto& kv) { return kv.second.is_none(); }))
+    return m;
   Value out = Value::dict();
   for (const auto& kv : m.map().items)
     if (!kv.second.is_none()) out.map().items.push_back(kv);
@@ -84,6 +88,20 @@ Conversation Conversation::from_json(const nlohmann::ordered_json& messages, con
   c.messages = Value(std::move(l));
   if (tools && !tools->is_null()) c.tools = Value::from_json(*tools);
   if (documents && !documents->is_null()) c.documents = Value::from_json(*documents);
+  return c;
+}
+
+Conversation Conversation::from_values(const Value& messages, const Value* tools, const Value* documents) {
+  Conversation c;
+  jinja::List l;
+  l.reserve(messages.list().size());
+  for (const auto& m : messages.list()) {
+    if (!m.is_dict()) throw ChatError("a message is not a JSON object");
+    l.push_back(alias_reasoning(drop_nulls(m)));
+  }
+  c.messages = Value(std::move(l));
+  if (tools && !tools->is_none()) c.tools = *tools;
+  if (documents && !documents->is_none()) c.documents = *documents;
   return c;
 }
 
@@ -116,6 +134,27 @@ std::string Conversation::role(size_t i) const {
 
 // --- the template ----------------------------------------------------------------
 
+struct ChatTemplate::Scratch {
+  std::mutex mu;
+  std::vector<std::unique_ptr<tok::EncodeCache>> caches;  // idle ones
+  std::unique_ptr<std::atomic<int32_t>[]> token_len;      // -1: not yet known
+  size_t vocab = 0;
+  std::vector<uint32_t> first_bytes[256];  // control_tokens_ indices (longest first) by first byte
+  std::vector<std::pair<Value, Value>> base_globals;  // the special tokens, then the template's kwargs
+
+  std::unique_ptr<tok::EncodeCache> take() {
+    std::lock_guard<std::mutex> g(mu);
+    if (caches.empty()) return std::make_unique<tok::EncodeCache>();
+    auto c = std::move(caches.back());
+    caches.pop_back();
+    return c;
+  }
+  void give(std::unique_ptr<tok::EncodeCache> c) {
+    std::lock_guard<std::mutex> g(mu);
+    caches.push_back(std::move(c));
+  }
+};
+
 ChatTemplate::~ChatTemplate() = default;
 ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
 ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
@@ -146,8 +185,20 @@ ChatTemplate::ChatTemplate(const std::string& text, std::string source, const to
     if (t.content.empty() || blank) continue;
     if (t.special || text.find(t.content) != std::string::npos) control_tokens_.push_back(t.content);
   }
-  std::sort(control_tokens_.begin(), control_tokens_.end(),
-            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  std::stable_sort(control_tokens_.begin(), control_tokens_.end(),
+                   [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  scratch_ = std::make_unique<Scratch>();
+  scratch_->vocab = size_t(std::max<int32_t>(tokenizer.vocab_size(), 0));
+  scratch_->token_len = std::make_unique<std::atomic<int32_t>[]>(scratch_->vocab);
+  for (size_t i = 0; i < scratch_->vocab; ++i) scratch_->token_len[i].store(-1, std::memory_order_relaxed);
+  for (size_t i = 0; i < control_tokens_.size(); ++i)
+    scratch_->first_bytes[static_cast<unsigned char>(control_tokens_[i][0])].push_back(uint32_t(i));
+  {
+    Value g = Value::dict();
+    for (const auto& [k, v] : opt_.special_tokens) g.map().set(Value(k), Value(v));
+    for (const auto& kv : kwargs_.map().items) g.map().set(kv.first, kv.second);
+    scratch_->base_globals = g.map().items;
+  }
   // The end of an assistant turn: the first added token after a probe answer.
   try {
     const std::string probe = "nnstrain probe answer";
@@ -186,25 +237,31 @@ void ChatTemplate::rethrow(const std::exception& e) const {
 
 Conversation ChatTemplate::marked(const Conversation& c) const {
   if (opt_.content_specials == tok::SpecialPolicy::special) return c;
-  // Every string of the conversation (not dict keys), markers first dropped so none can be forged.
+  // Every string of the conversation (not dict keys), markers first dropped so none can be forged;
+  // a list or dict none of whose strings change is kept as it is.
+  const Scratch& sc = *scratch_;
+  auto hit_at = [&](const std::string& s, size_t i) -> const std::string* {
+    for (uint32_t k : sc.first_bytes[static_cast<unsigned char>(s[i])]) {
+      const std::string& t = control_tokens_[k];
+      if (s.compare(i, t.size(), t) == 0) return &t;
+    }
+    return nullptr;
+  };
   std::function<Value(const Value&)> mark = [&](const Value& v) -> Value {
     if (v.is_string()) {
-      std::string s = without_markers(v.str());
-      bool any = false;
-      for (const auto& t : control_tokens_)
-        if (s.find(t) != std::string::npos) any = true;
-      if (!any) return s.size() == v.str().size() ? v : Value(std::move(s));
+      std::string stripped;
+      const bool forged = v.str().find("\xf3\xb0\x80") != std::string::npos;
+      if (forged) stripped = without_markers(v.str());
+      const std::string& s = forged ? stripped : v.str();
+      size_t first = std::string::npos;
+      for (size_t i = 0; i < s.size() && first == std::string::npos; ++i)
+        if (hit_at(s, i)) first = i;
+      if (first == std::string::npos) return s.size() == v.str().size() ? v : Value(s);
       if (opt_.content_specials == tok::SpecialPolicy::error)
         throw ChatError("the conversation holds special-token text (--special-tokens error)");
-      std::string out;
-      for (size_t i = 0; i < s.size();) {
-        const std::string* hit = nullptr;
-        for (const auto& t : control_tokens_)
-          if (s.compare(i, t.size(), t) == 0) {
-            hit = &t;
-            break;
-          }
-        if (hit) {
+      std::string out = s.substr(0, first);
+      for (size_t i = first; i < s.size();) {
+        if (const std::string* hit = hit_at(s, i)) {
           out += kMarkStart + *hit + kMarkEnd;
           i += hit->size();
         } else {
@@ -215,13 +272,31 @@ Conversation ChatTemplate::marked(const Conversation& c) const {
     }
     if (v.is_list()) {
       jinja::List l;
-      for (const auto& x : v.list()) l.push_back(mark(x));
-      return Value(std::move(l));
+      bool changed = false;
+      const auto& src = v.list();
+      for (size_t i = 0; i < src.size(); ++i) {
+        Value x = mark(src[i]);
+        if (!changed && x.identity() != src[i].identity()) {
+          changed = true;
+          l.assign(src.begin(), src.begin() + long(i));
+        }
+        if (changed) l.push_back(std::move(x));
+      }
+      if (!changed) return v;
+      return v.is_tuple() ? Value::tuple(std::move(l)) : Value(std::move(l));
     }
     if (v.is_dict()) {
-      Value d = Value::dict();
-      for (const auto& kv : v.map().items) d.map().items.emplace_back(kv.first, mark(kv.second));
-      return d;
+      Value d;
+      const auto& src = v.map().items;
+      for (size_t i = 0; i < src.size(); ++i) {
+        Value x = mark(src[i].second);
+        if (d.is_undefined() && x.identity() != src[i].second.identity()) {
+          d = Value::dict();
+          d.map().items.assign(src.begin(), src.begin() + long(i));
+        }
+        if (!d.is_undefined()) d.map().items.emplace_back(src[i].first, std::move(x));
+      }
+      return d.is_undefined() ? v : d;
     }
     return v;
   };
@@ -237,14 +312,16 @@ Value ChatTemplate::globals(const Conversation& c, bool add_generation_prompt) c
   Value g = Value::dict();
   auto& items = g.map().items;
   // apply_chat_template: {**special_tokens_map, **kwargs}, then messages, tools,
-  // documents, add_generation_prompt.
-  for (const auto& [k, v] : opt_.special_tokens) g.map().set(Value(k), Value(v));
-  for (const auto& kv : kwargs_.map().items) g.map().set(kv.first, kv.second);
+  // documents, add_generation_prompt. The first two are the template's (built once).
+  items.reserve(scratch_->base_globals.size() + c.kwargs.map().items.size() + 4);
+  items = scratch_->base_globals;
   for (const auto& kv : c.kwargs.map().items) g.map().set(kv.first, kv.second);
-  g.map().set(Value("messages"), c.messages);
-  g.map().set(Value("tools"), c.tools);
-  g.map().set(Value("documents"), c.documents);
-  g.map().set(Value("add_generation_prompt"), Value(add_generation_prompt));
+  static const Value k_messages("messages"), k_tools("tools"), k_documents("documents"),
+      k_agp("add_generation_prompt");
+  g.map().set(k_messages, c.messages);
+  g.map().set(k_tools, c.tools);
+  g.map().set(k_documents, c.documents);
+  g.map().set(k_agp, Value(add_generation_prompt));
   (void)items;
   return g;
 }
@@ -268,15 +345,34 @@ std::string ChatTemplate::render(const Conversation& c, bool add_generation_prom
 // markers encoded with special tokens recognised, a marked token as plain text.
 void ChatTemplate::tokenize(const std::string& s, std::vector<int32_t>& ids, std::vector<size_t>& starts,
                             std::vector<size_t>& ends) const {
-  tok::EncodeCache cache;
+  Scratch& sc = *scratch_;
+  std::unique_ptr<tok::EncodeCache> cache = sc.take();
+  struct Give {  // the cache goes back to the pool, also when encoding throws
+    Scratch& sc;
+    std::unique_ptr<tok::EncodeCache>& c;
+    ~Give() { sc.give(std::move(c)); }
+  } give{sc, cache};
   std::vector<int32_t> piece_ids;
+  // At most a token per byte; the ids are kept (a batch of them), so less is reserved for those.
+  ids.reserve(ids.size() + s.size() / 3 + 16);
+  starts.reserve(starts.size() + s.size() + 1);
+  ends.reserve(ends.size() + s.size() + 1);
+  auto token_len = [&](int32_t id) -> size_t {
+    if (id < 0 || size_t(id) >= sc.vocab) return tok_->decode(&id, 1).size();
+    int32_t n = sc.token_len[size_t(id)].load(std::memory_order_relaxed);
+    if (n < 0) {
+      n = int32_t(tok_->decode(&id, 1).size());
+      sc.token_len[size_t(id)].store(n, std::memory_order_relaxed);
+    }
+    return size_t(n);
+  };
   auto piece = [&](size_t a, size_t b, tok::SpecialPolicy policy) {
     if (b <= a) return;
     piece_ids.clear();
-    tok_->encode(std::string_view(s).substr(a, b - a), policy, false, cache, piece_ids);
+    tok_->encode(std::string_view(s).substr(a, b - a), policy, false, *cache, piece_ids);
     size_t at = a;
     for (int32_t id : piece_ids) {
-      const size_t len = tok_->decode(&id, 1).size();
+      const size_t len = token_len(id);
       ids.push_back(id);
       starts.push_back(at);
       ends.push_back(std::min(b, at + len));
@@ -323,7 +419,8 @@ std::vector<std::pair<size_t, size_t>> ChatTemplate::assistant_spans(const Conve
     std::string a, b;
     try {
       a = render_marked(c.prefix(i), true).text;
-      b = render_marked(c.prefix(i + 1), false).text;
+      // The whole conversation (encode renders it without the prompt): that rendering again.
+      b = i + 1 == c.size() ? full.text : render_marked(c.prefix(i + 1), false).text;
     } catch (const ChatError& e) {
       throw ChatError("rendering the conversation up to message " + std::to_string(i + 1) + ": " + e.what());
     }

@@ -49,6 +49,9 @@ struct Conversation {
   size_t size() const { return messages.list().size(); }
   static Conversation from_json(const nlohmann::ordered_json& messages, const nlohmann::ordered_json* tools = nullptr,
                                 const nlohmann::ordered_json* documents = nullptr);
+  // The same from values (Value::parse_json's): `messages` a list of dicts.
+  static Conversation from_values(const jinja::Value& messages, const jinja::Value* tools = nullptr,
+                                  const jinja::Value* documents = nullptr);
   static Conversation from_messages(const std::vector<ChatMessage>& messages);
   Conversation prefix(size_t n) const;  // the first n messages
   std::string role(size_t i) const;     // "" when message i has no string role
@@ -119,6 +122,10 @@ class ChatTemplate {
   jinja::Value kwargs_;
   std::vector<std::string> control_tokens_;  // longest first
   int32_t end_of_turn_ = -1;
+  // What encode() reuses across calls and threads: encode caches (one per thread
+  // at a time), each id's decoded byte length, control tokens by first byte.
+  struct Scratch;
+  std::unique_ptr<Scratch> scratch_;
 };
 
 // Python's str.strip(): Unicode whitespace off both ends (Jinja's `trim`).

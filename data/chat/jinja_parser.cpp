@@ -675,12 +675,52 @@ struct Parser {
 
 }  // namespace
 
+namespace {
+
+// Names interned once the tree is built: the runtime's scopes compare pointers.
+struct JinjaInterner {
+  Template& tpl;
+  Sym intern(const std::string& n) { return &*tpl.symbols.insert(n).first; }
+  void expr(Expr& e) {
+    // The Undefined a miss gives, built once (its text is only read by an error).
+    if (e.kind == Expr::K::name) e.sym = intern(e.name), e.value = Value::undefined("'" + e.name + "'");
+    if (e.kind == Expr::K::attr) e.value = Value::undefined("'dict object' has no attribute '" + e.name + "'");
+    if (e.kind == Expr::K::item && e.args.size() > 1 && e.args[1]->kind == Expr::K::literal &&
+        e.args[1]->value.is_string())
+      e.value = Value::undefined("'dict object' has no attribute '" + e.args[1]->value.str() + "'");
+    for (auto& a : e.args)
+      if (a) expr(*a);
+    for (auto& kv : e.kwargs)
+      if (kv.second) expr(*kv.second);
+  }
+  void body(Body& b) {
+    for (auto& st : b) stmt(*st);
+  }
+  void stmt(Stmt& st) {
+    for (auto& e : st.exprs)
+      if (e) expr(*e);
+    for (auto& b : st.bodies) body(b);
+    for (const auto& n : st.names) st.syms.push_back(intern(n));
+    if (!st.macro_name.empty()) st.macro_sym = intern(st.macro_name);
+    for (auto& [n, def] : st.params) {
+      st.param_syms.push_back(intern(n));
+      if (def) expr(*def);
+    }
+  }
+};
+
+}  // namespace
+
 Template parse(const std::vector<Token>& tokens) {
   Parser ps{tokens};
   Template tpl;
   tpl.body = ps.body({}, tokens.front(), "");
   if (ps.cur().kind != TK::eof) ps.fail("unexpected tag", ps.cur());
   tpl.has_generation = ps.has_generation;
+  JinjaInterner in{tpl};
+  for (const char* n : {"loop", "caller", " body", "range", "dict", "namespace", "raise_exception", "strftime_now"})
+    in.intern(n);
+  in.body(tpl.body);
   return tpl;
 }
 

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "data/chat/jinja_lexer.h"
@@ -17,6 +18,8 @@ struct Expr;
 struct Stmt;
 using ExprP = std::unique_ptr<Expr>;
 using Body = std::vector<std::unique_ptr<Stmt>>;
+// A name interned in its template: equal names are the same pointer (scopes compare those).
+using Sym = const std::string*;
 
 struct Expr {
   enum class K : uint8_t {
@@ -25,8 +28,9 @@ struct Expr {
   };
   K kind;
   int line = 0, col = 0;
-  Value value;              // literal
+  Value value;              // literal; name, attr, item: the Undefined a miss gives (dict's, for attr/item)
   std::string name;         // name, attr, filter, test; binary: the operator
+  Sym sym = nullptr;        // name: interned
   std::vector<ExprP> args;  // operands / elements / positional arguments (args[0]: the subject for attr,
                             // item, slice, call, filter, test); dict: key, value, key, value, ...
   std::vector<std::pair<std::string, ExprP>> kwargs;
@@ -46,15 +50,25 @@ struct Stmt {
                                    // call_block: [call]; filter_block: filters as exprs over a null subject
   std::vector<Body> bodies;        // if: one per condition, + else; for: [body, else]; others: [body]
   std::vector<std::string> names;  // for/set targets; set ns.attr: [ns, attr] with attr_target
+  std::vector<Sym> syms;           // names, interned
   bool attr_target = false;        // set ns.attr = ...
   std::string macro_name;
+  Sym macro_sym = nullptr;
   std::vector<std::pair<std::string, ExprP>> params;  // macro / call block: names, defaults (null: none)
+  std::vector<Sym> param_syms;
 };
 
 struct Template {
   Body body;
   std::string source_name;
   bool has_generation = false;  // {% generation %} blocks (transformers' assistant mask)
+  // Every name the template can look up (its own, the runtime's: loop, caller, range, ...);
+  // a node-based set, so the pointers stay valid when the template moves.
+  std::unordered_set<std::string> symbols;
+  Sym symbol(const std::string& n) const {
+    const auto it = symbols.find(n);
+    return it == symbols.end() ? nullptr : &*it;
+  }
 };
 
 // Throws jinja::Error with the line and column of the construct.

@@ -2,10 +2,18 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <string_view>
 
 namespace nnstrain::jinja {
 
 namespace {
+
+// Method dispatch: the sizes first, then a compare of a size the compiler knows.
+template <size_t N>
+inline bool jinja_strings_is(const std::string& s, const char (&lit)[N]) {
+  return s.size() == N - 1 && std::memcmp(s.data(), lit, N - 1) == 0;
+}
 
 [[noreturn]] void fail(const std::string& what) { throw Error(what); }
 
@@ -260,7 +268,7 @@ std::string html_escape(const std::string& s) {
 }
 
 std::string percent_format(const std::string& fmt, const Value& args) {
-  List vals = args.is_list() ? args.list() : List{args};
+  List vals = args.is_tuple() ? args.list() : List{args};  // Python: only a tuple is the arguments
   size_t next = 0;
   std::string out;
   for (size_t i = 0; i < fmt.size(); ++i) {
@@ -328,18 +336,18 @@ Value call_string_method(const std::string& s, const std::string& name, CallArgs
     for (const auto& p : parts) l.emplace_back(p);
     return Value(std::move(l));
   };
-  if (name == "strip" || name == "lstrip" || name == "rstrip")
+  if (jinja_strings_is(name, "strip") || jinja_strings_is(name, "lstrip") || jinja_strings_is(name, "rstrip"))
     return Value(py_strip(s, opt_str(0, "chars"), name[0] != 'r', name[0] != 'l'));
-  if (name == "split" || name == "rsplit") {
+  if (jinja_strings_is(name, "split") || jinja_strings_is(name, "rsplit")) {
     const Value* m = a.get(1, "maxsplit");
     const int64_t maxsplit = m ? m->as_int() : -1;
-    return to_list(name == "split" ? py_split(s, opt_str(0, "sep"), maxsplit) : py_rsplit(s, opt_str(0, "sep"), maxsplit));
+    return to_list(jinja_strings_is(name, "split") ? py_split(s, opt_str(0, "sep"), maxsplit) : py_rsplit(s, opt_str(0, "sep"), maxsplit));
   }
-  if (name == "splitlines") {
+  if (jinja_strings_is(name, "splitlines")) {
     const Value* k = a.get(0, "keepends");
     return to_list(py_splitlines(s, k && k->truthy()));
   }
-  if (name == "startswith" || name == "endswith") {
+  if (jinja_strings_is(name, "startswith") || jinja_strings_is(name, "endswith")) {
     const Value* p = a.get(0, "prefix");
     if (!p) fail(name + "() takes at least 1 argument");
     const size_t b = byte_at(s, a.get(1, "start"), false), e = byte_at(s, a.get(2, "end"), true);
@@ -349,13 +357,13 @@ Value call_string_method(const std::string& s, const std::string& name, CallArgs
       if (!o.is_string()) fail(name + " first arg must be str or a tuple of str, not " + o.type_name());
       const auto& x = o.str();
       if (b > e) continue;
-      if (name == "startswith" ? sub.compare(0, x.size(), x) == 0 && sub.size() >= x.size()
+      if (jinja_strings_is(name, "startswith") ? sub.compare(0, x.size(), x) == 0 && sub.size() >= x.size()
                                : sub.size() >= x.size() && sub.compare(sub.size() - x.size(), x.size(), x) == 0)
         return Value(true);
     }
     return Value(false);
   }
-  if (name == "replace") {
+  if (jinja_strings_is(name, "replace")) {
     const std::string old = str_arg(a, 0, "old", name), rep = str_arg(a, 1, "new", name);
     const Value* c = a.get(2, "count");
     int64_t count = c ? c->as_int() : -1;
@@ -381,15 +389,15 @@ Value call_string_method(const std::string& s, const std::string& name, CallArgs
     out.append(s, at, std::string::npos);
     return Value(std::move(out));
   }
-  if (name == "lower" || name == "casefold") return Value(ascii_lower(s));
-  if (name == "upper") return Value(ascii_upper(s));
-  if (name == "capitalize") return Value(capitalize(s));
-  if (name == "swapcase") {
+  if (jinja_strings_is(name, "lower") || jinja_strings_is(name, "casefold")) return Value(ascii_lower(s));
+  if (jinja_strings_is(name, "upper")) return Value(ascii_upper(s));
+  if (jinja_strings_is(name, "capitalize")) return Value(capitalize(s));
+  if (jinja_strings_is(name, "swapcase")) {
     std::string out = s;
     for (auto& c : out) c = is_cased_lower(c) ? char(c - 32) : is_cased_upper(c) ? char(c + 32) : c;
     return Value(std::move(out));
   }
-  if (name == "title") {
+  if (jinja_strings_is(name, "title")) {
     std::string out = s;
     bool prev_cased = false;
     for (auto& c : out) {
@@ -399,10 +407,10 @@ Value call_string_method(const std::string& s, const std::string& name, CallArgs
     }
     return Value(std::move(out));
   }
-  if (name == "find" || name == "rfind" || name == "index" || name == "rindex" || name == "count") {
+  if (jinja_strings_is(name, "find") || jinja_strings_is(name, "rfind") || jinja_strings_is(name, "index") || jinja_strings_is(name, "rindex") || jinja_strings_is(name, "count")) {
     const std::string sub = str_arg(a, 0, "sub", name);
     const size_t b = byte_at(s, a.get(1, "start"), false), e = byte_at(s, a.get(2, "end"), true);
-    if (name == "count") {
+    if (jinja_strings_is(name, "count")) {
       if (b > e) return Value(int64_t(0));
       const std::string hay = s.substr(b, e - b);
       if (sub.empty()) return Value(int64_t(utf8_length(hay)) + 1);
@@ -416,12 +424,12 @@ Value call_string_method(const std::string& s, const std::string& name, CallArgs
       k = name[0] == 'r' ? hay.rfind(sub) : hay.find(sub);
     }
     if (k == std::string::npos) {
-      if (name == "index" || name == "rindex") fail("substring not found");
+      if (jinja_strings_is(name, "index") || jinja_strings_is(name, "rindex")) fail("substring not found");
       return Value(int64_t(-1));
     }
     return Value(cp_index(s, b + k));
   }
-  if (name == "join") {
+  if (jinja_strings_is(name, "join")) {
     const Value* it = a.get(0, "iterable");
     if (!it) fail("join() takes exactly one argument");
     List items;
@@ -443,51 +451,51 @@ Value call_string_method(const std::string& s, const std::string& name, CallArgs
     }
     return Value(std::move(out));
   }
-  if (name == "format") return Value(format_method(s, a));
-  if (name == "isdigit" || name == "isnumeric" || name == "isdecimal" || name == "isalpha" || name == "isalnum" ||
-      name == "isspace") {
+  if (jinja_strings_is(name, "format")) return Value(format_method(s, a));
+  if (jinja_strings_is(name, "isdigit") || jinja_strings_is(name, "isnumeric") || jinja_strings_is(name, "isdecimal") || jinja_strings_is(name, "isalpha") || jinja_strings_is(name, "isalnum") ||
+      jinja_strings_is(name, "isspace")) {
     if (s.empty()) return Value(false);
     for (size_t i = 0; i < s.size();) {
       auto [cp, n] = utf8_decode(s, i);
       const bool digit = cp >= '0' && cp <= '9';
       const bool alpha = (cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z') || (cp >= 0xc0 && !is_py_space(cp));
-      bool ok = name == "isspace" ? is_py_space(cp) : name == "isalpha" ? alpha : name == "isalnum" ? alpha || digit : digit;
+      bool ok = jinja_strings_is(name, "isspace") ? is_py_space(cp) : jinja_strings_is(name, "isalpha") ? alpha : jinja_strings_is(name, "isalnum") ? alpha || digit : digit;
       if (!ok) return Value(false);
       i += n;
     }
     return Value(true);
   }
-  if (name == "islower" || name == "isupper") {
+  if (jinja_strings_is(name, "islower") || jinja_strings_is(name, "isupper")) {
     bool any = false;
     for (char c : s) {
-      if (name == "islower" ? is_cased_upper(c) : is_cased_lower(c)) return Value(false);
+      if (jinja_strings_is(name, "islower") ? is_cased_upper(c) : is_cased_lower(c)) return Value(false);
       any = any || is_cased_lower(c) || is_cased_upper(c);
     }
     return Value(any);
   }
-  if (name == "zfill" || name == "ljust" || name == "rjust" || name == "center") {
+  if (jinja_strings_is(name, "zfill") || jinja_strings_is(name, "ljust") || jinja_strings_is(name, "rjust") || jinja_strings_is(name, "center")) {
     const Value* w = a.get(0, "width");
     if (!w || !w->is_int()) fail(name + "() needs an integer width");
-    if (name == "zfill") {
+    if (jinja_strings_is(name, "zfill")) {
       const int64_t n = int64_t(utf8_length(s));
       if (w->as_int() <= n) return Value(s);
       const bool sign = !s.empty() && (s[0] == '-' || s[0] == '+');
       return Value((sign ? s.substr(0, 1) : "") + std::string(size_t(w->as_int() - n), '0') + s.substr(sign ? 1 : 0));
     }
     const std::string* fill = opt_str(1, "fillchar");
-    return Value(pad(s, w->as_int(), fill ? *fill : " ", name == "ljust" ? 'l' : name == "rjust" ? 'r' : 'c'));
+    return Value(pad(s, w->as_int(), fill ? *fill : " ", jinja_strings_is(name, "ljust") ? 'l' : jinja_strings_is(name, "rjust") ? 'r' : 'c'));
   }
-  if (name == "partition" || name == "rpartition") {
+  if (jinja_strings_is(name, "partition") || jinja_strings_is(name, "rpartition")) {
     const std::string sep = str_arg(a, 0, "sep", name);
     if (sep.empty()) fail("empty separator");
-    const size_t k = name == "partition" ? s.find(sep) : s.rfind(sep);
+    const size_t k = jinja_strings_is(name, "partition") ? s.find(sep) : s.rfind(sep);
     if (k == std::string::npos)
-      return name == "partition" ? Value(List{Value(s), Value(""), Value("")}) : Value(List{Value(""), Value(""), Value(s)});
+      return jinja_strings_is(name, "partition") ? Value(List{Value(s), Value(""), Value("")}) : Value(List{Value(""), Value(""), Value(s)});
     return Value(List{Value(s.substr(0, k)), Value(sep), Value(s.substr(k + sep.size()))});
   }
-  if (name == "removeprefix" || name == "removesuffix") {
+  if (jinja_strings_is(name, "removeprefix") || jinja_strings_is(name, "removesuffix")) {
     const std::string x = str_arg(a, 0, "prefix", name);
-    if (name == "removeprefix") return Value(s.compare(0, x.size(), x) == 0 ? s.substr(x.size()) : s);
+    if (jinja_strings_is(name, "removeprefix")) return Value(s.compare(0, x.size(), x) == 0 ? s.substr(x.size()) : s);
     return Value(s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0 ? s.substr(0, s.size() - x.size()) : s);
   }
   fail("'str' object has no attribute '" + name + "'");

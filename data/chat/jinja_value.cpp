@@ -16,28 +16,60 @@ const Value* CallArgs::get(size_t i, const char* name) const {
   return nullptr;
 }
 
+namespace {
+struct FuncBox {
+  Func f;
+  std::string name;
+};
+}  // namespace
+
 Value Value::dict() {
   Value v = make(T::dict);
-  v.d_ = std::make_shared<Dict>();
+  v.p_ = std::make_shared<Dict>();
   return v;
 }
 
 Value Value::ns() {
   Value v = make(T::ns);
-  v.d_ = std::make_shared<Dict>();
+  v.p_ = std::make_shared<Dict>();
   return v;
 }
 
 Value Value::func(Func f, std::string name) {
   Value v = make(T::func);
-  v.fn_ = std::make_shared<const Func>(std::move(f));
-  v.s_ = std::make_shared<const std::string>(std::move(name));
+  v.p_ = std::make_shared<const FuncBox>(FuncBox{std::move(f), std::move(name)});
   return v;
+}
+
+const Func& Value::fn() const { return static_cast<const FuncBox*>(p_.get())->f; }
+const std::string& Value::fn_name() const { return static_cast<const FuncBox*>(p_.get())->name; }
+
+Value Value::generator(std::function<bool(Value&)> next, const char* type) {
+  Value v = make(T::gen);
+  auto g = std::make_shared<Generator>();
+  g->next_fn = std::move(next);
+  g->type = type;
+  v.p_ = std::move(g);
+  return v;
+}
+
+bool Generator::next(Value& out) {
+  if (done) return false;
+  try {
+    if (next_fn(out)) return true;
+  } catch (...) {
+    done = true;
+    next_fn = nullptr;
+    throw;
+  }
+  done = true;
+  next_fn = nullptr;  // what it holds (its source) is released
+  return false;
 }
 
 const std::string& Value::undefined_name() const {
   static const std::string empty;
-  return s_ ? *s_ : empty;
+  return p_ ? str() : empty;
 }
 
 bool Value::truthy() const {
@@ -47,9 +79,9 @@ bool Value::truthy() const {
     case T::boolean:
     case T::integer: return i_ != 0;
     case T::floating: return f_ != 0;
-    case T::string: return !s_->empty();
-    case T::list: return !l_->empty();
-    case T::dict: return !d_->items.empty();
+    case T::string: return !str().empty();
+    case T::list: return !list().empty();
+    case T::dict: return !map().items.empty();
     default: return true;
   }
 }
@@ -62,10 +94,11 @@ std::string Value::type_name() const {
     case T::integer: return "int";
     case T::floating: return "float";
     case T::string: return "str";
-    case T::list: return "list";
+    case T::list: return !is_tuple() ? "list" : is_group() ? "_GroupTuple" : "tuple";
     case T::dict: return "dict";
     case T::func: return "function";
     case T::ns: return "Namespace";
+    case T::gen: return gen().type;
   }
   return "?";
 }
@@ -159,6 +192,18 @@ void repr_string(std::string& out, const std::string& s) {
 void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
   out += '"';
   for (size_t i = 0; i < s.size();) {
+    // A run that needs no escaping (printable ASCII but " and \, and UTF-8 unless ensure_ascii) at once.
+    size_t j = i;
+    while (j < s.size()) {
+      const auto b = static_cast<unsigned char>(s[j]);
+      if (b < 0x20 || b == '"' || b == '\\' || (b >= 0x80 && ensure_ascii)) break;
+      ++j;
+    }
+    if (j > i) {
+      out.append(s, i, j - i);
+      i = j;
+      continue;
+    }
     const auto c = static_cast<unsigned char>(s[i]);
     if (c < 0x80) {
       switch (c) {
@@ -232,7 +277,7 @@ std::string float_repr(double d) {
 void Value::append_str(std::string& out) const {
   switch (t_) {
     case T::undefined: return;
-    case T::string: out += *s_; return;
+    case T::string: out += str(); return;
     default: out += to_str();
   }
 }
@@ -244,13 +289,16 @@ std::string Value::to_str() const {
     case T::boolean: return i_ ? "True" : "False";
     case T::integer: return std::to_string(i_);
     case T::floating: return float_repr(f_);
-    case T::string: return *s_;
-    case T::func: return "<function " + *s_ + ">";
+    case T::string: return str();
+    case T::func: return "<function " + fn_name() + ">";
     case T::ns: {
       Value d = dict();
-      d.d_ = d_;
+      d.p_ = p_;
       return "<Namespace " + d.repr() + ">";
     }
+    case T::gen:
+      // jinja2 prints "<generator object ... at 0x...>": an address, never reproducible.
+      throw Error("a " + type_name() + " is printed (jinja2 would print its address); convert it with |list");
     default: return repr();
   }
 }
@@ -258,16 +306,21 @@ std::string Value::to_str() const {
 std::string Value::repr() const {
   std::string out;
   switch (t_) {
-    case T::string: repr_string(out, *s_); return out;
-    case T::list:
-      out += '[';
-      for (size_t i = 0; i < l_->size(); ++i) out += (i ? ", " : "") + (*l_)[i].repr();
+    case T::string: repr_string(out, str()); return out;
+    case T::list: {
+      const List& l = list();
+      out += is_tuple() ? '(' : '[';
+      for (size_t i = 0; i < l.size(); ++i) out += (i ? ", " : "") + l[i].repr();
+      if (is_tuple()) return out + (l.size() == 1 ? ",)" : ")");
       return out + ']';
-    case T::dict:
+    }
+    case T::dict: {
+      const auto& items = map().items;
       out += '{';
-      for (size_t i = 0; i < d_->items.size(); ++i)
-        out += (i ? ", " : "") + d_->items[i].first.repr() + ": " + d_->items[i].second.repr();
+      for (size_t i = 0; i < items.size(); ++i)
+        out += (i ? ", " : "") + items[i].first.repr() + ": " + items[i].second.repr();
       return out + '}';
+    }
     default: return to_str();
   }
 }
@@ -296,31 +349,33 @@ void Value::json_into(std::string& out, int indent, const std::string* istr, con
     case T::floating:
       out += std::isnan(f_) ? "NaN" : std::isinf(f_) ? (f_ < 0 ? "-Infinity" : "Infinity") : float_repr(f_);
       return;
-    case T::string: json_string(out, *s_, ascii); return;
-    case T::list:
-      if (l_->empty()) {
+    case T::string: json_string(out, str(), ascii); return;
+    case T::list: {
+      const List& l = list();
+      if (l.empty()) {
         out += "[]";
         return;
       }
       out += '[';
-      for (size_t i = 0; i < l_->size(); ++i) {
+      for (size_t i = 0; i < l.size(); ++i) {
         if (i) out += item_sep;
         newline(depth + 1);
-        (*l_)[i].json_into(out, indent, istr, item_sep, key_sep, sort_keys, ascii, depth + 1);
+        l[i].json_into(out, indent, istr, item_sep, key_sep, sort_keys, ascii, depth + 1);
       }
       newline(depth);
       out += ']';
       return;
+    }
     case T::dict: {
-      if (d_->items.empty()) {
+      if (map().items.empty()) {
         out += "{}";
         return;
       }
       std::vector<const std::pair<Value, Value>*> items;
-      for (const auto& kv : d_->items) items.push_back(&kv);
+      for (const auto& kv : map().items) items.push_back(&kv);
       auto key_text = [](const Value& k) {
         switch (k.t_) {
-          case T::string: return *k.s_;
+          case T::string: return k.str();
           case T::none: return std::string("null");
           case T::boolean: return std::string(k.i_ ? "true" : "false");
           case T::integer: return std::to_string(k.i_);
@@ -363,12 +418,76 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
     }
     case nlohmann::ordered_json::value_t::object: {
       Value d = dict();
-      d.d_->items.reserve(j.size());
-      for (auto it = j.begin(); it != j.end(); ++it) d.d_->items.emplace_back(Value(it.key()), from_json(it.value()));
+      d.map().items.reserve(j.size());
+      for (auto it = j.begin(); it != j.end(); ++it) d.map().items.emplace_back(Value(it.key()), from_json(it.value()));
       return d;
     }
     default: throw Error("unsupported JSON value");
   }
+}
+
+namespace {
+
+// nlohmann's SAX events into values: the containers being filled, innermost last.
+struct JinjaJsonSax {
+  using json = nlohmann::ordered_json;
+  std::vector<Value> stack;
+  std::vector<Value> keys;  // per open dict: the key whose value comes next
+  Value root;
+  bool done = false;
+
+  bool put(Value v) {
+    if (stack.empty()) {
+      root = std::move(v);
+      done = true;
+    } else if (stack.back().is_list()) {
+      stack.back().list().push_back(std::move(v));
+    } else {
+      stack.back().map().set(keys.back(), std::move(v));  // a repeated key: the last value, first place
+    }
+    return true;
+  }
+  bool null() { return put(Value::none()); }
+  bool boolean(bool b) { return put(Value(b)); }
+  bool number_integer(json::number_integer_t v) { return put(Value(int64_t(v))); }
+  bool number_unsigned(json::number_unsigned_t v) { return put(Value(int64_t(v))); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return put(Value(double(v))); }
+  bool string(json::string_t& v) { return put(Value(std::move(v))); }
+  bool binary(json::binary_t&) { return false; }
+  bool start_object(std::size_t) {
+    stack.push_back(Value::dict());
+    keys.emplace_back();
+    return true;
+  }
+  bool key(json::string_t& k) {
+    keys.back() = Value(std::move(k));
+    return true;
+  }
+  bool end_object() {
+    Value v = std::move(stack.back());
+    stack.pop_back();
+    keys.pop_back();
+    return put(std::move(v));
+  }
+  bool start_array(std::size_t) {
+    stack.push_back(Value(List{}));
+    return true;
+  }
+  bool end_array() {
+    Value v = std::move(stack.back());
+    stack.pop_back();
+    return put(std::move(v));
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) { return false; }
+};
+
+}  // namespace
+
+bool Value::parse_json(const std::string& text, Value& out) {
+  JinjaJsonSax sax;
+  if (!nlohmann::ordered_json::sax_parse(text, &sax) || !sax.done) return false;
+  out = std::move(sax.root);
+  return true;
 }
 
 // --- dict ----------------------------------------------------------------------
@@ -418,7 +537,7 @@ bool equal(const Value& a, const Value& b) {
     case T::none: return true;
     case T::string: return a.str() == b.str();
     case T::list: {
-      if (a.list().size() != b.list().size()) return false;
+      if (a.is_tuple() != b.is_tuple() || a.list().size() != b.list().size()) return false;
       for (size_t i = 0; i < a.list().size(); ++i)
         if (!equal(a.list()[i], b.list()[i])) return false;
       return true;
@@ -431,8 +550,9 @@ bool equal(const Value& a, const Value& b) {
       }
       return true;
     }
-    case T::ns: return &a.map() == &b.map();
-    case T::func: return &a.fn() == &b.fn();
+    case T::ns:
+    case T::func:
+    case T::gen: return a.identity() == b.identity();
     default: return false;
   }
 }
@@ -443,7 +563,7 @@ bool less(const Value& a, const Value& b) {
     return a.as_int() < b.as_int();
   }
   if (a.is_string() && b.is_string()) return a.str() < b.str();  // UTF-8 bytes sort as code points
-  if (a.is_list() && b.is_list()) {
+  if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple()) {
     const auto &x = a.list(), &y = b.list();
     for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
       if (!equal(x[i], y[i])) return less(x[i], y[i]);

@@ -27,6 +27,7 @@ struct Error : std::runtime_error {
 class Value;
 using List = std::vector<Value>;
 struct Dict;
+struct Generator;
 
 struct CallArgs {
   std::vector<Value> pos;
@@ -37,12 +38,12 @@ using Func = std::function<Value(CallArgs&)>;
 
 class Value {
  public:
-  enum class T : uint8_t { undefined, none, boolean, integer, floating, string, list, dict, func, ns };
+  enum class T : uint8_t { undefined, none, boolean, integer, floating, string, list, dict, func, ns, gen };
 
   Value() = default;  // Undefined
   static Value undefined(std::string name = "") {
     Value v;
-    if (!name.empty()) v.s_ = std::make_shared<const std::string>(std::move(name));
+    if (!name.empty()) v.p_ = std::make_shared<const std::string>(std::move(name));
     return v;
   }
   static Value none() { return make(T::none); }
@@ -51,19 +52,32 @@ class Value {
   Value(int64_t v) : t_(T::integer), i_(v) {}
   Value(size_t v) : t_(T::integer), i_(int64_t(v)) {}
   Value(double v) : t_(T::floating), f_(v) {}
-  Value(std::string s) : t_(T::string), s_(std::make_shared<const std::string>(std::move(s))) {}
+  Value(std::string s) : t_(T::string), p_(std::make_shared<const std::string>(std::move(s))) {}
   Value(const char* s) : Value(std::string(s)) {}
-  Value(List l) : t_(T::list), l_(std::make_shared<List>(std::move(l))) {}
+  Value(List l) : t_(T::list), p_(std::make_shared<List>(std::move(l))) {}
   // Markup: what |safe and |escape return; `+` with a plain string escapes that string (markupsafe).
   static Value markup(std::string s) {
     Value v(std::move(s));
-    v.i_ = 1;
+    v.markup_ = true;
     return v;
   }
-  bool is_markup() const { return t_ == T::string && i_ == 1; }
+  bool is_markup() const { return t_ == T::string && markup_; }
+  // A tuple: a list that prints as (a, b) and equals no list; `group`: jinja2's groupby
+  // (grouper, list) namedtuple, with those two attributes.
+  static Value tuple(List l, bool group = false) {
+    Value v(std::move(l));
+    v.markup_ = true;
+    v.i_ = group;
+    return v;
+  }
+  bool is_tuple() const { return t_ == T::list && markup_; }
+  bool is_group() const { return is_tuple() && i_ == 1; }
   static Value dict();
   static Value ns();
   static Value func(Func f, std::string name);
+  // A Python generator: `next` yields the next item into its argument, false when done.
+  // `type` is its Python type name in error messages (generator, list_reverseiterator).
+  static Value generator(std::function<bool(Value&)> next, const char* type = "generator");
 
   T type() const { return t_; }
   bool is_undefined() const { return t_ == T::undefined; }
@@ -76,15 +90,18 @@ class Value {
   bool is_dict() const { return t_ == T::dict; }
   bool is_ns() const { return t_ == T::ns; }
   bool is_func() const { return t_ == T::func; }
+  bool is_gen() const { return t_ == T::gen; }
 
   int64_t as_int() const { return i_; }
   double as_double() const { return t_ == T::floating ? f_ : double(i_); }
-  const std::string& str() const { return *s_; }  // a string (or Undefined's name, when it has one)
+  const std::string& str() const { return *static_cast<const std::string*>(p_.get()); }  // a string
   const std::string& undefined_name() const;
-  List& list() const { return *l_; }
-  Dict& map() const { return *d_; }  // dict or namespace
-  const Func& fn() const { return *fn_; }
-  const std::string& fn_name() const { return *s_; }
+  List& list() const { return *static_cast<List*>(const_cast<void*>(p_.get())); }
+  Dict& map() const { return *static_cast<Dict*>(const_cast<void*>(p_.get())); }  // dict or namespace
+  const Func& fn() const;
+  const std::string& fn_name() const;
+  Generator& gen() const { return *static_cast<Generator*>(const_cast<void*>(p_.get())); }
+  const void* identity() const { return p_.get(); }  // Python's id() for lists, dicts, strings, ...
 
   bool truthy() const;
   std::string type_name() const;  // as Python names it: str, int, list, dict, NoneType, ...
@@ -99,6 +116,9 @@ class Value {
                       const std::string* key_sep = nullptr, bool sort_keys = false, bool ensure_ascii = false) const;
 
   static Value from_json(const nlohmann::ordered_json& j);
+  // JSON text straight to a value (what from_json(parse(text)) gives, without the
+  // JSON tree); false (out untouched) when the text is not JSON.
+  static bool parse_json(const std::string& text, Value& out);
 
  private:
   static Value make(T t) {
@@ -110,12 +130,19 @@ class Value {
                  const std::string& key_sep, bool sort_keys, bool ascii, int depth) const;
 
   T t_ = T::undefined;
+  bool markup_ = false;  // a string: Markup; a list: a tuple
   int64_t i_ = 0;
   double f_ = 0;
-  std::shared_ptr<const std::string> s_;
-  std::shared_ptr<List> l_;
-  std::shared_ptr<Dict> d_;
-  std::shared_ptr<const Func> fn_;
+  std::shared_ptr<const void> p_;
+};
+
+// A generator's state, shared by the values that name it (Python references).
+struct Generator {
+  std::function<bool(Value&)> next_fn;
+  const char* type = "generator";
+  bool done = false;
+  // The next item; false once exhausted (also after it raised, as Python's are).
+  bool next(Value& out);
 };
 
 // A dict: keys in insertion order (Python 3.7+), found by a linear scan (chat

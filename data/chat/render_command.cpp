@@ -25,7 +25,8 @@ BATCH.json: {"tokenizer": PATH,
              "train_on": "all" | "last"}
 Writes one JSON line per template x conversation x add_generation_prompt:
 {"template", "conversation", "add_generation_prompt", "text", "ids", "target"} or {..., "error"},
-then {"seconds": ...}: the time spent rendering and tokenizing.
+then {"seconds": ...}: the time encode() took (rendering, tokenizing and the loss mask,
+what prepare corpus does per conversation), over the add_generation_prompt=false lines.
 )";
 
 std::string read_all(const std::string& path) {
@@ -97,18 +98,18 @@ int chat_render_main(const std::vector<std::string>& args, std::ostream& out, st
         for (bool agp : prompts) {
           ojson line = {{"template", ti}, {"conversation", ci}, {"add_generation_prompt", agp}};
           try {
-            const auto t0 = std::chrono::steady_clock::now();
             const std::string text = tmpl->render(convs[ci], agp);
             line["text"] = text;
             line["ids"] = tmpl->tokens(convs[ci], agp);
             if (!agp) {
               try {
+                const auto t0 = std::chrono::steady_clock::now();
                 line["target"] = tmpl->encode(convs[ci], false, train_on, false).target;
+                seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
               } catch (const std::exception& e) {
                 line["target_error"] = e.what();
               }
             }
-            seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           } catch (const std::exception& e) {
             line["error"] = e.what();
           }

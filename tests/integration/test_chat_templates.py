@@ -32,11 +32,7 @@ transformers = pytest.importorskip("transformers")
 SDIST = pathlib.Path.home() / ".cache/nnstrain/sdist/llama_cpp_python-0.3.36.tar.gz"
 
 # Templates of the corpus nnstrain does not render as transformers does, and why.
-KNOWN_DIFFERENCES = {
-    # `tool_calls | map(...) | tojson`: jinja2's map returns a generator, which json.dumps refuses, so
-    # transformers raises on the tool-call conversations; nnstrain's filters return lists and render them.
-    "llama-cpp-deepseek-r1": "jinja2's filters return generators",
-}
+KNOWN_DIFFERENCES = {}
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -312,3 +308,214 @@ def test_prefix_masks_by_hand(tmp_path, setup):
             got = runs(line["ids"], line["target"], tok)
             # An empty answer's end-of-turn token joins no run of its own when nothing precedes it.
             assert got == want, f"{name} conversation {line['conversation']} ({train_on}): {got} != {want}"
+
+
+# Snippets rendered by transformers' jinja2 environment and by nnstrain over DATA: the text must be
+# identical or both must refuse. ADDRESS: jinja2 prints a generator's address ("<generator object
+# select_or_reject at 0x7f...>", never the same twice); nnstrain refuses those (docs/chat_templates.md).
+DATA = {"xs": [1, 2, 3], "ys": [3, 1, 2, 1], "ds": [{"a": 1, "b": "x"}, {"a": 2, "b": "y"}, {"a": 1, "b": "z"}],
+        "d": {"b": 2, "a": 1}, "words": ["Banana", "apple", "cherry"], "s": "Hello big wide World",
+        "none": None, "nested": [{"p": {"q": 3}}, {"p": {"q": 1}}], "f": 2.5, "neg": -3}
+GENERATORS = [
+    "{% for x in xs|map('string') %}{{ x }};{% endfor %}",
+    "{{ xs|map('string')|list }}",
+    "{{ xs|map('string')|join(',') }}",
+    "{{ xs|map('string')|first }}",
+    "{{ xs|map('string')|length }}",
+    "{{ xs|select('odd')|count }}",
+    "{{ xs|map('string')|last }}",
+    "{{ xs|map('string')|tojson }}",
+    "{{ ds|map(attribute='a')|tojson(indent=2) }}",
+    "{{ 'y' if xs|select('odd') else 'n' }}",
+    "{{ 'y' if xs|select('gt', 5) else 'n' }}{{ 'y' if none|map('string') else 'n' }}",
+    "{{ 1 in xs|select('odd') }}{{ 2 in xs|select('odd') }}",
+    "{% set g = xs|select('odd') %}{{ g|list }}{{ g|list }}",
+    "{% set g = xs|select('odd') %}{{ 1 in g }}{{ g|list }}",
+    "{% set g = xs|select('odd') %}{{ g|first }}{{ g|list }}",
+    "{% set g = xs|select('odd') %}{% for a in g %}{{ a }}{% endfor %}{% for a in g %}{{ a }}{% endfor %}",
+    "{% for a in xs|select('odd') %}{{ loop.index }}/{{ loop.length }}{{ loop.last }} {% endfor %}",
+    "{% for a in xs|select('gt', 9) %}{{ a }}{% else %}empty{% endfor %}",
+    "{{ xs|select('odd')|sum }} {{ xs|select('odd')|max }} {{ xs|select('odd')|min }}",
+    "{{ xs|select('odd')|sort }} {{ xs|select('odd')|reverse }}",
+    "{{ ys|unique|list }} {{ words|map('lower')|unique|list }} {{ ds|unique(attribute='a')|list }}",
+    "{{ ds|map(attribute='b')|unique|list }}",
+    "{{ [[1], [1]]|unique|list }}",
+    "{{ (xs|select('odd'))[0] is defined }}{{ (xs|select('odd')).foo is defined }}",
+    "{{ xs|select('odd') is iterable }}{{ xs|select('odd') is sequence }}{{ xs|select('odd') is none }}",
+    "{{ xs|select('odd') == [1, 3] }}",
+    "{{ (xs|select('odd')) + [1] }}",
+    "{{ ds|selectattr('a', 'gt', 1)|list }} {{ ds|rejectattr('a', 'equalto', 1)|map(attribute='b')|list }}",
+    "{{ xs|reject('odd')|list }} {{ nested|map(attribute='p.q')|list }} {{ ds|map(attribute='c', default=0)|list }}",
+    "{{ none|map('string')|list }}{{ none|select|list }}{{ []|map('upper')|list }}",
+    "{{ none|map('string')|tojson }}",
+    "{{ xs|map('nosuchfilter')|list }}",
+    "{{ []|map('nosuchfilter')|list }}",
+    "{{ xs|select('nosuchtest')|list }}",
+    "{{ xs|map('nosuchfilter') is defined }}",
+    "{{ 5|map('string') is defined }}{{ 5|map('string')|list }}",
+    "{% set a, b = xs|select('odd') %}{{ a }}{{ b }}",
+    "{{ dict(d|items) }} {{ d|items|list|length }} {% for k, v in d|items|list %}{{ k }}{{ v }}{% endfor %}",
+    "{% for k, v in d|items %}{{ k }}={{ v }};{% endfor %}{% for k, v in none|items %}{{ k }}{% endfor %}",
+    "{% for k, v in s|items %}{{ k }}{% endfor %}",
+    "{{ s|items is defined }}",
+    "{{ xs|reverse|list }} {{ d|reverse|list }} {{ s|reverse }} {{ xs|select('odd')|reverse|list }}",
+    "{{ xs|reverse|tojson }}",
+    "{{ xs|reverse|length }}",
+    "{{ xs|reverse|first }}{{ xs|reverse|join('-') }}",
+    "{{ xs|select('odd')|map('string')|map('upper')|join }}",
+    "{% set g = xs|select %}{% set h = xs|select %}{{ g is sameas g }}{{ g is sameas h }}",
+    "{{ xs|select('odd')|int }} {{ xs|select('odd')|default('none') is iterable }}",
+    "{{ xs|map('string')|map('int')|sum }}",
+    "{{ ds|select|selectattr('a', 'eq', 1)|map(attribute='b')|list }}",
+    "{% macro m(seq) %}{{ seq|join('+') }}{% endmacro %}{{ m(xs|map('string')) }}",
+]
+ADDRESS = [
+    "{{ xs|select('odd') }}",
+    "{{ xs|map('string')|string }}",
+    "{{ xs|select('odd') ~ 'a' }}",
+    "{{ [xs|select('odd')] }}",
+    "{{ xs|reverse }}",
+    "{{ d|items }}",
+    "{{ xs|unique }}",
+]
+
+FILTERS = [
+    "{{ xs|batch(2)|list }}{{ xs|batch(2, 0)|list }}{{ xs|batch(linecount=3)|list }}{{ []|batch(2)|list }}",
+    "{{ xs|batch(2)|tojson }}",
+    "{% for row in ds|batch(2, fill_with={'b': '-'}) %}{{ row|map(attribute='b')|join }};{% endfor %}",
+    "{{ xs|slice(2)|list }}{{ ys|slice(3, 'x')|list }}{{ []|slice(2)|list }}{{ xs|select('odd')|slice(1)|list }}",
+    "{{ xs|slice(0)|list }}",
+    "{{ xs|slice(2) is iterable }}{{ xs|slice(0) is defined }}",
+    "{{ s|truncate(9) }}|{{ s|truncate(9, True) }}|{{ s|truncate(length=11, end='!', leeway=0) }}",
+    "{{ s|truncate(15) }}|{{ s|truncate(15, leeway=0) }}|{{ 'Ünïcödé ☃ 日本語 テキスト'|truncate(8, leeway=0) }}",
+    "{{ s|truncate(killwords=true, length=7, leeway=0, end='') }}|{{ s|truncate(255) }}|{{ nothing|truncate(3) }}",
+    "{{ none|truncate(3) }}",
+    "{{ s|truncate(2) }}",
+    "{{ s|truncate(5, leeway=-1) }}",
+    "{{ xs|truncate(3) }}",
+    "{{ ds|groupby('b') }}",
+    "{{ ds|groupby('c', default='k')|list }}",
+    "{{ ds|groupby('c') }}",
+    "{% for g in ds|groupby('a') %}{{ g.grouper }}:{{ g.list|map(attribute='b')|join }};{% endfor %}",
+    "{% for k, items in words|groupby('0') %}{{ k }}={{ items|join }};{% endfor %}",
+    "{% for k, items in nested|groupby('p.q') %}{{ k }}={{ items|length }};{% endfor %}",
+    "{% set c = [{'c': 'CA'}, {'c': 'ny'}, {'c': 'ca'}] %}{{ c|groupby('c')|map(attribute='grouper')|list }} "
+    "{{ c|groupby(attribute='c', case_sensitive=true)|map(attribute='list')|list }}",
+    "{{ ds|groupby('a')|tojson }} {{ ds|groupby('a')|length }} {{ (ds|groupby('a'))[0].grouper }}",
+    "{{ nested|map(attribute='x.y')|list }}",
+    "{{ (1, 2) }}{{ (1,) }}{{ () }}{{ (1, 2) == [1, 2] }}{{ '%s-%s' % (1, 2) }}{{ '%s' % [1, 2] }}{{ (1, 2)[1:] }}",
+    "{{ (1, 2) + [3] }}",
+    "{{ [3] + (1, 2) }}",
+    "{{ (1, 2) + (3,) }}{{ (1,) * 2 }}{{ d.items()|list }} {{ d|dictsort }} {{ d|dictsort(by='value', reverse=true) }}",
+    "{{ (1, 2) < [1, 2] }}",
+    "{{ '%s, %s'|format('a', 'b') }}{{ '%s'|format([1, 2]) }}{{ '%d%%'|format(5) }}",
+    "{{ 1234567|filesizeformat }} {{ 1|filesizeformat }} {{ 999|filesizeformat }} {{ 1024|filesizeformat(true) }} "
+    "{{ '2048'|filesizeformat }} {{ (1000**6)|filesizeformat }} {{ 3.5e30|filesizeformat }}",
+    "{{ 'a b/c?d=é'|urlencode }} {{ d|urlencode }} {{ [('k', 'v w')]|urlencode }} {{ 5|urlencode }}",
+    "{{ xs|sum }} {{ ds|sum(attribute='a') }} {{ xs|sum(start=10) }} {{ [0.5, 1]|sum }}",
+    "{{ ys|min }} {{ ys|max }} {{ words|min }} {{ words|max(case_sensitive=true) }} {{ ds|max(attribute='a') }}",
+    "{{ []|max is defined }}",
+    "{{ ys|sort }} {{ words|sort }} {{ words|sort(case_sensitive=true) }} {{ ys|sort(reverse=true) }} "
+    "{{ ds|sort(attribute='b', reverse=true)|map(attribute='b')|join }} {{ ds|sort(attribute='a,b')|length }}",
+    "{{ d|dictsort }} {{ {'B': 1, 'a': 2}|dictsort(true) }} {{ d|dictsort(false, 'value') }}",
+    "{{ s|reverse }} {{ ys|reverse|list }}",
+    "{{ f|round }} {{ 2.45|round(1) }} {{ 2.675|round(2) }} {{ 0.125|round(2) }} {{ 1234.5|round(-2) }} {{ 2.5|round }} {{ 3.5|round }} {{ 2.1|round(0, 'ceil') }} "
+    "{{ 2.9|round(method='floor') }} {{ 7|round }} {{ -2.5|round }}",
+    "{{ neg|abs }} {{ -2.5|abs }} {{ '3.5'|float }} {{ 'x'|float }} {{ 'x'|float(1.5) }} {{ 3|float }}",
+    "{{ '42'|int }} {{ '4.7'|int }} {{ 'x'|int(7) }} {{ f|int }} {{ ' 12 '|int }} {{ true|int }}",
+    "{{ d|attr('b') is defined }} {{ s|attr('upper') is defined }}",
+    "{{ 'hello wORLD-foo bar'|title }} {{ s|wordcount }} {{ 'x'|center(9) }}| {{ s|capitalize }} {{ s|upper }}",
+    "{{ s|replace('o', '0') }} {{ s|replace('o', '0', 1) }} {{ s|lower }} {{ '  x  '|trim }} {{ 'xxaxx'|trim('x') }}",
+    "{{ 'a\nb\n\nc'|indent }}|{{ 'a\nb'|indent(2, true) }}|{{ 'a\n\nb'|indent('> ', blank=true) }}",
+    "{{ '<b>&'|escape }} {{ '<b>'|e|safe }} {{ '<b>'|e|forceescape }} {{ xs|join(', ') }} {{ ds|join('/', attribute='b') }}",
+    "{{ xs|first }} {{ xs|last }} {{ s|first }} {{ s|length }} {{ d|length }} {{ s|list|length }} {{ d|list }}",
+    "{{ none|default('x') }} {{ undefined_name|default('x') }} {{ ''|default('x', true) }} {{ ''|d('y') }}",
+    "{{ ds|tojson }} {{ d|tojson(sort_keys=true) }} {{ d|tojson(indent=2) }} {{ s|string }} {{ xs|string }}",
+    "{{ xs|random }}",
+    "{{ s|wordwrap(5) }}",
+    "{{ '<b>x</b>'|striptags }}",
+    "{{ d|xmlattr }}",
+    "{{ d|pprint }}",
+    "{{ s|urlize }}",
+    "{% if false %}{{ s|nosuchfilter }}{% endif %}ok",
+]
+# jinja2 renders these; nnstrain refuses them with "the filter 'NAME' is not supported".
+UNSUPPORTED = ["random", "wordwrap", "striptags", "xmlattr", "pprint", "urlize"]
+
+
+def render_snippets(tmp_path, snippets, name="snippets"):
+    """[(jinja2's text or None, its error or None, nnstrain's JSON line)] for each snippet over DATA."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from chat_common import write_tokenizer
+    folder = write_tokenizer(tmp_path / "tok")
+    batch = {"tokenizer": str(folder), "templates": [{"text": t, "source": f"snippet{i}"}
+                                                     for i, t in enumerate(snippets)],
+             "conversations": [{"messages": [{"role": "user", "content": "hi"}], "kwargs": DATA}]}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(batch), encoding="utf-8")
+    p = subprocess.run([nnstrain_bin_path(), "prepare", "chat-render", str(path)], cwd=SOURCE,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    ours = {}
+    for line in p.stdout.splitlines():
+        j = json.loads(line)
+        if "template" in j:
+            ours[j["template"]] = j
+    out = []
+    for i, t in enumerate(snippets):
+        try:
+            want, err = _compile_jinja_template(t).render(messages=[{"role": "user", "content": "hi"}], **DATA), None
+        except Exception as e:  # noqa: BLE001 - any refusal counts
+            want, err = None, f"{type(e).__name__}: {e}"
+        out.append((want, err, ours[i]))
+    return out
+
+
+def test_generators_as_jinja2(tmp_path):
+    """jinja2's map/select/reject/selectattr/rejectattr/unique/items return generators, |reverse an iterator:
+    lazy, single use, no len(), refused by tojson; nnstrain's behave alike."""
+    results = render_snippets(tmp_path, GENERATORS + ADDRESS)
+    refused = 0
+    for snippet, (want, err, line) in zip(GENERATORS + ADDRESS, results):
+        if snippet in ADDRESS:
+            assert err is None and re.search(r"<\w+ object( \w+)? at 0x[0-9a-f]+>", want), (snippet, want, err)
+            assert "error" in line and "convert it with |list" in line["error"], (snippet, line)
+            assert re.match(r"snippet\d+:1:\d+: ", line["error"]) and "\n" not in line["error"], line["error"]
+            continue
+        if err is not None:
+            assert "error" in line, f"{snippet}: jinja2 refuses ({err}), nnstrain renders {line.get('text')!r}"
+            assert re.match(r"snippet\d+:1:\d+: ", line["error"]) and "\n" not in line["error"], line["error"]
+            refused += 1
+            continue
+        assert "error" not in line, f"{snippet}: nnstrain refuses: {line['error']}; jinja2 renders {want!r}"
+        assert line["text"] == want, f"{snippet}: ours {line['text']!r} jinja2 {want!r}"
+    assert refused >= 8, refused  # len(), reversed(), json.dumps(), unhashable, ... refuse
+
+
+def test_filters_as_jinja2(tmp_path):
+    """jinja2's built-in filters (jinja2.filters.FILTERS): nnstrain renders each as jinja2 does, keyword arguments
+    included, refuses where jinja2 refuses, and names the template, line and column of one it lacks."""
+    import jinja2.filters
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    env_filters = set(_compile_jinja_template("x").environment.filters)
+    assert set(jinja2.filters.FILTERS) <= env_filters
+    used = {m for sn in FILTERS + GENERATORS for m in re.findall(r"\|\s*(\w+)", sn)}
+    missing = set(jinja2.filters.FILTERS) - used
+    assert not missing, f"filters without a parity snippet: {sorted(missing)}"
+    results = render_snippets(tmp_path, FILTERS)
+    refused = 0
+    for snippet, (want, err, line) in zip(FILTERS, results):
+        lacking = [n for n in UNSUPPORTED if f"|{n}" in snippet.replace(" ", "")]
+        if lacking:
+            assert err is None, (snippet, err)
+            assert re.fullmatch(rf"snippet\d+:1:\d+: the filter '{lacking[0]}' is not supported", line.get("error", "")), \
+                (snippet, line)
+            continue
+        if err is not None:
+            assert "error" in line, f"{snippet}: jinja2 refuses ({err}), nnstrain renders {line.get('text')!r}"
+            assert re.match(r"snippet\d+:1:\d+: ", line["error"]) and "\n" not in line["error"], line["error"]
+            refused += 1
+            continue
+        assert "error" not in line, f"{snippet}: nnstrain refuses: {line['error']}; jinja2 renders {want!r}"
+        assert line["text"] == want, f"{snippet}: ours {line['text']!r} jinja2 {want!r}"
+    assert refused >= 8, refused
