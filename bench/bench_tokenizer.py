@@ -72,16 +72,7 @@ lib, tok, text_path, threads, out = sys.argv[2], sys.argv[3], sys.argv[4], int(s
 text = open(text_path, encoding="utf-8", newline="").read()
 docs = tc.documents(text)
 if lib == "tiktoken":
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe, data_gym_to_mergeable_bpe_ranks
-    if tok == "gpt2":
-        enc_json, vocab_bpe = tc.gpt2_files()
-        ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(enc_json))
-        pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    else:
-        ranks = load_tiktoken_bpe(str(tc.llama3_files()[1]))
-        pat = tc.LLAMA3_REGEX
-    enc = tiktoken.Encoding(tok, pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+    enc = tc.tiktoken_encoding(tok)
     run1 = lambda: enc.encode_ordinary(text)
     runn = lambda: [i for d in enc.encode_ordinary_batch(docs, num_threads=threads) for i in d]
 else:
@@ -102,18 +93,10 @@ print(json.dumps({"wall": w1 - w0, "cpu": c1 - c0}))
 WHOLE_TIKTOKEN = r'''
 import sys
 sys.path.insert(0, sys.argv[1])
-import numpy as np, tiktoken
+import numpy as np
 import tokenizer_cases as tc
-from tiktoken.load import load_tiktoken_bpe, data_gym_to_mergeable_bpe_ranks
 tok, text_path, out = sys.argv[2], sys.argv[3], sys.argv[4]
-if tok == "gpt2":
-    enc_json, vocab_bpe = tc.gpt2_files()
-    ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(enc_json))
-    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-else:
-    ranks = load_tiktoken_bpe(str(tc.llama3_files()[1]))
-    pat = tc.LLAMA3_REGEX
-enc = tiktoken.Encoding(tok, pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+enc = tc.tiktoken_encoding(tok)
 text = open(text_path, encoding="utf-8", newline="").read()
 np.asarray(enc.encode_ordinary(text), dtype=np.int32).tofile(out)
 '''

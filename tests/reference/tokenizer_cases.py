@@ -421,3 +421,19 @@ def first_mismatch(strings, ours, theirs):
         return 0, ""
     i = bad[0]
     return len(bad), f"string {i} {strings[i]!r}: ours {ours[i]} reference {theirs[i]}"
+
+
+GPT2_REGEX = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def tiktoken_encoding(tok):
+    """tiktoken's Encoding for "gpt2" (the real encoder.json + vocab.bpe) or "llama3" (tokenizer.model)."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks, load_tiktoken_bpe
+    if tok == "gpt2":
+        enc_json, vocab_bpe = gpt2_files()
+        ranks, pat = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(enc_json)), GPT2_REGEX
+    else:
+        ranks, pat = load_tiktoken_bpe(str(llama3_files()[1])), LLAMA3_REGEX
+    return tiktoken.Encoding(tok, pat_str=pat, mergeable_ranks=ranks, special_tokens={})
+
