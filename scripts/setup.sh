@@ -94,3 +94,9 @@ grep -h '^-- nnstrain: CUDA' "$build/configure.log" 2>/dev/null | sed 's/^-- /[s
 target=${NNSTRAIN_BUILD_TARGET:-all}
 say "building $target"
 cmake --build "$build" -j "$(nproc)" --target "$target"
+# The libFuzzer targets' own clang ASan+UBSan build (CTest's fuzz.libfuzzer fuzzes them): built
+# here with the rest, so the test command's tests run on a warm build and that test only fuzzes.
+if [ "$setup_for" = test ] && [ "$target" = all ]; then
+  say "building the libFuzzer targets in $build/fuzz"
+  FUZZ_BUILD_ONLY=1 "$root/tests/fuzz/run_fuzzers.sh" "$build/fuzz"
+fi

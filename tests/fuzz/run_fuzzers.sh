@@ -4,6 +4,8 @@
 #   tests/fuzz/run_fuzzers.sh BUILD_DIR SECONDS        # SECONDS split over the targets (CI: 60)
 #   FUZZ_RUNS=1000000 tests/fuzz/run_fuzzers.sh BUILD_DIR 0   # a fixed number of inputs each
 #   FUZZ_TARGETS="manifest config" ...                     # some targets only
+#   FUZZ_BUILD_ONLY=1 tests/fuzz/run_fuzzers.sh BUILD_DIR    # build, run nothing (scripts/setup.sh:
+#                                                            # the build is the build's, not the test's)
 # Exits non-zero on any crash, leak, timeout or sanitizer report; the input that
 # caused it is left in BUILD_DIR/artifacts/ (add it to regressions/<target> once fixed).
 set -euo pipefail
@@ -23,6 +25,7 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
         -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Release >/dev/null
 fi
 cmake --build "$build" --target "${targets[@]/#/fuzz_}" >/dev/null
+[ -n "${FUZZ_BUILD_ONLY:-}" ] && exit 0
 
 mkdir -p "$build/artifacts"
 # No allocation/free stacks recorded per malloc (~16% of an input's time under ASan):

@@ -37,9 +37,9 @@ first steps follow fp32 closely, where a missing unscale or lost updates would
 not. Over those steps (warm-up) 32-true's loss falls by more than 0.1 (asserted),
 so a model that stopped learning is far outside 1%.
 
-The sweep is two lanes (CTest gives this test both cores: PROCESSORS 2 in
-tests/CMakeLists.txt), one thread each: 32-true in one; bf16-mixed early, then
-16-mixed, then bf16-mixed late (which waits for 32-true's checkpoint) in the other.
+The sweep is two lanes side by side, one thread each (CTest counts the test as one
+CPU: the 16-bit lane is short where the CPU has bf16 units, tests/CMakeLists.txt):
+32-true in one; bf16-mixed early, then 16-mixed, then bf16-mixed late (which waits for 32-true's checkpoint) in the other.
 """
 import concurrent.futures
 import json

@@ -1,4 +1,6 @@
-"""Every Catch2 test case is a CTest test that runs it, and nothing else.
+"""Every Catch2 test case runs in exactly one CTest test: nnstrain_base_tests' (no
+LibTorch, a start costs nothing) each in its own, nnstrain_tests' (LibTorch, 0.5-1 s a
+start) one CTest test per source file, by Catch2's filename tag (`-# [#test_x]~[.]`: not the hidden cases other cases start as children).
 
 CTest splits a test name at ';' and Catch2 reads ',' '[' ']' '*' '~' in a filter,
 so a test case whose name holds one of them can be registered under a filter that
@@ -76,17 +78,44 @@ def registry(tmp_path_factory):
     return entries
 
 
-def listed(exe):
-    p = subprocess.run([exe, "--list-test-names-only"], capture_output=True, text=True, timeout=120)
+def listed(exe, *spec):
+    p = subprocess.run([exe, *spec, "--list-test-names-only"], capture_output=True, text=True, timeout=120)
     names = [line for line in p.stdout.splitlines() if line.strip()]
-    assert names, p.stdout + p.stderr
+    assert names, (spec, p.stdout + p.stderr)
     return names
+
+
+PER_FILE = {"nnstrain_tests"}
+
+
+def check_name(exe, name):
+    for bad in (";", "*", "\""):
+        assert bad not in name, f"{exe}: test case name {name!r} holds {bad!r}, which a filter cannot match"
+    assert not name.startswith(("~", "#", " ")) and name == name.strip(), name
 
 
 def test_ctest_runs_exactly_the_catch2_test_cases(registry):
     for exe, tests in registry.items():
         cases = listed(exe)
         assert len(cases) == len(set(cases)), f"{exe}: duplicate test case names"
+        for name, args in tests:
+            # A filter that matches nothing fails instead of passing with "No tests ran".
+            assert "--warn" in args and args[args.index("--warn") + 1] == "NoTests", (name, args)
+        if pathlib.Path(exe).name in PER_FILE:
+            # One entry a source file: the cases each file's tag selects, together, are every
+            # case once (a case of no file's entry, or of two, fails here).
+            ran = []
+            for name, args in tests:
+                assert name.startswith("unit.") and args[:2] == ["-#", f"[#{name[len('unit.'):]}]~[.]"], (name, args)
+                ran += listed(exe, *args[:2])
+            src = sorted(p.stem for p in (pathlib.Path(__file__).parents[1] / "unit").glob("test_*.cpp"))
+            assert sorted(n[len("unit."):] for n, _ in tests) == src, "a unit test file without its CTest entry"
+            assert sorted(ran) == sorted(cases), (
+                f"{exe}: cases run by no file's entry: {sorted(set(cases) - set(ran))}; "
+                f"run twice: {sorted(n for n in set(ran) if ran.count(n) > 1)}")
+            for name in cases:
+                check_name(exe, name)
+            continue
         registered = [name for name, _ in tests]
         missing = sorted(set(cases) - set(registered))
         extra = sorted(set(registered) - set(cases))
@@ -94,17 +123,16 @@ def test_ctest_runs_exactly_the_catch2_test_cases(registry):
             f"{exe}: Catch2 test cases with no CTest entry of their own: {missing}; "
             f"CTest entries that are no Catch2 test case (a name CTest split?): {extra}")
         for name, args in tests:
-            # The filter CTest passes is the name itself (escaped), and a filter that
-            # matches nothing fails instead of passing with "No tests ran".
+            # The filter CTest passes is the name itself (escaped).
             assert unescape(args[0]) == name, (name, args)
-            assert "--warn" in args and args[args.index("--warn") + 1] == "NoTests", (name, args)
-            for bad in (";", "*", "\""):
-                assert bad not in name, f"{exe}: test case name {name!r} holds {bad!r}, which a filter cannot match"
-            assert not name.startswith(("~", "#", " ")) and name == name.strip(), name
+            check_name(exe, name)
 
 
 def test_a_filter_that_matches_nothing_fails(registry):
     for exe, tests in registry.items():
-        args = [a for a in tests[0][1][1:] if a]
-        p = subprocess.run([exe, "no test case has this name", *args], capture_output=True, text=True, timeout=120)
+        args = tests[0][1]
+        # The entry's options without its filter (a test name, or -# and a filename tag).
+        args = args[2:] if args[0] == "-#" else args[1:]
+        p = subprocess.run([exe, "no test case has this name", *[a for a in args if a]],
+                           capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and "No tests ran" in p.stdout + p.stderr, (exe, p.returncode, p.stdout)
