@@ -395,6 +395,9 @@ def test_in_training_plans_equal_one_process(setup, in_loop_one, plan):
     run_ranks(ranks, run, ["--config", str(cfg), *overrides], overrides)
     got, want = eval_records(run), in_loop_one[1]
     assert sorted(got) == sorted(want), got
+    if plan.startswith("pp"):  # the run's own log: the scores came through the stages
+        log = "".join(f.read_text() for f in (run / "logs").iterdir() if f.is_file())
+        assert "forwards through the 2 pipeline ranks' stages" in log, log[-2000:]
     for step in want:
         same_scores(got[step], want[step], f"{plan} step {step}")
 

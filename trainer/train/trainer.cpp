@@ -407,7 +407,10 @@ void Trainer::make_task_eval() {
   task_eval_ = std::make_unique<eval::InTrainingEval>(args_, std::move(be));
   if (rank_ == 0)
     log::info("eval: " + std::to_string(args_.eval.tasks.size()) + " tasks (" + std::to_string(task_eval_->documents()) +
-              " documents) every " + std::to_string(args_.eval.every_n_train_steps) + " steps");
+              " documents) every " + std::to_string(args_.eval.every_n_train_steps) + " steps" +
+              (tr_.pipeline ? "; forwards through the " + std::to_string(plan_.pipeline.pp) +
+                                  " pipeline ranks' stages, the last stage's scores broadcast"
+                            : ""));
 }
 
 // Batches for step s, micro-step a on this data-parallel rank: positions
