@@ -30,6 +30,9 @@ torch::Tensor CausalLM::blocks(const torch::Tensor&, int64_t, int64_t, int64_t, 
 torch::Tensor CausalLM::head_loss(const torch::Tensor&, const torch::Tensor&) {
   throw std::runtime_error("this model cannot be split into pipeline stages");
 }
+torch::Tensor CausalLM::head_logits(const torch::Tensor&) {
+  throw std::runtime_error("this model cannot be split into pipeline stages");
+}
 
 std::vector<std::string> CausalLM::params_of(const HeldPieces& pieces) const {
   const auto ties = head_ties();

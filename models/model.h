@@ -115,6 +115,10 @@ class CausalLM : public torch::nn::Module {
   virtual torch::Tensor blocks(const torch::Tensor& x, int64_t begin, int64_t end, int64_t seq_len,
                                const Documents& docs);
   virtual torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets);
+  // The final norm and the LM head's logits [B, T, vocab] of the last block's
+  // output: logits(idx) is head_logits(blocks(embed(idx, {}), 0, num_layers(), T, {}))
+  // (the pipeline's last stage in evaluation, trainer/eval/).
+  virtual torch::Tensor head_logits(const torch::Tensor& h);
   // Parameters outside the head that head_loss reads (a head tied to the token embedding).
   virtual std::vector<std::string> head_ties() const { return {}; }
   // The LM head loss() ends in (the trainer sets a sequence objective on it,

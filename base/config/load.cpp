@@ -582,12 +582,9 @@ static void load_eval(ArgMap& top, TrainerArgs& t) {
   e.batch_size = m.get_int("batch_size", 8, 1, 1 << 20);
   e.tokenizer = m.get_string("tokenizer", "");
   if (!e.tokenizer.empty() && !fs::exists(e.tokenizer)) m.fail("tokenizer", e.tokenizer + ": no such file or folder");
-  // The evaluator reaches whole sequences through the model's logits(): no
-  // pipeline stage or context-parallel shard holds them.
+  // The evaluator reaches whole sequences through the model's logits() (under
+  // pp: the last stage's); no context-parallel shard holds them.
   const auto& c = t.compute_config;
-  if (c.pipeline.pp_size > 1)
-    m.fail("tasks", "in-training evaluation does not run under pipeline parallelism (compute_config.pas_config.pp_size " +
-                        std::to_string(c.pipeline.pp_size) + "); evaluate a checkpoint with nnstrain eval");
   if (c.context_parallel_size > 1)
     m.fail("tasks", "in-training evaluation does not run under context parallelism (compute_config.context_parallel_size " +
                         std::to_string(c.context_parallel_size) + "); evaluate a checkpoint with nnstrain eval");

@@ -151,6 +151,8 @@ torch::Tensor Gpt::loss(const torch::Tensor& idx, const torch::Tensor& targets, 
 
 torch::Tensor Gpt::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), wte->weight); }
 
+torch::Tensor Gpt::head_logits(const torch::Tensor& h) { return lm_head->logits(ln_f(h), wte->weight); }
+
 torch::Tensor Gpt::decode_logits(const torch::Tensor& idx, common::KvCache& cache) {
   TORCH_CHECK(!ctx_.parallel(), "decode_logits: a tensor-parallel model (load it whole to generate)");
   const auto past = cache.length(), T = idx.size(1);

@@ -72,6 +72,7 @@ class Gpt : public CausalLM {
   torch::Tensor blocks(const torch::Tensor& x, int64_t begin, int64_t end, int64_t seq_len,
                        const Documents& docs) override;
   torch::Tensor head_loss(const torch::Tensor& h, const torch::Tensor& targets) override;
+  torch::Tensor head_logits(const torch::Tensor& h) override;
   std::vector<std::string> head_ties() const override { return {"wte.weight"}; }
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_seq_len() const override { return cfg_.block_size; }

@@ -347,6 +347,8 @@ torch::Tensor Llama::loss(const torch::Tensor& idx, const torch::Tensor& targets
 
 torch::Tensor Llama::logits(const torch::Tensor& idx) { return lm_head->logits(hidden(idx), head_weight()); }
 
+torch::Tensor Llama::head_logits(const torch::Tensor& h) { return lm_head->logits(norm(h), head_weight()); }
+
 torch::Tensor Llama::decode_logits(const torch::Tensor& idx, common::KvCache& cache) {
   const auto past = cache.length(), T = idx.size(1);
   TORCH_CHECK(past + T <= cfg_.max_position_embeddings, "position ", past + T, " exceeds max_position_embeddings ",

@@ -11,6 +11,7 @@
 - lm-eval runs once per model with every task; every per-request log-likelihood within 1e-5
   relative, every acc/acc_norm decision identical, the perplexities within 1e-6 relative, the
   generated answers identical; the same from 2 ranks (documents split, `nnstrain launch`);
+- in training (eval:), the scores under tp 2, dp 2, ZeRO-3 dp 2 and pp 2 equal one process's;
 - bad task files (a malformed line, a gold index outside the choices, a missing field) exit 2 with
   one line naming the file and line.
 """
@@ -284,7 +285,7 @@ def test_split_plans_refused(setup, option, nproc):
     lines = [line for line in p.stderr.splitlines() if "nnstrain eval:" in line]
     assert lines and all(f"{option}: nnstrain eval does not split the model" in line for line in lines), p.stderr
     assert len(lines) == nproc and "Traceback" not in p.stderr, p.stderr  # one line per rank
-    assert ("eval:)" in lines[0]) == (option == "--tp"), lines[0]  # tp is served in training
+    assert "eval:)" in lines[0], lines[0]  # tp and pp are served in training
 
 
 # --- eval: in training (the live sharded model, no checkpoint round trip) ---
@@ -319,6 +320,9 @@ IN_LOOP_PLANS = {  # name: (ranks, overrides)
     "tp2": (2, ["--compute_config.plan_ngpus", "2", "--pas_policy", "tp"]),
     "dp2": (2, ["--micro_batch_size", "2"]),
     "zero3_dp2": (2, ["--micro_batch_size", "2", "--compute_config.use_zero", "3"]),
+    # No rank holds the whole model: each batch goes through both stages, the last one's sums come back.
+    "pp2": (2, ["--compute_config.pas_config.pp_size", "2", "--micro_batch_size", "2",
+                "--grad_accumulation_steps", "2"]),
 }
 
 
@@ -391,6 +395,9 @@ def test_in_training_plans_equal_one_process(setup, in_loop_one, plan):
     run_ranks(ranks, run, ["--config", str(cfg), *overrides], overrides)
     got, want = eval_records(run), in_loop_one[1]
     assert sorted(got) == sorted(want), got
+    if plan.startswith("pp"):  # the run's own log: the scores came through the stages
+        log = "".join(f.read_text() for f in (run / "logs").iterdir() if f.is_file())
+        assert "forwards through the 2 pipeline ranks' stages" in log, log[-2000:]
     for step in want:
         same_scores(got[step], want[step], f"{plan} step {step}")
 
@@ -398,8 +405,7 @@ def test_in_training_plans_equal_one_process(setup, in_loop_one, plan):
 def test_in_training_refusals(setup, tiny_tokens, tmp_path):
     setup["tokens"] = tiny_tokens
     cfg = train_config(setup, tmp_path / "c.yaml", tmp_path / "run")
-    for args, needle in ((["--compute_config.pas_config.pp_size", "2"], "eval.tasks"),
-                         (["--compute_config.context_parallel_size", "2"], "eval.tasks"),
+    for args, needle in ((["--compute_config.context_parallel_size", "2"], "does not run under context parallelism"),
                          (["--eval.tasks", "[" + str(tmp_path / "none.yaml") + "]"], "none.yaml: no such task file")):
         p = subprocess.run([nnstrain_bin_path(), "--config", str(cfg), *args, "--print-config"], cwd=SOURCE,
                            env=single_process_env(1), capture_output=True, text=True, timeout=60)

@@ -45,7 +45,7 @@ constexpr const char* kUsage = R"(usage: nnstrain eval SOURCE --tasks FILE [FILE
 
 Under `nnstrain launch` or torchrun the documents are split over the ranks (data parallel)
 and the scores are those of one process. Every rank holds the whole model: --tp, --pp and --cp
-are refused (score a split model in training, with the eval: section; docs/eval.md).
+are refused (score a tp- or pp-split model in training, with the eval: section; docs/eval.md).
 )";
 
 struct UsageError : std::runtime_error {
@@ -85,7 +85,8 @@ bool parse(const std::vector<std::string>& args, Options& o) {
         a.rfind("--cp=", 0) == 0)
       throw UsageError(a.substr(0, 4) + ": nnstrain eval does not split the model (every rank holds it whole and the "
                        "ranks split the documents)" +
-                       (a.rfind("--tp", 0) == 0 ? "; a tensor-parallel run scores its tasks in training (eval:)" : ""));
+                       (a.rfind("--cp", 0) != 0 ? "; a tensor- or pipeline-parallel run scores its tasks in training (eval:)"
+                                                 : ""));
     if (a == "--tasks") {
       o.tasks.push_back(value());
       while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) o.tasks.push_back(args[++i]);

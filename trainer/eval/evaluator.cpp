@@ -86,6 +86,12 @@ void encode_pair(const TextCodec& codec, std::string context, std::string contin
   r.cont.assign(whole.begin() + std::min(whole.size(), r.ctx.size()), whole.end());
 }
 
+// What a batch's logits reduce to, from logits() here or the pipeline's last stage.
+at::Tensor forward_reduced(Backend& be, const at::Tensor& x, const Backend::Reduce& reduce, const at::Tensor& like) {
+  if (be.staged_forward) return be.staged_forward(x, reduce, like);
+  return reduce(be.model->logits(x));
+}
+
 struct Scored {
   double ll = 0;
   bool greedy = false;
@@ -95,7 +101,6 @@ struct Scored {
 // computed, the others' summed in from their ranks.
 std::vector<Scored> score(std::vector<LlRequest>& reqs, Backend& be, int64_t batch, int64_t max_len,
                           TaskResult& res, const std::string& label) {
-  auto& model = *be.model;
   const size_t n = reqs.size();
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), 0);
@@ -142,15 +147,26 @@ std::vector<Scored> score(std::vector<LlRequest>& reqs, Backend& be, int64_t bat
     for (size_t i = 0; i < inps.size(); ++i)
       x[i].narrow(0, 0, int64_t(inps[i].size())).copy_(torch::tensor(inps[i], torch::kLong));
     if (be.before_forward) be.before_forward();
-    const auto logits = model.logits(x.to(be.device));
+    // Per row: the continuation's summed log-probability (fp32, then as a
+    // double) and whether it is the greedy one: [rows, 2].
+    auto reduce = [&](const at::Tensor& logits) {
+      std::vector<at::Tensor> rows;
+      for (size_t i = 0; i < inps.size(); ++i) {
+        const auto& r = reqs[mine[b0 + i]];
+        const int64_t inplen = int64_t(inps[i].size()), contlen = int64_t(r.cont.size());
+        const auto lp = logits[i].narrow(0, inplen - contlen, contlen).to(torch::kFloat32).log_softmax(-1);
+        const auto cont = torch::tensor(r.cont, torch::kLong).to(lp.device());
+        const auto picked = lp.gather(1, cont.unsqueeze(1)).squeeze(1);
+        rows.push_back(torch::stack({picked.sum().to(torch::kFloat64), lp.argmax(-1).eq(cont).all().to(torch::kFloat64)}));
+      }
+      return torch::stack(rows);
+    };
+    const auto like = torch::zeros({int64_t(inps.size()), 2}, torch::TensorOptions().dtype(torch::kFloat64).device(be.device));
+    const auto got = forward_reduced(be, x.to(be.device), reduce, like).cpu();
+    const auto g = got.accessor<double, 2>();
     for (size_t i = 0; i < inps.size(); ++i) {
-      const auto& r = reqs[mine[b0 + i]];
-      const int64_t inplen = int64_t(inps[i].size()), contlen = int64_t(r.cont.size());
-      const auto lp = logits[i].narrow(0, inplen - contlen, contlen).to(torch::kFloat32).log_softmax(-1);
-      const auto cont = torch::tensor(r.cont, torch::kLong).to(lp.device());
-      const auto picked = lp.gather(1, cont.unsqueeze(1)).squeeze(1);
-      acc[mine[b0 + i]][0] = picked.sum().item<float>();
-      acc[mine[b0 + i]][1] = lp.argmax(-1).eq(cont).all().item<bool>() ? 1.0 : 0.0;
+      acc[mine[b0 + i]][0] = g[i][0];
+      acc[mine[b0 + i]][1] = g[i][1] > 0.5 ? 1.0 : 0.0;
     }
     bar.add(int64_t(inps.size()));
   }
@@ -217,16 +233,17 @@ std::string generate_one(const Task& t, const DocRequests& d, const TextCodec& c
   };
   for (int64_t step = 0; step < t.max_gen_toks; ++step) {
     if (be.before_forward) be.before_forward();
-    at::Tensor logits;
+    int64_t next = 0;
     if (be.kv_cache) {
-      logits = model.decode_logits(ids(seq, step == 0 ? 0 : seq.size() - 1), cache);
-    } else {
+      next = model.decode_logits(ids(seq, step == 0 ? 0 : seq.size() - 1), cache)[0][-1].argmax().item<int64_t>();
+    } else {  // a whole forward per token
       auto x = ids(seq, 0);
       const int64_t T = x.size(1), padded = (T + be.seq_multiple - 1) / be.seq_multiple * be.seq_multiple;
       if (padded > T) x = torch::constant_pad_nd(x, {0, padded - T});
-      logits = model.logits(x).narrow(1, 0, T);
+      auto reduce = [T](const at::Tensor& logits) { return logits[0][T - 1].argmax(); };
+      const auto like = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(be.device));
+      next = forward_reduced(be, x, reduce, like).cpu().item<int64_t>();
     }
-    const int64_t next = logits[0][-1].argmax().item<int64_t>();
     seq.push_back(next);
     gen.push_back(next);
     if (codec.eos && next == *codec.eos) break;

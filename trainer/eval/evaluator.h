@@ -7,7 +7,8 @@
 // generation (KV cache where the model is whole) up to the stop sequences.
 // Requests are sorted by length and batched; data-parallel ranks split them
 // and sum the results; tensor-parallel ranks of one replica run the same
-// batches (the model's logits() gathers the vocabulary).
+// batches (the model's logits() gathers the vocabulary); pipeline ranks run
+// each batch through their stages and get the last stage's sums back.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,6 +42,13 @@ struct Backend {
   // false in training: tensors a forward caches (ZeRO-3's gathered weights, rope
   // tables) must stay usable by the next backward, so no-grad only.
   bool inference_mode = true;
+  // Pipeline parallelism: no rank holds the whole model, so logits() cannot
+  // run. staged_forward(x, reduce, like) runs x [B, W] through the stages,
+  // applies `reduce` to the last stage's logits [B, W, vocab] and returns its
+  // result (a few numbers a request, shaped and typed as `like`) on every
+  // rank. Null: reduce(model->logits(x)) here.
+  using Reduce = std::function<at::Tensor(const at::Tensor& logits)>;
+  std::function<at::Tensor(const at::Tensor& x, const Reduce& reduce, const at::Tensor& like)> staged_forward;
 };
 
 struct EvalOptions {

@@ -701,8 +701,18 @@ void PipelineExecutor::set_before_head(std::function<void(const data::Batch&)> f
 
 at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
   auto& I = *impl_;
+  auto loss = eval_forward(batch, [&](const at::Tensor& y) {
+    if (I.before_head) I.before_head(batch);
+    return I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
+  });
+  return loss.defined() ? loss : torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
+}
+
+at::Tensor PipelineExecutor::eval_forward(const data::Batch& batch,
+                                          const std::function<at::Tensor(const at::Tensor& hidden)>& head) {
+  auto& I = *impl_;
   torch::NoGradGuard no_grad;
-  auto loss = torch::zeros({}, torch::TensorOptions().device(I.opts.device).dtype(torch::kFloat32));
+  at::Tensor result;
   // ZeRO-3: this rank's units, gathered once (already so after the first
   // batch); the trainer frees them after evaluating (release_params).
   if (I.zero_schedule) I.reducer.gather_buckets(I.gather_order, true);
@@ -726,15 +736,12 @@ at::Tensor PipelineExecutor::eval_loss(const data::Batch& batch) {
     const int s = a.stage;
     const bool local = s > 0 && I.sched.stage_rank[s - 1] == I.me;  // handed over on this rank
     auto y = I.forward(s, batch, s == 0 ? at::Tensor() : local ? out.at(s - 1) : in.at(s));
-    if (s == I.S - 1) {
-      if (I.before_head) I.before_head(batch);
-      loss = I.model.head_loss(y, batch.y).detach().to(torch::kFloat32);
-    }
+    if (s == I.S - 1) result = head(y);
     else out[s] = y;
     ++k;
   }
   I.wait_through(std::numeric_limits<int>::max(), row, place);
-  return loss;
+  return result;
 }
 
 }  // namespace nnstrain::parallel

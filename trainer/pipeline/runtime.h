@@ -123,6 +123,12 @@ class PipelineExecutor {
   // Forward only, stage after stage (evaluation): the batch's loss on the
   // rank holding the last stage, 0 elsewhere.
   at::Tensor eval_loss(const data::Batch& batch);
+  // The same forward with `head` in place of the loss: it gets the last
+  // block's output on the last stage and its result is returned on the rank
+  // holding that stage (undefined elsewhere; the caller brings it to the
+  // other ranks). Downstream-task evaluation (trainer/eval/): a few numbers a
+  // request instead of the logits.
+  at::Tensor eval_forward(const data::Batch& batch, const std::function<at::Tensor(const at::Tensor& hidden)>& head);
   // Called on the last stage before each micro-batch's head loss, with that
   // micro-batch (preference alignment: its pairs' reference log-probabilities).
   void set_before_head(std::function<void(const data::Batch&)> f);

@@ -362,15 +362,15 @@ Trainer::Trainer(const config::TrainerArgs& args, const dist::DistEnv& env, torc
 
 // eval: the tasks scored on this live model under its plan. Requests are dealt
 // over the data-parallel replicas (tp ranks of one replica run the same
-// batches; logits() gathers the vocabulary), unless a forward itself talks
+// batches; logits() gathers the vocabulary; pp ranks run them through their
+// stages), unless a forward itself talks
 // over dp (ZeRO-3's gathers, MoE's all-to-alls): every rank then scores every
 // request, the same forwards in the same order.
 void Trainer::make_task_eval() {
   if (!args_.eval.enabled) return;
-  if (plan_.pipeline.pp > 1 || plan_.context.cp > 1)
-    throw config::ConfigError("eval.tasks: in-training evaluation does not run under the plan's " +
-                              std::string(plan_.pipeline.pp > 1 ? "pipeline" : "context") +
-                              " parallelism; evaluate a checkpoint with nnstrain eval");
+  if (plan_.context.cp > 1)
+    throw config::ConfigError("eval.tasks: in-training evaluation does not run under the plan's context "
+                              "parallelism; evaluate a checkpoint with nnstrain eval");
   eval::Backend be;
   be.model = model_.get();
   be.device = device_;
@@ -385,13 +385,32 @@ void Trainer::make_task_eval() {
   }
   be.before_forward = [this] { tr_.reducer->begin_forward(); };
   be.after_forwards = [this] { tr_.reducer->release_params(); };
+  if (auto* pipe = tr_.pipeline.get()) {
+    // Each batch through this rank's stages (the pipeline's evaluation
+    // forward); the last stage reduces the logits to a few numbers a request,
+    // which reach the other pipeline ranks as zeros summed in: a broadcast
+    // from the last stage, exact. Every pp rank runs the same forwards (one
+    // replica's ranks are dealt the same requests) and issues this all-reduce
+    // after each, in the same order (NCCL's rules).
+    auto* r = rt_.get();
+    auto* m = model_.get();
+    be.staged_forward = [pipe, r, m](const at::Tensor& x, const eval::Backend::Reduce& reduce, const at::Tensor& like) {
+      auto got = pipe->eval_forward({x, at::Tensor()}, [&](const at::Tensor& h) { return reduce(m->head_logits(h)); });
+      auto t = got.defined() ? got.to(like.scalar_type()).contiguous() : torch::zeros_like(like);
+      r->all_reduce(r->pp, t, "eval scores all-reduce (pipeline: from the last stage)");
+      return t;
+    };
+  }
   // decode_logits is whole-model only, and runs the blocks outside ZeRO-3's gathering hooks
-  be.kv_cache = plan_.tp == 1 && plan_.zero_stage < 3;
+  be.kv_cache = plan_.tp == 1 && plan_.zero_stage < 3 && plan_.pipeline.pp == 1;
   be.seq_multiple = plan_.tp > 1 && args_.compute_config.sequence_parallel ? plan_.tp : 1;
   task_eval_ = std::make_unique<eval::InTrainingEval>(args_, std::move(be));
   if (rank_ == 0)
     log::info("eval: " + std::to_string(args_.eval.tasks.size()) + " tasks (" + std::to_string(task_eval_->documents()) +
-              " documents) every " + std::to_string(args_.eval.every_n_train_steps) + " steps");
+              " documents) every " + std::to_string(args_.eval.every_n_train_steps) + " steps" +
+              (tr_.pipeline ? "; forwards through the " + std::to_string(plan_.pipeline.pp) +
+                                  " pipeline ranks' stages, the last stage's scores broadcast"
+                            : ""));
 }
 
 // Batches for step s, micro-step a on this data-parallel rank: positions
