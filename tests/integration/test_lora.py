@@ -222,6 +222,15 @@ def test_plans_equal_one_process(family, one):
             assert lo["frozen_requiring_grad"] == 0 and lo["frozen_tensors"] > 0, (plan, rank, lo)
             fz = rec["first_step"]["lora_frozen"]
             assert fz["with_grad"] == 0 and fz["requiring_grad"] == 0, (plan, rank, fz)
+            # ZeRO-3 shards the frozen base: this rank keeps half of it (the whole padded to
+            # 16-byte pieces), gathers the rest for compute; other plans hold their base whole.
+            z3 = lo["zero3_frozen"]
+            if plan.startswith("zero3"):
+                assert z3["whole_bytes"] >= lo["frozen_bytes"] > 0 and z3["held_bytes"] * 2 == z3["whole_bytes"], (rank, z3, lo)
+                # padding: under 16 bytes a tensor, under 2 x 16 a unit (each unit has a tensor)
+                assert z3["whole_bytes"] - lo["frozen_bytes"] < 48 * lo["frozen_tensors"], (rank, z3, lo)
+            else:
+                assert z3 == {"held_bytes": 0, "whole_bytes": 0}, (plan, rank, z3)
         check_planner(cfg, ranks, overrides, d, plan)
 
 
@@ -234,7 +243,8 @@ def check_planner(cfg, ranks, overrides, run_dir, plan):
     est = json.loads(p.stdout)["plan"]["estimate"]
     recs = active_records(run_dir, ranks)
     held = held_between_steps(run_dir, ranks)
-    ran = [(recs[r]["lora"]["frozen_bytes"], held[r]["param"] + held[r]["grad"] + held[r]["master"] + held[r]["moments"],
+    # The frozen base as held between steps: ZeRO-3's chunks where it shards it.
+    ran = [(recs[r]["lora"]["zero3_frozen"]["held_bytes"] or recs[r]["lora"]["frozen_bytes"], held[r]["param"] + held[r]["grad"] + held[r]["master"] + held[r]["moments"],
             recs[r]["lora"]["state_adapter_params"]) for r in recs]
     state = est["param_bytes"] + est["grad_bytes"] + est["optim_bytes"]
     print(f"{plan}: planner frozen {est['frozen_bytes']:.0f} B, state {state:.0f} B; ranks (frozen, state): {ran}")

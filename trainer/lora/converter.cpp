@@ -33,6 +33,7 @@ using models::lora::local_piece;
 
 LoraReport g_report;
 bool g_applied = false;
+std::map<std::string, bool> g_frozen_names;  // what freeze_parameter froze (full name -> an expert's)
 
 std::string strip_suffix(const std::string& s, const std::string& suffix) {
   return s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0
@@ -202,6 +203,16 @@ std::string peft_name(const std::string& ours, const std::map<std::string, std::
   return {};
 }
 
+std::vector<FrozenTensor> frozen_base(models::CausalLM& model) {
+  std::vector<FrozenTensor> out;
+  if (!g_applied) return out;
+  for (const auto& item : model.named_buffers()) {
+    const auto it = g_frozen_names.find(item.key());
+    if (it != g_frozen_names.end()) out.push_back({item.key(), item.value(), it->second});
+  }
+  return out;
+}
+
 nlohmann::json frozen_state(models::CausalLM& model) {
   if (!g_applied) return nullptr;
   int64_t frozen = 0, requiring = 0, with_grad = 0;
@@ -316,6 +327,8 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
       at::Tensor t = *p;
       m->freeze_parameter(layout.name);
       if (t.is_meta()) continue;
+      g_frozen_names[item.key().empty() ? layout.name : item.key() + "." + layout.name] =
+          layout.split.style == models::SplitStyle::Expert;
       rep.frozen_elements += t.numel();
       if (t.scalar_type() != base_dtype) t.set_data(t.to(base_dtype));
       rep.frozen_bytes += t.numel() * t.element_size();
