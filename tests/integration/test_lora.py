@@ -283,6 +283,13 @@ def test_bad_targets_exit_2_naming_them(family, tmp_path):
         assert p.returncode == 2 and named in p.stderr, (key, p.stderr)
     p = nnstrain("--config", config_file(tmp_path / "c.yaml", family, tmp_path / "run", steps=1), "--lora.alpha", "8")
     assert p.returncode == 2 and "lora_alpha" in p.stderr, p.stderr  # the peft folder says 16
+    # Stacked MoE experts are not linear layers: naming them (or peft's target_parameters) is refused precisely.
+    moe = ["--config", str(SOURCE / "tests/integration/configs/tiny_moe.yaml"), "--vars.data", str(family["tokens"]),
+           "--run_dir", str(tmp_path / "moe"), "--max_train_steps", "1", "--compute_config.device", "cpu", "--lora.r", "4"]
+    p = nnstrain(*moe, "--lora.target_modules", "[q_proj, model.layers.1.mlp.experts]")
+    assert p.returncode == 2 and "'model.layers.1.mlp.experts' names stacked MoE experts" in p.stderr, p.stderr
+    p = nnstrain(*moe, "--lora.target_modules", "[q_proj]", "--lora.target_parameters", "[experts]")
+    assert p.returncode == 2 and "lora.target_parameters" in p.stderr and "not offered" in p.stderr, p.stderr
 
 
 QSTEPS = 10

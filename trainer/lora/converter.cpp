@@ -160,6 +160,18 @@ Selection select_targets(models::CausalLM& model, const config::LoraArgs& args,
         if (chosen_names.insert(l.name).second) sel.chosen.push_back(l);
       }
     if (!hits) {
+      // A stacked MoE expert tensor ([E, ...], not a linear layer): say so rather than "matches nothing".
+      for (const auto& l : model.param_layouts()) {
+        if (l.split.style != models::SplitStyle::Expert) continue;
+        const auto module = l.name.substr(0, l.name.rfind('.'));
+        const auto it = hf.find(module);  // Hugging Face's name of the experts module, where the model maps one
+        const auto hf_module = it != hf.end() ? it->second : "model." + module;
+        if (matches(key, l.name) || matches(key, module) || matches(key, hf_module) ||
+            matches(key, hf_module + l.name.substr(module.size())))
+          throw config::ConfigError("lora.target_modules: '" + key + "' names stacked MoE experts ('" + l.name +
+                                    "'); LoRA on experts (peft's target_parameters) is not offered: the experts stay "
+                                    "frozen, target the attention, dense MLP or router layers");
+      }
       std::set<std::string> leaves;
       for (const auto& l : all) leaves.insert(l.hf.substr(l.hf.rfind('.') + 1));
       std::string names;
