@@ -11,7 +11,8 @@ starts from the same folders (model.init_from, lora.init_from) and:
 - (Llama; GPT-2 tp 2) dp 2 ZeRO-3, tp 2, pp 2 and cp 2 equal one process within 1e-5, each run's record
   showing the plan ran (assert_active) and that the training state held the adapters alone
   (its parameter elements are the adapters', no other parameter in it, no frozen tensor
-  requiring or holding a gradient after the first step);
+  requiring or holding a gradient after the first step); under ZeRO-3 each rank keeps half the
+  frozen base (record lora.zero3_frozen) and the planner prices that half exactly;
 - --resume refuses another base, a target that matches nothing exits 2 naming it;
 - QLoRA (base_quantization nf4) against peft + bitsandbytes' Linear4bit on the CPU: losses
   within 1e-4 relative over 10 steps and a falling curve (the codes' bitwise parity with
