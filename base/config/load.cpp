@@ -501,6 +501,9 @@ static void load_lora(ArgMap& top, TrainerArgs& t) {
   ArgMap m = top.child("lora");
   auto& l = t.lora;
   l.enabled = true;
+  if (m.has("target_parameters"))  // peft's name for LoRA on raw parameters (stacked MoE experts)
+    m.fail("target_parameters", "LoRA on parameters (peft's target_parameters: stacked MoE experts) is not offered; "
+                                "adapt linear layers with target_modules, the experts stay frozen");
   l.r = m.get_int("r", 8, 1, 1 << 16);
   l.alpha = m.get_float("alpha", 8.0);
   if (!(l.alpha > 0)) m.fail("alpha", "must be > 0");

@@ -11,7 +11,8 @@ starts from the same folders (model.init_from, lora.init_from) and:
 - (Llama; GPT-2 tp 2) dp 2 ZeRO-3, tp 2, pp 2 and cp 2 equal one process within 1e-5, each run's record
   showing the plan ran (assert_active) and that the training state held the adapters alone
   (its parameter elements are the adapters', no other parameter in it, no frozen tensor
-  requiring or holding a gradient after the first step);
+  requiring or holding a gradient after the first step); under ZeRO-3 each rank keeps half the
+  frozen base (record lora.zero3_frozen) and the planner prices that half exactly;
 - --resume refuses another base, a target that matches nothing exits 2 naming it;
 - QLoRA (base_quantization nf4) against peft + bitsandbytes' Linear4bit on the CPU: losses
   within 1e-4 relative over 10 steps and a falling curve (the codes' bitwise parity with
@@ -222,6 +223,15 @@ def test_plans_equal_one_process(family, one):
             assert lo["frozen_requiring_grad"] == 0 and lo["frozen_tensors"] > 0, (plan, rank, lo)
             fz = rec["first_step"]["lora_frozen"]
             assert fz["with_grad"] == 0 and fz["requiring_grad"] == 0, (plan, rank, fz)
+            # ZeRO-3 shards the frozen base: this rank keeps half of it (the whole padded to
+            # 16-byte pieces), gathers the rest for compute; other plans hold their base whole.
+            z3 = lo["zero3_frozen"]
+            if plan.startswith("zero3"):
+                assert z3["whole_bytes"] >= lo["frozen_bytes"] > 0 and z3["held_bytes"] * 2 == z3["whole_bytes"], (rank, z3, lo)
+                # padding: under 16 bytes a tensor, under 2 x 16 a unit (each unit has a tensor)
+                assert z3["whole_bytes"] - lo["frozen_bytes"] < 48 * lo["frozen_tensors"], (rank, z3, lo)
+            else:
+                assert z3 == {"held_bytes": 0, "whole_bytes": 0}, (plan, rank, z3)
         check_planner(cfg, ranks, overrides, d, plan)
 
 
@@ -234,7 +244,8 @@ def check_planner(cfg, ranks, overrides, run_dir, plan):
     est = json.loads(p.stdout)["plan"]["estimate"]
     recs = active_records(run_dir, ranks)
     held = held_between_steps(run_dir, ranks)
-    ran = [(recs[r]["lora"]["frozen_bytes"], held[r]["param"] + held[r]["grad"] + held[r]["master"] + held[r]["moments"],
+    # The frozen base as held between steps: ZeRO-3's chunks where it shards it.
+    ran = [(recs[r]["lora"]["zero3_frozen"]["held_bytes"] or recs[r]["lora"]["frozen_bytes"], held[r]["param"] + held[r]["grad"] + held[r]["master"] + held[r]["moments"],
             recs[r]["lora"]["state_adapter_params"]) for r in recs]
     state = est["param_bytes"] + est["grad_bytes"] + est["optim_bytes"]
     print(f"{plan}: planner frozen {est['frozen_bytes']:.0f} B, state {state:.0f} B; ranks (frozen, state): {ran}")
@@ -273,6 +284,13 @@ def test_bad_targets_exit_2_naming_them(family, tmp_path):
         assert p.returncode == 2 and named in p.stderr, (key, p.stderr)
     p = nnstrain("--config", config_file(tmp_path / "c.yaml", family, tmp_path / "run", steps=1), "--lora.alpha", "8")
     assert p.returncode == 2 and "lora_alpha" in p.stderr, p.stderr  # the peft folder says 16
+    # Stacked MoE experts are not linear layers: naming them (or peft's target_parameters) is refused precisely.
+    moe = ["--config", str(SOURCE / "tests/integration/configs/tiny_moe.yaml"), "--vars.data", str(family["tokens"]),
+           "--run_dir", str(tmp_path / "moe"), "--max_train_steps", "1", "--compute_config.device", "cpu", "--lora.r", "4"]
+    p = nnstrain(*moe, "--lora.target_modules", "[q_proj, model.layers.1.mlp.experts]")
+    assert p.returncode == 2 and "'model.layers.1.mlp.experts' names stacked MoE experts" in p.stderr, p.stderr
+    p = nnstrain(*moe, "--lora.target_modules", "[q_proj]", "--lora.target_parameters", "[experts]")
+    assert p.returncode == 2 and "lora.target_parameters" in p.stderr and "not offered" in p.stderr, p.stderr
 
 
 QSTEPS = 10

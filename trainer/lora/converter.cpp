@@ -33,6 +33,7 @@ using models::lora::local_piece;
 
 LoraReport g_report;
 bool g_applied = false;
+std::map<std::string, bool> g_frozen_names;  // what freeze_parameter froze (full name -> an expert's)
 
 std::string strip_suffix(const std::string& s, const std::string& suffix) {
   return s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0
@@ -159,6 +160,18 @@ Selection select_targets(models::CausalLM& model, const config::LoraArgs& args,
         if (chosen_names.insert(l.name).second) sel.chosen.push_back(l);
       }
     if (!hits) {
+      // A stacked MoE expert tensor ([E, ...], not a linear layer): say so rather than "matches nothing".
+      for (const auto& l : model.param_layouts()) {
+        if (l.split.style != models::SplitStyle::Expert) continue;
+        const auto module = l.name.substr(0, l.name.rfind('.'));
+        const auto it = hf.find(module);  // Hugging Face's name of the experts module, where the model maps one
+        const auto hf_module = it != hf.end() ? it->second : "model." + module;
+        if (matches(key, l.name) || matches(key, module) || matches(key, hf_module) ||
+            matches(key, hf_module + l.name.substr(module.size())))
+          throw config::ConfigError("lora.target_modules: '" + key + "' names stacked MoE experts ('" + l.name +
+                                    "'); LoRA on experts (peft's target_parameters) is not offered: the experts stay "
+                                    "frozen, target the attention, dense MLP or router layers");
+      }
       std::set<std::string> leaves;
       for (const auto& l : all) leaves.insert(l.hf.substr(l.hf.rfind('.') + 1));
       std::string names;
@@ -200,6 +213,16 @@ std::string peft_name(const std::string& ours, const std::map<std::string, std::
     return "base_model.model." + (it == hf_modules.end() ? module : it->second) + m;
   }
   return {};
+}
+
+std::vector<FrozenTensor> frozen_base(models::CausalLM& model) {
+  std::vector<FrozenTensor> out;
+  if (!g_applied) return out;
+  for (const auto& item : model.named_buffers()) {
+    const auto it = g_frozen_names.find(item.key());
+    if (it != g_frozen_names.end()) out.push_back({item.key(), item.value(), it->second});
+  }
+  return out;
 }
 
 nlohmann::json frozen_state(models::CausalLM& model) {
@@ -316,6 +339,8 @@ LoraReport apply_lora(models::CausalLM& model, const config::LoraArgs& args, con
       at::Tensor t = *p;
       m->freeze_parameter(layout.name);
       if (t.is_meta()) continue;
+      g_frozen_names[item.key().empty() ? layout.name : item.key() + "." + layout.name] =
+          layout.split.style == models::SplitStyle::Expert;
       rep.frozen_elements += t.numel();
       if (t.scalar_type() != base_dtype) t.set_data(t.to(base_dtype));
       rep.frozen_bytes += t.numel() * t.element_size();

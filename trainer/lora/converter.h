@@ -9,6 +9,7 @@
 // none of this.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/Device.h>
 
@@ -65,6 +66,15 @@ const LoraReport* last_report();
 // requires a gradient or has one. Null outside LoRA.
 nlohmann::json record(models::CausalLM& model, const std::vector<std::string>& state_params,
                       int64_t optimizer_state_elements);
+
+// The base tensors the converter froze (buffers in the compute dtype; NF4
+// codes and scales are not among them), for ZeRO-3 to shard (startup.cpp).
+struct FrozenTensor {
+  std::string name;
+  at::Tensor tensor;
+  bool expert = false;  // an MoE layer's experts (SplitStyle::Expert)
+};
+std::vector<FrozenTensor> frozen_base(models::CausalLM& model);
 
 // {"tensors", "requiring_grad", "with_grad"} over the frozen base's tensors (null outside LoRA).
 nlohmann::json frozen_state(models::CausalLM& model);

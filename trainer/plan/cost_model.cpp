@@ -27,7 +27,7 @@ const std::vector<Term>& cost_terms() {
       // name, what it prices, the fields it fills, over pipeline ranks, its time, comm, function
       {"state", "parameters, gradients and optimizer state between steps under ZeRO",
        "param_bytes grad_bytes optim_bytes expert_bytes", O::Worst, nullptr, false, state_term},
-      {"frozen", "a frozen base's weights (LoRA) held beside the training state, never ZeRO-sharded",
+      {"frozen", "a frozen base's weights (LoRA) held beside the training state (ZeRO-3: this rank's chunks)",
        "frozen_bytes", O::Worst, nullptr, false, frozen_term},
       {"offload_memory", "the optimizer state (and ZeRO-3 chunks) moved to host memory or NVMe",
        "optim_bytes param_bytes host_bytes nvme_bytes", O::Worst, nullptr, false, offload_memory_term},

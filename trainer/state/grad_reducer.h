@@ -98,6 +98,15 @@ class GradientReducer {
   }
   void begin_forward();
   void release_params();
+  // ZeRO-3 (block hooks, not under follow_schedule): LoRA's frozen base sharded
+  // with the units (ParameterUnits::shard_frozen); false where it stays whole.
+  bool shard_frozen(const std::vector<std::pair<int, at::Tensor>>& tensors) {
+    if (!units_ || scheduled_) return false;
+    units_->shard_frozen(tensors);
+    return units_->frozen_whole_bytes() > 0;
+  }
+  int64_t frozen_held_bytes() const { return units_ ? units_->frozen_held_bytes() : 0; }
+  int64_t frozen_whole_bytes() const { return units_ ? units_->frozen_whole_bytes() : 0; }
 
   int64_t bucket_count() const { return static_cast<int64_t>(state_.layout().buckets.size()); }
   // Bytes each reduction round sends into its collectives (buffer bytes).

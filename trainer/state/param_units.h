@@ -18,6 +18,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <utility>
 #include <vector>
 
 #include "models/common/block_runner.h"
@@ -53,9 +54,22 @@ class ParameterUnits : public models::common::BlockHooks {
   // Bytes all-gathered so far (this rank's received buffers), for the step's communication count.
   int64_t gathered_bytes() const { return gathered_bytes_; }
 
+  // LoRA's frozen base (buffers, no gradient): each unit's frozen tensors
+  // (unit as in parameter_units) become views of one byte buffer per unit that
+  // exists only while gathered, like a parameter unit's, and this rank keeps
+  // 1/zsize of it between uses. Gathered with the unit's parameters, freed
+  // after the block's forward and once backward has left the block; never
+  // reduced. Call once, before the first forward; a no-op without a ZeRO group.
+  void shard_frozen(const std::vector<std::pair<int, at::Tensor>>& tensors);
+  // This rank's resident bytes of the sharded frozen base, and the whole of it (0, 0: none sharded).
+  int64_t frozen_held_bytes() const { return frozen_held_; }
+  int64_t frozen_whole_bytes() const { return frozen_whole_; }
+
  private:
   void gather(int unit, bool wait);
   void free(size_t bucket);
+  void gather_frozen(int unit, bool wait);
+  void free_frozen(int unit);
   dist::Group& group(size_t bucket) const;  // the bucket's ZeRO group (zero_group_of)
   bool communicates(size_t bucket) const;
 
@@ -69,6 +83,13 @@ class ParameterUnits : public models::common::BlockHooks {
   int blocks_, prefetch_;
   bool backward_ = false;
   std::vector<Slot> slots_;  // per bucket
+  struct FrozenUnit {
+    at::Tensor full;   // uint8, padded to a multiple of the group's size; storage only while gathered
+    at::Tensor chunk;  // this rank's share, kept
+    Slot slot;
+  };
+  std::vector<FrozenUnit> frozen_;  // per unit (empty: the base is not sharded)
+  int64_t frozen_held_ = 0, frozen_whole_ = 0;
   int64_t gathered_bytes_ = 0;
 };
 

@@ -124,6 +124,10 @@ nlohmann::json startup_record(const models::CausalLM& model, const dist::Runtime
     std::vector<std::string> names;
     for (const auto& p : st.params()) names.push_back(p.name);
     r["lora"] = lora::record(const_cast<models::CausalLM&>(model), names, st.optimizer_elements());
+    // ZeRO-3: the frozen base's bytes this rank keeps between uses, of the whole (0, 0: held whole).
+    if (!r["lora"].is_null())
+      r["lora"]["zero3_frozen"] = {{"held_bytes", tr.reducer->frozen_held_bytes()},
+                                   {"whole_bytes", tr.reducer->frozen_whole_bytes()}};
   }
   // The optimizer built: how it runs, and its state by name (segments holding each).
   {

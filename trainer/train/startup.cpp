@@ -533,6 +533,17 @@ Trainable make_trainable(const config::TrainerArgs& args, const parallel::Plan& 
   }
   ro.block_hooks = tr.reducer->block_hooks();
   model.set_runtime_options(ro);
+  if (args.lora.enabled && so.zero_stage == 3 && plan.pipeline.pp == 1) {
+    // ZeRO-3 shards LoRA's frozen base with the units (gathered for compute,
+    // never reduced); experts under ep > 1 stay whole (their group is not the ZeRO group).
+    std::vector<std::pair<int, at::Tensor>> frozen;
+    for (const auto& f : lora::frozen_base(model)) {
+      if (f.expert && rt && rt->ep.size() > 1) continue;
+      const int b = model.block_of(f.name);
+      frozen.emplace_back(b >= 0 ? 1 + b : 0, f.tensor);  // outside the blocks: with unit 0, gathered all step
+    }
+    tr.reducer->shard_frozen(frozen);
+  }
   return tr;
 }
 

@@ -97,7 +97,8 @@ void state_term(const Setting& x, Interim&, PlanEstimate& e) {
 
 // A frozen base (LoRA, ParamFact::frozen_bytes): this rank's held weights in
 // the form the converter keeps them (compute dtype, or NF4 codes and scales),
-// split as tensor and pipeline parallelism split them, never by ZeRO.
+// split as tensor and pipeline parallelism split them; under ZeRO-3 (no pp)
+// this rank's chunks of its units (the gathered units count in peak_term).
 void frozen_term(const Setting& x, Interim&, PlanEstimate& e) { e.frozen_bytes = x.st.frozen_bytes; }
 
 double pending_w_bytes(const Setting& x) {
@@ -221,7 +222,8 @@ void peak_term(const Setting& x, Interim&, PlanEstimate& e) {
     // Under parameter offload the gather in flight also reads a device copy of
     // its host chunk, freed once the gather is waited for.
     const double gathered = z3_per_step ? outer_units
-                            : z3 ? outer_units + (2 + x.a.compute_config.zero_prefetch) * st.largest_block * pb.param +
+                            : z3 ? outer_units + st.frozen_outer_gathered +
+                                       (2 + x.a.compute_config.zero_prefetch) * (st.largest_block * pb.param + st.frozen_block_gathered) +
                                        (x.c.offload_params ? st.largest_block / st.z * pb.param : 0.0)
                                  : 0.0;
     const double blocks_per_bucket = st.block_elements > 0 ? bucket / st.block_elements : double(L);

@@ -30,6 +30,7 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
   std::vector<int> units;  // ZeRO-3: a bucket per unit, as the training state's
   std::vector<const ParamFact*> params;
   std::vector<bool> expert;
+  std::map<int, double> frozen_units;  // ZeRO-3: a unit's frozen bytes (-1: outside the blocks)
   for (size_t i = 0; i < f.params.size(); ++i) {
     if (!held.empty() && !held[i]) continue;
     const auto& p = f.params[i];
@@ -37,7 +38,13 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
     for (auto dim : local_shape(p, c.tp, c.ep)) n *= dim;
     if (p.frozen()) {  // a buffer beside the training state (LoRA's base)
       st.frozen_elements += double(n);
-      st.frozen_bytes += double(n) * p.frozen_bytes;
+      // ZeRO-3 without pp shards the compute-dtype base (not NF4 codes, not experts
+      // under ep > 1) by unit in 16-byte pieces (ParameterUnits::shard_frozen).
+      const bool sharded = c.zero_stage == 3 && c.pp == 1 && p.frozen_bytes == pb.param &&
+                           !(p.split.style == models::SplitStyle::Expert && c.ep > 1);
+      const double bytes = double(n) * p.frozen_bytes;
+      if (sharded) frozen_units[p.unit] += std::ceil(bytes / 16) * 16;
+      else st.frozen_bytes += bytes;
       continue;
     }
     numels.push_back(n);
@@ -47,6 +54,16 @@ StateLayout state_layout(const config::TrainerArgs& a, const ModelFacts& f, cons
     const bool is_expert = p.split.style == models::SplitStyle::Expert;
     expert.push_back(is_expert);
     if (is_expert) st.expert_elements += double(n);
+  }
+  if (!frozen_units.empty() && st.z < 2) {  // one rank: held whole
+    for (const auto& [u, b] : frozen_units) st.frozen_bytes += b;
+  } else {
+    for (const auto& [u, b] : frozen_units) {
+      const double whole = std::ceil(b / (16.0 * st.z)) * 16.0 * st.z;
+      st.frozen_bytes += whole / st.z;  // this rank's chunk, kept
+      if (u < 0) st.frozen_outer_gathered += whole;  // gathered through the step
+      else st.frozen_block_gathered = std::max(st.frozen_block_gathered, whole);
+    }
   }
   // At ep 1 experts are parameters like the rest (the trainer's rule: startup.cpp state_options).
   if (c.ep <= 1) expert.clear();

@@ -46,6 +46,8 @@ struct StateLayout {
   double host_elements = 0, last_host_bucket = 0;
   // A frozen base (LoRA): this rank's held frozen weights, not in the buffers above.
   double frozen_elements = 0, frozen_bytes = 0;
+  // ZeRO-3: the frozen base's units as gathered (bytes): outside the blocks (all step), the largest block's.
+  double frozen_outer_gathered = 0, frozen_block_gathered = 0;
 };
 
 // The gradient-reduction (and ZeRO) group: parameters are replicated over
